@@ -19,3 +19,7 @@ class PayloadError(P2PLocoError):
 
 class TrainingError(P2PLocoError):
     """This node's own training went wrong (e.g. a pseudo-gradient with NaN after divergence)."""
+
+
+class CheckpointError(P2PLocoError):
+    """A checkpoint is missing, corrupt, or belongs to another run or config; nothing is overwritten."""

@@ -1,0 +1,80 @@
+"""Fault injection for tests: fail, stall or kill this peer at a named point of a round.
+
+Set ``P2PLOCO_FAULTS`` to a comma-separated list of ``point@round=action``, for example
+``allreduce.contribute@3=kill,inner.step@5=stall:20``. Actions: ``kill`` (SIGKILL this process, as a
+crash would), ``stall:SECONDS`` (hang there), ``fail`` (raise InjectedFault, a ConnectionError, as a broken
+link would). ``@round`` may be left out to hit the point in every round. Points:
+
+- ``inner.step``           before each inner step
+- ``matchmaking.grouped``  after this peer learnt its group
+- ``allreduce.contribute`` after sending the first contribution to another reducer
+- ``allreduce.reduce``     before this peer answers the senders of its span
+- ``commit.vote``          before this peer votes on the round's outcome
+- ``state.serve``          before this peer serves a part of its state to a joiner
+
+Without the variable every hit is a dictionary lookup that finds nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+POINTS = ("inner.step", "matchmaking.grouped", "allreduce.contribute", "allreduce.reduce", "commit.vote",
+          "state.serve")
+
+
+class InjectedFault(ConnectionError):
+    """Raised where a ``fail`` fault was asked for; handled like any broken connection."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str  # kill, stall, fail
+    seconds: float = 0.0
+
+
+def parse(spec: str) -> dict[tuple[str, int | None], Fault]:
+    faults = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        where, _, action = item.partition("=")
+        point, _, round_text = where.partition("@")
+        if point not in POINTS:
+            raise ValueError(f"P2PLOCO_FAULTS: unknown point {point!r}; known: {', '.join(POINTS)}")
+        kind, _, seconds = action.partition(":")
+        if kind not in ("kill", "stall", "fail") or (kind == "stall") != bool(seconds):
+            raise ValueError(f"P2PLOCO_FAULTS: bad action {action!r}; use kill, fail or stall:SECONDS")
+        faults[(point, int(round_text) if round_text else None)] = Fault(kind, float(seconds or 0))
+    return faults
+
+
+ACTIVE = parse(os.environ.get("P2PLOCO_FAULTS", ""))
+
+
+def _find(point: str, round_index: int) -> Fault | None:
+    return ACTIVE.get((point, round_index)) or ACTIVE.get((point, None))
+
+
+def hit(point: str, round_index: int) -> None:
+    """A fault point in synchronous code."""
+    fault = _find(point, round_index)
+    if fault is None:
+        return
+    if fault.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.action == "stall":
+        time.sleep(fault.seconds)
+    if fault.action == "fail":
+        raise InjectedFault(f"injected failure at {point} in round {round_index}")
+
+
+async def hit_async(point: str, round_index: int) -> None:
+    """A fault point on the event loop (a stall must not block the loop's other work)."""
+    fault = _find(point, round_index)
+    if fault is not None and fault.action == "stall":
+        await asyncio.sleep(fault.seconds)
+    elif fault is not None:
+        hit(point, round_index)
