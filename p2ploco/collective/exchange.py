@@ -86,6 +86,10 @@ class Exchange(ABC):
     def receive(self, span: Span, result: bytes, own: int | None) -> None:
         """Take a span's aggregate from ``result_for(..., omit=own)``; raise PayloadError if it is malformed."""
 
+    @abstractmethod
+    def aggregate_digest(self) -> str:
+        """Hash of the whole received aggregate: equal on every replica that received the same one."""
+
 
 @dataclass
 class SpanReduction:
@@ -137,6 +141,8 @@ class AllReduceStats:
     params: int = 0  # parameters the all-reduce covered
     dropped: list[str] = field(default_factory=list)  # peers left out of some span's aggregate
     seconds: float = 0.0
+    committed: bool = True  # False: the round's aggregate must not be applied (late, aborted, dropped)
+    excluded: bool = False  # this peer was left out (late or dropped) while others went on: it must catch up
 
 
 def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int) -> int:

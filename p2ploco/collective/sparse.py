@@ -9,6 +9,7 @@ computed by the same function, over the same contributions, in the same order.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,6 +86,9 @@ class SparseExchange(Exchange):
         part = self.output[start:stop]
         part[:] = 0.0
         part[union.positions] = union.values
+
+    def aggregate_digest(self) -> str:
+        return hashlib.sha256(self.output.tobytes()).hexdigest()
 
     def aggregate(self) -> list[torch.Tensor]:
         """The aggregate, one dense float32 CPU tensor per input tensor."""

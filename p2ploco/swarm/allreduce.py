@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
+from p2ploco import faults
 from p2ploco.collective.exchange import (
     AllReduceStats,
     Exchange,
@@ -40,6 +40,10 @@ MAX_UNKNOWN_GROUPS = 64  # contributions may precede our own view of their group
 
 class AllReduceError(Exception):
     """This peer could not obtain the aggregate of some span; the round's all-reduce failed for it."""
+
+
+class DroppedFromRound(AllReduceError):
+    """A reducer refused this peer's contribution: it is out of this round, and must not block the others."""
 
 
 @dataclass
@@ -92,9 +96,9 @@ class ButterflyAllReduce:
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
 
-    async def run(self, group: Group, exchange: Exchange) -> AllReduceStats:
-        """All-reduce ``exchange`` within ``group``; on return it holds the aggregate of every span."""
-        started = time.perf_counter()
+    async def run(self, group: Group, exchange: Exchange, stats: AllReduceStats) -> None:
+        """All-reduce ``exchange`` within ``group``; on return it holds the aggregate of every span. Traffic
+        is added to ``stats`` as it happens, so a failed attempt is counted too."""
         loop = asyncio.get_running_loop()
         index = group.peers.index(self.me)
         spans = exchange.partition(len(group.peers))
@@ -102,8 +106,10 @@ class ButterflyAllReduce:
         pending = self._sessions.setdefault(group.group_id, loop.create_future())
         if not pending.done():
             pending.set_result(session)
-        stats = AllReduceStats(list(group.peers), dense_fp32_bytes=dense_fp32_bytes(exchange, spans, index),
-                               params=sum(exchange.numel(span) for span in spans))
+        stats.peers = list(group.peers)
+        stats.dense_fp32_bytes += dense_fp32_bytes(exchange, spans, index)
+        stats.params = sum(exchange.numel(span) for span in spans)
+        stats.contribution_bytes = 0
         dropped: set[str] = set()
         senders = [asyncio.create_task(self._contribute(group, peer, span, exchange, stats, dropped))
                    for peer, span in zip(group.peers, spans) if peer != self.me]
@@ -116,18 +122,16 @@ class ButterflyAllReduce:
             await loop.run_in_executor(None, exchange.receive, session.span, result, reduction.own_position(self.me))
             await asyncio.gather(*senders)
             await _bounded(session.served.wait(), self.timeout)  # results handed to every sender
-        except (TimeoutError, PayloadError) as e:
-            raise AllReduceError(f"{e}") from None
+        except (TimeoutError, PayloadError, OSError) as e:
+            raise AllReduceError(f"{e!r}") from None
         finally:
             for task in senders:
                 task.cancel()
             await asyncio.gather(*senders, return_exceptions=True)  # reap them; their errors are reported above
             self._sessions.pop(group.group_id, None)
-        stats.bytes_sent += session.bytes_out
-        stats.bytes_received += session.bytes_in
+            stats.bytes_sent += session.bytes_out
+            stats.bytes_received += session.bytes_in
         stats.dropped = sorted(dropped)
-        stats.seconds = time.perf_counter() - started
-        return stats
 
     async def _reduce(self, session: _ReducerSession, own: bytes) -> SpanReduction:
         try:
@@ -147,6 +151,7 @@ class ButterflyAllReduce:
         reduction.rejected.update(session.failed)
         for sender, reason in reduction.rejected.items():
             logger.warning(f"round {session.group.round_index}: dropped {sender[-8:]} from the round: {reason}")
+        await faults.hit_async("allreduce.reduce", session.group.round_index)
         session.result.set_result(reduction)
         return reduction
 
@@ -165,12 +170,13 @@ class ButterflyAllReduce:
             header = {"group_id": group.group_id, "round": group.round_index, "span": [span.start, span.stop]}
             await asyncio.wait_for(wire.write_message(writer, header, payload), self.timeout)
             stats.bytes_sent += len(payload)
+            await faults.hit_async("allreduce.contribute", group.round_index)
             # The reducer may wait `timeout` for the slowest sender before it answers.
             reply, result = await asyncio.wait_for(
                 wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * self.timeout)
             if reply.get("status") != "ok":
                 reason = reply.get("reason", reply.get("status"))
-                raise AllReduceError(f"reducer {peer[-8:]} dropped this peer: {reason}")
+                raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {reason}")
             included = reply.get("included")
             if not isinstance(included, list) or self.me not in included or not set(included) <= set(group.peers):
                 raise AllReduceError(f"reducer {peer[-8:]} sent a malformed reply")

@@ -1,4 +1,5 @@
-"""The production Communicator: matchmaking through the DHT, then a butterfly all-reduce over hivemind."""
+"""The production Communicator: a group from the round's coordinator, a butterfly all-reduce over
+hivemind, and a vote on the outcome, so that every survivor applies the same aggregate or none."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import asyncio
 import logging
 import time
 
+from p2ploco import faults
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_alone
 from p2ploco.errors import PayloadError, TrainingError
-from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce
+from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedFromRound
+from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.rounds import Matchmaker
 
@@ -16,25 +19,46 @@ logger = logging.getLogger(__name__)
 
 
 class SwarmCommunicator(Communicator):
-    def __init__(self, loop: EventLoopThread, matchmaker: Matchmaker, butterfly: ButterflyAllReduce):
-        self.loop, self.matchmaker, self.butterfly = loop, matchmaker, butterfly
+    def __init__(self, loop: EventLoopThread, matchmaker: Matchmaker, butterfly: ButterflyAllReduce,
+                 commit: RoundCommit):
+        self.loop, self.matchmaker, self.butterfly, self.commit = loop, matchmaker, butterfly, commit
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
         return self.loop.run(self._all_reduce(exchange, round_index, name))
 
     async def _all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
         started = time.perf_counter()
+        me = self.matchmaker.me
         await self.matchmaker.directory.update(state="averaging")
         group = await self.matchmaker.form_group(round_index, name, exchange.fingerprint())
-        if len(group.peers) > 1:
+        if group is None:  # late, or leaving: nothing to apply
+            return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started)
+        if len(group.peers) == 1:
+            return await self._alone(exchange, started)
+
+        stats = AllReduceStats(list(group.peers))
+        formed = set(group.peers)
+        while True:
+            await faults.hit_async("matchmaking.grouped", round_index)
+            ok, dropped = True, False
             try:
-                stats = await self.butterfly.run(group, exchange)
-                stats.seconds = time.perf_counter() - started
-                return stats
+                await self.butterfly.run(group, exchange, stats)
             except AllReduceError as e:
-                # Partial aggregates are discarded: the whole update comes from this peer alone.
-                logger.warning(f"round {round_index}: all-reduce among {len(group.peers)} peers failed ({e}); "
-                               f"applying this peer's own update")
+                ok, dropped = False, isinstance(e, DroppedFromRound)
+                logger.warning(f"round {round_index}: all-reduce among {len(group.peers)} peers failed here ({e})")
+            await faults.hit_async("commit.vote", round_index)
+            decision = await self.commit.vote(group, ok, exchange.aggregate_digest() if ok else "", dropped)
+            if decision.outcome == "redo" and decision.redo is not None and me in decision.redo.peers:
+                group = decision.redo
+                continue
+            stats.committed = ok and decision.outcome == "commit"
+            # Others applied an aggregate this peer does not hold (or redid the round without it).
+            stats.excluded = not stats.committed and decision.outcome in ("commit", "redo")
+            stats.dropped = sorted(set(stats.dropped) | (formed - set(group.peers)))  # incl. those a redo left out
+            stats.seconds = time.perf_counter() - started
+            return stats
+
+    async def _alone(self, exchange: Exchange, started: float) -> AllReduceStats:
         try:
             uploaded = await asyncio.get_running_loop().run_in_executor(None, reduce_alone, exchange)
         except PayloadError as e:

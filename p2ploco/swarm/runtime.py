@@ -3,8 +3,10 @@ and the matchmaking and all-reduce services that make up the SwarmCommunicator."
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 from hivemind.dht.node import DHTNode
 
@@ -13,11 +15,13 @@ from p2ploco.config import SwarmConfig
 from p2ploco.errors import SwarmError
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.allreduce import ButterflyAllReduce
+from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.communicator import SwarmCommunicator
 from p2ploco.swarm.dht import start_dht_node, visible_maddrs
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
-from p2ploco.swarm.records import PeerDirectory, PeerRecord
+from p2ploco.swarm.records import PeerDirectory, PeerRecord, SwarmState, swarm_state
 from p2ploco.swarm.rounds import Matchmaker
+from p2ploco.swarm.state import Snapshot, StateServer, fetch_state
 
 logger = logging.getLogger(__name__)
 
@@ -26,25 +30,29 @@ FAREWELL_TIMEOUT = 3.0  # the "leaving" record is a courtesy: never hold up an e
 
 
 class Swarm:
-    def __init__(self, loop: EventLoopThread, node: DHTNode, directory: PeerDirectory, communicator: SwarmCommunicator):
+    def __init__(self, loop: EventLoopThread, node: DHTNode, directory: PeerDirectory, communicator: SwarmCommunicator,
+                 state_server: StateServer, config: SwarmConfig):
         self.loop, self.node, self.directory, self.communicator = loop, node, directory, communicator
+        self.state_server, self.config = state_server, config
 
     @classmethod
     def join(cls, run_id: str, config: SwarmConfig, config_fingerprint: str, initial_peers: Sequence[str] = (),
              host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS, announce_maddrs: Sequence[str] = (),
              identity_path: str | None = None) -> Swarm:
-        """Start the p2p daemon and DHT node, publish this peer's record and serve rounds."""
+        """Start the p2p daemon and DHT node, publish this peer's record and serve rounds and state."""
         loop = EventLoopThread()
 
         async def start() -> Swarm:
             node = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path)
-            me = PeerRecord(str(node.peer_id), round=0, state="joining", fingerprint=config_fingerprint,
-                            version=__version__)
+            p2p, me_id = node.protocol.p2p, str(node.peer_id)
+            me = PeerRecord(me_id, round=0, state="joining", fingerprint=config_fingerprint, version=__version__)
             directory = PeerDirectory(node, run_id, me, config.heartbeat_interval, config.peer_ttl)
-            matchmaker = Matchmaker(node.protocol.p2p, directory, run_id, config.matchmaking_timeout)
-            butterfly = ButterflyAllReduce(node.protocol.p2p, me.peer_id, run_id, config.allreduce_timeout)
-            await matchmaker.start()
-            await butterfly.start()
+            matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout)
+            butterfly = ButterflyAllReduce(p2p, me_id, run_id, config.allreduce_timeout)
+            commit = RoundCommit(p2p, me_id, run_id, config.allreduce_timeout)
+            state_server = StateServer(p2p, run_id, config.allreduce_timeout)
+            for service in (matchmaker, butterfly, commit, state_server):
+                await service.start()
             live = (await directory.refresh()).values()
             foreign = {r.fingerprint for r in live if r.state != "leaving"} - {config_fingerprint}
             if foreign:
@@ -54,7 +62,8 @@ class Swarm:
                                  f"outer and seed settings, or another --run-id")
             await directory.publish()
             directory.start_heartbeat()
-            return cls(loop, node, directory, SwarmCommunicator(loop, matchmaker, butterfly))
+            communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
+            return cls(loop, node, directory, communicator, state_server, config)
 
         try:
             return loop.run(start())
@@ -69,12 +78,40 @@ class Swarm:
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)
 
-    def set_progress(self, round_index: int, state: str) -> None:
-        self.loop.run(self.directory.update(round=round_index, state=state), CALL_TIMEOUT)
+    def set_progress(self, round_index: int, state: str, params_sha256: str) -> None:
+        """Publish where this peer is: the round it works on and the hash of the state it started from."""
+        self.loop.run(self.directory.update(round=round_index, state=state, params_sha256=params_sha256),
+                      CALL_TIMEOUT)
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
-        """Block until ``count`` peers (this one included) are at this peer's round, or ``timeout``."""
+        """Block until ``count`` peers (this one included) are present or the run is under way, or ``timeout``."""
         return self.loop.run(self.directory.wait_for_peers(count, timeout))
+
+    def swarm_state(self, round_index: int, params_sha256: str) -> SwarmState | None:
+        """The state this peer should hold to take part, given where it stands, from a fresh look at the records."""
+        async def look() -> SwarmState | None:
+            me = replace(self.directory.me, round=round_index, params_sha256=params_sha256, state="training")
+            return swarm_state(await self.directory.refresh(), me)
+
+        return self.loop.run(look(), CALL_TIMEOUT)
+
+    def fetch_state(self, target: SwarmState) -> Snapshot:
+        """Download ``target`` from the peers that hold it (SwarmError if none can serve it)."""
+        return self.loop.run(fetch_state(self.node.protocol.p2p, self.state_server.handler_name,
+                                         list(target.holders), target.round, target.params_sha256,
+                                         self.config.allreduce_timeout))
+
+    def publish_state(self, snapshot: Snapshot) -> None:
+        """Serve ``snapshot`` to peers that catch up."""
+        self.loop.loop.call_soon_threadsafe(self.state_server.publish, snapshot)
+
+    def request_leave(self) -> None:
+        """Start leaving now (safe from a signal handler): stop joining groups, tell the others."""
+        async def withdraw() -> None:
+            await self.directory.update(state="leaving")
+            await self.communicator.matchmaker.withdraw()
+
+        asyncio.run_coroutine_threadsafe(withdraw(), self.loop.loop)
 
     def leave(self) -> None:
         """Tell the swarm this peer is leaving, then stop the DHT node and its daemon."""
@@ -85,6 +122,7 @@ class Swarm:
                     logger.info("could not announce leaving: the DHT did not answer")
             except (OSError, ConnectionError) as e:
                 logger.info(f"could not announce leaving: {e!r}")
+            await finishes_within(self.communicator.matchmaker.withdraw(), FAREWELL_TIMEOUT)
             await finishes_within(self.node.shutdown(), FAREWELL_TIMEOUT)
 
         try:

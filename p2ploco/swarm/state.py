@@ -1,0 +1,198 @@
+"""Serving and fetching the swarm's state: how a joining, restarted or lagging peer catches up.
+
+A snapshot is the global state at the start of a round: the parameters plus the outer state every
+peer holds alike, serialized (on first request) as one safetensors blob. Every node serves byte
+ranges of its two latest snapshots. A peer catching up fetches ranges from all donors at once, two
+streams per donor (so a donor's link does not idle a round trip per range), spreading the load; a
+range that fails or stalls past its deadline goes back in the queue for another donor, and that
+donor is not asked again. The blob's sha256, reported by every
+donor, and the parameters' hash, published in the donors' peer records, are both checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from p2ploco import faults
+from p2ploco.errors import PayloadError, SwarmError
+from p2ploco.metrics import params_sha256
+from p2ploco.swarm import wire
+
+logger = logging.getLogger(__name__)
+
+PART_BYTES = 4 << 20
+STREAMS_PER_DONOR = 2  # ranges in flight per donor: one is served while the other crosses the wire
+KEEP_SNAPSHOTS = 2
+LATEST = -1  # ask for whatever round the donor has last
+
+
+@dataclass
+class Snapshot:
+    round: int  # the round this state starts
+    params: dict[str, torch.Tensor]  # CPU copies, owned by the snapshot
+    shared: dict[str, torch.Tensor]
+    params_sha256: str
+    _blob: bytes | None = field(default=None, repr=False)
+
+    def blob(self) -> bytes:
+        if self._blob is None:
+            tensors = {f"param/{k}": v for k, v in self.params.items()}
+            tensors.update({f"shared/{k}": v for k, v in self.shared.items()})
+            self._blob = save_tensors(tensors)
+        return self._blob
+
+    @classmethod
+    def from_blob(cls, round_index: int, blob: bytes) -> Snapshot:
+        params, shared = {}, {}
+        for key, tensor in load_tensors(blob).items():
+            section, _, name = key.partition("/")
+            (params if section == "param" else shared)[name] = tensor
+        return cls(round_index, params, shared, params_sha256(list(params), params.values()), blob)
+
+
+class StateServer:
+    def __init__(self, p2p: P2P, run_id: str, timeout: float):
+        self.p2p, self.timeout = p2p, timeout
+        self.handler_name = f"p2ploco/{run_id}/state"
+        self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
+        self._blob_hashes: dict[int, str] = {}  # round -> sha256 of the serialized snapshot, computed once
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
+
+    def publish(self, snapshot: Snapshot) -> None:
+        """Serve ``snapshot`` (call on the loop); the oldest beyond KEEP_SNAPSHOTS is dropped."""
+        self.snapshots[snapshot.round] = snapshot
+        while len(self.snapshots) > KEEP_SNAPSHOTS:
+            dropped, _ = self.snapshots.popitem(last=False)
+            self._blob_hashes.pop(dropped, None)
+
+    async def _describe(self, snapshot: Snapshot) -> tuple[bytes, str]:
+        loop = asyncio.get_running_loop()
+        blob = await loop.run_in_executor(None, snapshot.blob)
+        if snapshot.round not in self._blob_hashes:
+            self._blob_hashes[snapshot.round] = await loop.run_in_executor(
+                None, lambda: hashlib.sha256(blob).hexdigest())
+        return blob, self._blob_hashes[snapshot.round]
+
+    async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.timeout)
+            wanted = wire.field(request, "round", int)
+            offset, length = wire.field(request, "offset", int), wire.field(request, "length", int)
+            if not self.snapshots:
+                await wire.write_message(writer, {"status": "empty"})
+                return
+            snapshot = self.snapshots.get(wanted) or (self.snapshots[next(reversed(self.snapshots))]
+                                                      if wanted == LATEST else None)
+            if snapshot is None:
+                await wire.write_message(writer, {"status": "moved", "round": next(reversed(self.snapshots))})
+                return
+            blob, blob_sha = await self._describe(snapshot)
+            if not (0 <= offset <= len(blob) and 0 <= length <= PART_BYTES):
+                raise PayloadError(f"bad range {offset}+{length} of a {len(blob)}-byte state")
+            await faults.hit_async("state.serve", snapshot.round)
+            header = {"status": "ok", "round": snapshot.round, "total": len(blob), "sha256": blob_sha,
+                      "params_sha256": snapshot.params_sha256}
+            await asyncio.wait_for(wire.write_message(writer, header, blob[offset : offset + length]), self.timeout)
+        except Exception as e:  # a bad request or a vanished joiner never hurts the donor
+            logger.info(f"state request from {str(stream_info.peer_id)[-8:]} failed: {e!r}")
+        finally:
+            writer.close()
+
+
+async def _request(p2p: P2P, handler: str, donor: str, round_index: int, offset: int, length: int,
+                   timeout: float) -> tuple[dict[str, Any], bytes]:
+    async def call() -> tuple[dict[str, Any], bytes]:
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(donor), handler)
+        try:
+            await wire.write_message(writer, {"round": round_index, "offset": offset, "length": length})
+            return await wire.read_message(reader, max_payload=PART_BYTES)
+        finally:
+            writer.close()
+
+    return await asyncio.wait_for(call(), timeout)
+
+
+async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: int, expected_params_sha256: str,
+                      timeout: float) -> Snapshot:
+    """Download the state that starts ``round_index`` from ``donors``; SwarmError if they cannot provide it."""
+    started = time.monotonic()
+    # 1. Which donors hold that round, how big is it, and what is its checksum?
+    described: dict[str, dict[str, Any]] = {}
+    for donor in donors:
+        try:
+            header, _ = await _request(p2p, handler, donor, round_index, 0, 0, timeout)
+        except Exception as e:  # unreachable donors are skipped
+            logger.info(f"donor {donor[-8:]} did not describe its state: {e!r}")
+            continue
+        if header.get("status") == "ok" and header.get("params_sha256") == expected_params_sha256:
+            described[donor] = header
+    agreed = {(h["total"], h["sha256"]) for h in described.values()}
+    if not described or len(agreed) != 1:
+        raise SwarmError(f"no donor serves the state of round {round_index} with the expected hash "
+                         f"({len(described)} of {len(donors)} answered, {len(agreed)} distinct blobs)")
+    total, blob_sha = agreed.pop()
+    if not isinstance(total, int) or total < 0:
+        raise SwarmError("donors described a malformed state")
+
+    # 2. Ranges from every donor at once; a failed or stalled range goes back for another donor.
+    offsets = list(range(0, total, PART_BYTES))
+    parts: asyncio.Queue[int | None] = asyncio.Queue()
+    for offset in offsets:
+        parts.put_nowait(offset)
+    received: dict[int, bytes] = {}
+    working = set(described)
+
+    def release_all() -> None:  # wake every waiting worker: all ranges are in, or nobody is left to fetch
+        for _ in range(STREAMS_PER_DONOR * len(described)):
+            parts.put_nowait(None)
+
+    async def worker(donor: str) -> None:
+        while (offset := await parts.get()) is not None:
+            if donor not in working:  # its other stream failed: leave the range to the other donors
+                parts.put_nowait(offset)
+                return
+            length = min(PART_BYTES, total - offset)
+            try:
+                header, data = await _request(p2p, handler, donor, round_index, offset, length, timeout)
+                if header.get("status") != "ok" or header.get("sha256") != blob_sha or len(data) != length:
+                    raise PayloadError(f"donor answered {header.get('status')} with {len(data)} bytes")
+            except Exception as e:
+                logger.info(f"donor {donor[-8:]} failed on range {offset}: {e!r}; leaving it to the others")
+                parts.put_nowait(offset)
+                working.discard(donor)
+                if not working:
+                    release_all()
+                return
+            received[offset] = data
+            if len(received) == len(offsets):
+                release_all()
+
+    if offsets:
+        await asyncio.gather(*(worker(donor) for donor in described for _ in range(STREAMS_PER_DONOR)))
+    if len(received) != len(offsets):
+        raise SwarmError(f"state download of round {round_index} failed: every donor stalled or failed")
+    blob = b"".join(received[offset] for offset in sorted(received))
+    if hashlib.sha256(blob).hexdigest() != blob_sha:
+        raise SwarmError(f"downloaded state of round {round_index} does not match its checksum")
+    try:
+        snapshot = Snapshot.from_blob(round_index, blob)
+    except Exception as e:  # a blob that passed the checksum yet does not parse: every donor served garbage
+        raise SwarmError(f"downloaded state of round {round_index} is malformed ({e})") from None
+    if snapshot.params_sha256 != expected_params_sha256:
+        raise SwarmError(f"downloaded state of round {round_index} does not match the donors' published hash")
+    logger.info(f"fetched {total / 1e6:.1f} MB of state from {len(described)} donors in "
+                f"{time.monotonic() - started:.1f} s")
+    return snapshot

@@ -1,0 +1,89 @@
+"""Catching up: which state to follow, and fetching it from several real donors (one of them stalled)."""
+
+import time
+
+import pytest
+import torch
+
+from p2ploco import faults
+from p2ploco.config import SwarmConfig
+from p2ploco.errors import SwarmError
+from p2ploco.metrics import params_sha256
+from p2ploco.swarm import state as state_module
+from p2ploco.swarm.records import PeerRecord, SwarmState, swarm_state
+from p2ploco.swarm.runtime import Swarm
+from p2ploco.swarm.state import Snapshot
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
+
+
+def record(peer, round_index, digest, state="training", fingerprint="cfg"):
+    return PeerRecord(peer, round_index, state, fingerprint, digest)
+
+
+def test_the_furthest_round_and_its_majority_state_win():
+    me = record("m", 3, "old")
+    live = {r.peer_id: r for r in [record("a", 5, "x"), record("b", 5, "x"), record("c", 5, "y"),
+                                   record("d", 9, "z", state="leaving"), record("e", 9, "z", fingerprint="other"),
+                                   record("f", 4, "w"), record("g", 9, "", state="joining")]}
+    target = swarm_state(live, me)
+    assert (target.round, target.params_sha256, target.holders) == (5, "x", ("a", "b"))
+    assert swarm_state({}, me) is None
+    tie = {r.peer_id: r for r in [record("a", 5, "x"), record("c", 5, "y")]}
+    assert swarm_state(tie, record("m", 5, "x")).params_sha256 == "x"  # my own vote breaks the tie
+    assert swarm_state(tie, record("m", 2, "q")).params_sha256 == "y"  # else the larger hash, on every peer
+
+
+def test_fault_specs_parse_and_reject_typos():
+    parsed = faults.parse("allreduce.contribute@3=kill, inner.step=stall:2.5,commit.vote@1=fail")
+    assert parsed[("allreduce.contribute", 3)] == faults.Fault("kill")
+    assert parsed[("inner.step", None)] == faults.Fault("stall", 2.5)
+    for bad in ("nowhere@1=kill", "inner.step=explode", "inner.step=stall"):
+        with pytest.raises(ValueError):
+            faults.parse(bad)
+
+
+@pytest.fixture(scope="module")
+def donors_and_joiner():
+    swarms = []
+    try:
+        swarms.append(Swarm.join("state-test", CONFIG, "cfg", host_maddrs=LOOPBACK))
+        for _ in range(3):
+            swarms.append(Swarm.join("state-test", CONFIG, "cfg", initial_peers=swarms[0].addresses(),
+                                     host_maddrs=LOOPBACK))
+        yield swarms[:3], swarms[3]
+    finally:
+        for s in swarms:
+            s.leave()
+
+
+def big_snapshot(round_index: int) -> Snapshot:
+    generator = torch.Generator().manual_seed(round_index)
+    params = {f"layer{i}.weight": torch.randn(512, 1024, generator=generator) for i in range(5)}  # 10 MB, 3 parts
+    shared = {"momentum.0": torch.randn(64, generator=generator)}
+    return Snapshot(round_index, params, shared, params_sha256(list(params), params.values()))
+
+
+def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(donors_and_joiner):
+    donors, joiner = donors_and_joiner
+    snapshot = big_snapshot(5)
+    for donor in donors:
+        donor.publish_state(big_snapshot(5))
+        donor.set_progress(5, "training", snapshot.params_sha256)
+    donors[0].loop.loop.call_soon_threadsafe(time.sleep, 8)  # this donor's event loop hangs: a stalled peer
+    target = joiner.swarm_state(0, "fresh")
+    assert target.round == 5 and set(target.holders) == {d.peer_id for d in donors}
+    started = time.monotonic()
+    fetched = joiner.fetch_state(target)
+    assert time.monotonic() - started < 8  # did not wait for the stalled donor to wake up
+    assert fetched.params_sha256 == snapshot.params_sha256
+    assert all(torch.equal(fetched.params[k], snapshot.params[k]) for k in snapshot.params)
+    assert torch.equal(fetched.shared["momentum.0"], snapshot.shared["momentum.0"])
+    assert state_module.PART_BYTES * 2 < len(snapshot.blob())  # really fetched in several parts
+
+
+def test_a_state_nobody_holds_is_refused(donors_and_joiner):
+    donors, joiner = donors_and_joiner
+    with pytest.raises(SwarmError, match="no donor serves the state of round 5 with the expected hash"):
+        joiner.fetch_state(SwarmState(5, "f" * 64, tuple(d.peer_id for d in donors[1:])))
