@@ -45,9 +45,16 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def stop_on_sigterm() -> None:
-    """SIGTERM stops a node the way Ctrl-C does: it finishes cleanly and exits 0."""
-    signal.signal(signal.SIGTERM, _interrupt)
+def stop_gracefully(stop: Callable[[], None]) -> None:
+    """The first SIGINT or SIGTERM calls ``stop`` (finish cleanly, exit 0); a second one stops at once."""
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
+        click.echo(f"{signal.Signals(signum).name}: leaving after this round (signal again to stop now)", err=True)
+        stop()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
 
 
 def setup_logging() -> None:
@@ -121,19 +128,22 @@ def node() -> None:
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Where metrics.jsonl goes [runs/RUN/PEER].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config key, e.g. --set inner.lr=3e-4 (repeatable).")
+@click.option("--resume", is_flag=True,
+              help="Continue from the checkpoint in --log-dir, then catch up with the swarm.")
 @reports_errors
 def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...],
                announce_maddrs: tuple[str, ...], identity: str | None, run_id: str | None, max_rounds: int | None,
-               log_dir: str | None, overrides: tuple[str, ...]) -> None:
+               log_dir: str | None, overrides: tuple[str, ...], resume: bool) -> None:
     """Join (or start) a swarm and train."""
     from p2ploco.config import load_config
     from p2ploco.node import Node, SwarmOptions
 
     extra = ([f"run_id={run_id}"] if run_id else []) + ([f"training.rounds={max_rounds}"] if max_rounds else [])
     config = load_config(config_path, list(overrides) + extra)
-    stop_on_sigterm()
     options = SwarmOptions(initial_peers, host_maddrs, announce_maddrs, identity)
-    Node(config, options, Path(log_dir) if log_dir else None, config_path, out=click.echo).run()
+    node = Node(config, options, Path(log_dir) if log_dir else None, config_path, resume=resume, out=click.echo)
+    stop_gracefully(node.stop)
+    node.run()
 
 
 @main.command()

@@ -20,6 +20,8 @@ import yaml
 
 from p2ploco.errors import ConfigError
 
+MIN_PEER_TTL = 8.0  # seconds; hivemind's DHT waits up to 3 s for a peer in a lookup
+
 
 @dataclass
 class ModelConfig:
@@ -104,7 +106,7 @@ class SwarmConfig:
     matchmaking_timeout: float = 20.0  # longest wait from the first ready peer to the round's start
     allreduce_timeout: float = 60.0  # longest wait for any one transfer of an all-reduce
     heartbeat_interval: float = 2.0  # how often a node refreshes its record in the DHT
-    peer_ttl: float = 8.0  # a record not refreshed for this long marks its peer as gone
+    peer_ttl: float = 10.0  # a record not refreshed for this long marks its peer as gone
     min_peers: int = 1  # peers (self included) to wait for before the first round
     startup_timeout: float = 120.0  # longest wait for min_peers at start; then train anyway
 
@@ -118,6 +120,7 @@ class TrainingConfig:
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
     eval_every: int = 1  # rounds between eval-loss measurements
+    checkpoint_every: int = 10  # rounds between checkpoints (0: only on exit)
 
 
 @dataclass
@@ -217,11 +220,13 @@ def validate(config: Config) -> None:
          f"{o.sparseloco.chunk_size ** 2}]"),
         (s.matchmaking_timeout > 0 and s.allreduce_timeout > 0 and s.startup_timeout > 0,
          "swarm timeouts must be > 0"),
-        (0 < s.heartbeat_interval < s.peer_ttl,
-         f"swarm.heartbeat_interval ({s.heartbeat_interval}) must be > 0 and below swarm.peer_ttl ({s.peer_ttl})"),
+        (s.heartbeat_interval > 0 and s.peer_ttl >= max(3 * s.heartbeat_interval, MIN_PEER_TTL),
+         f"swarm.peer_ttl ({s.peer_ttl}) must be at least 3 x swarm.heartbeat_interval ({s.heartbeat_interval}) "
+         f"and {MIN_PEER_TTL:.0f} s (a DHT lookup may take 3 s, and records must outlive it)"),
         (s.min_peers >= 1, "swarm.min_peers must be at least 1"),
         (t.rounds >= 0, "training.rounds must be >= 0 (0 trains until stopped)"),
         (t.threads >= 0 and t.eval_every >= 1, "training.threads must be >= 0 and training.eval_every >= 1"),
+        (t.checkpoint_every >= 0, "training.checkpoint_every must be >= 0 (0: only on exit)"),
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
          f"training.device ({t.device!r}) must be auto, cpu, cuda or cuda:N"),
     ]

@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from p2ploco import faults
 from p2ploco.config import InnerConfig
 from p2ploco.data import ShardSampler
 
@@ -53,12 +56,16 @@ class InnerTrainer:
         progress = min(1.0, (step - c.warmup_steps) / (self.horizon - c.warmup_steps))
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    def run_round(self, round_index: int) -> InnerStats:
+    def run_round(self, round_index: int, should_stop: Callable[[], bool] = lambda: False) -> InnerStats | None:
+        """The round's H steps; None if ``should_stop`` turned true before they were done."""
         c = self.config
         started = time.perf_counter()
         self.model.train()
         losses = []
         for h in range(c.steps):
+            if should_stop():
+                return None
+            faults.hit("inner.step", round_index)
             step = round_index * c.steps + h
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr_at(step)
@@ -76,6 +83,20 @@ class InnerTrainer:
             losses.append(step_loss)
         tokens = c.steps * c.grad_accum * c.batch_size * self.sampler.seq_len
         return InnerStats(sum(losses) / len(losses), tokens, time.perf_counter() - started)
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """AdamW's moments as named tensors, and its settings as JSON, for a checkpoint."""
+        state = self.optimizer.state_dict()
+        tensors = {f"{index}.{key}": value for index, slots in state["state"].items()
+                   for key, value in slots.items() if torch.is_tensor(value)}
+        return tensors, {"param_groups": state["param_groups"]}
+
+    def load_optimizer_state(self, tensors: dict[str, torch.Tensor], settings: dict[str, Any]) -> None:
+        slots: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            index, _, name = key.partition(".")
+            slots.setdefault(int(index), {})[name] = value
+        self.optimizer.load_state_dict({"state": slots, "param_groups": settings["param_groups"]})
 
 
 @torch.no_grad()

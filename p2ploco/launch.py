@@ -30,12 +30,13 @@ TINY_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
 class Child:
     """A child process whose output lines are collected by a thread (so reading never blocks)."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, metrics_dir: Path | None = None):
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, metrics_dir: Path | None = None,
+                 env: dict[str, str] | None = None):
         self.name, self.log_path, self.metrics_dir = name, log_path, metrics_dir
-        self._log: IO[str] = log_path.open("w")
+        self._log: IO[str] = log_path.open("a")
         self.lines: queue.Queue[str] = queue.Queue()
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True)
+                                        start_new_session=True, env={**os.environ, **(env or {})})
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
 
@@ -104,11 +105,13 @@ class LocalSwarm:
         self.children.append(child)
         return child.wait_for_line(ADDRESS, timeout=60).group(1)
 
-    def start_node(self, name: str, config: Path, *extra: str, log_dir: Path | None = None) -> Child:
+    def start_node(self, name: str, config: Path, *extra: str, log_dir: Path | None = None,
+                   env: dict[str, str] | None = None) -> Child:
+        """A node process; a second start under the same name (a restart) appends to the same log."""
         log_dir = log_dir or self.workdir / name
         argv = cli("node", "start", "--config", str(config), "--initial-peers", self.bootstrap_address,
                    "--host-maddrs", LOOPBACK, "--log-dir", str(log_dir), *extra)
-        child = Child(name, argv, self.workdir / f"{name}.log", metrics_dir=log_dir)
+        child = Child(name, argv, self.workdir / f"{name}.log", metrics_dir=log_dir, env=env)
         self.children.append(child)
         self.nodes[name] = child
         return child

@@ -28,7 +28,12 @@ class RoundRecord:
     comm_seconds: float
     round_seconds: float
     peer_id: str = ""
-    dropped_peers: list[str] = field(default_factory=list)
+    dropped_peers: list[str] = field(default_factory=list)  # left out of the aggregate (bad or missing data)
+    applied: bool = True  # False: the round did not commit here (late, aborted, dropped); params unchanged
+    excluded: bool = False  # True: others applied this round without this node (late or dropped): it catches up
+    joined_round: int = 0  # the round this node last (re)joined at
+    state_source: str = "init"  # where that state came from: init (seed), checkpoint, or peer
+    catchup_seconds: float = 0.0  # time spent fetching the swarm's state before this round
     timestamp: float = 0.0
 
 

@@ -1,14 +1,16 @@
-"""A training node: joins the swarm, then runs outer rounds until told to stop.
+"""A training node: joins the swarm, catches up with it, and runs outer rounds until told to stop.
 
-One round: H inner AdamW steps on this peer's shard, the outer algorithm's sync with the round's
-group (pseudo-gradient, all-reduce, outer step on the global params), the global params loaded
-back into the model, an eval, one metrics record and one progress line.
+One round: if the swarm is ahead (or holds another state at this round), fetch its state first;
+then H inner AdamW steps on this peer's shard, the outer algorithm's sync with the round's group
+(pseudo-gradient, all-reduce, vote, outer step on the global params if the round commits), the
+global params loaded back into the model, an eval, one metrics record and one progress line.
+Checkpoints are written every ``training.checkpoint_every`` rounds and on a clean exit.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -16,15 +18,20 @@ from pathlib import Path
 
 import torch
 
+from p2ploco import checkpoint
+from p2ploco.checkpoint import Checkpoint
 from p2ploco.config import Config
-from p2ploco.data import ByteTokenizer, Corpus, ShardSampler, eval_batches
-from p2ploco.errors import ConfigError
+from p2ploco.data import Batch, ByteTokenizer, Corpus, ShardSampler, eval_batches
+from p2ploco.errors import CheckpointError, ConfigError, SwarmError
 from p2ploco.inner import InnerTrainer, evaluate
 from p2ploco.metrics import MetricsLog, RoundRecord, format_table, human_bytes, params_sha256
 from p2ploco.model import Transformer
 from p2ploco.outer import build_outer
+from p2ploco.outer.base import copy_state
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
+from p2ploco.swarm.records import SwarmState
 from p2ploco.swarm.runtime import Swarm
+from p2ploco.swarm.state import Snapshot
 
 
 @dataclass
@@ -33,6 +40,15 @@ class SwarmOptions:
     host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS
     announce_maddrs: Sequence[str] = ()
     identity_path: str | None = None
+
+
+@dataclass
+class Membership:
+    """How this node came by the state it trains from."""
+
+    joined_round: int  # the round it (re)joined at
+    source: str  # init (seeded), checkpoint, or peer (fetched from the swarm)
+    catchup_seconds: float = 0.0  # time spent fetching state before the next round
 
 
 def resolve_device(name: str) -> torch.device:
@@ -44,78 +60,219 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+class Replica:
+    """This node's training state: the model, the outer algorithm with the global params, the inner optimizer."""
+
+    def __init__(self, config: Config, device: torch.device, sampler: ShardSampler):
+        c = config
+        self.device = device
+        self.model = Transformer(c.model, c.training.seed).to(device)
+        self.names = [name for name, _ in self.model.named_parameters()]
+        self.outer = build_outer(c.outer, list(self.model.parameters()), device)
+        horizon = c.inner.total_steps or c.training.rounds * c.inner.steps
+        self.inner = InnerTrainer(self.model, c.inner, sampler, device, horizon)
+        self.params_sha256 = self._hash()
+
+    def _hash(self) -> str:
+        return params_sha256(self.names, self.outer.params)
+
+    def load_into_model(self) -> None:
+        """local <- global: the next round's inner steps start from the global params."""
+        with torch.no_grad():
+            for param, value in zip(self.model.parameters(), self.outer.params):
+                param.copy_(value)
+        self.params_sha256 = self._hash()
+
+    def snapshot(self, round_index: int) -> Snapshot:
+        params = {name: p.clone() for name, p in zip(self.names, self.outer.params)}
+        shared = {key: t.detach().to("cpu").clone() for key, t in self.outer.shared_state().items()}
+        return Snapshot(round_index, params, shared, self.params_sha256)
+
+    def adopt(self, snapshot: Snapshot) -> None:
+        """Take the swarm's state; this replica's own outer state no longer applies to it."""
+        if set(snapshot.params) != set(self.names):
+            raise SwarmError("fetched state does not fit this model (parameter names differ)")
+        try:
+            self.outer.load_params([snapshot.params[name] for name in self.names])
+            self.outer.load_shared_state(snapshot.shared)
+        except (ValueError, RuntimeError) as e:
+            raise SwarmError(f"fetched state does not fit this model: {e}") from None
+        self.outer.reset_local_state()
+        self.load_into_model()
+
+    def checkpoint(self, round_index: int) -> Checkpoint:
+        inner_tensors, inner_settings = self.inner.optimizer_state()
+        local = {f"outer/{k}": v for k, v in self.outer.local_state().items()}
+        local.update({f"inner/{k}": v for k, v in inner_tensors.items()})
+        return Checkpoint(round_index, dict(zip(self.names, self.outer.params)), self.outer.shared_state(), local,
+                          {"inner": inner_settings})
+
+    def restore(self, saved: Checkpoint, where: Path) -> None:
+        shapes = {name: tuple(p.shape) for name, p in zip(self.names, self.outer.params)}
+        if {name: tuple(t.shape) for name, t in saved.params.items()} != shapes:
+            raise CheckpointError(f"the checkpoint in {where} does not fit this model (parameter names or shapes "
+                                  f"differ)")
+        try:
+            self.outer.load_params([saved.params[name] for name in self.names])
+            self.outer.load_shared_state(saved.shared)
+            copy_state(self.outer.local_state(), {k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
+            self.inner.load_optimizer_state({k[6:]: v for k, v in saved.local.items() if k.startswith("inner/")},
+                                            saved.extras["inner"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"the checkpoint in {where} does not fit this model and algorithm ({e})") from None
+        self.load_into_model()
+
+
 class Node:
     def __init__(self, config: Config, options: SwarmOptions, log_dir: Path | None, config_path: str,
-                 out: Callable[[str], None] = print):
+                 resume: bool = False, out: Callable[[str], None] = print):
         self.config, self.options, self.config_path, self.out = config, options, config_path, out
-        self.log_dir = log_dir
+        self.log_dir, self.resume = log_dir, resume
         self.records: list[RoundRecord] = []
+        self.stopping = threading.Event()
+        self.swarm: Swarm | None = None
+
+    def stop(self) -> None:
+        """Leave after the current round (safe from a signal handler): an unfinished round's inner steps
+        are abandoned; an all-reduce under way is finished."""
+        self.stopping.set()
+        if self.swarm is not None:
+            self.swarm.request_leave()
 
     def run(self) -> list[RoundRecord]:
-        """Train until ``training.rounds`` rounds are done or KeyboardInterrupt / SIGTERM; then leave cleanly."""
         c = self.config
         if c.training.threads:
             torch.set_num_threads(c.training.threads)
         device = resolve_device(c.training.device)
         # The p2p daemon is a child process: start it before CUDA is initialised in this one.
-        swarm = Swarm.join(c.run_id, c.swarm, c.swarm_fingerprint(), **asdict(self.options))
+        swarm = self.swarm = Swarm.join(c.run_id, c.swarm, c.swarm_fingerprint(), **asdict(self.options))
         started = time.perf_counter()
+        replica: Replica | None = None
+        round_index = 0
+        me = swarm.peer_id[-8:]
         try:
             self._announce(swarm)
-            log_dir = self.log_dir or Path("runs") / c.run_id / swarm.peer_id[-8:]
+            log_dir = self.log_dir or Path("runs") / c.run_id / me
+            checkpoints = log_dir / "checkpoint"
+            if checkpoint.exists(checkpoints) and not self.resume:
+                raise CheckpointError(f"{checkpoints} already holds a checkpoint: pass --resume to continue it, "
+                                      f"or another --log-dir")
             log_dir.mkdir(parents=True, exist_ok=True)
             (log_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
             metrics = MetricsLog(log_dir / "metrics.jsonl")
 
-            tokenizer = ByteTokenizer()
-            corpus = Corpus.load(c.data, tokenizer)
+            corpus = Corpus.load(c.data, ByteTokenizer())
             sampler = ShardSampler(corpus.train, c.data.seq_len, c.inner.batch_size, c.run_id, swarm.peer_id)
             held_out = eval_batches(corpus.eval, c.data.seq_len, c.data.eval_sequences)
-            model = Transformer(c.model, c.training.seed).to(device)
-            names = [name for name, _ in model.named_parameters()]
-            outer = build_outer(c.outer, list(model.parameters()), device)
-            horizon = c.inner.total_steps or c.training.rounds * c.inner.steps
-            inner = InnerTrainer(model, c.inner, sampler, device, horizon)
-            self.out(f"[{swarm.peer_id[-8:]}] model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params on "
+            replica = Replica(c, device, sampler)
+            membership = Membership(0, "init")
+            if self.resume:
+                saved = checkpoint.load(checkpoints, c.run_id, c.swarm_fingerprint())
+                replica.restore(saved, checkpoints)
+                round_index, membership = saved.round, Membership(saved.round, "checkpoint")
+                self.out(f"[{me}] resumed from {checkpoints} at round {round_index}")
+            self.out(f"[{me}] model {sum(p.numel() for p in replica.model.parameters()) / 1e6:.2f}M params on "
                      f"{device}; corpus {corpus.source}: {len(corpus.train) / 1e6:.1f}M train / "
                      f"{len(corpus.eval) / 1e6:.2f}M eval tokens; outer {c.outer.algorithm}, H={c.inner.steps}")
-
+            swarm.set_progress(round_index, "joining", replica.params_sha256)
             if c.swarm.min_peers > 1:
-                self.out(f"[{swarm.peer_id[-8:]}] waiting for {c.swarm.min_peers} peers ...")
+                self.out(f"[{me}] waiting for {c.swarm.min_peers} peers ...")
                 present = swarm.wait_for_peers(c.swarm.min_peers, c.swarm.startup_timeout)
-                self.out(f"[{swarm.peer_id[-8:]}] {present} peer(s) present; starting")
+                self.out(f"[{me}] {present} peer(s) present; starting")
 
-            rounds = range(c.training.rounds) if c.training.rounds else itertools.count()
-            for round_index in rounds:
-                swarm.set_progress(round_index, "training")
-                round_started = time.perf_counter()
-                inner_stats = inner.run_round(round_index)
-                comm = outer.sync(list(model.parameters()), swarm.communicator, round_index)
-                with torch.no_grad():
-                    for param, value in zip(model.parameters(), outer.params):
-                        param.copy_(value)
-                evaluated = round_index % c.training.eval_every == 0 or round_index + 1 == c.training.rounds
-                record = RoundRecord(
-                    round=round_index, peers=len(comm.peers), loss=inner_stats.loss,
-                    eval_loss=evaluate(model, held_out, device) if evaluated else None,
-                    params_sha256=params_sha256(names, outer.params),
-                    bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
-                    dense_fp32_bytes=comm.dense_fp32_bytes, density=outer.density,
-                    bits_per_param=8 * comm.contribution_bytes / comm.params if comm.params else 0.0,
-                    tokens=inner_stats.tokens,
-                    inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
-                    round_seconds=time.perf_counter() - round_started, peer_id=swarm.peer_id,
-                    dropped_peers=comm.dropped, timestamp=time.time(),
-                )
+            def finished() -> bool:
+                return bool(c.training.rounds) and round_index >= c.training.rounds
+
+            left_out_of: int | None = None  # a round the others applied without this peer
+            while not self.stopping.is_set() and not finished():
+                round_index, membership = self._catch_up(swarm, replica, round_index, membership, left_out_of)
+                if finished():
+                    break
+                record = self._round(swarm, replica, round_index, membership, held_out, device)
+                if record is None:  # stopped during the inner steps: the round is abandoned
+                    break
                 metrics.append(record)
                 self.records.append(record)
                 self.out(progress_line(swarm.peer_id, record))
-        except KeyboardInterrupt:
-            self.out(f"[{swarm.peer_id[-8:]}] stopping: finishing with {len(self.records)} round(s) done")
+                membership.catchup_seconds = 0.0
+                left_out_of = round_index if not record.applied and record.excluded else None
+                round_index += 1
+                if c.training.checkpoint_every and round_index % c.training.checkpoint_every == 0:
+                    checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, c.swarm_fingerprint())
+            if replica is not None:
+                checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, c.swarm_fingerprint())
+                self.out(f"[{me}] checkpoint of round {round_index} written to {checkpoints}")
+        except KeyboardInterrupt:  # a second signal: stop now, keep the last periodic checkpoint
+            self.out(f"[{me}] stopped at once after {len(self.records)} round(s); no exit checkpoint")
         finally:
             swarm.leave()
+        if self.stopping.is_set():
+            self.out(f"[{me}] left the swarm after {len(self.records)} round(s)")
         self.out(summary(self.records, time.perf_counter() - started))
         return self.records
+
+    def _catch_up(self, swarm: Swarm, replica: Replica, round_index: int, membership: Membership,
+                  left_out_of: int | None) -> tuple[int, Membership]:
+        """If the swarm is ahead of us, or holds another state at our round, fetch its state and contribute
+        from the next round: first wait (bounded) for the others to finish the round they are in (or the
+        one we were left out of), so that we start the next one with them rather than late."""
+        def behind(target: SwarmState | None) -> bool:
+            return target is not None and (target.round > round_index or (
+                target.round == round_index and target.params_sha256 != replica.params_sha256))
+
+        s = self.config.swarm
+        target = swarm.swarm_state(round_index, replica.params_sha256)
+        if not behind(target):
+            return round_index, membership
+        wait_past = target.round if left_out_of is None else left_out_of
+        deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
+        while target is not None and target.round <= wait_past and time.monotonic() < deadline:
+            if self.stopping.is_set():
+                return round_index, membership
+            time.sleep(s.heartbeat_interval)  # the others publish their next round when they reach it
+            target = swarm.swarm_state(round_index, replica.params_sha256)
+        if not behind(target):
+            return round_index, membership
+        me = swarm.peer_id[-8:]
+        self.out(f"[{me}] the swarm is at round {target.round} (this peer: {round_index}); fetching its state "
+                 f"from {len(target.holders)} peer(s)")
+        # Announce where we are headed: a round being formed waits for us rather than closing early.
+        swarm.set_progress(target.round, "joining", target.params_sha256)
+        started = time.perf_counter()
+        try:
+            replica.adopt(swarm.fetch_state(target))
+        except SwarmError as e:
+            self.out(f"[{me}] could not catch up ({e}); training on and trying again next round")
+            return round_index, membership
+        seconds = time.perf_counter() - started
+        self.out(f"[{me}] caught up to round {target.round} in {seconds:.1f} s")
+        return target.round, Membership(target.round, "peer", seconds)
+
+    def _round(self, swarm: Swarm, replica: Replica, round_index: int, membership: Membership,
+               held_out: list[Batch], device: torch.device) -> RoundRecord | None:
+        c = self.config
+        swarm.publish_state(replica.snapshot(round_index))
+        swarm.set_progress(round_index, "training", replica.params_sha256)
+        started = time.perf_counter()
+        inner_stats = replica.inner.run_round(round_index, self.stopping.is_set)
+        if inner_stats is None:
+            replica.load_into_model()
+            return None
+        comm = replica.outer.sync(list(replica.model.parameters()), swarm.communicator, round_index)
+        replica.load_into_model()  # the new global params, or (round not applied) the old ones again
+        evaluated = round_index % c.training.eval_every == 0 or round_index + 1 == c.training.rounds
+        return RoundRecord(
+            round=round_index, peers=len(comm.peers), loss=inner_stats.loss,
+            eval_loss=evaluate(replica.model, held_out, device) if evaluated else None,
+            params_sha256=replica.params_sha256, bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
+            dense_fp32_bytes=comm.dense_fp32_bytes, density=replica.outer.density,
+            bits_per_param=8 * comm.contribution_bytes / comm.params if comm.params else 0.0,
+            tokens=inner_stats.tokens, inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
+            round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id, dropped_peers=comm.dropped,
+            applied=comm.committed, excluded=comm.excluded, joined_round=membership.joined_round,
+            state_source=membership.source,
+            catchup_seconds=membership.catchup_seconds, timestamp=time.time(),
+        )
 
     def _announce(self, swarm: Swarm) -> None:
         addresses = swarm.addresses()
@@ -128,13 +285,14 @@ class Node:
 def progress_line(peer_id: str, r: RoundRecord) -> str:
     evaluated = f"{r.eval_loss:.3f}" if r.eval_loss is not None else "-"
     rate = r.tokens / r.inner_seconds if r.inner_seconds else 0.0
-    dropped = f" | dropped {len(r.dropped_peers)}" if r.dropped_peers else ""
+    notes = "" if r.applied else " | NOT APPLIED"
+    notes += f" | dropped {len(r.dropped_peers)}" if r.dropped_peers else ""
     traffic = r.bytes_sent + r.bytes_received
     saving = f", {r.dense_fp32_bytes / traffic:.0f}x under dense fp32" if traffic else ""
     return (f"[{peer_id[-8:]}] round {r.round:>4} | peers {r.peers} | loss {r.loss:.3f} | eval {evaluated} | "
             f"{rate / 1e3:.1f}k tok/s | sent {human_bytes(r.bytes_sent)} recv {human_bytes(r.bytes_received)} "
             f"({r.bits_per_param:.3f} bits/param{saving}) | inner {r.inner_seconds:.1f}s comm {r.comm_seconds:.1f}s"
-            f"{dropped} | {r.params_sha256[:10]}")
+            f"{notes} | {r.params_sha256[:10]}")
 
 
 def summary(records: Sequence[RoundRecord], seconds: float) -> str:
@@ -142,7 +300,8 @@ def summary(records: Sequence[RoundRecord], seconds: float) -> str:
         return f"no round completed ({seconds:.1f} s)"
     evals = [r.eval_loss for r in records if r.eval_loss is not None]
     rows = [
-        ("rounds", len(records)),
+        ("rounds", f"{len(records)} ({records[0].round} to {records[-1].round}, "
+                   f"{sum(not r.applied for r in records)} not applied)"),
         ("eval loss first -> last", f"{evals[0]:.3f} -> {evals[-1]:.3f}" if evals else "-"),
         ("mean group size", f"{sum(r.peers for r in records) / len(records):.1f}"),
         ("bytes per round (sent + received)",

@@ -34,7 +34,7 @@ def test_tiny_config_loads_and_overrides_reach_every_section():
     ("model.d_model=130", "model.d_model (130) must be divisible by model.n_head (4)"),
     ("inner.lr=-1", "inner.lr (-1.0) must be > 0"),
     ("data.seq_len=4096", "data.seq_len (4096) must be in [2, model.max_seq_len=128]"),
-    ("swarm.heartbeat_interval=100", "swarm.heartbeat_interval (100.0) must be > 0 and below swarm.peer_ttl"),
+    ("swarm.peer_ttl=5", "swarm.peer_ttl (5.0) must be at least 3 x swarm.heartbeat_interval"),
     ("training.device=tpu", "training.device ('tpu') must be auto, cpu, cuda or cuda:N"),
     ("inner", "expected key=value"),
 ])

@@ -8,13 +8,18 @@ from collections.abc import Sequence
 import torch
 
 from p2ploco.collective.exchange import AllReduceStats, Communicator
+from p2ploco.errors import TrainingError
 
 
 class OuterAlgorithm(ABC):
     """Owns the global parameters (float32, CPU) and moves them one outer round forward.
 
     The update is applied elementwise in float32 on the CPU: every peer that applies the same
-    aggregate to the same parameters gets the same bits, whatever accelerator it trains on.
+    aggregate to the same parameters gets the same bits, whatever accelerator it trains on. A round
+    whose all-reduce was not committed changes nothing: neither the parameters nor any outer state.
+
+    State comes in two kinds: *shared* state every peer holds alike (a joiner downloads it with the
+    parameters) and *local* state of this replica alone (only checkpointed).
     """
 
     density: float = 1.0  # share of coordinates one replica sends per round
@@ -25,11 +30,45 @@ class OuterAlgorithm(ABC):
     @abstractmethod
     def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int) -> AllReduceStats:
         """Combine this replica's progress (its params after H inner steps) with the round's other
-        replicas through ``comm`` and update ``self.params``."""
+        replicas through ``comm`` and update ``self.params`` if the round commits."""
 
-    @abstractmethod
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Outer optimizer state that must survive a restart (not the parameters)."""
+    def shared_state(self) -> dict[str, torch.Tensor]:
+        """The live shared tensors, by name."""
+        return {}
 
-    @abstractmethod
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+    def load_shared_state(self, state: dict[str, torch.Tensor]) -> None:
+        copy_state(self.shared_state(), state)
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """The live local tensors, by name."""
+        return {}
+
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        copy_state(self.local_state(), state)
+
+    def reset_local_state(self) -> None:
+        """Forget this replica's own state: it refers to parameters the swarm has moved past."""
+        for tensor in self.local_state().values():
+            tensor.zero_()
+
+    def load_params(self, params: Sequence[torch.Tensor]) -> None:
+        for mine, theirs in zip(self.params, params, strict=True):
+            mine.copy_(theirs)
+
+
+def pseudo_gradients(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor],
+                     device: torch.device) -> list[torch.Tensor]:
+    """global - local on ``device``, refusing to send what a diverged replica computed."""
+    deltas = [g.to(device) - p.detach().float() for g, p in zip(global_params, local_params)]
+    if not all(bool(torch.isfinite(d).all()) for d in deltas):
+        raise TrainingError("this replica's pseudo-gradient holds NaN or Inf: training diverged; lower inner.lr "
+                            "or enable inner.grad_clip")
+    return deltas
+
+
+def copy_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    """Copy ``source`` into the live tensors ``into``; ValueError if they do not describe the same state."""
+    if set(source) != set(into) or any(source[k].shape != into[k].shape for k in into):
+        raise ValueError(f"state {sorted(source)[:3]}... does not fit {sorted(into)[:3]}...")
+    for key, tensor in into.items():
+        tensor.copy_(source[key])

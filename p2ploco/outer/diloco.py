@@ -9,7 +9,9 @@ import torch
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.config import DiLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm
+from p2ploco.outer.base import OuterAlgorithm, pseudo_gradients
+
+CPU = torch.device("cpu")
 
 
 class DiLoCo(OuterAlgorithm):
@@ -20,11 +22,13 @@ class DiLoCo(OuterAlgorithm):
 
     def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int) -> AllReduceStats:
         # 1. Pseudo-gradient: global - local, a descent direction like a gradient.
-        deltas = [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.params, local_params)]
+        deltas = pseudo_gradients(self.params, local_params, CPU)
 
         # 2. Its mean over the replicas of this round.
         exchange = DenseMean(deltas, self.config.wire_dtype)
         stats = comm.all_reduce(exchange, round_index, "params")
+        if not stats.committed:
+            return stats
 
         # 3. Outer SGD with (Nesterov) momentum: buf = m*buf + g; step = g + m*buf (or buf); p -= lr*step.
         #    One rounding per operation (no fused multiply-add), so every CPU computes the same bits.
@@ -35,9 +39,5 @@ class DiLoCo(OuterAlgorithm):
             param.sub_(step.mul_(lr))
         return stats
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def shared_state(self) -> dict[str, torch.Tensor]:
         return {f"momentum.{i}": buf for i, buf in enumerate(self.momentum)}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for i, buf in enumerate(self.momentum):
-            buf.copy_(state[f"momentum.{i}"])

@@ -1,6 +1,9 @@
 """SparseLoCo (Sarfi, Thérien, Lidin, Belilovsky 2025): error feedback, chunked Top-k, 2-bit values.
 
 No outer momentum: the error-feedback buffer is the momentum, and it is local state of each replica.
+A round that does not commit gives the buffer back what it would have sent, so nothing is lost.
+A replica that catches up from the swarm starts with an empty buffer: what it held was measured
+against parameters the swarm has left behind.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import SparseLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm
+from p2ploco.outer.base import OuterAlgorithm, pseudo_gradients
 
 
 class SparseLoCo(OuterAlgorithm):
@@ -28,29 +31,30 @@ class SparseLoCo(OuterAlgorithm):
 
     def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int) -> AllReduceStats:
         alpha, beta = self.config.lr, self.config.error_decay
-        compressed = []
-        for error, param, local, grid in zip(self.errors, self.params, local_params, self.layout.grids):
+        deltas = pseudo_gradients(self.params, local_params, self.device)
+        compressed, sent_values = [], []
+        for error, delta, grid in zip(self.errors, deltas, self.layout.grids):
             # 1. Pseudo-gradient into the error buffer: e = beta * e + alpha * (global - local).
-            delta = param.to(self.device) - local.detach().float()
             error.mul_(beta).add_(delta.mul_(alpha))
             # 2. Top-k of every chunk, 2-bit values.
             sent, decoded = compress(error, grid)
             # 3. The buffer keeps exactly what was not transmitted (the decoded values, as receivers see them).
             error.sub_(decoded)
             compressed.append(sent)
+            sent_values.append(decoded)
 
         # 4. All-reduce: per-coordinate mean over the replicas that selected it (or sum / replicas).
         exchange = SparseExchange(self.layout, compressed, self.config.aggregate)
         stats = comm.all_reduce(exchange, round_index, "params")
+        if not stats.committed:
+            for error, decoded in zip(self.errors, sent_values):
+                error.add_(decoded)  # not applied anywhere: keep it for the next round
+            return stats
 
         # 5. Outer step: plain SGD on the aggregate, elementwise float32 on the CPU.
         for param, update in zip(self.params, exchange.aggregate()):
             param.sub_(update.mul_(alpha))
         return stats
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"error.{i}": e.cpu() for i, e in enumerate(self.errors)}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for i, error in enumerate(self.errors):
-            error.copy_(state[f"error.{i}"])
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return {f"error.{i}": e for i, e in enumerate(self.errors)}

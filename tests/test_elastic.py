@@ -1,0 +1,118 @@
+"""Elastic membership with real node processes on loopback: crash mid all-reduce, clean leave, a joiner
+mid-run, a restart with the same identity, and a whole swarm resumed from its checkpoints."""
+
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from p2ploco.launch import TINY_CONFIG, LocalSwarm
+
+FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=4",
+        "--set", "swarm.heartbeat_interval=0.5", "--set", "training.checkpoint_every=2"]
+CAUGHT_UP = re.compile(r"caught up to round (\d+)")
+
+
+def applied_with(peers: int) -> re.Pattern[str]:
+    """A progress line of an applied round in a group of ``peers``."""
+    return re.compile(rf"round\s+(\d+) \| peers {peers} \|(?!.*NOT APPLIED)")
+
+
+def assert_agreement(runs: dict[str, list[dict]]) -> None:
+    """Every round applied by several nodes ends with the same parameters on all of them."""
+    by_round: dict[int, set[str]] = {}
+    for records in runs.values():
+        for r in records:
+            if r["applied"]:
+                by_round.setdefault(r["round"], set()).add(r["params_sha256"])
+    assert by_round and all(len(hashes) == 1 for hashes in by_round.values()), by_round
+
+
+@pytest.mark.timeout(420)
+def test_crash_leave_join_and_rejoin(tmp_path):
+    with LocalSwarm(tmp_path) as swarm:
+        def start(name: str, *extra: str, **kwargs):
+            return swarm.start_node(name, TINY_CONFIG, *FAST, "--identity", str(tmp_path / f"{name}.key"), *extra,
+                                    **kwargs)
+
+        crash = {"P2PLOCO_FAULTS": "allreduce.contribute@3=kill"}  # d dies after sending part of round 3
+        a, b, c, d = (start(n, "--set", "swarm.min_peers=4", env=crash if n == "d" else None) for n in "abcd")
+        assert d.process.wait(180) == -signal.SIGKILL
+        a.wait_for_line(re.compile(r"round\s+5 \|"), 120)
+        c.signal(signal.SIGTERM)  # a clean leave, as a service manager stops a unit
+        assert c.process.wait(60) == 0
+        e = start("e")  # a new peer joins the run in progress
+        joined = int(e.wait_for_line(CAUGHT_UP, 120).group(1))
+        e.wait_for_line(applied_with(3), 120)
+        d = start("d", "--resume")  # the crashed peer comes back with its identity and last checkpoint
+        rejoined = int(d.wait_for_line(CAUGHT_UP, 120).group(1))
+        d.wait_for_line(applied_with(4), 120)
+        for node in (a, b, e, d):
+            node.signal(signal.SIGTERM)
+        assert [node.process.wait(60) for node in (a, b, e, d)] == [0, 0, 0, 0]
+        runs = {name: swarm.records(name) for name in "abcde"}
+
+    assert_agreement(runs)
+    # Round 3 went on without the crashed peer: the survivors redid it among themselves.
+    round3 = [r for name in "abc" for r in runs[name] if r["round"] == 3]
+    assert [r["peers"] for r in round3] == [3, 3, 3] and all(r["applied"] for r in round3)
+    # The leaver left after a finished round and wrote its checkpoint.
+    assert "checkpoint of round" in (tmp_path / "c.log").read_text()
+    # The joiner's first round ended with the same parameters as everyone else's.
+    first = runs["e"][0]
+    assert first["round"] == joined and first["state_source"] == "peer" and first["joined_round"] == joined
+    assert first["catchup_seconds"] > 0
+    assert {r["params_sha256"] for name in "ab" for r in runs[name] if r["round"] == joined} == {first["params_sha256"]}
+    # The restarted peer resumed from its checkpoint, caught up, and contributed again.
+    restarted = [r for r in runs["d"] if r["round"] >= rejoined]
+    assert restarted[0]["state_source"] == "peer" and any(r["peers"] == 4 and r["applied"] for r in restarted)
+    # And the model kept learning through all of it.
+    evals = [r["eval_loss"] for r in runs["a"]]
+    assert evals[-1] < evals[3] < evals[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_whole_swarm_resumes_from_its_checkpoints(tmp_path):
+    with LocalSwarm(tmp_path) as swarm:
+        first = [swarm.start_node(n, TINY_CONFIG, *FAST, "--max-rounds", "3", "--set", "swarm.min_peers=2",
+                                  "--identity", str(tmp_path / f"{n}.key")) for n in "ab"]
+        assert [node.process.wait(180) for node in first] == [0, 0]
+        again = [swarm.start_node(n, TINY_CONFIG, *FAST, "--max-rounds", "5", "--resume", "--set", "swarm.min_peers=2",
+                                  "--identity", str(tmp_path / f"{n}.key")) for n in "ab"]
+        assert [node.process.wait(180) for node in again] == [0, 0]
+        runs = {n: swarm.records(n) for n in "ab"}
+    for records in runs.values():
+        assert [r["round"] for r in records] == [0, 1, 2, 3, 4]
+        assert [r["state_source"] for r in records[3:]] == ["checkpoint", "checkpoint"]
+        assert all(r["peers"] == 2 and r["applied"] for r in records)
+    assert_agreement(runs)
+    assert [r["params_sha256"] for r in runs["a"]] == [r["params_sha256"] for r in runs["b"]]
+
+
+def node_start(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "p2ploco.cli", "node", "start", "--config", str(TINY_CONFIG),
+                           "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--set", "training.rounds=1", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_errors_are_one_line_and_overwrite_nothing(tmp_path):
+    log_dir = str(tmp_path / "node")
+    assert node_start("--log-dir", log_dir).returncode == 0  # trains one round, checkpoints on exit
+    pointer = tmp_path / "node" / "checkpoint" / "checkpoint.json"
+    saved = pointer.read_bytes()
+
+    again = node_start("--log-dir", log_dir)  # the same folder without --resume would overwrite it
+    assert again.returncode == 1 and "already holds a checkpoint: pass --resume" in again.stderr
+
+    other = node_start("--log-dir", log_dir, "--resume", "--set", "outer.sparseloco.topk=32")
+    assert other.returncode == 1 and "is from run 'tiny' with config" in other.stderr
+
+    pointer.write_bytes(saved[: len(saved) // 2])  # a torn write
+    torn = node_start("--log-dir", log_dir, "--resume")
+    assert torn.returncode == 1 and "is unreadable or corrupt" in torn.stderr
+    assert pointer.read_bytes() == saved[: len(saved) // 2]  # left as found
+    for result in (again, other, torn):
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
