@@ -25,3 +25,11 @@ def test_quality_benchmark_compares_the_three_methods():
     for method in ("ddp", "diloco", "sparseloco"):
         assert f"{method} " in out
     assert "final eval loss" in out
+
+
+@pytest.mark.timeout(260)
+def test_catchup_benchmark_fetches_from_real_donors():
+    out = run("benchmarks/catchup.py", "--config", "configs/tiny.yaml", "--donors", "2", "--repeats", "2")
+    assert "Catch-up" in out
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("configs/tiny.yaml "))
+    assert row.split()[1:5] == ["0.5M", "1.8", "MB", "2"]
