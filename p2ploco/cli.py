@@ -93,7 +93,7 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
         identity: str | None) -> None:
     """A bootstrap-only DHT peer: prints the addresses nodes join through and stays up until stopped."""
     from p2ploco.swarm.dht import start_dht_node, visible_maddrs
-    from p2ploco.swarm.loop import EventLoopThread
+    from p2ploco.swarm.loop import EventLoopThread, finishes_within
 
     loop = EventLoopThread()
     try:
@@ -107,7 +107,11 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
             signal.signal(signum, lambda *_: stopped.set())
         stopped.wait()
         click.echo("bootstrap peer stopping")
-        loop.run(node.shutdown(), 10)
+        try:  # the daemon may already be gone (a signal to the whole process group): never hang on it
+            if not loop.run(finishes_within(node.shutdown(), 10), 15):
+                click.echo("the p2p daemon did not stop in time; exiting anyway", err=True)
+        except (OSError, ConnectionError, TimeoutError) as e:
+            click.echo(f"the p2p daemon stopped uncleanly ({e!r}); exiting anyway", err=True)
     finally:
         loop.stop()
 
