@@ -10,7 +10,7 @@ link would). ``@round`` may be left out to hit the point in every round. Points:
 - ``allreduce.contribute`` after sending the first contribution to another reducer
 - ``allreduce.reduce``     before this peer answers the senders of its span
 - ``commit.vote``          before this peer votes on the round's outcome
-- ``state.serve``          before this peer serves a part of its state to a joiner
+- ``state.serve``          before this peer serves a range of its state to a peer catching up
 
 Without the variable every hit is a dictionary lookup that finds nothing.
 """

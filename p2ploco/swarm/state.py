@@ -31,7 +31,8 @@ from p2ploco.swarm import wire
 
 logger = logging.getLogger(__name__)
 
-PART_BYTES = 4 << 20
+PART_BYTES = 4 << 20  # the largest range a donor serves in one answer
+MIN_PART_BYTES = 64 << 10
 STREAMS_PER_DONOR = 2  # ranges in flight per donor: one is served while the other crosses the wire
 KEEP_SNAPSHOTS = 2
 LATEST = -1  # ask for whatever round the donor has last
@@ -102,7 +103,8 @@ class StateServer:
             blob, blob_sha = await self._describe(snapshot)
             if not (0 <= offset <= len(blob) and 0 <= length <= PART_BYTES):
                 raise PayloadError(f"bad range {offset}+{length} of a {len(blob)}-byte state")
-            await faults.hit_async("state.serve", snapshot.round)
+            if length:  # a range, not the joiner's first question (which round, how big)
+                await faults.hit_async("state.serve", snapshot.round)
             header = {"status": "ok", "round": snapshot.round, "total": len(blob), "sha256": blob_sha,
                       "params_sha256": snapshot.params_sha256}
             await asyncio.wait_for(wire.write_message(writer, header, blob[offset : offset + length]), self.timeout)
@@ -148,7 +150,9 @@ async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: in
         raise SwarmError("donors described a malformed state")
 
     # 2. Ranges from every donor at once; a failed or stalled range goes back for another donor.
-    offsets = list(range(0, total, PART_BYTES))
+    # Ranges small enough that every stream of every donor gets work, large enough to keep overheads low.
+    part = min(PART_BYTES, max(MIN_PART_BYTES, -(-total // (STREAMS_PER_DONOR * len(described)))))
+    offsets = list(range(0, total, part))
     parts: asyncio.Queue[int | None] = asyncio.Queue()
     for offset in offsets:
         parts.put_nowait(offset)
@@ -164,7 +168,7 @@ async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: in
             if donor not in working:  # its other stream failed: leave the range to the other donors
                 parts.put_nowait(offset)
                 return
-            length = min(PART_BYTES, total - offset)
+            length = min(part, total - offset)
             try:
                 header, data = await _request(p2p, handler, donor, round_index, offset, length, timeout)
                 if header.get("status") != "ok" or header.get("sha256") != blob_sha or len(data) != length:
