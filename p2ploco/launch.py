@@ -37,6 +37,7 @@ class Child:
         self.lines: queue.Queue[str] = queue.Queue()
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True, env={**os.environ, **(env or {})})
+        self._terminated = False
         self._reader = threading.Thread(target=self._collect, daemon=True)
         self._reader.start()
 
@@ -69,10 +70,16 @@ class Child:
         except ProcessLookupError:
             pass
 
+    def terminate(self) -> None:
+        """Ask the child to leave (SIGTERM), once: a second SIGTERM would make a node stop at once."""
+        if self.process.poll() is None and not self._terminated:
+            self._terminated = True
+            self.signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, then SIGKILL after ``timeout``; always reaps. Returns the exit code."""
         if self.process.poll() is None:
-            self.signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -120,6 +127,8 @@ class LocalSwarm:
         return read_records(self.nodes[name].metrics_dir / "metrics.jsonl")
 
     def close(self) -> None:
+        for child in self.children:  # all leave at once, rather than one after another
+            child.terminate()
         for child in reversed(self.children):
             child.stop()
 

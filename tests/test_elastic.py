@@ -73,24 +73,33 @@ def test_crash_leave_join_and_rejoin(tmp_path):
     assert evals[-1] < evals[3] < evals[0]
 
 
+KILL_POINTS = ("inner.step", "matchmaking.grouped", "allreduce.reduce", "commit.vote")
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("point", ["inner.step", "matchmaking.grouped", "allreduce.reduce", "commit.vote"])
-def test_survivors_agree_whenever_a_peer_is_killed(tmp_path, point):
-    """SIGKILL at each point of a round: the round is all-or-nothing for the survivors, who train on."""
+def test_survivors_agree_whenever_a_peer_is_killed(tmp_path):
+    """Round r + 1 loses a peer SIGKILLed at the r-th point of a round (inner steps, matchmaking, mid
+    all-reduce, voting): every round is all-or-nothing for the peers that outlive it, who train on."""
+    victims = {f"v{r + 1}": f"{point}@{r + 1}=kill" for r, point in enumerate(KILL_POINTS)}
+    last = len(KILL_POINTS) + 2
     with LocalSwarm(tmp_path) as swarm:
-        a, b, victim = (swarm.start_node(n, TINY_CONFIG, *FAST, "--max-rounds", "4", "--set", "swarm.min_peers=3",
-                                         env={"P2PLOCO_FAULTS": f"{point}@1=kill"} if n == "v" else None)
-                        for n in "abv")
-        assert victim.process.wait(120) == -signal.SIGKILL
-        assert [node.process.wait(180) for node in (a, b)] == [0, 0]
-        runs = {name: swarm.records(name) for name in "ab"}
+        nodes = {name: swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(last),
+                                        "--set", f"swarm.min_peers={2 + len(victims)}",
+                                        env={"P2PLOCO_FAULTS": victims[name]} if name in victims else None)
+                 for name in ("a", "b", *victims)}
+        assert [nodes[name].process.wait(240) for name in victims] == [-signal.SIGKILL] * len(victims)
+        assert [nodes[name].process.wait(120) for name in "ab"] == [0, 0]
+        runs = {name: swarm.records(name) for name in nodes}
 
     assert_agreement(runs)
-    for round_index in (1, 2, 3):  # the same outcome for both survivors
+    for round_index in range(1, last):
         outcomes = {(r["applied"], r["params_sha256"]) for records in runs.values() for r in records
                     if r["round"] == round_index}
-        assert len(outcomes) == 1, (round_index, outcomes)
-    assert all(r["applied"] and r["peers"] == 2 for records in runs.values() for r in records if r["round"] >= 2)
+        assert len(outcomes) == 1, (round_index, outcomes)  # one outcome for everyone who finished it
+    for name, records in runs.items():  # each victim died in its round, the others finished every round
+        finished = [r["round"] for r in records]
+        assert finished == list(range(int(name[1]) if name in victims else last)), (name, finished)
+    assert all(r["applied"] and r["peers"] == 2 for name in "ab" for r in runs[name] if r["round"] == last - 1)
 
 
 @pytest.mark.timeout(300)
