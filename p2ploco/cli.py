@@ -88,18 +88,19 @@ def main() -> None:
 @main.command()
 @click.option("--initial-peers", multiple=True, help="Join an existing DHT through these multiaddrs (repeatable).")
 @with_swarm_options
+@click.option("--name", default="", help="Name shown by `p2ploco peers` [derived from the peer id].")
 @reports_errors
 def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...],
-        identity: str | None) -> None:
+        identity: str | None, name: str) -> None:
     """A bootstrap-only DHT peer: prints the addresses nodes join through and stays up until stopped."""
-    from p2ploco.swarm.dht import start_dht_node, visible_maddrs
+    from p2ploco.swarm.bootstrap import start_bootstrap
     from p2ploco.swarm.loop import EventLoopThread, finishes_within
 
     loop = EventLoopThread()
     try:
-        node = loop.run(start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity))
+        node, addresses = loop.run(start_bootstrap(initial_peers, host_maddrs, announce_maddrs, identity, name))
         click.echo(f"bootstrap peer {node.peer_id} is up. Nodes join with --initial-peers and one of:")
-        for address in loop.run(visible_maddrs(node)):
+        for address in addresses:
             click.echo(f"  {address}")
         sys.stdout.flush()
         stopped = threading.Event()
@@ -134,20 +135,118 @@ def node() -> None:
               help="Override any config key, e.g. --set inner.lr=3e-4 (repeatable).")
 @click.option("--resume", is_flag=True,
               help="Continue from the checkpoint in --log-dir, then catch up with the swarm.")
+@click.option("--name", default="", help="Name shown by `p2ploco peers` [derived from the peer id].")
 @reports_errors
 def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...],
                announce_maddrs: tuple[str, ...], identity: str | None, run_id: str | None, max_rounds: int | None,
-               log_dir: str | None, overrides: tuple[str, ...], resume: bool) -> None:
+               log_dir: str | None, overrides: tuple[str, ...], resume: bool, name: str) -> None:
     """Join (or start) a swarm and train."""
     from p2ploco.config import load_config
     from p2ploco.node import Node, SwarmOptions
 
     extra = ([f"run_id={run_id}"] if run_id else []) + ([f"training.rounds={max_rounds}"] if max_rounds else [])
     config = load_config(config_path, list(overrides) + extra)
-    options = SwarmOptions(initial_peers, host_maddrs, announce_maddrs, identity)
+    if len(name) > 64:
+        raise ConfigError(f"--name is {len(name)} characters long; use at most 64")
+    options = SwarmOptions(initial_peers, host_maddrs, announce_maddrs, identity, name)
     node = Node(config, options, Path(log_dir) if log_dir else None, config_path, resume=resume, out=click.echo)
     stop_gracefully(node.stop)
     node.run()
+
+
+CLIENT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)  # a client only dials out: nothing needs to reach it
+inspect_options = [
+    click.option("--initial-peers", multiple=True, required=True,
+                 help="Multiaddr of any peer of the swarm, e.g. its bootstrap peer (repeatable)."),
+    click.option("--run-id", help="The run to look at [the only run in the swarm]."),
+    click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table."),
+]
+
+
+def with_inspect_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(inspect_options):
+        command = option(command)
+    return command
+
+
+def look_at_swarm(initial_peers: tuple[str, ...], run_id: str | None,
+                  show: Callable[[Callable[[], Any]], None]) -> None:
+    """Join the DHT as a client, find the run, and hand ``show`` a function that surveys it afresh."""
+    from p2ploco.monitor import find_run, survey
+    from p2ploco.swarm.dht import start_dht_node
+    from p2ploco.swarm.loop import EventLoopThread, finishes_within
+    from p2ploco.swarm.records import record_validator
+
+    logging.getLogger("hivemind").setLevel(logging.CRITICAL)  # a client's daemon chatter is noise to its user
+    loop = EventLoopThread()
+    node = None
+    try:
+        node = loop.run(start_dht_node(initial_peers, CLIENT_HOST_MADDRS, client_mode=True,
+                                       record_validator=record_validator()[0]))
+        run = loop.run(find_run(node, run_id))
+        show(lambda: loop.run(survey(node, run), 60))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if node is not None:
+            loop.run(finishes_within(node.shutdown(), 5), 10)
+        loop.stop()
+
+
+@main.command()
+@with_inspect_options
+@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2),
+              help="Seconds between refreshes with --watch.")
+@reports_errors
+def peers(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, watch: bool, interval: float) -> None:
+    """List the live peers of a run: role, state, round, loss, throughput, traffic."""
+    import json
+    import time
+
+    from p2ploco.monitor import peers_json, peers_rich, peers_text
+
+    def show(look: Callable[[], Any]) -> None:
+        rich_terminal = sys.stdout.isatty() and not as_json
+        if rich_terminal and watch:
+            from rich.live import Live
+
+            with Live(peers_rich(look()), auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(peers_rich(look()), refresh=True)
+        while True:
+            survey = look()
+            if as_json:
+                click.echo(json.dumps(peers_json(survey)))
+            elif rich_terminal:
+                from rich.console import Console
+
+                Console().print(peers_rich(survey))
+            else:
+                click.echo(peers_text(survey) + ("\n" if watch else ""))
+            if not watch:
+                return
+            sys.stdout.flush()
+            time.sleep(interval)
+
+    look_at_swarm(initial_peers, run_id, show)
+
+
+@main.command()
+@with_inspect_options
+@reports_errors
+def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool) -> None:
+    """The run at a glance: round, peers by role, total throughput, last round's time and bytes, eval trend."""
+    import json
+
+    from p2ploco.monitor import status_json, status_text
+
+    def show(look: Callable[[], Any]) -> None:
+        survey = look()
+        click.echo(json.dumps(status_json(survey)) if as_json else status_text(survey))
+
+    look_at_swarm(initial_peers, run_id, show)
 
 
 @main.command()

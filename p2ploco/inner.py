@@ -46,6 +46,7 @@ class InnerTrainer:
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=config.lr, betas=tuple(config.betas),
         )
+        self.step_in_round = 0  # inner steps done in the round under way (shown in the peer's record)
 
     def lr_at(self, step: int) -> float:
         c = self.config
@@ -63,6 +64,7 @@ class InnerTrainer:
         self.model.train()
         losses = []
         for h in range(c.steps):
+            self.step_in_round = h
             if should_stop():
                 return None
             faults.hit("inner.step", round_index)
@@ -81,6 +83,7 @@ class InnerTrainer:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
             self.optimizer.step()
             losses.append(step_loss)
+        self.step_in_round = c.steps
         tokens = c.steps * c.grad_accum * c.batch_size * self.sampler.seq_len
         return InnerStats(sum(losses) / len(losses), tokens, time.perf_counter() - started)
 

@@ -49,6 +49,37 @@ class MetricsLog:
             f.write(json.dumps(asdict(record)) + "\n")
 
 
+class TensorBoardLog:
+    """Round records as TensorBoard scalars, when the optional ``tensorboard`` package is installed
+    (``pip install p2ploco[tensorboard]``); otherwise it does nothing."""
+
+    SCALARS = ("loss", "eval_loss", "peers", "bytes_sent", "bytes_received", "bits_per_param", "inner_seconds",
+               "comm_seconds", "round_seconds")
+
+    def __init__(self, directory: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is an optional extra
+            self.writer = None
+        else:
+            self.writer = SummaryWriter(str(directory))
+
+    def write(self, record: RoundRecord) -> None:
+        if self.writer is None:
+            return
+        values = asdict(record)
+        for name in self.SCALARS:
+            if values[name] is not None:
+                self.writer.add_scalar(f"round/{name}", values[name], record.round)
+        if record.round_seconds:
+            self.writer.add_scalar("round/tokens_per_second", record.tokens / record.round_seconds, record.round)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 def read_records(path: Path) -> list[dict]:
     """Records written so far; a torn last line (a writer killed mid-write) is skipped."""
     records = []

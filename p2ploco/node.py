@@ -10,6 +10,7 @@ Checkpoints are written every ``training.checkpoint_every`` rounds and on a clea
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,12 +25,12 @@ from p2ploco.config import Config
 from p2ploco.data import Batch, ByteTokenizer, Corpus, ShardSampler, eval_batches
 from p2ploco.errors import CheckpointError, ConfigError, SwarmError
 from p2ploco.inner import InnerTrainer, evaluate
-from p2ploco.metrics import MetricsLog, RoundRecord, format_table, human_bytes, params_sha256
+from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes, params_sha256
 from p2ploco.model import Transformer
 from p2ploco.outer import build_outer
 from p2ploco.outer.base import copy_state
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
-from p2ploco.swarm.records import SwarmState
+from p2ploco.swarm.records import EVAL_HISTORY, SwarmState
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.swarm.state import Snapshot
 
@@ -40,6 +41,7 @@ class SwarmOptions:
     host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS
     announce_maddrs: Sequence[str] = ()
     identity_path: str | None = None
+    name: str = ""  # shown in `p2ploco peers`; derived from the peer id when empty
 
 
 @dataclass
@@ -49,6 +51,27 @@ class Membership:
     joined_round: int  # the round it (re)joined at
     source: str  # init (seeded), checkpoint, or peer (fetched from the swarm)
     catchup_seconds: float = 0.0  # time spent fetching state before the next round
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def public_fields(records: Sequence[RoundRecord]) -> dict[str, object]:
+    """What this node's DHT record tells others about its last round."""
+    def finite(value: float | None) -> float | None:  # the record schema admits no NaN or inf
+        return round(value, 4) if value is not None and math.isfinite(value) else None
+
+    r = records[-1]
+    traffic = r.bytes_sent + r.bytes_received
+    evals = [[x.round, finite(x.eval_loss)] for x in records if finite(x.eval_loss) is not None][-EVAL_HISTORY:]
+    return {"loss": finite(r.loss), "eval_loss": finite(r.eval_loss),
+            "tokens_per_second": round(r.tokens / r.round_seconds, 1) if r.round_seconds else 0.0,
+            "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
+            "compression": round(r.dense_fp32_bytes / traffic, 1) if traffic else 0.0,
+            "round_seconds": round(r.round_seconds, 2), "eval_history": evals}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -147,10 +170,10 @@ class Node:
         # The p2p daemon is a child process: start it before CUDA is initialised in this one.
         swarm = self.swarm = Swarm.join(c.run_id, c.swarm, c.swarm_fingerprint(), **asdict(self.options))
         started = time.perf_counter()
-        replica: Replica | None = None
         round_index = 0
         me = swarm.peer_id[-8:]
         try:
+            swarm.report(device=describe_device(device))
             self._announce(swarm)
             log_dir = self.log_dir or Path("runs") / c.run_id / me
             checkpoints = log_dir / "checkpoint"
@@ -160,11 +183,15 @@ class Node:
             log_dir.mkdir(parents=True, exist_ok=True)
             (log_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
             metrics = MetricsLog(log_dir / "metrics.jsonl")
+            board = TensorBoardLog(log_dir / "tensorboard")
+            if board.writer is not None:
+                self.out(f"[{me}] TensorBoard logs in {log_dir / 'tensorboard'}")
 
             corpus = Corpus.load(c.data, ByteTokenizer())
             sampler = ShardSampler(corpus.train, c.data.seq_len, c.inner.batch_size, c.run_id, swarm.peer_id)
             held_out = eval_batches(corpus.eval, c.data.seq_len, c.data.eval_sequences)
             replica = Replica(c, device, sampler)
+            swarm.track(lambda: {"inner_step": replica.inner.step_in_round})
             membership = Membership(0, "init")
             if self.resume:
                 saved = checkpoint.load(checkpoints, c.run_id, c.swarm_fingerprint())
@@ -183,9 +210,9 @@ class Node:
             def finished() -> bool:
                 return bool(c.training.rounds) and round_index >= c.training.rounds
 
-            left_out_of: int | None = None  # a round the others applied without this peer
+            unsettled: int | None = None  # a round that may have ended otherwise for the others
             while not self.stopping.is_set() and not finished():
-                round_index, membership = self._catch_up(swarm, replica, round_index, membership, left_out_of)
+                round_index, membership = self._catch_up(swarm, replica, round_index, membership, unsettled)
                 if finished():
                     break
                 record = self._round(swarm, replica, round_index, membership, held_out, device)
@@ -194,14 +221,18 @@ class Node:
                 metrics.append(record)
                 self.records.append(record)
                 self.out(progress_line(swarm.peer_id, record))
+                swarm.report(**public_fields(self.records))
+                board.write(record)
                 membership.catchup_seconds = 0.0
-                left_out_of = round_index if not record.applied and record.excluded else None
+                # Alone, or not applied: the others may hold another state after this round (they committed
+                # without us, or a judge we could not reach decided otherwise).
+                unsettled = round_index if record.peers == 1 or not record.applied else None
                 round_index += 1
                 if c.training.checkpoint_every and round_index % c.training.checkpoint_every == 0:
                     checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, c.swarm_fingerprint())
-            if replica is not None:
-                checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, c.swarm_fingerprint())
-                self.out(f"[{me}] checkpoint of round {round_index} written to {checkpoints}")
+            board.close()
+            checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, c.swarm_fingerprint())
+            self.out(f"[{me}] checkpoint of round {round_index} written to {checkpoints}")
         except KeyboardInterrupt:  # a second signal: stop now, keep the last periodic checkpoint
             self.out(f"[{me}] stopped at once after {len(self.records)} round(s); no exit checkpoint")
         finally:
@@ -212,20 +243,29 @@ class Node:
         return self.records
 
     def _catch_up(self, swarm: Swarm, replica: Replica, round_index: int, membership: Membership,
-                  left_out_of: int | None) -> tuple[int, Membership]:
+                  unsettled: int | None) -> tuple[int, Membership]:
         """If the swarm is ahead of us, or holds another state at our round, fetch its state and contribute
-        from the next round: first wait (bounded) for the others to finish the round they are in (or the
-        one we were left out of), so that we start the next one with them rather than late."""
+        from the next round. After an unsettled round, first let the others finish it and compare states
+        at the next round (the majority wins), then fetch at once. A peer that is otherwise behind (joining,
+        restarted) first waits (bounded) for the others to finish the round they are in, so that it starts
+        the next one with them rather than late."""
         def behind(target: SwarmState | None) -> bool:
             return target is not None and (target.round > round_index or (
                 target.round == round_index and target.params_sha256 != replica.params_sha256))
 
         s = self.config.swarm
+        deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
+        if unsettled is not None:
+            swarm.set_progress(round_index, "training", replica.params_sha256)  # our state, for the vote
+            while ((slowest := swarm.slowest_round()) is not None and slowest <= unsettled
+                   and time.monotonic() < deadline):
+                if self.stopping.is_set():
+                    return round_index, membership
+                time.sleep(s.heartbeat_interval)  # the others publish their next round when they reach it
         target = swarm.swarm_state(round_index, replica.params_sha256)
         if not behind(target):
             return round_index, membership
-        wait_past = target.round if left_out_of is None else left_out_of
-        deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
+        wait_past = target.round if unsettled is None else -1  # after an unsettled round the next has not begun
         while target is not None and target.round <= wait_past and time.monotonic() < deadline:
             if self.stopping.is_set():
                 return round_index, membership

@@ -1,5 +1,8 @@
 """Catching up: which state to follow, and fetching it from several real donors (one of them stalled)."""
 
+import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -87,3 +90,35 @@ def test_a_state_nobody_holds_is_refused(donors_and_joiner):
     donors, joiner = donors_and_joiner
     with pytest.raises(SwarmError, match="no donor serves the state of round 5 with the expected hash"):
         joiner.fetch_state(SwarmState(5, "f" * 64, tuple(d.peer_id for d in donors[1:])))
+
+
+def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
+    """One donor's p2p daemon is SIGKILLed as the donor is asked for its first range: the joiner gets that
+    range from the others and the state arrives whole."""
+    swarms, killed = [], []
+    try:
+        swarms.append(Swarm.join("state-crash", CONFIG, "cfg", host_maddrs=LOOPBACK))
+        for _ in range(3):
+            swarms.append(Swarm.join("state-crash", CONFIG, "cfg", initial_peers=swarms[0].addresses(),
+                                     host_maddrs=LOOPBACK))
+        donors, joiner = swarms[:3], swarms[3]
+        snapshot = big_snapshot(7)
+        for donor in donors:
+            donor.publish_state(big_snapshot(7))
+            donor.set_progress(7, "training", snapshot.params_sha256)
+
+        async def victim_dies(point: str, round_index: int) -> None:
+            if point == "state.serve" and asyncio.get_running_loop() is donors[1].loop.loop and not killed:
+                killed.append(round_index)
+                os.kill(donors[1].node.protocol.p2p._child.pid, signal.SIGKILL)
+                raise ConnectionError("the donor is gone")
+
+        monkeypatch.setattr(faults, "hit_async", victim_dies)  # each donor runs on its own event loop
+        target = joiner.swarm_state(0, "fresh")
+        assert set(target.holders) == {d.peer_id for d in donors}
+        fetched = joiner.fetch_state(target)
+        assert killed == [7] and fetched.params_sha256 == snapshot.params_sha256
+        assert all(torch.equal(fetched.params[k], snapshot.params[k]) for k in snapshot.params)
+    finally:
+        for s in swarms:
+            s.leave()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -38,6 +39,7 @@ async def start_dht_node(
     announce_maddrs: Sequence[str] = (),
     identity_path: str | None = None,
     client_mode: bool = False,
+    record_validator: RecordValidatorBase | None = None,
 ) -> DHTNode:
     """Start a p2p daemon and a DHT node in the running loop; bootstrap from ``initial_peers`` if any."""
     initial_peers = check_multiaddrs(initial_peers, "--initial-peers", need_peer_id=True)
@@ -53,6 +55,7 @@ async def start_dht_node(
             announce_maddrs=list(announce_maddrs) or None,
             identity_path=identity_path,
             client_mode=client_mode,
+            record_validator=record_validator,
         )
     except P2PDaemonError as e:
         text = str(e)

@@ -1,24 +1,41 @@
-"""Peer records in the DHT: each node keeps its own record fresh on a heartbeat; a record that is
-not refreshed expires, and with it the peer's place in the swarm.
+"""Peer records in the DHT: who is in a run, where each peer stands, and what it is doing.
 
-All records of a run live under one DHT key, one subkey per peer, so a single lookup lists the
-swarm. Records from other peers are untrusted input: malformed ones are skipped.
+Each node keeps its own record fresh on a heartbeat; a record that is not refreshed expires, and
+with it the peer's place in the swarm. All records of a run live under one DHT key, so a single
+lookup lists the swarm. The subkey is the owner's RSA public key and the value carries its
+signature (hivemind's RSASignatureValidator): only the owner can write its record. Every node, and
+``p2ploco peers``, validates records it stores or receives against the schema below; a record with
+a bad signature or schema is dropped by the DHT layer and never reaches the application.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
-from hivemind.utils import get_dht_time
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 logger = logging.getLogger(__name__)
 
-STATES = ("joining", "training", "averaging", "leaving")
+STATES = ("joining", "training", "averaging", "leaving", "serving")  # serving: a bootstrap peer
+ROLES = ("replica", "stage", "bootstrap")  # a full model replica, a pipeline stage, a bootstrap-only peer
+BOOTSTRAP_KEY = "p2ploco/bootstrap"  # records of bootstrap peers, shared by all runs
+RUNS_KEY = "p2ploco/runs"  # the run ids being trained, so a client can find them
+MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; anything much larger is junk
+MAX_TEXT = 256  # longest string field (an address, a device name)
+MAX_ADDRESSES = 16
+EVAL_HISTORY = 16  # (round, eval loss) pairs a record keeps, for the trend in `p2ploco status`
 
 
 @dataclass
@@ -29,22 +46,119 @@ class PeerRecord:
     fingerprint: str  # of the config parts every peer of a round must share (Config.swarm_fingerprint)
     params_sha256: str = ""  # hash of this peer's global parameters at the start of `round`
     version: str = ""
+    name: str = ""  # short human name
+    role: str = "replica"  # one of ROLES
+    device: str = ""
+    inner_step: int = 0  # inner steps done in the current round
+    loss: float | None = None  # mean inner loss of the last finished round
+    eval_loss: float | None = None  # eval loss after the last finished round
+    tokens_per_second: float = 0.0  # over the last finished round, communication included
+    bytes_sent: int = 0  # payload bytes of the last round's all-reduce
+    bytes_received: int = 0
+    compression: float = 0.0  # dense fp32 all-reduce bytes / actual bytes, last round (0: nothing sent)
+    round_seconds: float = 0.0  # wall time of the last finished round
+    uptime: float = 0.0  # seconds since the node started
+    addresses: list[str] = field(default_factory=list)  # multiaddrs others can reach it at
+    eval_history: list[list[float]] = field(default_factory=list)  # [round, eval loss], oldest first
 
     @classmethod
-    def parse(cls, peer_id: str, value: object) -> PeerRecord | None:
+    def parse(cls, value: object) -> PeerRecord | None:
+        """The record in ``value`` if it fits the schema exactly enough to trust its fields, else None.
+        Unknown keys are ignored so that newer versions can add fields."""
         if not isinstance(value, dict):
             return None
-        round_index, state, fingerprint = value.get("round"), value.get("state"), value.get("fingerprint")
-        params, version = value.get("params_sha256", ""), value.get("version", "")
-        if (type(round_index) is not int or round_index < 0 or state not in STATES
-                or not all(isinstance(text, str) for text in (fingerprint, params, version))):
+        known = {f.name for f in fields(cls)}
+        record = {k: v for k, v in value.items() if k in known}
+        try:
+            parsed = cls(**record)
+        except TypeError:  # a required field is missing
             return None
-        return cls(peer_id, round_index, state, fingerprint, params, version)
+        return parsed if parsed._well_formed() else None
+
+    def _well_formed(self) -> bool:
+        def text(value: object, limit: int = MAX_TEXT) -> bool:
+            return isinstance(value, str) and len(value) <= limit
+
+        def count(value: object) -> bool:
+            return type(value) is int and value >= 0
+
+        def amount(value: object) -> bool:
+            return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+        return (text(self.peer_id, 64) and bool(self.peer_id) and count(self.round) and self.state in STATES
+                and self.role in ROLES and all(text(t, 64) for t in (self.fingerprint, self.params_sha256,
+                                                                      self.version, self.name))
+                and text(self.device) and count(self.inner_step) and count(self.bytes_sent)
+                and count(self.bytes_received)
+                and all(v is None or amount(v) for v in (self.loss, self.eval_loss))
+                and all(amount(v) for v in (self.tokens_per_second, self.compression, self.round_seconds,
+                                            self.uptime))
+                and isinstance(self.addresses, list) and len(self.addresses) <= MAX_ADDRESSES
+                and all(text(a) for a in self.addresses)
+                and isinstance(self.eval_history, list) and len(self.eval_history) <= EVAL_HISTORY
+                and all(isinstance(p, list) and len(p) == 2 and count(p[0]) and amount(p[1])
+                        for p in self.eval_history))
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
 
     @property
     def active(self) -> bool:
         """Training or averaging with a known state: a peer others can average with or fetch from."""
         return self.state in ("training", "averaging") and bool(self.params_sha256)
+
+
+_ADJECTIVES = ("amber", "bold", "brisk", "calm", "clever", "cosmic", "crisp", "dapper", "eager", "fuzzy",
+               "gentle", "golden", "happy", "humble", "jolly", "keen", "lively", "lucky", "mellow", "nimble",
+               "noble", "plucky", "quiet", "rapid", "rustic", "silver", "sleek", "sunny", "swift", "tidy",
+               "vivid", "witty")
+_ANIMALS = ("badger", "beaver", "bison", "crane", "dingo", "eagle", "falcon", "ferret", "gecko", "heron",
+            "ibex", "jackal", "koala", "lemur", "lynx", "marmot", "moose", "newt", "ocelot", "otter", "panda",
+            "puffin", "quokka", "raven", "salmon", "stoat", "tapir", "toucan", "walrus", "wombat", "yak", "zebra")
+
+
+def human_name(peer_id: str) -> str:
+    """A short name derived from the peer id (the same peer keeps it across restarts), e.g. swift-otter-7Kq2."""
+    digest = DHTID.generate(source=peer_id)
+    return f"{_ADJECTIVES[digest % 32]}-{_ANIMALS[(digest >> 5) % 32]}-{peer_id[-4:]}"
+
+
+class RecordSchema(RecordValidatorBase):
+    """DHT-level schema for p2ploco's keys: peer records must be signed (their subkey names the owner's
+    public key) and parse as PeerRecord; run names are short strings. Other keys pass untouched."""
+
+    def __init__(self, record_keys: Iterable[str]):
+        self.record_keys = {DHTID.generate(source=key).to_bytes() for key in record_keys}
+        self.runs_key = DHTID.generate(source=RUNS_KEY).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self.record_keys and record.key != self.runs_key:
+            return True
+        if len(record.value) > MAX_RECORD_BYTES:
+            return False
+        try:
+            subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
+        except Exception:  # undecodable bytes from a peer
+            return False
+        if record.key == self.runs_key:
+            return isinstance(subkey, str) and 0 < len(subkey) <= 64 and isinstance(value, dict)
+        return (isinstance(subkey, bytes) and RSASignatureValidator._PUBLIC_KEY_RE.fullmatch(subkey) is not None
+                and PeerRecord.parse(value) is not None)
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if not isinstance(other, RecordSchema):
+            return False
+        self.record_keys |= other.record_keys
+        return True
+
+
+def record_validator(run_id: str | None = None) -> tuple[CompositeValidator, bytes]:
+    """A validator for a node of ``run_id`` (or a bootstrap peer or client: None), and the subkey under
+    which this node's records are signed: the public half of a fresh RSA key (one per node, not per
+    process: tests and benchmarks run several nodes in one process)."""
+    signatures = RSASignatureValidator(RSAPrivateKey())
+    keys = [BOOTSTRAP_KEY] + ([peers_key(run_id)] if run_id is not None else [])
+    return CompositeValidator([signatures, RecordSchema(keys)]), signatures.local_public_key
 
 
 @dataclass(frozen=True)
@@ -76,19 +190,44 @@ def peers_key(run_id: str) -> str:
     return f"p2ploco/{run_id}/peers"
 
 
+def parse_records(found: object, now: float) -> dict[str, tuple[PeerRecord, float]]:
+    """Records and their expiry from a DHT dictionary value, latest per peer id (a restarted peer may
+    have a second, older record under another key until that one lapses)."""
+    records: dict[str, tuple[PeerRecord, float]] = {}
+    if not isinstance(found, dict):
+        return records
+    for item in found.values():
+        record = PeerRecord.parse(getattr(item, "value", None))
+        expires = getattr(item, "expiration_time", None)
+        if record is None or not isinstance(expires, float) or expires <= now:
+            continue
+        if record.peer_id not in records or records[record.peer_id][1] < expires:
+            records[record.peer_id] = (record, expires)
+    return records
+
+
 class PeerDirectory:
     """This node's record (published on a heartbeat) and the last view of everyone's."""
 
-    def __init__(self, node: DHTNode, run_id: str, me: PeerRecord, interval: float, ttl: float):
-        self.node, self.key, self.me, self.interval, self.ttl = node, peers_key(run_id), me, interval, ttl
+    def __init__(self, node: DHTNode, key: str, owner: bytes, me: PeerRecord, interval: float, ttl: float,
+                 run_id: str | None = None):
+        self.node, self.key, self.owner, self.me, self.interval, self.ttl = node, key, owner, me, interval, ttl
+        self.run_id = run_id  # listed under RUNS_KEY while this peer trains it
         self.live: dict[str, PeerRecord] = {}
         self._expires: dict[str, float] = {}  # DHT time at which each record in `live` lapses
         self._task: asyncio.Task | None = None
+        self._started = time.monotonic()
+        self.live_fields: Callable[[], dict[str, Any]] = dict  # fields that change between updates
 
     async def publish(self) -> None:
-        value = {k: v for k, v in asdict(self.me).items() if k != "peer_id"}
-        ok = await self.node.store(self.key, subkey=self.me.peer_id, value=value,
-                                   expiration_time=get_dht_time() + self.ttl)
+        for name, value in self.live_fields().items():
+            setattr(self.me, name, value)
+        self.me.uptime = round(time.monotonic() - self._started, 1)
+        expires = get_dht_time() + self.ttl
+        ok = await self.node.store(self.key, subkey=self.owner, value=self.me.to_value(), expiration_time=expires)
+        if self.run_id is not None:
+            await self.node.store(RUNS_KEY, subkey=self.run_id, value={"version": self.me.version},
+                                  expiration_time=expires)
         if not ok:
             logger.debug("heartbeat record was not stored by any DHT peer")
 
@@ -103,19 +242,15 @@ class PeerDirectory:
         except Exception as e:  # DHT lookups fail in many ways on a flaky network
             logger.info(f"peer lookup failed, keeping the last view: {e!r}")
             found = None
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                record = PeerRecord.parse(subkey, getattr(item, "value", None)) if isinstance(subkey, str) else None
-                expires = getattr(item, "expiration_time", None)
-                if record is not None and isinstance(expires, float) and expires > now:
-                    live[subkey], self._expires[subkey] = record, expires
+        for peer_id, (record, expires) in parse_records(getattr(found, "value", None), now).items():
+            live[peer_id], self._expires[peer_id] = record, expires
         live[self.me.peer_id] = self.me
         self.live = live
         return live
 
-    async def update(self, **fields: object) -> None:
+    async def update(self, **changes: object) -> None:
         """Change this node's record and publish it at once (state changes should not wait a heartbeat)."""
-        for name, value in fields.items():
+        for name, value in changes.items():
             setattr(self.me, name, value)
         await self.publish()
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from hivemind.dht.node import DHTNode
 
@@ -19,7 +20,16 @@ from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.communicator import SwarmCommunicator
 from p2ploco.swarm.dht import start_dht_node, visible_maddrs
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
-from p2ploco.swarm.records import PeerDirectory, PeerRecord, SwarmState, swarm_state
+from p2ploco.swarm.records import (
+    MAX_ADDRESSES,
+    PeerDirectory,
+    PeerRecord,
+    SwarmState,
+    human_name,
+    peers_key,
+    record_validator,
+    swarm_state,
+)
 from p2ploco.swarm.rounds import Matchmaker
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state
 
@@ -38,15 +48,20 @@ class Swarm:
     @classmethod
     def join(cls, run_id: str, config: SwarmConfig, config_fingerprint: str, initial_peers: Sequence[str] = (),
              host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS, announce_maddrs: Sequence[str] = (),
-             identity_path: str | None = None) -> Swarm:
+             identity_path: str | None = None, name: str = "", device: str = "") -> Swarm:
         """Start the p2p daemon and DHT node, publish this peer's record and serve rounds and state."""
         loop = EventLoopThread()
 
         async def start() -> Swarm:
-            node = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path)
+            validator, owner = record_validator(run_id)
+            node = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path,
+                                        record_validator=validator)
             p2p, me_id = node.protocol.p2p, str(node.peer_id)
-            me = PeerRecord(me_id, round=0, state="joining", fingerprint=config_fingerprint, version=__version__)
-            directory = PeerDirectory(node, run_id, me, config.heartbeat_interval, config.peer_ttl)
+            me = PeerRecord(me_id, round=0, state="joining", fingerprint=config_fingerprint, version=__version__,
+                            name=name or human_name(me_id), device=device,
+                            addresses=(await visible_maddrs(node))[:MAX_ADDRESSES])
+            directory = PeerDirectory(node, peers_key(run_id), owner, me, config.heartbeat_interval, config.peer_ttl,
+                                      run_id=run_id)
             matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout)
             butterfly = ButterflyAllReduce(p2p, me_id, run_id, config.allreduce_timeout)
             commit = RoundCommit(p2p, me_id, run_id, config.allreduce_timeout)
@@ -83,6 +98,14 @@ class Swarm:
         self.loop.run(self.directory.update(round=round_index, state=state, params_sha256=params_sha256),
                       CALL_TIMEOUT)
 
+    def report(self, **changes: object) -> None:
+        """Update this peer's public record (loss, throughput, traffic, ...) and publish it at once."""
+        self.loop.run(self.directory.update(**changes), CALL_TIMEOUT)
+
+    def track(self, live_fields: Callable[[], dict[str, Any]]) -> None:
+        """Fields read afresh at every heartbeat (e.g. the inner step), so the record moves between rounds."""
+        self.directory.live_fields = live_fields
+
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Block until ``count`` peers (this one included) are present or the run is under way, or ``timeout``."""
         return self.loop.run(self.directory.wait_for_peers(count, timeout))
@@ -92,6 +115,16 @@ class Swarm:
         async def look() -> SwarmState | None:
             me = replace(self.directory.me, round=round_index, params_sha256=params_sha256, state="training")
             return swarm_state(await self.directory.refresh(), me)
+
+        return self.loop.run(look(), CALL_TIMEOUT)
+
+    def slowest_round(self) -> int | None:
+        """The lowest round an active peer of our config (other than us) works on; None if there is none."""
+        async def look() -> int | None:
+            me = self.directory.me
+            rounds = [r.round for r in (await self.directory.refresh()).values()
+                      if r.peer_id != me.peer_id and r.fingerprint == me.fingerprint and r.active]
+            return min(rounds, default=None)
 
         return self.loop.run(look(), CALL_TIMEOUT)
 

@@ -1,0 +1,204 @@
+"""Peer records are signed and schema-checked; `p2ploco peers` and `p2ploco status` against real swarms."""
+
+import json
+import math
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
+from p2ploco.metrics import RoundRecord, TensorBoardLog
+from p2ploco.swarm.loop import EventLoopThread
+from p2ploco.swarm.records import PeerRecord, peers_key, record_validator
+
+JOINED = re.compile(r"peer (12D3\w+) joined run")
+NOBODY = "12D3KooWJFBvJXaPgQ1XAX5u5MCmZYfgVUgvyeTA2BwcCGJhu78u"  # a well-formed peer id nobody runs
+
+
+def valid_value(**changes) -> dict:
+    record = PeerRecord("12D3KooWExample", round=3, state="training", fingerprint="f" * 16, params_sha256="a" * 64,
+                        name="swift-otter-mple", eval_history=[[1, 4.5], [2, 4.0]])
+    return {**record.to_value(), **changes}
+
+
+@pytest.mark.parametrize("changes", [
+    {"round": -1}, {"round": 1.0}, {"round": True}, {"state": "dancing"}, {"role": "king"}, {"loss": math.nan},
+    {"tokens_per_second": math.inf}, {"bytes_sent": -5}, {"name": "x" * 65}, {"addresses": ["a"] * 17},
+    {"addresses": "not a list"}, {"eval_history": [[1, 2.0, 3.0]]}, {"peer_id": ""}, {"peer_id": None},
+])
+def test_records_that_break_the_schema_are_refused(changes):
+    assert PeerRecord.parse(valid_value()) is not None
+    assert PeerRecord.parse(valid_value(**changes)) is None
+
+
+def test_unknown_fields_are_ignored_and_missing_ones_refused():
+    assert PeerRecord.parse(valid_value(future_field=1)).round == 3
+    value = valid_value()
+    del value["state"]
+    assert PeerRecord.parse(value) is None
+
+
+def dht_record(subkey: bytes, value: object) -> DHTRecord:
+    return DHTRecord(DHTID.generate(source=peers_key("tiny")).to_bytes(), MSGPackSerializer.dumps(subkey),
+                     MSGPackSerializer.dumps(value), get_dht_time() + 10)
+
+
+def test_only_the_owner_can_sign_its_record_and_the_schema_is_checked():
+    validator, owner = record_validator("tiny")
+
+    def signed(record: DHTRecord) -> DHTRecord:
+        return DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
+
+    good = signed(dht_record(owner, valid_value()))
+    assert validator.validate(good)
+    tampered = DHTRecord(good.key, good.subkey, good.value.replace(b"training", b"averaging"), good.expiration_time)
+    assert not validator.validate(tampered)
+    assert not validator.validate(dht_record(owner, valid_value()))  # unsigned
+    someone_else = RSASignatureValidator(RSAPrivateKey()).local_public_key
+    assert not validator.validate(signed(dht_record(someone_else, valid_value())))  # not ours to sign
+    assert not validator.validate(signed(dht_record(owner, valid_value(state="dancing"))))  # signed junk
+    assert not validator.validate(signed(dht_record(b"plain-subkey", valid_value())))  # must name an owner
+
+
+class Forger(RecordValidatorBase):
+    """A hostile peer: signs records that name another peer's public key with its own key, and stores
+    anything it is sent."""
+
+    def __init__(self):
+        self.key = RSAPrivateKey()
+
+    def validate(self, record: DHTRecord) -> bool:
+        return True
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value + b"[signature:" + self.key.sign(record.value) + b"]"
+
+
+def run_cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run(cli(*args), capture_output=True, text=True, timeout=timeout)
+
+
+def test_round_records_reach_tensorboard(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    board = TensorBoardLog(tmp_path)
+    for round_index, loss in enumerate((4.0, 3.5)):
+        board.write(RoundRecord(round=round_index, peers=3, loss=loss, eval_loss=loss + 0.1, params_sha256="x",
+                                bytes_sent=100, bytes_received=200, dense_fp32_bytes=30000, density=1 / 64,
+                                bits_per_param=0.15, tokens=4096, inner_seconds=1.0, comm_seconds=0.5,
+                                round_seconds=2.0))
+    board.close()
+    events = event_accumulator.EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("round/loss")] == [(0, 4.0), (1, 3.5)]
+    assert [e.value for e in events.Scalars("round/tokens_per_second")] == [2048.0, 2048.0]
+
+
+def test_clear_errors_without_a_swarm(tmp_path):
+    nobody = run_cli("peers", "--initial-peers", f"/ip4/127.0.0.1/tcp/9/p2p/{NOBODY}")
+    assert nobody.returncode == 1 and "could not reach any bootstrap peer" in nobody.stderr
+    with LocalSwarm(tmp_path) as empty:  # a bootstrap peer, nobody training
+        result = run_cli("status", "--initial-peers", empty.bootstrap_address)
+    assert result.returncode == 1 and "error: no peers yet" in result.stderr
+    for r in (nobody, result):
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    """A bootstrap peer and three training nodes, and the peer id of each node."""
+    folder = tmp_path_factory.mktemp("inspect")
+    with LocalSwarm(folder) as local:
+        nodes = {name: local.start_node(name, TINY_CONFIG, "--set", "swarm.min_peers=3", "--set", "inner.steps=5",
+                                        "--set", "swarm.heartbeat_interval=0.5") for name in "abc"}
+        ids = {name: node.wait_for_line(JOINED, 60).group(1) for name, node in nodes.items()}
+        for node in nodes.values():
+            node.wait_for_line(re.compile(r"round\s+1 \|"), 120)
+        yield local, ids
+
+
+def listing(swarm_address: str, *extra: str) -> dict:
+    result = run_cli("peers", "--initial-peers", swarm_address, "--json", *extra)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_peers_lists_exactly_the_running_nodes_with_their_rounds(swarm):
+    local, ids = swarm
+
+    def last_finished() -> dict[str, int]:
+        return {name: max(r["round"] for r in local.records(name)) for name in ids}
+
+    before = last_finished()
+    peers = listing(local.bootstrap_address)["peers"]
+    after = last_finished()
+    trainers = {p["peer_id"]: p for p in peers if p["role"] != "bootstrap"}
+    assert set(trainers) == set(ids.values())
+    for name, peer_id in ids.items():  # the round each was on while we looked
+        assert before[name] <= trainers[peer_id]["round"] <= after[name] + 1
+        assert trainers[peer_id]["state"] in ("training", "averaging")
+        assert trainers[peer_id]["eval_history"] and trainers[peer_id]["compression"] > 1
+    assert [p["role"] for p in peers].count("bootstrap") == 1
+
+
+def test_a_forged_record_is_never_listed(swarm):
+    local, ids = swarm
+    victim = RSASignatureValidator(RSAPrivateKey()).local_public_key
+    loop = EventLoopThread()
+    try:
+        async def forge() -> DHTNode:
+            node = await DHTNode.create(initial_peers=[local.bootstrap_address], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                        record_validator=Forger())
+            await node.store(peers_key("tiny"), subkey=victim, value=valid_value(peer_id="12D3KooWForged"),
+                             expiration_time=get_dht_time() + 60)  # the honest peers refuse it
+            return node
+
+        forger = loop.run(forge(), 60)
+        held = forger.protocol.storage.get(DHTID.generate(source=peers_key("tiny")))
+        assert held is not None and victim in dict(held.value.items())  # the forger will hand it out
+        peers = listing(local.bootstrap_address)["peers"]
+        assert "12D3KooWForged" not in {p["peer_id"] for p in peers}
+        assert set(ids.values()) <= {p["peer_id"] for p in peers}
+        loop.run(forger.shutdown(), 30)
+    finally:
+        loop.stop()
+
+
+def test_status_sums_up_the_run(swarm):
+    local, _ = swarm
+    result = run_cli("status", "--initial-peers", local.bootstrap_address, "--json")
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["run_id"] == "tiny" and status["peers"] == 3 and status["roles"] == {"replica": 3, "bootstrap": 1}
+    assert status["round"] >= 1 and status["tokens_per_second"] > 0 and status["last_round"]["compression"] > 1
+    losses = [loss for _, loss in status["eval_loss"]]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+    text = run_cli("status", "--initial-peers", local.bootstrap_address)
+    assert text.returncode == 0 and "eval loss" in text.stdout and "falling" in text.stdout
+
+
+def test_an_unknown_run_is_named_in_one_line(swarm):
+    local, _ = swarm
+    result = run_cli("peers", "--initial-peers", local.bootstrap_address, "--run-id", "nope")
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: no run 'nope' in this swarm; runs training now: tiny"
+
+
+def test_a_stopped_node_disappears_when_its_record_lapses(swarm):
+    local, ids = swarm
+    before = {p["peer_id"]: p for p in listing(local.bootstrap_address)["peers"]}
+    gone = ids["c"]
+    local.nodes["c"].process.send_signal(signal.SIGKILL)  # no farewell: only expiry can remove it
+    local.nodes["c"].process.wait(30)
+    lapses_by = time.monotonic() + before[gone]["expires_in"] + 10  # its last refresh may have come after the listing
+    while gone in {p["peer_id"] for p in listing(local.bootstrap_address)["peers"]}:
+        assert time.monotonic() < lapses_by, "the killed node's record outlived its expiry"
+    assert {ids["a"], ids["b"]} <= {p["peer_id"] for p in listing(local.bootstrap_address)["peers"]}
