@@ -6,8 +6,9 @@ coordinator decides once, when every member has voted or ``timeout`` after the f
 members are out of the round and cannot block it. Commit if every other vote is a success with one
 digest (members that died after delivering their span do not vote and need not); otherwise, on a
 first attempt, a redo among the members that voted and were not dropped (the dead cannot vote);
-otherwise abort, and nobody applies anything this round. A member that cannot reach the coordinator
-asks the group's members in id order instead, and the first that answers decides.
+otherwise abort, and nobody applies anything this round. Only the coordinator decides: a member that
+cannot reach it applies nothing (as if aborted) and, if the others committed, catches up from them
+before the next round. A second judge would let two halves of a group decide differently.
 """
 
 from __future__ import annotations
@@ -59,17 +60,17 @@ class RoundCommit:
         request = {"group_id": group.group_id, "round": group.round_index, "name": group.name,
                    "peers": list(group.peers), "coordinator": group.coordinator, "attempt": group.attempt,
                    "ok": ok, "digest": digest, "dropped": dropped}
-        judges = [group.coordinator] + sorted(p for p in group.peers if p != group.coordinator)
-        for judge in judges:
-            try:
-                if judge == self.me:
-                    response = await self._decide_here(self.me, request)
-                else:
-                    response = await asyncio.wait_for(self._ask(judge, request), 2 * self.timeout + 5)
-                return _parse_decision(response, group, judge)
-            except Exception as e:  # an unreachable or confused judge: ask the next
-                logger.info(f"round {group.round_index}: no decision from {judge[-8:]} ({e!r})")
-        return Decision("abort")
+        judge = group.coordinator
+        try:
+            if judge == self.me:
+                response = await self._decide_here(self.me, request)
+            else:
+                response = await asyncio.wait_for(self._ask(judge, request), 2 * self.timeout + 5)
+            return _parse_decision(response, group, judge)
+        except Exception as e:  # an unreachable or confused judge: apply nothing, catch up after
+            logger.warning(f"round {group.round_index}: no decision from the coordinator {judge[-8:]} ({e!r}); "
+                           f"applying nothing")
+            return Decision("abort")
 
     async def _ask(self, judge: str, request: dict[str, Any]) -> dict[str, Any]:
         _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(judge), self.handler_name)
