@@ -253,26 +253,25 @@ class Node:
             return target is not None and (target.round > round_index or (
                 target.round == round_index and target.params_sha256 != replica.params_sha256))
 
+        def passed(round_in_progress: int) -> bool:
+            target = swarm.swarm_state(round_index, replica.params_sha256)
+            return target is None or target.round > round_in_progress
+
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
         if unsettled is not None:
             swarm.set_progress(round_index, "training", replica.params_sha256)  # our state, for the vote
-            while ((slowest := swarm.slowest_round()) is not None and slowest <= unsettled
-                   and time.monotonic() < deadline):
-                if self.stopping.is_set():
-                    return round_index, membership
-                time.sleep(s.heartbeat_interval)  # the others publish their next round when they reach it
+            if not self._wait(lambda: (slowest := swarm.slowest_round()) is None or slowest > unsettled, deadline):
+                return round_index, membership
         target = swarm.swarm_state(round_index, replica.params_sha256)
         if not behind(target):
             return round_index, membership
-        wait_past = target.round if unsettled is None else -1  # after an unsettled round the next has not begun
-        while target is not None and target.round <= wait_past and time.monotonic() < deadline:
-            if self.stopping.is_set():
+        if unsettled is None:  # joining or restarted: let the round under way end, then start the next with all
+            if not self._wait(lambda: passed(target.round), deadline):
                 return round_index, membership
-            time.sleep(s.heartbeat_interval)  # the others publish their next round when they reach it
             target = swarm.swarm_state(round_index, replica.params_sha256)
-        if not behind(target):
-            return round_index, membership
+            if not behind(target):
+                return round_index, membership
         me = swarm.peer_id[-8:]
         self.out(f"[{me}] the swarm is at round {target.round} (this peer: {round_index}); fetching its state "
                  f"from {len(target.holders)} peer(s)")
@@ -287,6 +286,14 @@ class Node:
         seconds = time.perf_counter() - started
         self.out(f"[{me}] caught up to round {target.round} in {seconds:.1f} s")
         return target.round, Membership(target.round, "peer", seconds)
+
+    def _wait(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Poll ``done`` every heartbeat until it holds or ``deadline`` passes; False if this node is stopping."""
+        while not done() and time.monotonic() < deadline:
+            if self.stopping.is_set():
+                return False
+            time.sleep(self.config.swarm.heartbeat_interval)  # others publish their next round when they reach it
+        return not self.stopping.is_set()
 
     def _round(self, swarm: Swarm, replica: Replica, round_index: int, membership: Membership,
                held_out: list[Batch], device: torch.device) -> RoundRecord | None:

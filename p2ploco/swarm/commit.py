@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
@@ -65,21 +65,13 @@ class RoundCommit:
             if judge == self.me:
                 response = await self._decide_here(self.me, request)
             else:
-                response = await asyncio.wait_for(self._ask(judge, request), 2 * self.timeout + 5)
+                response, _ = await asyncio.wait_for(wire.call(self.p2p, judge, self.handler_name, request),
+                                                     2 * self.timeout + 5)
             return _parse_decision(response, group, judge)
         except Exception as e:  # an unreachable or confused judge: apply nothing, catch up after
             logger.warning(f"round {group.round_index}: no decision from the coordinator {judge[-8:]} ({e!r}); "
                            f"applying nothing")
             return Decision("abort")
-
-    async def _ask(self, judge: str, request: dict[str, Any]) -> dict[str, Any]:
-        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(judge), self.handler_name)
-        try:
-            await wire.write_message(writer, request)
-            header, _ = await wire.read_message(reader, max_payload=0)
-            return header
-        finally:
-            writer.close()
 
     async def _serve_vote(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         voter = str(stream_info.peer_id)

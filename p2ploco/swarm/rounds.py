@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
@@ -131,17 +131,8 @@ class Matchmaker:
 
     async def _ask(self, coordinator: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         """One join request, abandoned at once if this peer starts leaving."""
-        async def call() -> dict[str, Any]:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(coordinator),
-                                                                          self.handler_name)
-            try:
-                await wire.write_message(writer, request)
-                header, _ = await wire.read_message(reader, max_payload=0)
-                return header
-            finally:
-                writer.close()
-
-        asked = asyncio.ensure_future(asyncio.wait_for(call(), timeout))
+        asked = asyncio.ensure_future(asyncio.wait_for(wire.call(self.p2p, coordinator, self.handler_name, request),
+                                                       timeout))
         leaving = asyncio.ensure_future(self.leaving.wait())
         try:
             await asyncio.wait({asked, leaving}, return_when=asyncio.FIRST_COMPLETED)
@@ -150,7 +141,7 @@ class Matchmaker:
         if not asked.done():
             asked.cancel()
             return {"status": "withdrawn"}
-        return asked.result()
+        return asked.result()[0]
 
     # ---- the coordinating side --------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
@@ -116,15 +116,8 @@ class StateServer:
 
 async def _request(p2p: P2P, handler: str, donor: str, round_index: int, offset: int, length: int,
                    timeout: float) -> tuple[dict[str, Any], bytes]:
-    async def call() -> tuple[dict[str, Any], bytes]:
-        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(donor), handler)
-        try:
-            await wire.write_message(writer, {"round": round_index, "offset": offset, "length": length})
-            return await wire.read_message(reader, max_payload=PART_BYTES)
-        finally:
-            writer.close()
-
-    return await asyncio.wait_for(call(), timeout)
+    request = {"round": round_index, "offset": offset, "length": length}
+    return await asyncio.wait_for(wire.call(p2p, donor, handler, request, max_payload=PART_BYTES), timeout)
 
 
 async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: int, expected_params_sha256: str,

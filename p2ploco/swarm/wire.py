@@ -12,6 +12,7 @@ import struct
 from typing import Any
 
 import msgpack
+from hivemind.p2p import P2P, PeerID
 
 from p2ploco.errors import PayloadError
 
@@ -66,3 +67,14 @@ def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> A
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         raise PayloadError(f"message field {name!r} is missing or not a {getattr(kind, '__name__', kind)}")
     return value
+
+
+async def call(p2p: P2P, peer_id: str, handler: str, header: dict[str, Any], max_payload: int = 0,
+               ) -> tuple[dict[str, Any], bytes]:
+    """One request and its answer on a fresh stream to ``peer_id``'s ``handler`` (the caller bounds the time)."""
+    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), handler)
+    try:
+        await write_message(writer, header)
+        return await read_message(reader, max_payload)
+    finally:
+        writer.close()
