@@ -200,7 +200,8 @@ def look_at_swarm(initial_peers: tuple[str, ...], run_id: str | None,
               help="Seconds between refreshes with --watch.")
 @reports_errors
 def peers(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, watch: bool, interval: float) -> None:
-    """List the live peers of a run: role, state, round, loss, throughput, traffic."""
+    """List the live peers of a run: role, state, round, loss, throughput, traffic. A narrow terminal shows the
+    columns that fit; --json and piped output always have them all."""
     import json
     import time
 
@@ -208,21 +209,22 @@ def peers(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, wat
 
     def show(look: Callable[[], Any]) -> None:
         rich_terminal = sys.stdout.isatty() and not as_json
-        if rich_terminal and watch:
+        if rich_terminal:
+            from rich.console import Console
             from rich.live import Live
 
-            with Live(peers_rich(look()), auto_refresh=False) as live:
-                while True:
-                    time.sleep(interval)
-                    live.update(peers_rich(look()), refresh=True)
+            console = Console()
+            if watch:
+                with Live(peers_rich(look(), console.width), console=console, auto_refresh=False) as live:
+                    while True:
+                        time.sleep(interval)
+                        live.update(peers_rich(look(), console.width), refresh=True)
         while True:
             survey = look()
             if as_json:
                 click.echo(json.dumps(peers_json(survey)))
             elif rich_terminal:
-                from rich.console import Console
-
-                Console().print(peers_rich(survey))
+                console.print(peers_rich(survey, console.width))
             else:
                 click.echo(peers_text(survey) + ("\n" if watch else ""))
             if not watch:

@@ -116,17 +116,34 @@ def peers_text(s: Survey) -> str:
     return title + "\n" + format_table(COLUMNS, peer_rows(s))
 
 
-def peers_rich(s: Survey) -> Any:
-    """The same table for a terminal, with rich."""
+# Columns in the order they are given up when a terminal is too narrow for all (last first).
+PRIORITY = ("name", "state", "round", "loss", "eval", "tok/s", "role", "step", "ratio", "uptime", "sent", "recv",
+            "peer", "device", "address")
+
+
+def peers_rich(s: Survey, width: int) -> Any:
+    """The same table for a terminal of ``width`` columns, with rich: as many columns as fit, the most
+    telling first (--json and piped output always have them all)."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"run [bold]{s.run_id}[/]: {len(s.trainers)} training peer(s)", title_justify="left")
+    rows = peer_rows(s)
+    # a cell's text, a space of padding on each side, and one for the column separator
+    needed = {c: max(len(c), *(len(row[i]) for row in rows)) + 3 for i, c in enumerate(COLUMNS)}
+    fitting, used = set(), 1
+    for column in PRIORITY:
+        if used + needed[column] <= width:
+            fitting.add(column)
+            used += needed[column]
+    shown = [i for i, c in enumerate(COLUMNS) if c in fitting]
+    table = Table(title=f"run [bold]{s.run_id}[/]: {len(s.trainers)} training peer(s)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
     styles = {"training": "green", "averaging": "cyan", "joining": "yellow", "leaving": "red", "serving": "dim"}
-    for column in COLUMNS:
-        table.add_column(column, justify="left" if column in ("name", "peer", "role", "state", "device", "address")
-                         else "right", no_wrap=column == "address")
-    for record, row in zip(s.peers, peer_rows(s)):
-        table.add_row(*row, style=styles.get(record.state))
+    for i in shown:
+        left = COLUMNS[i] in ("name", "peer", "role", "state", "device", "address")
+        table.add_column(COLUMNS[i], no_wrap=True, justify="left" if left else "right")
+    for record, row in zip(s.peers, rows):
+        table.add_row(*(row[i] for i in shown), style=styles.get(record.state))
     return table
 
 

@@ -17,6 +17,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
 from p2ploco.metrics import RoundRecord, TensorBoardLog
+from p2ploco.monitor import Survey, peers_rich
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerRecord, peers_key, record_validator
 
@@ -45,6 +46,21 @@ def test_unknown_fields_are_ignored_and_missing_ones_refused():
     value = valid_value()
     del value["state"]
     assert PeerRecord.parse(value) is None
+
+
+@pytest.mark.parametrize("width, hidden", [(80, {"address", "device", "peer"}), (250, set())])
+def test_the_terminal_table_keeps_to_the_terminal_width(width, hidden):
+    from rich.console import Console
+
+    peers = [PeerRecord.parse(valid_value(peer_id=f"12D3KooWPeer{i}", addresses=[f"/ip4/10.0.0.{i}/tcp/31337/p2p/"
+                                                                                  f"12D3KooWPeer{i}"]))
+             for i in range(3)]
+    console = Console(width=width, record=True, color_system=None)
+    console.print(peers_rich(Survey("tiny", peers, {p.peer_id: 5.0 for p in peers}, 0.1), width))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= width and "swift-otter-mple" in text
+    header = next(line for line in text.splitlines() if "name" in line).split()
+    assert not hidden & set(header) and ("address" in header) == (width == 250)
 
 
 def dht_record(subkey: bytes, value: object) -> DHTRecord:
