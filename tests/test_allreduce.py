@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from helpers import LOOPBACK, join_swarms
 from hivemind.p2p import PeerID
 
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
@@ -20,7 +21,6 @@ from p2ploco.errors import SwarmError
 from p2ploco.swarm import wire
 from p2ploco.swarm.runtime import Swarm
 
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10)
 SHAPES = [(64, 33), (33,), (7, 5)]
 rounds = itertools.count()
@@ -30,9 +30,7 @@ rounds = itertools.count()
 def trio():
     swarms = []
     try:
-        swarms.append(Swarm.join("test", CONFIG, "cfg", host_maddrs=LOOPBACK))
-        for _ in range(2):
-            swarms.append(Swarm.join("test", CONFIG, "cfg", initial_peers=swarms[0].addresses(), host_maddrs=LOOPBACK))
+        join_swarms("test", 3, CONFIG, swarms)
         for s in swarms:
             s.set_progress(0, "joining", "start-state")
         assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)

@@ -1,38 +1,17 @@
 """DiLoCo through the in-process communicator equals the algorithm written out by hand, bit for bit."""
 
-import threading
-
 import pytest
 import torch
+from helpers import run_outer_replicas
 
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import DiLoCoConfig, OuterConfig
-from p2ploco.outer import build_outer
 
 SHAPES = [(33, 17), (17,), (5, 4, 3)]
 
 
 def run_replicas(replicas: int, rounds: int, diloco: DiLoCoConfig, seed: int = 0):
     """K DiLoCo replicas in threads; each round every replica's local params are random perturbations."""
-    generator = torch.Generator().manual_seed(seed)
-    initial = [torch.randn(s, generator=generator) for s in SHAPES]
-    locals_per_round = [[[p + 0.01 * torch.randn(p.shape, generator=generator) for p in initial]
-                         for _ in range(replicas)] for _ in range(rounds)]
-    group = InProcessGroup(replicas, timeout=60)
-    config = OuterConfig(algorithm="diloco", diloco=diloco)
-    algorithms = [build_outer(config, initial) for _ in range(replicas)]
-    stats = [[] for _ in range(replicas)]
-
-    def replica(rank: int) -> None:
-        for r in range(rounds):
-            stats[rank].append(algorithms[rank].sync(locals_per_round[r][rank], group.communicator(rank), r))
-
-    threads = [threading.Thread(target=replica, args=(rank,)) for rank in range(replicas)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return initial, locals_per_round, algorithms, stats
+    return run_outer_replicas(OuterConfig(algorithm="diloco", diloco=diloco), SHAPES, replicas, rounds, 0.01, seed)
 
 
 def reference_diloco(initial, locals_per_round, lr, momentum):

@@ -1,18 +1,16 @@
 """SparseLoCo: chunking, Top-k, 2-bit values, error feedback, and the aggregate against the paper's algorithm."""
 
 import math
-import threading
 
 import numpy as np
 import pytest
 import torch
+from helpers import run_outer_replicas
 
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.quantize import quantize
 from p2ploco.compression.topk import compress
 from p2ploco.config import OuterConfig, SparseLoCoConfig
-from p2ploco.outer import build_outer
 
 SHAPES = [(128, 192), (257, 64), (192,), (96, 100)]
 
@@ -85,25 +83,8 @@ def test_topk_keeps_the_largest_magnitudes_of_every_chunk():
 
 
 def run_sparseloco(replicas: int, rounds: int, config: SparseLoCoConfig, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    initial = [torch.randn(s, generator=generator) for s in SHAPES]
-    locals_per_round = [[[p + 0.05 * torch.randn(p.shape, generator=generator) for p in initial]
-                         for _ in range(replicas)] for _ in range(rounds)]
-    group = InProcessGroup(replicas, timeout=60)
-    outer_config = OuterConfig(algorithm="sparseloco", sparseloco=config)
-    algorithms = [build_outer(outer_config, initial) for _ in range(replicas)]
-    stats = [[] for _ in range(replicas)]
-
-    def replica(rank: int) -> None:
-        for r in range(rounds):
-            stats[rank].append(algorithms[rank].sync(locals_per_round[r][rank], group.communicator(rank), r))
-
-    threads = [threading.Thread(target=replica, args=(rank,)) for rank in range(replicas)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return initial, locals_per_round, algorithms, stats
+    outer = OuterConfig(algorithm="sparseloco", sparseloco=config)
+    return run_outer_replicas(outer, SHAPES, replicas, rounds, 0.05, seed)
 
 
 def reference_sparseloco(initial, locals_per_round, config: SparseLoCoConfig):

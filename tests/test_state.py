@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from helpers import join_swarms
 
 from p2ploco import faults
 from p2ploco.config import SwarmConfig
@@ -14,10 +15,8 @@ from p2ploco.errors import SwarmError
 from p2ploco.metrics import params_sha256
 from p2ploco.swarm import state as state_module
 from p2ploco.swarm.records import PeerRecord, SwarmState, swarm_state
-from p2ploco.swarm.runtime import Swarm
 from p2ploco.swarm.state import Snapshot
 
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
 
 
@@ -51,10 +50,7 @@ def test_fault_specs_parse_and_reject_typos():
 def donors_and_joiner():
     swarms = []
     try:
-        swarms.append(Swarm.join("state-test", CONFIG, "cfg", host_maddrs=LOOPBACK))
-        for _ in range(3):
-            swarms.append(Swarm.join("state-test", CONFIG, "cfg", initial_peers=swarms[0].addresses(),
-                                     host_maddrs=LOOPBACK))
+        join_swarms("state-test", 4, CONFIG, swarms)
         yield swarms[:3], swarms[3]
     finally:
         for s in swarms:
@@ -97,10 +93,7 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
     range from the others and the state arrives whole."""
     swarms, killed = [], []
     try:
-        swarms.append(Swarm.join("state-crash", CONFIG, "cfg", host_maddrs=LOOPBACK))
-        for _ in range(3):
-            swarms.append(Swarm.join("state-crash", CONFIG, "cfg", initial_peers=swarms[0].addresses(),
-                                     host_maddrs=LOOPBACK))
+        join_swarms("state-crash", 4, CONFIG, swarms)
         donors, joiner = swarms[:3], swarms[3]
         snapshot = big_snapshot(7)
         for donor in donors:

@@ -1,0 +1,44 @@
+"""Set-ups several test modules share: in-process outer-algorithm replicas, and swarms of real peers."""
+
+import threading
+
+import torch
+
+from p2ploco.collective.inprocess import InProcessGroup
+from p2ploco.config import OuterConfig, SwarmConfig
+from p2ploco.outer import build_outer
+from p2ploco.swarm.runtime import Swarm
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def run_outer_replicas(outer: OuterConfig, shapes, replicas: int, rounds: int, noise: float, seed: int = 0):
+    """K replicas of one outer algorithm in threads over the in-process communicator; in each round every
+    replica's local params are the initial ones plus Gaussian noise of scale ``noise``."""
+    generator = torch.Generator().manual_seed(seed)
+    initial = [torch.randn(s, generator=generator) for s in shapes]
+    locals_per_round = [[[p + noise * torch.randn(p.shape, generator=generator) for p in initial]
+                         for _ in range(replicas)] for _ in range(rounds)]
+    group = InProcessGroup(replicas, timeout=60)
+    algorithms = [build_outer(outer, initial) for _ in range(replicas)]
+    stats = [[] for _ in range(replicas)]
+
+    def replica(rank: int) -> None:
+        for r in range(rounds):
+            stats[rank].append(algorithms[rank].sync(locals_per_round[r][rank], group.communicator(rank), r))
+
+    threads = [threading.Thread(target=replica, args=(rank,)) for rank in range(replicas)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return initial, locals_per_round, algorithms, stats
+
+
+def join_swarms(run_id: str, count: int, config: SwarmConfig, swarms: list[Swarm]) -> list[Swarm]:
+    """``count`` real peers of ``run_id`` on loopback, the first bootstrapping the others. They are added to
+    ``swarms`` as they start, so the caller's ``finally`` can make every one of them leave."""
+    swarms.append(Swarm.join(run_id, config, "cfg", host_maddrs=LOOPBACK))
+    for _ in range(count - 1):
+        swarms.append(Swarm.join(run_id, config, "cfg", initial_peers=swarms[0].addresses(), host_maddrs=LOOPBACK))
+    return swarms
