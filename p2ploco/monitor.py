@@ -11,8 +11,9 @@ import asyncio
 import statistics
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
@@ -21,6 +22,7 @@ from p2ploco.errors import SwarmError
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, RecordSchema, parse_records, peers_key
 
+T = TypeVar("T")
 LOOKUP_PATIENCE = 3.0  # a client that just joined may need a few lookups before the DHT answers in full
 
 
@@ -31,11 +33,18 @@ class Survey:
     run_id: str
     peers: list[PeerRecord]
     expires_in: dict[str, float]  # peer id -> seconds until its record lapses
-    seconds: float  # how long the look took
 
     @property
     def trainers(self) -> list[PeerRecord]:
         return [p for p in self.peers if p.role != "bootstrap"]
+
+
+async def _patiently(look: Callable[[], Awaitable[T]], enough: Callable[[T], bool]) -> T:
+    """``look`` again every 0.3 s until its answer is ``enough`` or LOOKUP_PATIENCE has passed; the last answer."""
+    deadline = time.monotonic() + LOOKUP_PATIENCE
+    while not enough(answer := await look()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.3)
+    return answer
 
 
 async def _runs(node: DHTNode) -> list[str]:
@@ -45,12 +54,9 @@ async def _runs(node: DHTNode) -> list[str]:
 
 
 async def find_run(node: DHTNode, run_id: str | None) -> str:
-    """The run to look at: ``run_id`` if someone trains it, or the only run being trained."""
-    deadline = time.monotonic() + LOOKUP_PATIENCE
-    while not (runs := await _runs(node)) or (run_id is not None and run_id not in runs):
-        if time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.3)
+    """The run to look at: ``run_id`` if someone trains it, or the only run being trained. Its records are
+    schema-checked by ``node`` from here on."""
+    runs = await _patiently(lambda: _runs(node), lambda runs: bool(runs) and (run_id is None or run_id in runs))
     if run_id is not None and run_id not in runs:
         if runs:
             raise SwarmError(f"no run '{run_id}' in this swarm; runs training now: {', '.join(runs)}")
@@ -62,26 +68,23 @@ async def find_run(node: DHTNode, run_id: str | None) -> str:
         if len(runs) > 1:
             raise SwarmError(f"several runs train in this swarm ({', '.join(runs)}): pass --run-id")
         run_id = runs[0]
+    node.protocol.record_validator.extend([RecordSchema([peers_key(run_id)])])
     return run_id
 
 
 async def survey(node: DHTNode, run_id: str) -> Survey:
     """The live records of ``run_id`` and of the bootstrap peers, as the DHT holds them now."""
-    started = time.monotonic()
-    node.protocol.record_validator.extend([RecordSchema([peers_key(run_id)])])  # check this run's schema too
-    deadline = started + LOOKUP_PATIENCE
-    while True:
+    async def look() -> tuple[dict[str, tuple[PeerRecord, float]], float]:
         now = get_dht_time()
         found = await asyncio.gather(node.get(peers_key(run_id), latest=True), node.get(BOOTSTRAP_KEY, latest=True))
         records = {}
         for item in found:
             records.update(parse_records(getattr(item, "value", None), now))
-        if any(r.role != "bootstrap" for r, _ in records.values()) or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.3)
+        return records, now
+
+    records, now = await _patiently(look, lambda answer: any(r.role != "bootstrap" for r, _ in answer[0].values()))
     peers = sorted((r for r, _ in records.values()), key=lambda r: (r.role != "bootstrap", r.name, r.peer_id))
-    return Survey(run_id, peers, {p: round(e - now, 1) for p, (_, e) in records.items()},
-                  time.monotonic() - started)
+    return Survey(run_id, peers, {p: round(e - now, 1) for p, (_, e) in records.items()})
 
 
 def _duration(seconds: float) -> str:

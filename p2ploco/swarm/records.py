@@ -171,12 +171,17 @@ class SwarmState:
     holders: tuple[str, ...]
 
 
+def active_peers(live: dict[str, PeerRecord], me: PeerRecord) -> list[PeerRecord]:
+    """The other peers of our config that train or average from a known state."""
+    return [r for r in live.values() if r.peer_id != me.peer_id and r.fingerprint == me.fingerprint and r.active]
+
+
 def swarm_state(live: dict[str, PeerRecord], me: PeerRecord) -> SwarmState | None:
     """The state to follow, seen from ``me``; None when no other active peer shares our config.
 
     The furthest round wins; at that round the state held by most peers (ourselves included), ties
     broken by the hash, so every peer with the same view makes the same choice."""
-    peers = [r for r in live.values() if r.peer_id != me.peer_id and r.fingerprint == me.fingerprint and r.active]
+    peers = active_peers(live, me)
     if not peers:
         return None
     top = max(r.round for r in peers)

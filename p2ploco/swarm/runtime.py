@@ -25,6 +25,7 @@ from p2ploco.swarm.records import (
     PeerDirectory,
     PeerRecord,
     SwarmState,
+    active_peers,
     human_name,
     peers_key,
     record_validator,
@@ -121,10 +122,8 @@ class Swarm:
     def slowest_round(self) -> int | None:
         """The lowest round an active peer of our config (other than us) works on; None if there is none."""
         async def look() -> int | None:
-            me = self.directory.me
-            rounds = [r.round for r in (await self.directory.refresh()).values()
-                      if r.peer_id != me.peer_id and r.fingerprint == me.fingerprint and r.active]
-            return min(rounds, default=None)
+            return min((r.round for r in active_peers(await self.directory.refresh(), self.directory.me)),
+                       default=None)
 
         return self.loop.run(look(), CALL_TIMEOUT)
 
