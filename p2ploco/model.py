@@ -1,11 +1,12 @@
 """A LLaMA-style decoder: RMSNorm, rotary embeddings, SwiGLU, causal SDPA attention.
 
-The model is ``embed -> blocks[0..n_layer) -> head`` so a pipeline stage is a slice of blocks
-plus, at the ends, the embedding or the head.
+The model is ``embed -> blocks[0..n_layer) -> norm -> head``; a pipeline stage is the same class
+built for a slice of the blocks (plus, at the ends, the embedding or the head).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -85,41 +86,81 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def stage_layers(n_layer: int, stages: int) -> list[range]:
+    """The layers of each of ``stages`` consecutive stages, as even as they divide."""
+    bounds = [n_layer * s // stages for s in range(stages + 1)]
+    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """The generator seed of one named tensor: a stage built alone draws the same values as the whole model."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "big")
+
+
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, seed: int):
+    """Layers [first, stop) of the decoder: the whole model by default, or one pipeline stage.
+
+    The stage holding layer 0 embeds token ids; the stage holding the last layer has the final norm and
+    the head. Parameter names are global (``blocks.5.mlp.up.weight`` on whichever stage holds layer 5),
+    and every tensor is drawn from (seed, name), so a stage built alone holds exactly the weights of the
+    same slice of the whole model. ``token_table`` is the frozen random table F of subspace-compressed
+    runs: the input is then h0 = E[tok] + F[tok] (``p2ploco.pipeline.subspace``).
+    """
+
+    def __init__(self, config: ModelConfig, seed: int, layers: range | None = None,
+                 token_table: torch.Tensor | None = None):
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.layers = layers = layers if layers is not None else range(config.n_layer)
+        if not 0 <= layers.start < layers.stop <= config.n_layer:
+            raise ValueError(f"layers {layers.start}:{layers.stop} are not a slice of {config.n_layer} layers")
+        self.first, self.last = layers.start == 0, layers.stop == config.n_layer
+        if self.first:
+            self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in layers})
+        if self.last:
+            self.norm = RMSNorm(config.d_model, config.norm_eps)
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
+            if not (self.first and self.last):
+                raise ValueError("tied embeddings need the embedding and the head on one stage")
             self.lm_head.weight = self.embed.weight
         cos, sin = rotary_tables(config.d_model // config.n_head, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("token_table", token_table, persistent=False)
         self.reset_parameters(seed)
 
     def reset_parameters(self, seed: int) -> None:
-        """GPT-2 style: N(0, std), residual-writing projections scaled down by depth. A private generator
-        makes the weights a function of the seed alone, whatever else uses torch's global one."""
-        generator = torch.Generator().manual_seed(seed)  # models are built on the CPU, then moved
+        """GPT-2 style: N(0, std), residual-writing projections scaled down by depth, each tensor from a
+        private generator seeded by (seed, its name): weights depend on nothing else."""
         std, depth_scale = self.config.init_std, 1 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 continue  # norm gains stay at 1
+            generator = torch.Generator().manual_seed(tensor_seed(seed, name))  # built on the CPU, then moved
             writes_residual = name.endswith(("attn.out.weight", "mlp.down.weight"))
             nn.init.normal_(p, mean=0.0, std=std * depth_scale if writes_residual else std, generator=generator)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V), or the mean next-token cross-entropy when targets are given."""
+    def forward(self, idx: torch.Tensor, *, hidden: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """``idx``: token ids (B, T). The first stage embeds them; a later stage continues from ``hidden``
+        (B, T, d), the previous stage's output. The last stage returns logits (B, T, V), or the mean
+        next-token cross-entropy when targets are given; other stages return their hidden state."""
         T = idx.shape[1]
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len={self.config.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = self.embed(idx)
-        for block in self.blocks:
+        if self.first:
+            x = self.embed(idx)
+            if self.token_table is not None:
+                x = x + self.token_table[idx]
+        else:
+            x = hidden
+        for block in self.blocks.values():
             x = block(x, cos, sin)
+        if not self.last:
+            return x
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits

@@ -1,7 +1,8 @@
+import pytest
 import torch
 
 from p2ploco.config import ModelConfig
-from p2ploco.model import Transformer, apply_rotary, rotary_tables
+from p2ploco.model import Transformer, apply_rotary, rotary_tables, stage_layers
 
 
 def test_same_seed_same_weights_and_tying():
@@ -24,7 +25,7 @@ def test_forward_is_causal_and_loss_starts_near_uniform():
     changed = tokens.clone()
     changed[:, 10:] = (changed[:, 10:] + 1) % 257
     assert torch.allclose(model(changed)[:, :10], logits[:, :10], atol=1e-5)  # the future does not leak back
-    loss = model(tokens, torch.randint(0, 257, (2, 16)))
+    loss = model(tokens, targets=torch.randint(0, 257, (2, 16)))
     assert abs(loss.item() - torch.log(torch.tensor(257.0)).item()) < 0.5
 
 
@@ -40,14 +41,27 @@ def test_rotary_preserves_norms_and_is_relative():
     assert torch.allclose(torch.stack(dots), dots[0].expand(len(dots)), atol=1e-4)
 
 
-def test_blocks_can_be_run_as_stages():
-    config = ModelConfig(n_layer=4, d_model=64, n_head=4, max_seq_len=32)
-    model: Transformer = Transformer(config, 0).eval()
-    tokens = torch.randint(0, 257, (2, 8))
-    cos, sin = model.rope_cos[:8], model.rope_sin[:8]
-    hidden = model.embed(tokens)
-    for block in model.blocks[:2]:  # stage 0
-        hidden = block(hidden, cos, sin)
-    for block in model.blocks[2:]:  # stage 1
-        hidden = block(hidden, cos, sin)
-    assert torch.allclose(model.lm_head(model.norm(hidden)), model(tokens), atol=1e-6)
+def test_a_stage_built_alone_holds_the_same_weights_as_that_slice_of_the_whole_model():
+    config = ModelConfig(n_layer=5, d_model=64, n_head=4, max_seq_len=32, tie_embeddings=False)
+    whole = dict(Transformer(config, 7).named_parameters())
+    for stages in (2, 3, 5):
+        seen = []
+        for layers in stage_layers(config.n_layer, stages):
+            stage = Transformer(config, 7, layers)
+            names = [name for name, _ in stage.named_parameters()]
+            assert ("embed.weight" in names) == (layers.start == 0)
+            assert ("lm_head.weight" in names) == (layers.stop == config.n_layer)
+            for name, p in stage.named_parameters():
+                assert torch.equal(p, whole[name]), name
+            seen += names
+        assert sorted(seen) == sorted(whole)  # every tensor on exactly one stage
+    other_seed = dict(Transformer(config, 8, range(2, 4)).named_parameters())
+    assert not torch.equal(other_seed["blocks.2.attn.qkv.weight"], whole["blocks.2.attn.qkv.weight"])
+
+
+def test_tied_embeddings_cannot_be_split_and_slices_must_fit():
+    tied = ModelConfig(n_layer=4, d_model=64, n_head=4, max_seq_len=32)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        Transformer(tied, 0, range(0, 2))
+    with pytest.raises(ValueError, match="not a slice"):
+        Transformer(ModelConfig(n_layer=4, tie_embeddings=False), 0, range(2, 6))
