@@ -6,6 +6,7 @@ types and impossible values are rejected with one line that names the key and th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -100,6 +101,28 @@ class OuterConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """Pipeline groups of weak peers: the model cut into stages, and how stage boundaries are compressed.
+
+    With ``stages > 1`` the parameters are exchanged as one named slice per stage (``stage0``, ...), so a
+    group of stage peers can stand in for one replica next to full replicas (docs/pipeline.md).
+    """
+
+    stages: int = 1  # S: consecutive slices of the layers; 1 means no pipeline groups
+    # Subspace compression of the activations crossing stage boundaries (Protocol Models):
+    # selective: stage peers compress, full replicas train unconstrained (heterogeneous SparseLoCo);
+    # uniform: every replica keeps its residual-writing weights in the subspace; none: boundaries send h.
+    compression: Literal["selective", "uniform", "none"] = "selective"
+    rank: int = 16  # k: values per token that cross a boundary (d_model / rank is the ratio)
+    wire_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # element type of boundary messages
+
+    @property
+    def compressed(self) -> bool:
+        """Whether boundaries are subspace-compressed (the model then adds a frozen token table)."""
+        return self.stages > 1 and self.compression != "none"
+
+
+@dataclass
 class SwarmConfig:
     """Timeouts and sizes of the peer-to-peer rounds; every wait in a round is bounded."""
 
@@ -130,6 +153,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
@@ -139,7 +163,7 @@ class Config:
     def swarm_fingerprint(self) -> str:
         """Digest of what every peer of a round must share for identical global parameters."""
         shared = {"model": dataclasses.asdict(self.model), "outer": dataclasses.asdict(self.outer),
-                  "seed": self.training.seed}
+                  "pipeline": dataclasses.asdict(self.pipeline), "seed": self.training.seed}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -148,6 +172,12 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
     config = Config()
     if path is not None:
         _apply_mapping(config, _read_yaml(Path(path)), source=str(path))
+    return with_overrides(config, overrides)
+
+
+def with_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
+    """A validated copy of ``config`` with ``key=value`` overrides applied (as ``--set`` does)."""
+    config = copy.deepcopy(config)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -185,6 +215,7 @@ def set_key(config: Config, dotted_key: str, value: Any, source: str) -> None:
 def validate(config: Config) -> None:
     """Reject values that parse but cannot work, naming the key and the way out."""
     m, d, i, o, s, t = config.model, config.data, config.inner, config.outer, config.swarm, config.training
+    p = config.pipeline
     checks = [
         (bool(config.run_id.strip()) and "/" not in config.run_id, "run_id must be a non-empty name without '/'"),
         (m.vocab_size >= 257, f"model.vocab_size ({m.vocab_size}) must be at least 257 (256 bytes + end-of-text)"),
@@ -218,6 +249,14 @@ def validate(config: Config) -> None:
         (1 <= o.sparseloco.topk <= o.sparseloco.chunk_size ** 2,
          f"outer.sparseloco.topk ({o.sparseloco.topk}) must be in [1, chunk_size^2="
          f"{o.sparseloco.chunk_size ** 2}]"),
+        (1 <= p.stages <= m.n_layer,
+         f"pipeline.stages ({p.stages}) must be in [1, model.n_layer={m.n_layer}]: every stage holds a layer"),
+        (not p.compressed or 1 <= p.rank < m.d_model,
+         f"pipeline.rank ({p.rank}) must be in [1, model.d_model={m.d_model}): it is the number of values per token "
+         f"a compressed stage boundary sends"),
+        (p.stages == 1 or not m.tie_embeddings,
+         f"pipeline.stages={p.stages} needs model.tie_embeddings: false (the embedding lives on the first stage, the "
+         f"head on the last)"),
         (s.matchmaking_timeout > 0 and s.allreduce_timeout > 0 and s.startup_timeout > 0,
          "swarm timeouts must be > 0"),
         (s.heartbeat_interval > 0 and s.peer_ttl >= max(3 * s.heartbeat_interval, MIN_PEER_TTL),

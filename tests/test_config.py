@@ -69,3 +69,25 @@ def test_fingerprint_covers_what_peers_must_share():
     other_inner = load_config(None, ["inner.lr=1e-3", "inner.batch_size=4"])
     assert base.swarm_fingerprint() != other_outer.swarm_fingerprint()
     assert base.swarm_fingerprint() == other_inner.swarm_fingerprint()  # inner settings may differ per peer
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pipeline.stages=5"], "pipeline.stages (5) must be in [1, model.n_layer=4]: every stage holds a layer"),
+    (["pipeline.rank=128"], "pipeline.rank (128) must be in [1, model.d_model=128)"),
+    (["pipeline.rank=0"], "pipeline.rank (0) must be in [1, model.d_model=128)"),
+    (["model.tie_embeddings=true"], "pipeline.stages=2 needs model.tie_embeddings: false"),
+    (["pipeline.compression=lossy"], "pipeline.compression must be one of selective, uniform, none"),
+])
+def test_bad_pipeline_settings_are_rejected_with_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config("configs/tiny-pipeline.yaml", overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_pipeline_settings_are_part_of_the_fingerprint_and_rank_only_matters_when_compressed():
+    pipeline = load_config("configs/tiny-pipeline.yaml")
+    assert pipeline.pipeline.compressed
+    assert pipeline.swarm_fingerprint() != load_config("configs/tiny-pipeline.yaml",
+                                                       ["pipeline.rank=16"]).swarm_fingerprint()
+    plain = load_config("configs/tiny-pipeline.yaml", ["pipeline.compression=none", "pipeline.rank=0"])
+    assert not plain.pipeline.compressed  # an uncompressed boundary has no rank to check
