@@ -5,7 +5,10 @@ import torch
 
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
 from p2ploco.collective.exchange import partition, reduce_alone, reduce_span
+from p2ploco.collective.inprocess import InProcessGroup
+from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import PayloadError
+from p2ploco.pipeline.inprocess import run_in_threads
 
 
 def test_partition_covers_all_units_in_order():
@@ -48,3 +51,53 @@ def test_alone_means_own_values_and_missing_spans_are_caught():
         exchange.mean()
     reduce_alone(exchange)
     assert all(torch.equal(a, b) for a, b in zip(exchange.mean(), tensors))
+
+
+def sliced(a: torch.Tensor, b: torch.Tensor) -> SlicedExchange:
+    return SlicedExchange({"stage0": DenseMean([a]), "stage1": DenseMean([b])})
+
+
+def test_a_sliced_exchange_cuts_spans_across_slices_and_reduces_like_one_exchange():
+    a, b = torch.randn(10), torch.randn(30)
+    other_a, other_b = torch.randn(10), torch.randn(30)
+    mine, theirs = sliced(a, b), sliced(other_a, other_b)
+    spans = mine.partition(3)
+    assert [u for span in spans for u in span] == list(range(40)) and [len(s) for s in spans] == [13, 13, 14]
+    assert [len(mine.pieces(span)) for span in spans] == [2, 1, 1]  # the border (unit 10) falls inside span 0
+    for span in spans:
+        reduction = reduce_span(mine, span, [("a", mine.encode(span)), ("b", theirs.encode(span))])
+        mine.receive(span, reduction.result_for(mine, "a"), 0)
+    assert torch.equal(mine.parts["stage0"].mean()[0], (a + other_a) / 2)
+    assert torch.equal(mine.parts["stage1"].mean()[0], (b + other_b) / 2)
+
+
+def test_a_sliced_payload_with_bad_lengths_is_refused():
+    exchange = sliced(torch.ones(10), torch.ones(30))
+    span = range(5, 15)  # 5 values of stage0, 5 of stage1
+    good = exchange.encode(span)
+    assert len(good) == 2 * (4 + 5 * 4)
+    assert [v.tolist() for v in exchange.parse(span, good)] == [[1.0] * 5] * 2
+    for bad, why in [(good[:-1], "too long or truncated"), (good + b"\0", "trailing bytes"),
+                     (good[:2], "truncated: 0 of 2"), (good[:24], "truncated: 1 of 2"),
+                     (b"\xff\xff\xff\x7f" + good[4:], "too long or truncated")]:
+        with pytest.raises(PayloadError, match=why):
+            exchange.parse(span, bad)
+
+
+def test_in_process_each_slice_is_averaged_among_its_holders_only():
+    # a full replica holds both slices, one stage peer holds stage0, another stage1
+    plans = [sliced(torch.full((4,), 1.0), torch.full((6,), 10.0)),
+             SlicedExchange({"stage0": DenseMean([torch.full((4,), 3.0)])}),
+             SlicedExchange({"stage1": DenseMean([torch.full((6,), 30.0)])})]
+    group = InProcessGroup(3, timeout=30)
+    stats = [None] * 3
+
+    def member(rank: int) -> None:
+        stats[rank] = group.communicator(rank).all_reduce(plans[rank], 0, "params")
+
+    run_in_threads(3, member)
+    assert torch.equal(plans[0].parts["stage0"].mean()[0], torch.full((4,), 2.0))
+    assert torch.equal(plans[1].parts["stage0"].mean()[0], torch.full((4,), 2.0))
+    assert torch.equal(plans[0].parts["stage1"].mean()[0], torch.full((6,), 20.0))
+    assert torch.equal(plans[2].parts["stage1"].mean()[0], torch.full((6,), 20.0))
+    assert stats[1].peers == ["replica-0", "replica-1"] and stats[0].params == 10 and stats[2].params == 6

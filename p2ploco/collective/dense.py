@@ -37,6 +37,9 @@ class DenseMean(Exchange):
     def fingerprint(self) -> str:
         return f"dense-mean/{self.wire_dtype}/{self.num_units}"
 
+    def unit_at(self, element: int) -> int:
+        return element
+
     def numel(self, span: Span) -> int:
         return len(span)
 

@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from p2ploco.errors import PayloadError
 
 Span = range  # a contiguous run of units; the i-th span of a group is reduced by its i-th peer
@@ -24,14 +22,6 @@ Span = range  # a contiguous run of units; the i-th span of a group is reduced b
 def partition(num_units: int, parts: int) -> list[Span]:
     """Cut ``num_units`` equal units into ``parts`` contiguous spans of near-equal size."""
     bounds = [num_units * i // parts for i in range(parts + 1)]
-    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
-
-
-def partition_weighted(unit_ends: np.ndarray, parts: int) -> list[Span]:
-    """Contiguous spans of near-equal weight; ``unit_ends[u]`` is the summed weight of units 0..u."""
-    total = int(unit_ends[-1]) if len(unit_ends) else 0
-    bounds = [0] + [int(np.searchsorted(unit_ends, total * i / parts, side="right")) for i in range(1, parts)]
-    bounds.append(len(unit_ends))
     return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
@@ -46,8 +36,14 @@ class Exchange(ABC):
     num_units: int
 
     def partition(self, parts: int) -> list[Span]:
-        """The spans of a group of ``parts`` peers: peer i reduces span i."""
-        return partition(self.num_units, parts)
+        """The spans of a group of ``parts`` peers, balanced by elements: peer i reduces span i."""
+        total = self.numel(range(self.num_units))
+        bounds = [0] + [self.unit_at(total * i // parts) for i in range(1, parts)] + [self.num_units]
+        return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+    @abstractmethod
+    def unit_at(self, element: int) -> int:
+        """The unit that holds element number ``element`` (elements counted in unit order)."""
 
     @abstractmethod
     def fingerprint(self) -> str:

@@ -1,8 +1,10 @@
 """K replicas in one process: each replica runs in its own thread and calls ``all_reduce`` on its own
-communicator; the call returns once all K have called it. The spans are reduced with the same
-``reduce_span`` a swarm reducer runs, replica j reducing span j, so results and byte counts match a
-butterfly among K peers. Replicas are trusted here: one whose contribution is rejected still gets
-the aggregate of the others (in a swarm it would be dropped and fall back to its own update)."""
+communicator; the call returns once all K have called it. Each named slice is reduced among the
+members that hold it (a full replica holds every slice, a pipeline stage one), cut into spans with
+the same ``partition`` and reduced with the same ``reduce_span`` a swarm reducer runs, holder j
+reducing span j, so results and byte counts match a butterfly among the slice's holders. Replicas are
+trusted here: one whose contribution is rejected still gets the aggregate of the others (in a swarm
+it would be dropped and fall back to its own update)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,18 @@ import threading
 import time
 
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, dense_fp32_bytes, reduce_span
+from p2ploco.collective.sliced import SlicedExchange
+
+
+def slices_of(exchange: Exchange, name: str) -> dict[str, Exchange]:
+    """The named slices an all-reduce covers: a sliced exchange's own, or one slice called ``name``."""
+    return exchange.parts if isinstance(exchange, SlicedExchange) else {name: exchange}
 
 
 class InProcessGroup:
     def __init__(self, size: int, timeout: float = 600.0):
         self.size, self.timeout = size, timeout
-        self._exchanges: list[Exchange | None] = [None] * size
+        self._plans: list[dict[str, Exchange]] = [{} for _ in range(size)]
         self._stats: list[AllReduceStats | None] = [None] * size
         self._error: BaseException | None = None
         self._gather = threading.Barrier(size, action=self._reduce_all)  # the last to arrive reduces
@@ -24,35 +32,46 @@ class InProcessGroup:
     def communicator(self, rank: int) -> InProcessCommunicator:
         return InProcessCommunicator(self, rank)
 
+    def abort(self) -> None:
+        """A member failed: every member waiting in (or coming to) an all-reduce gets BrokenBarrierError."""
+        self._gather.abort()
+        self._release.abort()
+
     def _reduce_all(self) -> None:
         started = time.perf_counter()
         try:
-            exchanges = list(self._exchanges)
-            names = [f"replica-{rank}" for rank in range(self.size)]
-            spans = exchanges[0].partition(self.size)
-            sent = [0] * self.size
-            received = [0] * self.size
-            contributed = [0] * self.size
+            plans, size = self._plans, self.size
+            names = [f"replica-{rank}" for rank in range(size)]
+            sent, received, contributed, dense, params = ([0] * size for _ in range(5))
+            peers: list[set[str]] = [set() for _ in range(size)]
             dropped: set[str] = set()
-            for reducer, span in enumerate(spans):
-                payloads = [exchange.encode(span) for exchange in exchanges]
-                reduction = reduce_span(exchanges[reducer], span, list(zip(names, payloads)))
-                dropped.update(reduction.rejected)
-                for rank, exchange in enumerate(exchanges):
-                    result = reduction.result_for(exchanges[reducer], names[rank])
-                    exchange.receive(span, result, reduction.own_position(names[rank]))
-                    contributed[rank] += len(payloads[rank])
-                    if rank != reducer:
-                        sent[rank] += len(payloads[rank])
-                        received[reducer] += len(payloads[rank])
-                        sent[reducer] += len(result)
-                        received[rank] += len(result)
+            for slice_name in dict.fromkeys(s for plan in plans for s in plan):  # in order of first appearance
+                holders = [rank for rank in range(size) if slice_name in plans[rank]]
+                spans = plans[holders[0]][slice_name].partition(len(holders))
+                for reducer, span in zip(holders, spans):
+                    payloads = [plans[rank][slice_name].encode(span) for rank in holders]
+                    reducing = plans[reducer][slice_name]
+                    reduction = reduce_span(reducing, span, list(zip([names[r] for r in holders], payloads)))
+                    dropped.update(reduction.rejected)
+                    for rank, payload in zip(holders, payloads):
+                        result = reduction.result_for(reducing, names[rank])
+                        plans[rank][slice_name].receive(span, result, reduction.own_position(names[rank]))
+                        contributed[rank] += len(payload)
+                        if rank != reducer:
+                            sent[rank] += len(payload)
+                            received[reducer] += len(payload)
+                            sent[reducer] += len(result)
+                            received[rank] += len(result)
+                for index, rank in enumerate(holders):
+                    exchange = plans[rank][slice_name]
+                    dense[rank] += dense_fp32_bytes(exchange, spans, index)
+                    params[rank] += exchange.numel(range(exchange.num_units))
+                    peers[rank].update(names[r] for r in holders)
             seconds = time.perf_counter() - started
-            params = sum(exchanges[0].numel(span) for span in spans)
             self._stats = [
-                AllReduceStats(names, sent[rank], received[rank], dense_fp32_bytes(exchanges[rank], spans, rank),
-                               contributed[rank], params, sorted(dropped), seconds)
-                for rank in range(self.size)
+                AllReduceStats(sorted(peers[rank]), sent[rank], received[rank], dense[rank], contributed[rank],
+                               params[rank], sorted(dropped), seconds)
+                for rank in range(size)
             ]
             self._error = None
         except BaseException as e:  # re-raised in every replica's thread
@@ -65,7 +84,7 @@ class InProcessCommunicator(Communicator):
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
         group = self.group
-        group._exchanges[self.rank] = exchange
+        group._plans[self.rank] = slices_of(exchange, name)
         group._gather.wait(group.timeout)
         error, stats = group._error, group._stats[self.rank]
         group._release.wait(group.timeout)

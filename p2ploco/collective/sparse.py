@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from p2ploco.collective.exchange import Exchange, Span, partition_weighted
+from p2ploco.collective.exchange import Exchange, Span
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.sparse_format import SparseLayout, SparseValues
 from p2ploco.compression.topk import CompressedTensor
@@ -41,8 +41,8 @@ class SparseExchange(Exchange):
         self.output = np.full(layout.total_numel, np.nan, dtype=np.float32)  # NaN: span not received yet
         self._encoded: dict[Span, bytes] = {}
 
-    def partition(self, parts: int) -> list[Span]:
-        return partition_weighted(self.layout.chunk_element_ends, parts)
+    def unit_at(self, element: int) -> int:
+        return int(np.searchsorted(self.layout.chunk_element_ends, element, side="right"))
 
     def fingerprint(self) -> str:
         return f"sparse/{self.layout.digest.hex()}/{self.mode}"
