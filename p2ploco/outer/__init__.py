@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -12,9 +12,10 @@ from p2ploco.outer.diloco import DiLoCo
 from p2ploco.outer.sparseloco import SparseLoCo
 
 
-def build_outer(config: OuterConfig, global_params: Sequence[torch.Tensor],
-                device: torch.device | None = None) -> OuterAlgorithm:
-    """The configured algorithm; ``device`` is where its per-replica working state lives (the training device)."""
+def build_outer(config: OuterConfig, global_params: Sequence[torch.Tensor], device: torch.device | None = None,
+                slices: Mapping[str, Sequence[int]] | None = None) -> OuterAlgorithm:
+    """The configured algorithm over ``global_params`` cut into named ``slices`` (default: one); ``device`` is
+    where its per-replica working state lives (the training device)."""
     if config.algorithm == "diloco":
-        return DiLoCo(global_params, config.diloco)
-    return SparseLoCo(global_params, config.sparseloco, device or torch.device("cpu"))
+        return DiLoCo(global_params, config.diloco, slices)
+    return SparseLoCo(global_params, config.sparseloco, device or torch.device("cpu"), slices)

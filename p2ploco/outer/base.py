@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -20,17 +20,28 @@ class OuterAlgorithm(ABC):
 
     State comes in two kinds: *shared* state every peer holds alike (a joiner downloads it with the
     parameters) and *local* state of this replica alone (only checkpointed).
+
+    The parameters come in named slices (``p2ploco.pipeline.slices``: one per pipeline stage); each slice
+    is averaged among the peers that hold it, so a pipeline stage runs the same algorithm on its slice
+    alone while a full replica runs it on every slice, all in one all-reduce per round.
     """
 
     density: float = 1.0  # share of coordinates one replica sends per round
 
-    def __init__(self, global_params: Sequence[torch.Tensor]):
+    def __init__(self, global_params: Sequence[torch.Tensor], slices: Mapping[str, Sequence[int]] | None = None):
+        """``slices``: slice name -> positions in ``global_params``; by default one slice of everything."""
         self.params = [p.detach().to("cpu", torch.float32).clone() for p in global_params]
+        self.slices = {name: list(positions) for name, positions in (slices or whole(len(self.params))).items()}
+        if sorted(i for positions in self.slices.values() for i in positions) != list(range(len(self.params))):
+            raise ValueError("slices must cover every parameter exactly once")
 
     @abstractmethod
-    def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int) -> AllReduceStats:
+    def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
+             start: Sequence[torch.Tensor] | None = None) -> AllReduceStats:
         """Combine this replica's progress (its params after H inner steps) with the round's other
-        replicas through ``comm`` and update ``self.params`` if the round commits."""
+        replicas through ``comm`` and update ``self.params`` if the round commits. The pseudo-gradient is
+        measured from ``start``, the params the inner steps began from: the global params unless the
+        replica trained a projection of them (a subspace-constrained one)."""
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         """The live shared tensors, by name."""
@@ -54,6 +65,11 @@ class OuterAlgorithm(ABC):
     def load_params(self, params: Sequence[torch.Tensor]) -> None:
         for mine, theirs in zip(self.params, params, strict=True):
             mine.copy_(theirs)
+
+
+def whole(count: int) -> dict[str, list[int]]:
+    """One slice, ``stage0``, of ``count`` parameters: a model that is not cut into stages."""
+    return {"stage0": list(range(count))}
 
 
 def pseudo_gradients(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor],

@@ -8,11 +8,12 @@ against parameters the swarm has left behind.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from p2ploco.collective.exchange import AllReduceStats, Communicator
+from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
@@ -22,18 +23,22 @@ from p2ploco.outer.base import OuterAlgorithm, pseudo_gradients
 
 
 class SparseLoCo(OuterAlgorithm):
-    def __init__(self, global_params: Sequence[torch.Tensor], config: SparseLoCoConfig, device: torch.device):
-        super().__init__(global_params)
+    def __init__(self, global_params: Sequence[torch.Tensor], config: SparseLoCoConfig, device: torch.device,
+                 slices: Mapping[str, Sequence[int]] | None = None):
+        super().__init__(global_params, slices)
         self.config, self.device = config, device
-        self.layout = SparseLayout([chunk_grid(tuple(p.shape), config.chunk_size, config.topk) for p in self.params])
+        self.grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.topk) for p in self.params]
+        self.layouts = {name: SparseLayout([self.grids[i] for i in positions])
+                        for name, positions in self.slices.items()}
         self.errors = [torch.zeros(p.shape, dtype=torch.float32, device=device) for p in self.params]
-        self.density = self.layout.density
+        self.density = sum(g.k * g.chunks for g in self.grids) / sum(g.numel for g in self.grids)
 
-    def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int) -> AllReduceStats:
+    def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
+             start: Sequence[torch.Tensor] | None = None) -> AllReduceStats:
         alpha, beta = self.config.lr, self.config.error_decay
-        deltas = pseudo_gradients(self.params, local_params, self.device)
+        deltas = pseudo_gradients(start if start is not None else self.params, local_params, self.device)
         compressed, sent_values = [], []
-        for error, delta, grid in zip(self.errors, deltas, self.layout.grids):
+        for error, delta, grid in zip(self.errors, deltas, self.grids):
             # 1. Pseudo-gradient into the error buffer: e = beta * e + alpha * (global - local).
             error.mul_(beta).add_(delta.mul_(alpha))
             # 2. Top-k of every chunk, 2-bit values.
@@ -43,8 +48,11 @@ class SparseLoCo(OuterAlgorithm):
             compressed.append(sent)
             sent_values.append(decoded)
 
-        # 4. All-reduce: per-coordinate mean over the replicas that selected it (or sum / replicas).
-        exchange = SparseExchange(self.layout, compressed, self.config.aggregate)
+        # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
+        #    selected it (or sum / replicas).
+        exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
+                                                        self.config.aggregate)
+                                   for name, positions in self.slices.items()})
         stats = comm.all_reduce(exchange, round_index, "params")
         if not stats.committed:
             for error, decoded in zip(self.errors, sent_values):
@@ -52,8 +60,9 @@ class SparseLoCo(OuterAlgorithm):
             return stats
 
         # 5. Outer step: plain SGD on the aggregate, elementwise float32 on the CPU.
-        for param, update in zip(self.params, exchange.aggregate()):
-            param.sub_(update.mul_(alpha))
+        for name, positions in self.slices.items():
+            for i, update in zip(positions, exchange.parts[name].aggregate()):
+                self.params[i].sub_(update.mul_(alpha))
         return stats
 
     def local_state(self) -> dict[str, torch.Tensor]:
