@@ -3,6 +3,11 @@
 The inner step number is global (round * H + h), so the learning rate and this peer's data
 position follow from the round alone: a peer that joins or restarts computes them, it does not
 replay them.
+
+Where a step's gradients come from is a :class:`GradientSource`: this peer's own micro-batches
+through the whole model (:class:`LocalBatches`), or its stage's part of a pipeline group's schedule
+(``p2ploco.pipeline.schedule``). Either way the step is the same: gradients, the global norm over
+everything that trains together, one clipping coefficient, one AdamW step.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +25,7 @@ import torch
 from p2ploco import faults
 from p2ploco.config import InnerConfig
 from p2ploco.data import ShardSampler
+from p2ploco.pipeline.subspace import SubspaceConstraint
 
 
 @dataclass
@@ -35,13 +42,63 @@ def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+class GradientSource(ABC):
+    """Fills the ``.grad`` of a worker's parameters for one inner step."""
+
+    tokens_per_step: int  # tokens the step trains on (a pipeline group's, for each of its stages)
+
+    @abstractmethod
+    def accumulate(self, step: int) -> float:
+        """Accumulate the step's gradients over its micro-batches (each loss scaled by 1 / micro-batches);
+        return this worker's share of the step's loss (0.0 where the loss is computed elsewhere)."""
+
+    def reduce(self, step: int, values: Sequence[float]) -> list[float]:
+        """Sum ``values`` over everything that trains this step together: a whole model is alone; the
+        stages of a pipeline group add theirs (squared gradient norms, the loss)."""
+        return list(values)
+
+
+class LocalBatches(GradientSource):
+    """The whole model on this peer's own micro-batches."""
+
+    def __init__(self, model: torch.nn.Module, sampler: ShardSampler, micro_batches: int, device: torch.device):
+        self.model, self.sampler, self.micro_batches, self.device = model, sampler, micro_batches, device
+        self.tokens_per_step = micro_batches * sampler.batch_size * sampler.seq_len
+
+    def accumulate(self, step: int) -> float:
+        total = 0.0
+        for micro in range(self.micro_batches):
+            inputs, targets = self.sampler.batch(step * self.micro_batches + micro)
+            with autocast_for(self.device):
+                loss = self.model(inputs.to(self.device), targets=targets.to(self.device)) / self.micro_batches
+            loss.backward()
+            total += loss.item()
+        return total
+
+
+def squared_norm(grads: Sequence[torch.Tensor]) -> float:
+    """Sum of squares of all gradient entries (float32 per tensor), with one device sync."""
+    if not grads:
+        return 0.0
+    return float(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).pow(2).sum())
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
 class InnerTrainer:
-    def __init__(self, model: torch.nn.Module, config: InnerConfig, sampler: ShardSampler, device: torch.device,
-                 horizon: int):
-        """``horizon``: the inner step where the cosine reaches its floor (0: constant after warm-up)."""
-        self.model, self.config, self.sampler, self.device, self.horizon = model, config, sampler, device, horizon
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]  # norm gains
+    def __init__(self, model: torch.nn.Module, config: InnerConfig, gradients: GradientSource, device: torch.device,
+                 horizon: int, constraint: SubspaceConstraint | None = None):
+        """``horizon``: the inner step where the cosine reaches its floor (0: constant after warm-up).
+        ``constraint``: keeps subspace-constrained weights in span(U) (gradients projected before the step,
+        weights after it)."""
+        self.model, self.config, self.gradients, self.device, self.horizon = model, config, gradients, device, horizon
+        self.constraint = constraint
+        self.params = list(model.parameters())
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]  # norm gains
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=config.lr, betas=tuple(config.betas),
@@ -57,6 +114,27 @@ class InnerTrainer:
         progress = min(1.0, (step - c.warmup_steps) / (self.horizon - c.warmup_steps))
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
+    def step(self, step: int) -> float:
+        """One inner step (global step number ``step``); returns its training loss."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(step)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_share = self.gradients.accumulate(step)
+        grads = [p.grad for p in self.params]
+        if self.constraint is not None:
+            self.constraint.project_(grads)
+        present = [g for g in grads if g is not None]
+        loss, total_squared = self.gradients.reduce(step, [loss_share, squared_norm(present)])
+        if self.config.grad_clip > 0:
+            coefficient = clip_coefficient(math.sqrt(total_squared), self.config.grad_clip)
+            if coefficient < 1.0:
+                for grad in present:
+                    grad.mul_(coefficient)
+        self.optimizer.step()
+        if self.constraint is not None:
+            self.constraint.project_(self.params)
+        return loss
+
     def run_round(self, round_index: int, should_stop: Callable[[], bool] = lambda: False) -> InnerStats | None:
         """The round's H steps; None if ``should_stop`` turned true before they were done."""
         c = self.config
@@ -68,24 +146,10 @@ class InnerTrainer:
             if should_stop():
                 return None
             faults.hit("inner.step", round_index)
-            step = round_index * c.steps + h
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr_at(step)
-            self.optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for micro in range(c.grad_accum):
-                inputs, targets = self.sampler.batch(step * c.grad_accum + micro)
-                with autocast_for(self.device):
-                    loss = self.model(inputs.to(self.device), targets.to(self.device)) / c.grad_accum
-                loss.backward()
-                step_loss += loss.item()
-            if c.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
-            self.optimizer.step()
-            losses.append(step_loss)
+            losses.append(self.step(round_index * c.steps + h))
         self.step_in_round = c.steps
-        tokens = c.steps * c.grad_accum * c.batch_size * self.sampler.seq_len
-        return InnerStats(sum(losses) / len(losses), tokens, time.perf_counter() - started)
+        return InnerStats(sum(losses) / len(losses), c.steps * self.gradients.tokens_per_step,
+                          time.perf_counter() - started)
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """AdamW's moments as named tensors, and its settings as JSON, for a checkpoint."""
@@ -109,7 +173,7 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
     total, count = 0.0, 0
     for inputs, targets in batches:
         with autocast_for(device):
-            loss = model(inputs.to(device), targets.to(device))
+            loss = model(inputs.to(device), targets=targets.to(device))
         total += loss.item() * targets.numel()
         count += targets.numel()
     return total / count

@@ -3,31 +3,44 @@ import torch
 
 from p2ploco.config import InnerConfig, ModelConfig
 from p2ploco.data import ShardSampler
-from p2ploco.inner import InnerTrainer, evaluate
+from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate
 from p2ploco.model import Transformer
 
 
-def make_trainer(accum: int, batch: int, horizon: int = 100) -> InnerTrainer:
+def make_trainer(accum: int, batch: int, horizon: int = 100) -> tuple[InnerTrainer, ShardSampler]:
     tokens = (np.arange(20_000) * 7 % 251).astype(np.uint16)
     model = Transformer(ModelConfig(n_layer=1, d_model=32, n_head=2, max_seq_len=16), 0)
     config = InnerConfig(steps=5, batch_size=batch, grad_accum=accum, lr=1e-2, warmup_steps=4, min_lr_ratio=0.1)
-    return InnerTrainer(model, config, ShardSampler(tokens, 16, batch, "r", "p"), torch.device("cpu"), horizon)
+    sampler = ShardSampler(tokens, 16, batch, "r", "p")
+    cpu = torch.device("cpu")
+    return InnerTrainer(model, config, LocalBatches(model, sampler, accum, cpu), cpu, horizon), sampler
 
 
 def test_warmup_then_cosine_to_the_floor():
-    trainer = make_trainer(1, 4)
+    trainer, _ = make_trainer(1, 4)
     lrs = [trainer.lr_at(s) for s in range(0, 120)]
     assert lrs[0] == 1e-2 / 4 and lrs[3] == 1e-2
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
     assert abs(lrs[100] - 1e-3) < 1e-12 and lrs[119] == lrs[100]
-    assert make_trainer(1, 4, horizon=0).lr_at(50) == 1e-2  # no horizon: constant after warm-up
+    assert make_trainer(1, 4, horizon=0)[0].lr_at(50) == 1e-2  # no horizon: constant after warm-up
 
 
 def test_a_round_trains_and_reports_tokens():
-    trainer = make_trainer(2, 4)
-    batches = [trainer.sampler.batch(i) for i in range(100, 104)]
+    trainer, sampler = make_trainer(2, 4)
+    batches = [sampler.batch(i) for i in range(100, 104)]
     before = evaluate(trainer.model, batches, torch.device("cpu"))
     stats = [trainer.run_round(r) for r in range(4)]
     assert stats[0].tokens == 5 * 2 * 4 * 16
     assert evaluate(trainer.model, batches, torch.device("cpu")) < before
     assert stats[-1].loss < stats[0].loss
+
+
+def test_clipping_matches_torch_clip_grad_norm():
+    trainer, _ = make_trainer(1, 4)
+    trainer.gradients.accumulate(0)
+    grads = [p.grad.clone() for p in trainer.params]
+    total = torch.nn.utils.clip_grad_norm_(trainer.params, 0.05)  # clips the live grads in place
+    coefficient = clip_coefficient(float(total), 0.05)
+    assert coefficient < 1.0  # the clip is active at this bound
+    for clipped, raw in zip((p.grad for p in trainer.params), grads):
+        assert torch.allclose(clipped, raw * coefficient, rtol=1e-6, atol=0)
