@@ -23,3 +23,7 @@ class TrainingError(P2PLocoError):
 
 class CheckpointError(P2PLocoError):
     """A checkpoint is missing, corrupt, or belongs to another run or config; nothing is overwritten."""
+
+
+class PipelineError(P2PLocoError):
+    """A pipeline group could not finish a step: a stage did not answer in time or sent a malformed message."""

@@ -20,19 +20,15 @@ from pathlib import Path
 import torch
 
 from p2ploco import checkpoint
-from p2ploco.checkpoint import Checkpoint
 from p2ploco.config import Config
 from p2ploco.data import Batch, ByteTokenizer, Corpus, ShardSampler, eval_batches
 from p2ploco.errors import CheckpointError, ConfigError, SwarmError
-from p2ploco.inner import InnerTrainer, evaluate
-from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes, params_sha256
-from p2ploco.model import Transformer
-from p2ploco.outer import build_outer
-from p2ploco.outer.base import copy_state
+from p2ploco.inner import evaluate
+from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.records import EVAL_HISTORY, SwarmState
 from p2ploco.swarm.runtime import Swarm
-from p2ploco.swarm.state import Snapshot
+from p2ploco.worker import Worker, build_replica
 
 
 @dataclass
@@ -83,69 +79,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-class Replica:
-    """This node's training state: the model, the outer algorithm with the global params, the inner optimizer."""
-
-    def __init__(self, config: Config, device: torch.device, sampler: ShardSampler):
-        c = config
-        self.device = device
-        self.model = Transformer(c.model, c.training.seed).to(device)
-        self.names = [name for name, _ in self.model.named_parameters()]
-        self.outer = build_outer(c.outer, list(self.model.parameters()), device)
-        horizon = c.inner.total_steps or c.training.rounds * c.inner.steps
-        self.inner = InnerTrainer(self.model, c.inner, sampler, device, horizon)
-        self.params_sha256 = self._hash()
-
-    def _hash(self) -> str:
-        return params_sha256(self.names, self.outer.params)
-
-    def load_into_model(self) -> None:
-        """local <- global: the next round's inner steps start from the global params."""
-        with torch.no_grad():
-            for param, value in zip(self.model.parameters(), self.outer.params):
-                param.copy_(value)
-        self.params_sha256 = self._hash()
-
-    def snapshot(self, round_index: int) -> Snapshot:
-        params = {name: p.clone() for name, p in zip(self.names, self.outer.params)}
-        shared = {key: t.detach().to("cpu").clone() for key, t in self.outer.shared_state().items()}
-        return Snapshot(round_index, params, shared, self.params_sha256)
-
-    def adopt(self, snapshot: Snapshot) -> None:
-        """Take the swarm's state; this replica's own outer state no longer applies to it."""
-        if set(snapshot.params) != set(self.names):
-            raise SwarmError("fetched state does not fit this model (parameter names differ)")
-        try:
-            self.outer.load_params([snapshot.params[name] for name in self.names])
-            self.outer.load_shared_state(snapshot.shared)
-        except (ValueError, RuntimeError) as e:
-            raise SwarmError(f"fetched state does not fit this model: {e}") from None
-        self.outer.reset_local_state()
-        self.load_into_model()
-
-    def checkpoint(self, round_index: int) -> Checkpoint:
-        inner_tensors, inner_settings = self.inner.optimizer_state()
-        local = {f"outer/{k}": v for k, v in self.outer.local_state().items()}
-        local.update({f"inner/{k}": v for k, v in inner_tensors.items()})
-        return Checkpoint(round_index, dict(zip(self.names, self.outer.params)), self.outer.shared_state(), local,
-                          {"inner": inner_settings})
-
-    def restore(self, saved: Checkpoint, where: Path) -> None:
-        shapes = {name: tuple(p.shape) for name, p in zip(self.names, self.outer.params)}
-        if {name: tuple(t.shape) for name, t in saved.params.items()} != shapes:
-            raise CheckpointError(f"the checkpoint in {where} does not fit this model (parameter names or shapes "
-                                  f"differ)")
-        try:
-            self.outer.load_params([saved.params[name] for name in self.names])
-            self.outer.load_shared_state(saved.shared)
-            copy_state(self.outer.local_state(), {k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
-            self.inner.load_optimizer_state({k[6:]: v for k, v in saved.local.items() if k.startswith("inner/")},
-                                            saved.extras["inner"])
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"the checkpoint in {where} does not fit this model and algorithm ({e})") from None
-        self.load_into_model()
-
-
 class Node:
     def __init__(self, config: Config, options: SwarmOptions, log_dir: Path | None, config_path: str,
                  resume: bool = False, out: Callable[[str], None] = print):
@@ -190,7 +123,7 @@ class Node:
             corpus = Corpus.load(c.data, ByteTokenizer())
             sampler = ShardSampler(corpus.train, c.data.seq_len, c.inner.batch_size, c.run_id, swarm.peer_id)
             held_out = eval_batches(corpus.eval, c.data.seq_len, c.data.eval_sequences)
-            replica = Replica(c, device, sampler)
+            replica = build_replica(c, device, sampler)
             swarm.track(lambda: {"inner_step": replica.inner.step_in_round})
             membership = Membership(0, "init")
             if self.resume:
@@ -242,7 +175,7 @@ class Node:
         self.out(summary(self.records, time.perf_counter() - started))
         return self.records
 
-    def _catch_up(self, swarm: Swarm, replica: Replica, round_index: int, membership: Membership,
+    def _catch_up(self, swarm: Swarm, replica: Worker, round_index: int, membership: Membership,
                   unsettled: int | None) -> tuple[int, Membership]:
         """If the swarm is ahead of us, or holds another state at our round, fetch its state and contribute
         from the next round. After an unsettled round, first let the others finish it and compare states
@@ -295,18 +228,17 @@ class Node:
             time.sleep(self.config.swarm.heartbeat_interval)  # others publish their next round when they reach it
         return not self.stopping.is_set()
 
-    def _round(self, swarm: Swarm, replica: Replica, round_index: int, membership: Membership,
+    def _round(self, swarm: Swarm, replica: Worker, round_index: int, membership: Membership,
                held_out: list[Batch], device: torch.device) -> RoundRecord | None:
         c = self.config
         swarm.publish_state(replica.snapshot(round_index))
         swarm.set_progress(round_index, "training", replica.params_sha256)
         started = time.perf_counter()
-        inner_stats = replica.inner.run_round(round_index, self.stopping.is_set)
+        inner_stats = replica.train(round_index, self.stopping.is_set)
         if inner_stats is None:
             replica.load_into_model()
             return None
-        comm = replica.outer.sync(list(replica.model.parameters()), swarm.communicator, round_index)
-        replica.load_into_model()  # the new global params, or (round not applied) the old ones again
+        comm = replica.sync(swarm.communicator, round_index)
         evaluated = round_index % c.training.eval_every == 0 or round_index + 1 == c.training.rounds
         return RoundRecord(
             round=round_index, peers=len(comm.peers), loss=inner_stats.loss,

@@ -1,0 +1,163 @@
+"""The seam between a stage's schedule and the links to its neighbours.
+
+A stage sends the activations of each micro-batch to the next stage and the gradients with respect to
+what it received back to the previous one, each message keyed by (inner step, micro-batch). Token
+ids travel with the activations, so the last stage gets its targets without a side channel. The
+stages of a group also sum a few numbers per step (squared gradient norms for one global clipping
+coefficient, the loss). ``InProcessPipe`` links S stages in one process (tests, benchmarks); issue
+#11's hivemind transport links stages on different peers behind the same interface.
+
+Every wait is bounded: a stage that does not hear from its neighbour in time fails the step with a
+PipelineError, never hangs.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from p2ploco.errors import PipelineError
+
+MicroKey = tuple[int, int]  # (global inner step, micro-batch)
+
+
+def id_dtype(vocab_size: int) -> torch.dtype:
+    """The smallest integer type that holds every token id on the wire."""
+    return torch.uint16 if vocab_size <= 1 << 16 else torch.int32
+
+
+@dataclass
+class Activations:
+    """What crosses a stage boundary forward: the window's token ids (B, T + 1: the inputs, and shifted
+    by one the targets) and the boundary values (B, T, width) in the wire's element type."""
+
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.numel() * self.ids.element_size() + self.values.numel() * self.values.element_size()
+
+
+class StageTransport(ABC):
+    """One stage's links: to the previous stage (gradients out, activations in) and the next."""
+
+    stage: int
+    stages: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @abstractmethod
+    def send_activations(self, key: MicroKey, activations: Activations) -> None:
+        """To the next stage."""
+
+    @abstractmethod
+    def recv_activations(self, key: MicroKey) -> Activations:
+        """From the previous stage; PipelineError if they do not come in time."""
+
+    @abstractmethod
+    def send_gradients(self, key: MicroKey, gradients: torch.Tensor) -> None:
+        """To the previous stage: d loss / d (the values received for ``key``), in the wire's element type."""
+
+    @abstractmethod
+    def recv_gradients(self, key: MicroKey) -> torch.Tensor:
+        """From the next stage; PipelineError if they do not come in time."""
+
+    @abstractmethod
+    def all_sum(self, step: int, values: Sequence[float]) -> list[float]:
+        """The element-wise sum of ``values`` over the group's stages (every stage gets the same numbers)."""
+
+
+class Mailbox:
+    """Messages by key, each taken once; a take waits (bounded) for its message."""
+
+    def __init__(self) -> None:
+        self._items: dict[MicroKey, object] = {}
+        self._arrived = threading.Condition()
+        self._closed = False
+
+    def close(self) -> None:
+        """No more messages will come: every waiting and later take fails at once."""
+        with self._arrived:
+            self._closed = True
+            self._arrived.notify_all()
+
+    def put(self, key: MicroKey, item: object) -> None:
+        with self._arrived:
+            if key in self._items:
+                raise PipelineError(f"second message for step {key[0]} micro-batch {key[1]}")
+            self._items[key] = item
+            self._arrived.notify_all()
+
+    def take(self, key: MicroKey, timeout: float, what: str) -> object:
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: key in self._items or self._closed, timeout):
+                raise PipelineError(f"no {what} for step {key[0]} micro-batch {key[1]} within {timeout:.0f} s")
+            if key not in self._items:
+                raise PipelineError(f"the link closed before the {what} of step {key[0]} micro-batch {key[1]} came")
+            return self._items.pop(key)
+
+
+class InProcessPipe:
+    """The links of one group's stages, all in this process (each stage in its own thread)."""
+
+    def __init__(self, stages: int, timeout: float = 600.0):
+        self.stages, self.timeout = stages, timeout
+        self.forward = [Mailbox() for _ in range(stages)]  # activations into stage s
+        self.backward = [Mailbox() for _ in range(stages)]  # gradients into stage s
+        self._addends: list[list[float]] = [[] for _ in range(stages)]
+        self._sum: list[float] = []
+        self._gather = threading.Barrier(stages, action=self._add)
+        self._release = threading.Barrier(stages)
+
+    def transport(self, stage: int) -> InProcessTransport:
+        return InProcessTransport(self, stage)
+
+    def abort(self) -> None:
+        """A stage failed: the others stop at their next wait with a PipelineError."""
+        for mailbox in (*self.forward, *self.backward):
+            mailbox.close()
+        self._gather.abort()
+        self._release.abort()
+
+    def _add(self) -> None:
+        self._sum = [sum(column) for column in zip(*self._addends, strict=True)]  # in stage order
+
+
+class InProcessTransport(StageTransport):
+    def __init__(self, pipe: InProcessPipe, stage: int):
+        self.pipe, self.stage, self.stages = pipe, stage, pipe.stages
+
+    def send_activations(self, key: MicroKey, activations: Activations) -> None:
+        self.bytes_sent += activations.nbytes
+        self.pipe.forward[self.stage + 1].put(key, Activations(activations.ids.clone(), activations.values.clone()))
+
+    def recv_activations(self, key: MicroKey) -> Activations:
+        activations = self.pipe.forward[self.stage].take(key, self.pipe.timeout, "activations")
+        self.bytes_received += activations.nbytes
+        return activations
+
+    def send_gradients(self, key: MicroKey, gradients: torch.Tensor) -> None:
+        self.bytes_sent += gradients.numel() * gradients.element_size()
+        self.pipe.backward[self.stage - 1].put(key, gradients.clone())
+
+    def recv_gradients(self, key: MicroKey) -> torch.Tensor:
+        gradients = self.pipe.backward[self.stage].take(key, self.pipe.timeout, "gradients")
+        self.bytes_received += gradients.numel() * gradients.element_size()
+        return gradients
+
+    def all_sum(self, step: int, values: Sequence[float]) -> list[float]:
+        pipe = self.pipe
+        pipe._addends[self.stage] = list(values)
+        try:
+            pipe._gather.wait(pipe.timeout)
+            total = list(pipe._sum)
+            pipe._release.wait(pipe.timeout)
+        except threading.BrokenBarrierError:
+            raise PipelineError(f"the group's stages did not all finish step {step} within "
+                                f"{pipe.timeout:.0f} s") from None
+        return total

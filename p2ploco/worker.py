@@ -1,0 +1,149 @@
+"""A peer's training worker: the slices of the model it holds, their global parameters and outer
+algorithm, and the inner trainer that moves its local copy.
+
+A *full replica* holds the whole model and computes its gradients from its own batches; a *stage*
+holds one pipeline stage and computes its gradients together with the other stages of its group
+(``p2ploco.pipeline.schedule``). To the node and to the in-process harnesses both are the same
+:class:`Worker`: inner steps, the outer round, snapshots for peers catching up, checkpoints.
+
+A *constrained* worker (a stage of a subspace-compressed group, or any replica with
+``pipeline.compression: uniform``) trains a projection of the global parameters: its residual-writing
+weights are projected onto span(U) whenever it loads new global parameters, and its pseudo-gradient
+is measured from that projection, so it reports its own training and not the projection
+(docs/pipeline.md explains why the dropped part is not put into the error-feedback buffer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from p2ploco.checkpoint import Checkpoint
+from p2ploco.collective.exchange import AllReduceStats, Communicator
+from p2ploco.config import Config
+from p2ploco.data import ShardSampler
+from p2ploco.errors import CheckpointError, SwarmError
+from p2ploco.inner import GradientSource, InnerStats, InnerTrainer, LocalBatches
+from p2ploco.metrics import params_sha256
+from p2ploco.model import Transformer, stage_layers
+from p2ploco.outer import build_outer
+from p2ploco.outer.base import copy_state
+from p2ploco.pipeline.schedule import PipelineStage
+from p2ploco.pipeline.slices import group_by_slice
+from p2ploco.pipeline.subspace import PlainBoundary, Subspace, SubspaceConstraint, constrained_dims
+from p2ploco.pipeline.transport import StageTransport
+from p2ploco.swarm.state import Snapshot
+
+
+class Worker:
+    def __init__(self, config: Config, device: torch.device, model: Transformer, gradients: GradientSource,
+                 constraint: SubspaceConstraint | None):
+        c = config
+        self.device, self.model, self.constraint = device, model, constraint
+        self.names = [name for name, _ in model.named_parameters()]
+        self.slices = group_by_slice(self.names, c.model, c.pipeline.stages)
+        self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices)
+        horizon = c.inner.total_steps or c.training.rounds * c.inner.steps
+        self.inner = InnerTrainer(model, c.inner, gradients, device, horizon, constraint)
+        self.load_into_model()
+
+    def _hash(self) -> str:
+        return params_sha256(self.names, self.outer.params)
+
+    def train(self, round_index: int, should_stop=lambda: False) -> InnerStats | None:
+        """The round's inner steps; None if stopped before they were done."""
+        return self.inner.run_round(round_index, should_stop)
+
+    def sync(self, comm: Communicator, round_index: int) -> AllReduceStats:
+        """The outer round: pseudo-gradient (from where training started), all-reduce, outer step; then the
+        model starts over from the new global params (or the old ones, if the round was not applied)."""
+        start = self.constraint.projected(self.outer.params, self.device) if self.constraint else None
+        stats = self.outer.sync(list(self.model.parameters()), comm, round_index, start)
+        self.load_into_model()
+        return stats
+
+    def load_into_model(self) -> None:
+        """local <- global (projected onto span(U) where constrained): the next inner steps start here."""
+        params = list(self.model.parameters())
+        with torch.no_grad():
+            for param, value in zip(params, self.outer.params):
+                param.copy_(value)
+        if self.constraint is not None:
+            self.constraint.project_(params)
+        self.params_sha256 = self._hash()
+
+    def snapshot(self, round_index: int) -> Snapshot:
+        params = {name: p.clone() for name, p in zip(self.names, self.outer.params)}
+        shared = {key: t.detach().to("cpu").clone() for key, t in self.outer.shared_state().items()}
+        return Snapshot(round_index, params, shared, self.params_sha256)
+
+    def adopt(self, snapshot: Snapshot) -> None:
+        """Take the swarm's state; this worker's own outer state no longer applies to it."""
+        if set(snapshot.params) != set(self.names):
+            raise SwarmError("fetched state does not fit this model (parameter names differ)")
+        try:
+            self.outer.load_params([snapshot.params[name] for name in self.names])
+            self.outer.load_shared_state(snapshot.shared)
+        except (ValueError, RuntimeError) as e:
+            raise SwarmError(f"fetched state does not fit this model: {e}") from None
+        self.outer.reset_local_state()
+        self.load_into_model()
+
+    def checkpoint(self, round_index: int) -> Checkpoint:
+        inner_tensors, inner_settings = self.inner.optimizer_state()
+        local = {f"outer/{k}": v for k, v in self.outer.local_state().items()}
+        local.update({f"inner/{k}": v for k, v in inner_tensors.items()})
+        return Checkpoint(round_index, dict(zip(self.names, self.outer.params)), self.outer.shared_state(), local,
+                          {"inner": inner_settings})
+
+    def restore(self, saved: Checkpoint, where: Path) -> None:
+        shapes = {name: tuple(p.shape) for name, p in zip(self.names, self.outer.params)}
+        if {name: tuple(t.shape) for name, t in saved.params.items()} != shapes:
+            raise CheckpointError(f"the checkpoint in {where} does not fit this model (parameter names or shapes "
+                                  f"differ)")
+        try:
+            self.outer.load_params([saved.params[name] for name in self.names])
+            self.outer.load_shared_state(saved.shared)
+            copy_state(self.outer.local_state(), {k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
+            self.inner.load_optimizer_state({k[6:]: v for k, v in saved.local.items() if k.startswith("inner/")},
+                                            saved.extras["inner"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"the checkpoint in {where} does not fit this model and algorithm ({e})") from None
+        self.load_into_model()
+
+
+def run_subspace(config: Config, device: torch.device) -> Subspace | None:
+    """The run's U and F on ``device`` when its stage boundaries are compressed, else None."""
+    p = config.pipeline
+    return Subspace.derive(config.model, p.rank, config.training.seed).to(device) if p.compressed else None
+
+
+def _constraint(config: Config, subspace: Subspace, model: Transformer) -> SubspaceConstraint:
+    names = [name for name, _ in model.named_parameters()]
+    return SubspaceConstraint(subspace, names, constrained_dims(config.model, config.pipeline.stages))
+
+
+def build_replica(config: Config, device: torch.device, sampler: ShardSampler) -> Worker:
+    """A full replica: the whole model on this peer's own batches; constrained only in uniform mode."""
+    subspace = run_subspace(config, device)
+    model = Transformer(config.model, config.training.seed,
+                        token_table=subspace.table if subspace else None).to(device)
+    constrained = subspace is not None and config.pipeline.compression == "uniform"
+    return Worker(config, device, model, LocalBatches(model, sampler, config.inner.grad_accum, device),
+                  _constraint(config, subspace, model) if constrained else None)
+
+
+def build_stage(config: Config, device: torch.device, transport: StageTransport,
+                sampler: ShardSampler | None) -> Worker:
+    """Stage ``transport.stage`` of a pipeline group; ``sampler``: the group's data, on the first stage only."""
+    c = config
+    subspace = run_subspace(c, device)
+    layers = stage_layers(c.model.n_layer, c.pipeline.stages)[transport.stage]
+    first_with_table = subspace is not None and layers.start == 0  # only the first stage adds F to its input
+    model = Transformer(c.model, c.training.seed, layers,
+                        token_table=subspace.table if first_with_table else None).to(device)
+    codec = subspace if subspace is not None else PlainBoundary(c.model.d_model)
+    gradients = PipelineStage(model, codec, transport, c.inner.grad_accum, c.inner.batch_size, c.data.seq_len,
+                              c.pipeline.wire_dtype, device, sampler)
+    return Worker(c, device, model, gradients, _constraint(c, subspace, model) if subspace else None)
