@@ -1,55 +1,52 @@
-"""Same token budget, K replicas in one process on the embedded corpus: AdamW DDP (gradients averaged
-every step), DiLoCo and SparseLoCo (every H steps). Prints the eval loss along the way, the final
-eval loss and the bytes each replica sent + received in total.
+"""Same token budget, K replicas in one process: AdamW DDP (gradients averaged every step), DiLoCo and
+SparseLoCo (every H steps), and heterogeneous SparseLoCo with pipeline groups. Prints the eval loss
+along the way, the final eval loss and the bytes each replica sent + received in total.
 
-The outer algorithms run the same code as real nodes (inner trainer, outer algorithm, exchange),
-with the in-process communicator instead of hivemind.
+The outer algorithms run the same code as real nodes (workers: inner trainer, outer algorithm,
+exchange; pipeline stages with their 1F1B schedule), with in-process links instead of hivemind.
 
     python benchmarks/quality.py                          # tiny model, K=4, 40 rounds of H=10
     python benchmarks/quality.py --rounds 5 --replicas 2  # a quick look
     python benchmarks/quality.py --methods diloco "sparseloco:topk=128,error_decay=0.9"   # variants
+    python benchmarks/quality.py --suite heterogeneous    # full replicas vs 2-stage compressed groups
+
+Methods: ``ddp``; ``diloco`` / ``sparseloco`` (every replica full), each with optional outer settings
+after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
+``selective:ratio=R`` (half the replicas full, half compressed groups), SparseLoCo per stage. The eval
+loss is that of the global parameters as replica 0 runs them (projected onto span(U) when replica 0
+is a compressed group).
 """
 
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 
 import torch
 
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.inprocess import InProcessGroup
-from p2ploco.config import Config, load_config
+from p2ploco.config import Config, load_config, with_overrides
 from p2ploco.data import ByteTokenizer, Corpus, ShardSampler, eval_batches
-from p2ploco.inner import InnerTrainer, autocast_for, evaluate
+from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate, squared_norm
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.model import Transformer
-from p2ploco.outer import build_outer
+from p2ploco.pipeline.inprocess import FULL, GROUP, LocalSwarm, build_swarm, run_in_threads
+from p2ploco.pipeline.subspace import SubspaceConstraint, constrained_dims
 
 CPU = torch.device("cpu")
 # Besides each method's reference settings, one variant each found by a small sweep on this benchmark:
 # DiLoCo's momentum 0.9 is too much for 40 rounds; SparseLoCo gains from ~3% density, a shorter error
 # memory and a slightly larger outer step.
-DEFAULT_METHODS = ["ddp", "diloco", "diloco:momentum=0.5", "sparseloco", "sparseloco:topk=128,error_decay=0.9,lr=1.2"]
-
-
-def run_in_threads(replicas: int, work) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(rank: int) -> None:
-        try:
-            work(rank)
-        except BaseException as e:  # surfaced after the join
-            errors.append(e)
-
-    threads = [threading.Thread(target=guarded, args=(rank,)) for rank in range(replicas)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+SUITES = {
+    "default": ("configs/tiny.yaml",
+                ["ddp", "diloco", "diloco:momentum=0.5", "sparseloco", "sparseloco:topk=128,error_decay=0.9,lr=1.2"]),
+    # Heterogeneous SparseLoCo (arXiv 2601.02360): all full replicas, then 2-stage compressed groups for all
+    # replicas (uniform) or half of them (selective), at a mild and an aggressive compression d/k.
+    "heterogeneous": ("configs/tiny-pipeline.yaml",
+                      ["sparseloco", "selective:ratio=8", "uniform:ratio=8", "selective:ratio=32",
+                       "uniform:ratio=32"]),
+}
 
 
 class Setup:
@@ -57,40 +54,67 @@ class Setup:
         self.config, self.replicas, self.rounds = config, replicas, rounds
         self.corpus = Corpus.load(config.data, ByteTokenizer())
         self.eval = eval_batches(self.corpus.eval, config.data.seq_len, config.data.eval_sequences)
-        self.horizon = rounds * config.inner.steps
         self.eval_every = max(1, rounds // 8)
 
-    def replica(self, rank: int) -> tuple[torch.nn.Module, InnerTrainer]:
+    def method_config(self, method: str) -> tuple[Config, list[str]]:
+        """The run config of an outer method and the kind of each replica (full or a pipeline group)."""
+        algorithm, _, settings = method.partition(":")
+        pairs = dict(setting.split("=", 1) for setting in settings.split(",") if setting)
         c = self.config
-        model = Transformer(c.model, c.training.seed)
-        sampler = ShardSampler(self.corpus.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"replica-{rank}")
-        return model, InnerTrainer(model, c.inner, sampler, CPU, self.horizon)
+        # the cosine spans the whole run, as in DDP
+        overrides = [f"inner.total_steps={self.rounds * c.inner.steps}", f"training.rounds={self.rounds}"]
+        kinds = [FULL] * self.replicas
+        if algorithm in ("selective", "uniform"):
+            ratio = int(pairs.pop("ratio", "8"))
+            overrides += ["outer.algorithm=sparseloco", f"pipeline.compression={algorithm}",
+                          f"pipeline.rank={c.model.d_model // ratio}"]
+            groups = self.replicas if algorithm == "uniform" else int(pairs.pop("groups", self.replicas // 2))
+            kinds = [FULL] * (self.replicas - groups) + [GROUP] * groups
+            algorithm = "sparseloco"
+        else:
+            overrides += [f"outer.algorithm={algorithm}", "pipeline.compression=none"]
+        overrides += [f"outer.{algorithm}.{key}={value}" for key, value in pairs.items()]
+        return with_overrides(c, overrides), kinds
 
 
-def run_outer(setup: Setup, config: Config) -> tuple[list[tuple[int, float]], int]:
-    """DiLoCo or SparseLoCo: the eval-loss curve (at outer rounds) and bytes per replica."""
-    group = InProcessGroup(setup.replicas)
+def global_model(swarm: LocalSwarm, config: Config) -> Transformer:
+    """The global parameters in one whole model, as replica 0 runs them (projected if it is constrained)."""
+    workers = swarm.replicas[0]
+    if len(workers) == 1:
+        return workers[0].model
+    stages = [w.model for w in workers]
+    model = Transformer(config.model, config.training.seed, token_table=stages[0].token_table)
+    values = {name: p for w in workers for name, p in zip(w.names, w.outer.params)}
+    names = [name for name, _ in model.named_parameters()]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(values[name])
+    constraint = workers[0].constraint
+    if constraint is not None:
+        SubspaceConstraint(constraint.subspace, names, constrained_dims(config.model, config.pipeline.stages)
+                           ).project_(list(model.parameters()))
+    return model
+
+
+def run_outer(setup: Setup, method: str) -> tuple[list[tuple[int, float]], int, int]:
+    """An outer method: the eval-loss curve (at outer rounds), all-reduce bytes per replica, and the
+    stage-boundary bytes per pipeline group (0 without groups)."""
+    config, kinds = setup.method_config(method)
+    swarm = build_swarm(config, kinds, setup.corpus.train)
     curve: list[tuple[int, float]] = []
-    traffic = [0] * setup.replicas
 
-    def replica(rank: int) -> None:
-        model, inner = setup.replica(rank)
-        outer = build_outer(config.outer, list(model.parameters()))
-        for r in range(setup.rounds):
-            inner.run_round(r)
-            stats = outer.sync(list(model.parameters()), group.communicator(rank), r)
-            traffic[rank] += stats.bytes_sent + stats.bytes_received
-            with torch.no_grad():
-                for param, value in zip(model.parameters(), outer.params):
-                    param.copy_(value)
-            if rank == 0 and ((r + 1) % setup.eval_every == 0 or r + 1 == setup.rounds):
-                curve.append(((r + 1) * config.inner.steps, evaluate(model, setup.eval, CPU)))
+    def after_round(r: int) -> None:
+        if (r + 1) % setup.eval_every == 0 or r + 1 == setup.rounds:
+            curve.append(((r + 1) * config.inner.steps, evaluate(global_model(swarm, config), setup.eval, CPU)))
 
-    run_in_threads(setup.replicas, replica)
-    return curve, sum(traffic) // setup.replicas
+    swarm.train(setup.rounds, after_round)
+    all_reduce = sum(swarm.all_reduce_bytes) // setup.replicas
+    groups = [r for r in swarm.replicas if len(r) > 1]
+    boundary = sum(w.inner.gradients.transport.bytes_sent for r in groups for w in r) // max(1, len(groups))
+    return curve, all_reduce, boundary
 
 
-def run_ddp(setup: Setup) -> tuple[list[tuple[int, float]], int]:
+def run_ddp(setup: Setup) -> tuple[list[tuple[int, float]], int, int]:
     """AdamW with gradients averaged over the replicas at every step (replicas stay identical)."""
     c = setup.config
     group = InProcessGroup(setup.replicas)
@@ -100,70 +124,74 @@ def run_ddp(setup: Setup) -> tuple[list[tuple[int, float]], int]:
     eval_every = setup.eval_every * c.inner.steps
 
     def replica(rank: int) -> None:
-        model, inner = setup.replica(rank)
+        model = Transformer(c.model, c.training.seed)
+        sampler = ShardSampler(setup.corpus.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"replica-{rank}")
+        gradients = LocalBatches(model, sampler, c.inner.grad_accum, CPU)
+        inner = InnerTrainer(model, c.inner, gradients, CPU, steps)
         for step in range(steps):
             for group_ in inner.optimizer.param_groups:
                 group_["lr"] = inner.lr_at(step)
             inner.optimizer.zero_grad(set_to_none=True)
-            for micro in range(c.inner.grad_accum):
-                inputs, targets = inner.sampler.batch(step * c.inner.grad_accum + micro)
-                with autocast_for(CPU):
-                    (model(inputs, targets) / c.inner.grad_accum).backward()
+            gradients.accumulate(step)
             exchange = DenseMean([p.grad for p in model.parameters()])
             stats = group.communicator(rank).all_reduce(exchange, step, "grads")
             traffic[rank] += stats.bytes_sent + stats.bytes_received
             for p, g in zip(model.parameters(), exchange.mean()):
                 p.grad.copy_(g)
             if c.inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), c.inner.grad_clip)
+                grads = [p.grad for p in model.parameters()]
+                coefficient = clip_coefficient(squared_norm(grads) ** 0.5, c.inner.grad_clip)
+                for grad in grads:
+                    grad.mul_(coefficient)
             inner.optimizer.step()
             if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
                 curve.append((step + 1, evaluate(model, setup.eval, CPU)))
 
     run_in_threads(setup.replicas, replica)
-    return curve, sum(traffic) // setup.replicas
+    return curve, sum(traffic) // setup.replicas, 0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--suite", choices=sorted(SUITES), default="default",
+                        help="a config and list of methods (default: ddp, diloco, sparseloco on tiny.yaml)")
+    parser.add_argument("--config", help="model and training config (default: the suite's)")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=40, help="outer rounds; DDP runs rounds * H steps")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
-                        help='ddp, diloco, sparseloco, or a variant such as "sparseloco:topk=128,lr=1.2"')
+    parser.add_argument("--methods", nargs="+", help='e.g. ddp diloco "sparseloco:topk=128" selective:ratio=8')
     args = parser.parse_args()
     torch.set_num_threads(1)  # the replicas' threads share the cores
 
-    config = load_config(args.config, args.overrides)
+    suite_config, suite_methods = SUITES[args.suite]
+    config_path = args.config or suite_config
+    config = load_config(config_path, args.overrides)
     setup = Setup(config, args.replicas, args.rounds)
     tokens = args.replicas * args.rounds * config.inner.steps * config.inner.grad_accum * config.inner.batch_size \
         * config.data.seq_len
     print(f"{args.replicas} replicas, {args.rounds} rounds x H={config.inner.steps} inner steps, "
-          f"{tokens / 1e6:.2f}M tokens per method, model {args.config}")
+          f"{tokens / 1e6:.2f}M tokens per method, model {config_path}")
     results = {}
-    for method in args.methods:
+    for method in args.methods or suite_methods:
         started = time.perf_counter()
-        if method == "ddp":
-            results[method] = run_ddp(setup)
-        else:
-            algorithm, _, settings = method.partition(":")
-            overrides = [f"outer.algorithm={algorithm}"]
-            overrides += [f"outer.{algorithm}.{setting}" for setting in settings.split(",") if setting]
-            results[method] = run_outer(setup, load_config(args.config, args.overrides + overrides))
-        print(f"  {method}: {time.perf_counter() - started:.0f} s")
+        results[method] = run_ddp(setup) if method == "ddp" else run_outer(setup, method)
+        print(f"  {method}: {time.perf_counter() - started:.0f} s, final eval loss {results[method][0][-1][1]:.3f}",
+              flush=True)
 
     steps = [s for s, _ in next(iter(results.values()))[0]]
     print()
     print("Eval loss by inner step")
     print(format_table(["step", *results], [
-        [step, *(f"{dict(curve)[step]:.3f}" for curve, _ in results.values())] for step in steps]))
+        [step, *(f"{dict(curve)[step]:.3f}" for curve, _, _ in results.values())] for step in steps]))
     print()
-    final = {m: curve[-1][1] for m, (curve, _) in results.items()}
-    reference = final.get("ddp")
+    final = {m: curve[-1][1] for m, (curve, _, _) in results.items()}
+    reference = final.get("ddp", final.get("sparseloco"))
+    against = "DDP" if "ddp" in final else "SparseLoCo"
     rows = [(m, f"{final[m]:.3f}", f"{100 * (final[m] / reference - 1):+.1f}%" if reference else "-",
-             human_bytes(traffic)) for m, (_, traffic) in results.items()]
-    print(format_table(("method", "final eval loss", "vs DDP", "bytes per replica (sent + received)"), rows))
+             human_bytes(traffic), human_bytes(boundary) if boundary else "-")
+            for m, (_, traffic, boundary) in results.items()]
+    print(format_table(("method", "final eval loss", f"vs {against}", "all-reduce bytes per replica",
+                        "stage-boundary bytes per group"), rows))
 
 
 if __name__ == "__main__":

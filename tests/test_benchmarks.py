@@ -1,5 +1,6 @@
 """The benchmark scripts still run and print their tables (on tiny settings; timings are not checked)."""
 
+import json
 import subprocess
 import sys
 
@@ -25,6 +26,26 @@ def test_quality_benchmark_compares_the_three_methods():
     for method in ("ddp", "diloco", "sparseloco"):
         assert f"{method} " in out
     assert "final eval loss" in out
+
+
+@pytest.mark.timeout(260)
+def test_quality_benchmark_runs_heterogeneous_replicas():
+    out = run("benchmarks/quality.py", "--suite", "heterogeneous", "--rounds", "2", "--replicas", "2",
+              "--set", "inner.steps=2", "--methods", "sparseloco", "selective:ratio=16", "uniform:ratio=16")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[-3:]}
+    assert rows["sparseloco"][-1] == "-"  # no pipeline groups, no stage-boundary traffic
+    assert rows["selective:ratio=16"][-1] == "kB" and rows["uniform:ratio=16"][-1] == "kB"
+
+
+@pytest.mark.timeout(260)
+def test_pipeline_benchmark_reports_the_boundary_ratio_as_json():
+    figures = json.loads(run("benchmarks/pipeline.py", "--json"))
+    assert {"boundary_bytes_per_token", "dense_bf16_bytes_per_token", "ratio", "stage_param_bytes",
+            "full_param_bytes"} <= set(figures)
+    # tiny-pipeline: 8 bf16 values and a uint16 id per token (+ the window's one extra target id per sequence)
+    assert figures["boundary_bytes_per_token"] == pytest.approx(2 * 8 + 2 * 129 / 128)
+    assert figures["ratio"] >= 8
+    assert figures["stage_param_bytes"] < 0.6 * figures["full_param_bytes"]
 
 
 @pytest.mark.timeout(260)
