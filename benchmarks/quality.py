@@ -31,7 +31,7 @@ from p2ploco.data import ByteTokenizer, Corpus, ShardSampler, eval_batches
 from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate, squared_norm
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.model import Transformer
-from p2ploco.pipeline.inprocess import FULL, GROUP, LocalSwarm, build_swarm, run_in_threads
+from p2ploco.pipeline.inprocess import FULL, GROUP, InProcessSwarm, build_swarm, run_in_threads
 from p2ploco.pipeline.subspace import SubspaceConstraint, constrained_dims
 
 CPU = torch.device("cpu")
@@ -77,7 +77,7 @@ class Setup:
         return with_overrides(c, overrides), kinds
 
 
-def global_model(swarm: LocalSwarm, config: Config) -> Transformer:
+def global_model(swarm: InProcessSwarm, config: Config) -> Transformer:
     """The global parameters in one whole model, as replica 0 runs them (projected if it is constrained)."""
     workers = swarm.replicas[0]
     if len(workers) == 1:
@@ -96,11 +96,32 @@ def global_model(swarm: LocalSwarm, config: Config) -> Transformer:
     return model
 
 
-def run_outer(setup: Setup, method: str) -> tuple[list[tuple[int, float]], int, int]:
-    """An outer method: the eval-loss curve (at outer rounds), all-reduce bytes per replica, and the
-    stage-boundary bytes per pipeline group (0 without groups)."""
+def global_params(swarm: InProcessSwarm) -> dict[str, torch.Tensor]:
+    return {name: p.clone() for w in swarm.workers for name, p in zip(w.names, w.outer.params)}
+
+
+def off_span_share(swarm: InProcessSwarm, config: Config, initial: dict[str, torch.Tensor]) -> float | None:
+    """The share of the global parameters' movement since the start that lies outside span(U), over the
+    constrained tensors: ||(I - P) d|| / ||d|| for d = final - initial (None without a compressed group)."""
+    constrained = [w for replica in swarm.replicas for w in replica if w.constraint is not None]
+    if not constrained:
+        return None
+    subspace = constrained[0].constraint.subspace
+    final = global_params(swarm)
+    outside = total = 0.0
+    for name, dim in constrained_dims(config.model, config.pipeline.stages).items():
+        moved = final[name] - initial[name]
+        total += float(moved.pow(2).sum())
+        outside += float((moved - subspace.project_(moved.clone(), dim)).pow(2).sum())
+    return (outside / total) ** 0.5
+
+
+def run_outer(setup: Setup, method: str) -> tuple[list[tuple[int, float]], int, int, float | None]:
+    """An outer method: the eval-loss curve (at outer rounds), all-reduce bytes per replica, the
+    stage-boundary bytes per pipeline group (0 without groups), and the off-span share of the global update."""
     config, kinds = setup.method_config(method)
     swarm = build_swarm(config, kinds, setup.corpus.train)
+    initial = global_params(swarm)
     curve: list[tuple[int, float]] = []
 
     def after_round(r: int) -> None:
@@ -111,10 +132,10 @@ def run_outer(setup: Setup, method: str) -> tuple[list[tuple[int, float]], int, 
     all_reduce = sum(swarm.all_reduce_bytes) // setup.replicas
     groups = [r for r in swarm.replicas if len(r) > 1]
     boundary = sum(w.inner.gradients.transport.bytes_sent for r in groups for w in r) // max(1, len(groups))
-    return curve, all_reduce, boundary
+    return curve, all_reduce, boundary, off_span_share(swarm, config, initial)
 
 
-def run_ddp(setup: Setup) -> tuple[list[tuple[int, float]], int, int]:
+def run_ddp(setup: Setup) -> tuple[list[tuple[int, float]], int, int, float | None]:
     """AdamW with gradients averaged over the replicas at every step (replicas stay identical)."""
     c = setup.config
     group = InProcessGroup(setup.replicas)
@@ -148,7 +169,7 @@ def run_ddp(setup: Setup) -> tuple[list[tuple[int, float]], int, int]:
                 curve.append((step + 1, evaluate(model, setup.eval, CPU)))
 
     run_in_threads(setup.replicas, replica)
-    return curve, sum(traffic) // setup.replicas, 0
+    return curve, sum(traffic) // setup.replicas, 0, None
 
 
 def main() -> None:
@@ -182,16 +203,17 @@ def main() -> None:
     print()
     print("Eval loss by inner step")
     print(format_table(["step", *results], [
-        [step, *(f"{dict(curve)[step]:.3f}" for curve, _, _ in results.values())] for step in steps]))
+        [step, *(f"{dict(curve)[step]:.3f}" for curve, *_ in results.values())] for step in steps]))
     print()
-    final = {m: curve[-1][1] for m, (curve, _, _) in results.items()}
+    final = {m: curve[-1][1] for m, (curve, *_) in results.items()}
     reference = final.get("ddp", final.get("sparseloco"))
     against = "DDP" if "ddp" in final else "SparseLoCo"
     rows = [(m, f"{final[m]:.3f}", f"{100 * (final[m] / reference - 1):+.1f}%" if reference else "-",
-             human_bytes(traffic), human_bytes(boundary) if boundary else "-")
-            for m, (_, traffic, boundary) in results.items()]
+             human_bytes(traffic), human_bytes(boundary) if boundary else "-",
+             f"{outside:.3f}" if outside is not None else "-")
+            for m, (_, traffic, boundary, outside) in results.items()]
     print(format_table(("method", "final eval loss", f"vs {against}", "all-reduce bytes per replica",
-                        "stage-boundary bytes per group"), rows))
+                        "stage-boundary bytes per group", "update off span(U)"), rows))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ is measured from that projection, so it reports its own training and not the pro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ class Worker:
     def _hash(self) -> str:
         return params_sha256(self.names, self.outer.params)
 
-    def train(self, round_index: int, should_stop=lambda: False) -> InnerStats | None:
+    def train(self, round_index: int, should_stop: Callable[[], bool] = lambda: False) -> InnerStats | None:
         """The round's inner steps; None if stopped before they were done."""
         return self.inner.run_round(round_index, should_stop)
 

@@ -22,7 +22,7 @@ FULL, GROUP = "full", "group"
 CPU = torch.device("cpu")
 
 
-class LocalSwarm:
+class InProcessSwarm:
     """Replicas of one run in this process: ``replicas[i]`` is [a full replica's worker] or [the S stage
     workers of a group]."""
 
@@ -59,7 +59,7 @@ class LocalSwarm:
 
 
 def build_swarm(config: Config, kinds: Sequence[str], tokens: np.ndarray,
-                device: torch.device = CPU) -> LocalSwarm:
+                device: torch.device = CPU) -> InProcessSwarm:
     """Replica i is a full replica or a pipeline group (``kinds[i]``) and draws its batches from a sampler
     seeded by ``replica-i`` (a group's first stage draws for the group)."""
     c = config
@@ -76,7 +76,7 @@ def build_swarm(config: Config, kinds: Sequence[str], tokens: np.ndarray,
             pipes.append(pipe)
         else:
             raise ValueError(f"replica kind {kind!r}: expected {FULL} or {GROUP}")
-    return LocalSwarm(replicas, pipes)
+    return InProcessSwarm(replicas, pipes)
 
 
 def run_in_threads(count: int, work: Callable[[int], None]) -> None:
