@@ -2,14 +2,32 @@
 
 import threading
 
+import numpy as np
 import torch
 
 from p2ploco.collective.inprocess import InProcessGroup
-from p2ploco.config import OuterConfig, SwarmConfig
+from p2ploco.config import Config, OuterConfig, SwarmConfig, load_config
+from p2ploco.data import ShardSampler
 from p2ploco.outer import build_outer
 from p2ploco.swarm.runtime import Swarm
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+CPU = torch.device("cpu")
+TOKENS = (np.arange(50_000) * 7919 % 257).astype(np.uint16)
+
+
+def small_config(*overrides: str) -> Config:
+    """tiny-pipeline.yaml shrunk for exactness tests: 4 layers of d = 64, 3 micro-batches of 2 x 16 tokens,
+    an active gradient clip and a float32 wire."""
+    return load_config("configs/tiny-pipeline.yaml", ["model.d_model=64", "model.n_head=4", "model.max_seq_len=32",
+                                                      "data.seq_len=16", "inner.batch_size=2", "inner.grad_accum=3",
+                                                      "inner.grad_clip=0.05", "pipeline.wire_dtype=float32",
+                                                      *overrides])
+
+
+def sampler(config: Config) -> ShardSampler:
+    """The same batches for every caller: a group's first stage and the unsplit model it is compared with."""
+    return ShardSampler(TOKENS, config.data.seq_len, config.inner.batch_size, "run", "group-0")
 
 
 def run_outer_replicas(outer: OuterConfig, shapes, replicas: int, rounds: int, noise: float, seed: int = 0):

@@ -3,30 +3,16 @@
 import numpy as np
 import pytest
 import torch
+from helpers import CPU, TOKENS, sampler, small_config
 
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import Config, load_config
-from p2ploco.data import ShardSampler
 from p2ploco.errors import PipelineError
 from p2ploco.pipeline.inprocess import build_swarm, run_in_threads
 from p2ploco.pipeline.schedule import one_forward_one_backward
 from p2ploco.pipeline.subspace import Subspace, constrained_dims
 from p2ploco.pipeline.transport import InProcessPipe
 from p2ploco.worker import Worker, build_replica, build_stage
-
-CPU = torch.device("cpu")
-TOKENS = (np.arange(50_000) * 7919 % 257).astype(np.uint16)
-
-
-def small_config(*overrides: str) -> Config:
-    return load_config("configs/tiny-pipeline.yaml", ["model.d_model=64", "model.n_head=4", "model.max_seq_len=32",
-                                                      "data.seq_len=16", "inner.batch_size=2", "inner.grad_accum=3",
-                                                      "inner.grad_clip=0.05", "pipeline.wire_dtype=float32",
-                                                      *overrides])
-
-
-def sampler(config: Config) -> ShardSampler:
-    return ShardSampler(TOKENS, config.data.seq_len, config.inner.batch_size, "run", "group-0")
 
 
 def one_step_unsplit_and_split(config: Config) -> tuple[Worker, list[Worker], float, list[float]]:

@@ -73,10 +73,12 @@ class StageTransport(ABC):
 
 
 class Mailbox:
-    """Messages by key, each taken once; a take waits (bounded) for its message."""
+    """Messages by (step, index), each taken once; a take waits (bounded) for its message, and fails at once
+    when its step was failed (a malformed message from the neighbour) or the mailbox closed."""
 
     def __init__(self) -> None:
         self._items: dict[MicroKey, object] = {}
+        self._failed: dict[int, str] = {}  # step -> why
         self._arrived = threading.Condition()
         self._closed = False
 
@@ -84,6 +86,12 @@ class Mailbox:
         """No more messages will come: every waiting and later take fails at once."""
         with self._arrived:
             self._closed = True
+            self._arrived.notify_all()
+
+    def fail(self, step: int, reason: str) -> None:
+        """Step ``step`` cannot finish: its takes fail at once with ``reason``."""
+        with self._arrived:
+            self._failed[step] = reason
             self._arrived.notify_all()
 
     def put(self, key: MicroKey, item: object) -> None:
@@ -95,8 +103,11 @@ class Mailbox:
 
     def take(self, key: MicroKey, timeout: float, what: str) -> object:
         with self._arrived:
-            if not self._arrived.wait_for(lambda: key in self._items or self._closed, timeout):
+            if not self._arrived.wait_for(lambda: key in self._items or key[0] in self._failed or self._closed,
+                                          timeout):
                 raise PipelineError(f"no {what} for step {key[0]} micro-batch {key[1]} within {timeout:.0f} s")
+            if key[0] in self._failed:
+                raise PipelineError(f"step {key[0]} failed: {self._failed[key[0]]}")
             if key not in self._items:
                 raise PipelineError(f"the link closed before the {what} of step {key[0]} micro-batch {key[1]} came")
             return self._items.pop(key)

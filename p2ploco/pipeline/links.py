@@ -1,0 +1,309 @@
+"""Stage links over hivemind: the transport of a pipeline group whose stages run on different peers.
+
+Every stage peer serves one stream handler, ``p2ploco/<run>/stage``, and pushes to its neighbours:
+activations forward to stage s + 1, gradients back to stage s - 1, and its addends of the per-step
+sums to every stage of the group. A push is one framed message (``swarm/wire.py``) on a fresh
+binary stream, which carries any size (hivemind's unary limit does not apply), and is answered with
+one status:
+
+    request:  u32 header length | u64 payload length | msgpack header | payload
+    header:   {v, kind: activations | gradients | sum, group, epoch, step, micro,
+               shapes: [[...], ...], dtypes: [...]}
+    payload:  the tensors' raw little-endian bytes, one after the other, in header order
+                activations: token ids (B, T + 1; uint16 or int32), values (B, T, width; wire dtype)
+                gradients:   values (B, T, width; wire dtype)
+                sum:         float64 addends (n,)
+    answer:   {v, status: ok | rejected, reason}
+
+The receiver knows who may send what: only the peer holding stage s - 1 of its current group
+(``epoch`` counts re-formations) may send activations, only stage s + 1 gradients, only members sums.
+It checks the sender before it reads a payload, bounds every shape by the group's schedule (batch,
+sequence, width, vocabulary), reads exactly the bytes those shapes need, and refuses non-finite
+values and out-of-range ids. A bad message from the expected neighbour fails the step it belongs to
+(the waiting stage gets a PipelineError at once, and the group's round with it); a message from
+anyone else is refused and changes nothing. No process ever stops for a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from p2ploco.config import Config
+from p2ploco.errors import PayloadError, PipelineError
+from p2ploco.pipeline.schedule import WIRE_DTYPES
+from p2ploco.pipeline.transport import Activations, Mailbox, MicroKey, StageTransport, id_dtype
+from p2ploco.swarm import wire
+from p2ploco.swarm.loop import EventLoopThread
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"uint16": torch.uint16, "int32": torch.int32, "float32": torch.float32, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "float64": torch.float64}
+MAX_ADDENDS = 16
+
+
+class Kind(Enum):
+    ACTIVATIONS = "activations"
+    GRADIENTS = "gradients"
+    SUM = "sum"
+
+
+class Status(Enum):
+    OK = "ok"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class StageLinks:
+    """One formation of a group: which peer holds each stage (``epoch`` counts re-formations)."""
+
+    group: str
+    epoch: int
+    peers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What every message of a group must fit: the group's micro-batch shape and the boundary width."""
+
+    micro_batches: int
+    batch_size: int
+    seq_len: int
+    width: int
+    vocab_size: int
+    wire_dtype: torch.dtype
+    id_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, config: Config) -> Schedule:
+        """The schedule every stage of a group of this config runs (the group shares these inner settings)."""
+        c = config
+        width = c.pipeline.rank if c.pipeline.compressed else c.model.d_model
+        return cls(c.inner.grad_accum, c.inner.batch_size, c.data.seq_len, width, c.model.vocab_size,
+                   WIRE_DTYPES[c.pipeline.wire_dtype], id_dtype(c.model.vocab_size))
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().contiguous().cpu()
+    if flat.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)  # numpy has no bfloat16: move the same bits
+    return flat.numpy().tobytes()
+
+
+class StageLinkServer:
+    """What this stage peer receives: one mailbox per direction, plus the group's sums."""
+
+    def __init__(self, p2p: P2P, run_id: str, timeout: float):
+        self.p2p, self.timeout = p2p, timeout
+        self.handler_name = f"p2ploco/{run_id}/stage"
+        self.me = ""
+        self.links: StageLinks | None = None
+        self.stage = -1
+        self.schedule: Schedule | None = None
+        self.activations, self.gradients, self.sums = Mailbox(), Mailbox(), Mailbox()
+
+    async def start(self) -> None:
+        self.me = str(self.p2p.peer_id)
+        await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
+
+    def join(self, links: StageLinks, stage: int, schedule: Schedule) -> None:
+        """Serve ``stage`` of the formation ``links`` from now on; what was in flight for another one is gone."""
+        for mailbox in (self.activations, self.gradients, self.sums):
+            mailbox.close()
+        self.activations, self.gradients, self.sums = Mailbox(), Mailbox(), Mailbox()
+        self.links, self.stage, self.schedule = links, stage, schedule
+
+    def leave(self) -> None:
+        """No formation: every waiting stage fails at once, and nobody's messages are accepted."""
+        for mailbox in (self.activations, self.gradients, self.sums):
+            mailbox.close()
+        self.links = None
+
+    def _expected_sender(self, kind: Kind, header: dict[str, Any]) -> tuple[StageLinks, Mailbox, int]:
+        links = self.links
+        if links is None or wire.field(header, "group", str) != links.group \
+                or wire.field(header, "epoch", int) != links.epoch:
+            raise PayloadError("message for a group formation this peer does not serve")
+        if kind is Kind.ACTIVATIONS:
+            return links, self.activations, self.stage - 1
+        if kind is Kind.GRADIENTS:
+            return links, self.gradients, self.stage + 1
+        return links, self.sums, wire.field(header, "from_stage", int)
+
+    async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = str(stream_info.peer_id)
+        mailbox: Mailbox | None = None
+        key: MicroKey | None = None
+        try:
+            header, length = await asyncio.wait_for(wire.read_header(reader), self.timeout)
+            try:
+                kind = Kind(header.get("kind"))
+            except ValueError:
+                raise PayloadError(f"unknown stage message kind {header.get('kind')!r}") from None
+            links, expected_mailbox, from_stage = self._expected_sender(kind, header)
+            if not 0 <= from_stage < len(links.peers) or links.peers[from_stage] != sender:
+                raise PayloadError(f"{sender[-8:]} does not hold the stage that sends {kind.value} to this one")
+            mailbox = expected_mailbox  # from here on a bad message is the neighbour's and fails the step
+            key = self._key(kind, header, from_stage)
+            shapes, dtypes = self._expected_tensors(kind, header)
+            size = sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+                       for shape, dtype in zip(shapes, dtypes))
+            if length != size:
+                raise PayloadError(f"{kind.value} payload of {length} bytes, its shapes need {size}")
+            payload = await asyncio.wait_for(wire.read_payload(reader, length, size), self.timeout)
+            mailbox.put(key, self._decode(kind, payload, shapes, dtypes))
+            await asyncio.wait_for(wire.write_message(writer, {"status": Status.OK.value}), self.timeout)
+        except (PayloadError, PipelineError, TimeoutError) as e:
+            reason = str(e) or "timed out"
+            logger.warning(f"stage message from {sender[-8:]} refused: {reason}")
+            if mailbox is not None and key is not None:
+                mailbox.fail(key[0], reason)
+            try:
+                await asyncio.wait_for(wire.write_message(writer, {"status": Status.REJECTED.value,
+                                                                   "reason": reason[:200]}), 1.0)
+            except (TimeoutError, OSError, ConnectionError):
+                pass  # the sender is gone or stalled; it will time out on its own
+        except (OSError, ConnectionError) as e:
+            if mailbox is not None and key is not None:
+                mailbox.fail(key[0], f"the link to {sender[-8:]} broke: {e!r}")
+        finally:
+            writer.close()
+
+    def _key(self, kind: Kind, header: dict[str, Any], from_stage: int) -> MicroKey:
+        step = wire.field(header, "step", int)
+        if step < 0:
+            raise PayloadError(f"negative step {step}")
+        if kind is Kind.SUM:
+            return step, from_stage
+        micro = wire.field(header, "micro", int)
+        if not 0 <= micro < self.schedule.micro_batches:
+            raise PayloadError(f"micro-batch {micro} outside [0, {self.schedule.micro_batches})")
+        return step, micro
+
+    def _expected_tensors(self, kind: Kind, header: dict[str, Any]) -> tuple[list[tuple[int, ...]],
+                                                                              list[torch.dtype]]:
+        """The shapes and element types the header announces, checked against the schedule."""
+        s = self.schedule
+        shapes = [tuple(shape) for shape in wire.field(header, "shapes", list) if isinstance(shape, list)]
+        names = wire.field(header, "dtypes", list)
+        dtypes = [DTYPES.get(name) if isinstance(name, str) else None for name in names]
+        if kind is Kind.ACTIVATIONS:
+            allowed = [s.id_dtype, s.wire_dtype]
+        elif kind is Kind.GRADIENTS:
+            allowed = [s.wire_dtype]
+        else:
+            allowed = [torch.float64]
+        if dtypes != allowed or len(shapes) != len(allowed) \
+                or not all(all(type(d) is int for d in shape) for shape in shapes):
+            raise PayloadError(f"{kind.value} must carry tensors of types {[str(d) for d in allowed]}")
+        if kind is Kind.SUM:
+            if len(shapes[0]) != 1 or not 0 < shapes[0][0] <= MAX_ADDENDS:
+                raise PayloadError(f"sum of {shapes[0]} addends")
+            return shapes, dtypes
+        values = shapes[-1]
+        if len(values) != 3 or not (0 < values[0] <= s.batch_size and 0 < values[1] <= s.seq_len
+                                    and values[2] == s.width):
+            raise PayloadError(f"{kind.value} of shape {values}, expected at most ({s.batch_size}, {s.seq_len}, "
+                               f"{s.width})")
+        if kind is Kind.ACTIVATIONS and shapes[0] != (values[0], values[1] + 1):
+            raise PayloadError(f"token ids of shape {shapes[0]} do not frame values of shape {values}")
+        return shapes, dtypes
+
+    def _decode(self, kind: Kind, payload: bytes, shapes: list[tuple[int, ...]],
+                dtypes: list[torch.dtype]) -> Activations | torch.Tensor:
+        tensors, offset = [], 0
+        for shape, dtype in zip(shapes, dtypes):
+            size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+            tensors.append(from_bytes(payload[offset : offset + size], dtype, shape))
+            offset += size
+        if not torch.isfinite(tensors[-1].float()).all():
+            raise PayloadError(f"{kind.value} hold NaN or Inf values")
+        if kind is Kind.ACTIVATIONS:
+            ids = tensors[0].to(torch.int64)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.schedule.vocab_size):
+                raise PayloadError(f"token ids outside [0, {self.schedule.vocab_size})")
+            return Activations(tensors[0], tensors[1])
+        return tensors[0]
+
+
+def from_bytes(data: bytes, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` from raw little-endian bytes (a copy: the message may go away)."""
+    carrier = torch.int16 if dtype == torch.bfloat16 else dtype
+    array = np.frombuffer(data, dtype=str(carrier).removeprefix("torch."))
+    return torch.from_numpy(array.copy()).view(dtype).reshape(tuple(shape))
+
+
+class RemoteTransport(StageTransport):
+    """This stage's links to the other stages of its group, over hivemind streams."""
+
+    def __init__(self, loop: EventLoopThread, server: StageLinkServer, links: StageLinks, stage: int,
+                 schedule: Schedule, timeout: float):
+        self.loop, self.server, self.links, self.schedule, self.timeout = loop, server, links, schedule, timeout
+        self.stage, self.stages = stage, len(links.peers)
+        server.join(links, stage, schedule)
+
+    def _push(self, kind: Kind, to_stage: int, key: MicroKey, tensors: Sequence[torch.Tensor],
+              from_stage: int | None = None) -> None:
+        header = {"kind": kind.value, "group": self.links.group, "epoch": self.links.epoch, "step": key[0],
+                  "micro": key[1], "shapes": [list(t.shape) for t in tensors],
+                  "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors]}
+        if from_stage is not None:
+            header["from_stage"] = from_stage
+        payload = b"".join(tensor_bytes(t) for t in tensors)
+        peer = self.links.peers[to_stage]
+
+        async def push() -> dict[str, Any]:
+            _, reader, writer = await self.server.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
+                                                                                 self.server.handler_name)
+            try:
+                await wire.write_message(writer, header, payload)
+                answer, _ = await wire.read_message(reader, 0)
+                return answer
+            finally:
+                writer.close()
+
+        try:
+            answer = self.loop.run(asyncio.wait_for(push(), self.timeout), self.timeout + 5)
+        except (TimeoutError, PayloadError, OSError, ConnectionError) as e:
+            raise PipelineError(f"could not send {kind.value} of step {key[0]} to stage {to_stage} "
+                                f"({peer[-8:]}): {e!r}") from None
+        except Exception as e:  # the p2p daemon reports an unreachable peer through several exception types
+            logger.info(f"sending {kind.value} to {peer[-8:]} failed", exc_info=True)
+            raise PipelineError(f"could not reach stage {to_stage} ({peer[-8:]}): {e!r}") from None
+        if answer.get("status") != Status.OK.value:
+            raise PipelineError(f"stage {to_stage} refused our {kind.value}: {answer.get('reason')}")
+        self.bytes_sent += len(payload)
+
+    def send_activations(self, key: MicroKey, activations: Activations) -> None:
+        self._push(Kind.ACTIVATIONS, self.stage + 1, key, [activations.ids, activations.values])
+
+    def recv_activations(self, key: MicroKey) -> Activations:
+        activations = self.server.activations.take(key, self.timeout, "activations")
+        self.bytes_received += activations.nbytes
+        return activations
+
+    def send_gradients(self, key: MicroKey, gradients: torch.Tensor) -> None:
+        self._push(Kind.GRADIENTS, self.stage - 1, key, [gradients])
+
+    def recv_gradients(self, key: MicroKey) -> torch.Tensor:
+        gradients = self.server.gradients.take(key, self.timeout, "gradients")
+        self.bytes_received += gradients.numel() * gradients.element_size()
+        return gradients
+
+    def all_sum(self, step: int, values: Sequence[float]) -> list[float]:
+        mine = torch.tensor(list(values), dtype=torch.float64)
+        for other in range(self.stages):
+            if other != self.stage:
+                self._push(Kind.SUM, other, (step, 0), [mine], from_stage=self.stage)
+        addends = [mine if s == self.stage else self.server.sums.take((step, s), self.timeout, "sum")
+                   for s in range(self.stages)]
+        return [float(v) for v in torch.stack(addends).sum(0)]  # in stage order: the same on every stage
