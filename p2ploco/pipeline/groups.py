@@ -1,0 +1,83 @@
+"""Pipeline groups in the DHT: which stage peer holds which (group, stage) slot.
+
+Nothing is negotiated: every stage peer publishes its claim in its own signed peer record (group,
+stage, and ``since``, the DHT time it claimed the slot), and every peer applies the same rules to the
+same records. A slot belongs to its earliest claimant (ties: the smaller peer id), so a newcomer never
+displaces a peer that holds a slot; a claimant that loses waits as standby and takes the slot when it
+falls vacant. A group trains only while all of its S slots are held; its formation (who holds which
+stage) is identified by an epoch derived from the holders, so stages with different views of the group
+refuse each other's messages rather than mix two formations.
+
+A peer without ``--group``/``--stage`` takes a vacant slot, preferring the one that completes a group
+(the fewest missing stages), then the smallest group name and stage; when every known group is full it
+opens a new group ``g<N>`` at stage 0. A peer that holds a slot of an incomplete group moves to a
+vacancy that would complete a group ahead of its own (fewer stages missing, then a smaller name), so
+holders never swap back and forth; two peers that move to the same slot are sorted out by the rule
+above.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+Slot = tuple[str, int]  # (group name, stage)
+
+
+@dataclass(frozen=True)
+class Claim:
+    peer_id: str
+    group: str
+    stage: int
+    since: float  # DHT time at which the peer claimed the slot
+
+
+def holders(claims: Iterable[Claim]) -> dict[Slot, str]:
+    """Each claimed slot's holder: its earliest claimant, ties broken by peer id."""
+    best: dict[Slot, Claim] = {}
+    for claim in claims:
+        slot = (claim.group, claim.stage)
+        if slot not in best or (claim.since, claim.peer_id) < (best[slot].since, best[slot].peer_id):
+            best[slot] = claim
+    return {slot: claim.peer_id for slot, claim in best.items()}
+
+
+def formation_epoch(group: str, peers: tuple[str, ...]) -> int:
+    """An id of one formation of ``group``: the same on every peer that sees the same holders."""
+    return int.from_bytes(hashlib.sha256("|".join((group, *peers)).encode()).digest()[:6], "big")
+
+
+def complete_groups(claims: Iterable[Claim], stages: int) -> dict[str, tuple[str, ...]]:
+    """Groups whose S slots are all held, with the holder of each stage in stage order."""
+    held = holders(claims)
+    names = {group for group, _ in held}
+    return {group: tuple(held[(group, s)] for s in range(stages)) for group in sorted(names)
+            if all((group, s) in held for s in range(stages))}
+
+
+def choose_slot(claims: Iterable[Claim], me: str, stages: int, group: str | None = None,
+                stage: int | None = None) -> Slot:
+    """The slot this peer should claim, given everyone's claims (its own included) and its pins."""
+    claims = list(claims)
+    held = holders(claims)
+    mine = next(((c.group, c.stage) for c in claims if c.peer_id == me and held.get((c.group, c.stage)) == me), None)
+    if group is not None and stage is not None:
+        return group, stage  # pinned: hold it, or wait as standby until it falls vacant
+    groups = sorted({g for g, _ in held} | ({group} if group is not None else set()))
+    missing = {g: [s for s in range(stages) if (g, s) not in held] for g in groups}
+    if mine is not None and not missing[mine[0]]:
+        return mine  # a slot of a complete group: keep it
+    vacant = sorted((len(missing[g]), g, s) for g in groups for s in missing[g]
+                    if (group is None or g == group) and (stage is None or s == stage))
+    if mine is not None:
+        # Move only towards a group that is ahead of ours (fewer missing, then a smaller name): two holders
+        # of half-empty groups then never swap places back and forth.
+        ours = (len(missing[mine[0]]), mine[0])
+        completing = [(g, s) for n, g, s in vacant if n == 1 and (n, g) < ours]
+        return completing[0] if completing else mine
+    if vacant:
+        return vacant[0][1], vacant[0][2]
+    if group is not None:
+        return group, stage if stage is not None else 0  # every slot of the pinned group is held: standby
+    return next(f"g{n}" for n in range(len(groups) + 1) if f"g{n}" not in groups), stage if stage is not None else 0
