@@ -1,5 +1,7 @@
 """Stage links over real hivemind streams: the same step as in process, and malformed messages refused."""
 
+import threading
+
 import pytest
 import torch
 from helpers import CPU, LOOPBACK, sampler, small_config
@@ -118,3 +120,24 @@ def test_malformed_stage_messages_are_refused_and_a_bad_neighbour_fails_only_its
         receiver.recv_activations((16, 0))
     assert push(loop, neighbour, servers[1], header(step=20), payload)["status"] == "ok"
     assert receiver.recv_activations((20, 0)).ids.dtype == torch.uint16
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_that_gives_up_a_step_releases_the_others_at_once(peers):
+    loop, servers = peers
+    config = small_config("pipeline.rank=8")
+    links = StageLinks("g", 0, (servers[0].me, servers[1].me))
+    first, last = (RemoteTransport(loop, servers[s], links, s, Schedule.of(config), timeout=60) for s in range(2))
+    failure: list[PipelineError] = []
+
+    def wait_for_activations() -> None:
+        try:
+            last.recv_activations((4, 0))
+        except PipelineError as e:
+            failure.append(e)
+
+    waiting = threading.Thread(target=wait_for_activations)
+    waiting.start()
+    first.abort(4, "its sampler broke")
+    waiting.join(30)  # far less than the 60 s the wait would otherwise take
+    assert not waiting.is_alive() and "stage 0 gave up: its sampler broke" in str(failure[0])

@@ -7,12 +7,13 @@ binary stream, which carries any size (hivemind's unary limit does not apply), a
 one status:
 
     request:  u32 header length | u64 payload length | msgpack header | payload
-    header:   {v, kind: activations | gradients | sum, group, epoch, step, micro,
-               shapes: [[...], ...], dtypes: [...]}
+    header:   {v, kind: activations | gradients | sum | abort, group, epoch, step, micro,
+               shapes: [[...], ...], dtypes: [...], from_stage (sum, abort), reason (abort)}
     payload:  the tensors' raw little-endian bytes, one after the other, in header order
                 activations: token ids (B, T + 1; uint16 or int32), values (B, T, width; wire dtype)
                 gradients:   values (B, T, width; wire dtype)
                 sum:         float64 addends (n,)
+                abort:       nothing
     answer:   {v, status: ok | rejected, reason}
 
 The receiver knows who may send what: only the peer holding stage s - 1 of its current group
@@ -55,6 +56,7 @@ class Kind(Enum):
     ACTIVATIONS = "activations"
     GRADIENTS = "gradients"
     SUM = "sum"
+    ABORT = "abort"  # the sender cannot finish the step: stop waiting for it
 
 
 class Status(Enum):
@@ -137,7 +139,7 @@ class StageLinkServer:
             return links, self.activations, self.stage - 1
         if kind is Kind.GRADIENTS:
             return links, self.gradients, self.stage + 1
-        return links, self.sums, wire.field(header, "from_stage", int)
+        return links, self.sums, wire.field(header, "from_stage", int)  # sums and aborts: any member
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = str(stream_info.peer_id)
@@ -154,6 +156,12 @@ class StageLinkServer:
                 raise PayloadError(f"{sender[-8:]} does not hold the stage that sends {kind.value} to this one")
             mailbox = expected_mailbox  # from here on a bad message is the neighbour's and fails the step
             key = self._key(kind, header, from_stage)
+            if kind is Kind.ABORT:
+                reason = str(header.get("reason", ""))[:200]
+                for box in (self.activations, self.gradients, self.sums):
+                    box.fail(key[0], f"stage {from_stage} gave up: {reason}")
+                await asyncio.wait_for(wire.write_message(writer, {"status": Status.OK.value}), self.timeout)
+                return
             shapes, dtypes = self._expected_tensors(kind, header)
             size = sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
                        for shape, dtype in zip(shapes, dtypes))
@@ -182,7 +190,7 @@ class StageLinkServer:
         step = wire.field(header, "step", int)
         if step < 0:
             raise PayloadError(f"negative step {step}")
-        if kind is Kind.SUM:
+        if kind in (Kind.SUM, Kind.ABORT):
             return step, from_stage
         micro = wire.field(header, "micro", int)
         if not 0 <= micro < self.schedule.micro_batches:
@@ -252,12 +260,10 @@ class RemoteTransport(StageTransport):
         server.join(links, stage, schedule)
 
     def _push(self, kind: Kind, to_stage: int, key: MicroKey, tensors: Sequence[torch.Tensor],
-              from_stage: int | None = None) -> None:
+              **extra: object) -> None:
         header = {"kind": kind.value, "group": self.links.group, "epoch": self.links.epoch, "step": key[0],
                   "micro": key[1], "shapes": [list(t.shape) for t in tensors],
-                  "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors]}
-        if from_stage is not None:
-            header["from_stage"] = from_stage
+                  "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors], **extra}
         payload = b"".join(tensor_bytes(t) for t in tensors)
         peer = self.links.peers[to_stage]
 
@@ -307,3 +313,11 @@ class RemoteTransport(StageTransport):
         addends = [mine if s == self.stage else self.server.sums.take((step, s), self.timeout, "sum")
                    for s in range(self.stages)]
         return [float(v) for v in torch.stack(addends).sum(0)]  # in stage order: the same on every stage
+
+    def abort(self, step: int, reason: str) -> None:
+        for other in range(self.stages):
+            if other != self.stage:
+                try:
+                    self._push(Kind.ABORT, other, (step, 0), [], from_stage=self.stage, reason=reason[:200])
+                except PipelineError as e:  # best effort: that stage times out on its own
+                    logger.info(f"could not tell stage {other} that step {step} is given up: {e}")

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from p2ploco.data import ShardSampler
+from p2ploco.errors import PipelineError
 from p2ploco.inner import GradientSource, autocast_for
 from p2ploco.model import Transformer
 from p2ploco.pipeline.subspace import BoundaryCodec
@@ -68,6 +69,9 @@ class PipelineStage(GradientSource):
                     self._forward(key)
                 else:
                     loss += self._backward(key)
+        except PipelineError as e:
+            self.transport.abort(step, str(e))  # the other stages need not wait out their timeouts
+            raise
         finally:
             self._in_flight.clear()  # a failed step leaves nothing behind for the next one
         return loss

@@ -71,6 +71,10 @@ class StageTransport(ABC):
     def all_sum(self, step: int, values: Sequence[float]) -> list[float]:
         """The element-wise sum of ``values`` over the group's stages (every stage gets the same numbers)."""
 
+    @abstractmethod
+    def abort(self, step: int, reason: str) -> None:
+        """This stage cannot finish ``step``: the others stop waiting for it at once (best effort)."""
+
 
 class Mailbox:
     """Messages by (step, index), each taken once; a take waits (bounded) for its message, and fails at once
@@ -160,6 +164,11 @@ class InProcessTransport(StageTransport):
         gradients = self.pipe.backward[self.stage].take(key, self.pipe.timeout, "gradients")
         self.bytes_received += gradients.numel() * gradients.element_size()
         return gradients
+
+    def abort(self, step: int, reason: str) -> None:
+        for mailbox in (*self.pipe.forward, *self.pipe.backward):
+            mailbox.fail(step, f"stage {self.stage} gave up: {reason}")
+        self.pipe._gather.abort()  # a stage waiting in all_sum stops too
 
     def all_sum(self, step: int, values: Sequence[float]) -> list[float]:
         pipe = self.pipe
