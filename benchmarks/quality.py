@@ -21,7 +21,7 @@ import torch
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import Config, load_config
-from p2ploco.data import ByteTokenizer, Corpus, ShardSampler, eval_batches
+from p2ploco.data import ShardSampler, eval_batches, load_training_data
 from p2ploco.inner import InnerTrainer, autocast_for, evaluate
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.model import Transformer
@@ -55,15 +55,15 @@ def run_in_threads(replicas: int, work) -> None:
 class Setup:
     def __init__(self, config: Config, replicas: int, rounds: int):
         self.config, self.replicas, self.rounds = config, replicas, rounds
-        self.corpus = Corpus.load(config.data, ByteTokenizer())
-        self.eval = eval_batches(self.corpus.eval, config.data.seq_len, config.data.eval_sequences)
+        self.data = load_training_data(config)
+        self.eval = eval_batches(self.data.eval, config.data.seq_len, config.data.eval_sequences)
         self.horizon = rounds * config.inner.steps
         self.eval_every = max(1, rounds // 8)
 
     def replica(self, rank: int) -> tuple[torch.nn.Module, InnerTrainer]:
         c = self.config
         model = Transformer(c.model, c.training.seed)
-        sampler = ShardSampler(self.corpus.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"replica-{rank}")
+        sampler = ShardSampler(self.data.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"replica-{rank}")
         return model, InnerTrainer(model, c.inner, sampler, CPU, self.horizon)
 
 
