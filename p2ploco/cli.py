@@ -211,7 +211,7 @@ def data_prepare(paths: tuple[str, ...], out: str, tokenizer: str, eval_percent:
         ("train", f"{manifest.train.tokens:,} tokens in {len(manifest.train.shards)} shard(s)"),
         ("eval", f"{manifest.eval.tokens:,} tokens in {len(manifest.eval.shards)} shard(s)"),
         ("on disk", human_bytes((manifest.train.tokens + manifest.eval.tokens) * itemsize)),
-        ("time", f"{seconds:.1f} s ({text_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s of text)"),
+        ("time", f"{seconds:.2f} s ({text_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s of text)"),
         ("digest", manifest.digest[:16]),
     ]
     click.echo(format_table(("prepared", str(out)), rows))
