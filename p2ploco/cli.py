@@ -242,10 +242,10 @@ def data_train_tokenizer(paths: tuple[str, ...], vocab_size: int, out: str) -> N
         def texts() -> Any:
             nonlocal read
             for document in sources.documents():
-                for piece in text_pieces(document.data):
+                for piece in text_pieces(document.chunks):
                     yield piece.decode("utf-8", errors="replace")
-                read += len(document.data)
-                bar.update(reading, completed=min(read, sources.file_bytes))
+                    read += len(piece)
+                    bar.update(reading, completed=min(read, sources.file_bytes))
 
         tokenizer = train_bpe(texts(), vocab_size, Path(out))
     seconds = time.perf_counter() - started

@@ -13,6 +13,7 @@ from p2ploco.data import (
     Permutation,
     ShardSampler,
     Sources,
+    Split,
     TokenStream,
     eval_batches,
     is_held_out,
@@ -74,7 +75,7 @@ def test_one_document_holds_out_evenly_spread_blocks(tmp_path):
     path.write_bytes(text)
     split = plan_split(Sources([str(path)]).sizes(), 2.0)
     assert split.kind == "blocks" and split.documents == 1 and split.held_out_blocks == 16
-    pieces = list(split.pieces("corpus.txt", text, 0))
+    pieces = list(split.pieces("corpus.txt", [text], 0))
     assert b"".join(piece for _, piece in pieces) == text  # every byte goes to exactly one side
     held = b"".join(piece for held, piece in pieces if held)
     assert 0.015 < len(held) / len(text) < 0.025
@@ -107,13 +108,20 @@ def test_the_split_is_the_same_on_every_peer(tmp_path):
     assert np.array_equal(first.train.shards[0], second.train.shards[0])
 
 
-def test_pieces_never_cut_a_character(tmp_path):
-    text = ("é€😀" * (PIECE_BYTES // 3)).encode()  # no line ends: pieces are cut by size
-    split = plan_split([("a", len(text))], 2.0)
-    pieces = [piece for _, piece in split.pieces("a", text, 0)]
-    assert len(pieces) > 2 and b"".join(pieces) == text
-    for piece in pieces:
-        piece.decode("utf-8")  # raises if a piece cut a character in two
+def test_pieces_never_cut_a_character_and_do_not_depend_on_how_the_text_is_read():
+    text = ("é€😀" * (PIECE_BYTES // 3)).encode() + b"a line\n" * 30_000  # without, then with line ends
+    by_blocks = plan_split([("a", len(text))], 2.0)
+    by_documents = Split("documents", 2.0, 1, len(text))  # pieces cut by size (and at line ends) only
+    assert by_blocks.kind == "blocks"
+    for split in (by_blocks, by_documents):
+        whole = list(split.pieces("a", [text], 0))
+        assert len(whole) > 4 and b"".join(piece for _, piece in whole) == text
+        for _, piece in whole:
+            piece.decode("utf-8")  # raises if a piece cut a character in two
+        for size in (7, 1000, PIECE_BYTES + 1, 3 * PIECE_BYTES):  # read in chunks of other sizes: the same pieces
+            assert list(split.pieces("a", (text[i : i + size] for i in range(0, len(text), size)), 0)) == whole
+    sizes = [len(piece) for _, piece in by_documents.pieces("a", [text], 0)]
+    assert max(sizes) <= PIECE_BYTES + 3 and sizes[-2] < PIECE_BYTES  # the last full piece ends at a line end
 
 
 def test_errors_name_the_real_cause(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +19,13 @@ from p2ploco.errors import ConfigError
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl")
 
 
+CHUNK_BYTES = 1 << 22  # text files are read this much at a time: a 1 GB file never sits in memory whole
+
+
 @dataclass(frozen=True)
 class Document:
     name: str  # stable across machines: it decides a document-level split
-    data: bytes  # UTF-8 text
+    chunks: Iterable[bytes]  # its UTF-8 text, in order (to be read once)
 
 
 class Sources:
@@ -48,7 +51,7 @@ class Sources:
         for path, name in self.files:
             if path.suffix == ".jsonl":
                 for document in _jsonl_documents(path, name):
-                    yield document.name, len(document.data)
+                    yield document.name, sum(map(len, document.chunks))
             else:
                 yield name, path.stat().st_size
 
@@ -57,7 +60,7 @@ class Sources:
             if path.suffix == ".jsonl":
                 yield from _jsonl_documents(path, name)
             else:
-                yield Document(name, path.read_bytes())
+                yield Document(name, _chunks_of(path))
 
 
 def _files_of(entry: str, origin: str) -> list[tuple[Path, str]]:
@@ -71,6 +74,12 @@ def _files_of(entry: str, origin: str) -> list[tuple[Path, str]]:
     if root.is_file():
         return [(root, root.name)]
     raise ConfigError(f"{origin}: {root} does not exist; list text/JSONL files or folders")
+
+
+def _chunks_of(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            yield chunk
 
 
 def _jsonl_documents(path: Path, name: str) -> Iterator[Document]:
@@ -87,4 +96,4 @@ def _jsonl_documents(path: Path, name: str) -> Iterator[Document]:
             if not isinstance(text, str):
                 raise ConfigError(f"{path}:{number}: field \"text\" must be a string, not "
                                   f"{type(text).__name__}; fix or remove the line")
-            yield Document(f"{name}:{number}", text.encode("utf-8", errors="replace"))
+            yield Document(f"{name}:{number}", (text.encode("utf-8", errors="replace"),))

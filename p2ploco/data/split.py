@@ -13,8 +13,9 @@ near (and never inside a UTF-8 character), so that a 1 GB file never sits in mem
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -25,6 +26,7 @@ TARGET_HELD_OUT_BLOCKS = 16  # block-level: aim for this many held-out blocks sp
 MIN_BLOCK_BYTES = 1 << 10
 MAX_BLOCK_BYTES = 1 << 20
 PIECE_BYTES = 1 << 16
+UTF8_MAX = 4  # bytes of the longest UTF-8 character
 
 
 def is_held_out(name: str, eval_percent: float) -> bool:
@@ -58,28 +60,39 @@ class Split:
         return (f"{self.held_out_blocks} of {self.blocks} blocks of {self.block_bytes:,} bytes held out: "
                 f"{self.documents} document{'s' if self.documents != 1 else ''}, too few to hold out whole ones")
 
-    def pieces(self, name: str, data: bytes, offset: int) -> Iterator[tuple[bool, bytes]]:
-        """(held out?, text) for the pieces of one document that starts ``offset`` bytes into the corpus."""
-        start = 0
-        while start < len(data):
-            if self.kind == "documents":
-                held, hard = is_held_out(name, self.eval_percent), len(data)
-            else:
-                block = (offset + start) // self.block_bytes
-                held = block in self._held_out_block_indices
-                hard = min(len(data), (block + 1) * self.block_bytes - offset)
-            end = _piece_end(data, start, hard)
-            yield held, data[start:end]
+    def pieces(self, name: str, chunks: Iterable[bytes], offset: int) -> Iterator[tuple[bool, bytes]]:
+        """(held out?, text) for the pieces of one document (its text in ``chunks``) that starts ``offset``
+        bytes into the corpus."""
+        if self.kind == "documents":
+            held = is_held_out(name, self.eval_percent)
+            for piece, _ in _cut(chunks, offset, lambda at: None):
+                yield held, piece
+        else:
+            for piece, at in _cut(chunks, offset, lambda at: (at // self.block_bytes + 1) * self.block_bytes):
+                yield at // self.block_bytes in self._held_out_block_indices, piece
+
+
+def text_pieces(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """A document's text (in ``chunks``) in pieces of about PIECE_BYTES, cut at line ends where possible."""
+    return (piece for piece, _ in _cut(chunks, 0, lambda at: None))
+
+
+def _cut(chunks: Iterable[bytes], offset: int, boundary: Callable[[int], int | None]) -> Iterator[tuple[bytes, int]]:
+    """(piece, its offset in the corpus) for a document that starts at ``offset``: each piece ends at the next
+    ``boundary(start)`` (a corpus offset; None: none) if that is within PIECE_BYTES, else at the last line end
+    within PIECE_BYTES (or at PIECE_BYTES); never inside a UTF-8 character. Holds at most a chunk and a piece."""
+    buffer, start, base = b"", 0, offset  # buffer[start:] is not cut yet; buffer[0] is at corpus offset base
+    for chunk in itertools.chain(chunks, [None]):
+        final = chunk is None
+        buffer, base, start = buffer[start:] + (chunk or b""), base + start, 0
+        while start < len(buffer):
+            limit = boundary(base + start)
+            hard = len(buffer) if limit is None else min(len(buffer), limit - base)
+            if not final and min(hard, start + PIECE_BYTES) + UTF8_MAX > len(buffer):
+                break  # the piece's end may depend on text not read yet
+            end = _piece_end(buffer, start, hard)
+            yield buffer[start:end], base + start
             start = end
-
-
-def text_pieces(data: bytes) -> Iterator[bytes]:
-    """``data`` in pieces of about PIECE_BYTES, cut at line ends where possible."""
-    start = 0
-    while start < len(data):
-        end = _piece_end(data, start, len(data))
-        yield data[start:end]
-        start = end
 
 
 def _piece_end(data: bytes, start: int, hard: int) -> int:

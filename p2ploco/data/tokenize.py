@@ -14,7 +14,7 @@ import numpy as np
 from p2ploco.data.documents import Sources
 from p2ploco.data.split import Split
 from p2ploco.data.streams import TokenSink
-from p2ploco.data.tokenizer import ENCODE_BATCH, Tokenizer
+from p2ploco.data.tokenizer import ENCODE_BYTES, Tokenizer
 from p2ploco.errors import ConfigError
 
 
@@ -23,28 +23,36 @@ def tokenize_corpus(sources: Sources, tokenizer: Tokenizer, split: Split, train:
     """Stream ``sources`` through ``tokenizer`` into the two sinks; ``progress`` gets the bytes of text done."""
     eot = np.array([tokenizer.eot], dtype=np.uint32)
     batch: list[tuple[bool, bytes, bool]] = []  # held out?, text, whether the run on that side ends after it
+    batched = 0  # bytes of text in the batch
+
+    def add(held: bool, text: bytes, ends: bool) -> None:
+        nonlocal batched
+        batch.append((held, text, ends))
+        batched += len(text)
+        if batched >= ENCODE_BYTES:
+            flush()
 
     def flush() -> None:
+        nonlocal batched
         for (held, _, ends), tokens in zip(batch, tokenizer.encode_batch([text for _, text, _ in batch])):
             sink = held_out if held else train
             sink.append(tokens)
             if ends:
                 sink.append(eot)
-        progress(sum(len(text) for _, text, _ in batch))
+        progress(batched)
         batch.clear()
+        batched = 0
 
     offset = 0
     for document in sources.documents():
         previous: tuple[bool, bytes] | None = None
-        for held, text in split.pieces(document.name, document.data, offset):
+        for held, text in split.pieces(document.name, document.chunks, offset):
             if previous is not None:
-                batch.append((previous[0], previous[1], previous[0] != held))
+                add(previous[0], previous[1], previous[0] != held)
             previous = held, text
+            offset += len(text)
         if previous is not None:
-            batch.append((previous[0], previous[1], True))
-        offset += len(document.data)
-        if len(batch) >= ENCODE_BATCH:
-            flush()
+            add(previous[0], previous[1], True)
     flush()
     if offset != split.bytes:
         raise ConfigError(f"corpus {sources.description} changed while it was read ({split.bytes:,} bytes, then "

@@ -19,7 +19,9 @@ from p2ploco.errors import ConfigError
 
 # Names that end a document in common tokenizers; train_bpe adds the first one.
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
-ENCODE_BATCH = 256  # pieces handed to a Hugging Face tokenizer at once (it encodes a batch on all cores)
+# Text handed to the tokenizer at once: a Hugging Face tokenizer encodes a batch on all cores, and holds
+# about 25 bytes per token of it while it does.
+ENCODE_BYTES = 1 << 22
 
 
 class Tokenizer(Protocol):
