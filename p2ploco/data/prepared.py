@@ -100,7 +100,8 @@ class ShardWriter:
     """Appends tokens to ``<side>-NNNNN.bin`` files of at most ``shard_tokens`` each, hashing as it writes."""
 
     def __init__(self, folder: Path, side: str, dtype: np.dtype, shard_tokens: int):
-        self.folder, self.side, self.dtype, self.shard_tokens = folder, side, dtype, shard_tokens
+        self.folder, self.side, self.shard_tokens = folder, side, shard_tokens
+        self.dtype = dtype.newbyteorder("<")
         self.shards: list[ShardInfo] = []
         self._file, self._hash, self._tokens = None, hashlib.sha256(), 0
 
@@ -110,7 +111,7 @@ class ShardWriter:
             if self._file is None:
                 self._file = (self.folder / f"{self.side}-{len(self.shards):05d}.bin").open("wb")
             take = min(len(tokens), self.shard_tokens - self._tokens)
-            data = tokens[:take].astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
+            data = tokens[:take].tobytes()
             self._file.write(data)
             self._hash.update(data)
             self._tokens += take
@@ -191,9 +192,9 @@ def read_manifest(folder: Path) -> Manifest:
     return manifest
 
 
-def open_prepared(folder: Path, verify: bool = True) -> tuple[Manifest, TokenStream, TokenStream]:
-    """The manifest and the train and eval streams (memory-mapped) of a prepared folder. With ``verify``, every
-    shard's size and sha256 is checked first (read in chunks: memory stays flat)."""
+def open_prepared(folder: Path) -> tuple[Manifest, TokenStream, TokenStream]:
+    """The manifest and the train and eval streams (memory-mapped) of a prepared folder, once every shard's
+    size and sha256 were checked (read in chunks, not mapped: memory stays flat)."""
     manifest = read_manifest(folder)
     dtype = np.dtype(manifest.dtype).newbyteorder("<")
     streams = []
@@ -203,12 +204,12 @@ def open_prepared(folder: Path, verify: bool = True) -> tuple[Manifest, TokenStr
             raise ConfigError(f"data.prepared: {folder / MANIFEST} lists {side} shards that do not add up to "
                               f"{info.tokens} tokens; prepare the corpus again")
         for shard in info.shards:
-            _check_shard(folder / shard.file, shard, dtype.itemsize, verify)
+            _check_shard(folder / shard.file, shard, dtype.itemsize)
         streams.append(TokenStream([np.memmap(folder / s.file, dtype=dtype, mode="r") for s in info.shards]))
     return manifest, streams[0], streams[1]
 
 
-def _check_shard(path: Path, shard: ShardInfo, itemsize: int, verify: bool) -> None:
+def _check_shard(path: Path, shard: ShardInfo, itemsize: int) -> None:
     expected = shard.tokens * itemsize
     if not path.is_file():
         raise ConfigError(f"data.prepared: shard {path} is missing; copy the whole prepared folder, or prepare "
@@ -218,9 +219,8 @@ def _check_shard(path: Path, shard: ShardInfo, itemsize: int, verify: bool) -> N
         state = "truncated" if size < expected else "longer than recorded"
         raise ConfigError(f"data.prepared: shard {path} is {state} ({size:,} bytes, the manifest says "
                           f"{expected:,}); copy it again or prepare the corpus again")
-    if verify:
-        with path.open("rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        if digest != shard.sha256:
-            raise ConfigError(f"data.prepared: shard {path} does not match its sha256 in the manifest (edited or "
-                              f"damaged); copy it again or prepare the corpus again")
+    with path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if digest != shard.sha256:
+        raise ConfigError(f"data.prepared: shard {path} does not match its sha256 in the manifest (edited or "
+                          f"damaged); copy it again or prepare the corpus again")
