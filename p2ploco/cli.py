@@ -205,7 +205,8 @@ def data_prepare(paths: tuple[str, ...], out: str, tokenizer: str, eval_percent:
     text_bytes = manifest.split.bytes
     itemsize = 2 if manifest.dtype == "uint16" else 4
     rows = [
-        ("text", f"{human_bytes(text_bytes)} in {manifest.split.documents:,} documents"),
+        ("text", f"{human_bytes(text_bytes)} in {manifest.split.documents:,} "
+                 f"document{'s' if manifest.split.documents != 1 else ''}"),
         ("tokenizer", f"{chosen.name} ({manifest.tokenizer.vocab_size:,} tokens, {manifest.dtype})"),
         ("split", Split(**manifest.split.model_dump()).describe()),
         ("train", f"{manifest.train.tokens:,} tokens in {len(manifest.train.shards)} shard(s)"),
