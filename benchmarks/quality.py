@@ -27,7 +27,7 @@ import torch
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import Config, load_config, with_overrides
-from p2ploco.data import ByteTokenizer, Corpus, ShardSampler, eval_batches
+from p2ploco.data import ShardSampler, eval_batches, load_training_data
 from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate, squared_norm
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.model import Transformer
@@ -52,8 +52,8 @@ SUITES = {
 class Setup:
     def __init__(self, config: Config, replicas: int, rounds: int):
         self.config, self.replicas, self.rounds = config, replicas, rounds
-        self.corpus = Corpus.load(config.data, ByteTokenizer())
-        self.eval = eval_batches(self.corpus.eval, config.data.seq_len, config.data.eval_sequences)
+        self.data = load_training_data(config)
+        self.eval = eval_batches(self.data.eval, config.data.seq_len, config.data.eval_sequences)
         self.eval_every = max(1, rounds // 8)
 
     def method_config(self, method: str) -> tuple[Config, list[str]]:
@@ -120,7 +120,7 @@ def run_outer(setup: Setup, method: str) -> tuple[list[tuple[int, float]], int, 
     """An outer method: the eval-loss curve (at outer rounds), all-reduce bytes per replica, the
     stage-boundary bytes per pipeline group (0 without groups), and the off-span share of the global update."""
     config, kinds = setup.method_config(method)
-    swarm = build_swarm(config, kinds, setup.corpus.train)
+    swarm = build_swarm(config, kinds, setup.data.train)
     initial = global_params(swarm)
     curve: list[tuple[int, float]] = []
 
@@ -146,7 +146,7 @@ def run_ddp(setup: Setup) -> tuple[list[tuple[int, float]], int, int, float | No
 
     def replica(rank: int) -> None:
         model = Transformer(c.model, c.training.seed)
-        sampler = ShardSampler(setup.corpus.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"replica-{rank}")
+        sampler = ShardSampler(setup.data.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"replica-{rank}")
         gradients = LocalBatches(model, sampler, c.inner.grad_accum, CPU)
         inner = InnerTrainer(model, c.inner, gradients, CPU, steps)
         for step in range(steps):

@@ -154,6 +154,109 @@ def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tu
     node.run()
 
 
+@main.group()
+def data() -> None:
+    """Prepare corpora and tokenizers for training."""
+
+
+def _progress() -> Any:
+    """A progress bar on stderr (bytes done, speed, time left), shown on a terminal only: logs get the summary."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    console = Console(stderr=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+
+
+@data.command("prepare")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="New (or empty) folder for the token shards and manifest.json.")
+@click.option("--tokenizer", default="", help="A Hugging Face tokenizer.json [byte-level].")
+@click.option("--eval-percent", default=2.0, show_default=True, type=float,
+              help="Share held out for the eval loss: of the documents, or of blocks of text when few.")
+@click.option("--shard-tokens", default=None, type=click.IntRange(min=1),
+              help="Tokens per shard file [134217728: 256 MiB of uint16].")
+@reports_errors
+def data_prepare(paths: tuple[str, ...], out: str, tokenizer: str, eval_percent: float,
+                 shard_tokens: int | None) -> None:
+    """Tokenize text files, JSONL files (one "text" per line) and folders of them once, into token shards
+    that nodes read through numpy.memmap (--set data.prepared=OUT)."""
+    import time
+
+    from p2ploco.data import Split, load_tokenizer, prepare
+    from p2ploco.data.prepared import DEFAULT_SHARD_TOKENS
+    from p2ploco.metrics import format_table, human_bytes
+
+    chosen = load_tokenizer(tokenizer)
+    started = time.perf_counter()
+    with _progress() as bar:
+        listing = bar.add_task("listing documents", total=None)
+
+        def scanned(split: Any) -> None:
+            bar.update(listing, total=split.bytes, completed=split.bytes)
+            bar.update(tokenizing, total=split.bytes, visible=True)
+
+        tokenizing = bar.add_task("tokenizing", total=None, visible=False)
+        manifest = prepare(paths, Path(out), chosen, eval_percent, shard_tokens or DEFAULT_SHARD_TOKENS, scanned,
+                           lambda done: bar.advance(tokenizing, done))
+    seconds = time.perf_counter() - started
+    text_bytes = manifest.split.bytes
+    itemsize = 2 if manifest.dtype == "uint16" else 4
+    rows = [
+        ("text", f"{human_bytes(text_bytes)} in {manifest.split.documents:,} "
+                 f"document{'s' if manifest.split.documents != 1 else ''}"),
+        ("tokenizer", f"{chosen.name} ({manifest.tokenizer.vocab_size:,} tokens, {manifest.dtype})"),
+        ("split", Split(**manifest.split.model_dump()).describe()),
+        ("train", f"{manifest.train.tokens:,} tokens in {len(manifest.train.shards)} shard(s)"),
+        ("eval", f"{manifest.eval.tokens:,} tokens in {len(manifest.eval.shards)} shard(s)"),
+        ("on disk", human_bytes((manifest.train.tokens + manifest.eval.tokens) * itemsize)),
+        ("time", f"{seconds:.2f} s ({text_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s of text)"),
+        ("digest", manifest.digest[:16]),
+    ]
+    click.echo(format_table(("prepared", str(out)), rows))
+    click.echo(f"train on it with: --set data.prepared={out} --set model.vocab_size={manifest.tokenizer.vocab_size}")
+
+
+@data.command("train-tokenizer")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--vocab-size", required=True, type=click.IntRange(min=2), help="Tokens in the vocabulary.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Where the tokenizer.json goes (new).")
+@reports_errors
+def data_train_tokenizer(paths: tuple[str, ...], vocab_size: int, out: str) -> None:
+    """Train a byte-level BPE tokenizer (with <|endoftext|>) on text files, JSONL files or folders."""
+    import time
+
+    from p2ploco.data import Sources, train_bpe
+    from p2ploco.data.split import text_pieces
+    from p2ploco.metrics import format_table, human_bytes
+
+    if Path(out).exists():
+        raise ConfigError(f"--out {out} already exists; choose a new file (nothing was written)")
+    sources = Sources(paths, origin="PATHS")
+    started = time.perf_counter()
+    read = 0
+    with _progress() as bar:
+        reading = bar.add_task("training on", total=sources.file_bytes)
+
+        def texts() -> Any:
+            nonlocal read
+            for document in sources.documents():
+                for piece in text_pieces(document.chunks):
+                    yield piece.decode("utf-8", errors="replace")
+                    read += len(piece)
+                    bar.update(reading, completed=min(read, sources.file_bytes))
+
+        tokenizer = train_bpe(texts(), vocab_size, Path(out))
+    seconds = time.perf_counter() - started
+    rows = [("text", human_bytes(read)), ("vocabulary", f"{tokenizer.vocab_size:,} tokens"),
+            ("end of text", f"id {tokenizer.eot}"), ("time", f"{seconds:.1f} s")]
+    click.echo(format_table(("tokenizer", out), rows))
+    click.echo(f"use it with: --set data.tokenizer={out} --set model.vocab_size={tokenizer.vocab_size}, "
+               f"or p2ploco data prepare PATHS... --tokenizer {out} --out DIR")
+
+
 CLIENT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)  # a client only dials out: nothing needs to reach it
 inspect_options = [
     click.option("--initial-peers", multiple=True, required=True,
@@ -257,18 +360,22 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool) ->
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
               help="Run config [configs/tiny.yaml].")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Where logs and metrics go [a new temp folder].")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key on every node, e.g. --set data.paths=corpus.txt (repeatable).")
 @reports_errors
-def demo(nodes: int, rounds: int, config_path: str | None, workdir: str | None) -> None:
+def demo(nodes: int, rounds: int, config_path: str | None, workdir: str | None, overrides: tuple[str, ...]) -> None:
     """The main job on one machine: a bootstrap peer and N nodes training together on loopback."""
+    from p2ploco.config import load_config
     from p2ploco.demo import run_demo
     from p2ploco.launch import TINY_CONFIG
 
     config = Path(config_path) if config_path else TINY_CONFIG
     if not config.is_file():
         raise ConfigError(f"{config} not found; pass --config PATH to a run config")
+    load_config(config, overrides)  # a bad key or value ends here with one line, not in every node
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="p2ploco-demo-"))
     try:
-        ok = run_demo(nodes, rounds, config, folder)
+        ok = run_demo(nodes, rounds, config, folder, overrides)
     except KeyboardInterrupt:
         click.echo("demo interrupted; all nodes stopped")
         sys.exit(130)

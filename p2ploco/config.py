@@ -42,11 +42,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where tokens come from; an empty ``paths`` means the embedded standard-library corpus."""
+    """Where tokens come from: text read at start (``paths``; empty means the embedded standard-library
+    corpus), or a corpus tokenized beforehand by ``p2ploco data prepare`` (``prepared``, memory-mapped)."""
 
-    paths: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # text files, JSONL files (a "text" per line), folders
+    prepared: str = ""  # a folder written by `p2ploco data prepare`; its manifest decides tokenizer and split
+    tokenizer: str = ""  # a Hugging Face tokenizer.json; empty means byte-level (256 bytes + end-of-text)
     seq_len: int = 128
-    eval_percent: float = 2.0  # share of documents held out for the eval loss
+    eval_percent: float = 2.0  # share held out for the eval loss: of the documents, or of blocks of text when few
     eval_sequences: int = 32  # held-out windows scored after each round
 
 
@@ -160,10 +163,13 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def swarm_fingerprint(self) -> str:
-        """Digest of what every peer of a round must share for identical global parameters."""
+    def swarm_fingerprint(self, data: str = "") -> str:
+        """Digest of what every peer of a round must share for identical global parameters; ``data`` is
+        ``TrainingData.fingerprint`` (a prepared corpus's digest, a non-default tokenizer's, or "")."""
         shared = {"model": dataclasses.asdict(self.model), "outer": dataclasses.asdict(self.outer),
                   "pipeline": dataclasses.asdict(self.pipeline), "seed": self.training.seed}
+        if data:
+            shared["data"] = data
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -218,7 +224,7 @@ def validate(config: Config) -> None:
     p = config.pipeline
     checks = [
         (bool(config.run_id.strip()) and "/" not in config.run_id, "run_id must be a non-empty name without '/'"),
-        (m.vocab_size >= 257, f"model.vocab_size ({m.vocab_size}) must be at least 257 (256 bytes + end-of-text)"),
+        (m.vocab_size >= 2, f"model.vocab_size ({m.vocab_size}) must be at least 2 (and match the tokenizer)"),
         (m.n_layer >= 1, "model.n_layer must be at least 1"),
         (m.n_head >= 1 and m.d_model % m.n_head == 0,
          f"model.d_model ({m.d_model}) must be divisible by model.n_head ({m.n_head})"),
@@ -230,6 +236,8 @@ def validate(config: Config) -> None:
         (2 <= d.seq_len <= m.max_seq_len,
          f"data.seq_len ({d.seq_len}) must be in [2, model.max_seq_len={m.max_seq_len}]"),
         (0 < d.eval_percent < 50, f"data.eval_percent ({d.eval_percent}) must be in (0, 50)"),
+        (not (d.paths and d.prepared), "set data.paths (text read at start) or data.prepared (a prepared folder), "
+                                       "not both"),
         (d.eval_sequences >= 1, "data.eval_sequences must be at least 1"),
         (i.steps >= 1, "inner.steps (H) must be at least 1"),
         (i.batch_size >= 1 and i.grad_accum >= 1, "inner.batch_size and inner.grad_accum must be at least 1"),

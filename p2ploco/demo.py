@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from p2ploco.launch import LocalSwarm
@@ -12,8 +12,10 @@ from p2ploco.metrics import format_table, human_bytes
 POLL_SECONDS = 0.5  # how often the demo looks at the nodes' metrics files to print progress
 
 
-def run_demo(nodes: int, rounds: int, config: Path, workdir: Path, out: Callable[[str], None] = print) -> bool:
-    """Run the swarm to completion, printing a line per round and a summary; True if all went well."""
+def run_demo(nodes: int, rounds: int, config: Path, workdir: Path, overrides: Sequence[str] = (),
+             out: Callable[[str], None] = print) -> bool:
+    """Run the swarm to completion, printing a line per round and a summary; True if all went well.
+    ``overrides`` (``key=value``) go to every node as ``--set``."""
     out(f"p2ploco demo: a bootstrap peer and {nodes} nodes on loopback, {rounds} rounds of {config.name}")
     out(f"logs and metrics: {workdir}")
     started = time.monotonic()
@@ -21,7 +23,8 @@ def run_demo(nodes: int, rounds: int, config: Path, workdir: Path, out: Callable
     with LocalSwarm(workdir) as swarm:
         out(f"bootstrap peer: {swarm.bootstrap_address}")
         for name in names:
-            swarm.start_node(name, config, "--max-rounds", str(rounds), "--set", f"swarm.min_peers={nodes}")
+            swarm.start_node(name, config, "--max-rounds", str(rounds), "--set", f"swarm.min_peers={nodes}",
+                             *(arg for item in overrides for arg in ("--set", item)))
         shown = 0
         while True:
             done = all(swarm.nodes[n].process.poll() is not None for n in names)
@@ -37,7 +40,9 @@ def run_demo(nodes: int, rounds: int, config: Path, workdir: Path, out: Callable
     out(_summary(records, time.monotonic() - started))
     failed = [n for n, code in codes.items() if code != 0]
     for name in failed:
-        out(f"{name} exited with code {codes[name]}; its log: {workdir / (name + '.log')}")
+        log = workdir / (name + ".log")
+        errors = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
+        out(f"{name} exited with code {codes[name]}{f' ({errors[-1]})' if errors else ''}; its log: {log}")
     agree = _hashes_agree(records)
     out(f"identical global parameters on all nodes after every round: {'yes' if agree else 'NO'}")
     return not failed and agree and all(len(r) == rounds for r in records.values())

@@ -21,7 +21,7 @@ import torch
 
 from p2ploco import checkpoint
 from p2ploco.config import Config
-from p2ploco.data import Batch, ByteTokenizer, Corpus, ShardSampler, eval_batches
+from p2ploco.data import Batch, ShardSampler, eval_batches, load_training_data
 from p2ploco.errors import CheckpointError, ConfigError, SwarmError
 from p2ploco.inner import evaluate
 from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes
@@ -100,8 +100,11 @@ class Node:
         if c.training.threads:
             torch.set_num_threads(c.training.threads)
         device = resolve_device(c.training.device)
+        # Data problems end the start-up here, with one line, before any peer has seen this node.
+        data = load_training_data(c)
+        fingerprint = c.swarm_fingerprint(data.fingerprint)
         # The p2p daemon is a child process: start it before CUDA is initialised in this one.
-        swarm = self.swarm = Swarm.join(c.run_id, c.swarm, c.swarm_fingerprint(), **asdict(self.options))
+        swarm = self.swarm = Swarm.join(c.run_id, c.swarm, fingerprint, **asdict(self.options))
         started = time.perf_counter()
         round_index = 0
         me = swarm.peer_id[-8:]
@@ -120,20 +123,18 @@ class Node:
             if board.writer is not None:
                 self.out(f"[{me}] TensorBoard logs in {log_dir / 'tensorboard'}")
 
-            corpus = Corpus.load(c.data, ByteTokenizer())
-            sampler = ShardSampler(corpus.train, c.data.seq_len, c.inner.batch_size, c.run_id, swarm.peer_id)
-            held_out = eval_batches(corpus.eval, c.data.seq_len, c.data.eval_sequences)
+            sampler = ShardSampler(data.train, c.data.seq_len, c.inner.batch_size, c.run_id, swarm.peer_id)
+            held_out = eval_batches(data.eval, c.data.seq_len, c.data.eval_sequences)
             replica = build_replica(c, device, sampler)
             swarm.track(lambda: {"inner_step": replica.inner.step_in_round})
             membership = Membership(0, "init")
             if self.resume:
-                saved = checkpoint.load(checkpoints, c.run_id, c.swarm_fingerprint())
+                saved = checkpoint.load(checkpoints, c.run_id, fingerprint)
                 replica.restore(saved, checkpoints)
                 round_index, membership = saved.round, Membership(saved.round, "checkpoint")
                 self.out(f"[{me}] resumed from {checkpoints} at round {round_index}")
             self.out(f"[{me}] model {sum(p.numel() for p in replica.model.parameters()) / 1e6:.2f}M params on "
-                     f"{device}; corpus {corpus.source}: {len(corpus.train) / 1e6:.1f}M train / "
-                     f"{len(corpus.eval) / 1e6:.2f}M eval tokens; outer {c.outer.algorithm}, H={c.inner.steps}")
+                     f"{device}; {data.describe()}; outer {c.outer.algorithm}, H={c.inner.steps}")
             swarm.set_progress(round_index, "joining", replica.params_sha256)
             if c.swarm.min_peers > 1:
                 self.out(f"[{me}] waiting for {c.swarm.min_peers} peers ...")
@@ -162,9 +163,9 @@ class Node:
                 unsettled = round_index if record.peers == 1 or not record.applied else None
                 round_index += 1
                 if c.training.checkpoint_every and round_index % c.training.checkpoint_every == 0:
-                    checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, c.swarm_fingerprint())
+                    checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, fingerprint)
             board.close()
-            checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, c.swarm_fingerprint())
+            checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, fingerprint)
             self.out(f"[{me}] checkpoint of round {round_index} written to {checkpoints}")
         except KeyboardInterrupt:  # a second signal: stop now, keep the last periodic checkpoint
             self.out(f"[{me}] stopped at once after {len(self.records)} round(s); no exit checkpoint")

@@ -55,3 +55,11 @@ def test_catchup_benchmark_fetches_from_real_donors():
     assert "Catch-up" in out
     row = next(line for line in out.splitlines() if line.lstrip().startswith("configs/tiny.yaml "))
     assert row.split()[1:5] == ["0.5M", "1.8", "MB", "2"]
+
+
+@pytest.mark.timeout(260)
+def test_data_benchmark_prepares_and_measures_nodes():
+    out = run("benchmarks/data.py", "--size-mb", "20", "--small-mb", "2", "--bpe-mb", "1", "--rounds", "1")
+    assert "Prepare" in out and "peak RSS" in out
+    assert out.count("prepared  ") == 2 and out.count("data.paths (in memory)  ") == 2
+    assert "(target: within ~100 MB)" in out

@@ -15,6 +15,7 @@ import torch
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler
+from p2ploco.data.streams import TokenStream
 from p2ploco.pipeline.transport import InProcessPipe
 from p2ploco.worker import Worker, build_replica, build_stage
 
@@ -58,7 +59,7 @@ class InProcessSwarm:
         run_in_threads(len(self.workers), work)
 
 
-def build_swarm(config: Config, kinds: Sequence[str], tokens: np.ndarray,
+def build_swarm(config: Config, kinds: Sequence[str], tokens: TokenStream | np.ndarray,
                 device: torch.device = CPU) -> InProcessSwarm:
     """Replica i is a full replica or a pipeline group (``kinds[i]``) and draws its batches from a sampler
     seeded by ``replica-i`` (a group's first stage draws for the group)."""

@@ -75,7 +75,7 @@ class Swarm:
                 await node.shutdown()
                 raise SwarmError(f"run '{run_id}' is training another config (fingerprint "
                                  f"{', '.join(sorted(foreign))}, yours {config_fingerprint}): use the same model, "
-                                 f"outer and seed settings, or another --run-id")
+                                 f"outer and seed settings, tokenizer and prepared corpus, or another --run-id")
             await directory.publish()
             directory.start_heartbeat()
             communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
