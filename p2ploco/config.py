@@ -95,6 +95,9 @@ class OuterConfig:
     """The outer algorithm applied to the replicas' pseudo-gradients; each has its own section."""
 
     algorithm: Literal["sparseloco", "diloco"] = "sparseloco"
+    # Each contribution to a span is scaled down to at most clip_factor x the median norm of the span's
+    # contributions before they are combined (a defence against poisoned updates); 0 turns clipping off.
+    clip_factor: float = 2.0
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
 
@@ -211,6 +214,9 @@ def validate(config: Config) -> None:
         (0 <= i.min_lr_ratio <= 1, "inner.min_lr_ratio must be in [0, 1]"),
         (o.diloco.lr > 0, f"outer.diloco.lr ({o.diloco.lr}) must be > 0"),
         (0 <= o.diloco.momentum < 1, f"outer.diloco.momentum ({o.diloco.momentum}) must be in [0, 1)"),
+        (o.clip_factor == 0 or 1 <= o.clip_factor <= 100,
+         f"outer.clip_factor ({o.clip_factor}) must be in [1, 100] (a multiple of the median norm), or 0 to turn "
+         f"clipping off"),
         (o.sparseloco.lr > 0, f"outer.sparseloco.lr ({o.sparseloco.lr}) must be > 0"),
         (0 <= o.sparseloco.error_decay <= 1,
          f"outer.sparseloco.error_decay ({o.sparseloco.error_decay}) must be in [0, 1]"),

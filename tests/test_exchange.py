@@ -20,7 +20,7 @@ def test_dense_parse_rejects_malformed_payloads():
     exchange = DenseMean([torch.ones(10)])
     span = range(2, 6)
     good = exchange.encode(span)
-    assert torch.equal(exchange.parse(span, good), torch.ones(4))
+    assert torch.equal(exchange.parse(span, good).values, torch.ones(4))
     for bad, why in [(good[:-1], "expected 16"), (good + b"\0" * 4, "expected 16"), (b"", "expected 16"),
                      (tensor_to_bytes(torch.tensor([1.0, math.nan, 1.0, 1.0])), "NaN or Inf"),
                      (tensor_to_bytes(torch.tensor([1.0, 1.0, math.inf, 1.0])), "NaN or Inf")]:

@@ -34,10 +34,12 @@ class InProcessGroup:
             received = [0] * self.size
             contributed = [0] * self.size
             dropped: set[str] = set()
+            clipped: list[list[str]] = []
             for reducer, span in enumerate(spans):
                 payloads = [exchange.encode(span) for exchange in exchanges]
                 reduction = reduce_span(exchanges[reducer], span, list(zip(names, payloads)))
                 dropped.update(reduction.rejected)
+                clipped.append(reduction.clipped)
                 for rank, exchange in enumerate(exchanges):
                     result = reduction.result_for(exchanges[reducer], names[rank])
                     exchange.receive(span, result, reduction.own_position(names[rank]))
@@ -51,7 +53,7 @@ class InProcessGroup:
             params = sum(exchanges[0].numel(span) for span in spans)
             self._stats = [
                 AllReduceStats(names, sent[rank], received[rank], dense_fp32_bytes(exchanges[rank], spans, rank),
-                               contributed[rank], params, sorted(dropped), seconds)
+                               contributed[rank], params, sorted(dropped), seconds, clipped=clipped[rank])
                 for rank in range(self.size)
             ]
             self._error = None

@@ -16,5 +16,5 @@ def build_outer(config: OuterConfig, global_params: Sequence[torch.Tensor],
                 device: torch.device | None = None) -> OuterAlgorithm:
     """The configured algorithm; ``device`` is where its per-replica working state lives (the training device)."""
     if config.algorithm == "diloco":
-        return DiLoCo(global_params, config.diloco)
-    return SparseLoCo(global_params, config.sparseloco, device or torch.device("cpu"))
+        return DiLoCo(global_params, config.diloco, config.clip_factor)
+    return SparseLoCo(global_params, config.sparseloco, device or torch.device("cpu"), config.clip_factor)

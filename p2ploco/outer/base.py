@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.errors import TrainingError
+
+logger = logging.getLogger(__name__)
 
 
 class OuterAlgorithm(ABC):
@@ -61,9 +64,22 @@ def pseudo_gradients(global_params: Sequence[torch.Tensor], local_params: Sequen
     """global - local on ``device``, refusing to send what a diverged replica computed."""
     deltas = [g.to(device) - p.detach().float() for g, p in zip(global_params, local_params)]
     if not all(bool(torch.isfinite(d).all()) for d in deltas):
+        if not all(bool(torch.isfinite(g).all()) for g in global_params):  # not this replica's doing
+            raise TrainingError("the global parameters hold NaN or Inf: the state this node loaded is corrupt; "
+                                "start it with a fresh --log-dir so that it fetches the swarm's state")
         raise TrainingError("this replica's pseudo-gradient holds NaN or Inf: training diverged; lower inner.lr "
                             "or enable inner.grad_clip")
     return deltas
+
+
+def finite_step(params: Sequence[torch.Tensor], steps: Iterable[torch.Tensor], round_index: int) -> bool:
+    """Whether ``params - steps`` is finite everywhere. Every peer of a round holds the same params and the
+    same aggregate, so all of them refuse a non-finite update alike: the round is dropped, nobody exits."""
+    if all(bool(torch.isfinite(p - s).all()) for p, s in zip(params, steps)):
+        return True
+    logger.warning(f"round {round_index}: the aggregate would make the global parameters non-finite; "
+                   f"this round is dropped (by every peer alike)")
+    return False
 
 
 def copy_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:

@@ -9,15 +9,15 @@ import torch
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.config import DiLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, pseudo_gradients
+from p2ploco.outer.base import OuterAlgorithm, finite_step, pseudo_gradients
 
 CPU = torch.device("cpu")
 
 
 class DiLoCo(OuterAlgorithm):
-    def __init__(self, global_params: Sequence[torch.Tensor], config: DiLoCoConfig):
+    def __init__(self, global_params: Sequence[torch.Tensor], config: DiLoCoConfig, clip_factor: float = 0.0):
         super().__init__(global_params)
-        self.config = config
+        self.config, self.clip_factor = config, clip_factor
         self.momentum = [torch.zeros_like(p) for p in self.params]
 
     def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int) -> AllReduceStats:
@@ -25,18 +25,29 @@ class DiLoCo(OuterAlgorithm):
         deltas = pseudo_gradients(self.params, local_params, CPU)
 
         # 2. Its mean over the replicas of this round.
-        exchange = DenseMean(deltas, self.config.wire_dtype)
+        exchange = DenseMean(deltas, self.config.wire_dtype, self.clip_factor)
         stats = comm.all_reduce(exchange, round_index, "params")
         if not stats.committed:
             return stats
 
         # 3. Outer SGD with (Nesterov) momentum: buf = m*buf + g; step = g + m*buf (or buf); p -= lr*step.
         #    One rounding per operation (no fused multiply-add), so every CPU computes the same bits.
+        #    Computed twice: once to refuse a non-finite result before anything changes, once to apply it.
         m, lr = self.config.momentum, self.config.lr
-        for param, grad, buf in zip(self.params, exchange.mean(), self.momentum):
-            buf.mul_(m).add_(grad)
-            step = buf.mul(m).add_(grad) if self.config.nesterov else buf.clone()
-            param.sub_(step.mul_(lr))
+
+        def step_of(grad: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            new_buf = buf.mul(m).add_(grad)
+            step = new_buf.mul(m).add_(grad) if self.config.nesterov else new_buf.clone()
+            return new_buf, step.mul_(lr)
+
+        mean = exchange.mean()
+        if not finite_step(self.params, (step_of(g, b)[1] for g, b in zip(mean, self.momentum)), round_index):
+            stats.committed = False
+            return stats
+        for param, grad, buf in zip(self.params, mean, self.momentum):
+            new_buf, step = step_of(grad, buf)
+            buf.copy_(new_buf)
+            param.sub_(step)
         return stats
 
     def shared_state(self) -> dict[str, torch.Tensor]:

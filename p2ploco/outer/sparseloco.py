@@ -18,13 +18,14 @@ from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import SparseLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, pseudo_gradients
+from p2ploco.outer.base import OuterAlgorithm, finite_step, pseudo_gradients
 
 
 class SparseLoCo(OuterAlgorithm):
-    def __init__(self, global_params: Sequence[torch.Tensor], config: SparseLoCoConfig, device: torch.device):
+    def __init__(self, global_params: Sequence[torch.Tensor], config: SparseLoCoConfig, device: torch.device,
+                 clip_factor: float = 0.0):
         super().__init__(global_params)
-        self.config, self.device = config, device
+        self.config, self.device, self.clip_factor = config, device, clip_factor
         self.layout = SparseLayout([chunk_grid(tuple(p.shape), config.chunk_size, config.topk) for p in self.params])
         self.errors = [torch.zeros(p.shape, dtype=torch.float32, device=device) for p in self.params]
         self.density = self.layout.density
@@ -44,16 +45,18 @@ class SparseLoCo(OuterAlgorithm):
             sent_values.append(decoded)
 
         # 4. All-reduce: per-coordinate mean over the replicas that selected it (or sum / replicas).
-        exchange = SparseExchange(self.layout, compressed, self.config.aggregate)
+        exchange = SparseExchange(self.layout, compressed, self.config.aggregate, self.clip_factor)
         stats = comm.all_reduce(exchange, round_index, "params")
-        if not stats.committed:
+        updates = [update.mul_(alpha) for update in exchange.aggregate()] if stats.committed else []
+        if not stats.committed or not finite_step(self.params, updates, round_index):
             for error, decoded in zip(self.errors, sent_values):
                 error.add_(decoded)  # not applied anywhere: keep it for the next round
+            stats.committed = False
             return stats
 
         # 5. Outer step: plain SGD on the aggregate, elementwise float32 on the CPU.
-        for param, update in zip(self.params, exchange.aggregate()):
-            param.sub_(update.mul_(alpha))
+        for param, update in zip(self.params, updates):
+            param.sub_(update)
         return stats
 
     def local_state(self) -> dict[str, torch.Tensor]:
