@@ -261,7 +261,7 @@ class Node:
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
         if unsettled is not None:
             swarm.set_progress(round_index, "training", replica.params_sha256)  # our state, for the vote
-            if not self._wait(lambda: (slowest := swarm.slowest_round()) is None or slowest > unsettled, deadline):
+            if not self._wait(lambda: swarm.settled(unsettled), deadline):
                 return round_index, membership
         target = swarm.swarm_state(round_index, replica.params_sha256)
         if not behind(target):

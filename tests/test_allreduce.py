@@ -21,7 +21,7 @@ from p2ploco.errors import SwarmError
 from p2ploco.swarm import wire
 from p2ploco.swarm.runtime import Swarm
 
-CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10)
+CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10, ban_rounds=0)
 SHAPES = [(64, 33), (33,), (7, 5)]
 rounds = itertools.count()
 
