@@ -34,6 +34,8 @@ from p2ploco.swarm.records import EVAL_HISTORY, SwarmState
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.swarm.state import Snapshot
 
+CATCH_UP_POLL = 0.25  # seconds between looks at the records while waiting to catch up
+
 
 @dataclass
 class SwarmOptions:
@@ -253,9 +255,11 @@ class Node:
             return target is not None and (target.round > round_index or (
                 target.round == round_index and target.params_sha256 != replica.params_sha256))
 
+        latest: list[SwarmState | None] = []  # the last look passed() took: acted on at once, rounds may be short
+
         def passed(round_in_progress: int) -> bool:
-            target = swarm.swarm_state(round_index, replica.params_sha256)
-            return target is None or target.round > round_in_progress
+            latest[:] = [swarm.swarm_state(round_index, replica.params_sha256)]
+            return latest[0] is None or latest[0].round > round_in_progress
 
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
@@ -269,7 +273,7 @@ class Node:
         if unsettled is None:  # joining or restarted: let the round under way end, then start the next with all
             if not self._wait(lambda: passed(target.round), deadline):
                 return round_index, membership
-            target = swarm.swarm_state(round_index, replica.params_sha256)
+            target = latest[0]
             if not behind(target):
                 return round_index, membership
         me = swarm.peer_id[-8:]
@@ -288,11 +292,12 @@ class Node:
         return target.round, Membership(target.round, "peer", seconds)
 
     def _wait(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Poll ``done`` every heartbeat until it holds or ``deadline`` passes; False if this node is stopping."""
+        """Poll ``done`` until it holds or ``deadline`` passes; False if this node is stopping."""
         while not done() and time.monotonic() < deadline:
             if self.stopping.is_set():
                 return False
-            time.sleep(self.config.swarm.heartbeat_interval)  # others publish their next round when they reach it
+            # Others publish their next round the moment they reach it: look often, a round may be short.
+            time.sleep(min(self.config.swarm.heartbeat_interval, CATCH_UP_POLL))
         return not self.stopping.is_set()
 
     def _round(self, swarm: Swarm, replica: Replica, round_index: int, membership: Membership,
