@@ -25,7 +25,15 @@ from p2ploco.config import Config
 from p2ploco.data import Batch, ByteTokenizer, Corpus, ShardSampler, eval_batches
 from p2ploco.errors import CheckpointError, ConfigError, SwarmError
 from p2ploco.inner import InnerTrainer, evaluate
-from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes, params_sha256
+from p2ploco.metrics import (
+    MetricsLog,
+    RoundRecord,
+    TensorBoardLog,
+    format_table,
+    human_bytes,
+    params_sha256,
+    update_norm,
+)
 from p2ploco.model import Transformer
 from p2ploco.outer import build_outer
 from p2ploco.outer.base import copy_state
@@ -303,7 +311,8 @@ class Node:
     def _round(self, swarm: Swarm, replica: Replica, round_index: int, membership: Membership,
                held_out: list[Batch], device: torch.device) -> RoundRecord | None:
         c = self.config
-        swarm.publish_state(replica.snapshot(round_index))
+        start = replica.snapshot(round_index)
+        swarm.publish_state(start)
         swarm.set_progress(round_index, "training", replica.params_sha256)
         started = time.perf_counter()
         inner_stats = replica.inner.run_round(round_index, self.stopping.is_set)
@@ -321,6 +330,7 @@ class Node:
             bits_per_param=8 * comm.contribution_bytes / comm.params if comm.params else 0.0,
             tokens=inner_stats.tokens, inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
             round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id, dropped_peers=comm.dropped,
+            clipped_peers=comm.clipped, update_norm=update_norm(start.params.values(), replica.outer.params),
             applied=comm.committed, excluded=comm.excluded, joined_round=membership.joined_round,
             state_source=membership.source,
             catchup_seconds=membership.catchup_seconds, timestamp=time.time(),
@@ -339,6 +349,7 @@ def progress_line(peer_id: str, r: RoundRecord) -> str:
     rate = r.tokens / r.inner_seconds if r.inner_seconds else 0.0
     notes = "" if r.applied else " | NOT APPLIED"
     notes += f" | dropped {len(r.dropped_peers)}" if r.dropped_peers else ""
+    notes += f" | clipped {len(r.clipped_peers)}" if r.clipped_peers else ""
     traffic = r.bytes_sent + r.bytes_received
     saving = f", {r.dense_fp32_bytes / traffic:.0f}x under dense fp32" if traffic else ""
     return (f"[{peer_id[-8:]}] round {r.round:>4} | peers {r.peers} | loss {r.loss:.3f} | eval {evaluated} | "
