@@ -80,6 +80,7 @@ class _ReducerSession:
     senders: set[str]  # remote group members that owe us a contribution
     payloads: dict[str, bytes] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    lost: set[str] = field(default_factory=set)  # members whose stream with us broke: presumed dead, reported
     connected: set[str] = field(default_factory=set)  # senders that opened a stream to us
     settled: set[str] = field(default_factory=set)  # senders whose stream with us has ended
     bytes_in: int = 0
@@ -94,6 +95,12 @@ class _ReducerSession:
     def deliver(self, sender: str, payload: bytes) -> None:
         self.payloads[sender] = payload
         self._check()
+
+    def lose(self, peer: str, reason: str) -> None:
+        """``peer`` cannot be reached, or its stream broke: it is dead as far as we know. Stop waiting for its
+        contribution, and tell the coordinator not to wait for its vote either."""
+        self.lost.add(peer)
+        self.fail(peer, reason)
 
     def fail(self, sender: str, reason: str) -> None:
         """Drop ``sender`` from this span, unless its contribution is in already (it then counts)."""
@@ -165,7 +172,7 @@ class ButterflyAllReduce:
             self._sessions.pop(group.group_id, None)
             stats.bytes_sent += session.bytes_out
             stats.bytes_received += session.bytes_in
-            drops.update(session.failed)
+            drops.update(session.failed, session.lost)
         drops.update(reduction.rejected)
         stats.dropped = sorted(dropped)
         for error in errors:
@@ -213,7 +220,7 @@ class ButterflyAllReduce:
                                                     self.timeout)
         except (PayloadError, *wire.TRANSPORT_ERRORS) as e:
             # A peer we cannot reach will not send us its contribution either (it crashed): stop waiting for it.
-            session.fail(peer, f"unreachable ({e!r})")
+            session.lose(peer, f"unreachable ({e!r})")
             raise AllReduceError(f"could not reach reducer {peer[-8:]}: {e!r}") from None
         try:
             header = {"group_id": group.group_id, "round": group.round_index, "span": [span.start, span.stop]}
@@ -231,7 +238,11 @@ class ButterflyAllReduce:
             await loop.run_in_executor(None, exchange.receive, span, result, included.index(self.me))
             stats.bytes_received += len(result)
             dropped.update(set(group.peers) - set(included))
-        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:
+        except (wire.StreamClosed, *wire.TRANSPORT_ERRORS) as e:
+            if not isinstance(e, TimeoutError):  # a reducer that hangs up mid-answer has crashed, not dawdled
+                session.lose(peer, f"its stream broke ({e!r})")
+            raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e!r}") from None
+        except PayloadError as e:
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e!r}") from None
         finally:
             writer.close()
