@@ -33,3 +33,10 @@ def test_catchup_benchmark_fetches_from_real_donors():
     assert "Catch-up" in out
     row = next(line for line in out.splitlines() if line.lstrip().startswith("configs/tiny.yaml "))
     assert row.split()[1:5] == ["0.5M", "1.8", "MB", "2"]
+
+
+@pytest.mark.timeout(260)
+def test_fuzzing_every_decoder_raises_only_project_errors():
+    out = run("benchmarks/fuzz.py", "--cases", "1500")
+    assert "sparse relay result" in out and "state blob" in out and "signed DHT record" in out
+    assert out.rstrip().endswith("0 non-project exceptions")

@@ -230,11 +230,9 @@ class ButterflyAllReduce:
             # The reducer may wait `timeout` for the slowest sender before it answers.
             reply, result = await asyncio.wait_for(
                 wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * self.timeout)
-            if wire.status(reply, ReduceStatus) == ReduceStatus.REJECTED:
-                raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {reply.get('reason')!r}")
-            included = wire.peer_ids(reply, "included")
-            if self.me not in included or not set(included) <= set(group.peers):
-                raise PayloadError("the aggregate leaves this peer out, or names non-members")
+            included = parse_reply(reply, group, self.me)
+            if included is None:
+                raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {str(reply.get('reason'))[:200]}")
             await loop.run_in_executor(None, exchange.receive, span, result, included.index(self.me))
             stats.bytes_received += len(result)
             dropped.update(set(group.peers) - set(included))
@@ -318,6 +316,17 @@ class ButterflyAllReduce:
         if sender not in session.senders:
             raise PayloadError(f"{sender[-8:]} is not a member of this group")
         return session
+
+
+def parse_reply(reply: dict[str, Any], group: Group, me: str) -> list[str] | None:
+    """The members whose contributions make up the aggregate that follows a reducer's answer, or None if the
+    reducer refused ours; PayloadError if the answer is malformed."""
+    if wire.status(reply, ReduceStatus) == ReduceStatus.REJECTED:
+        return None
+    included = wire.peer_ids(reply, "included")
+    if me not in included or not set(included) <= set(group.peers):
+        raise PayloadError("the aggregate leaves this peer out, or names non-members")
+    return included
 
 
 class _Refused(Exception):

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import msgpack
+from cryptography.exceptions import UnsupportedAlgorithm
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
@@ -167,11 +168,23 @@ class RecordSchema(RecordValidatorBase):
         return True
 
 
+class SignatureValidator(RSASignatureValidator):
+    """hivemind's RSASignatureValidator, except that a record whose embedded public key does not parse is
+    refused: hivemind's lets the cryptography library's error escape into its DHT request handlers, so one
+    forged record could break a lookup (found by ``benchmarks/fuzz.py``)."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            return super().validate(record)
+        except (ValueError, TypeError, UnsupportedAlgorithm):  # what load_ssh_public_key raises on garbage
+            return False
+
+
 def record_validator(run_id: str | None = None) -> tuple[CompositeValidator, bytes]:
     """A validator for a node of ``run_id`` (or a bootstrap peer or client: None), and the subkey under
     which this node's records are signed: the public half of a fresh RSA key (one per node, not per
     process: tests and benchmarks run several nodes in one process)."""
-    signatures = RSASignatureValidator(RSAPrivateKey())
+    signatures = SignatureValidator(RSAPrivateKey())
     keys = [BOOTSTRAP_KEY] + ([peers_key(run_id)] if run_id is not None else [])
     return CompositeValidator([signatures, RecordSchema(keys)]), signatures.local_public_key
 
