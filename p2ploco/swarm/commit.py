@@ -14,9 +14,10 @@ first vote: a peer already known bad or dead is never waited for a second time.
   "missing" costs a redo, never the round), or abort: nobody applies anything this round.
 
 A member applies the aggregate only if the decision names the digest it holds. A voter counts as
-known dropped if it says so, or if two reducers report dropping it: one accuser alone cannot push an
-honest peer out. Only the coordinator decides: a member that cannot reach it applies nothing (as if
-aborted) and, if the others committed, catches up from them before the next round. A second judge
+known dropped if it says so, or if two reducers report dropping it: one accuser alone (a liar, or a
+link that broke once) cannot push an honest peer out; it can only spare the others a wait. Only the
+coordinator decides: a member that cannot reach it applies nothing (as if aborted) and, if the
+others committed, catches up from them before the next round. A second judge
 would let two halves of a group decide differently.
 
 The vote request, a wire message (``swarm/wire.py``) with no payload::
@@ -160,10 +161,8 @@ class RoundCommit:
 
 def decide(group: Group, votes: dict[str, tuple[Vote, str]], accusers: dict[str, set[str]], me: str) -> Decision:
     """The coordinator's rule (module docstring), a pure function of the votes."""
-    needed = max(1, min(ACCUSERS, len(votes) - 1))  # in a group of two, the other member's word must do
-
     def out(peer: str) -> bool:
-        return votes[peer][0] == Vote.DROPPED or len(accusers.get(peer, ())) >= needed
+        return votes[peer][0] == Vote.DROPPED or len(accusers.get(peer, ())) >= ACCUSERS
 
     counted = {peer: v for peer, v in votes.items() if not out(peer)}
     held = Counter(digest for vote, digest in counted.values() if vote == Vote.HOLDS)
