@@ -78,7 +78,7 @@ class Run:
 
 
 def run_swarm(label: str, workdir: Path, nodes: int, rounds: int, extra: list[str], kill_every: int,
-              rng: random.Random, timeout: float) -> Run:
+              rng: random.Random, timeout: float, resume_probability: float = 0.5) -> Run:
     run = Run(label)
     names = [f"n{i}" for i in range(nodes)]
     incarnations = {name: 0 for name in names}
@@ -120,7 +120,7 @@ def run_swarm(label: str, workdir: Path, nodes: int, rounds: int, extra: list[st
                     children[victim].signal(signal.SIGKILL)  # the node and its daemon, as a crash would
                     children[victim].process.wait()
                     saved = workdir / f"{victim}.{incarnations[victim]}" / "checkpoint" / "checkpoint.json"
-                    resume = rng.random() < 0.5 and saved.exists()
+                    resume = rng.random() < resume_probability and saved.exists()
                     run.kills.append(Kill(victim, done, resume, delay))
                     print(f"[{label}] round {done}: killed {victim}, restarting it "
                           f"{'with --resume' if resume else 'from a fresh log dir'}", flush=True)
@@ -188,6 +188,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--kill-every", type=int, default=3, help="rounds of swarm progress between kills")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume-probability", type=float, default=0.5,
+                        help="share of restarts with --resume (the others start from a fresh log dir)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every node (repeatable)")
     parser.add_argument("--no-calm", action="store_true", help="skip the fault-free run")
@@ -203,7 +205,7 @@ def main() -> None:
           f"{args.kill_every} rounds; logs in {workdir}", flush=True)
     started = time.monotonic()
     chaos = run_swarm("chaos", workdir / "chaos", args.nodes, args.rounds, extra, args.kill_every,
-                      random.Random(args.seed), args.timeout)
+                      random.Random(args.seed), args.timeout, args.resume_probability)
     calm = None if args.no_calm else run_swarm("calm", workdir / "calm", args.nodes, args.rounds, extra, 0,
                                                random.Random(args.seed), args.timeout)
     summary = summarise(chaos, calm, args.rounds, allreduce_timeout)

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 KEEP_CLOSED_ROUNDS = 8  # closed groups remembered, to answer stragglers "late" rather than start a new group
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
+JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 
 
 class JoinStatus(enum.StrEnum):
@@ -86,6 +87,7 @@ FormationKey = tuple[int, str, str, str, str]
 class _Formation:
     key: FormationKey
     deadline: float
+    opened: float = field(default_factory=time.monotonic)
     members: set[str] = field(default_factory=set)
     unreachable: set[str] = field(default_factory=set)  # peers the members could not reach
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -248,12 +250,16 @@ class Matchmaker:
                     del self._forming[key]
                     formation.closed.set_result(best)
                     return
-                # Peers working on this round from this state, and peers just starting at it: a swarm
-                # started together should not split because one peer published its record a moment late.
-                # Not a peer that stopped refreshing its record (it crashed), nor one banned here.
+                # Peers working on this round from this state: a swarm started together should not split
+                # because one peer published its record a moment late. Peers still joining at it (catching
+                # up, or just restarted from a checkpoint of it) only for the first third of the wait: a
+                # restarting process may take longer than a round. Not a peer that stopped renewing its
+                # record (it crashed), nor one banned here.
                 banned = self.bans.active(round_index)
+                joiners_welcome = time.monotonic() < formation.opened + JOINER_GRACE * self.timeout
                 expected = {p for p, r in live.items() if r.round == round_index and r.fingerprint == config
                             and r.params_sha256 == state and r.state != PeerState.LEAVING
+                            and (r.state != PeerState.JOINING or joiners_welcome)
                             and self.directory.fresh(p) and p not in banned}
                 if expected <= formation.members:
                     break
