@@ -4,7 +4,8 @@ After the butterfly every member votes: it holds the aggregate of every span (an
 digest), some span's aggregate is missing, or a reducer dropped it. Each vote also lists the peers
 the voter dropped from its own span (malformed, silent or unreachable). The group's coordinator
 decides once, when every member that nobody reported dropped has voted, or ``timeout`` after the
-first vote: a peer already known bad or dead is never waited for a second time.
+first vote: a peer already known bad or dead is never waited for a second time, and one whose daemon
+cannot be dialled any more (the coordinator tries every few seconds) is not waited for either.
 
 - commit, if every vote (of a voter not known dropped) holds one digest; members that died after
   delivering their span do not vote and need not;
@@ -47,6 +48,7 @@ from p2ploco.swarm.rounds import Group
 logger = logging.getLogger(__name__)
 
 KEEP_BALLOTS = 16
+PROBE_EVERY = 2.0  # seconds between looks at whether awaited voters are still reachable
 ACCUSERS = 2  # reducers that must report dropping a peer before its own vote stops counting
 
 
@@ -75,12 +77,14 @@ class _Ballot:
     deadline: float
     votes: dict[str, tuple[Vote, str]] = field(default_factory=dict)  # voter -> (vote, digest)
     accusers: dict[str, set[str]] = field(default_factory=dict)  # peer -> the voters that report dropping it
+    dead: set[str] = field(default_factory=set)  # members the coordinator could not reach while waiting for them
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     decided: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
-    def complete(self) -> bool:
-        """Every member has voted, or is reported dropped (it cannot hold every span: no need to wait)."""
-        return all(p in self.votes or self.accusers.get(p) for p in self.group.peers)
+    def waiting_for(self) -> list[str]:
+        """Members that have not voted, and that nobody reported dropped or found dead (those need not be waited
+        for: they cannot hold every span, or cannot vote)."""
+        return [p for p in self.group.peers if p not in self.votes and not self.accusers.get(p) and p not in self.dead]
 
 
 class RoundCommit:
@@ -148,15 +152,30 @@ class RoundCommit:
         return response
 
     async def _close(self, ballot: _Ballot) -> None:
+        prober = asyncio.get_running_loop().create_task(self._probe(ballot))
         try:
-            while not ballot.complete() and time.monotonic() < ballot.deadline:
+            while ballot.waiting_for() and time.monotonic() < ballot.deadline:
                 ballot.changed.clear()
                 try:
                     await asyncio.wait_for(ballot.changed.wait(), ballot.deadline - time.monotonic())
                 except TimeoutError:
                     pass
         finally:
+            prober.cancel()
             ballot.decided.set_result(decide(ballot.group, ballot.votes, ballot.accusers, self.me))
+
+    async def _probe(self, ballot: _Ballot) -> None:
+        """Every PROBE_EVERY seconds, try to open a stream to each member still awaited: one whose daemon cannot
+        be reached at all has crashed (after delivering its span, or nobody would wait for it), and is not
+        waited for until the deadline."""
+        while True:
+            await asyncio.sleep(PROBE_EVERY)
+            for peer in ballot.waiting_for():
+                if peer != self.me and not await wire.reachable(self.p2p, peer, self.handler_name, PROBE_EVERY):
+                    logger.info(f"round {ballot.group.round_index}: {peer[-8:]} cannot be reached; not waiting "
+                                f"for its vote")
+                    ballot.dead.add(peer)
+                    ballot.changed.set()
 
 
 def decide(group: Group, votes: dict[str, tuple[Vote, str]], accusers: dict[str, set[str]], me: str) -> Decision:

@@ -10,7 +10,7 @@ winner is redirected to it; a redirect must name a better score, so redirects en
 
 A peer that is ready for round r sends the coordinator a join request and waits; the coordinator
 closes the group when every live peer that works on round r from the same state with the same config
-(and still refreshes its record: a crashed peer is not waited for) has joined, or
+(and still renews its record and can be dialled: a crashed peer is not waited for) has joined, or
 ``matchmaking_timeout`` after the first join, and answers every waiting peer with the same ordered
 list. A late peer is told so: it applies nothing this round and catches up from the swarm after. A
 peer this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 KEEP_CLOSED_ROUNDS = 8  # closed groups remembered, to answer stragglers "late" rather than start a new group
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
+PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
 
 
 class JoinStatus(enum.StrEnum):
@@ -90,6 +91,7 @@ class _Formation:
     opened: float = field(default_factory=time.monotonic)
     members: set[str] = field(default_factory=set)
     unreachable: set[str] = field(default_factory=set)  # peers the members could not reach
+    dead: set[str] = field(default_factory=set)  # expected peers the coordinator could not reach while waiting
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -242,6 +244,7 @@ class Matchmaker:
         """Close the group when everyone expected has joined or at the deadline; or hand the whole
         formation over to a better-scored peer that has come into view (every member retries there)."""
         round_index, name, config, _, state = key = formation.key
+        probed = time.monotonic()
         try:
             while time.monotonic() < formation.deadline:
                 live = await self.directory.refresh()
@@ -261,8 +264,14 @@ class Matchmaker:
                             and r.params_sha256 == state and r.state != PeerState.LEAVING
                             and (r.state != PeerState.JOINING or joiners_welcome)
                             and self.directory.fresh(p) and p not in banned}
-                if expected <= formation.members:
+                if expected - formation.dead <= formation.members:
                     break
+                if time.monotonic() >= probed + PROBE_EVERY:  # a peer killed in its inner steps is not waited for
+                    probed = time.monotonic()
+                    awaited = sorted(expected - formation.members - formation.dead - {self.me})
+                    alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
+                                                   for p in awaited))
+                    formation.dead.update(p for p, ok in zip(awaited, alive) if not ok)
                 formation.changed.clear()
                 try:
                     await asyncio.wait_for(formation.changed.wait(), min(0.5, formation.deadline - time.monotonic()))

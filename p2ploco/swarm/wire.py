@@ -126,3 +126,16 @@ async def call(p2p: P2P, peer_id: str, handler: str, header: dict[str, Any], max
         return await read_message(reader, max_payload)
     finally:
         writer.close()
+
+
+async def reachable(p2p: P2P, peer_id: str, handler: str, timeout: float) -> bool:
+    """False if ``peer_id``'s daemon cannot be dialled or refuses the stream (the peer crashed); True if a stream
+    opens, or the answer is merely slow (slow is not dead). The stream is closed at once."""
+    try:
+        _, writer = await asyncio.wait_for(open_stream(p2p, peer_id, handler), timeout)
+    except TimeoutError:
+        return True
+    except (PayloadError, *TRANSPORT_ERRORS):
+        return False
+    writer.close()
+    return True
