@@ -15,8 +15,8 @@ the same number of rounds with no faults. Printed, per round and in a summary:
   ``swarm.allreduce_timeout`` + the calm median round;
 - final eval loss against the calm run's.
 
-    python benchmarks/chaos.py                                # 6 nodes, 24 rounds, a kill every 3 rounds
-    python benchmarks/chaos.py --nodes 3 --rounds 6 --kill-every 2 --json
+    python benchmarks/chaos.py                                # 6 nodes, 30 rounds, a kill every 3 rounds
+    python benchmarks/chaos.py --nodes 3 --rounds 10 --kill-every 2 --rejoin-rounds 5 --json
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from p2ploco.metrics import format_table, read_records
 
 POLL = 0.2  # seconds between looks at the nodes' metrics
 KILL_JITTER = 3.0  # a kill lands up to this long after the swarm's progress reached its round
-MIN_ROUNDS_AFTER_KILL = 6  # the last kill leaves a restarted node time to start and rejoin before the end
 
 
 @dataclass
@@ -78,7 +77,7 @@ class Run:
 
 
 def run_swarm(label: str, workdir: Path, nodes: int, rounds: int, extra: list[str], kill_every: int,
-              rng: random.Random, timeout: float, resume_probability: float = 0.5) -> Run:
+              rng: random.Random, timeout: float, resume_probability: float = 0.5, rejoin_rounds: int = 10) -> Run:
     run = Run(label)
     names = [f"n{i}" for i in range(nodes)]
     incarnations = {name: 0 for name in names}
@@ -109,7 +108,7 @@ def run_swarm(label: str, workdir: Path, nodes: int, rounds: int, extra: list[st
         while any(c.process.poll() is None for c in children.values()) and time.monotonic() < deadline:
             done = progress()
             # No kill in the last rounds: a node restarted then would find the others gone, and train alone.
-            if kill_every and next_kill <= done <= rounds - max(2 * kill_every, MIN_ROUNDS_AFTER_KILL):
+            if kill_every and next_kill <= done <= rounds - rejoin_rounds:
                 # A node that trains (it finished a round since it started): killed mid-round, not mid-start-up.
                 victims = [n for n, c in children.items() if c.process.poll() is None
                            and any(r["timestamp"] > started_at[n] for r in read_records(current[n] / "metrics.jsonl"))]
@@ -185,8 +184,10 @@ def round_table(chaos: Run, normal: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--kill-every", type=int, default=3, help="rounds of swarm progress between kills")
+    parser.add_argument("--rejoin-rounds", type=int, default=10,
+                        help="rounds left after the last kill, for the restarted node to start up and rejoin")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume-probability", type=float, default=0.5,
                         help="share of restarts with --resume (the others start from a fresh log dir)")
@@ -205,7 +206,7 @@ def main() -> None:
           f"{args.kill_every} rounds; logs in {workdir}", flush=True)
     started = time.monotonic()
     chaos = run_swarm("chaos", workdir / "chaos", args.nodes, args.rounds, extra, args.kill_every,
-                      random.Random(args.seed), args.timeout, args.resume_probability)
+                      random.Random(args.seed), args.timeout, args.resume_probability, args.rejoin_rounds)
     calm = None if args.no_calm else run_swarm("calm", workdir / "calm", args.nodes, args.rounds, extra, 0,
                                                random.Random(args.seed), args.timeout)
     summary = summarise(chaos, calm, args.rounds, allreduce_timeout)

@@ -1,5 +1,6 @@
 """The benchmark scripts still run and print their tables (on tiny settings; timings are not checked)."""
 
+import json
 import subprocess
 import sys
 
@@ -40,3 +41,14 @@ def test_fuzzing_every_decoder_raises_only_project_errors():
     out = run("benchmarks/fuzz.py", "--cases", "1500")
     assert "sparse relay result" in out and "state blob" in out and "signed DHT record" in out
     assert out.rstrip().endswith("0 non-project exceptions")
+
+
+@pytest.mark.timeout(260)
+def test_chaos_benchmark_kills_and_restarts_nodes_and_rounds_stay_all_or_nothing():
+    out = run("benchmarks/chaos.py", "--nodes", "3", "--rounds", "10", "--kill-every", "2", "--rejoin-rounds", "5",
+              "--no-calm", "--json")
+    assert "Chaos run, round by round" in out and "longest stall" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["kills"] >= 1 and summary["rounds_completed"] == 10
+    assert summary["rounds_with_differing_hashes"] == 0
+    assert set(summary["exit_codes"].values()) == {0}
