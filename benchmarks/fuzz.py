@@ -9,7 +9,8 @@ a case if it returns or raises a P2PLocoError (PayloadError: "this peer sent gar
 and is counted and shown.
 
     python benchmarks/fuzz.py                 # 10,000 cases over all targets
-    python benchmarks/fuzz.py --cases 500     # the short run the tests do
+    python benchmarks/fuzz.py --cases 500     # a short run
+    python benchmarks/fuzz.py --seed 7        # 10,000 other cases
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from p2ploco.collective.dense import DenseMean
@@ -225,9 +226,11 @@ def headers_from(valid: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
                                                                                                   **changes})
 
 
-def fuzz(target: Target, cases: int) -> None:
-    @settings(max_examples=cases, database=None, deadline=None, derandomize=True,
+def fuzz(target: Target, cases: int, random_seed: int | None = None) -> None:
+    """``cases`` inputs for ``target``: the same ones on every run, or others drawn from ``random_seed``."""
+    @settings(max_examples=cases, database=None, deadline=None, derandomize=random_seed is None,
               suppress_health_check=list(HealthCheck))
+    @seed(random_seed)
     @given(target.inputs)
     def case(data: Any) -> None:
         target.cases += 1
@@ -246,13 +249,14 @@ def fuzz(target: Target, cases: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=10_000, help="cases over all targets (split evenly)")
+    parser.add_argument("--seed", type=int, help="draw other cases from this seed [the same cases every run]")
     args = parser.parse_args()
     logging.getLogger("hivemind").setLevel(logging.ERROR)  # it warns about every odd msgpack extension it decodes
     np.seterr(all="ignore")  # the decoders' own checks report bad values; numpy's warnings are noise here
     chosen = targets()
     started = time.perf_counter()
     for target in chosen:
-        fuzz(target, -(-args.cases // len(chosen)))
+        fuzz(target, -(-args.cases // len(chosen)), args.seed)
         print(f"{target.name:<22} {target.cases:>6} cases  {sum(target.failures.values()):>4} non-project "
               f"exceptions", flush=True)
     total = sum(t.cases for t in chosen)

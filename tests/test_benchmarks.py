@@ -52,3 +52,14 @@ def test_chaos_benchmark_kills_and_restarts_nodes_and_rounds_stay_all_or_nothing
     assert summary["kills"] >= 1 and summary["rounds_completed"] == 10
     assert summary["rounds_with_differing_hashes"] == 0
     assert set(summary["exit_codes"].values()) == {0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_six_nodes_under_chaos_agree_on_every_round():
+    out = subprocess.run([sys.executable, "benchmarks/chaos.py", "--nodes", "6", "--rounds", "18", "--kill-every", "3",
+                          "--rejoin-rounds", "6", "--no-calm", "--json"], capture_output=True, text=True, timeout=580)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["kills"] >= 4 and summary["rounds_completed"] == 18 and summary["rounds_dropped"] == 0
+    assert summary["rounds_with_differing_hashes"] == 0 and set(summary["exit_codes"].values()) == {0}
