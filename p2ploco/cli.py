@@ -58,8 +58,10 @@ def stop_gracefully(stop: Callable[[], None]) -> None:
 
 
 def setup_logging() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    """Warnings and errors only, unless P2PLOCO_LOG_LEVEL says otherwise (e.g. INFO, to see every peer lookup)."""
+    level = os.environ.get("P2PLOCO_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=level if level in logging.getLevelNamesMapping() else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
 swarm_options = [

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ import yaml
 from p2ploco.errors import ConfigError
 
 MIN_PEER_TTL = 8.0  # seconds; hivemind's DHT waits up to 3 s for a peer in a lookup
+MAX_WAIT = 3600.0  # seconds: the longest any one wait of a round may be set to (every wait is bounded)
+MAX_STARTUP_WAIT = 86400.0
+MAX_BAN_ROUNDS = 1000
 
 
 @dataclass
@@ -99,6 +103,9 @@ class OuterConfig:
     """The outer algorithm applied to the replicas' pseudo-gradients; each has its own section."""
 
     algorithm: Literal["sparseloco", "diloco"] = "sparseloco"
+    # Each contribution to a span is scaled down to at most clip_factor x the median norm of the span's
+    # contributions before they are combined (a defence against poisoned updates); 0 turns clipping off.
+    clip_factor: float = 2.0
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
 
@@ -135,6 +142,7 @@ class SwarmConfig:
     peer_ttl: float = 10.0  # a record not refreshed for this long marks its peer as gone
     min_peers: int = 1  # peers (self included) to wait for before the first round
     startup_timeout: float = 120.0  # longest wait for min_peers at start; then train anyway
+    ban_rounds: int = 10  # rounds a peer caught sending malformed data is left out of this node's rounds
 
 
 @dataclass
@@ -250,6 +258,9 @@ def validate(config: Config) -> None:
         (0 <= i.min_lr_ratio <= 1, "inner.min_lr_ratio must be in [0, 1]"),
         (o.diloco.lr > 0, f"outer.diloco.lr ({o.diloco.lr}) must be > 0"),
         (0 <= o.diloco.momentum < 1, f"outer.diloco.momentum ({o.diloco.momentum}) must be in [0, 1)"),
+        (o.clip_factor == 0 or 1 <= o.clip_factor <= 100,
+         f"outer.clip_factor ({o.clip_factor}) must be in [1, 100] (a multiple of the median norm), or 0 to turn "
+         f"clipping off"),
         (o.sparseloco.lr > 0, f"outer.sparseloco.lr ({o.sparseloco.lr}) must be > 0"),
         (0 <= o.sparseloco.error_decay <= 1,
          f"outer.sparseloco.error_decay ({o.sparseloco.error_decay}) must be in [0, 1]"),
@@ -265,12 +276,17 @@ def validate(config: Config) -> None:
         (p.stages == 1 or not m.tie_embeddings,
          f"pipeline.stages={p.stages} needs model.tie_embeddings: false (the embedding lives on the first stage, the "
          f"head on the last)"),
-        (s.matchmaking_timeout > 0 and s.allreduce_timeout > 0 and s.startup_timeout > 0,
-         "swarm timeouts must be > 0"),
-        (s.heartbeat_interval > 0 and s.peer_ttl >= max(3 * s.heartbeat_interval, MIN_PEER_TTL),
+        (all(0 < t <= MAX_WAIT for t in (s.matchmaking_timeout, s.allreduce_timeout, s.heartbeat_interval,
+                                           s.peer_ttl)) and 0 < s.startup_timeout <= MAX_STARTUP_WAIT,
+         f"swarm.matchmaking_timeout, allreduce_timeout, heartbeat_interval and peer_ttl must be in (0, "
+         f"{MAX_WAIT:.0f}] seconds and swarm.startup_timeout in (0, {MAX_STARTUP_WAIT:.0f}]: every wait is bounded"),
+        (s.peer_ttl >= max(3 * s.heartbeat_interval, MIN_PEER_TTL),
          f"swarm.peer_ttl ({s.peer_ttl}) must be at least 3 x swarm.heartbeat_interval ({s.heartbeat_interval}) "
          f"and {MIN_PEER_TTL:.0f} s (a DHT lookup may take 3 s, and records must outlive it)"),
         (s.min_peers >= 1, "swarm.min_peers must be at least 1"),
+        (0 <= s.ban_rounds <= MAX_BAN_ROUNDS,
+         f"swarm.ban_rounds ({s.ban_rounds}) must be in [0, {MAX_BAN_ROUNDS}] (0: a peer caught sending malformed "
+         f"data is dropped only from the round it was caught in)"),
         (t.rounds >= 0, "training.rounds must be >= 0 (0 trains until stopped)"),
         (t.threads >= 0 and t.eval_every >= 1, "training.threads must be >= 0 and training.eval_every >= 1"),
         (t.checkpoint_every >= 0, "training.checkpoint_every must be >= 0 (0: only on exit)"),
@@ -335,14 +351,19 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
             return value
         raise ConfigError(f"{source}: {key} must be an integer; got {value!r}")
     if hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{source}: {key} must be a number; got {value!r}")
+        if number is None:
+            raise ConfigError(f"{source}: {key} must be a number; got {value!r}")
+        if not math.isfinite(number):  # no key of the config means anything with NaN or infinity
+            raise ConfigError(f"{source}: {key} must be a finite number; got {value!r}")
+        return number
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

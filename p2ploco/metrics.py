@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +30,8 @@ class RoundRecord:
     round_seconds: float
     peer_id: str = ""
     dropped_peers: list[str] = field(default_factory=list)  # left out of the aggregate (bad or missing data)
+    clipped_peers: list[str] = field(default_factory=list)  # whose contribution to this node's span was scaled down
+    update_norm: float = 0.0  # L2 norm of the change the round made to the global params (0 if not applied)
     applied: bool = True  # False: the round did not commit here (late, aborted, dropped); params unchanged
     excluded: bool = False  # True: others applied this round without this node (late or dropped): it catches up
     joined_round: int = 0  # the round this node last (re)joined at
@@ -100,6 +103,11 @@ def params_sha256(names: Sequence[str], tensors: Iterable[torch.Tensor]) -> str:
         digest.update(f"{name}:{tuple(values.shape)};".encode())
         digest.update(values.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def update_norm(before: Iterable[torch.Tensor], after: Iterable[torch.Tensor]) -> float:
+    """L2 norm of ``after - before`` over all tensors, in float64: how far a round moved the parameters."""
+    return math.sqrt(sum(float((b.double() - a.double()).square().sum()) for a, b in zip(before, after)))
 
 
 def human_bytes(count: float) -> str:

@@ -24,11 +24,13 @@ from p2ploco.config import Config
 from p2ploco.data import Batch, ShardSampler, eval_batches, load_training_data
 from p2ploco.errors import CheckpointError, ConfigError, SwarmError
 from p2ploco.inner import evaluate
-from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes
+from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes, update_norm
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.records import EVAL_HISTORY, SwarmState
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.worker import Worker, build_replica
+
+CATCH_UP_POLL = 0.25  # seconds between looks at the records while waiting to catch up
 
 
 @dataclass
@@ -187,15 +189,17 @@ class Node:
             return target is not None and (target.round > round_index or (
                 target.round == round_index and target.params_sha256 != replica.params_sha256))
 
+        latest: list[SwarmState | None] = []  # the last look passed() took: acted on at once, rounds may be short
+
         def passed(round_in_progress: int) -> bool:
-            target = swarm.swarm_state(round_index, replica.params_sha256)
-            return target is None or target.round > round_in_progress
+            latest[:] = [swarm.swarm_state(round_index, replica.params_sha256)]
+            return latest[0] is None or latest[0].round > round_in_progress
 
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
         if unsettled is not None:
             swarm.set_progress(round_index, "training", replica.params_sha256)  # our state, for the vote
-            if not self._wait(lambda: (slowest := swarm.slowest_round()) is None or slowest > unsettled, deadline):
+            if not self._wait(lambda: swarm.settled(unsettled), deadline):
                 return round_index, membership
         target = swarm.swarm_state(round_index, replica.params_sha256)
         if not behind(target):
@@ -203,7 +207,7 @@ class Node:
         if unsettled is None:  # joining or restarted: let the round under way end, then start the next with all
             if not self._wait(lambda: passed(target.round), deadline):
                 return round_index, membership
-            target = swarm.swarm_state(round_index, replica.params_sha256)
+            target = latest[0]
             if not behind(target):
                 return round_index, membership
         me = swarm.peer_id[-8:]
@@ -222,17 +226,19 @@ class Node:
         return target.round, Membership(target.round, "peer", seconds)
 
     def _wait(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Poll ``done`` every heartbeat until it holds or ``deadline`` passes; False if this node is stopping."""
+        """Poll ``done`` until it holds or ``deadline`` passes; False if this node is stopping."""
         while not done() and time.monotonic() < deadline:
             if self.stopping.is_set():
                 return False
-            time.sleep(self.config.swarm.heartbeat_interval)  # others publish their next round when they reach it
+            # Others publish their next round the moment they reach it: look often, a round may be short.
+            time.sleep(min(self.config.swarm.heartbeat_interval, CATCH_UP_POLL))
         return not self.stopping.is_set()
 
     def _round(self, swarm: Swarm, replica: Worker, round_index: int, membership: Membership,
                held_out: list[Batch], device: torch.device) -> RoundRecord | None:
         c = self.config
-        swarm.publish_state(replica.snapshot(round_index))
+        start = replica.snapshot(round_index)
+        swarm.publish_state(start)
         swarm.set_progress(round_index, "training", replica.params_sha256)
         started = time.perf_counter()
         inner_stats = replica.train(round_index, self.stopping.is_set)
@@ -249,6 +255,7 @@ class Node:
             bits_per_param=8 * comm.contribution_bytes / comm.params if comm.params else 0.0,
             tokens=inner_stats.tokens, inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
             round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id, dropped_peers=comm.dropped,
+            clipped_peers=comm.clipped, update_norm=update_norm(start.params.values(), replica.outer.params),
             applied=comm.committed, excluded=comm.excluded, joined_round=membership.joined_round,
             state_source=membership.source,
             catchup_seconds=membership.catchup_seconds, timestamp=time.time(),
@@ -267,6 +274,7 @@ def progress_line(peer_id: str, r: RoundRecord) -> str:
     rate = r.tokens / r.inner_seconds if r.inner_seconds else 0.0
     notes = "" if r.applied else " | NOT APPLIED"
     notes += f" | dropped {len(r.dropped_peers)}" if r.dropped_peers else ""
+    notes += f" | clipped {len(r.clipped_peers)}" if r.clipped_peers else ""
     traffic = r.bytes_sent + r.bytes_received
     saving = f", {r.dense_fp32_bytes / traffic:.0f}x under dense fp32" if traffic else ""
     return (f"[{peer_id[-8:]}] round {r.round:>4} | peers {r.peers} | loss {r.loss:.3f} | eval {evaluated} | "

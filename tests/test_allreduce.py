@@ -17,11 +17,12 @@ from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import SwarmConfig
-from p2ploco.errors import SwarmError
+from p2ploco.errors import PayloadError, SwarmError
 from p2ploco.swarm import wire
+from p2ploco.swarm.rounds import Group
 from p2ploco.swarm.runtime import Swarm
 
-CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10)
+CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10, ban_rounds=0)
 SHAPES = [(64, 33), (33,), (7, 5)]
 rounds = itertools.count()
 
@@ -182,3 +183,13 @@ def test_garbage_on_the_reduce_stream_does_not_hurt_the_reducer(trio):
 def test_a_peer_with_another_config_cannot_join_the_run(trio):
     with pytest.raises(SwarmError, match="run 'test' is training another config"):
         Swarm.join("test", CONFIG, "other-cfg", initial_peers=trio[0].addresses(), host_maddrs=LOOPBACK)
+
+
+def test_a_group_naming_unknown_peers_or_leaving_out_its_member_is_refused(trio):
+    matchmaker, me = trio[0].communicator.matchmaker, trio[0].peer_id
+    ids = sorted(s.peer_id for s in trio)
+    trio[0].loop.run(matchmaker._check_plausible(Group("g", 0, "params", tuple(ids), ids[-1])), 10)
+    for peers, why in ((tuple(p for p in ids if p != me), "without this peer"),
+                       (tuple(sorted([*ids, "12D3KooWNobodyRunsThisPeerId"])), "does not know")):
+        with pytest.raises(PayloadError, match=why):
+            trio[0].loop.run(matchmaker._check_plausible(Group("g", 0, "params", peers, ids[-1])), 10)

@@ -63,3 +63,32 @@ def test_data_benchmark_prepares_and_measures_nodes():
     assert "Prepare" in out and "peak RSS" in out
     assert out.count("prepared  ") == 2 and out.count("data.paths (in memory)  ") == 2
     assert "(target: within ~100 MB)" in out
+
+
+@pytest.mark.timeout(260)
+def test_fuzzing_every_decoder_raises_only_project_errors():
+    out = run("benchmarks/fuzz.py", "--cases", "1500")
+    assert "sparse relay result" in out and "state blob" in out and "signed DHT record" in out
+    assert out.rstrip().endswith("0 non-project exceptions")
+
+
+@pytest.mark.timeout(260)
+def test_chaos_benchmark_kills_and_restarts_nodes_and_rounds_stay_all_or_nothing():
+    out = run("benchmarks/chaos.py", "--nodes", "3", "--rounds", "10", "--kill-every", "2", "--rejoin-rounds", "5",
+              "--no-calm", "--json")
+    assert "Chaos run, round by round" in out and "longest stall" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["kills"] >= 1 and summary["rounds_completed"] == 10
+    assert summary["rounds_with_differing_hashes"] == 0
+    assert set(summary["exit_codes"].values()) == {0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_six_nodes_under_chaos_agree_on_every_round():
+    out = subprocess.run([sys.executable, "benchmarks/chaos.py", "--nodes", "6", "--rounds", "18", "--kill-every", "3",
+                          "--rejoin-rounds", "6", "--no-calm", "--json"], capture_output=True, text=True, timeout=580)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["kills"] >= 4 and summary["rounds_completed"] == 18 and summary["rounds_dropped"] == 0
+    assert summary["rounds_with_differing_hashes"] == 0 and set(summary["exit_codes"].values()) == {0}

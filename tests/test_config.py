@@ -36,6 +36,11 @@ def test_tiny_config_loads_and_overrides_reach_every_section():
     ("data.seq_len=4096", "data.seq_len (4096) must be in [2, model.max_seq_len=128]"),
     ("swarm.peer_ttl=5", "swarm.peer_ttl (5.0) must be at least 3 x swarm.heartbeat_interval"),
     ("training.device=tpu", "training.device ('tpu') must be auto, cpu, cuda or cuda:N"),
+    ("swarm.allreduce_timeout=inf", "swarm.allreduce_timeout must be a finite number; got 'inf'"),
+    ("swarm.matchmaking_timeout=.nan", "swarm.matchmaking_timeout must be a finite number"),
+    ("swarm.allreduce_timeout=1e9", "must be in (0, 3600] seconds"),
+    ("swarm.ban_rounds=-1", "swarm.ban_rounds (-1) must be in [0, 1000]"),
+    ("outer.clip_factor=0.5", "outer.clip_factor (0.5) must be in [1, 100]"),
     ("inner", "expected key=value"),
 ])
 def test_bad_overrides_are_rejected_with_one_clear_line(override, message):

@@ -23,7 +23,7 @@ def test_dense_parse_rejects_malformed_payloads():
     exchange = DenseMean([torch.ones(10)])
     span = range(2, 6)
     good = exchange.encode(span)
-    assert torch.equal(exchange.parse(span, good), torch.ones(4))
+    assert torch.equal(exchange.parse(span, good).values, torch.ones(4))
     for bad, why in [(good[:-1], "expected 16"), (good + b"\0" * 4, "expected 16"), (b"", "expected 16"),
                      (tensor_to_bytes(torch.tensor([1.0, math.nan, 1.0, 1.0])), "NaN or Inf"),
                      (tensor_to_bytes(torch.tensor([1.0, 1.0, math.inf, 1.0])), "NaN or Inf")]:
@@ -76,7 +76,7 @@ def test_a_sliced_payload_with_bad_lengths_is_refused():
     span = range(5, 15)  # 5 values of stage0, 5 of stage1
     good = exchange.encode(span)
     assert len(good) == 2 * (4 + 5 * 4)
-    assert [v.tolist() for v in exchange.parse(span, good)] == [[1.0] * 5] * 2
+    assert [piece.values.tolist() for piece in exchange.parse(span, good).pieces] == [[1.0] * 5] * 2
     for bad, why in [(good[:-1], "too long or truncated"), (good + b"\0", "trailing bytes"),
                      (good[:2], "truncated: 0 of 2"), (good[:24], "truncated: 1 of 2"),
                      (b"\xff\xff\xff\x7f" + good[4:], "too long or truncated")]:

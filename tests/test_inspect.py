@@ -81,6 +81,11 @@ def test_only_the_owner_can_sign_its_record_and_the_schema_is_checked():
     assert not validator.validate(dht_record(owner, valid_value()))  # unsigned
     someone_else = RSASignatureValidator(RSAPrivateKey()).local_public_key
     assert not validator.validate(signed(dht_record(someone_else, valid_value())))  # not ours to sign
+    # A subkey whose embedded key does not parse is refused (hivemind's validator raised ValueError from its
+    # DHT handlers on it; found by benchmarks/fuzz.py).
+    garbled = owner.replace(owner[20:24], b"\x1d\xcc!!")
+    forged = DHTRecord(good.key, MSGPackSerializer.dumps(garbled), good.value, good.expiration_time)
+    assert not validator.validate(forged)
     assert not validator.validate(signed(dht_record(owner, valid_value(state="dancing"))))  # signed junk
     assert not validator.validate(signed(dht_record(b"plain-subkey", valid_value())))  # must name an owner
 

@@ -14,7 +14,7 @@ from p2ploco.config import SwarmConfig
 from p2ploco.errors import SwarmError
 from p2ploco.metrics import params_sha256
 from p2ploco.swarm import state as state_module
-from p2ploco.swarm.records import PeerRecord, SwarmState, swarm_state
+from p2ploco.swarm.records import PeerRecord, SwarmState, ranked_states, settled, swarm_state
 from p2ploco.swarm.state import Snapshot
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
@@ -24,17 +24,30 @@ def record(peer, round_index, digest, state="training", fingerprint="cfg"):
     return PeerRecord(peer, round_index, state, fingerprint, digest)
 
 
-def test_the_furthest_round_and_its_majority_state_win():
+def test_only_states_two_peers_vouch_for_are_followed():
     me = record("m", 3, "old")
     live = {r.peer_id: r for r in [record("a", 5, "x"), record("b", 5, "x"), record("c", 5, "y"),
                                    record("d", 9, "z", state="leaving"), record("e", 9, "z", fingerprint="other"),
-                                   record("f", 4, "w"), record("g", 9, "", state="joining")]}
-    target = swarm_state(live, me)
+                                   record("f", 4, "w"), record("g", 9, "", state="joining"),
+                                   record("liar", 10**6, "forged")]}
+    target = swarm_state(live, me)  # the furthest round two peers vouch for, and its majority state
     assert (target.round, target.params_sha256, target.holders) == (5, "x", ("a", "b"))
     assert swarm_state({}, me) is None
     tie = {r.peer_id: r for r in [record("a", 5, "x"), record("c", 5, "y")]}
-    assert swarm_state(tie, record("m", 5, "x")).params_sha256 == "x"  # my own vote breaks the tie
-    assert swarm_state(tie, record("m", 2, "q")).params_sha256 == "y"  # else the larger hash, on every peer
+    assert swarm_state(tie, record("m", 5, "x")).holders == ("a", "m")  # my own state, vouched by "a"
+    assert swarm_state(tie, record("m", 2, "q")) is None  # nobody agrees with anybody: nothing is vouched
+    # Then every lone claim is ranked (furthest round, most holders, larger hash) for the caller to probe.
+    ranked = ranked_states(tie, record("m", 2, "q"))
+    assert [(s.round, s.params_sha256, s.vouched) for s in ranked] == [(5, "y", False), (5, "x", False),
+                                                                      (2, "q", False)]
+
+
+def test_a_record_stuck_in_the_past_does_not_hold_the_others_up():
+    me = record("m", 4, "x")
+    live = {r.peer_id: r for r in [record("a", 5, "x"), record("b", 5, "x"), record("stuck", 0, "old")]}
+    assert settled(live, me, 4) and not settled(live, me, 5)
+    assert not settled({"a": record("a", 4, "x"), "b": record("b", 4, "x"), "c": record("c", 5, "x")}, me, 4)
+    assert settled({}, me, 4)
 
 
 def test_fault_specs_parse_and_reject_typos():
@@ -86,6 +99,20 @@ def test_a_state_nobody_holds_is_refused(donors_and_joiner):
     donors, joiner = donors_and_joiner
     with pytest.raises(SwarmError, match="no donor serves the state of round 5 with the expected hash"):
         joiner.fetch_state(SwarmState(5, "f" * 64, tuple(d.peer_id for d in donors[1:])))
+
+
+def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner):
+    """No two peers agree: the joiner passes over a far-future round nobody serves and a state its lone holder
+    does not serve, and follows the lone holder that really serves what its record claims."""
+    donors, joiner = donors_and_joiner
+    served = big_snapshot(6)
+    donors[0].publish_state(served)
+    donors[0].set_progress(6, "training", served.params_sha256)
+    donors[1].set_progress(10**6, "training", "f" * 64)  # a liar: trains, but claims a round a million ahead
+    donors[2].set_progress(8, "training", "e" * 64)  # serves round 5 at most, not this
+    target = joiner.swarm_state(0, "fresh")
+    assert (target.round, target.params_sha256, target.holders) == (6, served.params_sha256, (donors[0].peer_id,))
+    assert joiner.fetch_state(target).params_sha256 == served.params_sha256
 
 
 def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):

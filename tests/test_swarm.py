@@ -90,3 +90,43 @@ def test_bootstrap_peer_rejects_a_bad_listen_address():
     result = p2ploco("dht", "--host-maddrs", f"/ip4/127.0.0.1/tcp/0/p2p/{PEER_ID}")
     assert result.returncode == 1
     assert "must not include /p2p/" in result.stderr and "Traceback" not in result.stderr
+
+
+CLAIM = """
+import sys, time
+from p2ploco.errors import SwarmError
+from p2ploco.swarm.dht import claim_identity
+print("ready", flush=True)
+sys.stdin.readline()  # both processes claim at the same moment
+try:
+    claim_identity(sys.argv[1])
+    print("claimed", flush=True)
+    sys.stdin.readline()  # hold the identity until told to exit
+except SwarmError as e:
+    print(f"refused: {e}", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_new_identity_file_is_created_once_and_held_by_one_live_node(tmp_path):
+    """Two nodes started at the same moment with a not-yet-existing --identity: one key file is written, one node
+    holds it, the other is refused with one line (they used to run under the same peer id)."""
+    identity = tmp_path / "node.key"
+    racers = [subprocess.Popen([sys.executable, "-c", CLAIM, str(identity)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        assert [p.stdout.readline().strip() for p in racers] == ["ready", "ready"]
+        for p in racers:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outcomes = sorted(p.stdout.readline().strip() for p in racers)
+        assert outcomes[0] == "claimed" and outcomes[1].startswith("refused: identity")
+        assert "already used by a live peer on this machine" in outcomes[1]
+        assert [path.name for path in tmp_path.iterdir()] == ["node.key"]  # no temporary file left behind
+        key = identity.read_bytes()
+    finally:
+        for p in racers:
+            p.communicate("exit\n", timeout=30)
+    again = subprocess.run([sys.executable, "-c", CLAIM, str(identity)], input="go\nexit\n", capture_output=True,
+                           text=True, timeout=30)
+    assert "claimed" in again.stdout and identity.read_bytes() == key  # released on exit, the same key kept

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from p2ploco.collective import robust
 from p2ploco.collective.exchange import Exchange, Span
 from p2ploco.errors import PayloadError
 
@@ -22,11 +24,20 @@ def bytes_to_tensor(payload: bytes, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy()).view(dtype)
 
 
+@dataclass
+class _Parsed:
+    values: torch.Tensor  # float32
+    norm: float  # of the values: what clipping compares
+
+
 class DenseMean(Exchange):
     """Units are single elements of the flattened tensors. Values travel as ``wire_dtype``; the reducer
-    sums them in float32, in the group's order, divides by the count and sends the mean as ``wire_dtype``."""
+    bounds each contribution's norm by ``clip_factor`` times the span's median (``collective/robust.py``;
+    0: no clipping), sums them in float32, in the group's order, divides by the count and sends the mean
+    as ``wire_dtype``."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], wire_dtype: str = "float32"):
+    def __init__(self, tensors: Sequence[torch.Tensor], wire_dtype: str = "float32", clip_factor: float = 0.0):
+        self.clip_factor = clip_factor
         self.shapes = [t.shape for t in tensors]
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.itemsize = torch.empty(0, dtype=self.wire_dtype).element_size()
@@ -35,7 +46,7 @@ class DenseMean(Exchange):
         self.num_units = self.values.numel()
 
     def fingerprint(self) -> str:
-        return f"dense-mean/{self.wire_dtype}/{self.num_units}"
+        return f"dense-mean/{self.wire_dtype}/{self.num_units}/clip{self.clip_factor:g}"
 
     def unit_at(self, element: int) -> int:
         return element
@@ -52,7 +63,11 @@ class DenseMean(Exchange):
     def encode(self, span: Span) -> bytes:
         return tensor_to_bytes(self.values[span.start : span.stop].to(self.wire_dtype))
 
-    def parse(self, span: Span, payload: bytes) -> torch.Tensor:
+    def parse(self, span: Span, payload: bytes) -> _Parsed:
+        values = self._decode(span, payload)
+        return _Parsed(values, robust.norm(values.numpy()))
+
+    def _decode(self, span: Span, payload: bytes) -> torch.Tensor:
         if len(payload) != len(span) * self.itemsize:
             raise PayloadError(f"dense payload of {len(payload)} bytes, expected {len(span) * self.itemsize}")
         values = bytes_to_tensor(payload, self.wire_dtype).float()
@@ -60,17 +75,24 @@ class DenseMean(Exchange):
             raise PayloadError("dense payload holds NaN or Inf values")
         return values
 
-    def combine(self, span: Span, contributions: Sequence[torch.Tensor]) -> bytes:
-        total = contributions[0].clone()
-        for values in contributions[1:]:
-            total.add_(values)
+    def combine(self, span: Span, contributions: Sequence[_Parsed]) -> bytes:
+        bounded = robust.clip([c.values.numpy() for c in contributions], [c.norm for c in contributions],
+                              self.clip_factor)
+        total = torch.from_numpy(bounded[0]).clone()
+        for values in bounded[1:]:
+            total.add_(torch.from_numpy(values))
         return tensor_to_bytes(total.div_(len(contributions)).to(self.wire_dtype))
+
+    def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:
+        return robust.clipped([c.norm for c in contributions], self.clip_factor)
 
     def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
         return aggregate  # every recipient gets the same mean
 
     def receive(self, span: Span, result: bytes, own: int | None) -> None:
-        self.output[span.start : span.stop] = self.parse(span, result)
+        values = self._decode(span, result)
+        robust.norm(values.numpy())  # a mean of bounded contributions is bounded too: refuse an absurd one
+        self.output[span.start : span.stop] = values
 
     def aggregate_digest(self) -> str:
         return hashlib.sha256(self.output.numpy().tobytes()).hexdigest()

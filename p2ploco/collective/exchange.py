@@ -71,7 +71,12 @@ class Exchange(ABC):
 
     @abstractmethod
     def combine(self, span: Span, contributions: Sequence[Any]) -> Any:
-        """The aggregate of parsed contributions, given in the group's canonical order."""
+        """The aggregate of parsed contributions, given in the group's canonical order, each one bounded
+        first (``collective/robust.py``) so that no single contribution can poison it."""
+
+    def clipped(self, contributions: Sequence[Any]) -> list[int]:
+        """Positions of the parsed contributions that ``combine`` scales down (reported, not acted on)."""
+        return []
 
     @abstractmethod
     def result_for(self, aggregate: Any, omit: int | None) -> bytes:
@@ -92,6 +97,7 @@ class SpanReduction:
     aggregate: Any  # the exchange's combined value; result_for turns it into bytes for a recipient
     included: list[str]  # senders whose contribution is in the aggregate, in canonical order
     rejected: dict[str, str] = field(default_factory=dict)  # sender -> why it was dropped
+    clipped: list[str] = field(default_factory=list)  # senders whose contribution was scaled down
 
     def own_position(self, recipient: str) -> int | None:
         return self.included.index(recipient) if recipient in self.included else None
@@ -114,7 +120,8 @@ def reduce_span(exchange: Exchange, span: Span, contributions: Sequence[tuple[st
             rejected[sender] = str(e)
     if not parsed:
         raise PayloadError(f"no valid contribution for span {span.start}:{span.stop}: {rejected}")
-    return SpanReduction(exchange.combine(span, parsed), included, rejected)
+    clipped = [included[i] for i in exchange.clipped(parsed)]
+    return SpanReduction(exchange.combine(span, parsed), included, rejected, clipped)
 
 
 def reduce_alone(exchange: Exchange) -> int:
@@ -139,6 +146,7 @@ class AllReduceStats:
     seconds: float = 0.0
     committed: bool = True  # False: the round's aggregate must not be applied (late, aborted, dropped)
     excluded: bool = False  # this peer was left out (late or dropped) while others went on: it must catch up
+    clipped: list[str] = field(default_factory=list)  # peers whose contribution to this peer's span was scaled down
 
 
 def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int) -> int:

@@ -44,6 +44,7 @@ class InProcessGroup:
             names = [f"replica-{rank}" for rank in range(size)]
             sent, received, contributed, dense, params = ([0] * size for _ in range(5))
             peers: list[set[str]] = [set() for _ in range(size)]
+            clipped: list[set[str]] = [set() for _ in range(size)]  # senders clipped in the spans a rank reduced
             dropped: set[str] = set()
             for slice_name in dict.fromkeys(s for plan in plans for s in plan):  # in order of first appearance
                 holders = [rank for rank in range(size) if slice_name in plans[rank]]
@@ -53,6 +54,7 @@ class InProcessGroup:
                     reducing = plans[reducer][slice_name]
                     reduction = reduce_span(reducing, span, list(zip([names[r] for r in holders], payloads)))
                     dropped.update(reduction.rejected)
+                    clipped[reducer].update(reduction.clipped)
                     for rank, payload in zip(holders, payloads):
                         result = reduction.result_for(reducing, names[rank])
                         plans[rank][slice_name].receive(span, result, reduction.own_position(names[rank]))
@@ -70,7 +72,8 @@ class InProcessGroup:
             seconds = time.perf_counter() - started
             self._stats = [
                 AllReduceStats(sorted(peers[rank]), sent[rank], received[rank], dense[rank], contributed[rank],
-                               params[rank], sorted(dropped), seconds)
+                               params[rank], sorted(dropped), seconds,
+                               clipped=sorted(clipped[rank]))
                 for rank in range(size)
             ]
             self._error = None

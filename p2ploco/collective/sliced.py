@@ -34,6 +34,12 @@ LENGTH = struct.Struct("<I")
 
 
 @dataclass
+class _SlicedParsed:
+    exchanges: list[Exchange]  # the slices a span touches, in order
+    pieces: list[Any]  # each slice's parsed piece
+
+
+@dataclass
 class _SlicedAggregate:
     exchanges: list[Exchange]  # the slices a span touches, in order
     aggregates: list[Any]  # each slice's combined value
@@ -78,15 +84,22 @@ class SlicedExchange(Exchange):
     def encode(self, span: Span) -> bytes:
         return _join(e.encode(part) for e, part in self.pieces(span))
 
-    def parse(self, span: Span, payload: bytes) -> list[Any]:
+    def parse(self, span: Span, payload: bytes) -> _SlicedParsed:
         pieces = self.pieces(span)
         data = _split(payload, [e.max_payload_bytes(part) for e, part in pieces])
-        return [e.parse(part, piece) for (e, part), piece in zip(pieces, data)]
+        return _SlicedParsed([e for e, _ in pieces], [e.parse(part, piece) for (e, part), piece in zip(pieces, data)])
 
-    def combine(self, span: Span, contributions: Sequence[list[Any]]) -> _SlicedAggregate:
+    def combine(self, span: Span, contributions: Sequence[_SlicedParsed]) -> _SlicedAggregate:
         pieces = self.pieces(span)
-        return _SlicedAggregate([e for e, _ in pieces], [e.combine(part, [parsed[i] for parsed in contributions])
+        return _SlicedAggregate([e for e, _ in pieces], [e.combine(part, [c.pieces[i] for c in contributions])
                                                          for i, (e, part) in enumerate(pieces)])
+
+    def clipped(self, contributions: Sequence[_SlicedParsed]) -> list[int]:
+        """Contributions clipped in any of the slices (each slice bounds its own piece)."""
+        if not contributions:
+            return []
+        exchanges = contributions[0].exchanges
+        return sorted({i for j, e in enumerate(exchanges) for i in e.clipped([c.pieces[j] for c in contributions])})
 
     def result_for(self, aggregate: _SlicedAggregate, omit: int | None) -> bytes:
         return _join(e.result_for(a, omit) for e, a in zip(aggregate.exchanges, aggregate.aggregates))

@@ -4,7 +4,9 @@ Units are whole chunks, so a reducer owns every value of the chunks in its span.
 sender's contribution and answers each recipient with whichever result encoding is smaller: the
 included contributions relayed (without the recipient's own, which it re-inserts) or their union
 with the aggregated float32 values. Both are exact and both end in the same bits: the aggregate is
-computed by the same function, over the same contributions, in the same order.
+computed by the same function, over the same contributions, in the same order. Before they are
+combined, contributions above ``clip_factor`` times the span's median norm are scaled down to it
+(``collective/robust.py``); a recipient of a relayed result clips them exactly as the reducer did.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from p2ploco.collective import robust
 from p2ploco.collective.exchange import Exchange, Span
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.sparse_format import SparseLayout, SparseValues
@@ -26,6 +29,7 @@ from p2ploco.compression.topk import CompressedTensor
 class _Parsed:
     payload: bytes
     values: SparseValues
+    norm: float  # of the values: what clipping compares
 
 
 @dataclass
@@ -35,8 +39,10 @@ class _Aggregate:
 
 
 class SparseExchange(Exchange):
-    def __init__(self, layout: SparseLayout, compressed: Sequence[CompressedTensor], mode: str):
-        self.layout, self.compressed, self.mode = layout, list(compressed), mode
+    def __init__(self, layout: SparseLayout, compressed: Sequence[CompressedTensor], mode: str,
+                 clip_factor: float = 0.0):
+        """``clip_factor``: bound on each contribution's norm, in multiples of the span's median (0: no clipping)."""
+        self.layout, self.compressed, self.mode, self.clip_factor = layout, list(compressed), mode, clip_factor
         self.num_units = layout.num_chunks
         self.output = np.full(layout.total_numel, np.nan, dtype=np.float32)  # NaN: span not received yet
         self._encoded: dict[Span, bytes] = {}
@@ -45,7 +51,7 @@ class SparseExchange(Exchange):
         return int(np.searchsorted(self.layout.chunk_element_ends, element, side="right"))
 
     def fingerprint(self) -> str:
-        return f"sparse/{self.layout.digest.hex()}/{self.mode}"
+        return f"sparse/{self.layout.digest.hex()}/{self.mode}/clip{self.clip_factor:g}"
 
     def numel(self, span: Span) -> int:
         return self.layout.numel(span)
@@ -63,11 +69,21 @@ class SparseExchange(Exchange):
         return self._encoded[span]
 
     def parse(self, span: Span, payload: bytes) -> _Parsed:
-        return _Parsed(payload, fmt.decode_contribution(self.layout, span, payload))
+        values = fmt.decode_contribution(self.layout, span, payload)
+        return _Parsed(payload, values, robust.norm(values.values))
 
     def combine(self, span: Span, contributions: Sequence[_Parsed]) -> _Aggregate:
-        union = fmt.aggregate(self.numel(span), [c.values for c in contributions], self.mode)
+        union = self._aggregate(span, [c.values for c in contributions], [c.norm for c in contributions])
         return _Aggregate([c.payload for c in contributions], fmt.encode_union(self.layout, span, union))
+
+    def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:
+        return robust.clipped([c.norm for c in contributions], self.clip_factor)
+
+    def _aggregate(self, span: Span, contributions: Sequence[SparseValues], norms: Sequence[float]) -> SparseValues:
+        """The span's aggregate of bounded contributions: one function for the reducer and every recipient."""
+        values = robust.clip([c.values for c in contributions], norms, self.clip_factor)
+        bounded = [SparseValues(c.positions, v) for c, v in zip(contributions, values)]
+        return fmt.aggregate(self.numel(span), bounded, self.mode)
 
     def result_for(self, aggregate: _Aggregate, omit: int | None) -> bytes:
         relay = fmt.encode_relay(self.layout, [p for i, p in enumerate(aggregate.payloads) if i != omit])
@@ -79,9 +95,10 @@ class SparseExchange(Exchange):
             if own is not None:
                 payloads.insert(own, self.encode(span))
             contributions = [fmt.decode_contribution(self.layout, span, p) for p in payloads]
-            union = fmt.aggregate(self.numel(span), contributions, self.mode)
+            union = self._aggregate(span, contributions, [robust.norm(c.values) for c in contributions])
         else:
             union = fmt.decode_union(self.layout, span, result)
+            robust.norm(union.values)  # a mean of bounded contributions is bounded too: refuse an absurd one
         start, stop = self.layout.element_range(span)
         part = self.output[start:stop]
         part[:] = 0.0

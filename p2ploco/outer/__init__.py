@@ -17,5 +17,5 @@ def build_outer(config: OuterConfig, global_params: Sequence[torch.Tensor], devi
     """The configured algorithm over ``global_params`` cut into named ``slices`` (default: one); ``device`` is
     where its per-replica working state lives (the training device)."""
     if config.algorithm == "diloco":
-        return DiLoCo(global_params, config.diloco, slices)
-    return SparseLoCo(global_params, config.sparseloco, device or torch.device("cpu"), slices)
+        return DiLoCo(global_params, config.diloco, slices, config.clip_factor)
+    return SparseLoCo(global_params, config.sparseloco, device or torch.device("cpu"), slices, config.clip_factor)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from p2ploco.collective.exchange import AllReduceStats, Communicator
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
+from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import TrainingError
+
+logger = logging.getLogger(__name__)
 
 
 class OuterAlgorithm(ABC):
@@ -42,6 +46,15 @@ class OuterAlgorithm(ABC):
         replicas through ``comm`` and update ``self.params`` if the round commits. The pseudo-gradient is
         measured from ``start``, the params the inner steps began from: the global params unless the
         replica trained a projection of them (a subspace-constrained one)."""
+
+    def per_param(self, exchange: SlicedExchange, results: Callable[[Exchange], list[torch.Tensor]],
+                  ) -> list[torch.Tensor]:
+        """A round's per-slice results in parameter order; ``results`` lists one slice's tensors."""
+        out: list[torch.Tensor] = list(self.params)
+        for name, positions in self.slices.items():
+            for i, tensor in zip(positions, results(exchange.parts[name]), strict=True):
+                out[i] = tensor
+        return out
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         """The live shared tensors, by name."""
@@ -77,9 +90,22 @@ def pseudo_gradients(global_params: Sequence[torch.Tensor], local_params: Sequen
     """global - local on ``device``, refusing to send what a diverged replica computed."""
     deltas = [g.to(device) - p.detach().float() for g, p in zip(global_params, local_params)]
     if not all(bool(torch.isfinite(d).all()) for d in deltas):
+        if not all(bool(torch.isfinite(g).all()) for g in global_params):  # not this replica's doing
+            raise TrainingError("the global parameters hold NaN or Inf: the state this node loaded is corrupt; "
+                                "start it with a fresh --log-dir so that it fetches the swarm's state")
         raise TrainingError("this replica's pseudo-gradient holds NaN or Inf: training diverged; lower inner.lr "
                             "or enable inner.grad_clip")
     return deltas
+
+
+def finite_step(params: Sequence[torch.Tensor], steps: Iterable[torch.Tensor], round_index: int) -> bool:
+    """Whether ``params - steps`` is finite everywhere. Every peer of a round holds the same params and the
+    same aggregate, so all of them refuse a non-finite update alike: the round is dropped, nobody exits."""
+    if all(bool(torch.isfinite(p - s).all()) for p, s in zip(params, steps)):
+        return True
+    logger.warning(f"round {round_index}: the aggregate would make the global parameters non-finite; "
+                   f"this round is dropped (by every peer alike)")
+    return False
 
 
 def copy_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:

@@ -10,16 +10,16 @@ from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.config import DiLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, pseudo_gradients
+from p2ploco.outer.base import OuterAlgorithm, finite_step, pseudo_gradients
 
 CPU = torch.device("cpu")
 
 
 class DiLoCo(OuterAlgorithm):
     def __init__(self, global_params: Sequence[torch.Tensor], config: DiLoCoConfig,
-                 slices: Mapping[str, Sequence[int]] | None = None):
+                 slices: Mapping[str, Sequence[int]] | None = None, clip_factor: float = 0.0):
         super().__init__(global_params, slices)
-        self.config = config
+        self.config, self.clip_factor = config, clip_factor
         self.momentum = [torch.zeros_like(p) for p in self.params]
 
     def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
@@ -28,23 +28,31 @@ class DiLoCo(OuterAlgorithm):
         deltas = pseudo_gradients(start if start is not None else self.params, local_params, CPU)
 
         # 2. Its mean over the replicas of this round, every slice among its holders.
-        exchange = SlicedExchange({name: DenseMean([deltas[i] for i in positions], self.config.wire_dtype)
+        exchange = SlicedExchange({name: DenseMean([deltas[i] for i in positions], self.config.wire_dtype,
+                                                   self.clip_factor)
                                    for name, positions in self.slices.items()})
         stats = comm.all_reduce(exchange, round_index, "params")
         if not stats.committed:
             return stats
-        mean = [torch.empty(0)] * len(self.params)
-        for name, positions in self.slices.items():
-            for i, grad in zip(positions, exchange.parts[name].mean()):
-                mean[i] = grad
+        mean = self.per_param(exchange, DenseMean.mean)
 
         # 3. Outer SGD with (Nesterov) momentum: buf = m*buf + g; step = g + m*buf (or buf); p -= lr*step.
         #    One rounding per operation (no fused multiply-add), so every CPU computes the same bits.
+        #    Computed twice: once to refuse a non-finite result before anything changes, once to apply it.
         m, lr = self.config.momentum, self.config.lr
+
+        def step_of(grad: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            new_buf = buf.mul(m).add_(grad)
+            step = new_buf.mul(m).add_(grad) if self.config.nesterov else new_buf.clone()
+            return new_buf, step.mul_(lr)
+
+        if not finite_step(self.params, (step_of(g, b)[1] for g, b in zip(mean, self.momentum)), round_index):
+            stats.committed = False
+            return stats
         for param, grad, buf in zip(self.params, mean, self.momentum):
-            buf.mul_(m).add_(grad)
-            step = buf.mul(m).add_(grad) if self.config.nesterov else buf.clone()
-            param.sub_(step.mul_(lr))
+            new_buf, step = step_of(grad, buf)
+            buf.copy_(new_buf)
+            param.sub_(step)
         return stats
 
     def shared_state(self) -> dict[str, torch.Tensor]:

@@ -19,14 +19,14 @@ from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import SparseLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, pseudo_gradients
+from p2ploco.outer.base import OuterAlgorithm, finite_step, pseudo_gradients
 
 
 class SparseLoCo(OuterAlgorithm):
     def __init__(self, global_params: Sequence[torch.Tensor], config: SparseLoCoConfig, device: torch.device,
-                 slices: Mapping[str, Sequence[int]] | None = None):
+                 slices: Mapping[str, Sequence[int]] | None = None, clip_factor: float = 0.0):
         super().__init__(global_params, slices)
-        self.config, self.device = config, device
+        self.config, self.device, self.clip_factor = config, device, clip_factor
         self.grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.topk) for p in self.params]
         self.layouts = {name: SparseLayout([self.grids[i] for i in positions])
                         for name, positions in self.slices.items()}
@@ -49,20 +49,21 @@ class SparseLoCo(OuterAlgorithm):
             sent_values.append(decoded)
 
         # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
-        #    selected it (or sum / replicas).
+        #    selected it (or sum / replicas), each contribution clipped to clip_factor x the median norm.
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
-                                                        self.config.aggregate)
+                                                        self.config.aggregate, self.clip_factor)
                                    for name, positions in self.slices.items()})
         stats = comm.all_reduce(exchange, round_index, "params")
-        if not stats.committed:
+        updates = [u.mul_(alpha) for u in self.per_param(exchange, SparseExchange.aggregate)] if stats.committed else []
+        if not stats.committed or not finite_step(self.params, updates, round_index):
             for error, decoded in zip(self.errors, sent_values):
                 error.add_(decoded)  # not applied anywhere: keep it for the next round
+            stats.committed = False
             return stats
 
         # 5. Outer step: plain SGD on the aggregate, elementwise float32 on the CPU.
-        for name, positions in self.slices.items():
-            for i, update in zip(positions, exchange.parts[name].aggregate()):
-                self.params[i].sub_(update.mul_(alpha))
+        for param, update in zip(self.params, updates):
+            param.sub_(update)
         return stats
 
     def local_state(self) -> dict[str, torch.Tensor]:

@@ -2,23 +2,41 @@
 
 In a group of n peers (canonical order), the exchange's units are cut into n spans and peer i
 reduces span i: every other peer streams it its contribution to span i, peer i combines the
-contributions in group order and sends the very same result bytes back to each of them. Every
-peer thus applies identical aggregates: unlike hivemind's stock runner, which returns
-"average - own part" and leaves peers an ulp (or a codec error) apart.
+contributions in group order (each one bounded first, ``collective/robust.py``) and sends the very
+same result bytes back to each of them. Every peer thus applies identical aggregates: unlike
+hivemind's stock runner, which returns "average - own part" and leaves peers an ulp (or a codec
+error) apart.
 
-A contribution that is malformed (wrong size, bad values, truncated, oversized, not from a group
-member) is dropped and its sender told so; a sender that does not deliver within the timeout is
-dropped too. The reducer always finishes its span with the contributions it has.
+A reducer drops a sender from its span, at once and with the reason logged, when:
+
+- its message is malformed (a header that is not a p2ploco map, a field of the wrong type, a span
+  that is not ours, an oversized or undecodable payload, an absurd norm). The sender is also banned
+  here for ``swarm.ban_rounds`` rounds (``swarm/bans.py``), even if the message came before this
+  peer knew the group, or named no group at all;
+- its stream ends mid-message, or this peer cannot reach it to deliver our own contribution (it
+  crashed): no ban, a restarted peer is welcome;
+- it is banned here already, or it sends nothing within ``swarm.allreduce_timeout``.
+
+The reducer always finishes its span with the contributions it has, and every member keeps sending
+its contributions to the other reducers even after one refused it, so nobody waits for it in vain.
+
+A contribution, a wire message (``swarm/wire.py``) whose payload is the exchange's encoding::
+
+    {v, group_id, round, span: [start, stop]} + contribution
+
+answered ``{v, status: ok, included: [peer ids in the aggregate]}`` + result, or
+``{v, status: rejected, reason}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 from p2ploco import faults
 from p2ploco.collective.exchange import (
@@ -31,11 +49,17 @@ from p2ploco.collective.exchange import (
 )
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
+from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.rounds import Group
 
 logger = logging.getLogger(__name__)
 
 MAX_UNKNOWN_GROUPS = 64  # contributions may precede our own view of their group, but not without bound
+
+
+class ReduceStatus(enum.StrEnum):
+    OK = "ok"  # the span's aggregate follows
+    REJECTED = "rejected"  # the sender's contribution was refused: it is out of this round
 
 
 class AllReduceError(Exception):
@@ -56,6 +80,7 @@ class _ReducerSession:
     senders: set[str]  # remote group members that owe us a contribution
     payloads: dict[str, bytes] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    lost: set[str] = field(default_factory=set)  # members whose stream with us broke: presumed dead, reported
     connected: set[str] = field(default_factory=set)  # senders that opened a stream to us
     settled: set[str] = field(default_factory=set)  # senders whose stream with us has ended
     bytes_in: int = 0
@@ -71,9 +96,18 @@ class _ReducerSession:
         self.payloads[sender] = payload
         self._check()
 
+    def lose(self, peer: str, reason: str) -> None:
+        """``peer`` cannot be reached, or its stream broke: it is dead as far as we know. Stop waiting for its
+        contribution, and tell the coordinator not to wait for its vote either."""
+        self.lost.add(peer)
+        self.fail(peer, reason)
+
     def fail(self, sender: str, reason: str) -> None:
-        if sender in self.senders and sender not in self.payloads:
-            self.failed.setdefault(sender, reason)
+        """Drop ``sender`` from this span, unless its contribution is in already (it then counts)."""
+        if sender in self.senders and sender not in self.payloads and sender not in self.failed:
+            self.failed[sender] = reason
+            logger.warning(f"round {self.group.round_index}: dropped {sender[-8:]} from span "
+                           f"{self.span.start}:{self.span.stop}: {reason}")
             self._check()
 
     def settle(self, sender: str) -> None:
@@ -88,21 +122,26 @@ class _ReducerSession:
 
 
 class ButterflyAllReduce:
-    def __init__(self, p2p: P2P, me: str, run_id: str, timeout: float):
-        self.p2p, self.me, self.timeout = p2p, me, timeout
+    def __init__(self, p2p: P2P, me: str, run_id: str, timeout: float, bans: Bans):
+        self.p2p, self.me, self.timeout, self.bans = p2p, me, timeout, bans
         self.handler_name = f"p2ploco/{run_id}/reduce"
         self._sessions: dict[str, asyncio.Future] = {}
+        self.current_round = 0  # the round of the latest all-reduce here: malformed data is banned from it on
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
 
-    async def run(self, group: Group, exchange: Exchange, stats: AllReduceStats) -> None:
+    async def run(self, group: Group, exchange: Exchange, stats: AllReduceStats, drops: set[str]) -> None:
         """All-reduce ``exchange`` within ``group``; on return it holds the aggregate of every span. Traffic
-        is added to ``stats`` as it happens, so a failed attempt is counted too."""
+        is added to ``stats`` as it happens, so a failed attempt is counted too; the peers this one dropped
+        from its own span are added to ``drops``, also when the all-reduce fails here."""
         loop = asyncio.get_running_loop()
+        self.current_round = group.round_index
         index = group.peers.index(self.me)
         spans = exchange.partition(len(group.peers))
         session = _ReducerSession(group, spans[index], exchange, set(group.peers) - {self.me})
+        for peer in session.senders & self.bans.active(group.round_index):
+            session.fail(peer, "banned here for sending malformed data")
         pending = self._sessions.setdefault(group.group_id, loop.create_future())
         if not pending.done():
             pending.set_result(session)
@@ -111,27 +150,36 @@ class ButterflyAllReduce:
         stats.params = sum(exchange.numel(span) for span in spans)
         stats.contribution_bytes = 0
         dropped: set[str] = set()
-        senders = [asyncio.create_task(self._contribute(group, peer, span, exchange, stats, dropped))
+        senders = [asyncio.create_task(self._contribute(session, peer, span, stats, dropped))
                    for peer, span in zip(group.peers, spans) if peer != self.me]
         try:
             own = await loop.run_in_executor(None, exchange.encode, session.span)
             stats.contribution_bytes += len(own)
             reduction = await self._reduce(session, own)
             dropped.update(reduction.rejected)
+            stats.clipped = list(reduction.clipped)
             result = reduction.result_for(exchange, self.me)
             await loop.run_in_executor(None, exchange.receive, session.span, result, reduction.own_position(self.me))
-            await asyncio.gather(*senders)
+            # Every contribution is delivered (or fails) before we report, even after a reducer refused us.
+            errors = [e for e in await asyncio.gather(*senders, return_exceptions=True) if e is not None]
             await _bounded(session.served.wait(), self.timeout)  # results handed to every sender
-        except (TimeoutError, PayloadError, OSError) as e:
+        except (TimeoutError, PayloadError) as e:
             raise AllReduceError(f"{e!r}") from None
         finally:
             for task in senders:
                 task.cancel()
-            await asyncio.gather(*senders, return_exceptions=True)  # reap them; their errors are reported above
+            await asyncio.gather(*senders, return_exceptions=True)  # reap them; their errors are reported below
             self._sessions.pop(group.group_id, None)
             stats.bytes_sent += session.bytes_out
             stats.bytes_received += session.bytes_in
+            drops.update(session.failed, session.lost)
+        drops.update(reduction.rejected)
         stats.dropped = sorted(dropped)
+        for error in errors:
+            if not isinstance(error, AllReduceError):
+                raise error  # a bug in this peer, not a peer's fault
+        if errors:  # being refused outranks a missing span: the coordinator must not wait for this peer
+            raise next((e for e in errors if isinstance(e, DroppedFromRound)), errors[0])
 
     async def _reduce(self, session: _ReducerSession, own: bytes) -> SpanReduction:
         try:
@@ -148,23 +196,31 @@ class ButterflyAllReduce:
             session.result.set_exception(e)
             session.result.exception()  # retrieved here; handlers re-raise it to their senders
             raise
-        reduction.rejected.update(session.failed)
         for sender, reason in reduction.rejected.items():
             logger.warning(f"round {session.group.round_index}: dropped {sender[-8:]} from the round: {reason}")
+            if sender != self.me:
+                self.bans.ban(sender, session.group.round_index, reason)
+        for sender in reduction.clipped:
+            logger.warning(f"round {session.group.round_index}: clipped the contribution of {sender[-8:]} to the "
+                           f"span's bound (outer.clip_factor x the median norm)")
+        reduction.rejected.update(session.failed)
         await faults.hit_async("allreduce.reduce", session.group.round_index)
         session.result.set_result(reduction)
         return reduction
 
-    async def _contribute(self, group: Group, peer: str, span: Span, exchange: Exchange, stats: AllReduceStats,
+    async def _contribute(self, session: _ReducerSession, peer: str, span: Span, stats: AllReduceStats,
                           dropped: set[str]) -> None:
-        """Send our contribution for ``span`` to its reducer and take back the span's aggregate."""
+        """Send our contribution for ``span`` to its reducer ``peer`` and take back the span's aggregate."""
+        group, exchange = session.group, session.exchange
         loop = asyncio.get_running_loop()
         payload = await loop.run_in_executor(None, exchange.encode, span)
         stats.contribution_bytes += len(payload)
         try:
-            _, reader, writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.handler_name), self.timeout)
-        except Exception as e:  # the daemon reports an unreachable peer through several exception types
+            reader, writer = await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name),
+                                                    self.timeout)
+        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:
+            # A peer we cannot reach will not send us its contribution either (it crashed): stop waiting for it.
+            session.lose(peer, f"unreachable ({e!r})")
             raise AllReduceError(f"could not reach reducer {peer[-8:]}: {e!r}") from None
         try:
             header = {"group_id": group.group_id, "round": group.round_index, "span": [span.start, span.stop]}
@@ -174,16 +230,17 @@ class ButterflyAllReduce:
             # The reducer may wait `timeout` for the slowest sender before it answers.
             reply, result = await asyncio.wait_for(
                 wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * self.timeout)
-            if reply.get("status") != "ok":
-                reason = reply.get("reason", reply.get("status"))
-                raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {reason}")
-            included = reply.get("included")
-            if not isinstance(included, list) or self.me not in included or not set(included) <= set(group.peers):
-                raise AllReduceError(f"reducer {peer[-8:]} sent a malformed reply")
+            included = parse_reply(reply, group, self.me)
+            if included is None:
+                raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {str(reply.get('reason'))[:200]}")
             await loop.run_in_executor(None, exchange.receive, span, result, included.index(self.me))
             stats.bytes_received += len(result)
             dropped.update(set(group.peers) - set(included))
-        except (TimeoutError, PayloadError, OSError, ConnectionError) as e:
+        except (wire.StreamClosed, *wire.TRANSPORT_ERRORS) as e:
+            if not isinstance(e, TimeoutError):  # a reducer that hangs up mid-answer has crashed, not dawdled
+                session.lose(peer, f"its stream broke ({e!r})")
+            raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e!r}") from None
+        except PayloadError as e:
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e!r}") from None
         finally:
             writer.close()
@@ -194,57 +251,98 @@ class ButterflyAllReduce:
         session: _ReducerSession | None = None
         try:
             header, length = await asyncio.wait_for(wire.read_header(reader), self.timeout)
-            session = await self._session_of(wire.field(header, "group_id", str))
-            if sender not in session.senders:
-                session = None
-                raise PayloadError(f"{sender[-8:]} is not a member of this group")
+            round_index = wire.field(header, "round", int)
+            session = await self._session_of(wire.field(header, "group_id", str), sender)
             session.connected.add(sender)
-            if sender in session.payloads or sender in session.failed:
+            if sender in session.failed:  # dropped already (unreachable, banned, too late): no new offence
+                raise _Refused(session.failed[sender])
+            if sender in session.payloads:
                 raise PayloadError("second contribution to the same span")
-            if header.get("span") != [session.span.start, session.span.stop]:
-                raise PayloadError(f"contribution for span {header.get('span')}, this peer reduces "
-                                   f"{session.span.start}:{session.span.stop}")
+            span, expected = header.get("span"), [session.span.start, session.span.stop]
+            if span != expected or round_index != session.group.round_index:
+                raise PayloadError(f"contribution for span {span} of round {round_index}, this peer reduces "
+                                   f"{expected} of round {session.group.round_index}")
             limit = session.exchange.max_payload_bytes(session.span)
             payload = await asyncio.wait_for(wire.read_payload(reader, length, limit), self.timeout)
             session.bytes_in += len(payload)
             session.deliver(sender, payload)
-            reduction: SpanReduction = await asyncio.wait_for(asyncio.shield(session.result), 2 * self.timeout)
+            try:
+                reduction: SpanReduction = await asyncio.wait_for(asyncio.shield(session.result), 2 * self.timeout)
+            except PayloadError as e:  # this reducer could not combine its span at all: not the sender's fault
+                raise _Refused(f"the span could not be reduced: {e}") from None
             if sender in reduction.rejected:
-                raise PayloadError(reduction.rejected[sender])
-            reply = {"status": "ok", "included": reduction.included}
+                raise _Refused(reduction.rejected[sender])
+            reply = {"status": ReduceStatus.OK, "included": reduction.included}
             result = reduction.result_for(session.exchange, sender)
             await asyncio.wait_for(wire.write_message(writer, reply, result), self.timeout)
             session.bytes_out += len(result)
-        except (TimeoutError, PayloadError) as e:
-            reason = str(e) or "timed out"
-            logger.warning(f"dropped {sender[-8:]} from the round: {reason}")
+        except (_Refused, _UnknownGroup, wire.StreamClosed, TimeoutError) as e:
             if session is not None:
-                session.fail(sender, reason)
-            try:
-                await asyncio.wait_for(wire.write_message(writer, {"status": "rejected", "reason": reason}), 1.0)
-            except (TimeoutError, OSError, ConnectionError):
-                pass
-        except Exception as e:  # a lost connection, or anything else: the node keeps serving
+                session.fail(sender, str(e) or "timed out")
+            await _refuse(writer, str(e) or "timed out")
+        except PayloadError as e:  # malformed content: its sender is out of every span it owes us, and banned
+            reason = f"malformed contribution: {e}"
+            for pending in self._sessions.values():
+                if pending.done() and sender in pending.result().senders:
+                    pending.result().fail(sender, reason)
+            self.bans.ban(sender, self.current_round, reason)
+            await _refuse(writer, reason)
+        except wire.TRANSPORT_ERRORS as e:  # the sender's link broke: fail it at once (no ban: it may have crashed)
             if session is not None:
                 session.fail(sender, f"connection lost: {e!r}")
+        except Exception:  # a bug: keep serving, fail the sender rather than wait for it, and say where it is
+            logger.exception(f"contribution from {sender[-8:]} failed unexpectedly")
+            if session is not None:
+                session.fail(sender, "this reducer failed on its contribution (see its log)")
         finally:
             if session is not None:
                 session.settle(sender)
             writer.close()
 
-    async def _session_of(self, group_id: str) -> _ReducerSession:
-        """Our session of ``group_id``, waiting (bounded) if the group's other members learnt of it first."""
+    async def _session_of(self, group_id: str, sender: str) -> _ReducerSession:
+        """Our session of ``group_id`` that ``sender`` belongs to, waiting (bounded) if the group's other members
+        learnt of it first."""
         pending = self._sessions.get(group_id)
         if pending is None:
             if len(self._sessions) >= MAX_UNKNOWN_GROUPS:
-                raise PayloadError("too many contributions for unknown groups")
+                raise _UnknownGroup("too many contributions for unknown groups")
             pending = self._sessions[group_id] = asyncio.get_running_loop().create_future()
         try:
-            return await asyncio.wait_for(asyncio.shield(pending), self.timeout)
+            session: _ReducerSession = await asyncio.wait_for(asyncio.shield(pending), self.timeout)
         except TimeoutError:
             if not pending.done():
                 self._sessions.pop(group_id, None)
-            raise PayloadError(f"contribution for unknown group {group_id!r}") from None
+            raise _UnknownGroup(f"contribution for unknown group {group_id[:32]!r}") from None
+        if sender not in session.senders:
+            raise PayloadError(f"{sender[-8:]} is not a member of this group")
+        return session
+
+
+def parse_reply(reply: dict[str, Any], group: Group, me: str) -> list[str] | None:
+    """The members whose contributions make up the aggregate that follows a reducer's answer, or None if the
+    reducer refused ours; PayloadError if the answer is malformed."""
+    if wire.status(reply, ReduceStatus) == ReduceStatus.REJECTED:
+        return None
+    included = wire.peer_ids(reply, "included")
+    if me not in included or not set(included) <= set(group.peers):
+        raise PayloadError("the aggregate leaves this peer out, or names non-members")
+    return included
+
+
+class _Refused(Exception):
+    """The reducer refused the sender's contribution (its reason is the message)."""
+
+
+class _UnknownGroup(Exception):
+    """A contribution for a group this peer never joined (it was late, or refused it): not the sender's fault."""
+
+
+async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+    """Tell a sender it is out of the round; it may have hung up already."""
+    try:
+        await asyncio.wait_for(wire.write_message(writer, {"status": ReduceStatus.REJECTED, "reason": reason}), 1.0)
+    except wire.TRANSPORT_ERRORS:
+        pass
 
 
 async def _bounded(awaitable: Any, timeout: float) -> None:

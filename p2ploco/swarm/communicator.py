@@ -11,8 +11,9 @@ from p2ploco import faults
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_alone
 from p2ploco.errors import PayloadError, TrainingError
 from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedFromRound
-from p2ploco.swarm.commit import RoundCommit
+from p2ploco.swarm.commit import Outcome, RoundCommit, Vote
 from p2ploco.swarm.loop import EventLoopThread
+from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.rounds import Matchmaker
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ class SwarmCommunicator(Communicator):
     async def _all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
         started = time.perf_counter()
         me = self.matchmaker.me
-        await self.matchmaker.directory.update(state="averaging")
+        await self.matchmaker.directory.update(state=PeerState.AVERAGING)
         group = await self.matchmaker.form_group(round_index, name, exchange.fingerprint())
         if group is None:  # late, or leaving: nothing to apply
             return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started)
@@ -40,20 +41,21 @@ class SwarmCommunicator(Communicator):
         formed = set(group.peers)
         while True:
             await faults.hit_async("matchmaking.grouped", round_index)
-            ok, dropped = True, False
+            vote, drops = Vote.HOLDS, set()
             try:
-                await self.butterfly.run(group, exchange, stats)
+                await self.butterfly.run(group, exchange, stats, drops)
             except AllReduceError as e:
-                ok, dropped = False, isinstance(e, DroppedFromRound)
+                vote = Vote.DROPPED if isinstance(e, DroppedFromRound) else Vote.MISSING
                 logger.warning(f"round {round_index}: all-reduce among {len(group.peers)} peers failed here ({e})")
             await faults.hit_async("commit.vote", round_index)
-            decision = await self.commit.vote(group, ok, exchange.aggregate_digest() if ok else "", dropped)
-            if decision.outcome == "redo" and decision.redo is not None and me in decision.redo.peers:
+            digest = exchange.aggregate_digest() if vote == Vote.HOLDS else ""
+            decision = await self.commit.vote(group, vote, digest, drops)
+            if decision.outcome == Outcome.REDO and decision.redo is not None and me in decision.redo.peers:
                 group = decision.redo
                 continue
-            stats.committed = ok and decision.outcome == "commit"
+            stats.committed = vote == Vote.HOLDS and decision.outcome == Outcome.COMMIT and decision.digest == digest
             # Others applied an aggregate this peer does not hold (or redid the round without it).
-            stats.excluded = not stats.committed and decision.outcome in ("commit", "redo")
+            stats.excluded = not stats.committed and decision.outcome in (Outcome.COMMIT, Outcome.REDO)
             stats.dropped = sorted(set(stats.dropped) | (formed - set(group.peers)))  # incl. those a redo left out
             stats.seconds = time.perf_counter() - started
             return stats

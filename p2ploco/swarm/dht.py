@@ -2,17 +2,63 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import secrets
 from collections.abc import Sequence
+from pathlib import Path
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2ploco.errors import SwarmError
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 
 EXAMPLE = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
+_held_identities: dict[str, int] = {}  # identity file -> the descriptor that holds its lock while this process runs
+
+
+def claim_identity(path: str) -> None:
+    """Make sure the identity file exists, creating it atomically if it does not (two nodes started at once
+    with a new --identity must not both write one and run under the same peer id), and hold an exclusive lock
+    on it for this process's life: a second live holder on this machine is refused with a SwarmError.
+    (hivemind's own check, a dial to the peer id, catches a holder on another machine.)"""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise SwarmError(f"--identity {path}: the folder {target.parent} does not exist")
+    if not target.exists():
+        key = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        temporary.write_bytes(key.SerializeToString())
+        temporary.chmod(0o400)
+        try:
+            os.link(temporary, target)  # atomic: exactly one of several racing creators wins
+        except FileExistsError:
+            pass  # another process created it first: use theirs
+        finally:
+            temporary.unlink()
+    key = str(target.resolve())
+    if key in _held_identities:
+        raise SwarmError(f"identity {path} is already used by a peer in this process; pass another --identity")
+    descriptor = os.open(key, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise SwarmError(f"identity {path} is already used by a live peer on this machine; stop that peer or "
+                         f"pass another --identity") from None
+    _held_identities[key] = descriptor
+
+
+def release_identity(path: str | None) -> None:
+    """Let another process use the identity file (this one is leaving)."""
+    descriptor = _held_identities.pop(str(Path(path).resolve()), None) if path else None
+    if descriptor is not None:
+        os.close(descriptor)
 
 
 def check_multiaddrs(values: Sequence[str], option: str, need_peer_id: bool) -> list[str]:
@@ -21,7 +67,7 @@ def check_multiaddrs(values: Sequence[str], option: str, need_peer_id: bool) -> 
     for value in values:
         try:
             address = Multiaddr(value)
-        except Exception:
+        except ValueError:  # hivemind's multiaddr ParseError
             raise SwarmError(f"{option} {value!r} is not a multiaddr; expected e.g. {EXAMPLE}") from None
         protocols = {p.name for p in address.protocols()}
         if need_peer_id and "p2p" not in protocols:
@@ -48,6 +94,8 @@ async def start_dht_node(
     for address in map(Multiaddr, announce_maddrs):
         if any(proto in address and address[proto] == "0" for proto in ("tcp", "udp")):
             raise SwarmError(f"--announce-maddrs '{address}' has port 0; announce the real port others can reach")
+    if identity_path is not None:
+        claim_identity(identity_path)
     try:
         return await DHTNode.create(
             initial_peers=list(initial_peers),
@@ -58,6 +106,7 @@ async def start_dht_node(
             record_validator=record_validator,
         )
     except P2PDaemonError as e:
+        release_identity(identity_path)
         text = str(e)
         if "failed to connect to bootstrap peers" in text:
             raise SwarmError(f"could not reach any bootstrap peer in {', '.join(initial_peers)}: "
@@ -67,6 +116,7 @@ async def start_dht_node(
                              f"stop that peer or pass another --identity") from None
         raise SwarmError(f"could not start the p2p daemon: {text.splitlines()[-1] if text else e!r}") from None
     except RuntimeError as e:
+        release_identity(identity_path)
         if "bootstrap failed" in str(e):
             raise SwarmError(f"no bootstrap peer in {', '.join(initial_peers)} answered a DHT ping; "
                              f"is it a hivemind DHT peer of a compatible version?") from None

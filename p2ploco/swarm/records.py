@@ -11,24 +11,39 @@ a bad signature or schema is dropped by the DHT layer and never reaches the appl
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import msgpack
+from cryptography.exceptions import UnsupportedAlgorithm
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2PDaemonError
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 logger = logging.getLogger(__name__)
 
-STATES = ("joining", "training", "averaging", "leaving", "serving")  # serving: a bootstrap peer
+
+
+class PeerState(enum.StrEnum):
+    """What a peer is doing, as its record says."""
+
+    JOINING = "joining"  # fetching or waiting for the swarm's state
+    TRAINING = "training"  # inner steps of its round
+    AVERAGING = "averaging"  # in its round's all-reduce
+    LEAVING = "leaving"  # finishing up; joins no new group
+    SERVING = "serving"  # a bootstrap peer
+
+
+STATES = tuple(PeerState)
 ROLES = ("replica", "stage", "bootstrap")  # a full model replica, a pipeline stage, a bootstrap-only peer
 BOOTSTRAP_KEY = "p2ploco/bootstrap"  # records of bootstrap peers, shared by all runs
 RUNS_KEY = "p2ploco/runs"  # the run ids being trained, so a client can find them
@@ -36,6 +51,7 @@ MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; anything much larger
 MAX_TEXT = 256  # longest string field (an address, a device name)
 MAX_ADDRESSES = 16
 EVAL_HISTORY = 16  # (round, eval loss) pairs a record keeps, for the trend in `p2ploco status`
+STALE_HEARTBEATS = 3  # a record not renewed for this many heartbeats (or half its ttl) belongs to a dead peer
 
 
 @dataclass
@@ -100,12 +116,12 @@ class PeerRecord:
                         for p in self.eval_history))
 
     def to_value(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "state": str(self.state)}  # hivemind's serializer takes no str subclass
 
     @property
     def active(self) -> bool:
         """Training or averaging with a known state: a peer others can average with or fetch from."""
-        return self.state in ("training", "averaging") and bool(self.params_sha256)
+        return self.state in (PeerState.TRAINING, PeerState.AVERAGING) and bool(self.params_sha256)
 
 
 _ADJECTIVES = ("amber", "bold", "brisk", "calm", "clever", "cosmic", "crisp", "dapper", "eager", "fuzzy",
@@ -138,7 +154,7 @@ class RecordSchema(RecordValidatorBase):
             return False
         try:
             subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
-        except Exception:  # undecodable bytes from a peer
+        except (ValueError, TypeError, msgpack.UnpackException):  # undecodable bytes from a peer
             return False
         if record.key == self.runs_key:
             return isinstance(subkey, str) and 0 < len(subkey) <= 64 and isinstance(value, dict)
@@ -152,23 +168,39 @@ class RecordSchema(RecordValidatorBase):
         return True
 
 
+class SignatureValidator(RSASignatureValidator):
+    """hivemind's RSASignatureValidator, except that a record whose embedded public key does not parse is
+    refused: hivemind's lets the cryptography library's error escape into its DHT request handlers, so one
+    forged record could break a lookup (found by ``benchmarks/fuzz.py``)."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            return super().validate(record)
+        except (ValueError, TypeError, UnsupportedAlgorithm):  # what load_ssh_public_key raises on garbage
+            return False
+
+
 def record_validator(run_id: str | None = None) -> tuple[CompositeValidator, bytes]:
     """A validator for a node of ``run_id`` (or a bootstrap peer or client: None), and the subkey under
     which this node's records are signed: the public half of a fresh RSA key (one per node, not per
     process: tests and benchmarks run several nodes in one process)."""
-    signatures = RSASignatureValidator(RSAPrivateKey())
+    signatures = SignatureValidator(RSAPrivateKey())
     keys = [BOOTSTRAP_KEY] + ([peers_key(run_id)] if run_id is not None else [])
     return CompositeValidator([signatures, RecordSchema(keys)]), signatures.local_public_key
 
 
 @dataclass(frozen=True)
 class SwarmState:
-    """Where the swarm is: the furthest round its active peers work on, the state most of them hold
-    there, and the peers that hold it (the donors a lagging peer fetches from)."""
+    """A state some active peers hold: the round it starts and the hash of its parameters, the peers that
+    hold it (the donors a lagging peer fetches from), and whether two or more peers vouch for it."""
 
     round: int
     params_sha256: str
     holders: tuple[str, ...]
+
+    @property
+    def vouched(self) -> bool:
+        return len(self.holders) >= 2
 
 
 def active_peers(live: dict[str, PeerRecord], me: PeerRecord) -> list[PeerRecord]:
@@ -176,19 +208,37 @@ def active_peers(live: dict[str, PeerRecord], me: PeerRecord) -> list[PeerRecord
     return [r for r in live.values() if r.peer_id != me.peer_id and r.fingerprint == me.fingerprint and r.active]
 
 
-def swarm_state(live: dict[str, PeerRecord], me: PeerRecord) -> SwarmState | None:
-    """The state to follow, seen from ``me``; None when no other active peer shares our config.
+def ranked_states(live: dict[str, PeerRecord], me: PeerRecord) -> list[SwarmState]:
+    """The states to follow, seen from ``me``, best first; empty when no other active peer shares our config.
 
-    The furthest round wins; at that round the state held by most peers (ourselves included), ties
-    broken by the hash, so every peer with the same view makes the same choice."""
+    Only states that two or more peers hold (``me`` included) count, so that one record's claim alone,
+    such as a round a million rounds ahead, never moves anyone: the furthest round wins, at that round the
+    state most peers hold, ties broken by the hash (every peer with the same view ranks alike). If no two
+    peers agree on anything, every peer's own claim is ranked the same way: the caller then follows a claim
+    only if its holder actually serves that state (a liar that serves nothing is passed over)."""
     peers = active_peers(live, me)
     if not peers:
-        return None
-    top = max(r.round for r in peers)
-    at_top = [r for r in peers if r.round == top] + ([me] if me.round == top and me.active else [])
-    votes = Counter(r.params_sha256 for r in at_top)
-    chosen = max(votes, key=lambda digest: (votes[digest], digest))
-    return SwarmState(top, chosen, tuple(sorted(r.peer_id for r in at_top if r.params_sha256 == chosen)))
+        return []
+    holders: dict[tuple[int, str], list[str]] = {}
+    for r in peers + ([me] if me.active else []):
+        holders.setdefault((r.round, r.params_sha256), []).append(r.peer_id)
+    vouched = {state: ids for state, ids in holders.items() if len(ids) >= 2}
+    pool = vouched or holders
+    ranked = sorted(pool, key=lambda state: (state[0], len(pool[state]), state[1]), reverse=True)
+    return [SwarmState(round_index, digest, tuple(sorted(pool[(round_index, digest)])))
+            for round_index, digest in ranked]
+
+
+def swarm_state(live: dict[str, PeerRecord], me: PeerRecord) -> SwarmState | None:
+    """The best state that two or more peers vouch for (see ``ranked_states``), or None."""
+    return next((state for state in ranked_states(live, me) if state.vouched), None)
+
+
+def settled(live: dict[str, PeerRecord], me: PeerRecord, round_index: int) -> bool:
+    """Whether at least half of the other active peers of our config work past ``round_index`` (or there are
+    none): a record stuck at an old round, honest or not, cannot hold the others up."""
+    others = active_peers(live, me)
+    return 2 * sum(r.round > round_index for r in others) >= len(others)
 
 
 def peers_key(run_id: str) -> str:
@@ -220,6 +270,7 @@ class PeerDirectory:
         self.run_id = run_id  # listed under RUNS_KEY while this peer trains it
         self.live: dict[str, PeerRecord] = {}
         self._expires: dict[str, float] = {}  # DHT time at which each record in `live` lapses
+        self._refreshed: dict[str, float] = {}  # local time at which each record was last seen renewed
         self._task: asyncio.Task | None = None
         self._started = time.monotonic()
         self.live_fields: Callable[[], dict[str, Any]] = dict  # fields that change between updates
@@ -244,14 +295,21 @@ class PeerDirectory:
         live = {p: r for p, r in self.live.items() if self._expires.get(p, 0.0) > now}
         try:
             found = await self.node.get(self.key, latest=True)
-        except Exception as e:  # DHT lookups fail in many ways on a flaky network
+        except (P2PDaemonError, OSError, EOFError) as e:  # the daemon or a link failed mid-lookup
             logger.info(f"peer lookup failed, keeping the last view: {e!r}")
             found = None
         for peer_id, (record, expires) in parse_records(getattr(found, "value", None), now).items():
+            if expires > self._expires.get(peer_id, 0.0):
+                self._refreshed[peer_id] = time.monotonic()
             live[peer_id], self._expires[peer_id] = record, expires
         live[self.me.peer_id] = self.me
         self.live = live
         return live
+
+    def fresh(self, peer_id: str) -> bool:
+        """Whether ``peer_id``'s record was renewed lately: a crashed peer stops renewing it long before it lapses."""
+        stale_after = max(STALE_HEARTBEATS * self.interval, self.ttl / 2)
+        return peer_id == self.me.peer_id or time.monotonic() - self._refreshed.get(peer_id, 0.0) < stale_after
 
     async def update(self, **changes: object) -> None:
         """Change this node's record and publish it at once (state changes should not wait a heartbeat)."""
@@ -267,9 +325,11 @@ class PeerDirectory:
             started = time.monotonic()
             try:
                 await self.publish()
-            except Exception as e:  # a DHT hiccup must not end the heartbeat
+                await self.refresh()
+            except (P2PDaemonError, OSError, EOFError) as e:  # a DHT hiccup must not end the heartbeat
                 logger.warning(f"heartbeat failed: {e!r}")
-            await self.refresh()
+            except Exception:  # nor a bug: the peer would vanish from the swarm while still training
+                logger.exception("heartbeat failed unexpectedly")
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
     async def wait_for_peers(self, count: int, timeout: float) -> int:
@@ -278,7 +338,7 @@ class PeerDirectory:
         deadline = time.monotonic() + timeout
         while True:
             peers = [r for r in (await self.refresh()).values()
-                     if r.fingerprint == self.me.fingerprint and r.state != "leaving" and r.params_sha256]
+                     if r.fingerprint == self.me.fingerprint and r.state != PeerState.LEAVING and r.params_sha256]
             if len(peers) >= count or any(r.active for r in peers) or time.monotonic() >= deadline:
                 return len(peers)
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -14,37 +15,42 @@ from hivemind.dht.node import DHTNode
 from p2ploco import __version__
 from p2ploco.config import SwarmConfig
 from p2ploco.errors import SwarmError
-from p2ploco.swarm import DEFAULT_HOST_MADDRS
+from p2ploco.swarm import DEFAULT_HOST_MADDRS, wire
 from p2ploco.swarm.allreduce import ButterflyAllReduce
+from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.communicator import SwarmCommunicator
-from p2ploco.swarm.dht import start_dht_node, visible_maddrs
+from p2ploco.swarm.dht import release_identity, start_dht_node, visible_maddrs
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.records import (
     MAX_ADDRESSES,
     PeerDirectory,
     PeerRecord,
+    PeerState,
     SwarmState,
-    active_peers,
     human_name,
     peers_key,
+    ranked_states,
     record_validator,
-    swarm_state,
+    settled,
 )
 from p2ploco.swarm.rounds import Matchmaker
-from p2ploco.swarm.state import Snapshot, StateServer, fetch_state
+from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, serves
 
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT = 30.0  # bound on quick calls into the loop (record updates, address lookups)
+PROBE_TIMEOUT = 5.0  # to ask a lone peer whether it serves the state its record claims
+PROBE_MEMORY = 10.0  # seconds an answer to that question is trusted
 FAREWELL_TIMEOUT = 3.0  # the "leaving" record is a courtesy: never hold up an exit for it
 
 
 class Swarm:
     def __init__(self, loop: EventLoopThread, node: DHTNode, directory: PeerDirectory, communicator: SwarmCommunicator,
-                 state_server: StateServer, config: SwarmConfig):
+                 state_server: StateServer, config: SwarmConfig, identity_path: str | None = None):
         self.loop, self.node, self.directory, self.communicator = loop, node, directory, communicator
-        self.state_server, self.config = state_server, config
+        self.state_server, self.config, self.identity_path = state_server, config, identity_path
+        self._probes: dict[tuple[str, int, str], tuple[bool, float]] = {}  # claim -> (served, when asked)
 
     @classmethod
     def join(cls, run_id: str, config: SwarmConfig, config_fingerprint: str, initial_peers: Sequence[str] = (),
@@ -58,19 +64,20 @@ class Swarm:
             node = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path,
                                         record_validator=validator)
             p2p, me_id = node.protocol.p2p, str(node.peer_id)
-            me = PeerRecord(me_id, round=0, state="joining", fingerprint=config_fingerprint, version=__version__,
-                            name=name or human_name(me_id), device=device,
+            me = PeerRecord(me_id, round=0, state=PeerState.JOINING, fingerprint=config_fingerprint,
+                            version=__version__, name=name or human_name(me_id), device=device,
                             addresses=(await visible_maddrs(node))[:MAX_ADDRESSES])
             directory = PeerDirectory(node, peers_key(run_id), owner, me, config.heartbeat_interval, config.peer_ttl,
                                       run_id=run_id)
-            matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout)
-            butterfly = ButterflyAllReduce(p2p, me_id, run_id, config.allreduce_timeout)
+            bans = Bans(config.ban_rounds)
+            matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout, bans)
+            butterfly = ButterflyAllReduce(p2p, me_id, run_id, config.allreduce_timeout, bans)
             commit = RoundCommit(p2p, me_id, run_id, config.allreduce_timeout)
             state_server = StateServer(p2p, run_id, config.allreduce_timeout)
             for service in (matchmaker, butterfly, commit, state_server):
                 await service.start()
             live = (await directory.refresh()).values()
-            foreign = {r.fingerprint for r in live if r.state != "leaving"} - {config_fingerprint}
+            foreign = {r.fingerprint for r in live if r.state != PeerState.LEAVING} - {config_fingerprint}
             if foreign:
                 await node.shutdown()
                 raise SwarmError(f"run '{run_id}' is training another config (fingerprint "
@@ -79,12 +86,13 @@ class Swarm:
             await directory.publish()
             directory.start_heartbeat()
             communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
-            return cls(loop, node, directory, communicator, state_server, config)
+            return cls(loop, node, directory, communicator, state_server, config, identity_path)
 
         try:
             return loop.run(start())
         except BaseException:
             loop.stop()
+            release_identity(identity_path)
             raise
 
     @property
@@ -112,18 +120,33 @@ class Swarm:
         return self.loop.run(self.directory.wait_for_peers(count, timeout))
 
     def swarm_state(self, round_index: int, params_sha256: str) -> SwarmState | None:
-        """The state this peer should hold to take part, given where it stands, from a fresh look at the records."""
+        """The state this peer should hold to take part, given where it stands, from a fresh look at the records:
+        one that two or more peers vouch for, or else a lone peer's claim that it really serves (probed)."""
         async def look() -> SwarmState | None:
-            me = replace(self.directory.me, round=round_index, params_sha256=params_sha256, state="training")
-            return swarm_state(await self.directory.refresh(), me)
+            me = replace(self.directory.me, round=round_index, params_sha256=params_sha256, state=PeerState.TRAINING)
+            for state in ranked_states(await self.directory.refresh(), me):
+                if state.vouched or me.peer_id in state.holders or await self._serves(state):
+                    return state
+            return None
 
-        return self.loop.run(look(), CALL_TIMEOUT)
+        return self.loop.run(look(), CALL_TIMEOUT + len(self.directory.live) * PROBE_TIMEOUT)
 
-    def slowest_round(self) -> int | None:
-        """The lowest round an active peer of our config (other than us) works on; None if there is none."""
-        async def look() -> int | None:
-            return min((r.round for r in active_peers(await self.directory.refresh(), self.directory.me)),
-                       default=None)
+    async def _serves(self, claim: SwarmState) -> bool:
+        """Whether the lone holder of ``claim`` serves that state (answers are remembered for a while)."""
+        key = (claim.holders[0], claim.round, claim.params_sha256)
+        now = time.monotonic()
+        self._probes = {k: v for k, v in self._probes.items() if now - v[1] < PROBE_MEMORY}
+        if key not in self._probes:
+            served = await serves(self.node.protocol.p2p, self.state_server.handler_name, *key, PROBE_TIMEOUT)
+            if not served:
+                logger.info(f"{key[0][-8:]} claims round {key[1]} but does not serve it; not following it")
+            self._probes[key] = (served, now)
+        return self._probes[key][0]
+
+    def settled(self, round_index: int) -> bool:
+        """Whether at least half of the other active peers of our config have moved past ``round_index``."""
+        async def look() -> bool:
+            return settled(await self.directory.refresh(), self.directory.me, round_index)
 
         return self.loop.run(look(), CALL_TIMEOUT)
 
@@ -140,7 +163,7 @@ class Swarm:
     def request_leave(self) -> None:
         """Start leaving now (safe from a signal handler): stop joining groups, tell the others."""
         async def withdraw() -> None:
-            await self.directory.update(state="leaving")
+            await self.directory.update(state=PeerState.LEAVING)
             await self.communicator.matchmaker.withdraw()
 
         asyncio.run_coroutine_threadsafe(withdraw(), self.loop.loop)
@@ -150,7 +173,7 @@ class Swarm:
         async def stop() -> None:
             # Either step may hang if the daemon is already gone (e.g. SIGTERM to the whole process group).
             try:
-                if not await finishes_within(self.directory.update(state="leaving"), FAREWELL_TIMEOUT):
+                if not await finishes_within(self.directory.update(state=PeerState.LEAVING), FAREWELL_TIMEOUT):
                     logger.info("could not announce leaving: the DHT did not answer")
             except (OSError, ConnectionError) as e:
                 logger.info(f"could not announce leaving: {e!r}")
@@ -159,7 +182,10 @@ class Swarm:
 
         try:
             self.loop.run(stop(), CALL_TIMEOUT)
-        except Exception as e:
+        except wire.TRANSPORT_ERRORS as e:  # the daemon is gone, or did not answer in time
             logger.warning(f"leaving the swarm uncleanly: {e!r}")
+        except Exception:  # a bug must not keep the process from exiting: say where it is, stop anyway
+            logger.exception("leaving the swarm uncleanly")
         finally:
             self.loop.stop()
+            release_identity(self.identity_path)

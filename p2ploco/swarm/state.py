@@ -7,11 +7,20 @@ streams per donor (so a donor's link does not idle a round trip per range), spre
 range that fails or stalls past its deadline goes back in the queue for another donor, and that
 donor is not asked again. The blob's sha256, reported by every
 donor, and the parameters' hash, published in the donors' peer records, are both checked.
+
+A range request, a wire message (``swarm/wire.py``) with no payload::
+
+    {v, round: the round the state starts, or -1 for the latest, offset, length: <= 4 MiB}
+
+answered ``{v, status: ok, round, total, sha256, params_sha256}`` + the bytes of the range (none for a
+length of 0: the joiner's first question), ``{v, status: moved, round: the latest held}``, or
+``{v, status: empty}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import logging
 import time
@@ -21,6 +30,7 @@ from typing import Any
 
 import torch
 from hivemind.p2p import P2P
+from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
@@ -36,6 +46,12 @@ MIN_PART_BYTES = 64 << 10
 STREAMS_PER_DONOR = 2  # ranges in flight per donor: one is served while the other crosses the wire
 KEEP_SNAPSHOTS = 2
 LATEST = -1  # ask for whatever round the donor has last
+
+
+class StateStatus(enum.StrEnum):
+    OK = "ok"  # the state's description, and the range asked for
+    MOVED = "moved"  # the donor no longer (or not yet) holds that round
+    EMPTY = "empty"  # the donor holds no state yet
 
 
 @dataclass
@@ -55,9 +71,18 @@ class Snapshot:
 
     @classmethod
     def from_blob(cls, round_index: int, blob: bytes) -> Snapshot:
+        """The snapshot in ``blob``; PayloadError if it is not a snapshot (not safetensors, or other sections)."""
+        try:
+            tensors = load_tensors(blob)
+        except (SafetensorError, ValueError, TypeError, OverflowError) as e:  # what safetensors raises on garbage
+            raise PayloadError(f"state blob is not a safetensors file: {e}") from None
         params, shared = {}, {}
-        for key, tensor in load_tensors(blob).items():
+        for key, tensor in tensors.items():
             section, _, name = key.partition("/")
+            if section not in ("param", "shared") or not name:
+                raise PayloadError(f"state blob holds an unexpected tensor {key[:64]!r}")
+            if tensor.dtype != torch.float32 or (section == "param" and not torch.isfinite(tensor).all()):
+                raise PayloadError(f"state tensor {key[:64]!r} is not finite float32")
             (params if section == "param" else shared)[name] = tensor
         return cls(round_index, params, shared, params_sha256(list(params), params.values()), blob)
 
@@ -93,23 +118,25 @@ class StateServer:
             wanted = wire.field(request, "round", int)
             offset, length = wire.field(request, "offset", int), wire.field(request, "length", int)
             if not self.snapshots:
-                await wire.write_message(writer, {"status": "empty"})
+                await wire.write_message(writer, {"status": StateStatus.EMPTY})
                 return
             snapshot = self.snapshots.get(wanted) or (self.snapshots[next(reversed(self.snapshots))]
                                                       if wanted == LATEST else None)
             if snapshot is None:
-                await wire.write_message(writer, {"status": "moved", "round": next(reversed(self.snapshots))})
+                await wire.write_message(writer, {"status": StateStatus.MOVED, "round": next(reversed(self.snapshots))})
                 return
             blob, blob_sha = await self._describe(snapshot)
             if not (0 <= offset <= len(blob) and 0 <= length <= PART_BYTES):
                 raise PayloadError(f"bad range {offset}+{length} of a {len(blob)}-byte state")
             if length:  # a range, not the joiner's first question (which round, how big)
                 await faults.hit_async("state.serve", snapshot.round)
-            header = {"status": "ok", "round": snapshot.round, "total": len(blob), "sha256": blob_sha,
+            header = {"status": StateStatus.OK, "round": snapshot.round, "total": len(blob), "sha256": blob_sha,
                       "params_sha256": snapshot.params_sha256}
             await asyncio.wait_for(wire.write_message(writer, header, blob[offset : offset + length]), self.timeout)
-        except Exception as e:  # a bad request or a vanished joiner never hurts the donor
+        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:  # a bad request or a vanished joiner never hurts the donor
             logger.info(f"state request from {str(stream_info.peer_id)[-8:]} failed: {e!r}")
+        except Exception:  # a bug: keep serving, and say where it is
+            logger.exception(f"state request from {str(stream_info.peer_id)[-8:]} failed unexpectedly")
         finally:
             writer.close()
 
@@ -120,27 +147,48 @@ async def _request(p2p: P2P, handler: str, donor: str, round_index: int, offset:
     return await asyncio.wait_for(wire.call(p2p, donor, handler, request, max_payload=PART_BYTES), timeout)
 
 
+def parse_description(header: dict[str, Any], round_index: int, params_sha256: str) -> tuple[int, str] | None:
+    """The blob size and sha256 a donor describes for the state (``round_index``, ``params_sha256``), or None if
+    it holds another state; PayloadError if the answer is malformed."""
+    if wire.status(header, StateStatus) != StateStatus.OK:
+        return None
+    total, blob_sha = wire.field(header, "total", int), wire.field(header, "sha256", str)
+    if total < 0:
+        raise PayloadError("negative state size")
+    if wire.field(header, "round", int) != round_index or wire.field(header, "params_sha256", str) != params_sha256:
+        return None
+    return total, blob_sha
+
+
+async def serves(p2p: P2P, handler: str, donor: str, round_index: int, params_sha256: str, timeout: float) -> bool:
+    """Whether ``donor`` serves the state that starts ``round_index`` with parameters ``params_sha256``."""
+    try:
+        header, _ = await _request(p2p, handler, donor, round_index, 0, 0, timeout)
+        return parse_description(header, round_index, params_sha256) is not None
+    except (PayloadError, *wire.TRANSPORT_ERRORS):
+        return False
+
+
 async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: int, expected_params_sha256: str,
                       timeout: float) -> Snapshot:
     """Download the state that starts ``round_index`` from ``donors``; SwarmError if they cannot provide it."""
     started = time.monotonic()
     # 1. Which donors hold that round, how big is it, and what is its checksum?
-    described: dict[str, dict[str, Any]] = {}
+    described: dict[str, tuple[int, str]] = {}
     for donor in donors:
         try:
             header, _ = await _request(p2p, handler, donor, round_index, 0, 0, timeout)
-        except Exception as e:  # unreachable donors are skipped
+            description = parse_description(header, round_index, expected_params_sha256)
+        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:  # unreachable or confused donors are skipped
             logger.info(f"donor {donor[-8:]} did not describe its state: {e!r}")
             continue
-        if header.get("status") == "ok" and header.get("params_sha256") == expected_params_sha256:
-            described[donor] = header
-    agreed = {(h["total"], h["sha256"]) for h in described.values()}
+        if description is not None:
+            described[donor] = description
+    agreed = set(described.values())
     if not described or len(agreed) != 1:
         raise SwarmError(f"no donor serves the state of round {round_index} with the expected hash "
                          f"({len(described)} of {len(donors)} answered, {len(agreed)} distinct blobs)")
     total, blob_sha = agreed.pop()
-    if not isinstance(total, int) or total < 0:
-        raise SwarmError("donors described a malformed state")
 
     # 2. Ranges from every donor at once; a failed or stalled range goes back for another donor.
     # Ranges small enough that every stream of every donor gets work, large enough to keep overheads low.
@@ -164,9 +212,10 @@ async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: in
             length = min(part, total - offset)
             try:
                 header, data = await _request(p2p, handler, donor, round_index, offset, length, timeout)
-                if header.get("status") != "ok" or header.get("sha256") != blob_sha or len(data) != length:
-                    raise PayloadError(f"donor answered {header.get('status')} with {len(data)} bytes")
-            except Exception as e:
+                if parse_description(header, round_index, expected_params_sha256) != (total, blob_sha) or len(
+                        data) != length:
+                    raise PayloadError(f"donor answered {header.get('status')!r} with {len(data)} bytes")
+            except (PayloadError, *wire.TRANSPORT_ERRORS) as e:
                 logger.info(f"donor {donor[-8:]} failed on range {offset}: {e!r}; leaving it to the others")
                 parts.put_nowait(offset)
                 working.discard(donor)
@@ -186,7 +235,7 @@ async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: in
         raise SwarmError(f"downloaded state of round {round_index} does not match its checksum")
     try:
         snapshot = Snapshot.from_blob(round_index, blob)
-    except Exception as e:  # a blob that passed the checksum yet does not parse: every donor served garbage
+    except PayloadError as e:  # a blob that passed the checksum yet does not parse: every donor served garbage
         raise SwarmError(f"downloaded state of round {round_index} is malformed ({e})") from None
     if snapshot.params_sha256 != expected_params_sha256:
         raise SwarmError(f"downloaded state of round {round_index} does not match the donors' published hash")
