@@ -105,7 +105,7 @@ class Swarm:
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)
 
-    def set_progress(self, round_index: int, state: str, params_sha256: str, slices: dict[str, str]) -> None:
+    def set_progress(self, round_index: int, state: PeerState, params_sha256: str, slices: dict[str, str]) -> None:
         """Publish where this peer is: the round it works on and the hashes of the state it started from (of all
         it holds, and of each slice)."""
         self.loop.run(self.directory.update(round=round_index, state=state, params_sha256=params_sha256,
