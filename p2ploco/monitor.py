@@ -97,15 +97,17 @@ def _number(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-COLUMNS = ("name", "peer", "role", "state", "round", "step", "loss", "eval", "tok/s", "sent", "recv", "ratio",
-           "uptime", "device", "address")
+COLUMNS = ("name", "peer", "role", "group", "stage", "state", "round", "step", "loss", "eval", "tok/s", "sent",
+           "recv", "ratio", "uptime", "device", "address")
 
 
 def peer_rows(s: Survey) -> list[tuple[str, ...]]:
     rows = []
     for p in s.peers:
         trains = p.role != "bootstrap"
-        rows.append((p.name, p.peer_id[-8:], p.role, p.state, str(p.round) if trains else "-",
+        staged = p.role == "stage"
+        rows.append((p.name, p.peer_id[-8:], p.role, p.group if staged else "-", str(p.stage) if staged else "-",
+                     p.state, str(p.round) if trains else "-",
                      str(p.inner_step) if trains else "-", _number(p.loss), _number(p.eval_loss),
                      f"{p.tokens_per_second / 1e3:.1f}k" if trains else "-",
                      human_bytes(p.bytes_sent) if trains else "-", human_bytes(p.bytes_received) if trains else "-",
@@ -120,8 +122,8 @@ def peers_text(s: Survey) -> str:
 
 
 # Columns in the order they are given up when a terminal is too narrow for all (last first).
-PRIORITY = ("name", "state", "round", "loss", "eval", "tok/s", "role", "step", "ratio", "uptime", "sent", "recv",
-            "peer", "device", "address")
+PRIORITY = ("name", "state", "round", "loss", "eval", "tok/s", "role", "group", "stage", "step", "ratio", "uptime",
+            "sent", "recv", "peer", "device", "address")
 
 
 def peers_rich(s: Survey, width: int) -> Any:
@@ -141,9 +143,10 @@ def peers_rich(s: Survey, width: int) -> Any:
     shown = [i for i, c in enumerate(COLUMNS) if c in fitting]
     table = Table(title=f"run [bold]{s.run_id}[/]: {len(s.trainers)} training peer(s)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
-    styles = {"training": "green", "averaging": "cyan", "joining": "yellow", "leaving": "red", "serving": "dim"}
+    styles = {"training": "green", "averaging": "cyan", "joining": "yellow", "standby": "yellow", "leaving": "red",
+              "serving": "dim"}
     for i in shown:
-        left = COLUMNS[i] in ("name", "peer", "role", "state", "device", "address")
+        left = COLUMNS[i] in ("name", "peer", "role", "group", "state", "device", "address")
         table.add_column(COLUMNS[i], no_wrap=True, justify="left" if left else "right")
     for record, row in zip(s.peers, rows):
         table.add_row(*(row[i] for i in shown), style=styles.get(record.state))

@@ -104,7 +104,7 @@ class StageRole(Role):
         self.slot: tuple[str, int] | None = None
         self.links: StageLinks | None = None
         self.transport: RemoteTransport | None = None
-        self._counted = (0, 0)  # boundary bytes sent and received as of the last record
+        self._counted: tuple[int, int, float] = (0, 0, 0.0)  # boundary traffic and time as of the last record
 
     def pin(self, group: str, stage: int) -> None:
         """Claim this slot (a stage resumed from its checkpoint goes back to the stage it holds)."""
@@ -160,7 +160,7 @@ class StageRole(Role):
             sampler = (ShardSampler(self.data.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"group-{group}")
                        if stage == 0 else None)
             self.worker.inner.gradients.link(self.transport, sampler)
-            self._counted = (0, 0)
+            self._counted = (0, 0, 0.0)
         # In for this round: the round's coordinator now waits for this stage; the others may send to it.
         announce()
         deadline = time.monotonic() + self.config.swarm.matchmaking_timeout
@@ -175,11 +175,13 @@ class StageRole(Role):
         return False
 
     def record_fields(self) -> dict[str, Any]:
-        sent, received = (self.transport.bytes_sent, self.transport.bytes_received) if self.transport else (0, 0)
+        t = self.transport
+        sent, received, seconds = (t.bytes_sent, t.bytes_received, t.seconds) if t else (0, 0, 0.0)
         fields = {"role": STAGE, "group": self.slot[0], "stage": self.slot[1],
                   "boundary_bytes_sent": sent - self._counted[0],
-                  "boundary_bytes_received": received - self._counted[1]}
-        self._counted = (sent, received)
+                  "boundary_bytes_received": received - self._counted[1],
+                  "boundary_seconds": seconds - self._counted[2]}
+        self._counted = (sent, received, seconds)
         return fields
 
     def checkpoint_extras(self) -> dict[str, Any]:

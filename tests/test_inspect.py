@@ -17,7 +17,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
 from p2ploco.metrics import RoundRecord, TensorBoardLog
-from p2ploco.monitor import Survey, peers_rich
+from p2ploco.monitor import COLUMNS, Survey, peer_rows, peers_rich
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerRecord, peers_key, record_validator
 
@@ -61,6 +61,14 @@ def test_the_terminal_table_keeps_to_the_terminal_width(width, hidden):
     assert max(len(line) for line in text.splitlines()) <= width and "swift-otter-mple" in text
     header = next(line for line in text.splitlines() if "name" in line).split()
     assert not hidden & set(header) and ("address" in header) == (width == 250)
+
+
+def test_the_table_names_each_stage_peers_group_and_stage():
+    replica = PeerRecord.parse(valid_value(peer_id="12D3KooWReplica"))
+    stage = PeerRecord.parse(valid_value(peer_id="12D3KooWStage", role="stage", group="g7", stage=1, state="standby"))
+    rows = [dict(zip(COLUMNS, row)) for row in peer_rows(Survey("tiny", [replica, stage], {}))]
+    assert [(r["role"], r["group"], r["stage"], r["state"]) for r in rows] == [
+        ("replica", "-", "-", "training"), ("stage", "g7", "1", "standby")]
 
 
 def dht_record(subkey: bytes, value: object) -> DHTRecord:

@@ -324,7 +324,8 @@ class RemoteTransport(StageTransport):
 
         # A link can fail for a moment (a starved daemon resets a stream): resend, within the deadline. The
         # receiver drops a second copy of what it already has, so a resend after a lost answer is harmless.
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline = started + self.timeout
         for attempt in range(1, PUSH_ATTEMPTS + 1):
             try:
                 answer = self.loop.run(asyncio.wait_for(push(), max(0.1, deadline - time.monotonic())),
@@ -342,6 +343,7 @@ class RemoteTransport(StageTransport):
         if answer.get("status") != Status.OK.value:
             raise PipelineError(f"stage {to_stage} refused our {kind.value}: {answer.get('reason')}")
         self.bytes_sent += len(payload)
+        self.seconds += time.monotonic() - started
 
     def send_activations(self, key: MicroKey, activations: Activations) -> None:
         self._push(Kind.ACTIVATIONS, self.stage + 1, key, [activations.ids, activations.values])
@@ -349,7 +351,8 @@ class RemoteTransport(StageTransport):
     def _take(self, mailbox: Mailbox, key: MicroKey, what: str, from_stage: int) -> Any:
         """The message ``key`` from ``from_stage``; while waiting, every PROBE_EVERY seconds, make sure that stage's
         peer can still be reached: one that crashed fails the step at once, not after the whole timeout."""
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline = started + self.timeout
         peer = self.links.peers[from_stage]
         missed = 0
         while not mailbox.wait(key, min(PROBE_EVERY, max(0.0, deadline - time.monotonic())), what):
@@ -361,6 +364,7 @@ class RemoteTransport(StageTransport):
             missed = 0 if alive else missed + 1
             if missed >= PROBES_TO_GIVE_UP:
                 raise PipelineError(f"stage {from_stage} ({peer[-8:]}) cannot be reached: it has gone")
+        self.seconds += time.monotonic() - started
         return mailbox.take(key, 0, what)
 
     def recv_activations(self, key: MicroKey) -> Activations:

@@ -51,6 +51,7 @@ class StageTransport(ABC):
     stages: int
     bytes_sent: int = 0
     bytes_received: int = 0
+    seconds: float = 0.0  # spent sending to the other stages or waiting for them (counted by wire transports)
 
     @abstractmethod
     def send_activations(self, key: MicroKey, activations: Activations) -> None:
