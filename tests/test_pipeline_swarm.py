@@ -17,7 +17,7 @@ def stage(group: str, index: int) -> list[str]:
     return ["--role", "stage", "--group", group, "--stage", str(index)]
 
 
-def slices_agree(runs: dict[str, list[dict]]) -> dict[tuple[str, int], set[str]]:
+def held_hashes(runs: dict[str, list[dict]]) -> dict[tuple[str, int], set[str]]:
     """(slice, round) -> the hashes its holders that applied the round hold after it."""
     held: dict[tuple[str, int], set[str]] = {}
     for records in runs.values():
@@ -38,7 +38,7 @@ def test_a_full_replica_and_a_group_of_two_stage_peers_train_through_a_stock_hiv
                  "s1": swarm.start_node("s1", PIPELINE_CONFIG, *common, *stage("g0", 1))}
         assert [node.process.wait(240) for node in nodes.values()] == [0, 0, 0]
         runs = {name: swarm.records(name) for name in nodes}
-    held = slices_agree(runs)
+    held = held_hashes(runs)
     assert {round_index for _, round_index in held} == set(range(rounds))
     assert all(len(hashes) == 1 for hashes in held.values()), held
     for name, index in (("s0", 0), ("s1", 1)):  # each stage holds its slice, trains with the group, averages it
@@ -72,7 +72,7 @@ def test_a_group_that_loses_a_stage_re_forms_with_a_newcomer_while_the_replica_t
         newcomer.signal(signal.SIGTERM)
         assert [swarm.nodes[n].process.wait(60) for n in ("s0", "new")] == [0, 0]
         runs = {name: swarm.records(name) for name in ("full", "s0", "new")}
-    assert all(len(hashes) == 1 for hashes in slices_agree(runs).values())
+    assert all(len(hashes) == 1 for hashes in held_hashes(runs).values())
     replica = {r["round"]: r for r in runs["full"]}
     assert all(replica[r]["applied"] for r in range(12))  # every round committed, with or without the group
     assert replica[3]["peers"] < 3  # the round the stage died in went on without the group
