@@ -21,13 +21,12 @@ from multiprocessing.connection import Connection
 import torch
 
 from p2ploco.config import load_config
-from p2ploco.metrics import format_table, params_sha256
-from p2ploco.model import Transformer
-from p2ploco.outer import build_outer
+from p2ploco.metrics import format_table
 from p2ploco.pipeline.slices import slice_name
 from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.swarm.state import Snapshot
+from p2ploco.worker import build_stage
 
 RUN_ID = "catchup-benchmark"
 SLICE = slice_name(0)  # a whole-model run has one slice
@@ -36,17 +35,11 @@ STARTUP_TIMEOUT = 120.0
 
 
 def snapshot_of(config_path: str) -> Snapshot:
-    """The state a round of ``config_path``'s run starts from, as every donor would hold it."""
-    config = load_config(config_path)
-    model = Transformer(config.model, config.training.seed)
-    names = [name for name, _ in model.named_parameters()]
-    outer = build_outer(config.outer, list(model.parameters()), torch.device("cpu"))
-    params = {name: p.clone() for name, p in zip(names, outer.params)}
-    shared = {}
-    for key, tensor in outer.shared_state().items():  # ``kind.i`` -> ``kind.<parameter name>``, as nodes serve it
-        kind, _, position = key.rpartition(".")
-        shared[f"{kind}.{names[int(position)]}"] = tensor.clone()
-    return Snapshot(ROUND, SLICE, params, shared, params_sha256(names, outer.params))
+    """The state a round of ``config_path``'s run starts from, as every donor would serve it (``Worker.snapshots``;
+    stage 0 of a one-stage model is the whole model, and needs no training data)."""
+    worker = build_stage(load_config(config_path), torch.device("cpu"), 0)
+    (snapshot,) = worker.snapshots(ROUND)
+    return snapshot
 
 
 def donor(config_path: str, initial_peers: list[str], pipe: Connection) -> None:

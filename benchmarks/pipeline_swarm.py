@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -53,7 +52,10 @@ def measure(config_path: Path, rounds: int, overrides: list[str], workdir: Path)
     uncompressed = 2 * config.model.d_model * 2 + per_token_ids  # bf16 activations forward, gradients back
     boundary = sum(r["boundary_bytes_sent"] + r["boundary_bytes_received"] for r in first) / sum(
         r["tokens"] for r in first)
-    stage_transfers = max(median(first, "boundary_seconds"), median(last, "boundary_seconds"))
+
+    def slowest_stage(key: str) -> float:  # the group's round waits for its slower stage
+        return max(median(first, key), median(last, key))
+
     return {
         "rounds": len(replica),
         "replica_tokens_per_second": sum(r["tokens"] for r in replica) / sum(r["round_seconds"] for r in replica),
@@ -62,10 +64,8 @@ def measure(config_path: Path, rounds: int, overrides: list[str], workdir: Path)
         "uncompressed_boundary_bytes_per_token": uncompressed,
         "replica_round": {"inner": median(replica, "inner_seconds"), "stage_transfers": 0.0,
                           "allreduce": median(replica, "comm_seconds"), "round": median(replica, "round_seconds")},
-        "group_round": {"inner": max(median(first, "inner_seconds"), median(last, "inner_seconds")),
-                        "stage_transfers": stage_transfers,
-                        "allreduce": max(median(first, "comm_seconds"), median(last, "comm_seconds")),
-                        "round": max(median(first, "round_seconds"), median(last, "round_seconds"))},
+        "group_round": {"inner": slowest_stage("inner_seconds"), "stage_transfers": slowest_stage("boundary_seconds"),
+                        "allreduce": slowest_stage("comm_seconds"), "round": slowest_stage("round_seconds")},
     }
 
 
@@ -101,7 +101,6 @@ def main() -> None:
         split.append((who, f"{compute:.2f}", f"{t['stage_transfers']:.2f}", f"{t['allreduce']:.2f}", f"{rest:.2f}",
                       f"{t['round']:.2f}"))
     print(format_table(("round time, s", "inner compute", "stage transfers", "all-reduce", "other", "round"), split))
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
