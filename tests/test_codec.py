@@ -248,3 +248,32 @@ def test_a_non_finite_pseudo_gradient_is_refused():
     outer.params[1][0, 0] = float("inf")
     with pytest.raises(TrainingError, match="global parameters hold NaN or Inf"):
         outer.sync(params, InProcessGroup(1).communicator(0), 0)
+
+
+def receive_round(exchanges: list[Exchange], parts: int) -> None:
+    """One butterfly among the first ``parts`` exchanges, every result delivered to every one of them."""
+    members = exchanges[:parts]
+    for reducer, span in zip(members, members[0].partition(parts)):
+        reduction = reduce_span(reducer, span, [(str(i), e.encode(span)) for i, e in enumerate(members)])
+        for i, exchange in enumerate(members):
+            exchange.receive(span, reduction.result_for(reducer, str(i)), reduction.own_position(str(i)))
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+def test_a_redo_among_fewer_peers_replaces_the_first_attempts_spans(layout, kind):
+    """A redo cuts the units anew: after it, digest and aggregate are those of the redo alone, whatever spans
+    of the first attempt a peer got."""
+    def exchanges():
+        if kind == "sparse":
+            return [SparseExchange(layout, replica(layout, seed), "mean") for seed in range(4)]
+        return [DenseMean([torch.randn(300, generator=torch.Generator().manual_seed(seed))]) for seed in range(4)]
+
+    redone, fresh = exchanges(), exchanges()
+    receive_round(redone, 4)  # the first attempt (its outcome is thrown away)
+    receive_round(redone, 3)
+    receive_round(fresh, 3)
+    for a, b in zip(redone[:3], fresh[:3]):
+        assert a.aggregate_digest() == b.aggregate_digest()
+        if kind == "sparse":
+            assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
+                       for x, y in zip(a.updates(), b.updates()))

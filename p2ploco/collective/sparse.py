@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from p2ploco.collective import robust
-from p2ploco.collective.exchange import Exchange, Span
+from p2ploco.collective.exchange import Exchange, Span, supersede
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.sparse_format import SparseLayout, SparseValues
 from p2ploco.compression.topk import CompressedTensor
@@ -137,7 +137,9 @@ class SparseExchange(Exchange):
         else:
             values = fmt.decode_union(self.layout, span, result)
             robust.norm(values.values)  # a mean of bounded contributions is bounded too: refuse an absurd one
-        self._received[span] = values, self._span_digest(span, values)
+        if len(span):  # an empty span holds nothing (a group larger than the units makes some)
+            supersede(self._received, span)
+            self._received[span] = values, self._span_digest(span, values)
 
     def _span_digest(self, span: Span, values: SparseValues) -> bytes:
         """sha256 of one span's sparse aggregate: bounds, count, positions (u32 where they fit), float32 values.
