@@ -259,6 +259,7 @@ class Node:
             applied=comm.committed, excluded=comm.excluded, joined_round=membership.joined_round,
             state_source=membership.source,
             catchup_seconds=membership.catchup_seconds, timestamp=time.time(),
+            compute_utilisation=RoundRecord.utilisation(inner_stats.seconds, self.records, started),
         )
 
     def _announce(self, swarm: Swarm) -> None:
