@@ -24,10 +24,13 @@ from p2ploco.config import load_config
 from p2ploco.metrics import format_table, params_sha256
 from p2ploco.model import Transformer
 from p2ploco.outer import build_outer
+from p2ploco.pipeline.slices import slice_name
+from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.swarm.state import Snapshot
 
 RUN_ID = "catchup-benchmark"
+SLICE = slice_name(0)  # a whole-model run has one slice
 ROUND = 7
 STARTUP_TIMEOUT = 120.0
 
@@ -39,7 +42,11 @@ def snapshot_of(config_path: str) -> Snapshot:
     names = [name for name, _ in model.named_parameters()]
     outer = build_outer(config.outer, list(model.parameters()), torch.device("cpu"))
     params = {name: p.clone() for name, p in zip(names, outer.params)}
-    return Snapshot(ROUND, params, outer.shared_state(), params_sha256(names, outer.params))
+    shared = {}
+    for key, tensor in outer.shared_state().items():  # ``kind.i`` -> ``kind.<parameter name>``, as nodes serve it
+        kind, _, position = key.rpartition(".")
+        shared[f"{kind}.{names[int(position)]}"] = tensor.clone()
+    return Snapshot(ROUND, SLICE, params, shared, params_sha256(names, outer.params))
 
 
 def donor(config_path: str, initial_peers: list[str], pipe: Connection) -> None:
@@ -48,8 +55,8 @@ def donor(config_path: str, initial_peers: list[str], pipe: Connection) -> None:
     snapshot = snapshot_of(config_path)
     swarm = Swarm.join(RUN_ID, config.swarm, config.swarm_fingerprint(), initial_peers)
     try:
-        swarm.publish_state(snapshot)
-        swarm.set_progress(ROUND, "training", snapshot.params_sha256)
+        swarm.publish_state([snapshot])
+        swarm.set_progress(ROUND, PeerState.TRAINING, snapshot.params_sha256, {SLICE: snapshot.params_sha256})
         pipe.send(snapshot.params_sha256)
         pipe.recv()  # returns or raises EOFError when the benchmark is done
     except EOFError:
@@ -75,7 +82,7 @@ def measure(config_path: str, donors: int, repeats: int) -> tuple[int, int, list
         if None in expected or len(expected) != 1:
             raise RuntimeError("donors did not start, or hold different states")
         deadline = time.monotonic() + STARTUP_TIMEOUT
-        while (target := joiner.swarm_state(0, "")) is None or len(target.holders) < donors:
+        while (target := joiner.swarm_state(0, {SLICE: ""}).get(SLICE)) is None or len(target.holders) < donors:
             if time.monotonic() > deadline:
                 raise RuntimeError("the donors' records did not appear in the DHT")
             time.sleep(0.2)  # records propagate through the DHT: poll until all are visible

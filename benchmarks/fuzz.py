@@ -35,12 +35,14 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.errors import P2PLocoError
 from p2ploco.metrics import params_sha256
+from p2ploco.pipeline.links import Schedule, StageLinks, StageLinkServer
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import parse_reply
 from p2ploco.swarm.commit import parse_decision, parse_vote
@@ -70,7 +72,19 @@ RELAY, UNION = REPLICAS[0].result_for(_AGGREGATE, 0), _AGGREGATE.union
 DENSE = DenseMean([torch.randn(50)], clip_factor=2.0)
 DENSE_PAYLOAD = DENSE.encode(range(5, 45))
 _PARAMS = {"w": torch.randn(8, 4), "b": torch.randn(4)}
-BLOB = Snapshot(7, _PARAMS, {"momentum.0": torch.zeros(4)}, params_sha256(list(_PARAMS), _PARAMS.values())).blob()
+BLOB = Snapshot(7, "stage0", _PARAMS, {"momentum.w": torch.zeros(4)},
+                params_sha256(list(_PARAMS), _PARAMS.values())).blob()
+SLICED = [SlicedExchange({"stage0": SparseExchange(LAYOUT, r.compressed, "mean", clip_factor=2.0),
+                          "stage1": DenseMean([torch.randn(30)], clip_factor=2.0)}) for r in REPLICAS]
+SLICED_SPAN = range(2, SLICED[0].num_units - 5)  # across the border of the two slices
+SLICED_CONTRIBUTION = SLICED[1].encode(SLICED_SPAN)
+_SLICED_AGGREGATE = SLICED[0].combine(SLICED_SPAN, [SLICED[0].parse(SLICED_SPAN, e.encode(SLICED_SPAN))
+                                                    for e in SLICED])
+SLICED_RESULT = SLICED[0].result_for(_SLICED_AGGREGATE, 0)
+STAGE_SERVER = StageLinkServer(None, "fuzz", timeout=1.0)
+STAGE_SERVER.join(StageLinks("g0", 1, (OTHER, ME)), 1, Schedule(2, 2, 16, 8, 257, torch.bfloat16, torch.uint16))
+STAGE_PAYLOAD = (torch.zeros(2, 17, dtype=torch.int32).numpy().astype(np.uint16).tobytes()
+                 + torch.zeros(2, 16, 8, dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())
 RECORD = PeerRecord(ME, 3, "training", "f" * 16, "a" * 64, name="swift-otter", addresses=["/ip4/1.2.3.4/tcp/1"],
                     eval_history=[[1, 4.5]]).to_value()
 VALIDATOR, OWNER = record_validator("fuzz")
@@ -79,13 +93,16 @@ RECORD_KEY = DHTID.generate(source=peers_key("fuzz")).to_bytes()
 SIGNED = VALIDATOR.sign_value(DHTRecord(RECORD_KEY, MSGPackSerializer.dumps(OWNER), MSGPackSerializer.dumps(RECORD),
                                         get_dht_time() + 10))
 HEADERS = {
-    "join": {"round": 3, "name": "params", "config": "c", "exchange": "e", "state": "s", "unreachable": [OTHER]},
-    "group": {"status": JoinStatus.GROUP, "group_id": "g", "peers": [ME, OTHER]},
-    "vote": {"group_id": "g", "round": 3, "name": "params", "peers": [ME, OTHER], "coordinator": OTHER, "attempt": 0,
-             "vote": "holds", "digest": "d", "drops": [OTHER]},
-    "decision": {"outcome": "redo", "digest": "", "group_id": "h", "peers": [ME]},
+    "join": {"round": 3, "name": "params", "config": "c", "state": "s", "slices": {"stage0": ["e", "h"]},
+             "pipeline": "g0", "unreachable": [OTHER]},
+    "group": {"status": JoinStatus.GROUP, "group_id": "g", "peers": [ME, OTHER],
+              "holdings": {ME: ["stage0"], OTHER: ["stage0", "stage1"]}, "pipelines": {ME: "g0"}},
+    "vote": {"group_id": "g", "vote": "holds", "digests": {"stage0": "d"}, "drops": [OTHER]},
+    "decision": {"outcome": "redo", "digests": {}, "group_id": "h", "peers": [ME]},
     "reply": {"status": "ok", "included": [ME, OTHER]},
-    "state": {"status": "ok", "round": 7, "total": 100, "sha256": "x", "params_sha256": "p"},
+    "state": {"status": "ok", "round": 7, "slice": "stage0", "total": 100, "sha256": "x", "params_sha256": "p"},
+    "stage": {"kind": "activations", "group": "g0", "epoch": 1, "step": 3, "micro": 1,
+              "shapes": [[2, 17], [2, 16, 8]], "dtypes": ["uint16", "bfloat16"]},
 }
 
 
@@ -169,8 +186,21 @@ def dense_contribution(data: bytes) -> None:
     DENSE.receive(range(5, 45), data, None)
 
 
+def sliced_contribution(data: bytes) -> None:
+    SLICED[0].parse(SLICED_SPAN, data)
+
+
+def sliced_result(data: bytes) -> None:
+    SLICED[0].receive(SLICED_SPAN, data, 0)
+
+
+def stage_message(parts: tuple[dict[str, Any], bytes]) -> None:
+    header, payload = parts
+    STAGE_SERVER.accept(OTHER, header, payload)
+
+
 def state_blob(data: bytes) -> None:
-    Snapshot.from_blob(7, data)
+    Snapshot.from_blob(7, "stage0", data)
 
 
 def record_value(value: Any) -> None:
@@ -207,11 +237,14 @@ def targets() -> list[Target]:
         Target("vote", parse_vote, headers("vote")),
         Target("decision", lambda h: parse_decision(h, GROUP, OTHER), headers("decision")),
         Target("reducer reply", lambda h: parse_reply(h, GROUP, ME), headers("reply")),
-        Target("state answer", lambda h: parse_description(h, 7, "p"), headers("state")),
+        Target("state answer", lambda h: parse_description(h, 7, "stage0", "p"), headers("state")),
         Target("sparse contribution", sparse_contribution, payloads(CONTRIBUTION)),
         Target("sparse relay result", sparse_result, payloads(RELAY)),
         Target("sparse union result", sparse_result, payloads(UNION)),
         Target("dense payload", dense_contribution, payloads(DENSE_PAYLOAD)),
+        Target("sliced contribution", sliced_contribution, payloads(SLICED_CONTRIBUTION)),
+        Target("sliced result", sliced_result, payloads(SLICED_RESULT)),
+        Target("stage message", stage_message, st.tuples(headers("stage"), payloads(STAGE_PAYLOAD))),
         Target("peer record", record_value, values | headers_from(RECORD)),
         Target("signed DHT record", signed_record, st.tuples(payloads(MSGPackSerializer.dumps(OWNER)),
                                                              payloads(SIGNED))),

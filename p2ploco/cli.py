@@ -138,20 +138,34 @@ def node() -> None:
 @click.option("--resume", is_flag=True,
               help="Continue from the checkpoint in --log-dir, then catch up with the swarm.")
 @click.option("--name", default="", help="Name shown by `p2ploco peers` [derived from the peer id].")
+@click.option("--role", type=click.Choice(["replica", "stage"]), default="replica", show_default=True,
+              help="Train the whole model, or one stage of a pipeline group (needs pipeline.stages >= 2).")
+@click.option("--group", "pipeline_group", help="With --role stage: join this pipeline group [any with a free slot].")
+@click.option("--stage", type=click.IntRange(min=0), help="With --role stage: hold this stage [any free one].")
 @reports_errors
 def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...],
                announce_maddrs: tuple[str, ...], identity: str | None, run_id: str | None, max_rounds: int | None,
-               log_dir: str | None, overrides: tuple[str, ...], resume: bool, name: str) -> None:
+               log_dir: str | None, overrides: tuple[str, ...], resume: bool, name: str, role: str,
+               pipeline_group: str | None, stage: int | None) -> None:
     """Join (or start) a swarm and train."""
     from p2ploco.config import load_config
     from p2ploco.node import Node, SwarmOptions
+    from p2ploco.roles import RoleOptions
 
     extra = ([f"run_id={run_id}"] if run_id else []) + ([f"training.rounds={max_rounds}"] if max_rounds else [])
     config = load_config(config_path, list(overrides) + extra)
     if len(name) > 64:
         raise ConfigError(f"--name is {len(name)} characters long; use at most 64")
+    if role == "replica" and (pipeline_group is not None or stage is not None):
+        raise ConfigError("--group and --stage go with --role stage")
+    if stage is not None and stage >= config.pipeline.stages:
+        raise ConfigError(f"--stage {stage}: this config has pipeline.stages={config.pipeline.stages} (stages 0 to "
+                          f"{config.pipeline.stages - 1})")
+    if pipeline_group is not None and not 0 < len(pipeline_group) <= 64:
+        raise ConfigError("--group must be a name of 1 to 64 characters")
     options = SwarmOptions(initial_peers, host_maddrs, announce_maddrs, identity, name)
-    node = Node(config, options, Path(log_dir) if log_dir else None, config_path, resume=resume, out=click.echo)
+    node = Node(config, options, Path(log_dir) if log_dir else None, config_path, resume=resume, out=click.echo,
+                role=RoleOptions(role, pipeline_group, stage))
     stop_gracefully(node.stop)
     node.run()
 
@@ -357,7 +371,10 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool) ->
 
 
 @main.command()
-@click.option("--nodes", default=3, show_default=True, type=click.IntRange(1, 16), help="Node processes to start.")
+@click.option("--replicas", type=click.IntRange(0, 16),
+              help="Full replicas to start [3; 1 with a pipeline config].")
+@click.option("--groups", type=click.IntRange(0, 8),
+              help="Pipeline groups to start, one stage peer per stage [0; 1 with a pipeline config].")
 @click.option("--rounds", default=8, show_default=True, type=click.IntRange(min=1), help="Outer rounds to train.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
               help="Run config [configs/tiny.yaml].")
@@ -365,8 +382,10 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool) ->
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config key on every node, e.g. --set data.paths=corpus.txt (repeatable).")
 @reports_errors
-def demo(nodes: int, rounds: int, config_path: str | None, workdir: str | None, overrides: tuple[str, ...]) -> None:
-    """The main job on one machine: a bootstrap peer and N nodes training together on loopback."""
+def demo(replicas: int | None, groups: int | None, rounds: int, config_path: str | None, workdir: str | None,
+         overrides: tuple[str, ...]) -> None:
+    """The main job on one machine: a bootstrap peer and nodes (full replicas, and the stage peers of pipeline
+    groups) training together on loopback."""
     from p2ploco.config import load_config
     from p2ploco.demo import run_demo
     from p2ploco.launch import TINY_CONFIG
@@ -374,10 +393,17 @@ def demo(nodes: int, rounds: int, config_path: str | None, workdir: str | None, 
     config = Path(config_path) if config_path else TINY_CONFIG
     if not config.is_file():
         raise ConfigError(f"{config} not found; pass --config PATH to a run config")
-    load_config(config, overrides)  # a bad key or value ends here with one line, not in every node
+    stages = load_config(config, overrides).pipeline.stages  # a bad key or value ends here, not in every node
+    replicas = replicas if replicas is not None else (3 if stages == 1 else 1)
+    groups = groups if groups is not None else (0 if stages == 1 else 1)
+    if groups and stages == 1:
+        raise ConfigError(f"--groups needs a config with pipeline.stages >= 2 ({config} has 1), e.g. "
+                          f"configs/tiny-pipeline.yaml")
+    if replicas + groups * stages == 0:
+        raise ConfigError("--replicas 0 --groups 0 starts nobody")
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="p2ploco-demo-"))
     try:
-        ok = run_demo(nodes, rounds, config, folder, overrides)
+        ok = run_demo(replicas, groups, stages, rounds, config, folder, overrides)
     except KeyboardInterrupt:
         click.echo("demo interrupted; all nodes stopped")
         sys.exit(130)

@@ -12,25 +12,30 @@ from p2ploco.metrics import format_table, human_bytes
 POLL_SECONDS = 0.5  # how often the demo looks at the nodes' metrics files to print progress
 
 
-def run_demo(nodes: int, rounds: int, config: Path, workdir: Path, overrides: Sequence[str] = (),
-             out: Callable[[str], None] = print) -> bool:
+def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path, workdir: Path,
+             overrides: Sequence[str] = (), out: Callable[[str], None] = print) -> bool:
     """Run the swarm to completion, printing a line per round and a summary; True if all went well.
+    ``groups`` pipeline groups get one stage peer per stage (pinned, so the run is the same every time).
     ``overrides`` (``key=value``) go to every node as ``--set``."""
-    out(f"p2ploco demo: a bootstrap peer and {nodes} nodes on loopback, {rounds} rounds of {config.name}")
+    members = [(f"node{i}", ()) for i in range(replicas)]
+    members += [(f"g{g}s{s}", ("--role", "stage", "--group", f"g{g}", "--stage", str(s)))
+                for g in range(groups) for s in range(stages)]
+    what = f"{replicas} full replica(s)" + (f" and {groups} pipeline group(s) of {stages} stages" if groups else "")
+    out(f"p2ploco demo: a bootstrap peer, {what} on loopback, {rounds} rounds of {config.name}")
     out(f"logs and metrics: {workdir}")
     started = time.monotonic()
-    names = [f"node{i}" for i in range(nodes)]
+    names = [name for name, _ in members]
     with LocalSwarm(workdir) as swarm:
         out(f"bootstrap peer: {swarm.bootstrap_address}")
-        for name in names:
-            swarm.start_node(name, config, "--max-rounds", str(rounds), "--set", f"swarm.min_peers={nodes}",
+        for name, role in members:
+            swarm.start_node(name, config, *role, "--max-rounds", str(rounds), "--set", f"swarm.min_peers={len(names)}",
                              *(arg for item in overrides for arg in ("--set", item)))
         shown = 0
         while True:
             done = all(swarm.nodes[n].process.poll() is not None for n in names)
             records = {n: swarm.records(n) for n in names}
-            while all(len(records[n]) > shown for n in names):
-                out(_round_line(shown, [records[n][shown] for n in names]))
+            while all(any(r["round"] == shown for r in records[n]) for n in names):
+                out(_round_line(shown, [r for n in names for r in records[n] if r["round"] == shown]))
                 shown += 1
             if done:
                 break
@@ -43,9 +48,12 @@ def run_demo(nodes: int, rounds: int, config: Path, workdir: Path, overrides: Se
         log = workdir / (name + ".log")
         errors = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
         out(f"{name} exited with code {codes[name]}{f' ({errors[-1]})' if errors else ''}; its log: {log}")
-    agree = _hashes_agree(records)
-    out(f"identical global parameters on all nodes after every round: {'yes' if agree else 'NO'}")
-    return not failed and agree and all(len(r) == rounds for r in records.values())
+    agreement = slices_agree(records)
+    for slice_name, agree in agreement.items():
+        holders = sum(any(slice_name in r["slice_sha256"] for r in rs) for rs in records.values())
+        which = f"all {holders} nodes" if len(agreement) == 1 else f"all {holders} holders of {slice_name}"
+        out(f"identical global parameters on {which} after every round: {'yes' if agree else 'NO'}")
+    return not failed and all(agreement.values()) and all(len(r) == rounds for r in records.values())
 
 
 def _round_line(round_index: int, records: list[dict]) -> str:
@@ -54,7 +62,7 @@ def _round_line(round_index: int, records: list[dict]) -> str:
 
     evals = [r["eval_loss"] for r in records if r["eval_loss"] is not None]
     group_sizes = sorted({r["peers"] for r in records})
-    identical = len({r["params_sha256"] for r in records}) == 1
+    identical = all(slices_agree({"round": records}).values())
     return (f"round {round_index:>3} | peers {'/'.join(map(str, group_sizes))} | loss {mean('loss'):.3f} | "
             f"eval {f'{evals[0]:.3f}' if evals else '-'} | "
             f"traffic/node {human_bytes(mean('bytes_sent') + mean('bytes_received'))} | "
@@ -62,12 +70,17 @@ def _round_line(round_index: int, records: list[dict]) -> str:
             f"params {'identical' if identical else 'DIFFER'}")
 
 
-def _hashes_agree(records: dict[str, list[dict]]) -> bool:
-    by_round: dict[int, set[str]] = {}
+def slices_agree(records: dict[str, list[dict]]) -> dict[str, bool]:
+    """For each slice, whether every node that applied a round holds the same parameters of it after that round."""
+    seen: dict[tuple[str, int], set[str]] = {}
     for node_records in records.values():
         for r in node_records:
-            by_round.setdefault(r["round"], set()).add(r["params_sha256"])
-    return all(len(hashes) == 1 for hashes in by_round.values())
+            if not r["applied"]:
+                continue
+            for slice_name, digest in r["slice_sha256"].items():
+                seen.setdefault((slice_name, r["round"]), set()).add(digest)
+    names = sorted({slice_name for slice_name, _ in seen})
+    return {name: all(len(d) == 1 for (n, _), d in seen.items() if n == name) for name in names}
 
 
 def _summary(records: dict[str, list[dict]], seconds: float) -> str:
@@ -80,14 +93,17 @@ def _summary(records: dict[str, list[dict]], seconds: float) -> str:
 
         traffic = per_round("bytes_sent") + per_round("bytes_received")
         rows.append((
-            name, len(rs),
+            name, rs[-1]["role"] if rs else "-", len(rs),
             f"{evals[0]:.3f} -> {evals[-1]:.3f}" if evals else "-",
             human_bytes(traffic), human_bytes(per_round("dense_fp32_bytes")),
             f"{per_round('dense_fp32_bytes') / traffic:.0f}x" if traffic else "-",
             f"{per_round('bits_per_param'):.3f}",
+            human_bytes(per_round("boundary_bytes_sent") + per_round("boundary_bytes_received"))
+            if rs and rs[-1]["role"] == "stage" else "-",
             f"{per_round('inner_seconds'):.1f}", f"{per_round('comm_seconds'):.2f}",
             f"{per_round('round_seconds'):.1f}",
         ))
-    table = format_table(("node", "rounds", "eval loss first -> last", "bytes/round", "dense fp32/round", "saving",
-                          "upload bits/param", "inner s/round", "comm s/round", "round s"), rows)
+    table = format_table(("node", "role", "rounds", "eval loss first -> last", "bytes/round", "dense fp32/round",
+                          "saving", "upload bits/param", "boundary/round", "inner s/round", "comm s/round", "round s"),
+                         rows)
     return f"{table}\nwall time {seconds:.1f} s"

@@ -19,17 +19,23 @@ class RoundRecord:
     peers: int  # size of the group this node all-reduced with (1 when alone)
     loss: float  # mean inner training loss of the round
     eval_loss: float | None  # held-out loss of the global params after the round (None if not measured)
-    params_sha256: str  # hash of the global params after the round: equal on every peer of the group
-    bytes_sent: int  # payload bytes of this node's all-reduce traffic in the round
-    bytes_received: int
-    dense_fp32_bytes: int  # what a dense fp32 butterfly among the same peers would send + receive
-    density: float  # share of coordinates this node sent (1.0 for dense algorithms)
-    bits_per_param: float  # size of this node's encoded pseudo-gradient (its upload), in bits per parameter
-    tokens: int  # tokens this node trained on in the round
-    inner_seconds: float
-    comm_seconds: float
+    params_sha256: str  # hash of the global params this node holds after the round: equal on every peer of the group
     round_seconds: float
+    bytes_sent: int = 0  # payload bytes of this node's all-reduce traffic in the round
+    bytes_received: int = 0
+    dense_fp32_bytes: int = 0  # what a dense fp32 butterfly among the same peers would send + receive
+    density: float = 1.0  # share of coordinates this node sent (1.0 for dense algorithms)
+    bits_per_param: float = 0.0  # size of this node's encoded pseudo-gradient (its upload), in bits per parameter
+    tokens: int = 0  # tokens this node trained on in the round (a pipeline group's, for each of its stages)
+    inner_seconds: float = 0.0
+    comm_seconds: float = 0.0
     peer_id: str = ""
+    role: str = "replica"  # replica (the whole model) or stage (one stage of a pipeline group)
+    group: str | None = None  # a stage's pipeline group (None for replicas)
+    stage: int | None = None  # a stage's stage in that group (None for replicas)
+    slice_sha256: dict[str, str] = field(default_factory=dict)  # slice -> hash of its global params after the round
+    boundary_bytes_sent: int = 0  # a stage's activations and gradients sent to its group's other stages
+    boundary_bytes_received: int = 0
     dropped_peers: list[str] = field(default_factory=list)  # left out of the aggregate (bad or missing data)
     clipped_peers: list[str] = field(default_factory=list)  # whose contribution to this node's span was scaled down
     update_norm: float = 0.0  # L2 norm of the change the round made to the global params (0 if not applied)

@@ -15,20 +15,23 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from p2ploco import checkpoint
 from p2ploco.config import Config
-from p2ploco.data import Batch, ShardSampler, eval_batches, load_training_data
-from p2ploco.errors import CheckpointError, ConfigError, SwarmError
+from p2ploco.data import Batch, eval_batches, load_training_data
+from p2ploco.errors import CheckpointError, ConfigError, PipelineError, SwarmError
 from p2ploco.inner import evaluate
 from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes, update_norm
+from p2ploco.roles import REPLICA, STAGE, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
-from p2ploco.swarm.records import EVAL_HISTORY, SwarmState
+from p2ploco.swarm.records import EVAL_HISTORY, PeerState, SwarmState
 from p2ploco.swarm.runtime import Swarm
-from p2ploco.worker import Worker, build_replica
+from p2ploco.worker import Worker
 
 CATCH_UP_POLL = 0.25  # seconds between looks at the records while waiting to catch up
 
@@ -83,9 +86,9 @@ def resolve_device(name: str) -> torch.device:
 
 class Node:
     def __init__(self, config: Config, options: SwarmOptions, log_dir: Path | None, config_path: str,
-                 resume: bool = False, out: Callable[[str], None] = print):
+                 resume: bool = False, out: Callable[[str], None] = print, role: RoleOptions | None = None):
         self.config, self.options, self.config_path, self.out = config, options, config_path, out
-        self.log_dir, self.resume = log_dir, resume
+        self.log_dir, self.resume, self.role_options = log_dir, resume, role or RoleOptions()
         self.records: list[RoundRecord] = []
         self.stopping = threading.Event()
         self.swarm: Swarm | None = None
@@ -102,11 +105,14 @@ class Node:
         if c.training.threads:
             torch.set_num_threads(c.training.threads)
         device = resolve_device(c.training.device)
+        if self.role_options.kind == STAGE and c.pipeline.stages < 2:
+            raise ConfigError("--role stage needs a config with pipeline.stages >= 2 (e.g. configs/tiny-pipeline.yaml)")
         # Data problems end the start-up here, with one line, before any peer has seen this node.
         data = load_training_data(c)
         fingerprint = c.swarm_fingerprint(data.fingerprint)
         # The p2p daemon is a child process: start it before CUDA is initialised in this one.
-        swarm = self.swarm = Swarm.join(c.run_id, c.swarm, fingerprint, **asdict(self.options))
+        swarm = self.swarm = Swarm.join(c.run_id, c.swarm, fingerprint, **asdict(self.options),
+                                        role=self.role_options.kind, stages=c.pipeline.stages)
         started = time.perf_counter()
         round_index = 0
         me = swarm.peer_id[-8:]
@@ -125,19 +131,22 @@ class Node:
             if board.writer is not None:
                 self.out(f"[{me}] TensorBoard logs in {log_dir / 'tensorboard'}")
 
-            sampler = ShardSampler(data.train, c.data.seq_len, c.inner.batch_size, c.run_id, swarm.peer_id)
             held_out = eval_batches(data.eval, c.data.seq_len, c.data.eval_sequences)
-            replica = build_replica(c, device, sampler)
-            swarm.track(lambda: {"inner_step": replica.inner.step_in_round})
+            role: Role = (ReplicaRole(c, device, data, swarm) if self.role_options.kind == REPLICA
+                          else StageRole(c, device, data, swarm, self.role_options))
             membership = Membership(0, "init")
-            if self.resume:
-                saved = checkpoint.load(checkpoints, c.run_id, fingerprint)
-                replica.restore(saved, checkpoints)
+            saved = checkpoint.load(checkpoints, c.run_id, fingerprint) if self.resume else None
+            if saved is not None and isinstance(role, StageRole):
+                role.pin(*saved.extras.get("slot", (None, None)))
+            role.place()
+            swarm.track(lambda: {"inner_step": role.worker.inner.step_in_round})
+            if saved is not None:
+                role.worker.restore(saved, checkpoints)
                 round_index, membership = saved.round, Membership(saved.round, "checkpoint")
                 self.out(f"[{me}] resumed from {checkpoints} at round {round_index}")
-            self.out(f"[{me}] model {sum(p.numel() for p in replica.model.parameters()) / 1e6:.2f}M params on "
-                     f"{device}; {data.describe()}; outer {c.outer.algorithm}, H={c.inner.steps}")
-            swarm.set_progress(round_index, "joining", replica.params_sha256)
+            self.out(f"[{me}] {role.describe()} on {device}; {data.describe()}; outer {c.outer.algorithm}, "
+                     f"H={c.inner.steps}")
+            self._publish(swarm, role.worker, round_index, PeerState.JOINING)
             if c.swarm.min_peers > 1:
                 self.out(f"[{me}] waiting for {c.swarm.min_peers} peers ...")
                 present = swarm.wait_for_peers(c.swarm.min_peers, c.swarm.startup_timeout)
@@ -147,11 +156,24 @@ class Node:
                 return bool(c.training.rounds) and round_index >= c.training.rounds
 
             unsettled: int | None = None  # a round that may have ended otherwise for the others
+            waiting = ""  # what a standby stage last said it waits for (said once, not every look)
             while not self.stopping.is_set() and not finished():
-                round_index, membership = self._catch_up(swarm, replica, round_index, membership, unsettled)
+                if role.place():
+                    self.out(f"[{me}] now {role.describe()}")
+                    membership = Membership(round_index, "init")
+                round_index, membership = self._catch_up(swarm, role.worker, round_index, membership, unsettled)
                 if finished():
                     break
-                record = self._round(swarm, replica, round_index, membership, held_out, device)
+                announce = partial(self._publish, swarm, role.worker, round_index, PeerState.TRAINING)
+                if not role.ready(round_index, announce, self.stopping):
+                    if role.waiting_for != waiting:
+                        waiting = role.waiting_for
+                        self.out(f"[{me}] standby: waiting for {waiting}")
+                    self._publish(swarm, role.worker, round_index, PeerState.STANDBY)
+                    self._wait(lambda: False, time.monotonic() + c.swarm.heartbeat_interval)
+                    continue
+                waiting = ""
+                record = self._round(swarm, role, round_index, membership, held_out, device)
                 if record is None:  # stopped during the inner steps: the round is abandoned
                     break
                 metrics.append(record)
@@ -165,9 +187,11 @@ class Node:
                 unsettled = round_index if record.peers == 1 or not record.applied else None
                 round_index += 1
                 if c.training.checkpoint_every and round_index % c.training.checkpoint_every == 0:
-                    checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, fingerprint)
+                    checkpoint.save(checkpoints, role.worker.checkpoint(round_index, role.checkpoint_extras()),
+                                    c.run_id, fingerprint)
             board.close()
-            checkpoint.save(checkpoints, replica.checkpoint(round_index), c.run_id, fingerprint)
+            checkpoint.save(checkpoints, role.worker.checkpoint(round_index, role.checkpoint_extras()), c.run_id,
+                            fingerprint)
             self.out(f"[{me}] checkpoint of round {round_index} written to {checkpoints}")
         except KeyboardInterrupt:  # a second signal: stop now, keep the last periodic checkpoint
             self.out(f"[{me}] stopped at once after {len(self.records)} round(s); no exit checkpoint")
@@ -178,52 +202,64 @@ class Node:
         self.out(summary(self.records, time.perf_counter() - started))
         return self.records
 
-    def _catch_up(self, swarm: Swarm, replica: Worker, round_index: int, membership: Membership,
-                  unsettled: int | None) -> tuple[int, Membership]:
-        """If the swarm is ahead of us, or holds another state at our round, fetch its state and contribute
-        from the next round. After an unsettled round, first let the others finish it and compare states
-        at the next round (the majority wins), then fetch at once. A peer that is otherwise behind (joining,
-        restarted) first waits (bounded) for the others to finish the round they are in, so that it starts
-        the next one with them rather than late."""
-        def behind(target: SwarmState | None) -> bool:
-            return target is not None and (target.round > round_index or (
-                target.round == round_index and target.params_sha256 != replica.params_sha256))
+    @staticmethod
+    def _publish(swarm: Swarm, worker: Worker, round_index: int, state: PeerState) -> None:
+        swarm.set_progress(round_index, state, worker.params_sha256, worker.slice_sha256)
 
-        latest: list[SwarmState | None] = []  # the last look passed() took: acted on at once, rounds may be short
+    def _catch_up(self, swarm: Swarm, worker: Worker, round_index: int, membership: Membership,
+                  unsettled: int | None) -> tuple[int, Membership]:
+        """If the swarm is ahead of us, or holds another state of some slice at our round, fetch the state of
+        every slice this peer holds and contribute from the next round. After an unsettled round, first let
+        the others finish it and compare states at the next round (the majority wins), then fetch at once. A
+        peer that is otherwise behind (joining, restarted) first waits (bounded) for the others to finish the
+        round they are in, so that it starts the next one with them rather than late."""
+        def behind(targets: dict[str, SwarmState]) -> bool:
+            return any(t.round > round_index or (t.round == round_index
+                                                 and t.params_sha256 != worker.slice_sha256[t.slice])
+                       for t in targets.values())
+
+        latest: list[dict[str, SwarmState]] = []  # the last look passed() took: acted on at once, rounds may be short
 
         def passed(round_in_progress: int) -> bool:
-            latest[:] = [swarm.swarm_state(round_index, replica.params_sha256)]
-            return latest[0] is None or latest[0].round > round_in_progress
+            latest[:] = [swarm.swarm_state(round_index, worker.slice_sha256)]
+            return not latest[0] or max(t.round for t in latest[0].values()) > round_in_progress
 
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
         if unsettled is not None:
-            swarm.set_progress(round_index, "training", replica.params_sha256)  # our state, for the vote
+            self._publish(swarm, worker, round_index, PeerState.TRAINING)  # our state, for the vote
             if not self._wait(lambda: swarm.settled(unsettled), deadline):
                 return round_index, membership
-        target = swarm.swarm_state(round_index, replica.params_sha256)
-        if not behind(target):
+        targets = swarm.swarm_state(round_index, worker.slice_sha256)
+        if not behind(targets):
             return round_index, membership
         if unsettled is None:  # joining or restarted: let the round under way end, then start the next with all
-            if not self._wait(lambda: passed(target.round), deadline):
+            if not self._wait(lambda: passed(max(t.round for t in targets.values())), deadline):
                 return round_index, membership
-            target = latest[0]
-            if not behind(target):
+            targets = latest[0]
+            if not behind(targets):
                 return round_index, membership
         me = swarm.peer_id[-8:]
-        self.out(f"[{me}] the swarm is at round {target.round} (this peer: {round_index}); fetching its state "
-                 f"from {len(target.holders)} peer(s)")
+        top = max(t.round for t in targets.values())
+        missing = sorted(name for name in worker.slices if name not in targets or targets[name].round != top)
+        if missing:
+            self.out(f"[{me}] the swarm is at round {top} but nobody serves {', '.join(missing)} of it; training on "
+                     f"and trying again next round")
+            return round_index, membership
+        donors = {peer for t in targets.values() for peer in t.holders}
+        self.out(f"[{me}] the swarm is at round {top} (this peer: {round_index}); fetching the state of "
+                 f"{', '.join(sorted(targets))} from {len(donors)} peer(s)")
         # Announce where we are headed: a round being formed waits for us rather than closing early.
-        swarm.set_progress(target.round, "joining", target.params_sha256)
+        swarm.set_progress(top, PeerState.JOINING, "", {t.slice: t.params_sha256 for t in targets.values()})
         started = time.perf_counter()
         try:
-            replica.adopt(swarm.fetch_state(target))
+            worker.adopt({name: swarm.fetch_state(t) for name, t in targets.items()})
         except SwarmError as e:
             self.out(f"[{me}] could not catch up ({e}); training on and trying again next round")
             return round_index, membership
         seconds = time.perf_counter() - started
-        self.out(f"[{me}] caught up to round {target.round} in {seconds:.1f} s")
-        return target.round, Membership(target.round, "peer", seconds)
+        self.out(f"[{me}] caught up to round {top} in {seconds:.1f} s")
+        return top, Membership(top, "peer", seconds)
 
     def _wait(self, done: Callable[[], bool], deadline: float) -> bool:
         """Poll ``done`` until it holds or ``deadline`` passes; False if this node is stopping."""
@@ -231,36 +267,54 @@ class Node:
             if self.stopping.is_set():
                 return False
             # Others publish their next round the moment they reach it: look often, a round may be short.
-            time.sleep(min(self.config.swarm.heartbeat_interval, CATCH_UP_POLL))
+            time.sleep(min(self.config.swarm.heartbeat_interval, CATCH_UP_POLL, max(0.0, deadline - time.monotonic())))
         return not self.stopping.is_set()
 
-    def _round(self, swarm: Swarm, replica: Worker, round_index: int, membership: Membership,
+    def _round(self, swarm: Swarm, role: Role, round_index: int, membership: Membership,
                held_out: list[Batch], device: torch.device) -> RoundRecord | None:
         c = self.config
-        start = replica.snapshot(round_index)
+        worker = role.worker
+        start = worker.snapshots(round_index)
         swarm.publish_state(start)
-        swarm.set_progress(round_index, "training", replica.params_sha256)
+        self._publish(swarm, worker, round_index, PeerState.TRAINING)
         started = time.perf_counter()
-        inner_stats = replica.train(round_index, self.stopping.is_set)
+        try:
+            inner_stats = worker.train(round_index, self.stopping.is_set)
+        except PipelineError as e:  # the group could not finish the round: it contributes nothing to it
+            self.out(f"[{swarm.peer_id[-8:]}] round {round_index}: the pipeline group failed ({e}); it sits the "
+                     f"round out and catches up")
+            worker.load_into_model()
+            self._publish(swarm, worker, round_index, PeerState.STANDBY)  # nobody waits for this peer's join
+            return self._record(swarm, role, round_index, membership, started, loss=float("nan"),
+                                applied=False, excluded=True)
         if inner_stats is None:
-            replica.load_into_model()
+            worker.load_into_model()
             return None
-        comm = replica.sync(swarm.communicator, round_index)
-        evaluated = round_index % c.training.eval_every == 0 or round_index + 1 == c.training.rounds
-        return RoundRecord(
-            round=round_index, peers=len(comm.peers), loss=inner_stats.loss,
-            eval_loss=evaluate(replica.model, held_out, device) if evaluated else None,
-            params_sha256=replica.params_sha256, bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
-            dense_fp32_bytes=comm.dense_fp32_bytes, density=replica.outer.density,
+        comm = worker.sync(swarm.communicator, round_index)
+        evaluated = role.evaluates and (round_index % c.training.eval_every == 0
+                                        or round_index + 1 == c.training.rounds)
+        before = {name: t for snapshot in start for name, t in snapshot.params.items()}
+        return self._record(
+            swarm, role, round_index, membership, started, peers=len(comm.peers), loss=inner_stats.loss,
+            eval_loss=evaluate(worker.model, held_out, device) if evaluated else None,
+            bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
+            dense_fp32_bytes=comm.dense_fp32_bytes, density=worker.outer.density,
             bits_per_param=8 * comm.contribution_bytes / comm.params if comm.params else 0.0,
             tokens=inner_stats.tokens, inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
-            round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id, dropped_peers=comm.dropped,
-            clipped_peers=comm.clipped, update_norm=update_norm(start.params.values(), replica.outer.params),
-            applied=comm.committed, excluded=comm.excluded, joined_round=membership.joined_round,
-            state_source=membership.source,
-            catchup_seconds=membership.catchup_seconds, timestamp=time.time(),
-            compute_utilisation=RoundRecord.utilisation(inner_stats.seconds, self.records, started),
-        )
+            dropped_peers=comm.dropped, clipped_peers=comm.clipped,
+            update_norm=update_norm([before[name] for name in worker.names], worker.outer.params),
+            applied=comm.committed, excluded=comm.excluded)
+
+    def _record(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
+                **fields: Any) -> RoundRecord:
+        worker = role.worker
+        utilisation = RoundRecord.utilisation(float(fields.get("inner_seconds", 0.0)), self.records, started)
+        return RoundRecord(round=round_index, **{"peers": 1, "eval_loss": None, **fields},
+                           compute_utilisation=utilisation,
+                           params_sha256=worker.params_sha256, slice_sha256=dict(worker.slice_sha256),
+                           round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id,
+                           joined_round=membership.joined_round, state_source=membership.source,
+                           catchup_seconds=membership.catchup_seconds, timestamp=time.time(), **role.record_fields())
 
     def _announce(self, swarm: Swarm) -> None:
         addresses = swarm.addresses()

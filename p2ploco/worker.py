@@ -15,8 +15,10 @@ is measured from that projection, so it reports its own training and not the pro
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,8 +50,13 @@ class Worker:
         self.inner = InnerTrainer(model, c.inner, gradients, device, horizon, constraint)
         self.load_into_model()
 
-    def _hash(self) -> str:
-        return params_sha256(self.names, self.outer.params)
+    def _hash(self) -> tuple[str, dict[str, str]]:
+        """The hash of each slice's global params, and one of them all (the slice's own when there is one)."""
+        slices = {name: params_sha256([self.names[i] for i in positions], [self.outer.params[i] for i in positions])
+                  for name, positions in self.slices.items()}
+        if len(slices) == 1:
+            return next(iter(slices.values())), slices
+        return hashlib.sha256(";".join(f"{k}={v}" for k, v in slices.items()).encode()).hexdigest(), slices
 
     def train(self, round_index: int, should_stop: Callable[[], bool] = lambda: False) -> InnerStats | None:
         """The round's inner steps; None if stopped before they were done."""
@@ -71,31 +78,49 @@ class Worker:
                 param.copy_(value)
         if self.constraint is not None:
             self.constraint.project_(params)
-        self.params_sha256 = self._hash()
+        self.params_sha256, self.slice_sha256 = self._hash()
 
-    def snapshot(self, round_index: int) -> Snapshot:
-        params = {name: p.clone() for name, p in zip(self.names, self.outer.params)}
-        shared = {key: t.detach().to("cpu").clone() for key, t in self.outer.shared_state().items()}
-        return Snapshot(round_index, params, shared, self.params_sha256)
+    def _shared_positions(self) -> dict[str, tuple[str, int]]:
+        """The outer algorithm's shared state keys (``kind.i``, i a parameter position) -> (kind, position)."""
+        return {key: (key.rpartition(".")[0], int(key.rpartition(".")[2])) for key in self.outer.shared_state()}
 
-    def adopt(self, snapshot: Snapshot) -> None:
-        """Take the swarm's state; this worker's own outer state no longer applies to it."""
-        if set(snapshot.params) != set(self.names):
+    def snapshots(self, round_index: int) -> list[Snapshot]:
+        """The global state of each slice this worker holds at the start of ``round_index``, for peers catching
+        up; tensors are named by parameter (``momentum.blocks.3.mlp.up.weight``), whatever holds them."""
+        shared = self.outer.shared_state()
+        positions = self._shared_positions()
+        out = []
+        for name, members in self.slices.items():
+            params = {self.names[i]: self.outer.params[i].clone() for i in members}
+            state = {f"{kind}.{self.names[i]}": shared[key].detach().to("cpu").clone()
+                     for key, (kind, i) in positions.items() if i in members}
+            out.append(Snapshot(round_index, name, params, state, self.slice_sha256[name]))
+        return out
+
+    def adopt(self, snapshots: dict[str, Snapshot]) -> None:
+        """Take the swarm's state of every slice this worker holds; its own local outer state no longer applies."""
+        if set(snapshots) != set(self.slices):
+            raise SwarmError(f"fetched slices {sorted(snapshots)} but this worker holds {sorted(self.slices)}")
+        params = {name: t for snapshot in snapshots.values() for name, t in snapshot.params.items()}
+        given = {name: t for snapshot in snapshots.values() for name, t in snapshot.shared.items()}
+        if set(params) != set(self.names):
             raise SwarmError("fetched state does not fit this model (parameter names differ)")
         try:
-            self.outer.load_params([snapshot.params[name] for name in self.names])
-            self.outer.load_shared_state(snapshot.shared)
-        except (ValueError, RuntimeError) as e:
-            raise SwarmError(f"fetched state does not fit this model: {e}") from None
+            shared = {key: given[f"{kind}.{self.names[i]}"] for key, (kind, i) in self._shared_positions().items()}
+            self.outer.load_params([params[name] for name in self.names])
+            self.outer.load_shared_state(shared)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise SwarmError(f"fetched state does not fit this model and algorithm: {e!r}") from None
         self.outer.reset_local_state()
         self.load_into_model()
 
-    def checkpoint(self, round_index: int) -> Checkpoint:
+    def checkpoint(self, round_index: int, extras: dict[str, Any] | None = None) -> Checkpoint:
+        """All this worker needs to continue; ``extras``: what its role adds (a stage's slot)."""
         inner_tensors, inner_settings = self.inner.optimizer_state()
         local = {f"outer/{k}": v for k, v in self.outer.local_state().items()}
         local.update({f"inner/{k}": v for k, v in inner_tensors.items()})
         return Checkpoint(round_index, dict(zip(self.names, self.outer.params)), self.outer.shared_state(), local,
-                          {"inner": inner_settings})
+                          {"inner": inner_settings, "slices": self.slice_sha256, **(extras or {})})
 
     def restore(self, saved: Checkpoint, where: Path) -> None:
         shapes = {name: tuple(p.shape) for name, p in zip(self.names, self.outer.params)}
@@ -134,16 +159,24 @@ def build_replica(config: Config, device: torch.device, sampler: ShardSampler) -
                   _constraint(config, subspace, model) if constrained else None)
 
 
-def build_stage(config: Config, device: torch.device, transport: StageTransport,
-                sampler: ShardSampler | None) -> Worker:
-    """Stage ``transport.stage`` of a pipeline group; ``sampler``: the group's data, on the first stage only."""
+def build_stage(config: Config, device: torch.device, stage: int) -> Worker:
+    """Stage ``stage`` of a pipeline group: its slice of the model, trained with the group's other stages once
+    ``worker.inner.gradients.link(...)`` connects it (``PipelineStage.link``)."""
     c = config
     subspace = run_subspace(c, device)
-    layers = stage_layers(c.model.n_layer, c.pipeline.stages)[transport.stage]
+    layers = stage_layers(c.model.n_layer, c.pipeline.stages)[stage]
     first_with_table = subspace is not None and layers.start == 0  # only the first stage adds F to its input
     model = Transformer(c.model, c.training.seed, layers,
                         token_table=subspace.table if first_with_table else None).to(device)
     codec = subspace if subspace is not None else PlainBoundary(c.model.d_model)
-    gradients = PipelineStage(model, codec, transport, c.inner.grad_accum, c.inner.batch_size, c.data.seq_len,
-                              c.pipeline.wire_dtype, device, sampler)
+    gradients = PipelineStage(model, codec, stage, c.pipeline.stages, c.inner.grad_accum, c.inner.batch_size,
+                              c.data.seq_len, c.pipeline.wire_dtype, device)
     return Worker(c, device, model, gradients, _constraint(c, subspace, model) if subspace else None)
+
+
+def build_linked_stage(config: Config, device: torch.device, transport: StageTransport,
+                       sampler: ShardSampler | None) -> Worker:
+    """A stage worker linked at once (in-process groups): ``sampler`` on the first stage only."""
+    worker = build_stage(config, device, transport.stage)
+    worker.inner.gradients.link(transport, sampler)
+    return worker

@@ -19,6 +19,7 @@ from p2ploco.compression.topk import compress
 from p2ploco.config import SwarmConfig
 from p2ploco.errors import PayloadError, SwarmError
 from p2ploco.swarm import wire
+from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.rounds import Group
 from p2ploco.swarm.runtime import Swarm
 
@@ -33,7 +34,7 @@ def trio():
     try:
         join_swarms("test", 3, CONFIG, swarms)
         for s in swarms:
-            s.set_progress(0, "joining", "start-state")
+            s.set_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
         assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)
         yield sorted(swarms, key=lambda s: s.peer_id)  # canonical order: the order of the sum
     finally:
@@ -49,7 +50,7 @@ def random_tensors(seed: int) -> list[torch.Tensor]:
 def all_reduce(swarms, exchanges):
     round_index = next(rounds)
     for s in swarms:
-        s.set_progress(round_index, "averaging", "start-state")
+        s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
     with ThreadPoolExecutor(len(swarms)) as pool:
         futures = [pool.submit(s.communicator.all_reduce, e, round_index, "params") for s, e in zip(swarms, exchanges)]
         return [f.result(timeout=60) for f in futures]

@@ -12,14 +12,14 @@ from p2ploco.pipeline.inprocess import build_swarm, run_in_threads
 from p2ploco.pipeline.schedule import one_forward_one_backward
 from p2ploco.pipeline.subspace import Subspace, constrained_dims
 from p2ploco.pipeline.transport import InProcessPipe
-from p2ploco.worker import Worker, build_replica, build_stage
+from p2ploco.worker import Worker, build_linked_stage, build_replica
 
 
 def one_step_unsplit_and_split(config: Config) -> tuple[Worker, list[Worker], float, list[float]]:
     """The same inner step by the whole model and by an S-stage group (same batches, same init)."""
     whole = build_replica(config, CPU, sampler(config))
     pipe = InProcessPipe(config.pipeline.stages, timeout=60)
-    stages = [build_stage(config, CPU, pipe.transport(s), sampler(config) if s == 0 else None)
+    stages = [build_linked_stage(config, CPU, pipe.transport(s), sampler(config) if s == 0 else None)
               for s in range(config.pipeline.stages)]
     for stage in stages:  # a stage holds exactly the (projected) weights of its slice of the whole model
         mine = dict(zip(stage.names, stage.model.parameters()))
@@ -134,7 +134,7 @@ def test_a_constrained_worker_that_did_not_train_sends_no_update():
     # The initial global weights are not in span(U); the stage trains their projection. Its pseudo-gradient is
     # measured from that projection, so without training it is zero: the projection itself is not an update.
     config = small_config("outer.algorithm=diloco")
-    stage = build_stage(config, CPU, InProcessPipe(2).transport(0), sampler(config))
+    stage = build_linked_stage(config, CPU, InProcessPipe(2).transport(0), sampler(config))
     before = [p.clone() for p in stage.outer.params]
     assert stage.constraint.subspace.relative_residual(before[stage.names.index("embed.weight")], 1) > 0.5
     stats = stage.sync(InProcessGroup(1).communicator(0), 0)
@@ -145,6 +145,6 @@ def test_a_constrained_worker_that_did_not_train_sends_no_update():
 def test_a_stage_that_hears_nothing_fails_the_step_in_bounded_time():
     config = small_config()
     pipe = InProcessPipe(2, timeout=0.5)
-    last = build_stage(config, CPU, pipe.transport(1), None)
+    last = build_linked_stage(config, CPU, pipe.transport(1), None)
     with pytest.raises(PipelineError, match="no activations for step 0 micro-batch 0 within"):
         last.inner.step(0)

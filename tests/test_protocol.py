@@ -8,37 +8,49 @@ import pytest
 from p2ploco.errors import PayloadError
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import Outcome, Vote, decide, parse_decision, parse_vote
-from p2ploco.swarm.rounds import Group, best_coordinator, parse_group, parse_join, rendezvous
+from p2ploco.swarm.rounds import Group, Member, admit, best_coordinator, parse_group, parse_join, rendezvous
 
 A, B, C, D = "peerA", "peerB", "peerC", "peerD"
-GROUP = Group("g", 5, "params", (A, B, C, D), A)
+S = "stage0"
+
+
+def group(peers=(A, B, C, D), attempt=0, holdings=None, pipelines=()):
+    holdings = holdings or {p: (S,) for p in peers}
+    return Group("g", 5, "params", tuple(peers), A, attempt, tuple((p, holdings[p]) for p in peers), pipelines)
+
+
+GROUP = group()
 
 
 def holds(digest="d"):
-    return (Vote.HOLDS, digest)
+    return (Vote.HOLDS, {S: digest})
+
+
+MISSING, DROPPED = (Vote.MISSING, {}), (Vote.DROPPED, {})
 
 
 def test_every_holder_agreeing_commits_and_the_dead_need_not_vote():
     decision = decide(GROUP, {A: holds(), B: holds(), C: holds()}, {}, A)  # D died after delivering its span
-    assert (decision.outcome, decision.digest) == (Outcome.COMMIT, "d")
+    assert (decision.outcome, decision.digests) == (Outcome.COMMIT, {S: "d"})
+    assert decision.applies({S: "d"}) and not decision.applies({S: "other"})
 
 
 def test_a_missing_span_means_a_redo_among_the_voters_not_known_dropped():
-    votes = {A: holds(), B: (Vote.MISSING, ""), C: holds(), D: (Vote.DROPPED, "")}
+    votes = {A: holds(), B: MISSING, C: holds(), D: DROPPED}
     decision = decide(GROUP, votes, {}, A)
     assert decision.outcome == Outcome.REDO and decision.redo.peers == (A, B, C) and decision.redo.attempt == 1
     assert decision.redo.coordinator == A and decision.redo.group_id != GROUP.group_id
 
 
 def test_one_liar_costs_a_redo_never_the_round():
-    redo = Group("r", 5, "params", (A, B, C, D), A, attempt=1)
-    liar = {A: holds(), B: holds(), C: holds(), D: (Vote.MISSING, "")}
+    redo = group(attempt=1)
+    liar = {A: holds(), B: holds(), C: holds(), D: MISSING}
     assert decide(GROUP, liar, {}, A).outcome == Outcome.REDO
     decision = decide(redo, liar, {}, A)  # it lies again in the redo: the majority commits
-    assert (decision.outcome, decision.digest) == (Outcome.COMMIT, "d")
+    assert (decision.outcome, decision.digests) == (Outcome.COMMIT, {S: "d"})
     forged = {A: holds(), B: holds(), C: holds(), D: holds("forged")}
-    assert decide(redo, forged, {}, A).digest == "d"
-    split = {A: holds("x"), B: holds("y"), C: (Vote.MISSING, ""), D: (Vote.MISSING, "")}
+    assert decide(redo, forged, {}, A).digests == {S: "d"}
+    split = {A: holds("x"), B: holds("y"), C: MISSING, D: MISSING}
     assert decide(redo, split, {}, A).outcome == Outcome.ABORT  # no majority for anything
 
 
@@ -46,13 +58,44 @@ def test_two_accusers_push_a_peer_out_one_only_spares_a_wait():
     votes = {A: holds(), B: holds(), C: holds(), D: holds("garbage-sender's")}
     assert decide(GROUP, votes, {D: {A, B}}, A).outcome == Outcome.COMMIT  # D is out: the rest agree
     assert decide(GROUP, votes, {D: {A}}, A).outcome == Outcome.REDO  # one accuser: D's vote still counts
-    two = Group("g", 5, "params", (A, B), A)
+    two = group((A, B))
     assert decide(two, {A: holds(), B: holds("other")}, {B: {A}}, A).redo.peers == (A, B)
 
 
 def test_everyone_dropped_or_silent_aborts():
-    assert decide(GROUP, {A: (Vote.DROPPED, ""), B: (Vote.DROPPED, "")}, {}, A).outcome == Outcome.ABORT
-    assert decide(GROUP, {A: (Vote.MISSING, "")}, {}, A).outcome == Outcome.ABORT
+    assert decide(GROUP, {A: DROPPED, B: DROPPED}, {}, A).outcome == Outcome.ABORT
+    assert decide(GROUP, {A: MISSING}, {}, A).outcome == Outcome.ABORT
+
+
+# a full replica A holds both slices; a pipeline group of B (stage 0) and C (stage 1); another full replica D
+MIXED = group(holdings={A: ("stage0", "stage1"), B: ("stage0",), C: ("stage1",), D: ("stage0", "stage1")},
+              pipelines=((B, "g0"), (C, "g0")))
+
+
+def test_each_slice_is_judged_among_its_holders():
+    full, s0, s1 = (Vote.HOLDS, {"stage0": "x", "stage1": "y"}), (Vote.HOLDS, {"stage0": "x"}), (Vote.HOLDS,
+                                                                                                   {"stage1": "y"})
+    decision = decide(MIXED, {A: full, B: s0, C: s1, D: full}, {}, A)
+    assert decision.digests == {"stage0": "x", "stage1": "y"} and decision.applies({"stage1": "y"})
+    # a stage of the group misses its slice's aggregate: the redo leaves the whole group out, not just C
+    decision = decide(MIXED, {A: full, B: s0, C: MISSING, D: full}, {}, A)
+    assert decision.outcome == Outcome.REDO and decision.redo.peers == (A, B, C, D)  # C voted: it is counted
+    decision = decide(MIXED, {A: full, B: s0, D: full}, {C: {A, D}}, A)  # C accused twice: out, with its group
+    assert decision.outcome == Outcome.COMMIT  # the full replicas and B agree on every slice they hold
+    redo = decide(MIXED, {A: full, B: s0, C: DROPPED, D: (Vote.HOLDS, {"stage0": "x", "stage1": "z"})}, {}, A).redo
+    assert redo.peers == (A, D) and redo.holders("stage1") == (A, D) and redo.pipelines == ()
+
+
+def test_a_closing_formation_keeps_the_majority_state_and_whole_pipeline_groups():
+    def member(pipeline="", **slices):
+        return Member(tuple(sorted((k, ("fp", v)) for k, v in slices.items())), pipeline)
+
+    members = {A: member(stage0="x", stage1="y"), B: member("g0", stage0="x"), C: member("g0", stage1="y"),
+               D: member("g1", stage0="x"), "peerE": member(stage0="stale", stage1="y")}
+    kept, refused = admit(members, stages=2)
+    assert set(kept) == {A, B, C}
+    assert "pipeline group g1 did not bring all 2 stages" in refused[D]
+    assert "another state of stage0" in refused["peerE"]
 
 
 def test_the_coordinator_is_a_rendezvous_winner_not_the_smallest_id():
@@ -72,11 +115,18 @@ def test_bans_are_local_and_bounded():
     assert not Bans(rounds=0).banned(B, 10)
 
 
+JOIN = {"round": 1, "name": "p", "config": "c", "state": "s", "slices": {S: ["fp", "h"]}, "pipeline": "",
+        "unreachable": []}
+
+
 @pytest.mark.parametrize("request_, message", [
-    ({"round": -1, "name": "p", "config": "c", "exchange": "e", "state": "s", "unreachable": []}, "negative"),
-    ({"round": 1, "name": "p", "config": "c", "exchange": "e", "state": "s", "unreachable": "x"}, "unreachable"),
-    ({"round": 1, "name": "p", "config": "c", "exchange": "e", "state": "s", "unreachable": ["b", "a"]}, "sorted"),
-    ({"round": "1", "name": "p", "config": "c", "exchange": "e", "state": "s", "unreachable": []}, "'round'"),
+    ({**JOIN, "round": -1}, "negative"),
+    ({**JOIN, "unreachable": "x"}, "unreachable"),
+    ({**JOIN, "unreachable": ["b", "a"]}, "sorted"),
+    ({**JOIN, "round": "1"}, "'round'"),
+    ({**JOIN, "slices": {}}, "'slices'"),
+    ({**JOIN, "slices": {S: ["fp"]}}, "'slices'"),
+    ({**JOIN, "pipeline": 3}, "'pipeline'"),
 ])
 def test_malformed_join_requests_are_payload_errors(request_, message):
     with pytest.raises(PayloadError, match=message):
@@ -84,15 +134,19 @@ def test_malformed_join_requests_are_payload_errors(request_, message):
 
 
 def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends():
-    with pytest.raises(PayloadError):
-        parse_group({"group_id": "g", "peers": []}, 1, "params", A)
-    with pytest.raises(PayloadError):
-        parse_group({"group_id": "g", "peers": [B, A]}, 1, "params", A)  # not in canonical order
-    vote = {"group_id": "g", "round": 5, "name": "params", "peers": [A, B], "coordinator": A, "attempt": 0,
-            "vote": "holds", "digest": "d", "drops": [B]}
-    assert parse_vote(vote)[1:] == (Vote.HOLDS, "d", {B})
+    answer = {"group_id": "g", "peers": [A, B], "holdings": {A: [S], B: [S]}, "pipelines": {}}
+    assert parse_group(answer, 1, "params", A).holders(S) == (A, B)
+    for bad in ({**answer, "peers": []}, {**answer, "peers": [B, A]},  # empty, not in canonical order
+                {**answer, "holdings": {A: [S]}}, {**answer, "holdings": {A: [S], B: []}},
+                {**answer, "pipelines": {"intruder": "g0"}}):
+        with pytest.raises(PayloadError):
+            parse_group(bad, 1, "params", A)
+    vote = {"group_id": "g", "vote": "holds", "digests": {S: "d"}, "drops": [B]}
+    assert parse_vote(vote) == ("g", Vote.HOLDS, {S: "d"}, {B})
     with pytest.raises(PayloadError, match="'vote' is not one of"):
         parse_vote({**vote, "vote": "maybe"})
+    with pytest.raises(PayloadError, match="'digests'"):
+        parse_vote({**vote, "digests": {S: 3}})
     with pytest.raises(PayloadError, match="outside the round's group"):
         parse_decision({"outcome": "redo", "group_id": "h", "peers": ["intruder"]}, GROUP, A)
-    assert parse_decision({"outcome": "commit", "digest": "d"}, GROUP, A).digest == "d"
+    assert parse_decision({"outcome": "commit", "digests": {S: "d"}}, GROUP, A).digests == {S: "d"}

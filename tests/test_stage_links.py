@@ -13,7 +13,7 @@ from p2ploco.pipeline.links import Kind, RemoteTransport, Schedule, StageLinks, 
 from p2ploco.pipeline.transport import InProcessPipe
 from p2ploco.swarm import wire
 from p2ploco.swarm.loop import EventLoopThread
-from p2ploco.worker import build_stage
+from p2ploco.worker import build_linked_stage
 
 
 @pytest.fixture
@@ -52,11 +52,11 @@ def test_a_step_over_hivemind_streams_equals_the_in_process_pipeline(peers):
     config = small_config("pipeline.compression=uniform", "pipeline.rank=8", "inner.grad_accum=2")
     pipe = InProcessPipe(2, timeout=30)
     local_losses, local_grads = step_in_threads(
-        [build_stage(config, CPU, pipe.transport(s), sampler(config) if s == 0 else None) for s in range(2)])
+        [build_linked_stage(config, CPU, pipe.transport(s), sampler(config) if s == 0 else None) for s in range(2)])
 
     links = StageLinks("g", 0, (servers[0].me, servers[1].me))
     transports = [RemoteTransport(loop, servers[s], links, s, Schedule.of(config), timeout=30) for s in range(2)]
-    remote = [build_stage(config, CPU, transports[s], sampler(config) if s == 0 else None) for s in range(2)]
+    remote = [build_linked_stage(config, CPU, transports[s], sampler(config) if s == 0 else None) for s in range(2)]
     remote_losses, remote_grads = step_in_threads(remote)
 
     assert remote_losses == pytest.approx(local_losses, rel=1e-6)

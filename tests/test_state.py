@@ -14,14 +14,18 @@ from p2ploco.config import SwarmConfig
 from p2ploco.errors import SwarmError
 from p2ploco.metrics import params_sha256
 from p2ploco.swarm import state as state_module
-from p2ploco.swarm.records import PeerRecord, SwarmState, ranked_states, settled, swarm_state
+from p2ploco.swarm.records import PeerRecord, PeerState, SwarmState, ranked_states, round_state, settled, swarm_state
 from p2ploco.swarm.state import Snapshot
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
 
 
-def record(peer, round_index, digest, state="training", fingerprint="cfg"):
-    return PeerRecord(peer, round_index, state, fingerprint, digest)
+S = "stage0"  # the one slice of a model not cut into stages
+
+
+def record(peer, round_index, digest, state="training", fingerprint="cfg", slices=None):
+    return PeerRecord(peer, round_index, state, fingerprint, digest,
+                      slices=slices if slices is not None else ({S: digest} if digest else {}))
 
 
 def test_only_states_two_peers_vouch_for_are_followed():
@@ -30,16 +34,32 @@ def test_only_states_two_peers_vouch_for_are_followed():
                                    record("d", 9, "z", state="leaving"), record("e", 9, "z", fingerprint="other"),
                                    record("f", 4, "w"), record("g", 9, "", state="joining"),
                                    record("liar", 10**6, "forged")]}
-    target = swarm_state(live, me)  # the furthest round two peers vouch for, and its majority state
-    assert (target.round, target.params_sha256, target.holders) == (5, "x", ("a", "b"))
-    assert swarm_state({}, me) is None
+    target = swarm_state(live, me, S)  # the furthest round two peers vouch for, and its majority state
+    assert (target.round, target.slice, target.params_sha256, target.holders) == (5, S, "x", ("a", "b"))
+    assert swarm_state({}, me, S) is None
     tie = {r.peer_id: r for r in [record("a", 5, "x"), record("c", 5, "y")]}
-    assert swarm_state(tie, record("m", 5, "x")).holders == ("a", "m")  # my own state, vouched by "a"
-    assert swarm_state(tie, record("m", 2, "q")) is None  # nobody agrees with anybody: nothing is vouched
+    assert swarm_state(tie, record("m", 5, "x"), S).holders == ("a", "m")  # my own state, vouched by "a"
+    assert swarm_state(tie, record("m", 2, "q"), S) is None  # nobody agrees with anybody: nothing is vouched
     # Then every lone claim is ranked (furthest round, most holders, larger hash) for the caller to probe.
-    ranked = ranked_states(tie, record("m", 2, "q"))
+    ranked = ranked_states(tie, record("m", 2, "q"), S)
     assert [(s.round, s.params_sha256, s.vouched) for s in ranked] == [(5, "y", False), (5, "x", False),
                                                                       (2, "q", False)]
+
+
+def test_states_are_followed_per_slice_and_the_round_state_combines_them():
+    # a full replica holds both slices; stage peers one each, one of them a round behind
+    full = record("full", 5, "all", slices={"stage0": "x0", "stage1": "x1"})
+    live = {r.peer_id: r for r in [full, record("s0", 5, "x0", slices={"stage0": "x0"}),
+                                   record("s1", 4, "old", slices={"stage1": "old"}),
+                                   record("t1", 5, "x1", slices={"stage1": "x1"})]}
+    joiner = record("new", 0, "init", slices={"stage1": "init"})
+    target = swarm_state(live, joiner, "stage1")
+    assert (target.round, target.params_sha256, target.holders) == (5, "x1", ("full", "t1"))
+    assert swarm_state(live, joiner, "stage0").holders == ("full", "s0")  # holders of each slice, whoever asks
+    digest, chosen = round_state(live, full, 5)
+    assert chosen == {"stage0": "x0", "stage1": "x1"}  # s1 is at round 4: not counted for round 5
+    assert round_state(live, record("s0", 5, "x0", slices={"stage0": "x0"}), 5)[0] == digest  # every view alike
+    assert round_state(live, full, 4)[1] == {"stage1": "old"}
 
 
 def test_a_record_stuck_in_the_past_does_not_hold_the_others_up():
@@ -74,17 +94,17 @@ def big_snapshot(round_index: int) -> Snapshot:
     generator = torch.Generator().manual_seed(round_index)
     params = {f"layer{i}.weight": torch.randn(512, 1024, generator=generator) for i in range(5)}  # 10 MB, 3 parts
     shared = {"momentum.0": torch.randn(64, generator=generator)}
-    return Snapshot(round_index, params, shared, params_sha256(list(params), params.values()))
+    return Snapshot(round_index, S, params, shared, params_sha256(list(params), params.values()))
 
 
 def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(donors_and_joiner):
     donors, joiner = donors_and_joiner
     snapshot = big_snapshot(5)
     for donor in donors:
-        donor.publish_state(big_snapshot(5))
-        donor.set_progress(5, "training", snapshot.params_sha256)
+        donor.publish_state([big_snapshot(5)])
+        donor.set_progress(5, PeerState.TRAINING, snapshot.params_sha256, {S: snapshot.params_sha256})
     donors[0].loop.loop.call_soon_threadsafe(time.sleep, 8)  # this donor's event loop hangs: a stalled peer
-    target = joiner.swarm_state(0, "fresh")
+    target = joiner.swarm_state(0, {S: "fresh"})[S]
     assert target.round == 5 and set(target.holders) == {d.peer_id for d in donors}
     started = time.monotonic()
     fetched = joiner.fetch_state(target)
@@ -97,8 +117,10 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
 
 def test_a_state_nobody_holds_is_refused(donors_and_joiner):
     donors, joiner = donors_and_joiner
-    with pytest.raises(SwarmError, match="no donor serves the state of round 5 with the expected hash"):
-        joiner.fetch_state(SwarmState(5, "f" * 64, tuple(d.peer_id for d in donors[1:])))
+    with pytest.raises(SwarmError, match="no donor serves stage0 of round 5 with the expected hash"):
+        joiner.fetch_state(SwarmState(5, S, "f" * 64, tuple(d.peer_id for d in donors[1:])))
+    with pytest.raises(SwarmError, match="no donor serves stage1 of round 5"):  # a slice they do not hold
+        joiner.fetch_state(SwarmState(5, "stage1", big_snapshot(5).params_sha256, tuple(d.peer_id for d in donors)))
 
 
 def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner):
@@ -106,11 +128,11 @@ def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner
     does not serve, and follows the lone holder that really serves what its record claims."""
     donors, joiner = donors_and_joiner
     served = big_snapshot(6)
-    donors[0].publish_state(served)
-    donors[0].set_progress(6, "training", served.params_sha256)
-    donors[1].set_progress(10**6, "training", "f" * 64)  # a liar: trains, but claims a round a million ahead
-    donors[2].set_progress(8, "training", "e" * 64)  # serves round 5 at most, not this
-    target = joiner.swarm_state(0, "fresh")
+    donors[0].publish_state([served])
+    donors[0].set_progress(6, PeerState.TRAINING, served.params_sha256, {S: served.params_sha256})
+    donors[1].set_progress(10**6, PeerState.TRAINING, "f" * 64, {S: "f" * 64})  # a liar: claims a round far ahead
+    donors[2].set_progress(8, PeerState.TRAINING, "e" * 64, {S: "e" * 64})  # serves round 5 at most, not this
+    target = joiner.swarm_state(0, {S: "fresh"})[S]
     assert (target.round, target.params_sha256, target.holders) == (6, served.params_sha256, (donors[0].peer_id,))
     assert joiner.fetch_state(target).params_sha256 == served.params_sha256
 
@@ -124,8 +146,8 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
         donors, joiner = swarms[:3], swarms[3]
         snapshot = big_snapshot(7)
         for donor in donors:
-            donor.publish_state(big_snapshot(7))
-            donor.set_progress(7, "training", snapshot.params_sha256)
+            donor.publish_state([big_snapshot(7)])
+            donor.set_progress(7, PeerState.TRAINING, snapshot.params_sha256, {S: snapshot.params_sha256})
 
         async def victim_dies(point: str, round_index: int) -> None:
             if point == "state.serve" and asyncio.get_running_loop() is donors[1].loop.loop and not killed:
@@ -134,7 +156,7 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
                 raise ConnectionError("the donor is gone")
 
         monkeypatch.setattr(faults, "hit_async", victim_dies)  # each donor runs on its own event loop
-        target = joiner.swarm_state(0, "fresh")
+        target = joiner.swarm_state(0, {S: "fresh"})[S]
         assert set(target.holders) == {d.peer_id for d in donors}
         fetched = joiner.fetch_state(target)
         assert killed == [7] and fetched.params_sha256 == snapshot.params_sha256

@@ -23,9 +23,9 @@ def p2ploco(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(300)
 def test_demo_three_nodes_train_together_with_identical_params(tmp_path):
-    result = p2ploco("demo", "--nodes", "3", "--rounds", "3", "--workdir", str(tmp_path), timeout=280)
+    result = p2ploco("demo", "--replicas", "3", "--rounds", "3", "--workdir", str(tmp_path), timeout=280)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "identical global parameters on all nodes after every round: yes" in result.stdout
+    assert "identical global parameters on all 3 nodes after every round: yes" in result.stdout
     assert re.search(r"round\s+2 \| peers 3 \|", result.stdout)
     runs = [read_records(tmp_path / f"node{i}" / "metrics.jsonl") for i in range(3)]
     for records in runs:

@@ -12,12 +12,7 @@ import threading
 import time
 
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, dense_fp32_bytes, reduce_span
-from p2ploco.collective.sliced import SlicedExchange
-
-
-def slices_of(exchange: Exchange, name: str) -> dict[str, Exchange]:
-    """The named slices an all-reduce covers: a sliced exchange's own, or one slice called ``name``."""
-    return exchange.parts if isinstance(exchange, SlicedExchange) else {name: exchange}
+from p2ploco.collective.sliced import as_sliced
 
 
 class InProcessGroup:
@@ -87,7 +82,7 @@ class InProcessCommunicator(Communicator):
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
         group = self.group
-        group._plans[self.rank] = slices_of(exchange, name)
+        group._plans[self.rank] = as_sliced(exchange, name).parts
         group._gather.wait(group.timeout)
         error, stats = group._error, group._stats[self.rank]
         group._release.wait(group.timeout)

@@ -117,6 +117,11 @@ class SlicedExchange(Exchange):
         return digest.hexdigest()
 
 
+def as_sliced(exchange: Exchange, name: str) -> SlicedExchange:
+    """The all-reduce as named slices: a sliced exchange itself, or any other exchange as one slice ``name``."""
+    return exchange if isinstance(exchange, SlicedExchange) else SlicedExchange({name: exchange})
+
+
 def _join(pieces: Iterable[bytes]) -> bytes:
     return b"".join(LENGTH.pack(len(piece)) + piece for piece in pieces)
 

@@ -17,7 +17,7 @@ from p2ploco.config import Config
 from p2ploco.data import ShardSampler
 from p2ploco.data.streams import TokenStream
 from p2ploco.pipeline.transport import InProcessPipe
-from p2ploco.worker import Worker, build_replica, build_stage
+from p2ploco.worker import Worker, build_linked_stage, build_replica
 
 FULL, GROUP = "full", "group"
 CPU = torch.device("cpu")
@@ -72,7 +72,7 @@ def build_swarm(config: Config, kinds: Sequence[str], tokens: TokenStream | np.n
             replicas.append([build_replica(c, device, sampler)])
         elif kind == GROUP:
             pipe = InProcessPipe(c.pipeline.stages)
-            replicas.append([build_stage(c, device, pipe.transport(s), sampler if s == 0 else None)
+            replicas.append([build_linked_stage(c, device, pipe.transport(s), sampler if s == 0 else None)
                              for s in range(c.pipeline.stages)])
             pipes.append(pipe)
         else:

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 DTYPES = {"uint16": torch.uint16, "int32": torch.int32, "float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "float64": torch.float64}
 MAX_ADDENDS = 16
+PROBE_EVERY = 2.0  # seconds between checks, while waiting for a stage's message, that its peer is still there
+PROBES_TO_GIVE_UP = 2  # consecutive failed checks before a stage's peer counts as gone (a busy daemon may miss one)
+PUSH_ATTEMPTS, RESEND_PAUSE = 3, 0.2  # sends of one message, and the pause (times the attempt) between them
 
 
 class Kind(Enum):
@@ -101,6 +105,25 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return flat.numpy().tobytes()
 
 
+@dataclass
+class _Message:
+    """One incoming stage message as its checks go: once the sender is known to be the right neighbour, a bad
+    message fails the step it names (``fail``); before that it fails nothing."""
+
+    sender: str
+    kind: Kind | None = None
+    mailbox: Mailbox | None = None
+    key: MicroKey | None = None
+    from_stage: int = -1
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    dtypes: list[torch.dtype] = field(default_factory=list)
+    reason: str = ""  # an abort's
+
+    def fail(self, reason: str) -> None:
+        if self.mailbox is not None and self.key is not None:
+            self.mailbox.fail(self.key[0], reason)
+
+
 class StageLinkServer:
     """What this stage peer receives: one mailbox per direction, plus the group's sums."""
 
@@ -141,48 +164,70 @@ class StageLinkServer:
             return links, self.gradients, self.stage + 1
         return links, self.sums, wire.field(header, "from_stage", int)  # sums and aborts: any member
 
+    def admit(self, message: _Message, header: dict[str, Any], length: int) -> None:
+        """Check a message's header before its payload is read: its kind, that ``message.sender`` is the stage that
+        may send it, its step and micro-batch, and that its shapes fit the schedule and announce ``length``
+        bytes. PayloadError otherwise; once the sender is known to be the right neighbour, ``message`` names
+        the step a bad message fails."""
+        try:
+            kind = message.kind = Kind(header.get("kind"))
+        except ValueError:
+            raise PayloadError(f"unknown stage message kind {header.get('kind')!r}") from None
+        links, mailbox, from_stage = self._expected_sender(kind, header)
+        if not 0 <= from_stage < len(links.peers) or links.peers[from_stage] != message.sender:
+            raise PayloadError(f"{message.sender[-8:]} does not hold the stage that sends {kind.value} to this one")
+        message.mailbox, message.from_stage = mailbox, from_stage
+        message.key = self._key(kind, header, from_stage)
+        if kind is Kind.ABORT:
+            message.reason = str(header.get("reason", ""))[:200]
+            return
+        message.shapes, message.dtypes = self._expected_tensors(kind, header)
+        size = sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+                   for shape, dtype in zip(message.shapes, message.dtypes))
+        if length != size:
+            raise PayloadError(f"{kind.value} payload of {length} bytes, its shapes need {size}")
+
+    def deliver(self, message: _Message, payload: bytes) -> None:
+        """Put an admitted message's tensors in their mailbox (or fail the step an abort names)."""
+        if message.kind is Kind.ABORT:
+            for box in (self.activations, self.gradients, self.sums):
+                box.fail(message.key[0], f"stage {message.from_stage} gave up: {message.reason}")
+            return
+        message.mailbox.put(message.key, self._decode(message.kind, payload, message.shapes, message.dtypes))
+
+    def accept(self, sender: str, header: dict[str, Any], payload: bytes) -> None:
+        """Admit and deliver a message whose payload is all here: what ``_serve`` does with one off the wire."""
+        message = _Message(sender)
+        try:
+            self.admit(message, header, len(payload))
+            self.deliver(message, payload)
+        except PayloadError as e:
+            message.fail(str(e))
+            raise
+
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sender = str(stream_info.peer_id)
-        mailbox: Mailbox | None = None
-        key: MicroKey | None = None
+        message = _Message(str(stream_info.peer_id))
         try:
             header, length = await asyncio.wait_for(wire.read_header(reader), self.timeout)
-            try:
-                kind = Kind(header.get("kind"))
-            except ValueError:
-                raise PayloadError(f"unknown stage message kind {header.get('kind')!r}") from None
-            links, expected_mailbox, from_stage = self._expected_sender(kind, header)
-            if not 0 <= from_stage < len(links.peers) or links.peers[from_stage] != sender:
-                raise PayloadError(f"{sender[-8:]} does not hold the stage that sends {kind.value} to this one")
-            mailbox = expected_mailbox  # from here on a bad message is the neighbour's and fails the step
-            key = self._key(kind, header, from_stage)
-            if kind is Kind.ABORT:
-                reason = str(header.get("reason", ""))[:200]
-                for box in (self.activations, self.gradients, self.sums):
-                    box.fail(key[0], f"stage {from_stage} gave up: {reason}")
-                await asyncio.wait_for(wire.write_message(writer, {"status": Status.OK.value}), self.timeout)
-                return
-            shapes, dtypes = self._expected_tensors(kind, header)
-            size = sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-                       for shape, dtype in zip(shapes, dtypes))
-            if length != size:
-                raise PayloadError(f"{kind.value} payload of {length} bytes, its shapes need {size}")
-            payload = await asyncio.wait_for(wire.read_payload(reader, length, size), self.timeout)
-            mailbox.put(key, self._decode(kind, payload, shapes, dtypes))
+            self.admit(message, header, length)
+            payload = await asyncio.wait_for(wire.read_payload(reader, length, length), self.timeout)
+            self.deliver(message, payload)
             await asyncio.wait_for(wire.write_message(writer, {"status": Status.OK.value}), self.timeout)
+        except wire.StreamClosed as e:
+            if message.kind is not None:  # else a liveness probe: a stream opened and closed at once
+                logger.warning(f"stage message from {message.sender[-8:]} broke off: {e}")
+            message.fail(str(e))
         except (PayloadError, PipelineError, TimeoutError) as e:
             reason = str(e) or "timed out"
-            logger.warning(f"stage message from {sender[-8:]} refused: {reason}")
-            if mailbox is not None and key is not None:
-                mailbox.fail(key[0], reason)
+            logger.warning(f"stage message from {message.sender[-8:]} refused: {reason}")
+            message.fail(reason)
             try:
                 await asyncio.wait_for(wire.write_message(writer, {"status": Status.REJECTED.value,
                                                                    "reason": reason[:200]}), 1.0)
             except (TimeoutError, OSError, ConnectionError):
                 pass  # the sender is gone or stalled; it will time out on its own
         except (OSError, ConnectionError) as e:
-            if mailbox is not None and key is not None:
-                mailbox.fail(key[0], f"the link to {sender[-8:]} broke: {e!r}")
+            message.fail(f"the link to {message.sender[-8:]} broke: {e!r}")
         finally:
             writer.close()
 
@@ -277,14 +322,23 @@ class RemoteTransport(StageTransport):
             finally:
                 writer.close()
 
-        try:
-            answer = self.loop.run(asyncio.wait_for(push(), self.timeout), self.timeout + 5)
-        except (TimeoutError, PayloadError, OSError, ConnectionError) as e:
-            raise PipelineError(f"could not send {kind.value} of step {key[0]} to stage {to_stage} "
-                                f"({peer[-8:]}): {e!r}") from None
-        except Exception as e:  # the p2p daemon reports an unreachable peer through several exception types
-            logger.info(f"sending {kind.value} to {peer[-8:]} failed", exc_info=True)
-            raise PipelineError(f"could not reach stage {to_stage} ({peer[-8:]}): {e!r}") from None
+        # A link can fail for a moment (a starved daemon resets a stream): resend, within the deadline. The
+        # receiver drops a second copy of what it already has, so a resend after a lost answer is harmless.
+        deadline = time.monotonic() + self.timeout
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            try:
+                answer = self.loop.run(asyncio.wait_for(push(), max(0.1, deadline - time.monotonic())),
+                                       self.timeout + 5)
+                break
+            except (wire.StreamClosed, *wire.TRANSPORT_ERRORS) as e:
+                if attempt == PUSH_ATTEMPTS or time.monotonic() >= deadline:
+                    raise PipelineError(f"could not send {kind.value} of step {key[0]} to stage {to_stage} "
+                                        f"({peer[-8:]}): {e!r}") from None
+                logger.info(f"sending {kind.value} to {peer[-8:]} failed ({e!r}); resending")
+                time.sleep(RESEND_PAUSE * attempt)
+            except PayloadError as e:  # an answer that is not one
+                raise PipelineError(f"stage {to_stage} ({peer[-8:]}) answered our {kind.value} with garbage: "
+                                    f"{e}") from None
         if answer.get("status") != Status.OK.value:
             raise PipelineError(f"stage {to_stage} refused our {kind.value}: {answer.get('reason')}")
         self.bytes_sent += len(payload)
@@ -292,8 +346,25 @@ class RemoteTransport(StageTransport):
     def send_activations(self, key: MicroKey, activations: Activations) -> None:
         self._push(Kind.ACTIVATIONS, self.stage + 1, key, [activations.ids, activations.values])
 
+    def _take(self, mailbox: Mailbox, key: MicroKey, what: str, from_stage: int) -> Any:
+        """The message ``key`` from ``from_stage``; while waiting, every PROBE_EVERY seconds, make sure that stage's
+        peer can still be reached: one that crashed fails the step at once, not after the whole timeout."""
+        deadline = time.monotonic() + self.timeout
+        peer = self.links.peers[from_stage]
+        missed = 0
+        while not mailbox.wait(key, min(PROBE_EVERY, max(0.0, deadline - time.monotonic())), what):
+            if time.monotonic() >= deadline:
+                raise PipelineError(f"no {what} for step {key[0]} micro-batch {key[1]} from stage {from_stage} "
+                                    f"within {self.timeout:.0f} s")
+            alive = self.loop.run(wire.reachable(self.server.p2p, peer, self.server.handler_name, PROBE_EVERY),
+                                  PROBE_EVERY + 5)
+            missed = 0 if alive else missed + 1
+            if missed >= PROBES_TO_GIVE_UP:
+                raise PipelineError(f"stage {from_stage} ({peer[-8:]}) cannot be reached: it has gone")
+        return mailbox.take(key, 0, what)
+
     def recv_activations(self, key: MicroKey) -> Activations:
-        activations = self.server.activations.take(key, self.timeout, "activations")
+        activations = self._take(self.server.activations, key, "activations", self.stage - 1)
         self.bytes_received += activations.nbytes
         return activations
 
@@ -301,7 +372,7 @@ class RemoteTransport(StageTransport):
         self._push(Kind.GRADIENTS, self.stage - 1, key, [gradients])
 
     def recv_gradients(self, key: MicroKey) -> torch.Tensor:
-        gradients = self.server.gradients.take(key, self.timeout, "gradients")
+        gradients = self._take(self.server.gradients, key, "gradients", self.stage + 1)
         self.bytes_received += gradients.numel() * gradients.element_size()
         return gradients
 
@@ -310,7 +381,7 @@ class RemoteTransport(StageTransport):
         for other in range(self.stages):
             if other != self.stage:
                 self._push(Kind.SUM, other, (step, 0), [mine], from_stage=self.stage)
-        addends = [mine if s == self.stage else self.server.sums.take((step, s), self.timeout, "sum")
+        addends = [mine if s == self.stage else self._take(self.server.sums, (step, s), "sum", s)
                    for s in range(self.stages)]
         return [float(v) for v in torch.stack(addends).sum(0)]  # in stage order: the same on every stage
 

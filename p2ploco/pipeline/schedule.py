@@ -44,23 +44,32 @@ def one_forward_one_backward(stage: int, stages: int, micro_batches: int) -> lis
 
 
 class PipelineStage(GradientSource):
-    def __init__(self, model: Transformer, codec: BoundaryCodec, transport: StageTransport, micro_batches: int,
-                 batch_size: int, seq_len: int, wire_dtype: str, device: torch.device,
-                 sampler: ShardSampler | None = None):
-        """``sampler``: the group's data, on the first stage only (later stages get token ids with the activations)."""
-        if model.first != (sampler is not None):
-            raise ValueError("the first stage, and only it, draws the group's batches")
-        self.model, self.codec, self.transport, self.sampler = model, codec, transport, sampler
+    def __init__(self, model: Transformer, codec: BoundaryCodec, stage: int, stages: int, micro_batches: int,
+                 batch_size: int, seq_len: int, wire_dtype: str, device: torch.device):
+        self.model, self.codec, self.stage = model, codec, stage
         self.micro_batches, self.device = micro_batches, device
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.id_dtype = id_dtype(model.config.vocab_size)
         self.tokens_per_step = micro_batches * batch_size * seq_len
-        self.order = one_forward_one_backward(transport.stage, transport.stages, micro_batches)
+        self.order = one_forward_one_backward(stage, stages, micro_batches)
+        self.transport: StageTransport | None = None
+        self.sampler: ShardSampler | None = None
         # per micro-batch in flight: the tensor to backpropagate from (the loss, or the encoded output)
         # and the received values (a leaf whose gradient goes back), None on the first stage
         self._in_flight: dict[MicroKey, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
+    def link(self, transport: StageTransport, sampler: ShardSampler | None) -> None:
+        """Train with the stages ``transport`` reaches; ``sampler``: the group's data, on the first stage only
+        (later stages get the token ids with the activations). A group that re-forms links again."""
+        if transport.stage != self.stage:
+            raise ValueError(f"a transport of stage {transport.stage} for stage {self.stage}")
+        if self.model.first != (sampler is not None):
+            raise ValueError("the first stage, and only it, draws the group's batches")
+        self.transport, self.sampler = transport, sampler
+
     def accumulate(self, step: int) -> float:
+        if self.transport is None:
+            raise PipelineError(f"stage {self.stage} is not linked to a pipeline group")
         loss = 0.0
         try:
             for op, micro in self.order:

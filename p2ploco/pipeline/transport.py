@@ -23,6 +23,7 @@ import torch
 from p2ploco.errors import PipelineError
 
 MicroKey = tuple[int, int]  # (global inner step, micro-batch)
+MAX_REMEMBERED, REMEMBERED_STEPS = 4096, 64  # delivered keys a mailbox remembers, to drop resent copies
 
 
 def id_dtype(vocab_size: int) -> torch.dtype:
@@ -82,6 +83,7 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._items: dict[MicroKey, object] = {}
+        self._delivered: set[MicroKey] = set()  # every key put so far (recent steps only): a resent copy is dropped
         self._failed: dict[int, str] = {}  # step -> why
         self._arrived = threading.Condition()
         self._closed = False
@@ -99,21 +101,35 @@ class Mailbox:
             self._arrived.notify_all()
 
     def put(self, key: MicroKey, item: object) -> None:
+        """Deliver ``key``'s message; a second copy (a sender that resent after a lost answer) is dropped."""
         with self._arrived:
-            if key in self._items:
-                raise PipelineError(f"second message for step {key[0]} micro-batch {key[1]}")
+            if key in self._delivered:
+                return
+            self._delivered.add(key)
+            if len(self._delivered) > MAX_REMEMBERED:  # forget the keys of old steps
+                newest = max(step for step, _ in self._delivered)
+                self._delivered = {k for k in self._delivered if k[0] > newest - REMEMBERED_STEPS}
             self._items[key] = item
             self._arrived.notify_all()
 
-    def take(self, key: MicroKey, timeout: float, what: str) -> object:
+    def wait(self, key: MicroKey, timeout: float, what: str) -> bool:
+        """Whether ``key``'s message is here within ``timeout``; PipelineError at once if its step failed or no more
+        messages will come."""
         with self._arrived:
             if not self._arrived.wait_for(lambda: key in self._items or key[0] in self._failed or self._closed,
                                           timeout):
-                raise PipelineError(f"no {what} for step {key[0]} micro-batch {key[1]} within {timeout:.0f} s")
+                return False
             if key[0] in self._failed:
                 raise PipelineError(f"step {key[0]} failed: {self._failed[key[0]]}")
             if key not in self._items:
                 raise PipelineError(f"the link closed before the {what} of step {key[0]} micro-batch {key[1]} came")
+            return True
+
+    def take(self, key: MicroKey, timeout: float, what: str) -> object:
+        """``key``'s message, waiting up to ``timeout`` for it (PipelineError if it does not come)."""
+        if not self.wait(key, timeout, what):
+            raise PipelineError(f"no {what} for step {key[0]} micro-batch {key[1]} within {timeout:.0f} s")
+        with self._arrived:
             return self._items.pop(key)
 
 

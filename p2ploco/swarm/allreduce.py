@@ -1,9 +1,11 @@
 """Butterfly all-reduce over hivemind's p2p streams, returning the aggregate itself.
 
-In a group of n peers (canonical order), the exchange's units are cut into n spans and peer i
-reduces span i: every other peer streams it its contribution to span i, peer i combines the
-contributions in group order (each one bounded first, ``collective/robust.py``) and sends the very
-same result bytes back to each of them. Every peer thus applies identical aggregates: unlike
+A round's exchange is made of named slices (``collective/sliced.py``), and each slice is reduced
+among the members that hold it (the group lists them): with n holders (canonical order), the slice's
+units are cut into n spans and holder i reduces span i. Every other holder streams it its
+contribution to span i, holder i combines the contributions in group order (each one bounded first,
+``collective/robust.py``) and sends the very same result bytes back to each of them. A full replica
+thus reduces a span of every slice, a stage peer a span of its own. Every peer thus applies identical aggregates: unlike
 hivemind's stock runner, which returns "average - own part" and leaves peers an ulp (or a codec
 error) apart.
 
@@ -20,9 +22,9 @@ A reducer drops a sender from its span, at once and with the reason logged, when
 The reducer always finishes its span with the contributions it has, and every member keeps sending
 its contributions to the other reducers even after one refused it, so nobody waits for it in vain.
 
-A contribution, a wire message (``swarm/wire.py``) whose payload is the exchange's encoding::
+A contribution, a wire message (``swarm/wire.py``) whose payload is the slice's encoding::
 
-    {v, group_id, round, span: [start, stop]} + contribution
+    {v, group_id, round, slice, span: [start, stop]} + contribution
 
 answered ``{v, status: ok, included: [peer ids in the aggregate]}`` + result, or
 ``{v, status: rejected, reason}``.
@@ -47,6 +49,7 @@ from p2ploco.collective.exchange import (
     dense_fp32_bytes,
     reduce_span,
 )
+from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
@@ -72,9 +75,10 @@ class DroppedFromRound(AllReduceError):
 
 @dataclass
 class _ReducerSession:
-    """Our span of one group's all-reduce, as the contributions come in."""
+    """Our span of one slice in one group's all-reduce, as the contributions come in."""
 
     group: Group
+    slice: str
     span: Span
     exchange: Exchange
     senders: set[str]  # remote group members that owe us a contribution
@@ -125,55 +129,67 @@ class ButterflyAllReduce:
     def __init__(self, p2p: P2P, me: str, run_id: str, timeout: float, bans: Bans):
         self.p2p, self.me, self.timeout, self.bans = p2p, me, timeout, bans
         self.handler_name = f"p2ploco/{run_id}/reduce"
-        self._sessions: dict[str, asyncio.Future] = {}
+        self._sessions: dict[tuple[str, str], asyncio.Future] = {}  # (group id, slice) -> our session
         self.current_round = 0  # the round of the latest all-reduce here: malformed data is banned from it on
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
 
-    async def run(self, group: Group, exchange: Exchange, stats: AllReduceStats, drops: set[str]) -> None:
-        """All-reduce ``exchange`` within ``group``; on return it holds the aggregate of every span. Traffic
-        is added to ``stats`` as it happens, so a failed attempt is counted too; the peers this one dropped
-        from its own span are added to ``drops``, also when the all-reduce fails here."""
+    async def run(self, group: Group, exchange: SlicedExchange, stats: AllReduceStats, drops: set[str]) -> None:
+        """All-reduce every slice of ``exchange`` among its holders in ``group``; on return it holds the aggregate
+        of every span. Traffic is added to ``stats`` as it happens, so a failed attempt is counted too; the peers
+        this one dropped from its own spans are added to ``drops``, also when the all-reduce fails here."""
         loop = asyncio.get_running_loop()
         self.current_round = group.round_index
-        index = group.peers.index(self.me)
-        spans = exchange.partition(len(group.peers))
-        session = _ReducerSession(group, spans[index], exchange, set(group.peers) - {self.me})
-        for peer in session.senders & self.bans.active(group.round_index):
-            session.fail(peer, "banned here for sending malformed data")
-        pending = self._sessions.setdefault(group.group_id, loop.create_future())
-        if not pending.done():
-            pending.set_result(session)
         stats.peers = list(group.peers)
-        stats.dense_fp32_bytes += dense_fp32_bytes(exchange, spans, index)
-        stats.params = sum(exchange.numel(span) for span in spans)
-        stats.contribution_bytes = 0
+        stats.contribution_bytes, stats.params, stats.clipped = 0, 0, []
+        sessions: list[_ReducerSession] = []
+        senders: list[asyncio.Task] = []
         dropped: set[str] = set()
-        senders = [asyncio.create_task(self._contribute(session, peer, span, stats, dropped))
-                   for peer, span in zip(group.peers, spans) if peer != self.me]
+        for slice_name, part in exchange.parts.items():
+            holders = group.holders(slice_name)
+            index = holders.index(self.me)
+            spans = part.partition(len(holders))
+            session = _ReducerSession(group, slice_name, spans[index], part, set(holders) - {self.me})
+            for peer in session.senders & self.bans.active(group.round_index):
+                session.fail(peer, "banned here for sending malformed data")
+            pending = self._sessions.setdefault((group.group_id, slice_name), loop.create_future())
+            if not pending.done():
+                pending.set_result(session)
+            sessions.append(session)
+            stats.dense_fp32_bytes += dense_fp32_bytes(part, spans, index)
+            stats.params += sum(part.numel(span) for span in spans)
+            senders += [asyncio.create_task(self._contribute(session, peer, span, stats, dropped))
+                        for peer, span in zip(holders, spans) if peer != self.me]
+        reductions: list[SpanReduction] = []
         try:
-            own = await loop.run_in_executor(None, exchange.encode, session.span)
-            stats.contribution_bytes += len(own)
-            reduction = await self._reduce(session, own)
-            dropped.update(reduction.rejected)
-            stats.clipped = list(reduction.clipped)
-            result = reduction.result_for(exchange, self.me)
-            await loop.run_in_executor(None, exchange.receive, session.span, result, reduction.own_position(self.me))
+            for session in sessions:
+                own = await loop.run_in_executor(None, session.exchange.encode, session.span)
+                stats.contribution_bytes += len(own)
+                reduction = await self._reduce(session, own)
+                reductions.append(reduction)
+                dropped.update(reduction.rejected)
+                stats.clipped = sorted(set(stats.clipped) | set(reduction.clipped))
+                result = reduction.result_for(session.exchange, self.me)
+                await loop.run_in_executor(None, session.exchange.receive, session.span, result,
+                                           reduction.own_position(self.me))
             # Every contribution is delivered (or fails) before we report, even after a reducer refused us.
             errors = [e for e in await asyncio.gather(*senders, return_exceptions=True) if e is not None]
-            await _bounded(session.served.wait(), self.timeout)  # results handed to every sender
+            for session in sessions:  # results handed to every sender
+                await _bounded(session.served.wait(), self.timeout)
         except (TimeoutError, PayloadError) as e:
             raise AllReduceError(f"{e!r}") from None
         finally:
             for task in senders:
                 task.cancel()
             await asyncio.gather(*senders, return_exceptions=True)  # reap them; their errors are reported below
-            self._sessions.pop(group.group_id, None)
-            stats.bytes_sent += session.bytes_out
-            stats.bytes_received += session.bytes_in
-            drops.update(session.failed, session.lost)
-        drops.update(reduction.rejected)
+            for session in sessions:
+                self._sessions.pop((group.group_id, session.slice), None)
+                stats.bytes_sent += session.bytes_out
+                stats.bytes_received += session.bytes_in
+                drops.update(session.failed, session.lost)
+        for reduction in reductions:
+            drops.update(reduction.rejected)
         stats.dropped = sorted(dropped)
         for error in errors:
             if not isinstance(error, AllReduceError):
@@ -223,7 +239,8 @@ class ButterflyAllReduce:
             session.lose(peer, f"unreachable ({e!r})")
             raise AllReduceError(f"could not reach reducer {peer[-8:]}: {e!r}") from None
         try:
-            header = {"group_id": group.group_id, "round": group.round_index, "span": [span.start, span.stop]}
+            header = {"group_id": group.group_id, "round": group.round_index, "slice": session.slice,
+                      "span": [span.start, span.stop]}
             await asyncio.wait_for(wire.write_message(writer, header, payload), self.timeout)
             stats.bytes_sent += len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
@@ -235,7 +252,7 @@ class ButterflyAllReduce:
                 raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {str(reply.get('reason'))[:200]}")
             await loop.run_in_executor(None, exchange.receive, span, result, included.index(self.me))
             stats.bytes_received += len(result)
-            dropped.update(set(group.peers) - set(included))
+            dropped.update(set(group.holders(session.slice)) - set(included))
         except (wire.StreamClosed, *wire.TRANSPORT_ERRORS) as e:
             if not isinstance(e, TimeoutError):  # a reducer that hangs up mid-answer has crashed, not dawdled
                 session.lose(peer, f"its stream broke ({e!r})")
@@ -252,7 +269,8 @@ class ButterflyAllReduce:
         try:
             header, length = await asyncio.wait_for(wire.read_header(reader), self.timeout)
             round_index = wire.field(header, "round", int)
-            session = await self._session_of(wire.field(header, "group_id", str), sender)
+            session = await self._session_of(wire.field(header, "group_id", str), wire.field(header, "slice", str),
+                                             sender)
             session.connected.add(sender)
             if sender in session.failed:  # dropped already (unreachable, banned, too late): no new offence
                 raise _Refused(session.failed[sender])
@@ -299,20 +317,22 @@ class ButterflyAllReduce:
                 session.settle(sender)
             writer.close()
 
-    async def _session_of(self, group_id: str, sender: str) -> _ReducerSession:
-        """Our session of ``group_id`` that ``sender`` belongs to, waiting (bounded) if the group's other members
-        learnt of it first."""
-        pending = self._sessions.get(group_id)
+    async def _session_of(self, group_id: str, slice_name: str, sender: str) -> _ReducerSession:
+        """Our session of ``slice_name`` in ``group_id`` that ``sender`` belongs to, waiting (bounded) if the group's
+        other members learnt of it first."""
+        key = (group_id, slice_name)
+        pending = self._sessions.get(key)
         if pending is None:
             if len(self._sessions) >= MAX_UNKNOWN_GROUPS:
                 raise _UnknownGroup("too many contributions for unknown groups")
-            pending = self._sessions[group_id] = asyncio.get_running_loop().create_future()
+            pending = self._sessions[key] = asyncio.get_running_loop().create_future()
         try:
             session: _ReducerSession = await asyncio.wait_for(asyncio.shield(pending), self.timeout)
         except TimeoutError:
             if not pending.done():
-                self._sessions.pop(group_id, None)
-            raise _UnknownGroup(f"contribution for unknown group {group_id[:32]!r}") from None
+                self._sessions.pop(key, None)
+            raise _UnknownGroup(f"contribution for unknown group {group_id[:32]!r} or slice {slice_name[:32]!r}"
+                                ) from None
         if sender not in session.senders:
             raise PayloadError(f"{sender[-8:]} is not a member of this group")
         return session

@@ -1,20 +1,25 @@
 """A round's outcome, the same for every survivor: commit, redo among the survivors, or abort.
 
-After the butterfly every member votes: it holds the aggregate of every span (and sends its
-digest), some span's aggregate is missing, or a reducer dropped it. Each vote also lists the peers
-the voter dropped from its own span (malformed, silent or unreachable). The group's coordinator
+After the butterfly every member votes: it holds the aggregate of every span of every slice it holds
+(and sends a digest per slice), some span's aggregate is missing, or a reducer dropped it. Each vote
+also lists the peers the voter dropped from its own spans (malformed, silent or unreachable). The group's coordinator
 decides once, when every member that nobody reported dropped has voted, or ``timeout`` after the
 first vote: a peer already known bad or dead is never waited for a second time, and one whose daemon
 cannot be dialled any more (the coordinator tries every few seconds) is not waited for either.
 
-- commit, if every vote (of a voter not known dropped) holds one digest; members that died after
-  delivering their span do not vote and need not;
-- otherwise, on a first attempt, redo among the voters not known dropped (the dead cannot vote):
-  they run the butterfly again with the same pseudo-gradients and a fresh group id;
-- otherwise commit the digest held by a strict majority of those voters (a single liar that votes
-  "missing" costs a redo, never the round), or abort: nobody applies anything this round.
+- commit, if every vote (of a voter not known dropped) holds, and all holders of each slice hold one
+  digest of it; members that died after delivering their span do not vote and need not;
+- otherwise, on a first attempt, redo among the voters not known dropped (the dead cannot vote), less
+  the stage peers of a pipeline group that is no longer whole among them (a group acts as one
+  replica or not at all): they run the butterfly again with the same pseudo-gradients and a fresh
+  group id;
+- otherwise commit, for every slice, the digest held by a strict majority of its counted holders (a
+  single liar that votes "missing" costs a redo, never the round), or abort if some slice has none:
+  nobody applies anything this round.
 
-A member applies the aggregate only if the decision names the digest it holds. A voter counts as
+A member applies the aggregate only if the decision names the digest it holds of each of its slices.
+The coordinator judges every vote against its own record of the group it formed (or of the redo it
+decided), never against what a voter claims the group is. A voter counts as
 known dropped if it says so, or if two reducers report dropping it: one accuser alone (a liar, or a
 link that broke once) cannot push an honest peer out; it can only spare the others a wait. Only the
 coordinator decides: a member that cannot reach it applies nothing (as if aborted) and, if the
@@ -23,9 +28,10 @@ would let two halves of a group decide differently.
 
 The vote request, a wire message (``swarm/wire.py``) with no payload::
 
-    {v, group_id, round, name, peers, coordinator, attempt, vote: holds|missing|dropped, digest, drops}
+    {v, group_id, vote: holds|missing|dropped, digests: {slice: digest}, drops}
 
-and the decision: ``{v, outcome: commit|redo|abort, digest}`` (+ ``group_id, peers`` for a redo).
+and the decision: ``{v, outcome: commit|redo|abort, digests: {slice: digest}}`` (+ ``group_id, peers``
+for a redo).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from hivemind.p2p import P2P
 
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
-from p2ploco.swarm.rounds import Group
+from p2ploco.swarm.records import MAX_SLICES
+from p2ploco.swarm.rounds import Group, GroupBook
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +74,19 @@ class Outcome(enum.StrEnum):
 @dataclass(frozen=True)
 class Decision:
     outcome: Outcome
-    digest: str = ""  # with commit: the aggregate to apply; a member holding another one applies nothing
+    digests: dict[str, str] = field(default_factory=dict)  # with commit: the aggregate of each slice to apply
     redo: Group | None = None  # with redo: the survivors' group
+
+    def applies(self, digests: dict[str, str]) -> bool:
+        """Whether a member that holds ``digests`` (per slice) applies this round."""
+        return self.outcome == Outcome.COMMIT and all(self.digests.get(k) == v for k, v in digests.items())
 
 
 @dataclass
 class _Ballot:
     group: Group
     deadline: float
-    votes: dict[str, tuple[Vote, str]] = field(default_factory=dict)  # voter -> (vote, digest)
+    votes: dict[str, tuple[Vote, dict[str, str]]] = field(default_factory=dict)  # voter -> (vote, digest per slice)
     accusers: dict[str, set[str]] = field(default_factory=dict)  # peer -> the voters that report dropping it
     dead: set[str] = field(default_factory=set)  # members the coordinator could not reach while waiting for them
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -88,19 +99,20 @@ class _Ballot:
 
 
 class RoundCommit:
-    def __init__(self, p2p: P2P, me: str, run_id: str, timeout: float):
-        self.p2p, self.me, self.timeout = p2p, me, timeout
+    def __init__(self, p2p: P2P, me: str, run_id: str, timeout: float, book: GroupBook):
+        """``book``: the groups this peer coordinates (the matchmaker adds them; redos decided here too)."""
+        self.p2p, self.me, self.timeout, self.book = p2p, me, timeout, book
         self.handler_name = f"p2ploco/{run_id}/vote"
         self._ballots: dict[str, _Ballot] = {}
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_vote)
 
-    async def vote(self, group: Group, vote: Vote, digest: str, drops: set[str]) -> Decision:
-        """Tell the coordinator what this member holds and whom it dropped; its decision (abort if unreachable)."""
-        request = {"group_id": group.group_id, "round": group.round_index, "name": group.name,
-                   "peers": list(group.peers), "coordinator": group.coordinator, "attempt": group.attempt,
-                   "vote": vote, "digest": digest, "drops": sorted(drops & set(group.peers))}
+    async def vote(self, group: Group, vote: Vote, digests: dict[str, str], drops: set[str]) -> Decision:
+        """Tell the coordinator what this member holds (a digest per slice) and whom it dropped; its decision
+        (abort if unreachable)."""
+        request = {"group_id": group.group_id, "vote": vote, "digests": digests,
+                   "drops": sorted(drops & set(group.peers))}
         judge = group.coordinator
         try:
             if judge == self.me:
@@ -127,26 +139,27 @@ class RoundCommit:
             writer.close()
 
     async def _decide_here(self, voter: str, request: dict[str, Any]) -> dict[str, Any]:
-        group, vote, digest, drops = parse_vote(request)
+        group_id, vote, digests, drops = parse_vote(request)
+        group = self.book.get(group_id)
+        if group is None:
+            raise PayloadError("vote for a group this peer does not coordinate")
         if voter not in group.peers:
             raise PayloadError(f"{voter[-8:]} is not a member of the group it votes for")
-        if group.coordinator != self.me:
-            raise PayloadError("vote for a group this peer does not coordinate")
+        if vote == Vote.HOLDS and set(digests) != set(group.slices_of(voter)):
+            raise PayloadError(f"{voter[-8:]} votes for other slices than it holds")
         ballot = self._ballots.get(group.group_id)
         if ballot is None:
             ballot = self._ballots[group.group_id] = _Ballot(group, time.monotonic() + self.timeout)
             asyncio.get_running_loop().create_task(self._close(ballot))
             for old in list(self._ballots)[:-KEEP_BALLOTS]:
                 del self._ballots[old]
-        elif ballot.group != group:
-            raise PayloadError("vote names another membership for this group")
         if voter not in ballot.votes:
-            ballot.votes[voter] = (vote, digest)
+            ballot.votes[voter] = (vote, digests)
             for peer in drops & set(group.peers):
                 ballot.accusers.setdefault(peer, set()).add(voter)
         ballot.changed.set()
         decision: Decision = await asyncio.wait_for(asyncio.shield(ballot.decided), 2 * self.timeout)
-        response: dict[str, Any] = {"outcome": decision.outcome, "digest": decision.digest}
+        response: dict[str, Any] = {"outcome": decision.outcome, "digests": decision.digests}
         if decision.redo is not None:
             response.update(group_id=decision.redo.group_id, peers=list(decision.redo.peers))
         return response
@@ -162,7 +175,10 @@ class RoundCommit:
                     pass
         finally:
             prober.cancel()
-            ballot.decided.set_result(decide(ballot.group, ballot.votes, ballot.accusers, self.me))
+            decision = decide(ballot.group, ballot.votes, ballot.accusers, self.me)
+            if decision.redo is not None:
+                self.book.add(decision.redo)
+            ballot.decided.set_result(decision)
 
     async def _probe(self, ballot: _Ballot) -> None:
         """Every PROBE_EVERY seconds, try to open a stream to each member still awaited: one whose daemon cannot
@@ -178,37 +194,54 @@ class RoundCommit:
                     ballot.changed.set()
 
 
-def decide(group: Group, votes: dict[str, tuple[Vote, str]], accusers: dict[str, set[str]], me: str) -> Decision:
+def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers: dict[str, set[str]],
+           me: str) -> Decision:
     """The coordinator's rule (module docstring), a pure function of the votes."""
     def out(peer: str) -> bool:
         return votes[peer][0] == Vote.DROPPED or len(accusers.get(peer, ())) >= ACCUSERS
 
     counted = {peer: v for peer, v in votes.items() if not out(peer)}
-    held = Counter(digest for vote, digest in counted.values() if vote == Vote.HOLDS)
-    if counted and len(held) == 1 and sum(held.values()) == len(counted):
-        return Decision(Outcome.COMMIT, next(iter(held)))
+    held: dict[str, Counter] = {}  # slice -> digests its counted holders hold
+    for peer, (vote, digests) in counted.items():
+        for slice_name in group.slices_of(peer):
+            if vote == Vote.HOLDS:
+                held.setdefault(slice_name, Counter())[digests[slice_name]] += 1
+    holders = {name: sum(name in group.slices_of(peer) for peer in counted) for name in held}
+    if counted and all(vote == Vote.HOLDS for vote, _ in counted.values()) and all(
+            len(digests) == 1 for digests in held.values()):
+        return Decision(Outcome.COMMIT, {name: next(iter(digests)) for name, digests in held.items()})
     if group.attempt == 0 and len(counted) >= 2:
-        survivors = tuple(sorted(counted))
-        logger.warning(f"round {group.round_index}: all-reduce failed for some of {len(group.peers)} peers; "
-                       f"redoing it among the {len(survivors)} that answered")
-        return Decision(Outcome.REDO, redo=Group(secrets.token_hex(8), group.round_index, group.name, survivors, me, 1))
-    if held:
-        digest, count = max(held.items(), key=lambda item: (item[1], item[0]))
-        if 2 * count > len(counted):
-            logger.warning(f"round {group.round_index}: {count} of {len(counted)} peers hold the same aggregate; "
-                           f"committed for them, the others catch up")
-            return Decision(Outcome.COMMIT, digest)
+        survivors = tuple(sorted(group.whole_pipelines(set(counted))))
+        if len(survivors) >= 2:
+            logger.warning(f"round {group.round_index}: all-reduce failed for some of {len(group.peers)} peers; "
+                           f"redoing it among the {len(survivors)} that answered")
+            return Decision(Outcome.REDO, redo=group.among(secrets.token_hex(8), survivors, me))
+    majority = {}
+    for name, digests in held.items():
+        digest, count = max(digests.items(), key=lambda item: (item[1], item[0]))
+        if 2 * count > holders[name]:
+            majority[name] = digest
+    counted_slices = {name for peer in counted for name in group.slices_of(peer)}
+    if majority and set(majority) == counted_slices:
+        logger.warning(f"round {group.round_index}: a majority of each slice's holders hold the same aggregate; "
+                       f"committed for them, the others catch up")
+        return Decision(Outcome.COMMIT, majority)
     logger.warning(f"round {group.round_index}: all-reduce failed; the round is dropped by every survivor")
     return Decision(Outcome.ABORT)
 
 
-def parse_vote(request: dict[str, Any]) -> tuple[Group, Vote, str, set[str]]:
-    """A vote request's group, vote, digest and reported drops; PayloadError if malformed."""
-    group = Group(wire.field(request, "group_id", str), wire.field(request, "round", int),
-                  wire.field(request, "name", str), tuple(wire.peer_ids(request, "peers")),
-                  wire.field(request, "coordinator", str), wire.field(request, "attempt", int))
-    return group, wire.status(request, Vote, "vote"), wire.field(request, "digest", str), set(
-        wire.peer_ids(request, "drops"))
+def parse_digests(header: dict[str, Any], name: str) -> dict[str, str]:
+    digests = wire.field(header, name, dict)
+    if len(digests) > MAX_SLICES or not all(isinstance(k, str) and len(k) <= 32 and isinstance(v, str)
+                                            and len(v) <= 128 for k, v in digests.items()):
+        raise PayloadError(f"message field {name!r} is not a map of slice -> digest")
+    return digests
+
+
+def parse_vote(request: dict[str, Any]) -> tuple[str, Vote, dict[str, str], set[str]]:
+    """A vote request's group id, vote, digest per slice and reported drops; PayloadError if malformed."""
+    return (wire.field(request, "group_id", str), wire.status(request, Vote, "vote"), parse_digests(request, "digests"),
+            set(wire.peer_ids(request, "drops")))
 
 
 def parse_decision(response: dict[str, Any], group: Group, judge: str) -> Decision:
@@ -218,6 +251,5 @@ def parse_decision(response: dict[str, Any], group: Group, judge: str) -> Decisi
         peers = wire.peer_ids(response, "peers")
         if not set(peers) <= set(group.peers):
             raise PayloadError("redo group names peers outside the round's group")
-        return Decision(outcome, redo=Group(wire.field(response, "group_id", str), group.round_index, group.name,
-                                            tuple(peers), judge, 1))
-    return Decision(outcome, wire.field(response, "digest", str) if outcome == Outcome.COMMIT else "")
+        return Decision(outcome, redo=group.among(wire.field(response, "group_id", str), tuple(peers), judge))
+    return Decision(outcome, parse_digests(response, "digests") if outcome == Outcome.COMMIT else {})

@@ -9,6 +9,7 @@ import time
 
 from p2ploco import faults
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_alone
+from p2ploco.collective.sliced import SlicedExchange, as_sliced
 from p2ploco.errors import PayloadError, TrainingError
 from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedFromRound
 from p2ploco.swarm.commit import Outcome, RoundCommit, Vote
@@ -25,14 +26,19 @@ class SwarmCommunicator(Communicator):
         self.loop, self.matchmaker, self.butterfly, self.commit = loop, matchmaker, butterfly, commit
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
-        return self.loop.run(self._all_reduce(exchange, round_index, name))
+        return self.loop.run(self._all_reduce(as_sliced(exchange, name), round_index, name))
 
-    async def _all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    async def _all_reduce(self, exchange: SlicedExchange, round_index: int, name: str) -> AllReduceStats:
         started = time.perf_counter()
         me = self.matchmaker.me
-        await self.matchmaker.directory.update(state=PeerState.AVERAGING)
-        group = await self.matchmaker.form_group(round_index, name, exchange.fingerprint())
-        if group is None:  # late, or leaving: nothing to apply
+        directory = self.matchmaker.directory
+        await directory.update(state=PeerState.AVERAGING)
+        held = directory.me.slices  # the hash of each slice at the start of the round, as the node published it
+        if set(held) != set(exchange.parts):
+            raise TrainingError(f"this peer published slices {sorted(held)} but averages {sorted(exchange.parts)}")
+        slices = {k: (part.fingerprint(), held[k]) for k, part in exchange.parts.items()}
+        group = await self.matchmaker.form_group(round_index, name, slices, directory.me.group)
+        if group is None:  # late, refused, or leaving: nothing to apply
             return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started)
         if len(group.peers) == 1:
             return await self._alone(exchange, started)
@@ -48,12 +54,12 @@ class SwarmCommunicator(Communicator):
                 vote = Vote.DROPPED if isinstance(e, DroppedFromRound) else Vote.MISSING
                 logger.warning(f"round {round_index}: all-reduce among {len(group.peers)} peers failed here ({e})")
             await faults.hit_async("commit.vote", round_index)
-            digest = exchange.aggregate_digest() if vote == Vote.HOLDS else ""
-            decision = await self.commit.vote(group, vote, digest, drops)
+            digests = {k: part.aggregate_digest() for k, part in exchange.parts.items()} if vote == Vote.HOLDS else {}
+            decision = await self.commit.vote(group, vote, digests, drops)
             if decision.outcome == Outcome.REDO and decision.redo is not None and me in decision.redo.peers:
                 group = decision.redo
                 continue
-            stats.committed = vote == Vote.HOLDS and decision.outcome == Outcome.COMMIT and decision.digest == digest
+            stats.committed = vote == Vote.HOLDS and decision.applies(digests)
             # Others applied an aggregate this peer does not hold (or redid the round without it).
             stats.excluded = not stats.committed and decision.outcome in (Outcome.COMMIT, Outcome.REDO)
             stats.dropped = sorted(set(stats.dropped) | (formed - set(group.peers)))  # incl. those a redo left out

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -41,6 +43,7 @@ class PeerState(enum.StrEnum):
     AVERAGING = "averaging"  # in its round's all-reduce
     LEAVING = "leaving"  # finishing up; joins no new group
     SERVING = "serving"  # a bootstrap peer
+    STANDBY = "standby"  # a stage peer waiting for a slot, or for the other stages of its pipeline group
 
 
 STATES = tuple(PeerState)
@@ -50,6 +53,8 @@ RUNS_KEY = "p2ploco/runs"  # the run ids being trained, so a client can find the
 MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; anything much larger is junk
 MAX_TEXT = 256  # longest string field (an address, a device name)
 MAX_ADDRESSES = 16
+MAX_SLICES = 64  # named slices (pipeline stages) a record may list
+MAX_STAGES = 1024
 EVAL_HISTORY = 16  # (round, eval loss) pairs a record keeps, for the trend in `p2ploco status`
 STALE_HEARTBEATS = 3  # a record not renewed for this many heartbeats (or half its ttl) belongs to a dead peer
 
@@ -60,7 +65,8 @@ class PeerRecord:
     round: int  # the round this peer is working on
     state: str  # one of STATES
     fingerprint: str  # of the config parts every peer of a round must share (Config.swarm_fingerprint)
-    params_sha256: str = ""  # hash of this peer's global parameters at the start of `round`
+    params_sha256: str = ""  # hash of the global parameters this peer holds, at the start of `round`
+    slices: dict[str, str] = field(default_factory=dict)  # slice name -> hash of its global parameters, same time
     version: str = ""
     name: str = ""  # short human name
     role: str = "replica"  # one of ROLES
@@ -76,6 +82,10 @@ class PeerRecord:
     uptime: float = 0.0  # seconds since the node started
     addresses: list[str] = field(default_factory=list)  # multiaddrs others can reach it at
     eval_history: list[list[float]] = field(default_factory=list)  # [round, eval loss], oldest first
+    group: str = ""  # a stage peer's pipeline group ("" for replicas)
+    stage: int = -1  # a stage peer's stage in that group (-1 for replicas)
+    since: float = 0.0  # DHT time at which a stage peer claimed its (group, stage) slot
+    schedule: str = ""  # digest of the inner settings the stages of a pipeline group must share
 
     @classmethod
     def parse(cls, value: object) -> PeerRecord | None:
@@ -113,7 +123,11 @@ class PeerRecord:
                 and all(text(a) for a in self.addresses)
                 and isinstance(self.eval_history, list) and len(self.eval_history) <= EVAL_HISTORY
                 and all(isinstance(p, list) and len(p) == 2 and count(p[0]) and amount(p[1])
-                        for p in self.eval_history))
+                        for p in self.eval_history)
+                and isinstance(self.slices, dict) and len(self.slices) <= MAX_SLICES
+                and all(text(k, 32) and text(v, 64) for k, v in self.slices.items())
+                and text(self.group, 64) and type(self.stage) is int and -1 <= self.stage < MAX_STAGES
+                and amount(self.since) and text(self.schedule, 64))
 
     def to_value(self) -> dict[str, Any]:
         return {**asdict(self), "state": str(self.state)}  # hivemind's serializer takes no str subclass
@@ -121,7 +135,7 @@ class PeerRecord:
     @property
     def active(self) -> bool:
         """Training or averaging with a known state: a peer others can average with or fetch from."""
-        return self.state in (PeerState.TRAINING, PeerState.AVERAGING) and bool(self.params_sha256)
+        return self.state in (PeerState.TRAINING, PeerState.AVERAGING) and bool(self.slices)
 
 
 _ADJECTIVES = ("amber", "bold", "brisk", "calm", "clever", "cosmic", "crisp", "dapper", "eager", "fuzzy",
@@ -191,10 +205,12 @@ def record_validator(run_id: str | None = None) -> tuple[CompositeValidator, byt
 
 @dataclass(frozen=True)
 class SwarmState:
-    """A state some active peers hold: the round it starts and the hash of its parameters, the peers that
-    hold it (the donors a lagging peer fetches from), and whether two or more peers vouch for it."""
+    """A state of one slice that some active peers hold: the round it starts and the hash of the slice's
+    parameters, the peers that hold it (the donors a lagging peer fetches from), and whether two or more
+    peers vouch for it."""
 
     round: int
+    slice: str
     params_sha256: str
     holders: tuple[str, ...]
 
@@ -208,30 +224,46 @@ def active_peers(live: dict[str, PeerRecord], me: PeerRecord) -> list[PeerRecord
     return [r for r in live.values() if r.peer_id != me.peer_id and r.fingerprint == me.fingerprint and r.active]
 
 
-def ranked_states(live: dict[str, PeerRecord], me: PeerRecord) -> list[SwarmState]:
-    """The states to follow, seen from ``me``, best first; empty when no other active peer shares our config.
+def ranked_states(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str) -> list[SwarmState]:
+    """The states of ``slice_name`` to follow, seen from ``me``, best first; empty when no other active peer of
+    our config holds that slice.
 
     Only states that two or more peers hold (``me`` included) count, so that one record's claim alone,
     such as a round a million rounds ahead, never moves anyone: the furthest round wins, at that round the
     state most peers hold, ties broken by the hash (every peer with the same view ranks alike). If no two
     peers agree on anything, every peer's own claim is ranked the same way: the caller then follows a claim
     only if its holder actually serves that state (a liar that serves nothing is passed over)."""
-    peers = active_peers(live, me)
+    peers = [r for r in active_peers(live, me) if slice_name in r.slices]
     if not peers:
         return []
     holders: dict[tuple[int, str], list[str]] = {}
-    for r in peers + ([me] if me.active else []):
-        holders.setdefault((r.round, r.params_sha256), []).append(r.peer_id)
+    for r in peers + ([me] if me.active and slice_name in me.slices else []):
+        holders.setdefault((r.round, r.slices[slice_name]), []).append(r.peer_id)
     vouched = {state: ids for state, ids in holders.items() if len(ids) >= 2}
     pool = vouched or holders
     ranked = sorted(pool, key=lambda state: (state[0], len(pool[state]), state[1]), reverse=True)
-    return [SwarmState(round_index, digest, tuple(sorted(pool[(round_index, digest)])))
+    return [SwarmState(round_index, slice_name, digest, tuple(sorted(pool[(round_index, digest)])))
             for round_index, digest in ranked]
 
 
-def swarm_state(live: dict[str, PeerRecord], me: PeerRecord) -> SwarmState | None:
-    """The best state that two or more peers vouch for (see ``ranked_states``), or None."""
-    return next((state for state in ranked_states(live, me) if state.vouched), None)
+def swarm_state(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str) -> SwarmState | None:
+    """The best state of ``slice_name`` that two or more peers vouch for (see ``ranked_states``), or None."""
+    return next((state for state in ranked_states(live, me, slice_name) if state.vouched), None)
+
+
+def round_state(live: dict[str, PeerRecord], me: PeerRecord, round_index: int) -> tuple[str, dict[str, str]]:
+    """The state the swarm starts ``round_index`` from, seen from ``me``: for every slice that an active peer of
+    our config holds at that round (``me`` included), the hash most of them hold (ties broken by the hash), and
+    one digest of them all. Every peer with the same view computes the same; it names the round's formation
+    and seeds the choice of its coordinator."""
+    votes: dict[str, Counter] = {}
+    for r in active_peers(live, me) + [me]:
+        if r.round == round_index:
+            for name, digest in r.slices.items():
+                votes.setdefault(name, Counter())[digest] += 1
+    chosen = {name: max(counts, key=lambda digest: (counts[digest], digest)) for name, counts in sorted(votes.items())}
+    combined = hashlib.sha256(";".join(f"{name}={digest}" for name, digest in chosen.items()).encode()).hexdigest()
+    return combined, chosen
 
 
 def settled(live: dict[str, PeerRecord], me: PeerRecord, round_index: int) -> bool:
@@ -338,7 +370,7 @@ class PeerDirectory:
         deadline = time.monotonic() + timeout
         while True:
             peers = [r for r in (await self.refresh()).values()
-                     if r.fingerprint == self.me.fingerprint and r.state != PeerState.LEAVING and r.params_sha256]
+                     if r.fingerprint == self.me.fingerprint and r.state != PeerState.LEAVING and r.slices]
             if len(peers) >= count or any(r.active for r in peers) or time.monotonic() >= deadline:
                 return len(peers)
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))

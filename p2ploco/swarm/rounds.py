@@ -19,12 +19,24 @@ view (every member a known live peer, itself included) and refuses an implausibl
 next coordinator. The coordinator needs no pseudo-gradient of its own: it serves joins from its event
 loop while it trains.
 
+A round covers named parameter slices (one per pipeline stage; the whole model when it is not cut):
+a full replica holds them all, a stage peer one. The state a round starts from is, for every slice,
+the hash most active peers of that round hold (``records.round_state``); its digest names the
+formation and seeds the coordinator's choice, so full replicas and stage peers meet at one
+coordinator. Each joiner says which slices it holds (with its exchange fingerprint and hash for
+each) and, for a stage peer, its pipeline group. When the coordinator closes the formation it refuses
+members that hold another state of some slice than the majority (they catch up) and every stage peer
+of a pipeline group that is not complete in the formation (a group acts as one replica or not at all);
+the answer lists which slices each member holds, so that every member cuts each slice among exactly
+its holders.
+
 A join request, a wire message (``swarm/wire.py``) with no payload::
 
-    {v, round, name, config, exchange, state, unreachable: [peer ids the joiner could not reach]}
+    {v, round, name, config, state, slices: {slice: [exchange fingerprint, hash]}, pipeline,
+     unreachable: [peer ids the joiner could not reach]}
 
-answered ``{v, status: group, group_id, peers}``, ``{v, status: redirect, to}``, or
-``{v, status: late|banned|leaving, reason}``.
+answered ``{v, status: group, group_id, peers, holdings: {peer: [slices]}, pipelines: {peer: group}}``,
+``{v, status: redirect, to}``, or ``{v, status: late|banned|leaving, reason}``.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import hashlib
 import logging
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,11 +56,12 @@ from hivemind.p2p import P2P
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.records import PeerDirectory, PeerState
+from p2ploco.swarm.records import MAX_SLICES, PeerDirectory, PeerState, round_state
 
 logger = logging.getLogger(__name__)
 
 KEEP_CLOSED_ROUNDS = 8  # closed groups remembered, to answer stragglers "late" rather than start a new group
+KEEP_GROUPS = 32  # groups (and their redos) this peer coordinated, remembered to judge their votes
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
@@ -75,13 +89,43 @@ class Group:
     group_id: str
     round_index: int
     name: str
-    peers: tuple[str, ...]  # canonical order: sorted peer ids; peer i reduces span i
+    peers: tuple[str, ...]  # canonical order: sorted peer ids
     coordinator: str  # who formed the group; it also decides the round's outcome
     attempt: int = 0  # 1 for the redo of a failed all-reduce among its survivors
+    holdings: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (peer, the slices it holds), in peer order
+    pipelines: tuple[tuple[str, str], ...] = ()  # (stage peer, its pipeline group), in peer order
+
+    def holders(self, slice_name: str) -> tuple[str, ...]:
+        """The members that hold ``slice_name``, in canonical order: the i-th reduces the slice's span i."""
+        return tuple(peer for peer, slices in self.holdings if slice_name in slices)
+
+    def slices_of(self, peer: str) -> tuple[str, ...]:
+        return dict(self.holdings).get(peer, ())
+
+    def among(self, group_id: str, peers: tuple[str, ...], coordinator: str) -> Group:
+        """The redo of this round among ``peers`` (each keeps its holdings)."""
+        kept = set(peers)
+        return Group(group_id, self.round_index, self.name, tuple(sorted(kept)), coordinator, 1,
+                     tuple(h for h in self.holdings if h[0] in kept), tuple(p for p in self.pipelines if p[0] in kept))
+
+    def whole_pipelines(self, peers: set[str]) -> set[str]:
+        """``peers`` less the stage peers of a pipeline group that is not whole among them."""
+        pipelines = dict(self.pipelines)
+        broken = {name for peer, name in self.pipelines if any(
+            other not in peers for other, other_name in self.pipelines if other_name == name)}
+        return {peer for peer in peers if pipelines.get(peer) not in broken}
 
 
-# round, all-reduce name, config fingerprint, exchange fingerprint, hash of the state the round starts from
-FormationKey = tuple[int, str, str, str, str]
+@dataclass(frozen=True)
+class Member:
+    """What a joiner says of itself: its slices (name -> (exchange fingerprint, hash)) and pipeline group."""
+
+    slices: tuple[tuple[str, tuple[str, str]], ...]
+    pipeline: str = ""
+
+
+# round, all-reduce name, config fingerprint, digest of the state the round starts from (``records.round_state``)
+FormationKey = tuple[int, str, str, str]
 
 
 @dataclass
@@ -89,16 +133,35 @@ class _Formation:
     key: FormationKey
     deadline: float
     opened: float = field(default_factory=time.monotonic)
-    members: set[str] = field(default_factory=set)
+    members: dict[str, Member] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # members the closed formation left out, and why
     unreachable: set[str] = field(default_factory=set)  # peers the members could not reach
     dead: set[str] = field(default_factory=set)  # expected peers the coordinator could not reach while waiting
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+class GroupBook:
+    """The groups this peer coordinates, by id, so that it judges votes against its own record of a group."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, Group] = {}
+
+    def add(self, group: Group) -> None:
+        self._groups[group.group_id] = group
+        for old in list(self._groups)[:-KEEP_GROUPS]:
+            del self._groups[old]
+
+    def get(self, group_id: str) -> Group | None:
+        return self._groups.get(group_id)
+
+
 class Matchmaker:
-    def __init__(self, p2p: P2P, directory: PeerDirectory, run_id: str, timeout: float, bans: Bans):
+    def __init__(self, p2p: P2P, directory: PeerDirectory, run_id: str, timeout: float, bans: Bans, stages: int,
+                 book: GroupBook):
+        """``stages``: slices of a pipeline group, all of which it must bring to a round."""
         self.p2p, self.directory, self.timeout, self.bans = p2p, directory, timeout, bans
+        self.stages, self.book = stages, book
         self.me = directory.me.peer_id
         self.handler_name = f"p2ploco/{run_id}/join"
         self._forming: dict[FormationKey, _Formation] = {}
@@ -124,17 +187,19 @@ class Matchmaker:
 
     # ---- the joining side -------------------------------------------------------------------------
 
-    async def form_group(self, round_index: int, name: str, exchange_fingerprint: str) -> Group | None:
-        """The group this peer all-reduces with in ``round_index``: a group of one if it is alone, None
-        if it came too late, is banned, or is leaving, and must apply nothing this round."""
+    async def form_group(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
+                         pipeline: str = "") -> Group | None:
+        """The group this peer all-reduces with in ``round_index``, given the slices it holds (name ->
+        (exchange fingerprint, hash)) and, for a stage peer, its pipeline group: a group of one if it is alone,
+        None if it came too late, is banned, was refused, or is leaving, and must apply nothing this round."""
         me = self.directory.me
-        state = me.params_sha256
-        request = {"round": round_index, "name": name, "config": me.fingerprint, "exchange": exchange_fingerprint,
-                   "state": state, "unreachable": []}
+        state, _ = round_state(await self.directory.refresh(), me, round_index)  # a fresh view: newcomers count
+        request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state,
+                   "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
+                   "unreachable": []}
         deadline = time.monotonic() + self.timeout + 5.0  # the coordinator may wait `timeout` for others
         unreachable: set[str] = set()
         hints: set[str] = set()
-        await self.directory.refresh()  # a fresh view: peers that just joined may score better
         while time.monotonic() < deadline and not self.leaving.is_set():
             candidates = self.candidates(unreachable) | (hints - unreachable)
             if not candidates:
@@ -149,6 +214,8 @@ class Matchmaker:
                 status = wire.status(response, JoinStatus)
                 if status == JoinStatus.GROUP:
                     group = parse_group(response, round_index, name, coordinator)
+                    if set(group.slices_of(self.me)) != set(slices):
+                        raise PayloadError("group that says this peer holds other slices")
                     await self._check_plausible(group)
                     return group
                 if status == JoinStatus.REDIRECT:
@@ -167,7 +234,7 @@ class Matchmaker:
                 unreachable.add(coordinator)
         if self.leaving.is_set():
             return None
-        return Group("alone", round_index, name, (self.me,), self.me)
+        return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),))
 
     async def _check_plausible(self, group: Group) -> None:
         """PayloadError unless every member of ``group`` is a live peer this peer knows, itself included. A
@@ -214,8 +281,8 @@ class Matchmaker:
             writer.close()
 
     async def _join_here(self, sender: str, request: dict[str, Any]) -> dict[str, Any]:
-        key, unreachable = parse_join(request)
-        round_index, state = key[0], key[4]
+        key, unreachable, member = parse_join(request)
+        round_index, state = key[0], key[3]
         if self.bans.banned(sender, round_index):
             return {"status": JoinStatus.BANNED, "reason": f"coordinator {self.me[-8:]} has banned this peer for "
                                                            f"sending malformed data"}
@@ -232,18 +299,22 @@ class Matchmaker:
             formation = _Formation(key, time.monotonic() + self.timeout)
             self._forming[key] = formation
             asyncio.get_running_loop().create_task(self._close_when_complete(formation))
-        formation.members.add(sender)
+        formation.members.setdefault(sender, member)
         formation.unreachable |= unreachable
         formation.changed.set()
         outcome: Group | str = await asyncio.shield(formation.closed)
         if isinstance(outcome, str):
             return {"status": JoinStatus.REDIRECT, "to": outcome}
-        return {"status": JoinStatus.GROUP, "group_id": outcome.group_id, "peers": list(outcome.peers)}
+        if sender in formation.refused:
+            return {"status": JoinStatus.LATE, "reason": formation.refused[sender]}
+        return {"status": JoinStatus.GROUP, "group_id": outcome.group_id, "peers": list(outcome.peers),
+                "holdings": {peer: list(slices) for peer, slices in outcome.holdings},
+                "pipelines": dict(outcome.pipelines)}
 
     async def _close_when_complete(self, formation: _Formation) -> None:
         """Close the group when everyone expected has joined or at the deadline; or hand the whole
         formation over to a better-scored peer that has come into view (every member retries there)."""
-        round_index, name, config, _, state = key = formation.key
+        round_index, name, config, state = key = formation.key
         probed = time.monotonic()
         try:
             while time.monotonic() < formation.deadline:
@@ -260,15 +331,17 @@ class Matchmaker:
                 # record (it crashed), nor one banned here.
                 banned = self.bans.active(round_index)
                 joiners_welcome = time.monotonic() < formation.opened + JOINER_GRACE * self.timeout
+                _, chosen = round_state(live, self.directory.me, round_index)
                 expected = {p for p, r in live.items() if r.round == round_index and r.fingerprint == config
-                            and r.params_sha256 == state and r.state != PeerState.LEAVING
+                            and r.slices and all(chosen.get(k) == v for k, v in r.slices.items())
+                            and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
                             and (r.state != PeerState.JOINING or joiners_welcome)
                             and self.directory.fresh(p) and p not in banned}
-                if expected - formation.dead <= formation.members:
+                if expected - formation.dead <= set(formation.members):
                     break
                 if time.monotonic() >= probed + PROBE_EVERY:  # a peer killed in its inner steps is not waited for
                     probed = time.monotonic()
-                    awaited = sorted(expected - formation.members - formation.dead - {self.me})
+                    awaited = sorted(expected - set(formation.members) - formation.dead - {self.me})
                     alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
                                                    for p in awaited))
                     formation.dead.update(p for p, ok in zip(awaited, alive) if not ok)
@@ -279,7 +352,14 @@ class Matchmaker:
                     pass
         finally:
             if not formation.closed.done():
-                group = Group(secrets.token_hex(8), round_index, name, tuple(sorted(formation.members)), self.me)
+                members, formation.refused = admit(formation.members, self.stages)
+                for peer, reason in formation.refused.items():
+                    logger.warning(f"round {round_index}: left {peer[-8:]} out: {reason}")
+                group = Group(secrets.token_hex(8), round_index, name, tuple(sorted(members)), self.me,
+                              holdings=tuple((p, tuple(sorted(dict(members[p].slices)))) for p in sorted(members)),
+                              pipelines=tuple((p, members[p].pipeline) for p in sorted(members)
+                                              if members[p].pipeline))
+                self.book.add(group)
                 self._closed[key] = group
                 del self._forming[key]
                 for old in sorted(self._closed)[:-KEEP_CLOSED_ROUNDS]:
@@ -287,14 +367,49 @@ class Matchmaker:
                 formation.closed.set_result(group)
 
 
-def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str]]:
-    """A join request's formation key and the peers the joiner could not reach; PayloadError if malformed."""
+def admit(members: dict[str, Member], stages: int) -> tuple[dict[str, Member], dict[str, str]]:
+    """The members a closing formation keeps, and the others with the reason: for every slice the (fingerprint,
+    hash) most of its holders hold wins (ties broken by value) and a member that holds another one catches up
+    instead; then a pipeline group whose kept members do not bring all ``stages`` slices is left out whole."""
+    votes: dict[str, Counter] = {}
+    for member in members.values():
+        for name, held in member.slices:
+            votes.setdefault(name, Counter())[held] += 1
+    chosen = {name: max(counts, key=lambda held: (counts[held], held)) for name, counts in votes.items()}
+    refused = {peer: f"it holds another state of {next(n for n, held in m.slices if chosen[n] != held)} than the "
+                     f"others: it catches up" for peer, m in members.items()
+               if any(chosen[name] != held for name, held in m.slices)}
+    kept = {peer: m for peer, m in members.items() if peer not in refused}
+    brought: dict[str, set[str]] = {}
+    for m in kept.values():
+        if m.pipeline:
+            brought.setdefault(m.pipeline, set()).update(name for name, _ in m.slices)
+    incomplete = {name for name, slices in brought.items() if len(slices) < stages}
+    for peer, m in list(kept.items()):
+        if m.pipeline in incomplete:
+            refused[peer] = f"its pipeline group {m.pipeline} did not bring all {stages} stages to this round"
+            del kept[peer]
+    return kept, refused
+
+
+def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]:
+    """A join request's formation key, the peers the joiner could not reach, and what the joiner holds;
+    PayloadError if malformed."""
     round_index = wire.field(request, "round", int)
     if round_index < 0:
         raise PayloadError("join request for a negative round")
     key = (round_index, wire.field(request, "name", str), wire.field(request, "config", str),
-           wire.field(request, "exchange", str), wire.field(request, "state", str))
-    return key, set(wire.peer_ids(request, "unreachable"))
+           wire.field(request, "state", str))
+    listed = wire.field(request, "slices", dict)
+    if not 0 < len(listed) <= MAX_SLICES or not all(
+            isinstance(k, str) and 0 < len(k) <= 32 and isinstance(v, list) and len(v) == 2
+            and all(isinstance(x, str) and len(x) <= 256 for x in v) for k, v in listed.items()):
+        raise PayloadError("join request field 'slices' is not a map of slice -> [fingerprint, hash]")
+    pipeline = wire.field(request, "pipeline", str)
+    if len(pipeline) > 64:
+        raise PayloadError("pipeline group name too long")
+    member = Member(tuple(sorted((k, (v[0], v[1])) for k, v in listed.items())), pipeline)
+    return key, set(wire.peer_ids(request, "unreachable")), member
 
 
 def parse_group(response: dict[str, Any], round_index: int, name: str, coordinator: str) -> Group:
@@ -302,4 +417,13 @@ def parse_group(response: dict[str, Any], round_index: int, name: str, coordinat
     peers = wire.peer_ids(response, "peers")
     if not peers:
         raise PayloadError("empty group")
-    return Group(wire.field(response, "group_id", str), round_index, name, tuple(peers), coordinator)
+    holdings, pipelines = wire.field(response, "holdings", dict), wire.field(response, "pipelines", dict)
+    if set(holdings) != set(peers) or not all(
+            isinstance(v, list) and 0 < len(v) <= MAX_SLICES and all(isinstance(x, str) and len(x) <= 32 for x in v)
+            for v in holdings.values()):
+        raise PayloadError("group answer whose holdings do not list the slices of every member")
+    if not set(pipelines) <= set(peers) or not all(isinstance(v, str) and len(v) <= 64 for v in pipelines.values()):
+        raise PayloadError("group answer whose pipeline groups name non-members")
+    return Group(wire.field(response, "group_id", str), round_index, name, tuple(peers), coordinator, 0,
+                 tuple((p, tuple(sorted(set(holdings[p])))) for p in peers),
+                 tuple((p, pipelines[p]) for p in peers if p in pipelines))

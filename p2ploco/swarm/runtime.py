@@ -34,7 +34,7 @@ from p2ploco.swarm.records import (
     record_validator,
     settled,
 )
-from p2ploco.swarm.rounds import Matchmaker
+from p2ploco.swarm.rounds import GroupBook, Matchmaker
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, serves
 
 logger = logging.getLogger(__name__)
@@ -50,13 +50,15 @@ class Swarm:
                  state_server: StateServer, config: SwarmConfig, identity_path: str | None = None):
         self.loop, self.node, self.directory, self.communicator = loop, node, directory, communicator
         self.state_server, self.config, self.identity_path = state_server, config, identity_path
-        self._probes: dict[tuple[str, int, str], tuple[bool, float]] = {}  # claim -> (served, when asked)
+        self._probes: dict[tuple[str, int, str, str], tuple[bool, float]] = {}  # claim -> (served, when asked)
 
     @classmethod
     def join(cls, run_id: str, config: SwarmConfig, config_fingerprint: str, initial_peers: Sequence[str] = (),
              host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS, announce_maddrs: Sequence[str] = (),
-             identity_path: str | None = None, name: str = "", device: str = "") -> Swarm:
-        """Start the p2p daemon and DHT node, publish this peer's record and serve rounds and state."""
+             identity_path: str | None = None, name: str = "", device: str = "", role: str = "replica",
+             stages: int = 1) -> Swarm:
+        """Start the p2p daemon and DHT node, publish this peer's record and serve rounds and state. ``stages``:
+        how many slices a pipeline group of this run brings to a round."""
         loop = EventLoopThread()
 
         async def start() -> Swarm:
@@ -65,14 +67,15 @@ class Swarm:
                                         record_validator=validator)
             p2p, me_id = node.protocol.p2p, str(node.peer_id)
             me = PeerRecord(me_id, round=0, state=PeerState.JOINING, fingerprint=config_fingerprint,
-                            version=__version__, name=name or human_name(me_id), device=device,
+                            version=__version__, name=name or human_name(me_id), device=device, role=role,
                             addresses=(await visible_maddrs(node))[:MAX_ADDRESSES])
             directory = PeerDirectory(node, peers_key(run_id), owner, me, config.heartbeat_interval, config.peer_ttl,
                                       run_id=run_id)
             bans = Bans(config.ban_rounds)
-            matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout, bans)
+            book = GroupBook()
+            matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout, bans, stages, book)
             butterfly = ButterflyAllReduce(p2p, me_id, run_id, config.allreduce_timeout, bans)
-            commit = RoundCommit(p2p, me_id, run_id, config.allreduce_timeout)
+            commit = RoundCommit(p2p, me_id, run_id, config.allreduce_timeout, book)
             state_server = StateServer(p2p, run_id, config.allreduce_timeout)
             for service in (matchmaker, butterfly, commit, state_server):
                 await service.start()
@@ -102,10 +105,11 @@ class Swarm:
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)
 
-    def set_progress(self, round_index: int, state: str, params_sha256: str) -> None:
-        """Publish where this peer is: the round it works on and the hash of the state it started from."""
-        self.loop.run(self.directory.update(round=round_index, state=state, params_sha256=params_sha256),
-                      CALL_TIMEOUT)
+    def set_progress(self, round_index: int, state: PeerState, params_sha256: str, slices: dict[str, str]) -> None:
+        """Publish where this peer is: the round it works on and the hashes of the state it started from (of all
+        it holds, and of each slice)."""
+        self.loop.run(self.directory.update(round=round_index, state=state, params_sha256=params_sha256,
+                                            slices=dict(slices)), CALL_TIMEOUT)
 
     def report(self, **changes: object) -> None:
         """Update this peer's public record (loss, throughput, traffic, ...) and publish it at once."""
@@ -119,27 +123,34 @@ class Swarm:
         """Block until ``count`` peers (this one included) are present or the run is under way, or ``timeout``."""
         return self.loop.run(self.directory.wait_for_peers(count, timeout))
 
-    def swarm_state(self, round_index: int, params_sha256: str) -> SwarmState | None:
-        """The state this peer should hold to take part, given where it stands, from a fresh look at the records:
-        one that two or more peers vouch for, or else a lone peer's claim that it really serves (probed)."""
-        async def look() -> SwarmState | None:
-            me = replace(self.directory.me, round=round_index, params_sha256=params_sha256, state=PeerState.TRAINING)
-            for state in ranked_states(await self.directory.refresh(), me):
-                if state.vouched or me.peer_id in state.holders or await self._serves(state):
-                    return state
-            return None
+    def swarm_state(self, round_index: int, slices: dict[str, str]) -> dict[str, SwarmState]:
+        """For each slice this peer holds (name -> the hash it holds at ``round_index``), the state to follow, from
+        a fresh look at the records: one that two or more peers vouch for, this peer's own, or else a lone
+        peer's claim that it really serves (probed). Slices nobody else holds are left out."""
+        async def look() -> dict[str, SwarmState]:
+            me = replace(self.directory.me, round=round_index, slices=dict(slices), state=PeerState.TRAINING)
+            live = await self.directory.refresh()
+            chosen: dict[str, SwarmState] = {}
+            for name in slices:
+                for state in ranked_states(live, me, name):
+                    if state.vouched or me.peer_id in state.holders or await self._serves(state):
+                        chosen[name] = state
+                        break
+            return chosen
 
-        return self.loop.run(look(), CALL_TIMEOUT + len(self.directory.live) * PROBE_TIMEOUT)
+        return self.loop.run(look(), CALL_TIMEOUT + len(self.directory.live) * len(slices) * PROBE_TIMEOUT)
 
     async def _serves(self, claim: SwarmState) -> bool:
         """Whether the lone holder of ``claim`` serves that state (answers are remembered for a while)."""
-        key = (claim.holders[0], claim.round, claim.params_sha256)
+        key = (claim.holders[0], claim.round, claim.slice, claim.params_sha256)
         now = time.monotonic()
         self._probes = {k: v for k, v in self._probes.items() if now - v[1] < PROBE_MEMORY}
         if key not in self._probes:
-            served = await serves(self.node.protocol.p2p, self.state_server.handler_name, *key, PROBE_TIMEOUT)
+            served = await serves(self.node.protocol.p2p, self.state_server.handler_name, claim.holders[0], claim,
+                                  PROBE_TIMEOUT)
             if not served:
-                logger.info(f"{key[0][-8:]} claims round {key[1]} but does not serve it; not following it")
+                logger.info(f"{key[0][-8:]} claims {claim.slice} of round {key[1]} but does not serve it; not "
+                            f"following it")
             self._probes[key] = (served, now)
         return self._probes[key][0]
 
@@ -151,14 +162,22 @@ class Swarm:
         return self.loop.run(look(), CALL_TIMEOUT)
 
     def fetch_state(self, target: SwarmState) -> Snapshot:
-        """Download ``target`` from the peers that hold it (SwarmError if none can serve it)."""
-        return self.loop.run(fetch_state(self.node.protocol.p2p, self.state_server.handler_name,
-                                         list(target.holders), target.round, target.params_sha256,
+        """Download ``target`` (one slice) from the peers that hold it (SwarmError if none can serve it)."""
+        return self.loop.run(fetch_state(self.node.protocol.p2p, self.state_server.handler_name, target,
                                          self.config.allreduce_timeout))
 
-    def publish_state(self, snapshot: Snapshot) -> None:
-        """Serve ``snapshot`` to peers that catch up."""
-        self.loop.loop.call_soon_threadsafe(self.state_server.publish, snapshot)
+    def publish_state(self, snapshots: list[Snapshot]) -> None:
+        """Serve ``snapshots`` (one round, one per slice held) to peers that catch up."""
+        self.loop.loop.call_soon_threadsafe(self.state_server.publish, snapshots)
+
+    def claims(self) -> list[PeerRecord]:
+        """The fresh, not-leaving records of stage peers of our config (this one's included), from a fresh look."""
+        async def look() -> list[PeerRecord]:
+            live = await self.directory.refresh()
+            return [r for r in live.values() if r.role == "stage" and r.fingerprint == self.directory.me.fingerprint
+                    and r.state != PeerState.LEAVING and r.group and self.directory.fresh(r.peer_id)]
+
+        return self.loop.run(look(), CALL_TIMEOUT)
 
     def request_leave(self) -> None:
         """Start leaving now (safe from a signal handler): stop joining groups, tell the others."""

@@ -1,20 +1,22 @@
 """Serving and fetching the swarm's state: how a joining, restarted or lagging peer catches up.
 
-A snapshot is the global state at the start of a round: the parameters plus the outer state every
-peer holds alike, serialized (on first request) as one safetensors blob. Every node serves byte
-ranges of its two latest snapshots. A peer catching up fetches ranges from all donors at once, two
-streams per donor (so a donor's link does not idle a round trip per range), spreading the load; a
-range that fails or stalls past its deadline goes back in the queue for another donor, and that
-donor is not asked again. The blob's sha256, reported by every
-donor, and the parameters' hash, published in the donors' peer records, are both checked.
+A snapshot is the global state of one named slice (``stage0``, ...: the whole model when it is not cut
+into stages) at the start of a round: the slice's parameters plus the outer state every peer holds
+alike for them, serialized (on first request) as one safetensors blob. Every node serves byte ranges
+of the snapshots of its two latest rounds, one per slice it holds, so a stage peer fetches only its
+slice, from any holder: a full replica or the same stage of another group. A peer catching up fetches
+ranges from all donors at once, two streams per donor (so a donor's link does not idle a round trip
+per range), spreading the load; a range that fails or stalls past its deadline goes back in the queue
+for another donor, and that donor is not asked again. The blob's sha256, reported by every donor, and
+the slice's hash, published in the donors' peer records, are both checked.
 
 A range request, a wire message (``swarm/wire.py``) with no payload::
 
-    {v, round: the round the state starts, or -1 for the latest, offset, length: <= 4 MiB}
+    {v, round: the round the state starts, or -1 for the latest, slice, offset, length: <= 4 MiB}
 
-answered ``{v, status: ok, round, total, sha256, params_sha256}`` + the bytes of the range (none for a
-length of 0: the joiner's first question), ``{v, status: moved, round: the latest held}``, or
-``{v, status: empty}``.
+answered ``{v, status: ok, round, slice, total, sha256, params_sha256}`` + the bytes of the range (none
+for a length of 0: the joiner's first question), ``{v, status: moved, round: the latest held}``, or
+``{v, status: empty}`` (no state of that slice).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from p2ploco import faults
 from p2ploco.errors import PayloadError, SwarmError
 from p2ploco.metrics import params_sha256
 from p2ploco.swarm import wire
+from p2ploco.swarm.records import SwarmState
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class StateStatus(enum.StrEnum):
 @dataclass
 class Snapshot:
     round: int  # the round this state starts
+    slice: str  # the slice these parameters make up
     params: dict[str, torch.Tensor]  # CPU copies, owned by the snapshot
     shared: dict[str, torch.Tensor]
     params_sha256: str
@@ -70,7 +74,7 @@ class Snapshot:
         return self._blob
 
     @classmethod
-    def from_blob(cls, round_index: int, blob: bytes) -> Snapshot:
+    def from_blob(cls, round_index: int, slice_name: str, blob: bytes) -> Snapshot:
         """The snapshot in ``blob``; PayloadError if it is not a snapshot (not safetensors, or other sections)."""
         try:
             tensors = load_tensors(blob)
@@ -84,54 +88,58 @@ class Snapshot:
             if tensor.dtype != torch.float32 or (section == "param" and not torch.isfinite(tensor).all()):
                 raise PayloadError(f"state tensor {key[:64]!r} is not finite float32")
             (params if section == "param" else shared)[name] = tensor
-        return cls(round_index, params, shared, params_sha256(list(params), params.values()), blob)
+        return cls(round_index, slice_name, params, shared, params_sha256(list(params), params.values()), blob)
 
 
 class StateServer:
     def __init__(self, p2p: P2P, run_id: str, timeout: float):
         self.p2p, self.timeout = p2p, timeout
         self.handler_name = f"p2ploco/{run_id}/state"
-        self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
-        self._blob_hashes: dict[int, str] = {}  # round -> sha256 of the serialized snapshot, computed once
+        self.snapshots: OrderedDict[int, dict[str, Snapshot]] = OrderedDict()  # round -> slice -> snapshot
+        self._blob_hashes: dict[tuple[int, str], str] = {}  # sha256 of each serialized snapshot, computed once
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
 
-    def publish(self, snapshot: Snapshot) -> None:
-        """Serve ``snapshot`` (call on the loop); the oldest beyond KEEP_SNAPSHOTS is dropped."""
-        self.snapshots[snapshot.round] = snapshot
+    def publish(self, snapshots: list[Snapshot]) -> None:
+        """Serve the snapshots of one round, one per slice held (call on the loop); rounds beyond KEEP_SNAPSHOTS
+        are dropped, oldest first. A peer that changes the slices it holds (a stage peer that moves) serves the
+        new ones from this round on."""
+        for snapshot in snapshots:
+            self.snapshots.setdefault(snapshot.round, {})[snapshot.slice] = snapshot
         while len(self.snapshots) > KEEP_SNAPSHOTS:
             dropped, _ = self.snapshots.popitem(last=False)
-            self._blob_hashes.pop(dropped, None)
+            self._blob_hashes = {key: value for key, value in self._blob_hashes.items() if key[0] != dropped}
 
     async def _describe(self, snapshot: Snapshot) -> tuple[bytes, str]:
         loop = asyncio.get_running_loop()
         blob = await loop.run_in_executor(None, snapshot.blob)
-        if snapshot.round not in self._blob_hashes:
-            self._blob_hashes[snapshot.round] = await loop.run_in_executor(
-                None, lambda: hashlib.sha256(blob).hexdigest())
-        return blob, self._blob_hashes[snapshot.round]
+        key = (snapshot.round, snapshot.slice)
+        if key not in self._blob_hashes:
+            self._blob_hashes[key] = await loop.run_in_executor(None, lambda: hashlib.sha256(blob).hexdigest())
+        return blob, self._blob_hashes[key]
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.timeout)
-            wanted = wire.field(request, "round", int)
+            wanted, slice_name = wire.field(request, "round", int), wire.field(request, "slice", str)
             offset, length = wire.field(request, "offset", int), wire.field(request, "length", int)
-            if not self.snapshots:
+            rounds = [r for r, held in self.snapshots.items() if slice_name in held]
+            if not rounds:
                 await wire.write_message(writer, {"status": StateStatus.EMPTY})
                 return
-            snapshot = self.snapshots.get(wanted) or (self.snapshots[next(reversed(self.snapshots))]
-                                                      if wanted == LATEST else None)
-            if snapshot is None:
-                await wire.write_message(writer, {"status": StateStatus.MOVED, "round": next(reversed(self.snapshots))})
+            round_held = rounds[-1] if wanted == LATEST else wanted
+            if round_held not in rounds:
+                await wire.write_message(writer, {"status": StateStatus.MOVED, "round": rounds[-1]})
                 return
+            snapshot = self.snapshots[round_held][slice_name]
             blob, blob_sha = await self._describe(snapshot)
             if not (0 <= offset <= len(blob) and 0 <= length <= PART_BYTES):
                 raise PayloadError(f"bad range {offset}+{length} of a {len(blob)}-byte state")
             if length:  # a range, not the joiner's first question (which round, how big)
                 await faults.hit_async("state.serve", snapshot.round)
-            header = {"status": StateStatus.OK, "round": snapshot.round, "total": len(blob), "sha256": blob_sha,
-                      "params_sha256": snapshot.params_sha256}
+            header = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": len(blob),
+                      "sha256": blob_sha, "params_sha256": snapshot.params_sha256}
             await asyncio.wait_for(wire.write_message(writer, header, blob[offset : offset + length]), self.timeout)
         except (PayloadError, *wire.TRANSPORT_ERRORS) as e:  # a bad request or a vanished joiner never hurts the donor
             logger.info(f"state request from {str(stream_info.peer_id)[-8:]} failed: {e!r}")
@@ -141,44 +149,47 @@ class StateServer:
             writer.close()
 
 
-async def _request(p2p: P2P, handler: str, donor: str, round_index: int, offset: int, length: int,
+async def _request(p2p: P2P, handler: str, donor: str, round_index: int, slice_name: str, offset: int, length: int,
                    timeout: float) -> tuple[dict[str, Any], bytes]:
-    request = {"round": round_index, "offset": offset, "length": length}
+    request = {"round": round_index, "slice": slice_name, "offset": offset, "length": length}
     return await asyncio.wait_for(wire.call(p2p, donor, handler, request, max_payload=PART_BYTES), timeout)
 
 
-def parse_description(header: dict[str, Any], round_index: int, params_sha256: str) -> tuple[int, str] | None:
-    """The blob size and sha256 a donor describes for the state (``round_index``, ``params_sha256``), or None if
-    it holds another state; PayloadError if the answer is malformed."""
+def parse_description(header: dict[str, Any], round_index: int, slice_name: str,
+                      params_sha256: str) -> tuple[int, str] | None:
+    """The blob size and sha256 a donor describes for the state of ``slice_name`` (``round_index``,
+    ``params_sha256``), or None if it holds another state; PayloadError if the answer is malformed."""
     if wire.status(header, StateStatus) != StateStatus.OK:
         return None
     total, blob_sha = wire.field(header, "total", int), wire.field(header, "sha256", str)
     if total < 0:
         raise PayloadError("negative state size")
-    if wire.field(header, "round", int) != round_index or wire.field(header, "params_sha256", str) != params_sha256:
+    if (wire.field(header, "round", int), wire.field(header, "slice", str),
+            wire.field(header, "params_sha256", str)) != (round_index, slice_name, params_sha256):
         return None
     return total, blob_sha
 
 
-async def serves(p2p: P2P, handler: str, donor: str, round_index: int, params_sha256: str, timeout: float) -> bool:
-    """Whether ``donor`` serves the state that starts ``round_index`` with parameters ``params_sha256``."""
+async def serves(p2p: P2P, handler: str, donor: str, state: SwarmState, timeout: float) -> bool:
+    """Whether ``donor`` serves ``state`` (a slice's parameters at the start of a round)."""
     try:
-        header, _ = await _request(p2p, handler, donor, round_index, 0, 0, timeout)
-        return parse_description(header, round_index, params_sha256) is not None
+        header, _ = await _request(p2p, handler, donor, state.round, state.slice, 0, 0, timeout)
+        return parse_description(header, state.round, state.slice, state.params_sha256) is not None
     except (PayloadError, *wire.TRANSPORT_ERRORS):
         return False
 
 
-async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: int, expected_params_sha256: str,
-                      timeout: float) -> Snapshot:
-    """Download the state that starts ``round_index`` from ``donors``; SwarmError if they cannot provide it."""
+async def fetch_state(p2p: P2P, handler: str, target: SwarmState, timeout: float) -> Snapshot:
+    """Download ``target`` (a slice at the start of a round) from its holders; SwarmError if they cannot."""
     started = time.monotonic()
+    round_index, slice_name, expected_params_sha256 = target.round, target.slice, target.params_sha256
     # 1. Which donors hold that round, how big is it, and what is its checksum?
     described: dict[str, tuple[int, str]] = {}
+    donors = list(target.holders)
     for donor in donors:
         try:
-            header, _ = await _request(p2p, handler, donor, round_index, 0, 0, timeout)
-            description = parse_description(header, round_index, expected_params_sha256)
+            header, _ = await _request(p2p, handler, donor, round_index, slice_name, 0, 0, timeout)
+            description = parse_description(header, round_index, slice_name, expected_params_sha256)
         except (PayloadError, *wire.TRANSPORT_ERRORS) as e:  # unreachable or confused donors are skipped
             logger.info(f"donor {donor[-8:]} did not describe its state: {e!r}")
             continue
@@ -186,7 +197,7 @@ async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: in
             described[donor] = description
     agreed = set(described.values())
     if not described or len(agreed) != 1:
-        raise SwarmError(f"no donor serves the state of round {round_index} with the expected hash "
+        raise SwarmError(f"no donor serves {slice_name} of round {round_index} with the expected hash "
                          f"({len(described)} of {len(donors)} answered, {len(agreed)} distinct blobs)")
     total, blob_sha = agreed.pop()
 
@@ -211,9 +222,9 @@ async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: in
                 return
             length = min(part, total - offset)
             try:
-                header, data = await _request(p2p, handler, donor, round_index, offset, length, timeout)
-                if parse_description(header, round_index, expected_params_sha256) != (total, blob_sha) or len(
-                        data) != length:
+                header, data = await _request(p2p, handler, donor, round_index, slice_name, offset, length, timeout)
+                if parse_description(header, round_index, slice_name, expected_params_sha256) != (
+                        total, blob_sha) or len(data) != length:
                     raise PayloadError(f"donor answered {header.get('status')!r} with {len(data)} bytes")
             except (PayloadError, *wire.TRANSPORT_ERRORS) as e:
                 logger.info(f"donor {donor[-8:]} failed on range {offset}: {e!r}; leaving it to the others")
@@ -229,16 +240,16 @@ async def fetch_state(p2p: P2P, handler: str, donors: list[str], round_index: in
     if offsets:
         await asyncio.gather(*(worker(donor) for donor in described for _ in range(STREAMS_PER_DONOR)))
     if len(received) != len(offsets):
-        raise SwarmError(f"state download of round {round_index} failed: every donor stalled or failed")
+        raise SwarmError(f"download of {slice_name} of round {round_index} failed: every donor stalled or failed")
     blob = b"".join(received[offset] for offset in sorted(received))
     if hashlib.sha256(blob).hexdigest() != blob_sha:
-        raise SwarmError(f"downloaded state of round {round_index} does not match its checksum")
+        raise SwarmError(f"downloaded {slice_name} of round {round_index} does not match its checksum")
     try:
-        snapshot = Snapshot.from_blob(round_index, blob)
+        snapshot = Snapshot.from_blob(round_index, slice_name, blob)
     except PayloadError as e:  # a blob that passed the checksum yet does not parse: every donor served garbage
-        raise SwarmError(f"downloaded state of round {round_index} is malformed ({e})") from None
+        raise SwarmError(f"downloaded {slice_name} of round {round_index} is malformed ({e})") from None
     if snapshot.params_sha256 != expected_params_sha256:
-        raise SwarmError(f"downloaded state of round {round_index} does not match the donors' published hash")
-    logger.info(f"fetched {total / 1e6:.1f} MB of state from {len(described)} donors in "
+        raise SwarmError(f"downloaded {slice_name} of round {round_index} does not match the donors' published hash")
+    logger.info(f"fetched {total / 1e6:.1f} MB of {slice_name} from {len(described)} donors in "
                 f"{time.monotonic() - started:.1f} s")
     return snapshot

@@ -1,0 +1,190 @@
+"""What a node trains as: a full replica, or one stage of a pipeline group.
+
+``Node`` keeps the lifecycle (join, catch up, rounds, records, checkpoints, leave); a role owns the
+worker and decides when it may train a round. A replica holds the whole model and may always train.
+A stage peer takes a (group, stage) slot (``pipeline/groups.py``: the rules every peer applies to the
+same signed records), holds that stage's slice, and trains a round only when its pipeline group is
+complete and every stage of it has reached that round; it then links to the group's other stages over
+hivemind streams (``pipeline/links.py``). Until then it waits as standby, keeping its slice up to date,
+and it serves that slice to peers catching up like any holder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from hivemind.utils import get_dht_time
+
+from p2ploco.config import Config
+from p2ploco.data import ShardSampler, TrainingData
+from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch
+from p2ploco.pipeline.links import RemoteTransport, Schedule, StageLinks, StageLinkServer
+from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.runtime import Swarm
+from p2ploco.worker import Worker, build_replica, build_stage
+
+logger = logging.getLogger(__name__)
+
+REPLICA, STAGE = "replica", "stage"
+IN_ROUND = (PeerState.TRAINING, PeerState.AVERAGING)  # a stage that announced it is in for its round
+ASSEMBLY_POLL = 0.25  # seconds between looks at whether the other stages of a group are in for the round
+
+
+@dataclass(frozen=True)
+class RoleOptions:
+    kind: str = REPLICA  # replica (the whole model) or stage (one stage of a pipeline group)
+    group: str | None = None  # a stage's pinned pipeline group (None: any)
+    stage: int | None = None  # a stage's pinned stage (None: any)
+
+
+def schedule_digest(config: Config) -> str:
+    """What the stages of a pipeline group must share to step together: the inner settings and the window."""
+    shared = {"inner": asdict(config.inner), "seq_len": config.data.seq_len}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Role(ABC):
+    kind: str
+    evaluates: bool  # whether this peer can score the held-out data (it holds the whole model)
+    worker: Worker | None = None
+    waiting_for = ""  # why the last ready() said no, for the node's log
+
+    def place(self) -> bool:
+        """Settle which part of the model this peer holds; True if that gave it a new worker (whose state is the
+        seed's: the swarm's comes with the next catch-up)."""
+        return False
+
+    def ready(self, round_index: int, announce: Callable[[], None], stopping: threading.Event) -> bool:
+        """Whether this peer may train ``round_index`` now; ``announce`` publishes that it is in for the round
+        (a stage calls it once its group is complete, then waits, bounded, for the other stages to be in too)."""
+        return True
+
+    def record_fields(self) -> dict[str, Any]:
+        """What this role adds to a round record (role, group, stage, boundary traffic)."""
+        return {"role": self.kind}
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        return {}
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line on what this peer holds."""
+
+
+class ReplicaRole(Role):
+    kind, evaluates = REPLICA, True
+
+    def __init__(self, config: Config, device: torch.device, data: TrainingData, swarm: Swarm):
+        c = config
+        sampler = ShardSampler(data.train, c.data.seq_len, c.inner.batch_size, c.run_id, swarm.peer_id)
+        self.worker = build_replica(c, device, sampler)
+
+    def describe(self) -> str:
+        return f"full replica, {sum(p.numel() for p in self.worker.model.parameters()) / 1e6:.2f}M params"
+
+
+class StageRole(Role):
+    kind, evaluates = STAGE, False
+
+    def __init__(self, config: Config, device: torch.device, data: TrainingData, swarm: Swarm,
+                 options: RoleOptions):
+        self.config, self.device, self.data, self.swarm, self.options = config, device, data, swarm, options
+        self.server = StageLinkServer(swarm.node.protocol.p2p, config.run_id, config.swarm.allreduce_timeout)
+        swarm.loop.run(self.server.start(), 30)
+        self.schedule = schedule_digest(config)
+        self.slot: tuple[str, int] | None = None
+        self.links: StageLinks | None = None
+        self.transport: RemoteTransport | None = None
+        self._counted = (0, 0)  # boundary bytes sent and received as of the last record
+
+    def pin(self, group: str, stage: int) -> None:
+        """Claim this slot (a stage resumed from its checkpoint goes back to the stage it holds)."""
+        self.options = RoleOptions(STAGE, self.options.group or group, stage)
+
+    def _claims(self) -> list[tuple[Claim, str, int, str]]:
+        return [(Claim(r.peer_id, r.group, r.stage, r.since), r.schedule, r.round, r.state)
+                for r in self.swarm.claims()]
+
+    def place(self) -> bool:
+        me = self.swarm.peer_id
+        claims = [claim for claim, *_ in self._claims() if claim.peer_id != me]
+        if self.slot is not None:
+            claims.append(Claim(me, *self.slot, self.swarm.directory.me.since))
+        slot = choose_slot(claims, me, self.config.pipeline.stages, self.options.group, self.options.stage)
+        if slot == self.slot:
+            return False
+        logger.info(f"stage slot {slot[0]}/{slot[1]} (was {self.slot})")
+        self.slot, self.links = slot, None
+        self.swarm.report(group=slot[0], stage=slot[1], since=get_dht_time(), schedule=self.schedule)
+        if self.worker is not None and self.worker.inner.gradients.stage == slot[1]:
+            return False  # the same stage of another group: the same slice, kept
+        self.worker = build_stage(self.config, self.device, slot[1])
+        return True
+
+    def _group(self) -> tuple[tuple[str, ...] | None, dict[str, tuple[str, int, str]]]:
+        """The holders of this peer's group if it is complete and this peer holds its slot (else None), and each
+        holder's (schedule, round, state)."""
+        group, stage = self.slot
+        claims = self._claims()
+        peers = complete_groups([claim for claim, *_ in claims], self.config.pipeline.stages).get(group)
+        if peers is None or peers[stage] != self.swarm.peer_id:
+            return None, {}
+        return peers, {claim.peer_id: (schedule, round_of, state) for claim, schedule, round_of, state in claims
+                       if claim.peer_id in peers}
+
+    def ready(self, round_index: int, announce: Callable[[], None], stopping: threading.Event) -> bool:
+        group, stage = self.slot
+        peers, mates = self._group()
+        if peers is None:
+            self.waiting_for = f"group {group} to have all {self.config.pipeline.stages} stages"
+            return False
+        if any(schedule != self.schedule for schedule, _, _ in mates.values()):
+            self.waiting_for = (f"group {group}'s stages to share inner settings (inner.* and data.seq_len must "
+                                f"match on every stage)")
+            return False
+        links = StageLinks(group, formation_epoch(group, peers), peers)
+        if links != self.links:
+            self.links = links
+            self.transport = RemoteTransport(self.swarm.loop, self.server, links, stage, Schedule.of(self.config),
+                                             self.config.swarm.allreduce_timeout)
+            c = self.config
+            sampler = (ShardSampler(self.data.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"group-{group}")
+                       if stage == 0 else None)
+            self.worker.inner.gradients.link(self.transport, sampler)
+            self._counted = (0, 0)
+        # In for this round: the round's coordinator now waits for this stage; the others may send to it.
+        announce()
+        deadline = time.monotonic() + self.config.swarm.matchmaking_timeout
+        while not stopping.is_set() and time.monotonic() < deadline:
+            peers_now, mates = self._group()
+            if peers_now != peers:
+                break  # the group changed while it assembled
+            if all(round_of == round_index and state in IN_ROUND for _, round_of, state in mates.values()):
+                return True
+            stopping.wait(min(self.config.swarm.heartbeat_interval, ASSEMBLY_POLL))
+        self.waiting_for = f"every stage of group {group} to be in round {round_index}"
+        return False
+
+    def record_fields(self) -> dict[str, Any]:
+        sent, received = (self.transport.bytes_sent, self.transport.bytes_received) if self.transport else (0, 0)
+        fields = {"role": STAGE, "group": self.slot[0], "stage": self.slot[1],
+                  "boundary_bytes_sent": sent - self._counted[0],
+                  "boundary_bytes_received": received - self._counted[1]}
+        self._counted = (sent, received)
+        return fields
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        return {"slot": list(self.slot)}
+
+    def describe(self) -> str:
+        return (f"stage {self.slot[1]} of pipeline group {self.slot[0]}, "
+                f"{sum(p.numel() for p in self.worker.model.parameters()) / 1e6:.2f}M params")

@@ -1,0 +1,85 @@
+"""Pipeline groups of real stage peers over hivemind, next to a full replica: every holder of a slice agrees
+after every round, and a group that loses a stage re-forms with a newcomer while the replica trains on."""
+
+import re
+import signal
+
+import pytest
+
+from p2ploco.launch import REPO_ROOT, LocalSwarm
+
+PIPELINE_CONFIG = REPO_ROOT / "configs" / "tiny-pipeline.yaml"
+FAST = ["--set", "inner.steps=4", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=6",
+        "--set", "swarm.heartbeat_interval=0.5", "--set", "model.max_seq_len=64", "--set", "data.seq_len=64"]
+
+
+def stage(group: str, index: int) -> list[str]:
+    return ["--role", "stage", "--group", group, "--stage", str(index)]
+
+
+def slices_agree(runs: dict[str, list[dict]]) -> dict[tuple[str, int], set[str]]:
+    """(slice, round) -> the hashes its holders that applied the round hold after it."""
+    held: dict[tuple[str, int], set[str]] = {}
+    for records in runs.values():
+        for r in records:
+            if r["applied"]:
+                for name, digest in r["slice_sha256"].items():
+                    held.setdefault((name, r["round"]), set()).add(digest)
+    return held
+
+
+@pytest.mark.timeout(300)
+def test_a_full_replica_and_a_group_of_two_stage_peers_train_through_a_stock_hivemind_dht(tmp_path):
+    rounds = 4
+    with LocalSwarm(tmp_path, bootstrap="hivemind") as swarm:
+        common = [*FAST, "--max-rounds", str(rounds), "--set", "swarm.min_peers=3"]
+        nodes = {"full": swarm.start_node("full", PIPELINE_CONFIG, *common),
+                 "s0": swarm.start_node("s0", PIPELINE_CONFIG, *common, *stage("g0", 0)),
+                 "s1": swarm.start_node("s1", PIPELINE_CONFIG, *common, *stage("g0", 1))}
+        assert [node.process.wait(240) for node in nodes.values()] == [0, 0, 0]
+        runs = {name: swarm.records(name) for name in nodes}
+    held = slices_agree(runs)
+    assert {round_index for _, round_index in held} == set(range(rounds))
+    assert all(len(hashes) == 1 for hashes in held.values()), held
+    for name, index in (("s0", 0), ("s1", 1)):  # each stage holds its slice, trains with the group, averages it
+        assert all(r["role"] == "stage" and r["group"] == "g0" and r["stage"] == index for r in runs[name])
+        assert all(set(r["slice_sha256"]) == {f"stage{index}"} and r["applied"] and r["peers"] == 3
+                   for r in runs[name])
+        assert all(r["boundary_bytes_sent"] > 0 and r["boundary_bytes_received"] > 0 for r in runs[name])
+        assert all(r["eval_loss"] is None for r in runs[name])
+    full = runs["full"]
+    assert all(r["role"] == "replica" and r["group"] is None and r["peers"] == 3 for r in full)
+    assert set(full[0]["slice_sha256"]) == {"stage0", "stage1"}
+    assert full[-1]["eval_loss"] < full[0]["eval_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_group_that_loses_a_stage_re_forms_with_a_newcomer_while_the_replica_trains_on(tmp_path):
+    with LocalSwarm(tmp_path) as swarm:
+        common = [*FAST, "--set", "swarm.min_peers=3"]
+        full = swarm.start_node("full", PIPELINE_CONFIG, *common, "--max-rounds", "12")
+        swarm.start_node("s0", PIPELINE_CONFIG, *common, *stage("g0", 0))
+        dying = swarm.start_node("s1", PIPELINE_CONFIG, *common, *stage("g0", 1),
+                                 env={"P2PLOCO_FAULTS": "inner.step@3=kill"})  # killed in the middle of round 3
+        assert dying.process.wait(180) == -signal.SIGKILL
+        full.wait_for_line(re.compile(r"round\s+4 \|"), 120)  # the replica trained on without the group
+        newcomer = swarm.start_node("new", PIPELINE_CONFIG, *common, "--role", "stage")  # takes the free slot
+        caught_up = int(newcomer.wait_for_line(re.compile(r"caught up to round (\d+)"), 120).group(1))
+        newcomer.wait_for_line(re.compile(r"round\s+\d+ \| peers 3 \|(?!.*NOT APPLIED)"), 120)
+        assert full.process.wait(240) == 0
+        swarm.nodes["s0"].signal(signal.SIGTERM)
+        newcomer.signal(signal.SIGTERM)
+        assert [swarm.nodes[n].process.wait(60) for n in ("s0", "new")] == [0, 0]
+        runs = {name: swarm.records(name) for name in ("full", "s0", "new")}
+    assert all(len(hashes) == 1 for hashes in slices_agree(runs).values())
+    replica = {r["round"]: r for r in runs["full"]}
+    assert all(replica[r]["applied"] for r in range(12))  # every round committed, with or without the group
+    assert replica[3]["peers"] < 3  # the round the stage died in went on without the group
+    s0 = {r["round"]: r for r in runs["s0"]}
+    assert not s0[3]["applied"] and s0[3]["excluded"]  # its group failed that round: it contributed nothing
+    first = runs["new"][0]
+    assert first["role"] == "stage" and (first["group"], first["stage"]) == ("g0", 1) and first["round"] >= caught_up
+    assert first["state_source"] == "peer" and set(first["slice_sha256"]) == {"stage1"}
+    trained_again = [r for r in runs["new"] if r["applied"] and r["peers"] == 3]
+    assert trained_again and all(s0[r["round"]]["applied"] for r in trained_again)  # the group, whole again
