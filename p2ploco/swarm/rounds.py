@@ -12,8 +12,11 @@ A peer that is ready for round r sends the coordinator a join request and waits;
 closes the group when every live peer that works on round r from the same state with the same config
 (and still renews its record and can be dialled: a crashed peer is not waited for) has joined, or
 ``matchmaking_timeout`` after the first join, and answers every waiting peer with the same ordered
-list. A late peer is told so: it applies nothing this round and catches up from the swarm after. A
-peer this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
+list. Neither side polls the DHT for it: a joiner uses the view its heartbeat holds (if taken since it
+moved to the round), the coordinator looks up the records once as the first peer joins and then
+re-judges on events (a join, a heartbeat's lookup, a probe), so the last join closes the group at once.
+A late peer is told so: it applies nothing this round and catches up from the swarm after. A peer
+this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
 starting state differ never share a group. A member checks the group it is given against its own
 view (every member a known live peer, itself included) and refuses an implausible one, trying the
 next coordinator. The coordinator needs no pseudo-gradient of its own: it serves joins from its event
@@ -193,7 +196,7 @@ class Matchmaker:
         (exchange fingerprint, hash)) and, for a stage peer, its pipeline group: a group of one if it is alone,
         None if it came too late, is banned, was refused, or is leaving, and must apply nothing this round."""
         me = self.directory.me
-        state, _ = round_state(await self.directory.refresh(), me, round_index)  # a fresh view: newcomers count
+        state, _ = round_state(await self.directory.view(), me, round_index)  # no lookup if the heartbeat's will do
         request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state,
                    "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
                    "unreachable": []}
@@ -316,9 +319,12 @@ class Matchmaker:
         formation over to a better-scored peer that has come into view (every member retries there)."""
         round_index, name, config, state = key = formation.key
         probed = time.monotonic()
+        self.directory.watchers.add(formation.changed)  # a heartbeat's lookup is an event too
         try:
+            await self.directory.refresh()  # once, when the first peer joins: who works on this round?
             while time.monotonic() < formation.deadline:
-                live = await self.directory.refresh()
+                formation.changed.clear()  # whatever happens from here on wakes the wait below
+                live = self.directory.live
                 best = best_coordinator(self.candidates(formation.unreachable) | {self.me}, round_index, state)
                 if best != self.me:
                     del self._forming[key]
@@ -345,12 +351,17 @@ class Matchmaker:
                     alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
                                                    for p in awaited))
                     formation.dead.update(p for p, ok in zip(awaited, alive) if not ok)
-                formation.changed.clear()
+                # Woken by a join, a heartbeat's lookup, the next probe, the end of the joiners' grace or the
+                # deadline: no polling of the DHT.
+                wake = min(probed + PROBE_EVERY, formation.deadline)
+                if joiners_welcome:
+                    wake = min(wake, formation.opened + JOINER_GRACE * self.timeout)
                 try:
-                    await asyncio.wait_for(formation.changed.wait(), min(0.5, formation.deadline - time.monotonic()))
+                    await asyncio.wait_for(formation.changed.wait(), max(0.0, wake - time.monotonic()))
                 except TimeoutError:
                     pass
         finally:
+            self.directory.watchers.discard(formation.changed)
             if not formation.closed.done():
                 members, formation.refused = admit(formation.members, self.stages)
                 for peer, reason in formation.refused.items():
