@@ -4,7 +4,8 @@ Every host is a network namespace with its own address on one bridge (10.77.0.0/
 own too, which also runs the bootstrap peer `p2ploco dht` at 10.77.0.254). A host's link is capped both ways
 by a tbf qdisc (its upload on its side of the veth, its download on the bridge's side). Each host runs one
 real `p2ploco node start` (with its p2p daemon) that joins through the bootstrap peer and trains `--rounds`
-rounds with the others. A setting is an algorithm and a rate: uniform (`100`: every host at 100 Mbit/s) or
+rounds with the others, stating its cap as its link rate (``swarm.bandwidth_mbit``: transfer deadlines
+follow it). A setting is an algorithm and a rate: uniform (`100`: every host at 100 Mbit/s) or
 mixed (`1000,20`: host 0 at 1 Gbit/s, the rest at 20 Mbit/s; the last rate repeats). Nothing leaves the
 machine: the namespaces reach only each other.
 
@@ -209,7 +210,8 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                 argv = cli("node", "start", "--config", config_path, "--initial-peers", address, "--host-maddrs",
                            f"/ip4/{host.address}/tcp/0", "--log-dir", str(workdir / f"h{i}"), "--max-rounds",
                            str(rounds), "--identity", str(workdir / f"h{i}.key"),
-                           *[item for s in sets for item in ("--set", s)])
+                           *[item for s in sets for item in ("--set", s)],
+                           "--set", f"swarm.bandwidth_mbit={setting.rates[i]:g}")
                 children.append(Child(f"h{i}", network.run_in(host.namespace, argv), workdir / f"h{i}.log",
                                       metrics_dir=workdir / f"h{i}"))
             return watch(setting, children[1:], rounds, timeout)

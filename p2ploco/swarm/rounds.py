@@ -14,7 +14,8 @@ closes the group when every live peer that works on round r from the same state 
 ``matchmaking_timeout`` after the first join, and answers every waiting peer with the same ordered
 list. Neither side polls the DHT for it: a joiner uses the view its heartbeat holds (if taken since it
 moved to the round), the coordinator looks up the records once as the first peer joins and then
-re-judges on events (a join, a heartbeat's lookup, a probe), so the last join closes the group at once.
+re-judges on events (a join, a heartbeat's lookup, a probe), so the last join closes the group at once
+(it looks again only before closing without a peer that its view shows at an earlier round).
 A late peer is told so: it applies nothing this round and catches up from the swarm after. A peer
 this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
 starting state differ never share a group. A member checks the group it is given against its own
@@ -140,6 +141,7 @@ class _Formation:
     refused: dict[str, str] = field(default_factory=dict)  # members the closed formation left out, and why
     unreachable: set[str] = field(default_factory=set)  # peers the members could not reach
     dead: set[str] = field(default_factory=set)  # expected peers the coordinator could not reach while waiting
+    joined: float = field(default_factory=time.monotonic)  # when the latest member joined
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -302,7 +304,8 @@ class Matchmaker:
             formation = _Formation(key, time.monotonic() + self.timeout)
             self._forming[key] = formation
             asyncio.get_running_loop().create_task(self._close_when_complete(formation))
-        formation.members.setdefault(sender, member)
+        if sender not in formation.members:
+            formation.members[sender], formation.joined = member, time.monotonic()
         formation.unreachable |= unreachable
         formation.changed.set()
         outcome: Group | str = await asyncio.shield(formation.closed)
@@ -344,6 +347,14 @@ class Matchmaker:
                             and (r.state != PeerState.JOINING or joiners_welcome)
                             and self.directory.fresh(p) and p not in banned}
                 if expected - formation.dead <= set(formation.members):
+                    # A peer of this run still at an earlier round in this view may have moved to this one since
+                    # the view was taken: before closing without it, one fresh look (none when all are in).
+                    behind = {p for p, r in live.items() if r.round < round_index and r.fingerprint == config
+                              and r.state not in (PeerState.LEAVING, PeerState.STANDBY) and self.directory.fresh(p)
+                              and p not in banned} - set(formation.members) - formation.dead
+                    if behind and self.directory.refreshed_at < formation.joined:
+                        await self.directory.refresh()
+                        continue
                     break
                 if time.monotonic() >= probed + PROBE_EVERY:  # a peer killed in its inner steps is not waited for
                     probed = time.monotonic()
