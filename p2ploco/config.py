@@ -137,7 +137,10 @@ class SwarmConfig:
     """Timeouts and sizes of the peer-to-peer rounds; every wait in a round is bounded."""
 
     matchmaking_timeout: float = 20.0  # longest wait from the first ready peer to the round's start
-    allreduce_timeout: float = 60.0  # longest wait for any one transfer of an all-reduce
+    allreduce_timeout: float = 60.0  # longest wait for any one transfer of an all-reduce, plus its bytes' time:
+    min_bandwidth_mbit: float = 10.0  # the slowest link a transfer's deadline allows for (swarm/deadlines.py)
+    bandwidth_mbit: float = 0.0  # this peer's link, published so others' deadlines fit it (0: not stated)
+    max_transfer_timeout: float = 900.0  # cap on any one transfer's deadline, however large its payload
     heartbeat_interval: float = 2.0  # how often a node refreshes its record in the DHT
     peer_ttl: float = 10.0  # a record not refreshed for this long marks its peer as gone
     min_peers: int = 1  # peers (self included) to wait for before the first round
@@ -284,6 +287,12 @@ def validate(config: Config) -> None:
          f"swarm.peer_ttl ({s.peer_ttl}) must be at least 3 x swarm.heartbeat_interval ({s.heartbeat_interval}) "
          f"and {MIN_PEER_TTL:.0f} s (a DHT lookup may take 3 s, and records must outlive it)"),
         (s.min_peers >= 1, "swarm.min_peers must be at least 1"),
+        (0 < s.min_bandwidth_mbit <= 1e6 and 0 <= s.bandwidth_mbit <= 1e6,
+         f"swarm.min_bandwidth_mbit ({s.min_bandwidth_mbit}) must be in (0, 1e6] and swarm.bandwidth_mbit "
+         f"({s.bandwidth_mbit}) in [0, 1e6] Mbit/s (0: not stated)"),
+        (s.allreduce_timeout <= s.max_transfer_timeout <= MAX_WAIT,
+         f"swarm.max_transfer_timeout ({s.max_transfer_timeout}) must be in [swarm.allreduce_timeout="
+         f"{s.allreduce_timeout}, {MAX_WAIT:.0f}] seconds"),
         (0 <= s.ban_rounds <= MAX_BAN_ROUNDS,
          f"swarm.ban_rounds ({s.ban_rounds}) must be in [0, {MAX_BAN_ROUNDS}] (0: a peer caught sending malformed "
          f"data is dropped only from the round it was caught in)"),

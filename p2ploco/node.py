@@ -305,11 +305,12 @@ class Node:
             update_norm=update_norm([before[name] for name in worker.names], worker.outer.params),
             applied=comm.committed, excluded=comm.excluded)
 
-    @staticmethod
-    def _record(swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
+    def _record(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
                 **fields: Any) -> RoundRecord:
         worker = role.worker
+        utilisation = RoundRecord.utilisation(float(fields.get("inner_seconds", 0.0)), self.records, started)
         return RoundRecord(round=round_index, **{"peers": 1, "eval_loss": None, **fields},
+                           compute_utilisation=utilisation,
                            params_sha256=worker.params_sha256, slice_sha256=dict(worker.slice_sha256),
                            round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id,
                            joined_round=membership.joined_round, state_source=membership.source,

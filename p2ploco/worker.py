@@ -31,7 +31,6 @@ from p2ploco.inner import GradientSource, InnerStats, InnerTrainer, LocalBatches
 from p2ploco.metrics import params_sha256
 from p2ploco.model import Transformer, stage_layers
 from p2ploco.outer import build_outer
-from p2ploco.outer.base import copy_state
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.pipeline.slices import group_by_slice
 from p2ploco.pipeline.subspace import PlainBoundary, Subspace, SubspaceConstraint, constrained_dims
@@ -131,7 +130,7 @@ class Worker:
         try:
             self.outer.load_params([saved.params[name] for name in self.names])
             self.outer.load_shared_state(saved.shared)
-            copy_state(self.outer.local_state(), {k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
+            self.outer.load_local_state({k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
             self.inner.load_optimizer_state({k[6:]: v for k, v in saved.local.items() if k.startswith("inner/")},
                                             saved.extras["inner"])
         except (KeyError, ValueError, RuntimeError) as e:

@@ -103,6 +103,7 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
     for donor in donors:
         donor.publish_state([big_snapshot(5)])
         donor.set_progress(5, PeerState.TRAINING, snapshot.params_sha256, {S: snapshot.params_sha256})
+        assert donor.flush()  # records go out in the background: the joiner must see them
     donors[0].loop.loop.call_soon_threadsafe(time.sleep, 8)  # this donor's event loop hangs: a stalled peer
     target = joiner.swarm_state(0, {S: "fresh"})[S]
     assert target.round == 5 and set(target.holders) == {d.peer_id for d in donors}
@@ -132,6 +133,7 @@ def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner
     donors[0].set_progress(6, PeerState.TRAINING, served.params_sha256, {S: served.params_sha256})
     donors[1].set_progress(10**6, PeerState.TRAINING, "f" * 64, {S: "f" * 64})  # a liar: claims a round far ahead
     donors[2].set_progress(8, PeerState.TRAINING, "e" * 64, {S: "e" * 64})  # serves round 5 at most, not this
+    assert all(donor.flush() for donor in donors)
     target = joiner.swarm_state(0, {S: "fresh"})[S]
     assert (target.round, target.params_sha256, target.holders) == (6, served.params_sha256, (donors[0].peer_id,))
     assert joiner.fetch_state(target).params_sha256 == served.params_sha256
@@ -148,6 +150,7 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
         for donor in donors:
             donor.publish_state([big_snapshot(7)])
             donor.set_progress(7, PeerState.TRAINING, snapshot.params_sha256, {S: snapshot.params_sha256})
+            assert donor.flush()
 
         async def victim_dies(point: str, round_index: int) -> None:
             if point == "state.serve" and asyncio.get_running_loop() is donors[1].loop.loop and not killed:

@@ -92,6 +92,13 @@ class Exchange(ABC):
         """Hash of the whole received aggregate: equal on every replica that received the same one."""
 
 
+def supersede(received: dict[Span, Any], span: Span) -> None:
+    """Before ``span``'s aggregate is stored: forget every span received earlier that it overlaps. A redo cuts
+    the units among fewer peers, so a complete later attempt replaces all of an earlier one's spans."""
+    for earlier in [s for s in received if s.start < span.stop and span.start < s.stop]:
+        del received[earlier]
+
+
 @dataclass
 class SpanReduction:
     aggregate: Any  # the exchange's combined value; result_for turns it into bytes for a recipient

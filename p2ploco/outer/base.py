@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -13,6 +14,7 @@ from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import TrainingError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class OuterAlgorithm(ABC):
@@ -47,14 +49,13 @@ class OuterAlgorithm(ABC):
         measured from ``start``, the params the inner steps began from: the global params unless the
         replica trained a projection of them (a subspace-constrained one)."""
 
-    def per_param(self, exchange: SlicedExchange, results: Callable[[Exchange], list[torch.Tensor]],
-                  ) -> list[torch.Tensor]:
-        """A round's per-slice results in parameter order; ``results`` lists one slice's tensors."""
-        out: list[torch.Tensor] = list(self.params)
+    def per_param(self, exchange: SlicedExchange, results: Callable[[Exchange], list[T]]) -> list[T]:
+        """A round's per-slice results in parameter order; ``results`` lists one slice's, one per tensor."""
+        out: list[T | None] = [None] * len(self.params)
         for name, positions in self.slices.items():
-            for i, tensor in zip(positions, results(exchange.parts[name]), strict=True):
-                out[i] = tensor
-        return out
+            for i, result in zip(positions, results(exchange.parts[name]), strict=True):
+                out[i] = result
+        return out  # type: ignore[return-value]  # the slices cover every parameter (checked in __init__)
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         """The live shared tensors, by name."""
@@ -64,7 +65,8 @@ class OuterAlgorithm(ABC):
         copy_state(self.shared_state(), state)
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        """The live local tensors, by name."""
+        """This replica's own tensors by name, as checkpoints hold them: the live tensors, or copies where the
+        algorithm keeps them in another layout (it then overrides the two methods below)."""
         return {}
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -89,28 +91,47 @@ def pseudo_gradients(global_params: Sequence[torch.Tensor], local_params: Sequen
                      device: torch.device) -> list[torch.Tensor]:
     """global - local on ``device``, refusing to send what a diverged replica computed."""
     deltas = [g.to(device) - p.detach().float() for g, p in zip(global_params, local_params)]
-    if not all(bool(torch.isfinite(d).all()) for d in deltas):
-        if not all(bool(torch.isfinite(g).all()) for g in global_params):  # not this replica's doing
-            raise TrainingError("the global parameters hold NaN or Inf: the state this node loaded is corrupt; "
-                                "start it with a fresh --log-dir so that it fetches the swarm's state")
-        raise TrainingError("this replica's pseudo-gradient holds NaN or Inf: training diverged; lower inner.lr "
-                            "or enable inner.grad_clip")
+    for delta in deltas:
+        check_pseudo_gradient(delta, global_params)
     return deltas
+
+
+def check_pseudo_gradient(delta: torch.Tensor, global_params: Sequence[torch.Tensor]) -> None:
+    """TrainingError if ``delta`` (one tensor's global - local) holds NaN or Inf, saying whose fault it is."""
+    if all_finite(delta):
+        return
+    if not all(all_finite(g) for g in global_params):  # not this replica's doing
+        raise TrainingError("the global parameters hold NaN or Inf: the state this node loaded is corrupt; "
+                            "start it with a fresh --log-dir so that it fetches the swarm's state")
+    raise TrainingError("this replica's pseudo-gradient holds NaN or Inf: training diverged; lower inner.lr "
+                        "or enable inner.grad_clip")
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite, at the speed of a sum: a NaN or an Inf makes the sum NaN or Inf, so a
+    finite sum settles it; only a non-finite one (perhaps an overflow of large finite values) is checked
+    element by element."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def finite_step(params: Sequence[torch.Tensor], steps: Iterable[torch.Tensor], round_index: int) -> bool:
     """Whether ``params - steps`` is finite everywhere. Every peer of a round holds the same params and the
     same aggregate, so all of them refuse a non-finite update alike: the round is dropped, nobody exits."""
-    if all(bool(torch.isfinite(p - s).all()) for p, s in zip(params, steps)):
+    if all(all_finite(p - s) for p, s in zip(params, steps)):
         return True
     logger.warning(f"round {round_index}: the aggregate would make the global parameters non-finite; "
                    f"this round is dropped (by every peer alike)")
     return False
 
 
-def copy_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
-    """Copy ``source`` into the live tensors ``into``; ValueError if they do not describe the same state."""
+def check_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    """ValueError if ``source`` does not hold the same names and shapes as ``into``."""
     if set(source) != set(into) or any(source[k].shape != into[k].shape for k in into):
         raise ValueError(f"state {sorted(source)[:3]}... does not fit {sorted(into)[:3]}...")
+
+
+def copy_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    """Copy ``source`` into the live tensors ``into``; ValueError if they do not describe the same state."""
+    check_state(into, source)
     for key, tensor in into.items():
         tensor.copy_(source[key])

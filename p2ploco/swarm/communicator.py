@@ -32,7 +32,10 @@ class SwarmCommunicator(Communicator):
         started = time.perf_counter()
         me = self.matchmaker.me
         directory = self.matchmaker.directory
-        await directory.update(state=PeerState.AVERAGING)
+        # The record of this round (published in the background as the round began) must be out before joining:
+        # the coordinator waits for the peers whose records say they work on this round. Normally long stored.
+        await directory.flush(timeout=self.matchmaker.timeout)
+        directory.update_soon(state=PeerState.AVERAGING)  # informative only: nobody waits for it
         held = directory.me.slices  # the hash of each slice at the start of the round, as the node published it
         if set(held) != set(exchange.parts):
             raise TrainingError(f"this peer published slices {sorted(held)} but averages {sorted(exchange.parts)}")

@@ -12,8 +12,12 @@ A peer that is ready for round r sends the coordinator a join request and waits;
 closes the group when every live peer that works on round r from the same state with the same config
 (and still renews its record and can be dialled: a crashed peer is not waited for) has joined, or
 ``matchmaking_timeout`` after the first join, and answers every waiting peer with the same ordered
-list. A late peer is told so: it applies nothing this round and catches up from the swarm after. A
-peer this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
+list. Neither side polls the DHT for it: a joiner uses the view its heartbeat holds (if taken since it
+moved to the round), the coordinator looks up the records once as the first peer joins and then
+re-judges on events (a join, a heartbeat's lookup, a probe), so the last join closes the group at once
+(it looks again only before closing without a peer that its view shows at an earlier round).
+A late peer is told so: it applies nothing this round and catches up from the swarm after. A peer
+this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
 starting state differ never share a group. A member checks the group it is given against its own
 view (every member a known live peer, itself included) and refuses an implausible one, trying the
 next coordinator. The coordinator needs no pseudo-gradient of its own: it serves joins from its event
@@ -137,6 +141,7 @@ class _Formation:
     refused: dict[str, str] = field(default_factory=dict)  # members the closed formation left out, and why
     unreachable: set[str] = field(default_factory=set)  # peers the members could not reach
     dead: set[str] = field(default_factory=set)  # expected peers the coordinator could not reach while waiting
+    joined: float = field(default_factory=time.monotonic)  # when the latest member joined
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -193,7 +198,7 @@ class Matchmaker:
         (exchange fingerprint, hash)) and, for a stage peer, its pipeline group: a group of one if it is alone,
         None if it came too late, is banned, was refused, or is leaving, and must apply nothing this round."""
         me = self.directory.me
-        state, _ = round_state(await self.directory.refresh(), me, round_index)  # a fresh view: newcomers count
+        state, _ = round_state(await self.directory.view(), me, round_index)  # no lookup if the heartbeat's will do
         request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state,
                    "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
                    "unreachable": []}
@@ -299,7 +304,8 @@ class Matchmaker:
             formation = _Formation(key, time.monotonic() + self.timeout)
             self._forming[key] = formation
             asyncio.get_running_loop().create_task(self._close_when_complete(formation))
-        formation.members.setdefault(sender, member)
+        if sender not in formation.members:
+            formation.members[sender], formation.joined = member, time.monotonic()
         formation.unreachable |= unreachable
         formation.changed.set()
         outcome: Group | str = await asyncio.shield(formation.closed)
@@ -316,9 +322,12 @@ class Matchmaker:
         formation over to a better-scored peer that has come into view (every member retries there)."""
         round_index, name, config, state = key = formation.key
         probed = time.monotonic()
+        self.directory.watchers.add(formation.changed)  # a heartbeat's lookup is an event too
         try:
+            await self.directory.refresh()  # once, when the first peer joins: who works on this round?
             while time.monotonic() < formation.deadline:
-                live = await self.directory.refresh()
+                formation.changed.clear()  # whatever happens from here on wakes the wait below
+                live = self.directory.live
                 best = best_coordinator(self.candidates(formation.unreachable) | {self.me}, round_index, state)
                 if best != self.me:
                     del self._forming[key]
@@ -338,6 +347,14 @@ class Matchmaker:
                             and (r.state != PeerState.JOINING or joiners_welcome)
                             and self.directory.fresh(p) and p not in banned}
                 if expected - formation.dead <= set(formation.members):
+                    # A peer of this run still at an earlier round in this view may have moved to this one since
+                    # the view was taken: before closing without it, one fresh look (none when all are in).
+                    behind = {p for p, r in live.items() if r.round < round_index and r.fingerprint == config
+                              and r.state not in (PeerState.LEAVING, PeerState.STANDBY) and self.directory.fresh(p)
+                              and p not in banned} - set(formation.members) - formation.dead
+                    if behind and self.directory.refreshed_at < formation.joined:
+                        await self.directory.refresh()
+                        continue
                     break
                 if time.monotonic() >= probed + PROBE_EVERY:  # a peer killed in its inner steps is not waited for
                     probed = time.monotonic()
@@ -345,12 +362,17 @@ class Matchmaker:
                     alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
                                                    for p in awaited))
                     formation.dead.update(p for p, ok in zip(awaited, alive) if not ok)
-                formation.changed.clear()
+                # Woken by a join, a heartbeat's lookup, the next probe, the end of the joiners' grace or the
+                # deadline: no polling of the DHT.
+                wake = min(probed + PROBE_EVERY, formation.deadline)
+                if joiners_welcome:
+                    wake = min(wake, formation.opened + JOINER_GRACE * self.timeout)
                 try:
-                    await asyncio.wait_for(formation.changed.wait(), min(0.5, formation.deadline - time.monotonic()))
+                    await asyncio.wait_for(formation.changed.wait(), max(0.0, wake - time.monotonic()))
                 except TimeoutError:
                     pass
         finally:
+            self.directory.watchers.discard(formation.changed)
             if not formation.closed.done():
                 members, formation.refused = admit(formation.members, self.stages)
                 for peer, reason in formation.refused.items():
