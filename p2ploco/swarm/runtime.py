@@ -81,7 +81,7 @@ class Swarm:
                                          config.max_transfer_timeout)
             butterfly = ButterflyAllReduce(p2p, me_id, run_id, deadlines, bans, directory.rates)
             commit = RoundCommit(p2p, me_id, run_id, config.allreduce_timeout, book)
-            state_server = StateServer(p2p, run_id, config.allreduce_timeout)
+            state_server = StateServer(p2p, run_id, deadlines)
             for service in (matchmaker, butterfly, commit, state_server):
                 await service.start()
             live = (await directory.refresh()).values()
@@ -173,7 +173,7 @@ class Swarm:
     def fetch_state(self, target: SwarmState) -> Snapshot:
         """Download ``target`` (one slice) from the peers that hold it (SwarmError if none can serve it)."""
         return self.loop.run(fetch_state(self.node.protocol.p2p, self.state_server.handler_name, target,
-                                         self.config.allreduce_timeout))
+                                         self.state_server.deadline, self.directory.rates(target.holders)))
 
     def publish_state(self, snapshots: list[Snapshot]) -> None:
         """Serve ``snapshots`` (one round, one per slice held) to peers that catch up."""
