@@ -14,18 +14,25 @@ own shapes (``local_state``). The aggregate arrives sparse and is applied at the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import CompressedTensor, Taken, compress_
 from p2ploco.config import SparseLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, check_pseudo_gradient, check_state, finite_step
+from p2ploco.outer.base import OuterAlgorithm, OuterRound, check_pseudo_gradient, check_state, finite_step
+
+
+@dataclass
+class SparseRound(OuterRound):
+    taken: list[Taken] = field(default_factory=list)  # what the contribution took from each error buffer
+    sent: list[torch.Tensor] = field(default_factory=list)  # the decoded values it took there, (chunks, k) each
+    sequence: int = 0  # how many contributions the buffers had given before this one
 
 
 class SparseLoCo(OuterAlgorithm):
@@ -38,27 +45,38 @@ class SparseLoCo(OuterAlgorithm):
                         for name, positions in self.slices.items()}
         self.feedback = [torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32, device=device) for g in self.grids]
         self.density = sum(g.k * g.chunks for g in self.grids) / sum(g.numel for g in self.grids)
+        self.contributions = 0  # rounds contributed so far: tells a late give_back how far the buffers moved on
 
     @property
     def errors(self) -> list[torch.Tensor]:
         """The error-feedback buffers in the parameters' shapes (copies)."""
         return [grid.from_chunks(buffer) for grid, buffer in zip(self.grids, self.feedback)]
 
-    def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
-             start: Sequence[torch.Tensor] | None = None) -> AllReduceStats:
+    def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
+                   start: Sequence[torch.Tensor] | None = None) -> SparseRound:
         compressed, taken = self.compress(local_params, start if start is not None else self.params)
-
         # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
         #    selected it (or sum / replicas), each contribution clipped to clip_factor x the median norm.
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
                                                         self.config.aggregate, self.clip_factor)
                                    for name, positions in self.slices.items()})
-        stats = comm.all_reduce(exchange, round_index, "params")
-        if not stats.committed or not self._step(self.per_param(exchange, SparseExchange.updates), round_index):
-            for buffer, sent in zip(self.feedback, taken):
-                buffer.scatter_(1, sent.indices, sent.values)  # not applied anywhere: keep it for the next round
-            stats.committed = False
-        return stats
+        sent = [took.values - buffer.gather(1, took.indices) for buffer, took in zip(self.feedback, taken)]
+        self.contributions += 1
+        return SparseRound(round_index, exchange, taken=taken, sent=sent, sequence=self.contributions - 1)
+
+    def step(self, outer_round: OuterRound) -> bool:
+        return self._step(self.per_param(outer_round.exchange, SparseExchange.updates), outer_round.round_index)
+
+    def give_back(self, outer_round: OuterRound) -> None:
+        """Not applied anywhere: the buffers keep what was sent, for the next round. If nothing was taken since,
+        they are put back exactly as they were; if later rounds have contributed meanwhile (overlapped
+        training), the values sent are added back, decayed as often as the buffers have been since."""
+        later = self.contributions - 1 - outer_round.sequence
+        for buffer, took, sent in zip(self.feedback, outer_round.taken, outer_round.sent):
+            if later == 0:
+                buffer.scatter_(1, took.indices, took.values)
+            else:
+                buffer.scatter_add_(1, took.indices, sent * self.config.error_decay ** later)
 
     def compress(self, local_params: Sequence[torch.Tensor], start: Sequence[torch.Tensor],
                  ) -> tuple[list[CompressedTensor], list[Taken]]:
@@ -100,6 +118,13 @@ class SparseLoCo(OuterAlgorithm):
     def local_state(self) -> dict[str, torch.Tensor]:
         """The error-feedback buffers in the parameters' shapes, as checkpoints hold them (copies)."""
         return {f"error.{i}": error for i, error in enumerate(self.errors)}
+
+    def local_state_with(self, in_flight: OuterRound | None) -> dict[str, torch.Tensor]:
+        if in_flight is None:
+            return self.local_state()
+        buffers = [buffer.clone().scatter_(1, sent.indices, sent.values)
+                   for buffer, sent in zip(self.feedback, in_flight.taken)]
+        return {f"error.{i}": grid.from_chunks(buffer) for i, (grid, buffer) in enumerate(zip(self.grids, buffers))}
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
         check_state({f"error.{i}": torch.empty(grid.shape, device="meta") for i, grid in enumerate(self.grids)}, state)
