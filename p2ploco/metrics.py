@@ -121,8 +121,10 @@ def params_sha256(names: Sequence[str], tensors: Iterable[torch.Tensor]) -> str:
 
 
 def update_norm(before: Iterable[torch.Tensor], after: Iterable[torch.Tensor]) -> float:
-    """L2 norm of ``after - before`` over all tensors, in float64: how far a round moved the parameters."""
-    return math.sqrt(sum(float((b.double() - a.double()).square().sum()) for a, b in zip(before, after)))
+    """L2 norm of ``after - before`` over all tensors, accumulated in float64: how far a round moved the
+    parameters (the differences themselves in float32: one pass, no float64 copies of the model)."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(torch.sub(b, a), dtype=torch.float64)) ** 2
+                         for a, b in zip(before, after)))
 
 
 def human_bytes(count: float) -> str:
