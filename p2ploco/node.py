@@ -290,14 +290,13 @@ class Node:
                            dict(worker.slice_sha256))
         # Overlapped, the record moves on to this round once the round in flight has its group (its formation
         # reads the record), at the first inner step after that or at the latest when the round lands.
-        previous = worker.in_flight
-        announced = previous is None
+        announced = not worker.launched
         if announced:
             announce()
 
         def between(_: int) -> None:
             nonlocal announced
-            if not announced and previous.all_reduce.grouped.is_set():
+            if not announced and worker.in_flight_grouped():
                 announce()
                 announced = True
 
@@ -315,10 +314,10 @@ class Node:
             worker.load_into_model()
             return None
         if worker.overlap:
-            contribution, landed = worker.land(round_index)
+            landed = worker.land()
             if not announced:
                 announce()
-            worker.launch(contribution, swarm.communicator)
+            worker.launch(round_index, swarm.communicator)
             comm = landed or AllReduceStats([swarm.peer_id])  # nothing landed: the first round in flight
         else:
             comm = worker.sync(swarm.communicator, round_index)

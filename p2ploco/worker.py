@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,12 @@ class Worker:
         horizon = c.inner.total_steps or c.training.rounds * c.inner.steps
         self.inner = InnerTrainer(model, c.inner, gradients, device, horizon, constraint)
         self.overlap = c.outer.overlap  # rounds end with land + launch instead of sync
-        self.in_flight: OuterRound | None = None  # overlapped: the round whose all-reduce runs during these steps
         self.trained_from: list[torch.Tensor] | None = None  # overlapped: where these inner steps started (None:
         # from the global params)
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="outer-round") if self.overlap else None
+        self._launched: Future[OuterRound] | None = None  # overlapped: the round in flight, once contributed
+        self._trained: list[torch.Tensor] | None = None  # between land and launch: where the inner steps ended
+        self._start: list[torch.Tensor] | None = None  # and where they started
         self.load_into_model()
 
     def _hash(self) -> tuple[str, dict[str, str]]:
@@ -78,34 +82,55 @@ class Worker:
 
     # ---- overlapped rounds: the all-reduce of round r runs during round r+1's inner steps ------------------
     #
-    # When round r's outer step lands (at the end of round r+1's inner steps) it moves the global params and,
-    # by the same amount, the local ones: the replica keeps its own progress of round r+1, which the next
-    # all-reduce carries. So each round's pseudo-gradient is measured from where its inner steps started, a
-    # point of this replica's own (``trained_from``), not from the global params. Pipeline stages do not
+    # When round r's outer step lands (at the end of round r+1's inner steps) it moves the global params and
+    # the local ones alike: the replica keeps its own progress of round r+1, which the next all-reduce carries.
+    # So each round's pseudo-gradient is measured from where its inner steps started, a point of this replica's
+    # own (``trained_from``), not from the global params. The contribution (compression included) is computed
+    # and its all-reduce started on a thread of its own while the next inner steps run; a round is finished
+    # before the next one contributes, so local outer state changes in round order. Pipeline stages do not
     # overlap (config.py refuses it), so no subspace constraint applies here.
 
-    def land(self, round_index: int) -> tuple[OuterRound, AllReduceStats | None]:
-        """The end of an overlapped round's inner steps, first half: this round's contribution (from where its
-        training started), then the previous round's all-reduce waited for and its outer step applied to the
-        global params, one round late. Returns the contribution (for ``launch``) and the landed round's stats
-        (None if no round was in flight: the first, or one dropped by catching up)."""
-        contribution = self.outer.contribute(list(self.model.parameters()), round_index, self.trained_from)
-        landed, self.in_flight = self.in_flight, None
-        if landed is None:
-            return contribution, None
-        before = [p.clone() for p in self.outer.params]
-        stats = self.outer.finish(landed)
-        with torch.no_grad():
-            for param, now, then in zip(self.model.parameters(), self.outer.params, before):
-                param.add_(now.to(self.device) - then.to(self.device))
-        return contribution, stats
+    @property
+    def in_flight(self) -> OuterRound | None:
+        """The round whose all-reduce runs during these inner steps (waits until it has been handed over)."""
+        return self._launched.result() if self._launched is not None else None
 
-    def launch(self, contribution: OuterRound, comm: Communicator) -> None:
-        """Second half: start ``contribution``'s all-reduce in the background; the next inner steps go on from
-        the local params as ``land`` left them."""
-        contribution.start(comm)
-        self.in_flight = contribution
+    @property
+    def launched(self) -> bool:
+        """Whether a round is in flight (never waits)."""
+        return self._launched is not None
+
+    def in_flight_grouped(self) -> bool:
+        """Whether the round in flight knows its group (so the peer's record may move on); never waits."""
+        launched = self._launched
+        return launched is not None and launched.done() and launched.result().all_reduce.grouped.is_set()
+
+    def land(self) -> AllReduceStats | None:
+        """The end of an overlapped round's inner steps, first half: the round in flight waited for and its outer
+        step applied to the global params (one round late) and to the local ones. Returns its stats (None if no
+        round was in flight: the first, or one dropped by catching up)."""
+        self._trained = [p.detach().clone() for p in self.model.parameters()]
+        self._start = self.trained_from if self.trained_from is not None else [p.clone() for p in self.outer.params]
+        landed, self._launched = self.in_flight, None
+        if landed is None:
+            self.trained_from = self._trained
+            return None
+        stats = self.outer.finish(landed, list(self.model.parameters()))
         self.trained_from = [p.detach().clone() for p in self.model.parameters()]
+        return stats
+
+    def launch(self, round_index: int, comm: Communicator) -> None:
+        """Second half: this round's contribution (from where its inner steps started to where they ended) and
+        its all-reduce, on the background thread; the next inner steps go on from where ``land`` left them."""
+        trained, start = self._trained, self._start
+        self._trained = self._start = None
+
+        def contribute_and_start() -> OuterRound:
+            contribution = self.outer.contribute(trained, round_index, start)
+            contribution.start(comm)
+            return contribution
+
+        self._launched = self._background.submit(contribute_and_start)
         self.params_sha256, self.slice_sha256 = self._hash()
 
     def evaluate(self, batches: list[Batch]) -> float:
@@ -123,7 +148,7 @@ class Worker:
 
     def finish_in_flight(self) -> AllReduceStats | None:
         """Wait for the round in flight and apply it (before an exit checkpoint); None if there was none."""
-        landed, self.in_flight = self.in_flight, None
+        landed, self._launched = self.in_flight, None
         if landed is None:
             return None
         stats = self.outer.finish(landed)
@@ -174,10 +199,10 @@ class Worker:
             self.outer.load_shared_state(shared)
         except (KeyError, ValueError, RuntimeError) as e:
             raise SwarmError(f"fetched state does not fit this model and algorithm: {e!r}") from None
+        in_flight = self.in_flight  # contributed (the error feedback is not touched any more) before the reset
         self.outer.reset_local_state()
-        rounds = {snapshot.round for snapshot in snapshots.values()}
-        if self.in_flight is not None and rounds != {self.in_flight.round_index + 1}:
-            self.in_flight = None
+        if in_flight is not None and {snapshot.round for snapshot in snapshots.values()} != {in_flight.round_index + 1}:
+            self._launched = None
         self.load_into_model()
 
     def checkpoint(self, round_index: int, extras: dict[str, Any] | None = None) -> Checkpoint:

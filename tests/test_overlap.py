@@ -40,15 +40,16 @@ def reference_overlap(config, rounds: int) -> list[list[torch.Tensor]]:
     pending = None
     history = []
 
-    def outer_step(params, aggregate):
+    def outer_step(aggregate):
+        """What the outer step subtracts from every tensor: SGD on the aggregate, or Nesterov momentum."""
         if config.outer.algorithm == "sparseloco":
-            return [p - a * config.outer.sparseloco.lr for p, a in zip(params, aggregate)]
+            return [a * config.outer.sparseloco.lr for a in aggregate]
         d = config.outer.diloco
-        out = []
-        for i, (p, g) in enumerate(zip(params, aggregate)):
+        steps = []
+        for i, g in enumerate(aggregate):
             momentum[i] = momentum[i] * d.momentum + g
-            out.append(p - (momentum[i] * d.momentum + g) * d.lr)
-        return out
+            steps.append((momentum[i] * d.momentum + g) * d.lr)
+        return steps
 
     for r in range(rounds):
         trained = []
@@ -59,10 +60,10 @@ def reference_overlap(config, rounds: int) -> list[list[torch.Tensor]]:
             worker.inner.run_round(r)
             trained.append([p.detach().clone() for p in worker.model.parameters()])
         deltas = [[s - y for s, y in zip(start, local)] for start, local in zip(starts, trained)]
-        if pending is not None:
-            landed = outer_step(glob, pending)
-            trained = [[y + (new - old) for y, new, old in zip(local, landed, glob)] for local in trained]
-            glob = landed
+        if pending is not None:  # the step of round r-1 lands on the global params and on every local copy
+            steps = outer_step(pending)
+            glob = [p - step for p, step in zip(glob, steps)]
+            trained = [[y - step for y, step in zip(local, steps)] for local in trained]
         starts = trained
         if config.outer.algorithm == "sparseloco":
             pending = reference_sparse_aggregate(deltas, errors, config.outer.sparseloco)
@@ -74,7 +75,7 @@ def reference_overlap(config, rounds: int) -> list[list[torch.Tensor]]:
                     total = total + replica[i]
                 pending.append(total / len(deltas))
         history.append(glob)
-    history.append(outer_step(glob, pending))
+    history.append([p - step for p, step in zip(glob, outer_step(pending))])
     return history
 
 

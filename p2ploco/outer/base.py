@@ -81,19 +81,21 @@ class OuterAlgorithm(ABC):
         global params by default), encoded as the algorithm sends it. Changes only local state (what it takes
         from an error-feedback buffer is given back by ``finish`` if the round is not applied)."""
 
-    def finish(self, outer_round: OuterRound) -> AllReduceStats:
+    def finish(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> AllReduceStats:
         """Wait for the round's all-reduce and apply its outer step to the global params as they are now (one
-        round late when overlapped). A round not committed, or whose step would not be finite, changes no
-        shared state; ``stats.committed`` then says False."""
+        round late when overlapped), and the same step to the tensors ``follow`` (an overlapped replica's local
+        params). A round not committed, or whose step would not be finite, changes no shared state;
+        ``stats.committed`` then says False."""
         stats = outer_round.all_reduce.wait()
-        if not stats.committed or not self.step(outer_round):
+        if not stats.committed or not self.step(outer_round, follow):
             self.give_back(outer_round)
             stats.committed = False
         return stats
 
     @abstractmethod
-    def step(self, outer_round: OuterRound) -> bool:
-        """The outer step on the round's aggregate; False (and nothing changed) if it would not be finite."""
+    def step(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> bool:
+        """The outer step on the round's aggregate, to the global params and ``follow``; False (and nothing
+        changed) if it would not be finite."""
 
     def give_back(self, outer_round: OuterRound) -> None:  # noqa: B027 (most algorithms take nothing)
         """Undo what ``contribute`` took from local state: the round was not applied."""

@@ -30,7 +30,7 @@ class DiLoCo(OuterAlgorithm):
             name: DenseMean([deltas[i] for i in positions], self.config.wire_dtype, self.clip_factor)
             for name, positions in self.slices.items()}))
 
-    def step(self, outer_round: OuterRound) -> bool:
+    def step(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> bool:
         # 3. Outer SGD with (Nesterov) momentum: buf = m*buf + g; step = g + m*buf (or buf); p -= lr*step.
         #    One rounding per operation (no fused multiply-add), so every CPU computes the same bits.
         #    Computed twice: once to refuse a non-finite result before anything changes, once to apply it.
@@ -45,10 +45,13 @@ class DiLoCo(OuterAlgorithm):
         if not finite_step(self.params, (step_of(g, b)[1] for g, b in zip(mean, self.momentum)),
                            outer_round.round_index):
             return False
-        for param, grad, buf in zip(self.params, mean, self.momentum):
+        for i, (param, grad, buf) in enumerate(zip(self.params, mean, self.momentum)):
             new_buf, step = step_of(grad, buf)
             buf.copy_(new_buf)
             param.sub_(step)
+            if follow:
+                with torch.no_grad():
+                    follow[i].sub_(step.to(follow[i].device))
         return True
 
     def shared_state(self) -> dict[str, torch.Tensor]:

@@ -31,8 +31,6 @@ from p2ploco.outer.base import OuterAlgorithm, OuterRound, check_pseudo_gradient
 @dataclass
 class SparseRound(OuterRound):
     taken: list[Taken] = field(default_factory=list)  # what the contribution took from each error buffer
-    sent: list[torch.Tensor] = field(default_factory=list)  # the decoded values it took there, (chunks, k) each
-    sequence: int = 0  # how many contributions the buffers had given before this one
 
 
 class SparseLoCo(OuterAlgorithm):
@@ -45,7 +43,6 @@ class SparseLoCo(OuterAlgorithm):
                         for name, positions in self.slices.items()}
         self.feedback = [torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32, device=device) for g in self.grids]
         self.density = sum(g.k * g.chunks for g in self.grids) / sum(g.numel for g in self.grids)
-        self.contributions = 0  # rounds contributed so far: tells a late give_back how far the buffers moved on
 
     @property
     def errors(self) -> list[torch.Tensor]:
@@ -60,23 +57,17 @@ class SparseLoCo(OuterAlgorithm):
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
                                                         self.config.aggregate, self.clip_factor)
                                    for name, positions in self.slices.items()})
-        sent = [took.values - buffer.gather(1, took.indices) for buffer, took in zip(self.feedback, taken)]
-        self.contributions += 1
-        return SparseRound(round_index, exchange, taken=taken, sent=sent, sequence=self.contributions - 1)
+        return SparseRound(round_index, exchange, taken=taken)
 
-    def step(self, outer_round: OuterRound) -> bool:
-        return self._step(self.per_param(outer_round.exchange, SparseExchange.updates), outer_round.round_index)
+    def step(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> bool:
+        return self._step(self.per_param(outer_round.exchange, SparseExchange.updates), outer_round.round_index,
+                          follow)
 
     def give_back(self, outer_round: OuterRound) -> None:
-        """Not applied anywhere: the buffers keep what was sent, for the next round. If nothing was taken since,
-        they are put back exactly as they were; if later rounds have contributed meanwhile (overlapped
-        training), the values sent are added back, decayed as often as the buffers have been since."""
-        later = self.contributions - 1 - outer_round.sequence
-        for buffer, took, sent in zip(self.feedback, outer_round.taken, outer_round.sent):
-            if later == 0:
-                buffer.scatter_(1, took.indices, took.values)
-            else:
-                buffer.scatter_add_(1, took.indices, sent * self.config.error_decay ** later)
+        """Not applied anywhere: the buffers keep what was sent, for the next round (a round is finished before
+        the next one contributes, so they are put back exactly as they were)."""
+        for buffer, took in zip(self.feedback, outer_round.taken):
+            buffer.scatter_(1, took.indices, took.values)
 
     def compress(self, local_params: Sequence[torch.Tensor], start: Sequence[torch.Tensor],
                  ) -> tuple[list[CompressedTensor], list[Taken]]:
@@ -101,10 +92,11 @@ class SparseLoCo(OuterAlgorithm):
             taken.append(took)
         return compressed, taken
 
-    def _step(self, updates: list[tuple[np.ndarray, np.ndarray]], round_index: int) -> bool:
+    def _step(self, updates: list[tuple[np.ndarray, np.ndarray]], round_index: int,
+              follow: Sequence[torch.Tensor] = ()) -> bool:
         """5. Outer step: plain SGD on the aggregate, elementwise float32 on the CPU, at the coordinates the
-        aggregate holds (elsewhere it is zero and the parameters keep their bits). False if it would make them
-        non-finite (then nothing changes)."""
+        aggregate holds (elsewhere it is zero and the parameters keep their bits); the same step to ``follow``
+        on its device. False if it would make the global params non-finite (then nothing changes)."""
         alpha = self.config.lr
         flats = [param.view(-1) for param in self.params]
         where = [torch.from_numpy(index) for index, _ in updates]
@@ -113,6 +105,10 @@ class SparseLoCo(OuterAlgorithm):
             return False
         for flat, index, step in zip(flats, where, steps):
             flat[index] = flat[index] - step
+        with torch.no_grad():
+            for tensor, index, step in zip(follow, where, steps):
+                flat, index = tensor.view(-1), index.to(tensor.device)
+                flat[index] = flat[index] - step.to(tensor.device)
         return True
 
     def local_state(self) -> dict[str, torch.Tensor]:

@@ -54,9 +54,8 @@ class InProcessSwarm:
                 for r in range(rounds):
                     worker.train(r)
                     if worker.overlap:  # round r's all-reduce runs during round r+1; the last one lands at once
-                        contribution, landed = worker.land(r)
-                        worker.launch(contribution, comm)
-                        count(landed)
+                        count(worker.land())
+                        worker.launch(r, comm)
                         if r + 1 == rounds:
                             count(worker.finish_in_flight())
                     else:
