@@ -84,7 +84,7 @@ class Setup:
 def global_model(swarm: InProcessSwarm, config: Config) -> Transformer:
     """The global parameters in one whole model, as replica 0 runs them (projected if it is constrained)."""
     workers = swarm.replicas[0]
-    if len(workers) == 1:
+    if len(workers) == 1 and workers[0].trained_from is None:  # (overlapped, the model holds the local params)
         return workers[0].model
     stages = [w.model for w in workers]
     model = Transformer(config.model, config.training.seed, token_table=stages[0].token_table)
