@@ -9,6 +9,7 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py --rounds 5 --replicas 2  # a quick look
     python benchmarks/quality.py --methods diloco "sparseloco:topk=128,error_decay=0.9"   # variants
     python benchmarks/quality.py --suite heterogeneous    # full replicas vs 2-stage compressed groups
+    python benchmarks/quality.py --suite overlap          # DiLoCo and SparseLoCo with and without overlap
 
 Methods: ``ddp``; ``diloco`` / ``sparseloco`` (every replica full), each with optional outer settings
 after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
@@ -43,6 +44,9 @@ SUITES = {
                 ["ddp", "diloco", "diloco:momentum=0.5", "sparseloco", "sparseloco:topk=128,error_decay=0.9,lr=1.2"]),
     # Heterogeneous SparseLoCo (arXiv 2601.02360): all full replicas, then 2-stage compressed groups for all
     # replicas (uniform) or half of them (selective), at a mild and an aggressive compression d/k.
+    # Overlap: each round's all-reduce runs during the next round's inner steps, its outer step one round late.
+    "overlap": ("configs/tiny.yaml",
+                ["diloco", "diloco:overlap=true", "sparseloco", "sparseloco:overlap=true"]),
     "heterogeneous": ("configs/tiny-pipeline.yaml",
                       ["sparseloco", "selective:ratio=8", "uniform:ratio=8", "selective:ratio=32",
                        "uniform:ratio=32"]),
@@ -80,7 +84,7 @@ class Setup:
 def global_model(swarm: InProcessSwarm, config: Config) -> Transformer:
     """The global parameters in one whole model, as replica 0 runs them (projected if it is constrained)."""
     workers = swarm.replicas[0]
-    if len(workers) == 1:
+    if len(workers) == 1 and workers[0].trained_from is None:  # (overlapped, the model holds the local params)
         return workers[0].model
     stages = [w.model for w in workers]
     model = Transformer(config.model, config.training.seed, token_table=stages[0].token_table)

@@ -14,18 +14,23 @@ own shapes (``local_state``). The aggregate arrives sparse and is applied at the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import CompressedTensor, Taken, compress_
 from p2ploco.config import SparseLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, check_pseudo_gradient, check_state, finite_step
+from p2ploco.outer.base import OuterAlgorithm, OuterRound, check_pseudo_gradient, check_state, finite_step
+
+
+@dataclass
+class SparseRound(OuterRound):
+    taken: list[Taken] = field(default_factory=list)  # what the contribution took from each error buffer
 
 
 class SparseLoCo(OuterAlgorithm):
@@ -44,21 +49,25 @@ class SparseLoCo(OuterAlgorithm):
         """The error-feedback buffers in the parameters' shapes (copies)."""
         return [grid.from_chunks(buffer) for grid, buffer in zip(self.grids, self.feedback)]
 
-    def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
-             start: Sequence[torch.Tensor] | None = None) -> AllReduceStats:
+    def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
+                   start: Sequence[torch.Tensor] | None = None) -> SparseRound:
         compressed, taken = self.compress(local_params, start if start is not None else self.params)
-
         # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
         #    selected it (or sum / replicas), each contribution clipped to clip_factor x the median norm.
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
                                                         self.config.aggregate, self.clip_factor)
                                    for name, positions in self.slices.items()})
-        stats = comm.all_reduce(exchange, round_index, "params")
-        if not stats.committed or not self._step(self.per_param(exchange, SparseExchange.updates), round_index):
-            for buffer, sent in zip(self.feedback, taken):
-                buffer.scatter_(1, sent.indices, sent.values)  # not applied anywhere: keep it for the next round
-            stats.committed = False
-        return stats
+        return SparseRound(round_index, exchange, taken=taken)
+
+    def step(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> bool:
+        return self._step(self.per_param(outer_round.exchange, SparseExchange.updates), outer_round.round_index,
+                          follow)
+
+    def give_back(self, outer_round: OuterRound) -> None:
+        """Not applied anywhere: the buffers keep what was sent, for the next round (a round is finished before
+        the next one contributes, so they are put back exactly as they were)."""
+        for buffer, took in zip(self.feedback, outer_round.taken):
+            buffer.scatter_(1, took.indices, took.values)
 
     def compress(self, local_params: Sequence[torch.Tensor], start: Sequence[torch.Tensor],
                  ) -> tuple[list[CompressedTensor], list[Taken]]:
@@ -83,10 +92,11 @@ class SparseLoCo(OuterAlgorithm):
             taken.append(took)
         return compressed, taken
 
-    def _step(self, updates: list[tuple[np.ndarray, np.ndarray]], round_index: int) -> bool:
+    def _step(self, updates: list[tuple[np.ndarray, np.ndarray]], round_index: int,
+              follow: Sequence[torch.Tensor] = ()) -> bool:
         """5. Outer step: plain SGD on the aggregate, elementwise float32 on the CPU, at the coordinates the
-        aggregate holds (elsewhere it is zero and the parameters keep their bits). False if it would make them
-        non-finite (then nothing changes)."""
+        aggregate holds (elsewhere it is zero and the parameters keep their bits); the same step to ``follow``
+        on its device. False if it would make the global params non-finite (then nothing changes)."""
         alpha = self.config.lr
         flats = [param.view(-1) for param in self.params]
         where = [torch.from_numpy(index) for index, _ in updates]
@@ -95,11 +105,22 @@ class SparseLoCo(OuterAlgorithm):
             return False
         for flat, index, step in zip(flats, where, steps):
             flat[index] = flat[index] - step
+        with torch.no_grad():
+            for tensor, index, step in zip(follow, where, steps):
+                flat, index = tensor.view(-1), index.to(tensor.device)
+                flat[index] = flat[index] - step.to(tensor.device)
         return True
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """The error-feedback buffers in the parameters' shapes, as checkpoints hold them (copies)."""
         return {f"error.{i}": error for i, error in enumerate(self.errors)}
+
+    def local_state_with(self, in_flight: OuterRound | None) -> dict[str, torch.Tensor]:
+        if in_flight is None:
+            return self.local_state()
+        buffers = [buffer.clone().scatter_(1, sent.indices, sent.values)
+                   for buffer, sent in zip(self.feedback, in_flight.taken)]
+        return {f"error.{i}": grid.from_chunks(buffer) for i, (grid, buffer) in enumerate(zip(self.grids, buffers))}
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
         check_state({f"error.{i}": torch.empty(grid.shape, device="meta") for i, grid in enumerate(self.grids)}, state)
