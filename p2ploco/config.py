@@ -26,6 +26,7 @@ MIN_PEER_TTL = 8.0  # seconds; hivemind's DHT waits up to 3 s for a peer in a lo
 MAX_WAIT = 3600.0  # seconds: the longest any one wait of a round may be set to (every wait is bounded)
 MAX_STARTUP_WAIT = 86400.0
 MAX_BAN_ROUNDS = 1000
+MAX_GROUP_SIZE = 1 << 20  # LoCo's quantization groups: one scale per at most this many values
 
 
 @dataclass
@@ -99,15 +100,31 @@ class SparseLoCoConfig:
 
 
 @dataclass
+class LoCoConfig:
+    """Error-compensated low-bit pseudo-gradients (Xie et al. 2024) with DiLoCo's outer step.
+
+    What quantization drops is kept in a buffer e, a moving average of past errors, and added back before
+    the next quantization, by every hop that quantizes (the sender, and the reducer of each span)."""
+
+    bits: int = 4  # per value on the wire: 2, 4 or 8 (symmetric codes in [-(2^(bits-1) - 1), 2^(bits-1) - 1])
+    group_size: int = 128  # consecutive values of a tensor that share one float32 scale
+    beta: float = 0.8  # e <- beta * e + (1 - beta) * (what this quantization dropped)
+    reset_every: int = 1024  # rounds whose index is a multiple of this start with empty buffers
+    lr: float = 0.7  # outer SGD with Nesterov momentum on the aggregate, as DiLoCo
+    momentum: float = 0.9
+
+
+@dataclass
 class OuterConfig:
     """The outer algorithm applied to the replicas' pseudo-gradients; each has its own section."""
 
-    algorithm: Literal["sparseloco", "diloco"] = "sparseloco"
+    algorithm: Literal["sparseloco", "diloco", "loco"] = "sparseloco"
     # Each contribution to a span is scaled down to at most clip_factor x the median norm of the span's
     # contributions before they are combined (a defence against poisoned updates); 0 turns clipping off.
     clip_factor: float = 2.0
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
+    loco: LoCoConfig = field(default_factory=LoCoConfig)
 
 
 @dataclass
@@ -268,6 +285,15 @@ def validate(config: Config) -> None:
         (1 <= o.sparseloco.topk <= o.sparseloco.chunk_size ** 2,
          f"outer.sparseloco.topk ({o.sparseloco.topk}) must be in [1, chunk_size^2="
          f"{o.sparseloco.chunk_size ** 2}]"),
+        (o.loco.bits in (2, 4, 8), f"outer.loco.bits ({o.loco.bits}) must be 2, 4 or 8"),
+        (1 <= o.loco.group_size <= MAX_GROUP_SIZE,
+         f"outer.loco.group_size ({o.loco.group_size}) must be in [1, {MAX_GROUP_SIZE}] (values per scale)"),
+        (0 <= o.loco.beta < 1, f"outer.loco.beta ({o.loco.beta}) must be in [0, 1)"),
+        (o.loco.reset_every >= 1,
+         f"outer.loco.reset_every ({o.loco.reset_every}) must be at least 1 (rounds between resets of the error "
+         f"buffers; a large value never resets them)"),
+        (o.loco.lr > 0, f"outer.loco.lr ({o.loco.lr}) must be > 0"),
+        (0 <= o.loco.momentum < 1, f"outer.loco.momentum ({o.loco.momentum}) must be in [0, 1)"),
         (1 <= p.stages <= m.n_layer,
          f"pipeline.stages ({p.stages}) must be in [1, model.n_layer={m.n_layer}]: every stage holds a layer"),
         (not p.compressed or 1 <= p.rank < m.d_model,

@@ -9,6 +9,7 @@ import torch
 from p2ploco.config import OuterConfig
 from p2ploco.outer.base import OuterAlgorithm
 from p2ploco.outer.diloco import DiLoCo
+from p2ploco.outer.loco import LoCo
 from p2ploco.outer.sparseloco import SparseLoCo
 
 
@@ -18,4 +19,6 @@ def build_outer(config: OuterConfig, global_params: Sequence[torch.Tensor], devi
     where its per-replica working state lives (the training device)."""
     if config.algorithm == "diloco":
         return DiLoCo(global_params, config.diloco, slices, config.clip_factor)
+    if config.algorithm == "loco":
+        return LoCo(global_params, config.loco, device or torch.device("cpu"), slices, config.clip_factor)
     return SparseLoCo(global_params, config.sparseloco, device or torch.device("cpu"), slices, config.clip_factor)

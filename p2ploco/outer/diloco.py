@@ -36,24 +36,31 @@ class DiLoCo(OuterAlgorithm):
             return stats
         mean = self.per_param(exchange, DenseMean.mean)
 
-        # 3. Outer SGD with (Nesterov) momentum: buf = m*buf + g; step = g + m*buf (or buf); p -= lr*step.
-        #    One rounding per operation (no fused multiply-add), so every CPU computes the same bits.
-        #    Computed twice: once to refuse a non-finite result before anything changes, once to apply it.
-        m, lr = self.config.momentum, self.config.lr
-
-        def step_of(grad: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            new_buf = buf.mul(m).add_(grad)
-            step = new_buf.mul(m).add_(grad) if self.config.nesterov else new_buf.clone()
-            return new_buf, step.mul_(lr)
-
-        if not finite_step(self.params, (step_of(g, b)[1] for g, b in zip(mean, self.momentum)), round_index):
+        # 3. Outer SGD with (Nesterov) momentum.
+        if not nesterov_step(self.params, mean, self.momentum, self.config.lr, self.config.momentum,
+                             self.config.nesterov, round_index):
             stats.committed = False
-            return stats
-        for param, grad, buf in zip(self.params, mean, self.momentum):
-            new_buf, step = step_of(grad, buf)
-            buf.copy_(new_buf)
-            param.sub_(step)
         return stats
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         return {f"momentum.{i}": buf for i, buf in enumerate(self.momentum)}
+
+
+def nesterov_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+                  lr: float, m: float, nesterov: bool, round_index: int) -> bool:
+    """Outer SGD with (Nesterov) momentum, in place: buf = m*buf + g; step = g + m*buf (or buf); p -= lr*step.
+    One rounding per operation (no fused multiply-add), so every CPU computes the same bits. Computed twice:
+    once to refuse a non-finite result before anything changes (False), once to apply it (True)."""
+
+    def step_of(grad: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        new_buf = buf.mul(m).add_(grad)
+        step = new_buf.mul(m).add_(grad) if nesterov else new_buf.clone()
+        return new_buf, step.mul_(lr)
+
+    if not finite_step(params, (step_of(g, b)[1] for g, b in zip(grads, momentum)), round_index):
+        return False
+    for param, grad, buf in zip(params, grads, momentum):
+        new_buf, step = step_of(grad, buf)
+        buf.copy_(new_buf)
+        param.sub_(step)
+    return True
