@@ -21,8 +21,8 @@ Wire format of a contribution or result for a span of groups, little-endian::
     | 2 B  | u8 (1)  | u8   | u8   | u32         | u32         | count x f32        | one per value      |
     +------+---------+------+------+-------------+-------------+--------------------+--------------------+
 
-kind 1 is a sender's contribution, 2 a reducer's result. A scale is finite, >= 0 and has a 16-bit
-significand (its low 8 bits are zero). A code c in [-q, q] is stored as c + q in ``bits`` bits, packed
+kind 1 is a sender's contribution, 2 a reducer's result. A scale is 0 or a normal float32 >= 2^-126, finite,
+with a 16-bit significand (its low 8 bits are zero). A code c in [-q, q] is stored as c + q in ``bits`` bits, packed
 first code in the high bits, the last byte padded with zero bits. Everything is checked on parse.
 """
 
@@ -45,7 +45,8 @@ MAGIC = b"LQ"
 VERSION = 1
 CONTRIBUTION, RESULT = 1, 2
 HEADER = struct.Struct("<2sBBBII")
-FLOAT32_EXPONENT = 0x7F800000  # bits of +inf: a non-negative finite float32 lies below it
+FLOAT32_INF = 0x7F800000  # bits of +inf: a non-negative finite float32 lies below it
+FLOAT32_TINY = 0x00800000  # bits of 2^-126, the smallest normal float32
 
 
 @dataclass
@@ -149,8 +150,10 @@ class LowBitMean(Exchange):
                                f"match {(MAGIC, VERSION, kind, self.bits, span.start, len(span))} "
                                f"(magic, version, kind, bits, first group, group count)")
         scale_bits = np.frombuffer(payload, dtype="<i4", count=count, offset=HEADER.size)
-        if (scale_bits < 0).any() or (scale_bits >= FLOAT32_EXPONENT).any():
+        if (scale_bits < 0).any() or (scale_bits >= FLOAT32_INF).any():
             raise PayloadError("low-bit payload has a negative, infinite or NaN scale")
+        if ((scale_bits > 0) & (scale_bits < FLOAT32_TINY)).any():
+            raise PayloadError("low-bit payload has a subnormal scale")
         if (scale_bits & ((1 << SCALE_SPARE_BITS) - 1)).any():
             raise PayloadError("low-bit payload has a scale with more than 16 significant bits")
         numel = self.numel(span)

@@ -6,11 +6,14 @@ matrix). With ``q = 2^(bits-1) - 1`` (7 at 4 bits), each group gets one float32 
 a code in [-q, q]:
 
     scale = amax / q, rounded *up* to a 16-bit significand      (amax: the group's largest |value|)
+            0 instead where that is below 2^-126 (subnormal)
     code  = clamp(round_half_even(value / scale), -q, q)       (0 where the scale is 0)
     deQ   = code * scale                                        (float32)
 
-The rounded scale keeps ``code * scale`` exact in float32 (at most 7 + 16 significant bits), so a
-decoded group quantizes to itself: the codec is exact on its own grid, and its largest code is ±q.
+The rounded scale keeps ``code * scale`` exact in float32 (at most 7 + 16 significant bits of a normal
+number), so a decoded group quantizes to itself: the codec is exact on its own grid, and its largest code
+is ±q. A group below ~1e-37 is sent as zeros (error compensation carries it; subnormal scales would lose
+the exactness).
 
 Error compensation (``compensate``): g̃ = g + e; q = Q(g̃); e ← β·e + (1 − β)·(g̃ − deQ(q)), each an
 elementwise float32 operation rounded once, so a written-out reference reproduces it bit for bit.
@@ -88,6 +91,7 @@ def quantize(values: torch.Tensor, lengths: torch.Tensor, bits: int) -> Quantize
         amax = torch.from_numpy(np.maximum.reduceat(values.abs().numpy(), starts))  # max is exact in any order
     spare = (1 << SCALE_SPARE_BITS) - 1
     scales = ((amax / q).view(torch.int32) + spare).bitwise_and_(~spare).view(torch.float32)  # rounded up
+    scales = scales.masked_fill_(scales < torch.finfo(torch.float32).tiny, 0.0)
     per_value = scales.repeat_interleave(lengths)
     # a zero scale has only zeros in its group: divide them by 1 instead
     ratio = values / per_value.masked_fill(per_value == 0, 1.0)
