@@ -10,15 +10,20 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import run_outer_replicas
+from helpers import CPU, TOKENS, run_outer_replicas, sampler, small_config
 
+from p2ploco import checkpoint
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_alone, reduce_span
+from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.lowbit import HEADER, LowBitMean
 from p2ploco.compression.groupwise import GroupLayout, compensate, quantize
 from p2ploco.config import LoCoConfig, OuterConfig
+from p2ploco.data import ShardSampler
 from p2ploco.errors import PayloadError
 from p2ploco.metrics import read_records
 from p2ploco.outer.loco import LoCo
+from p2ploco.pipeline.inprocess import run_in_threads
+from p2ploco.worker import build_replica
 
 SHAPES = [(33, 17), (17,), (5, 4, 3)]  # 561 = 35 x 16 + 1: groups of 16 and shorter tails
 
@@ -368,3 +373,35 @@ def test_three_real_nodes_train_with_loco_and_agree_every_round(tmp_path):
             assert 6 * (r["bytes_sent"] + r["bytes_received"]) < r["dense_fp32_bytes"]
     for round_index in range(6):
         assert len({records[round_index]["params_sha256"] for records in runs}) == 1
+
+
+def test_a_worker_checkpoints_its_buffers_and_drops_them_when_it_takes_the_swarms_state(tmp_path):
+    config = small_config("outer.algorithm=loco", "pipeline.stages=1", "outer.loco.group_size=32",
+                          "inner.steps=2")
+    samplers = [ShardSampler(TOKENS, config.data.seq_len, config.inner.batch_size, "run", f"replica-{i}")
+                for i in range(2)]
+    workers = [build_replica(config, CPU, samplers[i]) for i in range(2)]
+    group = InProcessGroup(2, timeout=60)
+
+    def replica(rank: int) -> None:
+        for round_index in range(2):
+            workers[rank].train(round_index)
+            assert workers[rank].sync(group.communicator(rank), round_index).committed
+
+    run_in_threads(2, replica)
+    worker = workers[0]
+    assert worker.params_sha256 == workers[1].params_sha256
+    local = {k: v.clone() for k, v in worker.outer.local_state().items()}
+    assert any(bool(v.any()) for k, v in local.items() if k.startswith("reducer_error."))
+    checkpoint.save(tmp_path, worker.checkpoint(2), "run", "fp")
+    resumed = build_replica(config, CPU, sampler(config))
+    resumed.restore(checkpoint.load(tmp_path, "run", "fp"), tmp_path)
+    assert resumed.params_sha256 == worker.params_sha256
+    assert all(torch.equal(v, local[k]) for k, v in resumed.outer.local_state().items())
+    assert all(torch.equal(v, worker.outer.shared_state()[k]) for k, v in resumed.outer.shared_state().items())
+    joiner = build_replica(config, CPU, sampler(config))
+    joiner.outer.load_local_state(local)
+    joiner.adopt({s.slice: s for s in worker.snapshots(2)})  # newer state from a peer: the buffers no longer apply
+    assert joiner.params_sha256 == worker.params_sha256
+    assert not any(bool(v.any()) for v in joiner.outer.local_state().values())
+    assert all(torch.equal(v, worker.outer.shared_state()[k]) for k, v in joiner.outer.shared_state().items())
