@@ -1,9 +1,11 @@
-"""Bytes on the wire per peer per round, and codec speed, for dense fp32, dense fp16 and SparseLoCo.
+"""Bytes on the wire per peer per round, and codec speed, for dense fp32, dense fp16, SparseLoCo and LoCo.
 
 Every replica compresses its own random pseudo-gradient of the ~150M model's shapes; the butterfly
 among N peers is then sized exactly as the swarm runs it: span i reduced by peer i, each sender's
 encoded contribution to every other span, each reducer's result (relay or union, whichever is
-smaller) to every other peer. Dense rows are the fp32 / fp16 butterfly of the same parameters.
+smaller) to every other peer. Dense rows are the fp32 / fp16 butterfly of the same parameters. LoCo
+(``outer.loco`` defaults: 4-bit codes, a float32 scale per 128 values) is sized the same way: each
+sender's low-bit contribution to every other span, each reducer's re-quantized mean back.
 
     python benchmarks/comm.py                  # ~150M shapes, N = 2, 4, 8, densities 1/64 and 1/32
     python benchmarks/comm.py --config configs/tiny.yaml --peers 2 4
@@ -17,13 +19,15 @@ import time
 import numpy as np
 import torch
 
-from p2ploco.collective.exchange import dense_fp32_bytes
+from p2ploco.collective.exchange import Exchange, dense_fp32_bytes
+from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.chunking import chunk_grid
+from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
-from p2ploco.config import load_config
+from p2ploco.config import LoCoConfig, load_config
 from p2ploco.metrics import format_table
 from p2ploco.model import Transformer
 
@@ -50,8 +54,8 @@ def compress_replica(layout: SparseLayout, seed: int, device: torch.device) -> t
     return compressed, seconds
 
 
-def butterfly_bytes(exchanges: list[SparseExchange]) -> tuple[list[int], list[int]]:
-    """Sent and received payload bytes of each peer in one sparse butterfly round."""
+def butterfly_bytes(exchanges: list[Exchange]) -> tuple[list[int], list[int]]:
+    """Sent and received payload bytes of each peer in one butterfly round."""
     n = len(exchanges)
     sent, received = [0] * n, [0] * n
     for reducer, span in enumerate(exchanges[0].partition(n)):
@@ -65,6 +69,27 @@ def butterfly_bytes(exchanges: list[SparseExchange]) -> tuple[list[int], list[in
                 sent[reducer] += len(result)
                 received[peer] += len(result)
     return sent, received
+
+
+def loco_rows(shapes: list[tuple[int, ...]], peers: list[int], config: LoCoConfig) -> list[tuple]:
+    """LoCo's bytes per peer per round for each group size in ``peers``, against the dense fp32 butterfly."""
+    layout = GroupLayout(shapes, config.group_size)
+    no_error = torch.zeros(layout.numel)  # the reducers' buffers: empty, as in a first round (the size is the same)
+    exchanges = []
+    for seed in range(max(peers)):
+        values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(seed))
+        exchanges.append(LowBitMean(layout, config.bits, quantize(values, layout.lengths, config.bits), no_error,
+                                    config.beta))
+    rows = []
+    for n in peers:
+        sent, received = butterfly_bytes(exchanges[:n])
+        spans = exchanges[0].partition(n)
+        dense32 = sum(dense_fp32_bytes(exchanges[0], spans, i) / 2 for i in range(n)) / n  # each way
+        mean_sent, mean_received = sum(sent) / n, sum(received) / n
+        rows.append((n, f"{config.bits}-bit, {config.group_size} per scale",
+                     f"{dense32 / 1e6:.1f} / {dense32 / 1e6:.1f}", f"{mean_sent / 1e6:.2f} / {mean_received / 1e6:.2f}",
+                     f"{2 * dense32 / (mean_sent + mean_received):.1f}x", f"{8 * mean_sent / layout.numel:.3f}"))
+    return rows
 
 
 def main() -> None:
@@ -115,6 +140,10 @@ def main() -> None:
     print("Bytes per peer per round, MB sent / received (mean over peers)")
     print(format_table(("peers", "density", "dense fp32", "dense fp16", "SparseLoCo", "vs fp32", "vs fp16",
                         "sent bits/param"), rows))
+    print()
+    print("LoCo: bytes per peer per round, MB sent / received (mean over peers)")
+    print(format_table(("peers", "values", "dense fp32", "LoCo", "vs fp32", "sent bits/param"),
+                       loco_rows(shapes, args.peers, LoCoConfig())))
     print()
     print("Codec speed, seconds per 100M parameters (one replica's whole pseudo-gradient)")
     print(format_table(("density", "device", "compress s", "decode s", "upload bits/param"), speed))

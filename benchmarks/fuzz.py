@@ -35,9 +35,11 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
+from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.errors import P2PLocoError
@@ -70,6 +72,12 @@ CONTRIBUTION = REPLICAS[1].encode(SPAN)
 _AGGREGATE = REPLICAS[0].combine(SPAN, [REPLICAS[0].parse(SPAN, r.encode(SPAN)) for r in REPLICAS])
 RELAY, UNION = REPLICAS[0].result_for(_AGGREGATE, 0), _AGGREGATE.union
 DENSE = DenseMean([torch.randn(50)], clip_factor=2.0)
+GROUPS = GroupLayout([(40, 30), (30,), (7, 3)], 64)  # tails of 48, 30 and 21 values
+LOWBIT = LowBitMean(GROUPS, 4, quantize(torch.randn(GROUPS.numel), GROUPS.lengths, 4), torch.zeros(GROUPS.numel), 0.8,
+                    clip_factor=2.0)
+LOWBIT_SPAN = range(3, GROUPS.num_groups)
+LOWBIT_CONTRIBUTION = LOWBIT.encode(LOWBIT_SPAN)
+LOWBIT_RESULT = LOWBIT.combine(LOWBIT_SPAN, [LOWBIT.parse(LOWBIT_SPAN, LOWBIT_CONTRIBUTION)])
 DENSE_PAYLOAD = DENSE.encode(range(5, 45))
 _PARAMS = {"w": torch.randn(8, 4), "b": torch.randn(4)}
 BLOB = Snapshot(7, "stage0", _PARAMS, {"momentum.w": torch.zeros(4)},
@@ -131,6 +139,20 @@ def mutated(original: bytes) -> st.SearchStrategy[bytes]:
     return st.tuples(edits, st.integers(0, len(original)), st.binary(max_size=16)).map(apply)
 
 
+def edited(original: bytes) -> st.SearchStrategy[bytes]:
+    """``original`` with some bytes replaced and its length kept: past the length checks of fixed-size formats."""
+    edits = st.lists(st.tuples(st.integers(0, max(0, len(original) - 1)), st.integers(0, 255)), min_size=1,
+                     max_size=4)
+
+    def apply(changes: list[tuple[int, int]]) -> bytes:
+        data = bytearray(original)
+        for at, byte in changes:
+            data[at] = byte
+        return bytes(data)
+
+    return edits.map(apply)
+
+
 def payloads(original: bytes) -> st.SearchStrategy[bytes]:
     return mutated(original) | st.binary(max_size=2 * len(original))
 
@@ -184,6 +206,14 @@ def sparse_result(data: bytes) -> None:
 def dense_contribution(data: bytes) -> None:
     DENSE.parse(range(5, 45), data)
     DENSE.receive(range(5, 45), data, None)
+
+
+def lowbit_contribution(data: bytes) -> None:
+    LOWBIT.parse(LOWBIT_SPAN, data)
+
+
+def lowbit_result(data: bytes) -> None:
+    LOWBIT.receive(LOWBIT_SPAN, data, None)
 
 
 def sliced_contribution(data: bytes) -> None:
@@ -242,6 +272,9 @@ def targets() -> list[Target]:
         Target("sparse relay result", sparse_result, payloads(RELAY)),
         Target("sparse union result", sparse_result, payloads(UNION)),
         Target("dense payload", dense_contribution, payloads(DENSE_PAYLOAD)),
+        Target("low-bit contribution", lowbit_contribution,
+               payloads(LOWBIT_CONTRIBUTION) | edited(LOWBIT_CONTRIBUTION)),
+        Target("low-bit result", lowbit_result, payloads(LOWBIT_RESULT) | edited(LOWBIT_RESULT)),
         Target("sliced contribution", sliced_contribution, payloads(SLICED_CONTRIBUTION)),
         Target("sliced result", sliced_result, payloads(SLICED_RESULT)),
         Target("stage message", stage_message, st.tuples(headers("stage"), payloads(STAGE_PAYLOAD))),

@@ -1,5 +1,5 @@
-"""Same token budget, K replicas in one process: AdamW DDP (gradients averaged every step), DiLoCo and
-SparseLoCo (every H steps), and heterogeneous SparseLoCo with pipeline groups. Prints the eval loss
+"""Same token budget, K replicas in one process: AdamW DDP (gradients averaged every step), DiLoCo,
+SparseLoCo and LoCo (every H steps), and heterogeneous SparseLoCo with pipeline groups. Prints the eval loss
 along the way, the final eval loss and the bytes each replica sent + received in total.
 
 The outer algorithms run the same code as real nodes (workers: inner trainer, outer algorithm,
@@ -8,9 +8,10 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py                          # tiny model, K=4, 40 rounds of H=10
     python benchmarks/quality.py --rounds 5 --replicas 2  # a quick look
     python benchmarks/quality.py --methods diloco "sparseloco:topk=128,error_decay=0.9"   # variants
+    python benchmarks/quality.py --methods diloco loco "loco:bits=2"   # LoCo's low-bit values against fp32
     python benchmarks/quality.py --suite heterogeneous    # full replicas vs 2-stage compressed groups
 
-Methods: ``ddp``; ``diloco`` / ``sparseloco`` (every replica full), each with optional outer settings
+Methods: ``ddp``; ``diloco`` / ``sparseloco`` / ``loco`` (every replica full), each with optional outer settings
 after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
 ``selective:ratio=R`` (half the replicas full, half compressed groups), SparseLoCo per stage. The eval
 loss is that of the global parameters as replica 0 runs them (projected onto span(U) when replica 0
@@ -37,10 +38,12 @@ from p2ploco.pipeline.subspace import SubspaceConstraint, constrained_dims
 CPU = torch.device("cpu")
 # Besides each method's reference settings, one variant each found by a small sweep on this benchmark:
 # DiLoCo's momentum 0.9 is too much for 40 rounds; SparseLoCo gains from ~3% density, a shorter error
-# memory and a slightly larger outer step.
+# memory and a slightly larger outer step. LoCo runs DiLoCo's outer step on 4-bit values: each of its rows
+# pairs with the DiLoCo row of the same momentum, whose values travel in fp32.
 SUITES = {
     "default": ("configs/tiny.yaml",
-                ["ddp", "diloco", "diloco:momentum=0.5", "sparseloco", "sparseloco:topk=128,error_decay=0.9,lr=1.2"]),
+                ["ddp", "diloco", "diloco:momentum=0.5", "sparseloco", "sparseloco:topk=128,error_decay=0.9,lr=1.2",
+                 "loco", "loco:momentum=0.5"]),
     # Heterogeneous SparseLoCo (arXiv 2601.02360): all full replicas, then 2-stage compressed groups for all
     # replicas (uniform) or half of them (selective), at a mild and an aggressive compression d/k.
     "heterogeneous": ("configs/tiny-pipeline.yaml",
