@@ -10,6 +10,7 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py --methods diloco "sparseloco:topk=128,error_decay=0.9"   # variants
     python benchmarks/quality.py --methods diloco loco "loco:bits=2"   # LoCo's low-bit values against fp32
     python benchmarks/quality.py --suite heterogeneous    # full replicas vs 2-stage compressed groups
+    python benchmarks/quality.py --suite overlap          # DiLoCo and SparseLoCo with and without overlap
 
 Methods: ``ddp``; ``diloco`` / ``sparseloco`` / ``loco`` (every replica full), each with optional outer settings
 after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
@@ -46,6 +47,9 @@ SUITES = {
                  "loco", "loco:momentum=0.5"]),
     # Heterogeneous SparseLoCo (arXiv 2601.02360): all full replicas, then 2-stage compressed groups for all
     # replicas (uniform) or half of them (selective), at a mild and an aggressive compression d/k.
+    # Overlap: each round's all-reduce runs during the next round's inner steps, its outer step one round late.
+    "overlap": ("configs/tiny.yaml",
+                ["diloco", "diloco:overlap=true", "sparseloco", "sparseloco:overlap=true"]),
     "heterogeneous": ("configs/tiny-pipeline.yaml",
                       ["sparseloco", "selective:ratio=8", "uniform:ratio=8", "selective:ratio=32",
                        "uniform:ratio=32"]),

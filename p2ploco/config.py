@@ -85,6 +85,8 @@ class DiLoCoConfig:
     nesterov: bool = True
     # Element type of pseudo-gradients on the wire; the reducer sums in float32.
     wire_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # The round's all-reduce runs while the next round's inner steps do; its outer step lands one round late.
+    overlap: bool = False
 
 
 @dataclass
@@ -97,6 +99,8 @@ class SparseLoCoConfig:
     topk: int = 64  # values kept per full chunk_size^2 tile (64 of 4096 = 1/64 density)
     # mean: per coordinate over the replicas that selected it (reference code); sum: divide by all replicas.
     aggregate: Literal["mean", "sum"] = "mean"
+    # The round's all-reduce runs while the next round's inner steps do; its outer step lands one round late.
+    overlap: bool = False
 
 
 @dataclass
@@ -125,6 +129,11 @@ class OuterConfig:
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
     loco: LoCoConfig = field(default_factory=LoCoConfig)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the chosen algorithm overlaps its all-reduce with the next round's inner steps."""
+        return {"diloco": self.diloco.overlap, "sparseloco": self.sparseloco.overlap}.get(self.algorithm, False)
 
 
 @dataclass
@@ -299,6 +308,8 @@ def validate(config: Config) -> None:
         (not p.compressed or 1 <= p.rank < m.d_model,
          f"pipeline.rank ({p.rank}) must be in [1, model.d_model={m.d_model}): it is the number of values per token "
          f"a compressed stage boundary sends"),
+        (p.stages == 1 or not o.overlap,
+         f"outer.{o.algorithm}.overlap needs pipeline.stages=1: pipeline groups run their rounds without overlap"),
         (p.stages == 1 or not m.tie_embeddings,
          f"pipeline.stages={p.stages} needs model.tie_embeddings: false (the embedding lives on the first stage, the "
          f"head on the last)"),

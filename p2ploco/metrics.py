@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +46,14 @@ class RoundRecord:
     state_source: str = "init"  # where that state came from: init (seed), checkpoint, or peer
     catchup_seconds: float = 0.0  # time spent fetching the swarm's state before this round
     timestamp: float = 0.0
+    compute_utilisation: float = 0.0  # inner seconds / wall seconds since the previous record (or the round's start)
+
+    @staticmethod
+    def utilisation(inner_seconds: float, previous: Sequence[RoundRecord], started: float) -> float:
+        """``compute_utilisation`` of a record made now: inner seconds over the wall seconds since the previous
+        record (``previous[-1]``; for a node's first record, since ``started``, the round's perf_counter())."""
+        wall = time.time() - previous[-1].timestamp if previous else time.perf_counter() - started
+        return min(1.0, inner_seconds / wall) if wall > 0 else 0.0
 
 
 class MetricsLog:
@@ -64,7 +73,7 @@ class TensorBoardLog:
     (``pip install p2ploco[tensorboard]``); otherwise it does nothing."""
 
     SCALARS = ("loss", "eval_loss", "peers", "bytes_sent", "bytes_received", "bits_per_param", "inner_seconds",
-               "comm_seconds", "round_seconds")
+               "comm_seconds", "round_seconds", "compute_utilisation")
 
     def __init__(self, directory: Path):
         try:

@@ -25,13 +25,13 @@ import torch
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.config import Config
-from p2ploco.data import ShardSampler
+from p2ploco.data import Batch, ShardSampler
 from p2ploco.errors import CheckpointError, SwarmError
-from p2ploco.inner import GradientSource, InnerStats, InnerTrainer, LocalBatches
+from p2ploco.inner import GradientSource, InnerStats, InnerTrainer, LocalBatches, evaluate
 from p2ploco.metrics import params_sha256
 from p2ploco.model import Transformer, stage_layers
 from p2ploco.outer import build_outer
-from p2ploco.outer.base import copy_state
+from p2ploco.outer.base import OuterRound
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.pipeline.slices import group_by_slice
 from p2ploco.pipeline.subspace import PlainBoundary, Subspace, SubspaceConstraint, constrained_dims
@@ -49,6 +49,10 @@ class Worker:
         self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices)
         horizon = c.inner.total_steps or c.training.rounds * c.inner.steps
         self.inner = InnerTrainer(model, c.inner, gradients, device, horizon, constraint)
+        self.overlap = c.outer.overlap  # rounds end with land + launch instead of sync
+        self.in_flight: OuterRound | None = None  # overlapped: the round whose all-reduce runs during these steps
+        self.trained_from: list[torch.Tensor] | None = None  # overlapped: where these inner steps started (None:
+        # from the global params)
         self.load_into_model()
 
     def _hash(self) -> tuple[str, dict[str, str]]:
@@ -59,9 +63,10 @@ class Worker:
             return next(iter(slices.values())), slices
         return hashlib.sha256(";".join(f"{k}={v}" for k, v in slices.items()).encode()).hexdigest(), slices
 
-    def train(self, round_index: int, should_stop: Callable[[], bool] = lambda: False) -> InnerStats | None:
-        """The round's inner steps; None if stopped before they were done."""
-        return self.inner.run_round(round_index, should_stop)
+    def train(self, round_index: int, should_stop: Callable[[], bool] = lambda: False,
+              between: Callable[[int], None] | None = None) -> InnerStats | None:
+        """The round's inner steps, ``between(h)`` after each; None if stopped before they were done."""
+        return self.inner.run_round(round_index, should_stop, between)
 
     def sync(self, comm: Communicator, round_index: int) -> AllReduceStats:
         """The outer round: pseudo-gradient (from where training started), all-reduce, outer step; then the
@@ -71,8 +76,63 @@ class Worker:
         self.load_into_model()
         return stats
 
+    # ---- overlapped rounds: the all-reduce of round r runs during round r+1's inner steps ------------------
+    #
+    # When round r's outer step lands (at the end of round r+1's inner steps) it moves the global params and,
+    # by the same amount, the local ones: the replica keeps its own progress of round r+1, which the next
+    # all-reduce carries. So each round's pseudo-gradient is measured from where its inner steps started, a
+    # point of this replica's own (``trained_from``), not from the global params. Pipeline stages do not
+    # overlap (config.py refuses it), so no subspace constraint applies here.
+
+    def land(self, round_index: int) -> tuple[OuterRound, AllReduceStats | None]:
+        """The end of an overlapped round's inner steps, first half: this round's contribution (from where its
+        training started), then the previous round's all-reduce waited for and its outer step applied to the
+        global params, one round late. Returns the contribution (for ``launch``) and the landed round's stats
+        (None if no round was in flight: the first, or one dropped by catching up)."""
+        contribution = self.outer.contribute(list(self.model.parameters()), round_index, self.trained_from)
+        landed, self.in_flight = self.in_flight, None
+        if landed is None:
+            return contribution, None
+        before = [p.clone() for p in self.outer.params]
+        stats = self.outer.finish(landed)
+        with torch.no_grad():
+            for param, now, then in zip(self.model.parameters(), self.outer.params, before):
+                param.add_(now.to(self.device) - then.to(self.device))
+        return contribution, stats
+
+    def launch(self, contribution: OuterRound, comm: Communicator) -> None:
+        """Second half: start ``contribution``'s all-reduce in the background; the next inner steps go on from
+        the local params as ``land`` left them."""
+        contribution.start(comm)
+        self.in_flight = contribution
+        self.trained_from = [p.detach().clone() for p in self.model.parameters()]
+        self.params_sha256, self.slice_sha256 = self._hash()
+
+    def evaluate(self, batches: list[Batch]) -> float:
+        """The eval loss of the global params (the model holds them, or, overlapped, is lent them meanwhile)."""
+        if self.trained_from is None:
+            return evaluate(self.model, batches, self.device)
+        with torch.no_grad():
+            for param, value in zip(self.model.parameters(), self.outer.params):
+                param.copy_(value)
+            loss = evaluate(self.model, batches, self.device)
+            for param, local in zip(self.model.parameters(), self.trained_from):
+                param.copy_(local)
+        self.model.train()
+        return loss
+
+    def finish_in_flight(self) -> AllReduceStats | None:
+        """Wait for the round in flight and apply it (before an exit checkpoint); None if there was none."""
+        landed, self.in_flight = self.in_flight, None
+        if landed is None:
+            return None
+        stats = self.outer.finish(landed)
+        self.load_into_model()
+        return stats
+
     def load_into_model(self) -> None:
         """local <- global (projected onto span(U) where constrained): the next inner steps start here."""
+        self.trained_from = None
         params = list(self.model.parameters())
         with torch.no_grad():
             for param, value in zip(params, self.outer.params):
@@ -99,7 +159,9 @@ class Worker:
         return out
 
     def adopt(self, snapshots: dict[str, Snapshot]) -> None:
-        """Take the swarm's state of every slice this worker holds; its own local outer state no longer applies."""
+        """Take the swarm's state of every slice this worker holds; its own local outer state no longer applies.
+        A round in flight still lands on it if the state is the one it was meant for (that of the next round),
+        else it is dropped (its all-reduce ends in the background, unread)."""
         if set(snapshots) != set(self.slices):
             raise SwarmError(f"fetched slices {sorted(snapshots)} but this worker holds {sorted(self.slices)}")
         params = {name: t for snapshot in snapshots.values() for name, t in snapshot.params.items()}
@@ -113,12 +175,16 @@ class Worker:
         except (KeyError, ValueError, RuntimeError) as e:
             raise SwarmError(f"fetched state does not fit this model and algorithm: {e!r}") from None
         self.outer.reset_local_state()
+        rounds = {snapshot.round for snapshot in snapshots.values()}
+        if self.in_flight is not None and rounds != {self.in_flight.round_index + 1}:
+            self.in_flight = None
         self.load_into_model()
 
     def checkpoint(self, round_index: int, extras: dict[str, Any] | None = None) -> Checkpoint:
         """All this worker needs to continue; ``extras``: what its role adds (a stage's slot)."""
         inner_tensors, inner_settings = self.inner.optimizer_state()
-        local = {f"outer/{k}": v for k, v in self.outer.local_state().items()}
+        # A round in flight has not moved the global params yet: saved as if it were not applied.
+        local = {f"outer/{k}": v for k, v in self.outer.local_state_with(self.in_flight).items()}
         local.update({f"inner/{k}": v for k, v in inner_tensors.items()})
         return Checkpoint(round_index, dict(zip(self.names, self.outer.params)), self.outer.shared_state(), local,
                           {"inner": inner_settings, "slices": self.slice_sha256, **(extras or {})})
@@ -131,7 +197,7 @@ class Worker:
         try:
             self.outer.load_params([saved.params[name] for name in self.names])
             self.outer.load_shared_state(saved.shared)
-            copy_state(self.outer.local_state(), {k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
+            self.outer.load_local_state({k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
             self.inner.load_optimizer_state({k[6:]: v for k, v in saved.local.items() if k.startswith("inner/")},
                                             saved.extras["inner"])
         except (KeyError, ValueError, RuntimeError) as e:

@@ -7,10 +7,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from p2ploco.collective.dense import DenseMean
-from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.config import DiLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, finite_step, pseudo_gradients
+from p2ploco.outer.base import OuterAlgorithm, OuterRound, finite_step, pseudo_gradients
 
 CPU = torch.device("cpu")
 
@@ -22,25 +21,19 @@ class DiLoCo(OuterAlgorithm):
         self.config, self.clip_factor = config, clip_factor
         self.momentum = [torch.zeros_like(p) for p in self.params]
 
-    def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
-             start: Sequence[torch.Tensor] | None = None) -> AllReduceStats:
+    def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
+                   start: Sequence[torch.Tensor] | None = None) -> OuterRound:
         # 1. Pseudo-gradient: global (or where training started) - local, a descent direction like a gradient.
         deltas = pseudo_gradients(start if start is not None else self.params, local_params, CPU)
-
         # 2. Its mean over the replicas of this round, every slice among its holders.
-        exchange = SlicedExchange({name: DenseMean([deltas[i] for i in positions], self.config.wire_dtype,
-                                                   self.clip_factor)
-                                   for name, positions in self.slices.items()})
-        stats = comm.all_reduce(exchange, round_index, "params")
-        if not stats.committed:
-            return stats
-        mean = self.per_param(exchange, DenseMean.mean)
+        return OuterRound(round_index, SlicedExchange({
+            name: DenseMean([deltas[i] for i in positions], self.config.wire_dtype, self.clip_factor)
+            for name, positions in self.slices.items()}))
 
+    def step(self, outer_round: OuterRound) -> bool:
         # 3. Outer SGD with (Nesterov) momentum.
-        if not nesterov_step(self.params, mean, self.momentum, self.config.lr, self.config.momentum,
-                             self.config.nesterov, round_index):
-            stats.committed = False
-        return stats
+        return nesterov_step(self.params, self.per_param(outer_round.exchange, DenseMean.mean), self.momentum,
+                             self.config.lr, self.config.momentum, self.config.nesterov, outer_round.round_index)
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         return {f"momentum.{i}": buf for i, buf in enumerate(self.momentum)}

@@ -17,18 +17,24 @@ momentum is shared state, downloaded by joiners, as DiLoCo's.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.compression.groupwise import GroupLayout, compensate
 from p2ploco.config import LoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, pseudo_gradients
+from p2ploco.outer.base import OuterAlgorithm, OuterRound, pseudo_gradients
 from p2ploco.outer.diloco import nesterov_step
 
 CPU = torch.device("cpu")
+
+
+@dataclass
+class LoCoRound(OuterRound):
+    errors: dict[str, torch.Tensor] = field(default_factory=dict)  # per slice, the sender's buffer if applied
+
 
 
 class LoCo(OuterAlgorithm):
@@ -44,8 +50,8 @@ class LoCo(OuterAlgorithm):
         self.errors = {name: torch.zeros(layout.numel) for name, layout in self.layouts.items()}
         self.reducer_errors = {name: torch.zeros(layout.numel) for name, layout in self.layouts.items()}
 
-    def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
-             start: Sequence[torch.Tensor] | None = None) -> AllReduceStats:
+    def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
+                   start: Sequence[torch.Tensor] | None = None) -> LoCoRound:
         c = self.config
         # 0. Rounds whose index is a multiple of reset_every start with empty buffers.
         if round_index % c.reset_every == 0:
@@ -64,24 +70,26 @@ class LoCo(OuterAlgorithm):
             exchanges[name] = LowBitMean(layout, c.bits, quantized, self.reducer_errors[name], c.beta,
                                          self.clip_factor)
 
-        # 3. All-reduce of every slice among its holders: each span's reducer bounds the contributions, averages
-        #    them in float32 and re-quantizes the mean with its own buffer; everybody decodes the same bytes.
-        exchange = SlicedExchange(exchanges)
-        stats = comm.all_reduce(exchange, round_index, "params")
+        # 3. All-reduce of every slice among its holders (``OuterRound.start``): each span's reducer bounds the
+        #    contributions, averages them in float32 and re-quantizes the mean with its own buffer; everybody
+        #    decodes the same bytes.
+        return LoCoRound(round_index, SlicedExchange(exchanges), errors=errors)
 
+    def step(self, outer_round: OuterRound) -> bool:
+        assert isinstance(outer_round, LoCoRound)
         # 4. DiLoCo's outer step on the decoded aggregate: SGD with Nesterov momentum.
-        if not stats.committed or not nesterov_step(self.params, self.per_param(exchange, LowBitMean.mean),
-                                                    self.momentum, c.lr, c.momentum, True, round_index):
-            stats.committed = False
-            return stats
+        c = self.config
+        if not nesterov_step(self.params, self.per_param(outer_round.exchange, LowBitMean.mean), self.momentum,
+                             c.lr, c.momentum, True, outer_round.round_index):
+            return False
 
         # 5. Applied: keep the new buffers, the sender's and the reducer's for the span it reduced.
-        for name, part in exchanges.items():
-            self.errors[name].copy_(errors[name])
+        for name, part in outer_round.exchange.parts.items():
+            self.errors[name].copy_(outer_round.errors[name])
             if part.reduced is not None:
                 span = part.reduced.elements
                 self.reducer_errors[name][span.start : span.stop] = part.reduced.error
-        return stats
+        return True
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         return {f"momentum.{i}": buf for i, buf in enumerate(self.momentum)}
