@@ -119,16 +119,35 @@ class LoCoConfig:
 
 
 @dataclass
+class StreamingConfig:
+    """Streaming DiLoCo (Douillard et al. 2025): the model in fragments that sync at staggered inner steps, each
+    fragment's all-reduce overlapped with inner steps, 4-bit exchanged values.
+
+    Fragment p (of P) is a strided group of blocks (p, p + P, ...; the embedding with fragment 0, the final norm
+    and head with fragment P - 1). Within each round of H inner steps fragment p's all-reduce starts after inner
+    step (p + 1)·H/P - delay and is applied after step (p + 1)·H/P; the local copy of the fragment then becomes
+    alpha·local + (1 - alpha)·global."""
+
+    fragments: int = 2  # P
+    delay: int = 1  # tau: inner steps an all-reduce runs while training goes on; < inner.steps / fragments
+    alpha: float = 0.5  # share of the local fragment kept when the synced one arrives (0: take the global one)
+    lr: float = 0.7  # outer SGD with Nesterov momentum, per fragment
+    momentum: float = 0.9
+    bits: int = 4  # exchanged values: 4 (E3M0 floats, one float32 scale per 128) or 32 (float32)
+
+
+@dataclass
 class OuterConfig:
     """The outer algorithm applied to the replicas' pseudo-gradients; each has its own section."""
 
-    algorithm: Literal["sparseloco", "diloco", "loco"] = "sparseloco"
+    algorithm: Literal["sparseloco", "diloco", "loco", "streaming"] = "sparseloco"
     # Each contribution to a span is scaled down to at most clip_factor x the median norm of the span's
     # contributions before they are combined (a defence against poisoned updates); 0 turns clipping off.
     clip_factor: float = 2.0
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
     loco: LoCoConfig = field(default_factory=LoCoConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
 
     @property
     def overlap(self) -> bool:
@@ -303,6 +322,22 @@ def validate(config: Config) -> None:
          f"buffers; a large value never resets them)"),
         (o.loco.lr > 0, f"outer.loco.lr ({o.loco.lr}) must be > 0"),
         (0 <= o.loco.momentum < 1, f"outer.loco.momentum ({o.loco.momentum}) must be in [0, 1)"),
+        (1 <= o.streaming.fragments <= m.n_layer,
+         f"outer.streaming.fragments ({o.streaming.fragments}) must be in [1, model.n_layer={m.n_layer}]: every "
+         f"fragment holds a block"),
+        (o.algorithm != "streaming" or i.steps % o.streaming.fragments == 0,
+         f"outer.streaming.fragments ({o.streaming.fragments}) must divide inner.steps ({i.steps}): fragments sync "
+         f"at equal distances within a round"),
+        (0 <= o.streaming.delay < max(i.steps // o.streaming.fragments, 1),
+         f"outer.streaming.delay ({o.streaming.delay}) must be in [0, inner.steps / fragments = "
+         f"{i.steps // o.streaming.fragments}): a fragment's all-reduce must land before the next one starts"),
+        (0 <= o.streaming.alpha <= 1, f"outer.streaming.alpha ({o.streaming.alpha}) must be in [0, 1]"),
+        (o.streaming.lr > 0, f"outer.streaming.lr ({o.streaming.lr}) must be > 0"),
+        (0 <= o.streaming.momentum < 1, f"outer.streaming.momentum ({o.streaming.momentum}) must be in [0, 1)"),
+        (o.streaming.bits in (4, 32), f"outer.streaming.bits ({o.streaming.bits}) must be 4 (E3M0) or 32 (float32)"),
+        (o.algorithm != "streaming" or p.stages == 1,
+         f"outer.algorithm=streaming needs pipeline.stages=1 (got {p.stages}): fragments cut the whole model, stage "
+         f"peers hold a part of it"),
         (1 <= p.stages <= m.n_layer,
          f"pipeline.stages ({p.stages}) must be in [1, model.n_layer={m.n_layer}]: every stage holds a layer"),
         (not p.compressed or 1 <= p.rank < m.d_model,
