@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.fp4 import E3M0Mean
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.collective.sparse import SparseExchange
@@ -79,6 +80,10 @@ LOWBIT_SPAN = range(3, GROUPS.num_groups)
 LOWBIT_CONTRIBUTION = LOWBIT.encode(LOWBIT_SPAN)
 LOWBIT_RESULT = LOWBIT.combine(LOWBIT_SPAN, [LOWBIT.parse(LOWBIT_SPAN, LOWBIT_CONTRIBUTION)])
 DENSE_PAYLOAD = DENSE.encode(range(5, 45))
+E3M0 = E3M0Mean([torch.randn(40, 30), torch.randn(77)], clip_factor=2.0)  # an odd count: a padded last byte
+E3M0_SPAN = range(2, E3M0.num_units)
+E3M0_CONTRIBUTION = E3M0.encode(E3M0_SPAN)
+E3M0_RESULT = E3M0.combine(E3M0_SPAN, [E3M0.parse(E3M0_SPAN, E3M0_CONTRIBUTION)])
 _PARAMS = {"w": torch.randn(8, 4), "b": torch.randn(4)}
 BLOB = Snapshot(7, "stage0", _PARAMS, {"momentum.w": torch.zeros(4)},
                 params_sha256(list(_PARAMS), _PARAMS.values())).blob()
@@ -216,6 +221,14 @@ def lowbit_result(data: bytes) -> None:
     LOWBIT.receive(LOWBIT_SPAN, data, None)
 
 
+def e3m0_contribution(data: bytes) -> None:
+    E3M0.parse(E3M0_SPAN, data)
+
+
+def e3m0_result(data: bytes) -> None:
+    E3M0.receive(E3M0_SPAN, data, None)
+
+
 def sliced_contribution(data: bytes) -> None:
     SLICED[0].parse(SLICED_SPAN, data)
 
@@ -275,6 +288,8 @@ def targets() -> list[Target]:
         Target("low-bit contribution", lowbit_contribution,
                payloads(LOWBIT_CONTRIBUTION) | edited(LOWBIT_CONTRIBUTION)),
         Target("low-bit result", lowbit_result, payloads(LOWBIT_RESULT) | edited(LOWBIT_RESULT)),
+        Target("E3M0 contribution", e3m0_contribution, payloads(E3M0_CONTRIBUTION) | edited(E3M0_CONTRIBUTION)),
+        Target("E3M0 result", e3m0_result, payloads(E3M0_RESULT) | edited(E3M0_RESULT)),
         Target("sliced contribution", sliced_contribution, payloads(SLICED_CONTRIBUTION)),
         Target("sliced result", sliced_result, payloads(SLICED_RESULT)),
         Target("stage message", stage_message, st.tuples(headers("stage"), payloads(STAGE_PAYLOAD))),
