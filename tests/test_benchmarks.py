@@ -1,6 +1,7 @@
 """The benchmark scripts still run and print their tables (on tiny settings; timings are not checked)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,9 @@ def test_comm_benchmark_prints_bytes_and_speed():
     speed = [row for row in rows if row[2] == "cpu"]  # (and a CUDA row per group size where there is one)
     assert [row[1] for row in speed] == ["2", "3"]
     assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in speed)  # compress, decode+aggregate GB/s
+    peak = out.split("Peak bandwidth")[1].split("Codec speed")[0]
+    two = [line.split() for line in peak.splitlines() if re.match(r"\s*2\s+Streaming E3M0\s+2\s", line)]
+    assert len(two) == 1 and float(two[0][6]) > 1.5  # round / peak: two fragments halve the peak (tiny: 2 layers)
 
 
 @pytest.mark.timeout(260)
