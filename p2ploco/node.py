@@ -311,8 +311,7 @@ class Node:
             self._publish(swarm, worker, round_index, PeerState.STANDBY)  # nobody waits for this peer's join
             return self._record(swarm, role, round_index, membership, started, loss=float("nan"),
                                 applied=False, excluded=True)
-        if inner_stats is None:  # (Streaming: fragments in flight end in the background, unread)
-            worker.fragment_syncs = None
+        if inner_stats is None:
             worker.load_into_model()
             return None
         if worker.overlap:

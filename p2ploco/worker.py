@@ -70,7 +70,8 @@ class Worker:
     def train(self, round_index: int, should_stop: Callable[[], bool] = lambda: False,
               between: Callable[[int], None] | None = None, comm: Communicator | None = None) -> InnerStats | None:
         """The round's inner steps, ``between(h)`` after each; None if stopped before they were done. Streaming
-        DiLoCo syncs its fragments through ``comm`` between them (the schedule's inner steps)."""
+        DiLoCo syncs its fragments through ``comm`` between them (the schedule's inner steps) and is not stopped
+        before the round's end."""
         if isinstance(self.outer, StreamingDiLoCo):
             if comm is None:
                 raise ValueError("Streaming DiLoCo trains with a communicator: its fragments sync between inner steps")
@@ -81,7 +82,10 @@ class Worker:
                 if between is not None:
                     between(steps_done)
 
-            return self.inner.run_round(round_index, should_stop, hook)
+            # Not stopped midway: a round's early fragments already moved the global params, and every peer
+            # must end the round holding all its fragments (a checkpoint of half a round would be a state
+            # nobody else holds). A stop request takes effect at the round's end.
+            return self.inner.run_round(round_index, lambda: False, hook)
         return self.inner.run_round(round_index, should_stop, between)
 
     def sync(self, comm: Communicator, round_index: int) -> AllReduceStats:

@@ -262,6 +262,16 @@ def test_fragments_sync_on_schedule_overlapped_and_every_replica_ends_bit_identi
     assert not all(torch.equal(p, g) for p, g in zip(workers[0].model.parameters(), workers[0].outer.params))
 
 
+def test_a_stop_request_takes_effect_at_the_end_of_the_round_not_between_fragments():
+    worker = replicas(1, "outer.algorithm=streaming", "outer.streaming.fragments=2")[0]
+    before = [p.clone() for p in worker.outer.params]
+    group = InProcessGroup(1, timeout=60)
+    assert worker.train(0, lambda: True, comm=group.communicator(0)) is not None  # all 4 steps, both fragments
+    stats = worker.sync(group.communicator(0), 0)
+    assert stats.committed and len(stats.sync_bytes) == 2
+    assert all(not torch.equal(a, b) for a, b in zip(before, worker.outer.params))  # every fragment moved
+
+
 def test_checkpoints_and_joiners_get_every_fragments_state(tmp_path):
     workers = replicas(2, "outer.algorithm=streaming", "outer.streaming.fragments=2")
     train_rounds(workers, 2)
