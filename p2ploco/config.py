@@ -322,15 +322,15 @@ def validate(config: Config) -> None:
          f"buffers; a large value never resets them)"),
         (o.loco.lr > 0, f"outer.loco.lr ({o.loco.lr}) must be > 0"),
         (0 <= o.loco.momentum < 1, f"outer.loco.momentum ({o.loco.momentum}) must be in [0, 1)"),
-        (1 <= o.streaming.fragments <= m.n_layer,
+        (o.algorithm != "streaming" or 1 <= o.streaming.fragments <= m.n_layer,
          f"outer.streaming.fragments ({o.streaming.fragments}) must be in [1, model.n_layer={m.n_layer}]: every "
          f"fragment holds a block"),
-        (o.algorithm != "streaming" or i.steps % o.streaming.fragments == 0,
+        (o.algorithm != "streaming" or i.steps % max(o.streaming.fragments, 1) == 0,
          f"outer.streaming.fragments ({o.streaming.fragments}) must divide inner.steps ({i.steps}): fragments sync "
          f"at equal distances within a round"),
-        (0 <= o.streaming.delay < max(i.steps // o.streaming.fragments, 1),
+        (o.algorithm != "streaming" or 0 <= o.streaming.delay < i.steps // max(o.streaming.fragments, 1),
          f"outer.streaming.delay ({o.streaming.delay}) must be in [0, inner.steps / fragments = "
-         f"{i.steps // o.streaming.fragments}): a fragment's all-reduce must land before the next one starts"),
+         f"{i.steps // max(o.streaming.fragments, 1)}): a fragment's all-reduce must land before the next one starts"),
         (0 <= o.streaming.alpha <= 1, f"outer.streaming.alpha ({o.streaming.alpha}) must be in [0, 1]"),
         (o.streaming.lr > 0, f"outer.streaming.lr ({o.streaming.lr}) must be > 0"),
         (0 <= o.streaming.momentum < 1, f"outer.streaming.momentum ({o.streaming.momentum}) must be in [0, 1)"),

@@ -172,6 +172,13 @@ def test_bad_streaming_settings_get_a_one_line_error(override, message):
     assert "\n" not in str(caught.value)
 
 
+def test_the_fragment_schedule_binds_only_streaming_runs():
+    config = small_config("inner.steps=2", "outer.streaming.fragments=8")  # no streaming: nothing to schedule
+    assert config.outer.algorithm == "sparseloco"
+    with pytest.raises(ConfigError, match=r"fragments \(8\) must be in \[1, model.n_layer=4\]"):
+        small_config("inner.steps=2", "outer.streaming.fragments=8", "outer.algorithm=streaming", "pipeline.stages=1")
+
+
 # ---- whole workers over the in-process communicator ------------------------------------------------------------
 
 def replicas(count: int, *overrides: str):
