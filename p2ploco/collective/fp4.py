@@ -2,8 +2,8 @@
 
 Units are whole groups of ``compression/groupwise.py``'s layout, so a span's payload carries each group's
 scale with its values (``compression/e3m0.py``). Each sender uploads its pseudo-gradient in E3M0. The
-reducer of a span decodes every contribution, bounds it (``collective/robust.py``), sums them in float32
-in the group's order and divides by their number, then quantizes that mean to E3M0 again and sends every
+reducer of a span decodes every contribution, bounds it, sums them in float32 in the group's order and
+divides by their number (``collective/grouped.py``), then quantizes that mean to E3M0 again and sends every
 member, itself included, the same result bytes: everybody decodes the same bytes into the same float32
 aggregate and ends bit-identical, and downloads stay 4-bit.
 
@@ -23,106 +23,54 @@ on parse, and the payload must have exactly the length its span implies.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from p2ploco.collective import robust
-from p2ploco.collective.exchange import Exchange, Span
+from p2ploco.collective.exchange import Span
+from p2ploco.collective.grouped import CONTRIBUTION, RESULT, GroupedMean, Parsed
 from p2ploco.compression import e3m0
 from p2ploco.compression.groupwise import GroupLayout
 from p2ploco.errors import PayloadError
 
 MAGIC = b"F4"
 VERSION = 1
-CONTRIBUTION, RESULT = 1, 2
 HEADER = struct.Struct("<2sBBII")
 GROUP_SIZE = 128  # values per float32 scale: 0.25 extra bits per value
 FLOAT32_INF = 0x7F800000  # bits of +inf: a non-negative finite float32 lies below it
 MIN_SCALE_BITS = int(np.array(e3m0.MIN_SCALE, dtype=np.float32).view(np.int32))
 
 
-@dataclass
-class _Parsed:
-    values: np.ndarray  # float32, decoded
-    norm: float  # of the values: what clipping compares
-
-
-class E3M0Mean(Exchange):
+class E3M0Mean(GroupedMean):
     def __init__(self, tensors: Sequence[torch.Tensor], clip_factor: float = 0.0):
         """``tensors``: this replica's pseudo-gradient of the slice (float32, CPU); ``clip_factor``: bound on each
         contribution's norm, in multiples of the span's median (0: no clipping)."""
-        self.layout = GroupLayout([t.shape for t in tensors], GROUP_SIZE)
-        self.clip_factor = clip_factor
+        super().__init__(GroupLayout([t.shape for t in tensors], GROUP_SIZE), clip_factor)
         flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
         self.nibbles, self.scales = e3m0.quantize(flat, self.layout.lengths)
-        self.num_units = self.layout.num_groups
-        self.output = torch.full((self.layout.numel,), float("nan"))  # NaN marks spans not yet received
 
     def fingerprint(self) -> str:
         return f"e3m0/{self.layout.digest}/clip{self.clip_factor:g}"
 
-    def unit_at(self, element: int) -> int:
-        return self.layout.group_of(element)
-
-    def numel(self, span: Span) -> int:
-        return len(self.layout.element_range(span))
-
     def max_payload_bytes(self, span: Span) -> int:
         return HEADER.size + 4 * len(span) + (self.numel(span) + 1) // 2
-
-    def max_result_bytes(self, span: Span, group_size: int) -> int:
-        return self.max_payload_bytes(span)
 
     def encode(self, span: Span) -> bytes:
         elements = self.layout.element_range(span)
         return self._encode(CONTRIBUTION, span, self.nibbles[elements.start : elements.stop],
                             self.scales[span.start : span.stop])
 
-    def parse(self, span: Span, payload: bytes) -> _Parsed:
-        values = self._decode(CONTRIBUTION, span, payload)
-        return _Parsed(values, robust.norm(values))
-
-    def combine(self, span: Span, contributions: Sequence[_Parsed]) -> bytes:
-        bounded = robust.clip([c.values for c in contributions], [c.norm for c in contributions], self.clip_factor)
-        total = torch.from_numpy(bounded[0]).clone()
-        for values in bounded[1:]:
-            total.add_(torch.from_numpy(values))
-        mean = total.div_(len(contributions))
-        nibbles, scales = e3m0.quantize(mean, self.layout.lengths[span.start : span.stop])
+    def combine(self, span: Span, contributions: Sequence[Parsed]) -> bytes:
+        nibbles, scales = e3m0.quantize(self.bounded_mean(contributions), self.layout.lengths[span.start : span.stop])
         return self._encode(RESULT, span, nibbles, scales)
-
-    def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:
-        return robust.clipped([c.norm for c in contributions], self.clip_factor)
-
-    def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
-        return aggregate  # every recipient gets the same quantized mean
-
-    def receive(self, span: Span, result: bytes, own: int | None) -> None:
-        values = self._decode(RESULT, span, result)
-        robust.norm(values)  # a mean of bounded contributions is bounded too: refuse an absurd one
-        elements = self.layout.element_range(span)
-        self.output[elements.start : elements.stop] = torch.from_numpy(values)
-
-    def aggregate_digest(self) -> str:
-        return hashlib.sha256(self.output.numpy().tobytes()).hexdigest()
-
-    def mean(self) -> list[torch.Tensor]:
-        """The aggregate, shaped like the input tensors (float32, CPU)."""
-        if torch.isnan(self.output).any():
-            raise RuntimeError("all-reduce finished with spans missing")  # a communicator bug, not bad input
-        return self.layout.split(self.output)
 
     def _encode(self, kind: int, span: Span, nibbles: np.ndarray, scales: torch.Tensor) -> bytes:
         header = HEADER.pack(MAGIC, VERSION, kind, span.start, len(span))
         return header + scales.numpy().astype("<f4").tobytes() + e3m0.pack(nibbles)
 
-    def _decode(self, kind: int, span: Span, payload: bytes) -> np.ndarray:
-        """The float32 values of a payload for ``span``; PayloadError if anything about it is off."""
+    def decode(self, kind: int, span: Span, payload: bytes) -> np.ndarray:
         expected = self.max_payload_bytes(span)
         if len(payload) != expected:
             raise PayloadError(f"E3M0 payload of {len(payload)} bytes, expected {expected} for groups "

@@ -2,7 +2,7 @@
 
 Units are whole quantization groups (``compression/groupwise.py``), so a span's payload carries each of
 its groups' scale with the group's codes. Each sender uploads its own compensated, quantized
-pseudo-gradient. The reducer of a span decodes every contribution, bounds it (``collective/robust.py``),
+pseudo-gradient. The reducer of a span decodes every contribution, bounds it (``collective/grouped.py``),
 sums them in float32 in the group's order and divides by their number, then **re-quantizes** that
 mean with its own compensation buffer for the span (LoCo at the second hop), and sends every member,
 itself included, the same result bytes. Every peer decodes the same bytes into the same float32
@@ -28,7 +28,6 @@ first code in the high bits, the last byte padded with zero bits. Everything is 
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,23 +35,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from p2ploco.collective import robust
-from p2ploco.collective.exchange import Exchange, Span
+from p2ploco.collective.exchange import Span
+from p2ploco.collective.grouped import CONTRIBUTION, RESULT, GroupedMean, Parsed
 from p2ploco.compression.groupwise import SCALE_SPARE_BITS, GroupLayout, Quantized, compensate, max_code
 from p2ploco.errors import PayloadError
 
 MAGIC = b"LQ"
 VERSION = 1
-CONTRIBUTION, RESULT = 1, 2
 HEADER = struct.Struct("<2sBBBII")
 FLOAT32_INF = 0x7F800000  # bits of +inf: a non-negative finite float32 lies below it
 FLOAT32_TINY = 0x00800000  # bits of 2^-126, the smallest normal float32
-
-
-@dataclass
-class _Parsed:
-    values: np.ndarray  # float32, decoded
-    norm: float  # of the values: what clipping compares
 
 
 @dataclass
@@ -63,49 +55,30 @@ class ReducerUpdate:
     error: torch.Tensor
 
 
-class LowBitMean(Exchange):
+class LowBitMean(GroupedMean):
     def __init__(self, layout: GroupLayout, bits: int, sent: Quantized, reducer_error: torch.Tensor, beta: float,
                  clip_factor: float = 0.0):
         """``sent``: this replica's quantized contribution over the whole slice; ``reducer_error``: its
         compensation buffer for the slice as a reducer (read, never written here); ``clip_factor``: bound on
         each contribution's norm, in multiples of the span's median (0: no clipping)."""
-        self.layout, self.bits, self.sent, self.beta, self.clip_factor = layout, bits, sent, beta, clip_factor
-        self.reducer_error = reducer_error
+        super().__init__(layout, clip_factor)
+        self.bits, self.sent, self.beta, self.reducer_error = bits, sent, beta, reducer_error
         self.q = max_code(bits)
-        self.num_units = layout.num_groups
-        self.output = torch.full((layout.numel,), float("nan"))  # NaN marks spans not yet received
         self.reduced: ReducerUpdate | None = None
 
     def fingerprint(self) -> str:
         return f"lowbit/{self.bits}/{self.layout.digest}/clip{self.clip_factor:g}"
 
-    def unit_at(self, element: int) -> int:
-        return self.layout.group_of(element)
-
-    def numel(self, span: Span) -> int:
-        return len(self.layout.element_range(span))
-
     def max_payload_bytes(self, span: Span) -> int:
         return HEADER.size + 4 * len(span) + (self.numel(span) * self.bits + 7) // 8
-
-    def max_result_bytes(self, span: Span, group_size: int) -> int:
-        return self.max_payload_bytes(span)
 
     def encode(self, span: Span) -> bytes:
         elements = self.layout.element_range(span)
         return self._encode(CONTRIBUTION, span, self.sent.codes[elements.start : elements.stop],
                             self.sent.scales[span.start : span.stop])
 
-    def parse(self, span: Span, payload: bytes) -> _Parsed:
-        values = self._decode(CONTRIBUTION, span, payload)
-        return _Parsed(values, robust.norm(values))
-
-    def combine(self, span: Span, contributions: Sequence[_Parsed]) -> bytes:
-        bounded = robust.clip([c.values for c in contributions], [c.norm for c in contributions], self.clip_factor)
-        total = torch.from_numpy(bounded[0]).clone()
-        for values in bounded[1:]:
-            total.add_(torch.from_numpy(values))
-        mean = total.div_(len(contributions))
+    def combine(self, span: Span, contributions: Sequence[Parsed]) -> bytes:
+        mean = self.bounded_mean(contributions)
         # LoCo at the reducer: its own buffer for this span compensates the re-quantization of the mean.
         elements = self.layout.element_range(span)
         quantized, error = compensate(mean, self.reducer_error[elements.start : elements.stop], self.beta,
@@ -113,33 +86,11 @@ class LowBitMean(Exchange):
         self.reduced = ReducerUpdate(elements, error)
         return self._encode(RESULT, span, quantized.codes, quantized.scales)
 
-    def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:
-        return robust.clipped([c.norm for c in contributions], self.clip_factor)
-
-    def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
-        return aggregate  # every recipient gets the same re-quantized mean
-
-    def receive(self, span: Span, result: bytes, own: int | None) -> None:
-        values = self._decode(RESULT, span, result)
-        robust.norm(values)  # a mean of bounded contributions is bounded too: refuse an absurd one
-        elements = self.layout.element_range(span)
-        self.output[elements.start : elements.stop] = torch.from_numpy(values)
-
-    def aggregate_digest(self) -> str:
-        return hashlib.sha256(self.output.numpy().tobytes()).hexdigest()
-
-    def mean(self) -> list[torch.Tensor]:
-        """The aggregate, shaped like the input tensors (float32, CPU)."""
-        if torch.isnan(self.output).any():
-            raise RuntimeError("all-reduce finished with spans missing")  # a communicator bug, not bad input
-        return self.layout.split(self.output)
-
     def _encode(self, kind: int, span: Span, codes: torch.Tensor, scales: torch.Tensor) -> bytes:
         header = HEADER.pack(MAGIC, VERSION, kind, self.bits, span.start, len(span))
         return header + scales.numpy().astype("<f4").tobytes() + pack_codes(codes.numpy(), self.bits, self.q)
 
-    def _decode(self, kind: int, span: Span, payload: bytes) -> np.ndarray:
-        """The float32 values of a payload for ``span``; PayloadError if anything about it is off."""
+    def decode(self, kind: int, span: Span, payload: bytes) -> np.ndarray:
         expected = self.max_payload_bytes(span)
         if len(payload) != expected:
             raise PayloadError(f"low-bit payload of {len(payload)} bytes, expected {expected} for groups "
