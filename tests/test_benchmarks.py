@@ -36,6 +36,15 @@ def test_quality_benchmark_compares_the_methods():
 
 
 @pytest.mark.timeout(260)
+def test_quality_benchmark_runs_the_streaming_suite():
+    out = run("benchmarks/quality.py", "--suite", "streaming", "--rounds", "2", "--replicas", "2",
+              "--methods", "diloco", "streaming:fragments=4,delay=1")
+    final = {line.split()[0]: line.split() for line in out.split("final eval loss")[-1].splitlines()[2:] if line}
+    assert set(final) == {"diloco", "streaming:fragments=4,delay=1"}
+    assert 0 < float(final["streaming:fragments=4,delay=1"][1]) < 10  # a finite loss, 4 fragments of 4 layers
+
+
+@pytest.mark.timeout(260)
 def test_quality_benchmark_runs_heterogeneous_replicas():
     out = run("benchmarks/quality.py", "--suite", "heterogeneous", "--rounds", "2", "--replicas", "2",
               "--set", "inner.steps=2", "--methods", "sparseloco", "selective:ratio=16", "uniform:ratio=16")
