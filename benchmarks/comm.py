@@ -1,9 +1,16 @@
-"""Bytes on the wire per peer per round, and codec speed, for dense fp32, dense fp16 and SparseLoCo.
+"""Bytes on the wire per peer per round, and codec speed, for dense fp32, dense fp16, SparseLoCo and LoCo.
 
 Every replica compresses its own random pseudo-gradient of the ~150M model's shapes; the butterfly
 among N peers is then sized exactly as the swarm runs it: span i reduced by peer i, each sender's
 encoded contribution to every other span, each reducer's result (relay or union, whichever is
-smaller) to every other peer. Dense rows are the fp32 / fp16 butterfly of the same parameters.
+smaller) to every other peer. Dense rows are the fp32 / fp16 butterfly of the same parameters. LoCo
+(``outer.loco`` defaults: 4-bit codes, a float32 scale per 128 values) is sized the same way: each
+sender's low-bit contribution to every other span, each reducer's re-quantized mean back.
+
+Peak bandwidth: Streaming DiLoCo syncs P fragments (``outer.streaming``) at different inner steps, so what
+a link must carry at once is one fragment's all-reduce. The peak table sizes each fragment's butterfly
+(E3M0 values, or float32) among N peers and reports the round's total and its largest single sync, next
+to DiLoCo's one fp32 sync of everything (the claim: the peak falls ~P-fold).
 
 Codec speed is in GB/s of fp32 pseudo-gradient (4 bytes per parameter of the whole model), per peer:
 
@@ -28,19 +35,59 @@ import time
 import numpy as np
 import torch
 
-from p2ploco.collective.exchange import dense_fp32_bytes, reduce_span
+from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.exchange import Exchange, dense_fp32_bytes, reduce_span
+from p2ploco.collective.fp4 import E3M0Mean
+from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.sparse import SparseExchange
+from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.topk import CompressedTensor
-from p2ploco.config import SparseLoCoConfig, load_config
+from p2ploco.config import LoCoConfig, SparseLoCoConfig, load_config
 from p2ploco.metrics import format_table
 from p2ploco.model import Transformer
 from p2ploco.outer.sparseloco import SparseLoCo
+from p2ploco.pipeline.slices import group_by_slice
 
 
 def model_shapes(config_path: str) -> list[tuple[int, ...]]:
     with torch.device("meta"):
         model = Transformer(load_config(config_path).model, seed=0)
     return [tuple(p.shape) for p in model.parameters()]
+
+
+def fragment_shapes(config_path: str, fragments: int) -> list[list[tuple[int, ...]]]:
+    """The parameter shapes of each Streaming DiLoCo fragment of the model (``pipeline/slices.py``)."""
+    config = load_config(config_path)
+    with torch.device("meta"):
+        named = list(Transformer(config.model, seed=0).named_parameters())
+    slices = group_by_slice([name for name, _ in named], config.model, 1, fragments)
+    return [[tuple(named[i][1].shape) for i in positions] for positions in slices.values()]
+
+
+def peak_rows(config_path: str, peers: list[int], fragment_counts: list[int]) -> list[tuple]:
+    """Per group size: DiLoCo fp32 (one sync), then Streaming with each fragment count (E3M0, and fp32 at the
+    largest count): MB per peer per round (sent + received, mean over peers), MB of its largest sync."""
+    rows = []
+    fragment_counts = [p for p in fragment_counts if p <= load_config(config_path).model.n_layer]  # a block each
+    settings = [("DiLoCo fp32", 1, "float32")] + [("Streaming E3M0", p, "e3m0") for p in fragment_counts]
+    settings.append(("Streaming fp32", max(fragment_counts), "float32"))
+    for n in peers:
+        baseline = None
+        for name, count, values in settings:
+            syncs = []
+            for shapes in fragment_shapes(config_path, count):
+                exchanges = []
+                for seed in range(n):
+                    generator = torch.Generator().manual_seed(seed)
+                    deltas = [torch.randn(s, generator=generator) for s in shapes]
+                    exchanges.append(E3M0Mean(deltas) if values == "e3m0" else DenseMean(deltas))
+                sent, received = butterfly_bytes(exchanges)
+                syncs.append((sum(sent) + sum(received)) / n)
+            peak = max(syncs)
+            baseline = baseline or peak
+            rows.append((n, name, count, f"{sum(syncs) / 1e6:.2f}", f"{peak / 1e6:.2f}", f"{sum(syncs) / peak:.2f}",
+                         f"{baseline / peak:.1f}x"))
+    return rows
 
 
 def synchronize(device: torch.device) -> None:
@@ -100,8 +147,8 @@ def receive_seconds(exchanges: list[SparseExchange]) -> float:
     return time.perf_counter() - started
 
 
-def butterfly_bytes(exchanges: list[SparseExchange]) -> tuple[list[int], list[int]]:
-    """Sent and received payload bytes of each peer in one sparse butterfly round."""
+def butterfly_bytes(exchanges: list[Exchange]) -> tuple[list[int], list[int]]:
+    """Sent and received payload bytes of each peer in one butterfly round."""
     n = len(exchanges)
     sent, received = [0] * n, [0] * n
     for reducer, span in enumerate(exchanges[0].partition(n)):
@@ -117,11 +164,34 @@ def butterfly_bytes(exchanges: list[SparseExchange]) -> tuple[list[int], list[in
     return sent, received
 
 
+def loco_rows(shapes: list[tuple[int, ...]], peers: list[int], config: LoCoConfig) -> list[tuple]:
+    """LoCo's bytes per peer per round for each group size in ``peers``, against the dense fp32 butterfly."""
+    layout = GroupLayout(shapes, config.group_size)
+    no_error = torch.zeros(layout.numel)  # the reducers' buffers: empty, as in a first round (the size is the same)
+    exchanges = []
+    for seed in range(max(peers)):
+        values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(seed))
+        exchanges.append(LowBitMean(layout, config.bits, quantize(values, layout.lengths, config.bits), no_error,
+                                    config.beta))
+    rows = []
+    for n in peers:
+        sent, received = butterfly_bytes(exchanges[:n])
+        spans = exchanges[0].partition(n)
+        dense32 = sum(dense_fp32_bytes(exchanges[0], spans, i) / 2 for i in range(n)) / n  # each way
+        mean_sent, mean_received = sum(sent) / n, sum(received) / n
+        rows.append((n, f"{config.bits}-bit, {config.group_size} per scale",
+                     f"{dense32 / 1e6:.1f} / {dense32 / 1e6:.1f}", f"{mean_sent / 1e6:.2f} / {mean_received / 1e6:.2f}",
+                     f"{2 * dense32 / (mean_sent + mean_received):.1f}x", f"{8 * mean_sent / layout.numel:.3f}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/150m.yaml", help="model whose parameter shapes to use")
     parser.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--topk", type=int, nargs="+", default=[64, 128], help="values kept per 64x64 chunk")
+    parser.add_argument("--fragments", type=int, nargs="+", default=[1, 2, 4],
+                        help="Streaming DiLoCo fragment counts for the peak table")
     args = parser.parse_args()
 
     shapes = model_shapes(args.config)
@@ -163,6 +233,14 @@ def main() -> None:
     print("Bytes per peer per round, MB sent / received (mean over peers)")
     print(format_table(("peers", "density", "dense fp32", "dense fp16", "SparseLoCo", "vs fp32", "vs fp16",
                         "sent bits/param"), rows))
+    print()
+    print("LoCo: bytes per peer per round, MB sent / received (mean over peers)")
+    print(format_table(("peers", "values", "dense fp32", "LoCo", "vs fp32", "sent bits/param"),
+                       loco_rows(shapes, args.peers, LoCoConfig())))
+    print()
+    print("Peak bandwidth: MB per peer per round (sent + received) and in its largest single sync")
+    print(format_table(("peers", "algorithm", "fragments", "MB/round", "peak MB/sync", "round / peak",
+                        "peak vs DiLoCo fp32"), peak_rows(args.config, args.peers, args.fragments)))
     print()
     print("Codec speed, GB/s of fp32 pseudo-gradient per peer (compress: sender side; decode+aggregate: "
           "receiver side)")

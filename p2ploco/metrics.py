@@ -47,6 +47,9 @@ class RoundRecord:
     catchup_seconds: float = 0.0  # time spent fetching the swarm's state before this round
     timestamp: float = 0.0
     compute_utilisation: float = 0.0  # inner seconds / wall seconds since the previous record (or the round's start)
+    # bytes (sent + received) of each all-reduce of the round: one per fragment with Streaming DiLoCo, else one
+    fragment_bytes: list[int] = field(default_factory=list)
+    peak_sync_bytes: int = 0  # the largest of them: what one sync asks of the link at once
 
     @staticmethod
     def utilisation(inner_seconds: float, previous: Sequence[RoundRecord], started: float) -> float:

@@ -302,7 +302,7 @@ class Node:
 
         started = time.perf_counter()
         try:
-            inner_stats = worker.train(round_index, self.stopping.is_set, between)
+            inner_stats = worker.train(round_index, self.stopping.is_set, between, swarm.communicator)
         except PipelineError as e:  # the group could not finish the round: it contributes nothing to it
             self.out(f"[{swarm.peer_id[-8:]}] round {round_index}: the pipeline group failed ({e}); it sits the "
                      f"round out and catches up")
@@ -321,6 +321,7 @@ class Node:
             comm = landed or AllReduceStats([swarm.peer_id])  # nothing landed: the first round in flight
         else:
             comm = worker.sync(swarm.communicator, round_index)
+        syncs = comm.sync_bytes or [comm.bytes_sent + comm.bytes_received]
         evaluated = role.evaluates and (round_index % c.training.eval_every == 0
                                         or round_index + 1 == c.training.rounds)
         before = {name: t for snapshot in start for name, t in snapshot.params.items()}
@@ -333,7 +334,7 @@ class Node:
             tokens=inner_stats.tokens, inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
             dropped_peers=comm.dropped, clipped_peers=comm.clipped,
             update_norm=update_norm([before[name] for name in worker.names], worker.outer.params),
-            applied=comm.committed, excluded=comm.excluded)
+            applied=comm.committed, excluded=comm.excluded, fragment_bytes=syncs, peak_sync_bytes=max(syncs))
 
     def _record(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
                 **fields: Any) -> RoundRecord:

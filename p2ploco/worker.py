@@ -33,6 +33,7 @@ from p2ploco.metrics import params_sha256
 from p2ploco.model import Transformer, stage_layers
 from p2ploco.outer import build_outer
 from p2ploco.outer.base import OuterRound
+from p2ploco.outer.streaming import FragmentSyncs, StreamingDiLoCo
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.pipeline.slices import group_by_slice
 from p2ploco.pipeline.subspace import PlainBoundary, Subspace, SubspaceConstraint, constrained_dims
@@ -46,8 +47,10 @@ class Worker:
         c = config
         self.device, self.model, self.constraint = device, model, constraint
         self.names = [name for name, _ in model.named_parameters()]
-        self.slices = group_by_slice(self.names, c.model, c.pipeline.stages)
-        self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices)
+        streaming = c.outer.algorithm == "streaming"
+        self.slices = group_by_slice(self.names, c.model, c.pipeline.stages,
+                                     c.outer.streaming.fragments if streaming else 0)
+        self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices, c.inner.steps)
         horizon = c.inner.total_steps or c.training.rounds * c.inner.steps
         self.inner = InnerTrainer(model, c.inner, gradients, device, horizon, constraint)
         self.overlap = c.outer.overlap  # rounds end with land + launch instead of sync
@@ -57,6 +60,7 @@ class Worker:
         self._launched: Future[OuterRound] | None = None  # overlapped: the round in flight, once contributed
         self._trained: list[torch.Tensor] | None = None  # between land and launch: where the inner steps ended
         self._start: list[torch.Tensor] | None = None  # and where they started
+        self.fragment_syncs: FragmentSyncs | None = None  # Streaming DiLoCo: this round's fragment syncs
         self.load_into_model()
 
     def _hash(self) -> tuple[str, dict[str, str]]:
@@ -68,13 +72,38 @@ class Worker:
         return hashlib.sha256(";".join(f"{k}={v}" for k, v in slices.items()).encode()).hexdigest(), slices
 
     def train(self, round_index: int, should_stop: Callable[[], bool] = lambda: False,
-              between: Callable[[int], None] | None = None) -> InnerStats | None:
-        """The round's inner steps, ``between(h)`` after each; None if stopped before they were done."""
+              between: Callable[[int], None] | None = None, comm: Communicator | None = None) -> InnerStats | None:
+        """The round's inner steps, ``between(h)`` after each; None if stopped before they were done. Streaming
+        DiLoCo syncs its fragments through ``comm`` between them (the schedule's inner steps) and is not stopped
+        before the round's end."""
+        if isinstance(self.outer, StreamingDiLoCo):
+            if comm is None:
+                raise ValueError("Streaming DiLoCo trains with a communicator: its fragments sync between inner steps")
+            syncs = self.fragment_syncs = FragmentSyncs(self.outer, list(self.model.parameters()), comm, round_index)
+
+            def hook(steps_done: int) -> None:
+                syncs.after_step(steps_done)
+                if between is not None:
+                    between(steps_done)
+
+            # Not stopped midway: a round's early fragments already moved the global params, and every peer
+            # must end the round holding all its fragments (a checkpoint of half a round would be a state
+            # nobody else holds). A stop request takes effect at the round's end.
+            return self.inner.run_round(round_index, lambda: False, hook)
         return self.inner.run_round(round_index, should_stop, between)
 
     def sync(self, comm: Communicator, round_index: int) -> AllReduceStats:
         """The outer round: pseudo-gradient (from where training started), all-reduce, outer step; then the
-        model starts over from the new global params (or the old ones, if the round was not applied)."""
+        model starts over from the new global params (or the old ones, if the round was not applied). Streaming
+        DiLoCo synced its fragments during ``train``: this sums them up, and the model carries on from where it
+        is (only a round not applied everywhere restarts it from the global params)."""
+        if self.fragment_syncs is not None:
+            stats, self.fragment_syncs = self.fragment_syncs.stats(), None
+            if stats.committed:
+                self.params_sha256, self.slice_sha256 = self._hash()
+            else:
+                self.load_into_model()
+            return stats
         start = self.constraint.projected(self.outer.params, self.device) if self.constraint else None
         stats = self.outer.sync(list(self.model.parameters()), comm, round_index, start)
         self.load_into_model()
@@ -134,15 +163,17 @@ class Worker:
         self.params_sha256, self.slice_sha256 = self._hash()
 
     def evaluate(self, batches: list[Batch]) -> float:
-        """The eval loss of the global params (the model holds them, or, overlapped, is lent them meanwhile)."""
-        if self.trained_from is None:
+        """The eval loss of the global params (the model holds them, or, overlapped or streaming, is lent them
+        meanwhile)."""
+        if self.trained_from is None and not isinstance(self.outer, StreamingDiLoCo):
             return evaluate(self.model, batches, self.device)
         with torch.no_grad():
+            local = [p.detach().clone() for p in self.model.parameters()]
             for param, value in zip(self.model.parameters(), self.outer.params):
                 param.copy_(value)
             loss = evaluate(self.model, batches, self.device)
-            for param, local in zip(self.model.parameters(), self.trained_from):
-                param.copy_(local)
+            for param, mine in zip(self.model.parameters(), local):
+                param.copy_(mine)
         self.model.train()
         return loss
 

@@ -156,6 +156,9 @@ class AllReduceStats:
     committed: bool = True  # False: the round's aggregate must not be applied (late, aborted, dropped)
     excluded: bool = False  # this peer was left out (late or dropped) while others went on: it must catch up
     clipped: list[str] = field(default_factory=list)  # peers whose contribution to this peer's span was scaled down
+    # bytes (sent + received) of each all-reduce the round was made of (Streaming DiLoCo: one per fragment);
+    # empty: the round was one all-reduce
+    sync_bytes: list[int] = field(default_factory=list)
 
 
 def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int) -> int:

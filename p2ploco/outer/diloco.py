@@ -31,28 +31,34 @@ class DiLoCo(OuterAlgorithm):
             for name, positions in self.slices.items()}))
 
     def step(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> bool:
-        # 3. Outer SGD with (Nesterov) momentum: buf = m*buf + g; step = g + m*buf (or buf); p -= lr*step.
-        #    One rounding per operation (no fused multiply-add), so every CPU computes the same bits.
-        #    Computed twice: once to refuse a non-finite result before anything changes, once to apply it.
-        mean = self.per_param(outer_round.exchange, DenseMean.mean)
-        m, lr = self.config.momentum, self.config.lr
-
-        def step_of(grad: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            new_buf = buf.mul(m).add_(grad)
-            step = new_buf.mul(m).add_(grad) if self.config.nesterov else new_buf.clone()
-            return new_buf, step.mul_(lr)
-
-        if not finite_step(self.params, (step_of(g, b)[1] for g, b in zip(mean, self.momentum)),
-                           outer_round.round_index):
-            return False
-        for i, (param, grad, buf) in enumerate(zip(self.params, mean, self.momentum)):
-            new_buf, step = step_of(grad, buf)
-            buf.copy_(new_buf)
-            param.sub_(step)
-            if follow:
-                with torch.no_grad():
-                    follow[i].sub_(step.to(follow[i].device))
-        return True
+        # 3. Outer SGD with (Nesterov) momentum (``follow``, when overlapped: the local params take the same step).
+        return nesterov_step(self.params, self.per_param(outer_round.exchange, DenseMean.mean), self.momentum,
+                             self.config.lr, self.config.momentum, self.config.nesterov, outer_round.round_index,
+                             follow)
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         return {f"momentum.{i}": buf for i, buf in enumerate(self.momentum)}
+
+
+def nesterov_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+                  lr: float, m: float, nesterov: bool, round_index: int, follow: Sequence[torch.Tensor] = ()) -> bool:
+    """Outer SGD with (Nesterov) momentum, in place: buf = m*buf + g; step = g + m*buf (or buf); p -= lr*step.
+    One rounding per operation (no fused multiply-add), so every CPU computes the same bits. Computed twice:
+    once to refuse a non-finite result before anything changes (False), once to apply it (True). ``follow``
+    (overlapped rounds: the local params, on their device) take the same step."""
+
+    def step_of(grad: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        new_buf = buf.mul(m).add_(grad)
+        step = new_buf.mul(m).add_(grad) if nesterov else new_buf.clone()
+        return new_buf, step.mul_(lr)
+
+    if not finite_step(params, (step_of(g, b)[1] for g, b in zip(grads, momentum)), round_index):
+        return False
+    for i, (param, grad, buf) in enumerate(zip(params, grads, momentum)):
+        new_buf, step = step_of(grad, buf)
+        buf.copy_(new_buf)
+        param.sub_(step)
+        if follow:
+            with torch.no_grad():
+                follow[i].sub_(step.to(follow[i].device))
+    return True

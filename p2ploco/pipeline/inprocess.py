@@ -52,7 +52,7 @@ class InProcessSwarm:
                             self.all_reduce_bytes[self._replica_of[rank]] += stats.bytes_sent + stats.bytes_received
 
                 for r in range(rounds):
-                    worker.train(r)
+                    worker.train(r, comm=comm)  # (Streaming DiLoCo syncs its fragments during the inner steps)
                     if worker.overlap:  # round r's all-reduce runs during round r+1; the last one lands at once
                         count(worker.land())
                         worker.launch(r, comm)

@@ -46,7 +46,8 @@ class SwarmCommunicator(Communicator):
         await directory.flush(timeout=self.matchmaker.timeout)
         directory.update_soon(state=PeerState.AVERAGING)  # informative only: nobody waits for it
         held = directory.me.slices  # the hash of each slice at the start of the round, as the node published it
-        if set(held) != set(exchange.parts):
+        # Some of them (Streaming DiLoCo averages one fragment at a time), each as it was at the round's start.
+        if not set(exchange.parts) <= set(held):
             raise TrainingError(f"this peer published slices {sorted(held)} but averages {sorted(exchange.parts)}")
         slices = {k: (part.fingerprint(), held[k]) for k, part in exchange.parts.items()}
         group = await self.matchmaker.form_group(round_index, name, slices, directory.me.group)
