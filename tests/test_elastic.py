@@ -68,10 +68,13 @@ def test_crash_leave_join_and_rejoin(tmp_path, algorithm):
 
     assert_agreement(runs)
     # Round 3 lost a peer mid all-reduce: the survivors redid it among themselves, or (when the crashed
-    # peer was the round's coordinator, the only one who may decide) all dropped it; the next round applies.
+    # peer was the round's coordinator, the only one who may decide) all dropped it, or (when every span it
+    # reduced had been answered and its contributions had arrived before it died: its sends run concurrently)
+    # all committed the round it had completed; the next round applies.
     round3 = [(r["applied"], r["params_sha256"]) for name in "abc" for r in runs[name] if r["round"] == 3]
     assert len(round3) == 3 and len(set(round3)) == 1
-    assert [r["peers"] for name in "abc" for r in runs[name] if r["round"] == 3 and r["applied"]] in ([], [3, 3, 3])
+    assert [r["peers"] for name in "abc" for r in runs[name] if r["round"] == 3 and r["applied"]] in (
+        [], [3, 3, 3], [4, 4, 4])
     assert all(r["applied"] for name in "abc" for r in runs[name] if r["round"] == 4)
     # The leaver left after a finished round and wrote its checkpoint.
     assert "checkpoint of round" in (tmp_path / "c.log").read_text()
