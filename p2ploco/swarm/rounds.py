@@ -12,10 +12,13 @@ A peer that is ready for round r sends the coordinator a join request and waits;
 closes the group when every live peer that works on round r from the same state with the same config
 (and still renews its record and can be dialled: a crashed peer is not waited for) has joined, or
 ``matchmaking_timeout`` after the first join, and answers every waiting peer with the same ordered
-list. Neither side polls the DHT for it: a joiner uses the view its heartbeat holds (if taken since it
-moved to the round), the coordinator looks up the records once as the first peer joins and then
-re-judges on events (a join, a heartbeat's lookup, a probe), so the last join closes the group at once
-(it looks again only before closing without a peer that its view shows at an earlier round).
+list. For the first third of that wait it also waits for peers still moving to round r (records at r - 1,
+or at r with another state: they catch up), since a round's all-reduce may come early in it (Streaming
+DiLoCo's first fragment syncs a step or two into the round). Neither side polls the DHT for it: a joiner
+uses the view its heartbeat holds (if taken since it moved to the round), the coordinator looks up the
+records once as the first peer joins and then re-judges on events (a join, a heartbeat's lookup, a probe,
+the end of that grace), so the last join closes the group at once (it looks again only before closing
+without a peer that its view shows at an earlier round).
 A late peer is told so: it applies nothing this round and catches up from the swarm after. A peer
 this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
 starting state differ never share a group. A member checks the group it is given against its own
@@ -322,6 +325,7 @@ class Matchmaker:
         formation over to a better-scored peer that has come into view (every member retries there)."""
         round_index, name, config, state = key = formation.key
         probed = time.monotonic()
+        chosen: dict[str, str] = {}  # the hash of each slice most records show at this round
         self.directory.watchers.add(formation.changed)  # a heartbeat's lookup is an event too
         try:
             await self.directory.refresh()  # once, when the first peer joins: who works on this round?
@@ -341,27 +345,35 @@ class Matchmaker:
                 banned = self.bans.active(round_index)
                 joiners_welcome = time.monotonic() < formation.opened + JOINER_GRACE * self.timeout
                 _, chosen = round_state(live, self.directory.me, round_index)
-                expected = {p for p, r in live.items() if r.round == round_index and r.fingerprint == config
-                            and r.slices and all(chosen.get(k) == v for k, v in r.slices.items())
-                            and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
-                            and (r.state != PeerState.JOINING or joiners_welcome)
-                            and self.directory.fresh(p) and p not in banned}
-                if expected - formation.dead <= set(formation.members):
+                runs_here = {p for p, r in live.items() if r.fingerprint == config
+                             and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
+                             and self.directory.fresh(p) and p not in banned}
+                expected = {p for p in runs_here if live[p].round == round_index and live[p].slices
+                            and all(chosen.get(k) == v for k, v in live[p].slices.items())
+                            and (live[p].state != PeerState.JOINING or joiners_welcome)}
+                # Peers moving to this round are awaited like joiners, for the joiners' grace only: one still
+                # finishing the previous round, and one at this round that holds another state (it was left out
+                # of the last round and fetches the swarm's state now). A round's all-reduce need not come at its
+                # end: Streaming DiLoCo syncs its first fragment a step or two into the round, and a peer a step
+                # behind (or catching up, every round anew) would miss it every time.
+                moving = {p for p in runs_here if live[p].round == round_index - 1
+                          or (live[p].round == round_index and p not in expected)} if joiners_welcome else set()
+                awaited = (expected | moving) - formation.dead - set(formation.members)
+                if not awaited:
                     # A peer of this run still at an earlier round in this view may have moved to this one since
                     # the view was taken: before closing without it, one fresh look (none when all are in).
-                    behind = {p for p, r in live.items() if r.round < round_index and r.fingerprint == config
-                              and r.state not in (PeerState.LEAVING, PeerState.STANDBY) and self.directory.fresh(p)
-                              and p not in banned} - set(formation.members) - formation.dead
+                    behind = {p for p in runs_here if live[p].round < round_index} - set(formation.members) \
+                        - formation.dead
                     if behind and self.directory.refreshed_at < formation.joined:
                         await self.directory.refresh()
                         continue
                     break
                 if time.monotonic() >= probed + PROBE_EVERY:  # a peer killed in its inner steps is not waited for
                     probed = time.monotonic()
-                    awaited = sorted(expected - set(formation.members) - formation.dead - {self.me})
+                    probes = sorted(awaited - {self.me})
                     alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
-                                                   for p in awaited))
-                    formation.dead.update(p for p, ok in zip(awaited, alive) if not ok)
+                                                   for p in probes))
+                    formation.dead.update(p for p, ok in zip(probes, alive) if not ok)
                 # Woken by a join, a heartbeat's lookup, the next probe, the end of the joiners' grace or the
                 # deadline: no polling of the DHT.
                 wake = min(probed + PROBE_EVERY, formation.deadline)
@@ -374,7 +386,7 @@ class Matchmaker:
         finally:
             self.directory.watchers.discard(formation.changed)
             if not formation.closed.done():
-                members, formation.refused = admit(formation.members, self.stages)
+                members, formation.refused = admit(formation.members, self.stages, chosen)
                 for peer, reason in formation.refused.items():
                     logger.warning(f"round {round_index}: left {peer[-8:]} out: {reason}")
                 group = Group(secrets.token_hex(8), round_index, name, tuple(sorted(members)), self.me,
@@ -389,15 +401,20 @@ class Matchmaker:
                 formation.closed.set_result(group)
 
 
-def admit(members: dict[str, Member], stages: int) -> tuple[dict[str, Member], dict[str, str]]:
+def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | None = None
+          ) -> tuple[dict[str, Member], dict[str, str]]:
     """The members a closing formation keeps, and the others with the reason: for every slice the (fingerprint,
-    hash) most of its holders hold wins (ties broken by value) and a member that holds another one catches up
-    instead; then a pipeline group whose kept members do not bring all ``stages`` slices is left out whole."""
+    hash) most of its holders hold wins and a member that holds another one catches up instead; then a pipeline
+    group whose kept members do not bring all ``stages`` slices is left out whole. A tie goes to the hash that
+    most records at this round show (``recorded``: slice -> hash), then to the greater value: of two members, one
+    left out of the last round and one that applied it, the latter's state is the swarm's."""
+    recorded = recorded or {}
     votes: dict[str, Counter] = {}
     for member in members.values():
         for name, held in member.slices:
             votes.setdefault(name, Counter())[held] += 1
-    chosen = {name: max(counts, key=lambda held: (counts[held], held)) for name, counts in votes.items()}
+    chosen = {name: max(counts, key=lambda held: (counts[held], held[1] == recorded.get(name), held))
+              for name, counts in votes.items()}
     refused = {peer: f"it holds another state of {next(n for n, held in m.slices if chosen[n] != held)} than the "
                      f"others: it catches up" for peer, m in members.items()
                if any(chosen[name] != held for name, held in m.slices)}
