@@ -252,14 +252,16 @@ def swarm_state(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str) ->
     return next((state for state in ranked_states(live, me, slice_name) if state.vouched), None)
 
 
-def round_state(live: dict[str, PeerRecord], me: PeerRecord, round_index: int) -> tuple[str, dict[str, str]]:
+def round_state(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, banned: set[str] = frozenset()
+                ) -> tuple[str, dict[str, str]]:
     """The state the swarm starts ``round_index`` from, seen from ``me``: for every slice that an active peer of
     our config holds at that round (``me`` included), the hash most of them hold (ties broken by the hash), and
     one digest of them all. Every peer with the same view computes the same; it names the round's formation
-    and seeds the choice of its coordinator."""
+    and seeds the choice of its coordinator. Peers ``me`` has banned have no vote: while the others' records
+    still show the previous round, one banned peer's stale hash would tie with ours and could win the tie."""
     votes: dict[str, Counter] = {}
     for r in active_peers(live, me) + [me]:
-        if r.round == round_index:
+        if r.round == round_index and r.peer_id not in banned:
             for name, digest in r.slices.items():
                 votes.setdefault(name, Counter())[digest] += 1
     chosen = {name: max(counts, key=lambda digest: (counts[digest], digest)) for name, counts in sorted(votes.items())}

@@ -63,7 +63,7 @@ from hivemind.p2p import P2P
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.records import MAX_SLICES, PeerDirectory, PeerState, round_state
+from p2ploco.swarm.records import MAX_SLICES, PeerDirectory, PeerRecord, PeerState, active_peers, round_state
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,14 @@ class Matchmaker:
         (exchange fingerprint, hash)) and, for a stage peer, its pipeline group: a group of one if it is alone,
         None if it came too late, is banned, was refused, or is leaving, and must apply nothing this round."""
         me = self.directory.me
-        state, _ = round_state(await self.directory.view(), me, round_index)  # no lookup if the heartbeat's will do
+        banned = self.bans.active(round_index)
+        looked = self.directory.refreshed_at
+        view = await self.directory.view()  # no lookup if the heartbeat's will do
+        state, chosen = round_state(view, me, round_index, banned)
+        if self.directory.refreshed_at == looked and contested(view, me, round_index, chosen, banned):
+            # Records at this round disagree: a peer left out of the last round shows its old state until it
+            # catches up, and the records of those that applied it may not be in this view yet. One fresh look.
+            state, _ = round_state(await self.directory.refresh(), me, round_index, banned)
         request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state,
                    "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
                    "unreachable": []}
@@ -344,7 +351,7 @@ class Matchmaker:
                 # record (it crashed), nor one banned here.
                 banned = self.bans.active(round_index)
                 joiners_welcome = time.monotonic() < formation.opened + JOINER_GRACE * self.timeout
-                _, chosen = round_state(live, self.directory.me, round_index)
+                _, chosen = round_state(live, self.directory.me, round_index, banned)
                 runs_here = {p for p, r in live.items() if r.fingerprint == config
                              and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
                              and self.directory.fresh(p) and p not in banned}
@@ -399,6 +406,13 @@ class Matchmaker:
                 for old in sorted(self._closed)[:-KEEP_CLOSED_ROUNDS]:
                     del self._closed[old]
                 formation.closed.set_result(group)
+
+
+def contested(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, chosen: dict[str, str],
+              banned: set[str]) -> bool:
+    """Whether some peer that votes on ``round_index``'s state (``round_state``) holds another hash of a slice."""
+    return any(r.round == round_index and r.peer_id not in banned and chosen.get(name) != digest
+               for r in active_peers(live, me) + [me] for name, digest in r.slices.items())
 
 
 def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | None = None
