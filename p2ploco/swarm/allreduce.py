@@ -253,7 +253,13 @@ class ButterflyAllReduce:
         try:
             header = {"group_id": group.group_id, "round": group.round_index, "slice": session.slice,
                       "span": [span.start, span.stop]}
-            await asyncio.wait_for(wire.write_message(writer, header, payload), session.transfer)
+            try:
+                await asyncio.wait_for(wire.write_message(writer, header, payload), session.transfer)
+            except wire.TRANSPORT_ERRORS as e:
+                reason = None if isinstance(e, TimeoutError) else await _refusal_left_behind(reader)
+                if reason is None:
+                    raise
+                raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {reason}") from None
             stats.bytes_sent += len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
             # The reducer may wait a transfer's time for the slowest sender before it answers, and the answer
@@ -377,6 +383,19 @@ async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
         await asyncio.wait_for(wire.write_message(writer, {"status": ReduceStatus.REJECTED, "reason": reason}), 1.0)
     except wire.TRANSPORT_ERRORS:
         pass
+
+
+async def _refusal_left_behind(reader: asyncio.StreamReader) -> str | None:
+    """The reason a reducer gave for refusing our contribution, if it answered before our write broke: it refuses
+    on the header alone (say, a payload longer than the span can need) and hangs up without reading the rest, so
+    the broken write is its refusal, not its crash. None if no such answer is there."""
+    try:
+        reply, _ = await asyncio.wait_for(wire.read_message(reader, 0), 1.0)
+        if wire.status(reply, ReduceStatus) == ReduceStatus.REJECTED:
+            return str(reply.get("reason"))[:200]
+    except (PayloadError, *wire.TRANSPORT_ERRORS):
+        pass
+    return None
 
 
 async def _bounded(awaitable: Any, timeout: float) -> None:
