@@ -50,6 +50,7 @@ def donor(config_path: str, initial_peers: list[str], pipe: Connection) -> None:
     try:
         swarm.publish_state([snapshot])
         swarm.set_progress(ROUND, PeerState.TRAINING, snapshot.params_sha256, {SLICE: snapshot.params_sha256})
+        swarm.flush()  # the record goes out in the background: the joiner looks for it at once
         pipe.send(snapshot.params_sha256)
         pipe.recv()  # returns or raises EOFError when the benchmark is done
     except EOFError:

@@ -1,9 +1,27 @@
-"""Bytes on the wire per peer per round, and codec speed, for dense fp32, dense fp16 and SparseLoCo.
+"""Bytes on the wire per peer per round, and codec speed, for dense fp32, dense fp16, SparseLoCo and LoCo.
 
 Every replica compresses its own random pseudo-gradient of the ~150M model's shapes; the butterfly
 among N peers is then sized exactly as the swarm runs it: span i reduced by peer i, each sender's
 encoded contribution to every other span, each reducer's result (relay or union, whichever is
-smaller) to every other peer. Dense rows are the fp32 / fp16 butterfly of the same parameters.
+smaller) to every other peer. Dense rows are the fp32 / fp16 butterfly of the same parameters. LoCo
+(``outer.loco`` defaults: 4-bit codes, a float32 scale per 128 values) is sized the same way: each
+sender's low-bit contribution to every other span, each reducer's re-quantized mean back.
+
+Peak bandwidth: Streaming DiLoCo syncs P fragments (``outer.streaming``) at different inner steps, so what
+a link must carry at once is one fragment's all-reduce. The peak table sizes each fragment's butterfly
+(E3M0 values, or float32) among N peers and reports the round's total and its largest single sync, next
+to DiLoCo's one fp32 sync of everything (the claim: the peak falls ~P-fold).
+
+Codec speed is in GB/s of fp32 pseudo-gradient (4 bytes per parameter of the whole model), per peer:
+
+- compress: the sender's side, through SparseLoCo's own code: the pseudo-gradient (global - local,
+  checked finite), error feedback, Top-k of every chunk, 2-bit values, the buffer update, and the
+  encoding of its contributions to all N spans. On the CPU, and on CUDA where there is one (the
+  encoding runs on the CPU either way).
+- decode+aggregate: the receiver's side, on the CPU: reducing its own span (decoding the N - 1 others'
+  contributions, clipping, aggregating, and the results for them), taking the N - 1 other spans'
+  results (relays decoded and aggregated, or unions decoded), the aggregate's digest, and the
+  aggregate per tensor as the outer step applies it. The other reducers' work is done beforehand.
 
     python benchmarks/comm.py                  # ~150M shapes, N = 2, 4, 8, densities 1/64 and 1/32
     python benchmarks/comm.py --config configs/tiny.yaml --peers 2 4
@@ -17,15 +35,18 @@ import time
 import numpy as np
 import torch
 
-from p2ploco.collective.exchange import dense_fp32_bytes
+from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.exchange import Exchange, dense_fp32_bytes, reduce_span
+from p2ploco.collective.fp4 import E3M0Mean
+from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.sparse import SparseExchange
-from p2ploco.compression import sparse_format as fmt
-from p2ploco.compression.chunking import chunk_grid
-from p2ploco.compression.sparse_format import SparseLayout
-from p2ploco.compression.topk import compress
-from p2ploco.config import load_config
+from p2ploco.compression.groupwise import GroupLayout, quantize
+from p2ploco.compression.topk import CompressedTensor
+from p2ploco.config import LoCoConfig, SparseLoCoConfig, load_config
 from p2ploco.metrics import format_table
 from p2ploco.model import Transformer
+from p2ploco.outer.sparseloco import SparseLoCo
+from p2ploco.pipeline.slices import group_by_slice
 
 
 def model_shapes(config_path: str) -> list[tuple[int, ...]]:
@@ -34,24 +55,100 @@ def model_shapes(config_path: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in model.parameters()]
 
 
-def compress_replica(layout: SparseLayout, seed: int, device: torch.device) -> tuple[list, float]:
-    """One replica's compressed pseudo-gradient and the seconds compress() took."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    compressed, seconds = [], 0.0
-    for grid in layout.grids:
-        tensor = torch.randn(grid.shape, generator=generator, device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+def fragment_shapes(config_path: str, fragments: int) -> list[list[tuple[int, ...]]]:
+    """The parameter shapes of each Streaming DiLoCo fragment of the model (``pipeline/slices.py``)."""
+    config = load_config(config_path)
+    with torch.device("meta"):
+        named = list(Transformer(config.model, seed=0).named_parameters())
+    slices = group_by_slice([name for name, _ in named], config.model, 1, fragments)
+    return [[tuple(named[i][1].shape) for i in positions] for positions in slices.values()]
+
+
+def peak_rows(config_path: str, peers: list[int], fragment_counts: list[int]) -> list[tuple]:
+    """Per group size: DiLoCo fp32 (one sync), then Streaming with each fragment count (E3M0, and fp32 at the
+    largest count): MB per peer per round (sent + received, mean over peers), MB of its largest sync."""
+    rows = []
+    fragment_counts = [p for p in fragment_counts if p <= load_config(config_path).model.n_layer]  # a block each
+    settings = [("DiLoCo fp32", 1, "float32")] + [("Streaming E3M0", p, "e3m0") for p in fragment_counts]
+    settings.append(("Streaming fp32", max(fragment_counts), "float32"))
+    for n in peers:
+        baseline = None
+        for name, count, values in settings:
+            syncs = []
+            for shapes in fragment_shapes(config_path, count):
+                exchanges = []
+                for seed in range(n):
+                    generator = torch.Generator().manual_seed(seed)
+                    deltas = [torch.randn(s, generator=generator) for s in shapes]
+                    exchanges.append(E3M0Mean(deltas) if values == "e3m0" else DenseMean(deltas))
+                sent, received = butterfly_bytes(exchanges)
+                syncs.append((sum(sent) + sum(received)) / n)
+            peak = max(syncs)
+            baseline = baseline or peak
+            rows.append((n, name, count, f"{sum(syncs) / 1e6:.2f}", f"{peak / 1e6:.2f}", f"{sum(syncs) / peak:.2f}",
+                         f"{baseline / peak:.1f}x"))
+    return rows
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def compress_replicas(shapes: list[tuple[int, ...]], topk: int, replicas: int, device: torch.device,
+                      ) -> tuple[SparseLoCo, list[list[CompressedTensor]], list[float]]:
+    """Each replica's compressed pseudo-gradient (one SparseLoCo, its error feedback emptied in between) and
+    the seconds each compress took, after one warm-up."""
+    zeros = [torch.zeros(s) for s in shapes]
+    outer = SparseLoCo(zeros, SparseLoCoConfig(topk=topk), device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    compressed, seconds = [], []
+    for replica in range(replicas + 1):
+        local = [torch.randn(s, generator=generator, device=device) for s in shapes]
+        outer.reset_local_state()
+        synchronize(device)
         started = time.perf_counter()
-        compressed.append(compress(tensor, grid)[0])
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds += time.perf_counter() - started
-    return compressed, seconds
+        sent, _ = outer.compress(local, outer.params)
+        synchronize(device)
+        if replica:  # the first is the warm-up
+            seconds.append(time.perf_counter() - started)
+            compressed.append(sent)
+    return outer, compressed, seconds
 
 
-def butterfly_bytes(exchanges: list[SparseExchange]) -> tuple[list[int], list[int]]:
-    """Sent and received payload bytes of each peer in one sparse butterfly round."""
+def encode_seconds(exchange: SparseExchange, parts: int) -> float:
+    """Seconds to encode one replica's contributions to every span of a group of ``parts``."""
+    started = time.perf_counter()
+    for span in exchange.partition(parts):
+        exchange.encode(span)
+    return time.perf_counter() - started
+
+
+def receive_seconds(exchanges: list[SparseExchange]) -> float:
+    """Seconds peer 0 of the group takes to reduce its span and take every span's aggregate."""
+    n = len(exchanges)
+    names = [f"peer{i}" for i in range(n)]
+    spans = exchanges[0].partition(n)
+    payloads = [[e.encode(span) for span in spans] for e in exchanges]
+    results = []
+    for r, span in enumerate(spans[1:], start=1):  # the other reducers' work, not timed
+        reduction = reduce_span(exchanges[r], span, list(zip(names, (p[r] for p in payloads))))
+        results.append((span, reduction.result_for(exchanges[r], names[0]), reduction.own_position(names[0])))
+    me = exchanges[0]
+    started = time.perf_counter()
+    reduction = reduce_span(me, spans[0], list(zip(names, (p[0] for p in payloads))))
+    for peer in names[1:]:
+        reduction.result_for(me, peer)
+    me.receive(spans[0], reduction.result_for(me, names[0]), 0)
+    for span, result, own in results:
+        me.receive(span, result, own)
+    me.aggregate_digest()
+    me.updates()
+    return time.perf_counter() - started
+
+
+def butterfly_bytes(exchanges: list[Exchange]) -> tuple[list[int], list[int]]:
+    """Sent and received payload bytes of each peer in one butterfly round."""
     n = len(exchanges)
     sent, received = [0] * n, [0] * n
     for reducer, span in enumerate(exchanges[0].partition(n)):
@@ -67,45 +164,66 @@ def butterfly_bytes(exchanges: list[SparseExchange]) -> tuple[list[int], list[in
     return sent, received
 
 
+def loco_rows(shapes: list[tuple[int, ...]], peers: list[int], config: LoCoConfig) -> list[tuple]:
+    """LoCo's bytes per peer per round for each group size in ``peers``, against the dense fp32 butterfly."""
+    layout = GroupLayout(shapes, config.group_size)
+    no_error = torch.zeros(layout.numel)  # the reducers' buffers: empty, as in a first round (the size is the same)
+    exchanges = []
+    for seed in range(max(peers)):
+        values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(seed))
+        exchanges.append(LowBitMean(layout, config.bits, quantize(values, layout.lengths, config.bits), no_error,
+                                    config.beta))
+    rows = []
+    for n in peers:
+        sent, received = butterfly_bytes(exchanges[:n])
+        spans = exchanges[0].partition(n)
+        dense32 = sum(dense_fp32_bytes(exchanges[0], spans, i) / 2 for i in range(n)) / n  # each way
+        mean_sent, mean_received = sum(sent) / n, sum(received) / n
+        rows.append((n, f"{config.bits}-bit, {config.group_size} per scale",
+                     f"{dense32 / 1e6:.1f} / {dense32 / 1e6:.1f}", f"{mean_sent / 1e6:.2f} / {mean_received / 1e6:.2f}",
+                     f"{2 * dense32 / (mean_sent + mean_received):.1f}x", f"{8 * mean_sent / layout.numel:.3f}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/150m.yaml", help="model whose parameter shapes to use")
     parser.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--topk", type=int, nargs="+", default=[64, 128], help="values kept per 64x64 chunk")
+    parser.add_argument("--fragments", type=int, nargs="+", default=[1, 2, 4],
+                        help="Streaming DiLoCo fragment counts for the peak table")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     shapes = model_shapes(args.config)
     params = sum(int(np.prod(s)) for s in shapes)
-    print(f"parameter set: {args.config}, {params / 1e6:.1f}M parameters in {len(shapes)} tensors")
+    gigabytes = 4 * params / 1e9  # the fp32 pseudo-gradient
+    print(f"parameter set: {args.config}, {params / 1e6:.1f}M parameters in {len(shapes)} tensors; "
+          f"{torch.get_num_threads()} CPU threads")
     rows, speed = [], []
     for topk in args.topk:
-        layout = SparseLayout([chunk_grid(s, 64, topk) for s in shapes])
-        replicas, compress_seconds = [], []
-        for seed in range(max(args.peers)):
-            compressed, seconds = compress_replica(layout, seed, torch.device("cpu"))
-            replicas.append(compressed)
-            compress_seconds.append(seconds)
-        exchanges = [SparseExchange(layout, c, "mean") for c in replicas]
-        whole = range(layout.num_chunks)
-        payload = exchanges[0].encode(whole)
-        started = time.perf_counter()
-        fmt.decode_contribution(layout, whole, payload)
-        decode_seconds = time.perf_counter() - started
-        per_100m = 1e8 / params
-        speed.append((f"1/{4096 // topk}", "cpu", f"{np.mean(compress_seconds) * per_100m:.2f}",
-                      f"{decode_seconds * per_100m:.2f}", f"{8 * len(payload) / params:.3f}"))
+        density = f"1/{4096 // topk}"
+        outer, replicas, compress_seconds = compress_replicas(shapes, topk, max(args.peers), torch.device("cpu"))
+        layout = outer.layouts["stage0"]
+        gpu_seconds = None
         if torch.cuda.is_available():
-            compress_replica(layout, 0, torch.device("cuda"))  # warm-up
-            _, gpu_seconds = compress_replica(layout, 0, torch.device("cuda"))
-            speed.append((f"1/{4096 // topk}", torch.cuda.get_device_name(), f"{gpu_seconds * per_100m:.2f}", "-", "-"))
+            gpu_seconds = float(np.median(compress_replicas(shapes, topk, 3, torch.device("cuda"))[2]))
         for n in args.peers:
-            sent, received = butterfly_bytes(exchanges[:n])
+            exchanges = [SparseExchange(layout, c, "mean", clip_factor=2.0) for c in replicas[:n]]
+            encoding = float(np.median([encode_seconds(SparseExchange(layout, c, "mean"), n) for c in replicas[:n]]))
+            receiving = receive_seconds(exchanges)
+            upload = 8 * sum(len(exchanges[0].encode(span)) for span in exchanges[0].partition(n)) / params
+            cpu = float(np.median(compress_seconds)) + encoding
+            speed.append((density, n, "cpu", f"{gigabytes / cpu:.2f}", f"{gigabytes / receiving:.2f}", f"{upload:.3f}"))
+            if gpu_seconds is not None:
+                speed.append((density, n, torch.cuda.get_device_name(), f"{gigabytes / (gpu_seconds + encoding):.2f}",
+                              "-", f"{upload:.3f}"))
+
+            sent, received = butterfly_bytes([SparseExchange(layout, c, "mean") for c in replicas[:n]])
             spans = exchanges[0].partition(n)
             dense32 = [dense_fp32_bytes(exchanges[0], spans, i) / 2 for i in range(n)]  # each way
             mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
             sparse_total = mean(sent) + mean(received)
-            rows.append((n, f"1/{4096 // topk}",
+            rows.append((n, density,
                          f"{mean(dense32) / 1e6:.1f} / {mean(dense32) / 1e6:.1f}",
                          f"{mean(dense32) / 2e6:.1f} / {mean(dense32) / 2e6:.1f}",
                          f"{mean(sent) / 1e6:.2f} / {mean(received) / 1e6:.2f}",
@@ -116,8 +234,18 @@ def main() -> None:
     print(format_table(("peers", "density", "dense fp32", "dense fp16", "SparseLoCo", "vs fp32", "vs fp16",
                         "sent bits/param"), rows))
     print()
-    print("Codec speed, seconds per 100M parameters (one replica's whole pseudo-gradient)")
-    print(format_table(("density", "device", "compress s", "decode s", "upload bits/param"), speed))
+    print("LoCo: bytes per peer per round, MB sent / received (mean over peers)")
+    print(format_table(("peers", "values", "dense fp32", "LoCo", "vs fp32", "sent bits/param"),
+                       loco_rows(shapes, args.peers, LoCoConfig())))
+    print()
+    print("Peak bandwidth: MB per peer per round (sent + received) and in its largest single sync")
+    print(format_table(("peers", "algorithm", "fragments", "MB/round", "peak MB/sync", "round / peak",
+                        "peak vs DiLoCo fp32"), peak_rows(args.config, args.peers, args.fragments)))
+    print()
+    print("Codec speed, GB/s of fp32 pseudo-gradient per peer (compress: sender side; decode+aggregate: "
+          "receiver side)")
+    print(format_table(("density", "peers", "device", "compress GB/s", "decode+aggregate GB/s", "upload bits/param"),
+                       speed))
 
 
 if __name__ == "__main__":

@@ -35,9 +35,12 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.fp4 import E3M0Mean
+from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
+from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.errors import P2PLocoError
@@ -70,7 +73,17 @@ CONTRIBUTION = REPLICAS[1].encode(SPAN)
 _AGGREGATE = REPLICAS[0].combine(SPAN, [REPLICAS[0].parse(SPAN, r.encode(SPAN)) for r in REPLICAS])
 RELAY, UNION = REPLICAS[0].result_for(_AGGREGATE, 0), _AGGREGATE.union
 DENSE = DenseMean([torch.randn(50)], clip_factor=2.0)
+GROUPS = GroupLayout([(40, 30), (30,), (7, 3)], 64)  # tails of 48, 30 and 21 values
+LOWBIT = LowBitMean(GROUPS, 4, quantize(torch.randn(GROUPS.numel), GROUPS.lengths, 4), torch.zeros(GROUPS.numel), 0.8,
+                    clip_factor=2.0)
+LOWBIT_SPAN = range(3, GROUPS.num_groups)
+LOWBIT_CONTRIBUTION = LOWBIT.encode(LOWBIT_SPAN)
+LOWBIT_RESULT = LOWBIT.combine(LOWBIT_SPAN, [LOWBIT.parse(LOWBIT_SPAN, LOWBIT_CONTRIBUTION)])
 DENSE_PAYLOAD = DENSE.encode(range(5, 45))
+E3M0 = E3M0Mean([torch.randn(40, 30), torch.randn(77)], clip_factor=2.0)  # an odd count: a padded last byte
+E3M0_SPAN = range(2, E3M0.num_units)
+E3M0_CONTRIBUTION = E3M0.encode(E3M0_SPAN)
+E3M0_RESULT = E3M0.combine(E3M0_SPAN, [E3M0.parse(E3M0_SPAN, E3M0_CONTRIBUTION)])
 _PARAMS = {"w": torch.randn(8, 4), "b": torch.randn(4)}
 BLOB = Snapshot(7, "stage0", _PARAMS, {"momentum.w": torch.zeros(4)},
                 params_sha256(list(_PARAMS), _PARAMS.values())).blob()
@@ -131,6 +144,20 @@ def mutated(original: bytes) -> st.SearchStrategy[bytes]:
     return st.tuples(edits, st.integers(0, len(original)), st.binary(max_size=16)).map(apply)
 
 
+def edited(original: bytes) -> st.SearchStrategy[bytes]:
+    """``original`` with some bytes replaced and its length kept: past the length checks of fixed-size formats."""
+    edits = st.lists(st.tuples(st.integers(0, max(0, len(original) - 1)), st.integers(0, 255)), min_size=1,
+                     max_size=4)
+
+    def apply(changes: list[tuple[int, int]]) -> bytes:
+        data = bytearray(original)
+        for at, byte in changes:
+            data[at] = byte
+        return bytes(data)
+
+    return edits.map(apply)
+
+
 def payloads(original: bytes) -> st.SearchStrategy[bytes]:
     return mutated(original) | st.binary(max_size=2 * len(original))
 
@@ -184,6 +211,22 @@ def sparse_result(data: bytes) -> None:
 def dense_contribution(data: bytes) -> None:
     DENSE.parse(range(5, 45), data)
     DENSE.receive(range(5, 45), data, None)
+
+
+def lowbit_contribution(data: bytes) -> None:
+    LOWBIT.parse(LOWBIT_SPAN, data)
+
+
+def lowbit_result(data: bytes) -> None:
+    LOWBIT.receive(LOWBIT_SPAN, data, None)
+
+
+def e3m0_contribution(data: bytes) -> None:
+    E3M0.parse(E3M0_SPAN, data)
+
+
+def e3m0_result(data: bytes) -> None:
+    E3M0.receive(E3M0_SPAN, data, None)
 
 
 def sliced_contribution(data: bytes) -> None:
@@ -242,6 +285,11 @@ def targets() -> list[Target]:
         Target("sparse relay result", sparse_result, payloads(RELAY)),
         Target("sparse union result", sparse_result, payloads(UNION)),
         Target("dense payload", dense_contribution, payloads(DENSE_PAYLOAD)),
+        Target("low-bit contribution", lowbit_contribution,
+               payloads(LOWBIT_CONTRIBUTION) | edited(LOWBIT_CONTRIBUTION)),
+        Target("low-bit result", lowbit_result, payloads(LOWBIT_RESULT) | edited(LOWBIT_RESULT)),
+        Target("E3M0 contribution", e3m0_contribution, payloads(E3M0_CONTRIBUTION) | edited(E3M0_CONTRIBUTION)),
+        Target("E3M0 result", e3m0_result, payloads(E3M0_RESULT) | edited(E3M0_RESULT)),
         Target("sliced contribution", sliced_contribution, payloads(SLICED_CONTRIBUTION)),
         Target("sliced result", sliced_result, payloads(SLICED_RESULT)),
         Target("stage message", stage_message, st.tuples(headers("stage"), payloads(STAGE_PAYLOAD))),

@@ -1,5 +1,5 @@
-"""Same token budget, K replicas in one process: AdamW DDP (gradients averaged every step), DiLoCo and
-SparseLoCo (every H steps), and heterogeneous SparseLoCo with pipeline groups. Prints the eval loss
+"""Same token budget, K replicas in one process: AdamW DDP (gradients averaged every step), DiLoCo,
+SparseLoCo and LoCo (every H steps), and heterogeneous SparseLoCo with pipeline groups. Prints the eval loss
 along the way, the final eval loss and the bytes each replica sent + received in total.
 
 The outer algorithms run the same code as real nodes (workers: inner trainer, outer algorithm,
@@ -8,10 +8,13 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py                          # tiny model, K=4, 40 rounds of H=10
     python benchmarks/quality.py --rounds 5 --replicas 2  # a quick look
     python benchmarks/quality.py --methods diloco "sparseloco:topk=128,error_decay=0.9"   # variants
+    python benchmarks/quality.py --methods diloco loco "loco:bits=2"   # LoCo's low-bit values against fp32
     python benchmarks/quality.py --suite heterogeneous    # full replicas vs 2-stage compressed groups
+    python benchmarks/quality.py --suite overlap          # DiLoCo and SparseLoCo with and without overlap
+    python benchmarks/quality.py --suite streaming        # Streaming DiLoCo (P = 2, 4) next to the others
 
-Methods: ``ddp``; ``diloco`` / ``sparseloco`` (every replica full), each with optional outer settings
-after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
+Methods: ``ddp``; ``diloco`` / ``sparseloco`` / ``loco`` / ``streaming`` (every replica full), each with
+optional outer settings after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
 ``selective:ratio=R`` (half the replicas full, half compressed groups), SparseLoCo per stage. The eval
 loss is that of the global parameters as replica 0 runs them (projected onto span(U) when replica 0
 is a compressed group).
@@ -31,21 +34,32 @@ from p2ploco.data import ShardSampler, eval_batches, load_training_data
 from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate, squared_norm
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.model import Transformer
+from p2ploco.outer.streaming import StreamingDiLoCo
 from p2ploco.pipeline.inprocess import FULL, GROUP, InProcessSwarm, build_swarm, run_in_threads
 from p2ploco.pipeline.subspace import SubspaceConstraint, constrained_dims
 
 CPU = torch.device("cpu")
 # Besides each method's reference settings, one variant each found by a small sweep on this benchmark:
 # DiLoCo's momentum 0.9 is too much for 40 rounds; SparseLoCo gains from ~3% density, a shorter error
-# memory and a slightly larger outer step.
+# memory and a slightly larger outer step. LoCo runs DiLoCo's outer step on 4-bit values: each of its rows
+# pairs with the DiLoCo row of the same momentum, whose values travel in fp32.
 SUITES = {
     "default": ("configs/tiny.yaml",
-                ["ddp", "diloco", "diloco:momentum=0.5", "sparseloco", "sparseloco:topk=128,error_decay=0.9,lr=1.2"]),
+                ["ddp", "diloco", "diloco:momentum=0.5", "sparseloco", "sparseloco:topk=128,error_decay=0.9,lr=1.2",
+                 "loco", "loco:momentum=0.5"], []),
+    # Streaming DiLoCo (P = 2 and 4 fragments of strided blocks, tau = 1, E3M0 values) next to the others, on
+    # tiny.yaml with 4 layers (a block per fragment) and H = 12 (P divides H).
+    "streaming": ("configs/tiny.yaml",
+                  ["ddp", "diloco", "sparseloco", "loco", "streaming:fragments=2,delay=1",
+                   "streaming:fragments=4,delay=1"], ["model.n_layer=4", "inner.steps=12"]),
     # Heterogeneous SparseLoCo (arXiv 2601.02360): all full replicas, then 2-stage compressed groups for all
     # replicas (uniform) or half of them (selective), at a mild and an aggressive compression d/k.
+    # Overlap: each round's all-reduce runs during the next round's inner steps, its outer step one round late.
+    "overlap": ("configs/tiny.yaml",
+                ["diloco", "diloco:overlap=true", "sparseloco", "sparseloco:overlap=true"], []),
     "heterogeneous": ("configs/tiny-pipeline.yaml",
                       ["sparseloco", "selective:ratio=8", "uniform:ratio=8", "selective:ratio=32",
-                       "uniform:ratio=32"]),
+                       "uniform:ratio=32"], []),
 }
 
 
@@ -80,7 +94,8 @@ class Setup:
 def global_model(swarm: InProcessSwarm, config: Config) -> Transformer:
     """The global parameters in one whole model, as replica 0 runs them (projected if it is constrained)."""
     workers = swarm.replicas[0]
-    if len(workers) == 1:
+    # Overlapped and streaming replicas train local params that differ from the global ones: build the latter.
+    if len(workers) == 1 and workers[0].trained_from is None and not isinstance(workers[0].outer, StreamingDiLoCo):
         return workers[0].model
     stages = [w.model for w in workers]
     model = Transformer(config.model, config.training.seed, token_table=stages[0].token_table)
@@ -184,9 +199,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # the replicas' threads share the cores
 
-    suite_config, suite_methods = SUITES[args.suite]
+    suite_config, suite_methods, suite_overrides = SUITES[args.suite]
     config_path = args.config or suite_config
-    config = load_config(config_path, args.overrides)
+    config = load_config(config_path, suite_overrides + args.overrides)
     setup = Setup(config, args.replicas, args.rounds)
     tokens = args.replicas * args.rounds * config.inner.steps * config.inner.grad_accum * config.inner.batch_size \
         * config.data.seq_len

@@ -26,6 +26,7 @@ MIN_PEER_TTL = 8.0  # seconds; hivemind's DHT waits up to 3 s for a peer in a lo
 MAX_WAIT = 3600.0  # seconds: the longest any one wait of a round may be set to (every wait is bounded)
 MAX_STARTUP_WAIT = 86400.0
 MAX_BAN_ROUNDS = 1000
+MAX_GROUP_SIZE = 1 << 20  # LoCo's quantization groups: one scale per at most this many values
 
 
 @dataclass
@@ -84,6 +85,8 @@ class DiLoCoConfig:
     nesterov: bool = True
     # Element type of pseudo-gradients on the wire; the reducer sums in float32.
     wire_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # The round's all-reduce runs while the next round's inner steps do; its outer step lands one round late.
+    overlap: bool = False
 
 
 @dataclass
@@ -96,18 +99,60 @@ class SparseLoCoConfig:
     topk: int = 64  # values kept per full chunk_size^2 tile (64 of 4096 = 1/64 density)
     # mean: per coordinate over the replicas that selected it (reference code); sum: divide by all replicas.
     aggregate: Literal["mean", "sum"] = "mean"
+    # The round's all-reduce runs while the next round's inner steps do; its outer step lands one round late.
+    overlap: bool = False
+
+
+@dataclass
+class LoCoConfig:
+    """Error-compensated low-bit pseudo-gradients (Xie et al. 2024) with DiLoCo's outer step.
+
+    What quantization drops is kept in a buffer e, a moving average of past errors, and added back before
+    the next quantization, by every hop that quantizes (the sender, and the reducer of each span)."""
+
+    bits: int = 4  # per value on the wire: 2, 4 or 8 (symmetric codes in [-(2^(bits-1) - 1), 2^(bits-1) - 1])
+    group_size: int = 128  # consecutive values of a tensor that share one float32 scale
+    beta: float = 0.8  # e <- beta * e + (1 - beta) * (what this quantization dropped)
+    reset_every: int = 1024  # rounds whose index is a multiple of this start with empty buffers
+    lr: float = 0.7  # outer SGD with Nesterov momentum on the aggregate, as DiLoCo
+    momentum: float = 0.9
+
+
+@dataclass
+class StreamingConfig:
+    """Streaming DiLoCo (Douillard et al. 2025): the model in fragments that sync at staggered inner steps, each
+    fragment's all-reduce overlapped with inner steps, 4-bit exchanged values.
+
+    Fragment p (of P) is a strided group of blocks (p, p + P, ...; the embedding with fragment 0, the final norm
+    and head with fragment P - 1). Within each round of H inner steps fragment p's all-reduce starts after inner
+    step (p + 1)·H/P - delay and is applied after step (p + 1)·H/P; the local copy of the fragment then becomes
+    alpha·local + (1 - alpha)·global."""
+
+    fragments: int = 2  # P
+    delay: int = 1  # tau: inner steps an all-reduce runs while training goes on; < inner.steps / fragments
+    alpha: float = 0.5  # share of the local fragment kept when the synced one arrives (0: take the global one)
+    lr: float = 0.7  # outer SGD with Nesterov momentum, per fragment
+    momentum: float = 0.9
+    bits: int = 4  # exchanged values: 4 (E3M0 floats, one float32 scale per 128) or 32 (float32)
 
 
 @dataclass
 class OuterConfig:
     """The outer algorithm applied to the replicas' pseudo-gradients; each has its own section."""
 
-    algorithm: Literal["sparseloco", "diloco"] = "sparseloco"
+    algorithm: Literal["sparseloco", "diloco", "loco", "streaming"] = "sparseloco"
     # Each contribution to a span is scaled down to at most clip_factor x the median norm of the span's
     # contributions before they are combined (a defence against poisoned updates); 0 turns clipping off.
     clip_factor: float = 2.0
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
+    loco: LoCoConfig = field(default_factory=LoCoConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the chosen algorithm overlaps its all-reduce with the next round's inner steps."""
+        return {"diloco": self.diloco.overlap, "sparseloco": self.sparseloco.overlap}.get(self.algorithm, False)
 
 
 @dataclass
@@ -137,7 +182,10 @@ class SwarmConfig:
     """Timeouts and sizes of the peer-to-peer rounds; every wait in a round is bounded."""
 
     matchmaking_timeout: float = 20.0  # longest wait from the first ready peer to the round's start
-    allreduce_timeout: float = 60.0  # longest wait for any one transfer of an all-reduce
+    allreduce_timeout: float = 60.0  # longest wait for any one transfer of an all-reduce, plus its bytes' time:
+    min_bandwidth_mbit: float = 10.0  # the slowest link a transfer's deadline allows for (swarm/deadlines.py)
+    bandwidth_mbit: float = 0.0  # this peer's link, published so others' deadlines fit it (0: not stated)
+    max_transfer_timeout: float = 900.0  # cap on any one transfer's deadline, however large its payload
     heartbeat_interval: float = 2.0  # how often a node refreshes its record in the DHT
     peer_ttl: float = 10.0  # a record not refreshed for this long marks its peer as gone
     min_peers: int = 1  # peers (self included) to wait for before the first round
@@ -268,11 +316,38 @@ def validate(config: Config) -> None:
         (1 <= o.sparseloco.topk <= o.sparseloco.chunk_size ** 2,
          f"outer.sparseloco.topk ({o.sparseloco.topk}) must be in [1, chunk_size^2="
          f"{o.sparseloco.chunk_size ** 2}]"),
+        (o.loco.bits in (2, 4, 8), f"outer.loco.bits ({o.loco.bits}) must be 2, 4 or 8"),
+        (1 <= o.loco.group_size <= MAX_GROUP_SIZE,
+         f"outer.loco.group_size ({o.loco.group_size}) must be in [1, {MAX_GROUP_SIZE}] (values per scale)"),
+        (0 <= o.loco.beta < 1, f"outer.loco.beta ({o.loco.beta}) must be in [0, 1)"),
+        (o.loco.reset_every >= 1,
+         f"outer.loco.reset_every ({o.loco.reset_every}) must be at least 1 (rounds between resets of the error "
+         f"buffers; a large value never resets them)"),
+        (o.loco.lr > 0, f"outer.loco.lr ({o.loco.lr}) must be > 0"),
+        (0 <= o.loco.momentum < 1, f"outer.loco.momentum ({o.loco.momentum}) must be in [0, 1)"),
+        (o.algorithm != "streaming" or 1 <= o.streaming.fragments <= m.n_layer,
+         f"outer.streaming.fragments ({o.streaming.fragments}) must be in [1, model.n_layer={m.n_layer}]: every "
+         f"fragment holds a block"),
+        (o.algorithm != "streaming" or i.steps % max(o.streaming.fragments, 1) == 0,
+         f"outer.streaming.fragments ({o.streaming.fragments}) must divide inner.steps ({i.steps}): fragments sync "
+         f"at equal distances within a round"),
+        (o.algorithm != "streaming" or 0 <= o.streaming.delay < i.steps // max(o.streaming.fragments, 1),
+         f"outer.streaming.delay ({o.streaming.delay}) must be in [0, inner.steps / fragments = "
+         f"{i.steps // max(o.streaming.fragments, 1)}): a fragment's all-reduce must land before the next one starts"),
+        (0 <= o.streaming.alpha <= 1, f"outer.streaming.alpha ({o.streaming.alpha}) must be in [0, 1]"),
+        (o.streaming.lr > 0, f"outer.streaming.lr ({o.streaming.lr}) must be > 0"),
+        (0 <= o.streaming.momentum < 1, f"outer.streaming.momentum ({o.streaming.momentum}) must be in [0, 1)"),
+        (o.streaming.bits in (4, 32), f"outer.streaming.bits ({o.streaming.bits}) must be 4 (E3M0) or 32 (float32)"),
+        (o.algorithm != "streaming" or p.stages == 1,
+         f"outer.algorithm=streaming needs pipeline.stages=1 (got {p.stages}): fragments cut the whole model, stage "
+         f"peers hold a part of it"),
         (1 <= p.stages <= m.n_layer,
          f"pipeline.stages ({p.stages}) must be in [1, model.n_layer={m.n_layer}]: every stage holds a layer"),
         (not p.compressed or 1 <= p.rank < m.d_model,
          f"pipeline.rank ({p.rank}) must be in [1, model.d_model={m.d_model}): it is the number of values per token "
          f"a compressed stage boundary sends"),
+        (p.stages == 1 or not o.overlap,
+         f"outer.{o.algorithm}.overlap needs pipeline.stages=1: pipeline groups run their rounds without overlap"),
         (p.stages == 1 or not m.tie_embeddings,
          f"pipeline.stages={p.stages} needs model.tie_embeddings: false (the embedding lives on the first stage, the "
          f"head on the last)"),
@@ -284,6 +359,12 @@ def validate(config: Config) -> None:
          f"swarm.peer_ttl ({s.peer_ttl}) must be at least 3 x swarm.heartbeat_interval ({s.heartbeat_interval}) "
          f"and {MIN_PEER_TTL:.0f} s (a DHT lookup may take 3 s, and records must outlive it)"),
         (s.min_peers >= 1, "swarm.min_peers must be at least 1"),
+        (0 < s.min_bandwidth_mbit <= 1e6 and 0 <= s.bandwidth_mbit <= 1e6,
+         f"swarm.min_bandwidth_mbit ({s.min_bandwidth_mbit}) must be in (0, 1e6] and swarm.bandwidth_mbit "
+         f"({s.bandwidth_mbit}) in [0, 1e6] Mbit/s (0: not stated)"),
+        (s.allreduce_timeout <= s.max_transfer_timeout <= MAX_WAIT,
+         f"swarm.max_transfer_timeout ({s.max_transfer_timeout}) must be in [swarm.allreduce_timeout="
+         f"{s.allreduce_timeout}, {MAX_WAIT:.0f}] seconds"),
         (0 <= s.ban_rounds <= MAX_BAN_ROUNDS,
          f"swarm.ban_rounds ({s.ban_rounds}) must be in [0, {MAX_BAN_ROUNDS}] (0: a peer caught sending malformed "
          f"data is dropped only from the round it was caught in)"),

@@ -66,7 +66,8 @@ def _round_line(round_index: int, records: list[dict]) -> str:
     return (f"round {round_index:>3} | peers {'/'.join(map(str, group_sizes))} | loss {mean('loss'):.3f} | "
             f"eval {f'{evals[0]:.3f}' if evals else '-'} | "
             f"traffic/node {human_bytes(mean('bytes_sent') + mean('bytes_received'))} | "
-            f"inner {mean('inner_seconds'):.1f}s comm {mean('comm_seconds'):.1f}s | "
+            f"inner {mean('inner_seconds'):.1f}s comm {mean('comm_seconds'):.1f}s "
+            f"util {mean('compute_utilisation'):.2f} | "
             f"params {'identical' if identical else 'DIFFER'}")
 
 
@@ -95,15 +96,15 @@ def _summary(records: dict[str, list[dict]], seconds: float) -> str:
         rows.append((
             name, rs[-1]["role"] if rs else "-", len(rs),
             f"{evals[0]:.3f} -> {evals[-1]:.3f}" if evals else "-",
-            human_bytes(traffic), human_bytes(per_round("dense_fp32_bytes")),
+            human_bytes(traffic), human_bytes(per_round("peak_sync_bytes")), human_bytes(per_round("dense_fp32_bytes")),
             f"{per_round('dense_fp32_bytes') / traffic:.0f}x" if traffic else "-",
             f"{per_round('bits_per_param'):.3f}",
             human_bytes(per_round("boundary_bytes_sent") + per_round("boundary_bytes_received"))
             if rs and rs[-1]["role"] == "stage" else "-",
             f"{per_round('inner_seconds'):.1f}", f"{per_round('comm_seconds'):.2f}",
-            f"{per_round('round_seconds'):.1f}",
+            f"{per_round('round_seconds'):.1f}", f"{per_round('compute_utilisation'):.2f}",
         ))
-    table = format_table(("node", "role", "rounds", "eval loss first -> last", "bytes/round", "dense fp32/round",
-                          "saving", "upload bits/param", "boundary/round", "inner s/round", "comm s/round", "round s"),
-                         rows)
+    table = format_table(("node", "role", "rounds", "eval loss first -> last", "bytes/round", "peak/sync",
+                          "dense fp32/round", "saving", "upload bits/param", "boundary/round", "inner s/round",
+                          "comm s/round", "round s", "utilisation"), rows)
     return f"{table}\nwall time {seconds:.1f} s"

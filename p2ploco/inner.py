@@ -135,21 +135,27 @@ class InnerTrainer:
             self.constraint.project_(self.params)
         return loss
 
-    def run_round(self, round_index: int, should_stop: Callable[[], bool] = lambda: False) -> InnerStats | None:
-        """The round's H steps; None if ``should_stop`` turned true before they were done."""
+    def run_round(self, round_index: int, should_stop: Callable[[], bool] = lambda: False,
+                  between: Callable[[int], None] | None = None) -> InnerStats | None:
+        """The round's H steps; None if ``should_stop`` turned true before they were done. ``between(h)`` runs
+        after each step, h steps done (1..H): the place for work that belongs between inner steps (announcing
+        the round once the previous one's group formed; a Streaming DiLoCo fragment started or landed). Its
+        time is not counted as training time."""
         c = self.config
-        started = time.perf_counter()
         self.model.train()
-        losses = []
+        losses, seconds = [], 0.0
         for h in range(c.steps):
             self.step_in_round = h
             if should_stop():
                 return None
             faults.hit("inner.step", round_index)
+            started = time.perf_counter()
             losses.append(self.step(round_index * c.steps + h))
+            seconds += time.perf_counter() - started
+            if between is not None:
+                between(h + 1)
         self.step_in_round = c.steps
-        return InnerStats(sum(losses) / len(losses), c.steps * self.gradients.tokens_per_step,
-                          time.perf_counter() - started)
+        return InnerStats(sum(losses) / len(losses), c.steps * self.gradients.tokens_per_step, seconds)
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """AdamW's moments as named tensors, and its settings as JSON, for a checkpoint."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +46,17 @@ class RoundRecord:
     state_source: str = "init"  # where that state came from: init (seed), checkpoint, or peer
     catchup_seconds: float = 0.0  # time spent fetching the swarm's state before this round
     timestamp: float = 0.0
+    compute_utilisation: float = 0.0  # inner seconds / wall seconds since the previous record (or the round's start)
+    # bytes (sent + received) of each all-reduce of the round: one per fragment with Streaming DiLoCo, else one
+    fragment_bytes: list[int] = field(default_factory=list)
+    peak_sync_bytes: int = 0  # the largest of them: what one sync asks of the link at once
+
+    @staticmethod
+    def utilisation(inner_seconds: float, previous: Sequence[RoundRecord], started: float) -> float:
+        """``compute_utilisation`` of a record made now: inner seconds over the wall seconds since the previous
+        record (``previous[-1]``; for a node's first record, since ``started``, the round's perf_counter())."""
+        wall = time.time() - previous[-1].timestamp if previous else time.perf_counter() - started
+        return min(1.0, inner_seconds / wall) if wall > 0 else 0.0
 
 
 class MetricsLog:
@@ -64,7 +76,7 @@ class TensorBoardLog:
     (``pip install p2ploco[tensorboard]``); otherwise it does nothing."""
 
     SCALARS = ("loss", "eval_loss", "peers", "bytes_sent", "bytes_received", "bits_per_param", "inner_seconds",
-               "comm_seconds", "round_seconds")
+               "comm_seconds", "round_seconds", "compute_utilisation")
 
     def __init__(self, directory: Path):
         try:
@@ -108,13 +120,16 @@ def params_sha256(names: Sequence[str], tensors: Iterable[torch.Tensor]) -> str:
     for name, tensor in sorted(zip(names, tensors), key=lambda item: item[0]):
         values = tensor.detach().to("cpu", torch.float32).contiguous()
         digest.update(f"{name}:{tuple(values.shape)};".encode())
-        digest.update(values.view(torch.uint8).numpy().tobytes())
+        digest.update(values.view(torch.uint8).numpy())  # hashed in place: no copy of the model
     return digest.hexdigest()
 
 
 def update_norm(before: Iterable[torch.Tensor], after: Iterable[torch.Tensor]) -> float:
-    """L2 norm of ``after - before`` over all tensors, in float64: how far a round moved the parameters."""
-    return math.sqrt(sum(float((b.double() - a.double()).square().sum()) for a, b in zip(before, after)))
+    """L2 norm of ``after - before`` over all tensors, accumulated in float64: how far a round moved the
+    parameters. The difference is taken in float32 (exact wherever a round moves a value by less than itself,
+    which is nearly everywhere) and only the norm in float64: no double copies of the model per round."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(torch.sub(b, a), dtype=torch.float64)) ** 2
+                         for a, b in zip(before, after)))
 
 
 def human_bytes(count: float) -> str:

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from p2ploco import checkpoint
+from p2ploco.collective.exchange import AllReduceStats
 from p2ploco.config import Config
 from p2ploco.data import Batch, eval_batches, load_training_data
 from p2ploco.errors import CheckpointError, ConfigError, PipelineError, SwarmError
-from p2ploco.inner import evaluate
 from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes, update_norm
 from p2ploco.roles import REPLICA, STAGE, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
@@ -173,7 +173,7 @@ class Node:
                     self._wait(lambda: False, time.monotonic() + c.swarm.heartbeat_interval)
                     continue
                 waiting = ""
-                record = self._round(swarm, role, round_index, membership, held_out, device)
+                record = self._round(swarm, role, round_index, membership, held_out)
                 if record is None:  # stopped during the inner steps: the round is abandoned
                     break
                 metrics.append(record)
@@ -185,11 +185,19 @@ class Node:
                 # Alone, or not applied: the others may hold another state after this round (they committed
                 # without us, or a judge we could not reach decided otherwise).
                 unsettled = round_index if record.peers == 1 or not record.applied else None
+                in_flight = role.worker.in_flight
+                if unsettled is not None and in_flight is not None:  # settling publishes our next round: only
+                    in_flight.all_reduce.grouped.wait(c.swarm.matchmaking_timeout + c.swarm.allreduce_timeout)
+                    # once the round in flight has its group, whose formation reads our record
                 round_index += 1
                 if c.training.checkpoint_every and round_index % c.training.checkpoint_every == 0:
                     checkpoint.save(checkpoints, role.worker.checkpoint(round_index, role.checkpoint_extras()),
                                     c.run_id, fingerprint)
             board.close()
+            landed = role.worker.finish_in_flight()
+            if landed is not None:
+                self.out(f"[{me}] the last overlapped round's outer step landed on exit "
+                         f"({'applied' if landed.committed else 'NOT APPLIED'}, {len(landed.peers)} peer(s))")
             checkpoint.save(checkpoints, role.worker.checkpoint(round_index, role.checkpoint_extras()), c.run_id,
                             fingerprint)
             self.out(f"[{me}] checkpoint of round {round_index} written to {checkpoints}")
@@ -271,15 +279,30 @@ class Node:
         return not self.stopping.is_set()
 
     def _round(self, swarm: Swarm, role: Role, round_index: int, membership: Membership,
-               held_out: list[Batch], device: torch.device) -> RoundRecord | None:
+               held_out: list[Batch]) -> RoundRecord | None:
+        """One round: inner steps, then the outer round (overlapped: the previous round's outer step lands and
+        this round's all-reduce starts in the background), an eval and the record."""
         c = self.config
         worker = role.worker
         start = worker.snapshots(round_index)
         swarm.publish_state(start)
-        self._publish(swarm, worker, round_index, PeerState.TRAINING)
+        announce = partial(swarm.set_progress, round_index, PeerState.TRAINING, worker.params_sha256,
+                           dict(worker.slice_sha256))
+        # Overlapped, the record moves on to this round once the round in flight has its group (its formation
+        # reads the record), at the first inner step after that or at the latest when the round lands.
+        announced = not worker.launched
+        if announced:
+            announce()
+
+        def between(_: int) -> None:
+            nonlocal announced
+            if not announced and worker.in_flight_grouped():
+                announce()
+                announced = True
+
         started = time.perf_counter()
         try:
-            inner_stats = worker.train(round_index, self.stopping.is_set)
+            inner_stats = worker.train(round_index, self.stopping.is_set, between, swarm.communicator)
         except PipelineError as e:  # the group could not finish the round: it contributes nothing to it
             self.out(f"[{swarm.peer_id[-8:]}] round {round_index}: the pipeline group failed ({e}); it sits the "
                      f"round out and catches up")
@@ -290,26 +313,35 @@ class Node:
         if inner_stats is None:
             worker.load_into_model()
             return None
-        comm = worker.sync(swarm.communicator, round_index)
+        if worker.overlap:
+            landed = worker.land()
+            if not announced:
+                announce()
+            worker.launch(round_index, swarm.communicator)
+            comm = landed or AllReduceStats([swarm.peer_id])  # nothing landed: the first round in flight
+        else:
+            comm = worker.sync(swarm.communicator, round_index)
+        syncs = comm.sync_bytes or [comm.bytes_sent + comm.bytes_received]
         evaluated = role.evaluates and (round_index % c.training.eval_every == 0
                                         or round_index + 1 == c.training.rounds)
         before = {name: t for snapshot in start for name, t in snapshot.params.items()}
         return self._record(
             swarm, role, round_index, membership, started, peers=len(comm.peers), loss=inner_stats.loss,
-            eval_loss=evaluate(worker.model, held_out, device) if evaluated else None,
+            eval_loss=worker.evaluate(held_out) if evaluated else None,
             bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
             dense_fp32_bytes=comm.dense_fp32_bytes, density=worker.outer.density,
             bits_per_param=8 * comm.contribution_bytes / comm.params if comm.params else 0.0,
             tokens=inner_stats.tokens, inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
             dropped_peers=comm.dropped, clipped_peers=comm.clipped,
             update_norm=update_norm([before[name] for name in worker.names], worker.outer.params),
-            applied=comm.committed, excluded=comm.excluded)
+            applied=comm.committed, excluded=comm.excluded, fragment_bytes=syncs, peak_sync_bytes=max(syncs))
 
-    @staticmethod
-    def _record(swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
+    def _record(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
                 **fields: Any) -> RoundRecord:
         worker = role.worker
+        utilisation = RoundRecord.utilisation(float(fields.get("inner_seconds", 0.0)), self.records, started)
         return RoundRecord(round=round_index, **{"peers": 1, "eval_loss": None, **fields},
+                           compute_utilisation=utilisation,
                            params_sha256=worker.params_sha256, slice_sha256=dict(worker.slice_sha256),
                            round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id,
                            joined_round=membership.joined_round, state_source=membership.source,

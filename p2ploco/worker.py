@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,14 @@ import torch
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.config import Config
-from p2ploco.data import ShardSampler
+from p2ploco.data import Batch, ShardSampler
 from p2ploco.errors import CheckpointError, SwarmError
-from p2ploco.inner import GradientSource, InnerStats, InnerTrainer, LocalBatches
+from p2ploco.inner import GradientSource, InnerStats, InnerTrainer, LocalBatches, evaluate
 from p2ploco.metrics import params_sha256
 from p2ploco.model import Transformer, stage_layers
 from p2ploco.outer import build_outer
-from p2ploco.outer.base import copy_state
+from p2ploco.outer.base import OuterRound
+from p2ploco.outer.streaming import FragmentSyncs, StreamingDiLoCo
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.pipeline.slices import group_by_slice
 from p2ploco.pipeline.subspace import PlainBoundary, Subspace, SubspaceConstraint, constrained_dims
@@ -45,10 +47,20 @@ class Worker:
         c = config
         self.device, self.model, self.constraint = device, model, constraint
         self.names = [name for name, _ in model.named_parameters()]
-        self.slices = group_by_slice(self.names, c.model, c.pipeline.stages)
-        self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices)
+        streaming = c.outer.algorithm == "streaming"
+        self.slices = group_by_slice(self.names, c.model, c.pipeline.stages,
+                                     c.outer.streaming.fragments if streaming else 0)
+        self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices, c.inner.steps)
         horizon = c.inner.total_steps or c.training.rounds * c.inner.steps
         self.inner = InnerTrainer(model, c.inner, gradients, device, horizon, constraint)
+        self.overlap = c.outer.overlap  # rounds end with land + launch instead of sync
+        self.trained_from: list[torch.Tensor] | None = None  # overlapped: where these inner steps started (None:
+        # from the global params)
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="outer-round") if self.overlap else None
+        self._launched: Future[OuterRound] | None = None  # overlapped: the round in flight, once contributed
+        self._trained: list[torch.Tensor] | None = None  # between land and launch: where the inner steps ended
+        self._start: list[torch.Tensor] | None = None  # and where they started
+        self.fragment_syncs: FragmentSyncs | None = None  # Streaming DiLoCo: this round's fragment syncs
         self.load_into_model()
 
     def _hash(self) -> tuple[str, dict[str, str]]:
@@ -59,20 +71,124 @@ class Worker:
             return next(iter(slices.values())), slices
         return hashlib.sha256(";".join(f"{k}={v}" for k, v in slices.items()).encode()).hexdigest(), slices
 
-    def train(self, round_index: int, should_stop: Callable[[], bool] = lambda: False) -> InnerStats | None:
-        """The round's inner steps; None if stopped before they were done."""
-        return self.inner.run_round(round_index, should_stop)
+    def train(self, round_index: int, should_stop: Callable[[], bool] = lambda: False,
+              between: Callable[[int], None] | None = None, comm: Communicator | None = None) -> InnerStats | None:
+        """The round's inner steps, ``between(h)`` after each; None if stopped before they were done. Streaming
+        DiLoCo syncs its fragments through ``comm`` between them (the schedule's inner steps) and is not stopped
+        before the round's end."""
+        if isinstance(self.outer, StreamingDiLoCo):
+            if comm is None:
+                raise ValueError("Streaming DiLoCo trains with a communicator: its fragments sync between inner steps")
+            syncs = self.fragment_syncs = FragmentSyncs(self.outer, list(self.model.parameters()), comm, round_index)
+
+            def hook(steps_done: int) -> None:
+                syncs.after_step(steps_done)
+                if between is not None:
+                    between(steps_done)
+
+            # Not stopped midway: a round's early fragments already moved the global params, and every peer
+            # must end the round holding all its fragments (a checkpoint of half a round would be a state
+            # nobody else holds). A stop request takes effect at the round's end.
+            return self.inner.run_round(round_index, lambda: False, hook)
+        return self.inner.run_round(round_index, should_stop, between)
 
     def sync(self, comm: Communicator, round_index: int) -> AllReduceStats:
         """The outer round: pseudo-gradient (from where training started), all-reduce, outer step; then the
-        model starts over from the new global params (or the old ones, if the round was not applied)."""
+        model starts over from the new global params (or the old ones, if the round was not applied). Streaming
+        DiLoCo synced its fragments during ``train``: this sums them up, and the model carries on from where it
+        is (only a round not applied everywhere restarts it from the global params)."""
+        if self.fragment_syncs is not None:
+            stats, self.fragment_syncs = self.fragment_syncs.stats(), None
+            if stats.committed:
+                self.params_sha256, self.slice_sha256 = self._hash()
+            else:
+                self.load_into_model()
+            return stats
         start = self.constraint.projected(self.outer.params, self.device) if self.constraint else None
         stats = self.outer.sync(list(self.model.parameters()), comm, round_index, start)
         self.load_into_model()
         return stats
 
+    # ---- overlapped rounds: the all-reduce of round r runs during round r+1's inner steps ------------------
+    #
+    # When round r's outer step lands (at the end of round r+1's inner steps) it moves the global params and
+    # the local ones alike: the replica keeps its own progress of round r+1, which the next all-reduce carries.
+    # So each round's pseudo-gradient is measured from where its inner steps started, a point of this replica's
+    # own (``trained_from``), not from the global params. The contribution (compression included) is computed
+    # and its all-reduce started on a thread of its own while the next inner steps run; a round is finished
+    # before the next one contributes, so local outer state changes in round order. Pipeline stages do not
+    # overlap (config.py refuses it), so no subspace constraint applies here.
+
+    @property
+    def in_flight(self) -> OuterRound | None:
+        """The round whose all-reduce runs during these inner steps (waits until it has been handed over)."""
+        return self._launched.result() if self._launched is not None else None
+
+    @property
+    def launched(self) -> bool:
+        """Whether a round is in flight (never waits)."""
+        return self._launched is not None
+
+    def in_flight_grouped(self) -> bool:
+        """Whether the round in flight knows its group (so the peer's record may move on); never waits."""
+        launched = self._launched
+        return launched is not None and launched.done() and launched.result().all_reduce.grouped.is_set()
+
+    def land(self) -> AllReduceStats | None:
+        """The end of an overlapped round's inner steps, first half: the round in flight waited for and its outer
+        step applied to the global params (one round late) and to the local ones. Returns its stats (None if no
+        round was in flight: the first, or one dropped by catching up)."""
+        self._trained = [p.detach().clone() for p in self.model.parameters()]
+        self._start = self.trained_from if self.trained_from is not None else [p.clone() for p in self.outer.params]
+        landed, self._launched = self.in_flight, None
+        if landed is None:
+            self.trained_from = self._trained
+            return None
+        stats = self.outer.finish(landed, list(self.model.parameters()))
+        self.trained_from = [p.detach().clone() for p in self.model.parameters()]
+        return stats
+
+    def launch(self, round_index: int, comm: Communicator) -> None:
+        """Second half: this round's contribution (from where its inner steps started to where they ended) and
+        its all-reduce, on the background thread; the next inner steps go on from where ``land`` left them."""
+        trained, start = self._trained, self._start
+        self._trained = self._start = None
+
+        def contribute_and_start() -> OuterRound:
+            contribution = self.outer.contribute(trained, round_index, start)
+            contribution.start(comm)
+            return contribution
+
+        self._launched = self._background.submit(contribute_and_start)
+        self.params_sha256, self.slice_sha256 = self._hash()
+
+    def evaluate(self, batches: list[Batch]) -> float:
+        """The eval loss of the global params (the model holds them, or, overlapped or streaming, is lent them
+        meanwhile)."""
+        if self.trained_from is None and not isinstance(self.outer, StreamingDiLoCo):
+            return evaluate(self.model, batches, self.device)
+        with torch.no_grad():
+            local = [p.detach().clone() for p in self.model.parameters()]
+            for param, value in zip(self.model.parameters(), self.outer.params):
+                param.copy_(value)
+            loss = evaluate(self.model, batches, self.device)
+            for param, mine in zip(self.model.parameters(), local):
+                param.copy_(mine)
+        self.model.train()
+        return loss
+
+    def finish_in_flight(self) -> AllReduceStats | None:
+        """Wait for the round in flight and apply it (before an exit checkpoint); None if there was none."""
+        landed, self._launched = self.in_flight, None
+        if landed is None:
+            return None
+        stats = self.outer.finish(landed)
+        self.load_into_model()
+        return stats
+
     def load_into_model(self) -> None:
         """local <- global (projected onto span(U) where constrained): the next inner steps start here."""
+        self.trained_from = None
         params = list(self.model.parameters())
         with torch.no_grad():
             for param, value in zip(params, self.outer.params):
@@ -99,7 +215,9 @@ class Worker:
         return out
 
     def adopt(self, snapshots: dict[str, Snapshot]) -> None:
-        """Take the swarm's state of every slice this worker holds; its own local outer state no longer applies."""
+        """Take the swarm's state of every slice this worker holds; its own local outer state no longer applies.
+        A round in flight still lands on it if the state is the one it was meant for (that of the next round),
+        else it is dropped (its all-reduce ends in the background, unread)."""
         if set(snapshots) != set(self.slices):
             raise SwarmError(f"fetched slices {sorted(snapshots)} but this worker holds {sorted(self.slices)}")
         params = {name: t for snapshot in snapshots.values() for name, t in snapshot.params.items()}
@@ -112,13 +230,17 @@ class Worker:
             self.outer.load_shared_state(shared)
         except (KeyError, ValueError, RuntimeError) as e:
             raise SwarmError(f"fetched state does not fit this model and algorithm: {e!r}") from None
+        in_flight = self.in_flight  # contributed (the error feedback is not touched any more) before the reset
         self.outer.reset_local_state()
+        if in_flight is not None and {snapshot.round for snapshot in snapshots.values()} != {in_flight.round_index + 1}:
+            self._launched = None
         self.load_into_model()
 
     def checkpoint(self, round_index: int, extras: dict[str, Any] | None = None) -> Checkpoint:
         """All this worker needs to continue; ``extras``: what its role adds (a stage's slot)."""
         inner_tensors, inner_settings = self.inner.optimizer_state()
-        local = {f"outer/{k}": v for k, v in self.outer.local_state().items()}
+        # A round in flight has not moved the global params yet: saved as if it were not applied.
+        local = {f"outer/{k}": v for k, v in self.outer.local_state_with(self.in_flight).items()}
         local.update({f"inner/{k}": v for k, v in inner_tensors.items()})
         return Checkpoint(round_index, dict(zip(self.names, self.outer.params)), self.outer.shared_state(), local,
                           {"inner": inner_settings, "slices": self.slice_sha256, **(extras or {})})
@@ -131,7 +253,7 @@ class Worker:
         try:
             self.outer.load_params([saved.params[name] for name in self.names])
             self.outer.load_shared_state(saved.shared)
-            copy_state(self.outer.local_state(), {k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
+            self.outer.load_local_state({k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
             self.inner.load_optimizer_state({k[6:]: v for k, v in saved.local.items() if k.startswith("inner/")},
                                             saved.extras["inner"])
         except (KeyError, ValueError, RuntimeError) as e:

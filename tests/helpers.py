@@ -30,15 +30,17 @@ def sampler(config: Config) -> ShardSampler:
     return ShardSampler(TOKENS, config.data.seq_len, config.inner.batch_size, "run", "group-0")
 
 
-def run_outer_replicas(outer: OuterConfig, shapes, replicas: int, rounds: int, noise: float, seed: int = 0):
+def run_outer_replicas(outer: OuterConfig, shapes, replicas: int, rounds: int, noise: float, seed: int = 0,
+                       slices: dict[str, list[int]] | None = None):
     """K replicas of one outer algorithm in threads over the in-process communicator; in each round every
-    replica's local params are the initial ones plus Gaussian noise of scale ``noise``."""
+    replica's local params are the initial ones plus Gaussian noise of scale ``noise``. ``slices``: the
+    parameters as named slices (default: one)."""
     generator = torch.Generator().manual_seed(seed)
     initial = [torch.randn(s, generator=generator) for s in shapes]
     locals_per_round = [[[p + noise * torch.randn(p.shape, generator=generator) for p in initial]
                          for _ in range(replicas)] for _ in range(rounds)]
     group = InProcessGroup(replicas, timeout=60)
-    algorithms = [build_outer(outer, initial) for _ in range(replicas)]
+    algorithms = [build_outer(outer, initial, slices=slices) for _ in range(replicas)]
     stats = [[] for _ in range(replicas)]
 
     def replica(rank: int) -> None:

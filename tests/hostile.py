@@ -27,18 +27,20 @@ def scale_contributions(factor: float, start: int) -> None:
     from p2ploco.compression.topk import CompressedTensor
     from p2ploco.swarm.communicator import SwarmCommunicator
 
-    honest = SwarmCommunicator.all_reduce
+    # The coroutine behind both all_reduce and start_all_reduce (outer rounds call the latter): patching a public
+    # entry point alone leaves the other path honest, and the attack silently never happens.
+    honest = SwarmCommunicator._all_reduce
 
-    def all_reduce(self: SwarmCommunicator, exchange: Any, round_index: int, name: str) -> Any:
+    async def _all_reduce(self: SwarmCommunicator, exchange: Any, round_index: int, name: str, *args: Any) -> Any:
         if round_index >= start:
             for part in exchange.parts.values():  # every slice's sparse exchange
                 part.compressed = [CompressedTensor(c.grid, c.indices, c.codes, np.float32(c.shift * factor),
                                                     (c.table * np.float32(factor)).astype(np.float32))
                                    for c in part.compressed]
                 part._encoded.clear()
-        return honest(self, exchange, round_index, name)
+        return await honest(self, exchange, round_index, name, *args)
 
-    SwarmCommunicator.all_reduce = all_reduce
+    SwarmCommunicator._all_reduce = _all_reduce
 
 
 def lie_about_the_round(claimed: int, start: int) -> None:

@@ -1,6 +1,7 @@
 """The butterfly all-reduce over real hivemind DHT nodes and p2p daemons (three peers in this process)."""
 
 import itertools
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -194,3 +195,32 @@ def test_a_group_naming_unknown_peers_or_leaving_out_its_member_is_refused(trio)
                        (tuple(sorted([*ids, "12D3KooWNobodyRunsThisPeerId"])), "does not know")):
         with pytest.raises(PayloadError, match=why):
             trio[0].loop.run(matchmaker._check_plausible(Group("g", 0, "params", peers, ids[-1])), 10)
+
+
+def test_a_formation_waits_for_a_peer_still_finishing_the_previous_round(trio):
+    """Streaming DiLoCo syncs its first fragment a step into the round: a peer whose record still shows the
+    previous round when the others have all joined is waited for (the joiners' grace), not told it is late."""
+    next(rounds)
+    round_index = next(rounds)  # >= 1, so that the previous round exists
+    early, moving = trio[:2], trio[2]
+    moving.set_progress(round_index - 1, PeerState.TRAINING, "start-state", {"params": "start-state"})
+    for s in early:
+        s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+    assert all(s.flush() for s in trio)
+    tensors = [random_tensors(60 + i) for i in range(3)]
+
+    def joined_or_closed() -> bool:
+        matchmakers = [s.communicator.matchmaker for s in trio]
+        return any(k[0] == round_index and len(f.members) == 2 for m in matchmakers for k, f in list(m._forming.items())
+                   ) or any(k[0] == round_index for m in matchmakers for k in list(m._closed))
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(s.communicator.all_reduce, DenseMean(t), round_index, "params")
+                   for s, t in zip(early, tensors)]
+        deadline = time.monotonic() + 30
+        while not joined_or_closed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        moving.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        futures.append(pool.submit(moving.communicator.all_reduce, DenseMean(tensors[2]), round_index, "params"))
+        stats = [f.result(timeout=60) for f in futures]
+    assert [len(s.peers) for s in stats] == [3, 3, 3] and all(s.committed for s in stats)

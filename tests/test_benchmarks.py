@@ -1,6 +1,7 @@
 """The benchmark scripts still run and print their tables (on tiny settings; timings are not checked)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -16,16 +17,31 @@ def run(*args: str) -> str:
 @pytest.mark.timeout(260)
 def test_comm_benchmark_prints_bytes_and_speed():
     out = run("benchmarks/comm.py", "--config", "configs/tiny.yaml", "--peers", "2", "3", "--topk", "64")
-    assert "Bytes per peer per round" in out and "Codec speed" in out
-    assert out.count("1/64") == 3  # two group sizes and one speed row
+    assert "Bytes per peer per round" in out and "Codec speed, GB/s" in out and "LoCo: bytes per peer" in out
+    rows = [line.split() for line in out.split("Codec speed")[1].splitlines() if line.strip().startswith("1/64")]
+    speed = [row for row in rows if row[2] == "cpu"]  # (and a CUDA row per group size where there is one)
+    assert [row[1] for row in speed] == ["2", "3"]
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in speed)  # compress, decode+aggregate GB/s
+    peak = out.split("Peak bandwidth")[1].split("Codec speed")[0]
+    two = [line.split() for line in peak.splitlines() if re.match(r"\s*2\s+Streaming E3M0\s+2\s", line)]
+    assert len(two) == 1 and float(two[0][6]) > 1.5  # round / peak: two fragments halve the peak (tiny: 2 layers)
 
 
 @pytest.mark.timeout(260)
-def test_quality_benchmark_compares_the_three_methods():
+def test_quality_benchmark_compares_the_methods():
     out = run("benchmarks/quality.py", "--rounds", "2", "--replicas", "2", "--set", "inner.steps=2")
-    for method in ("ddp", "diloco", "sparseloco"):
+    for method in ("ddp", "diloco", "sparseloco", "loco"):
         assert f"{method} " in out
     assert "final eval loss" in out
+
+
+@pytest.mark.timeout(260)
+def test_quality_benchmark_runs_the_streaming_suite():
+    out = run("benchmarks/quality.py", "--suite", "streaming", "--rounds", "2", "--replicas", "2",
+              "--methods", "diloco", "streaming:fragments=4,delay=1")
+    final = {line.split()[0]: line.split() for line in out.split("final eval loss")[-1].splitlines()[2:] if line}
+    assert set(final) == {"diloco", "streaming:fragments=4,delay=1"}
+    assert 0 < float(final["streaming:fragments=4,delay=1"][1]) < 10  # a finite loss, 4 fragments of 4 layers
 
 
 @pytest.mark.timeout(260)

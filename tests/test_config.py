@@ -17,6 +17,8 @@ def test_tiny_config_loads_and_overrides_reach_every_section():
     assert config.inner.betas == [0.8, 0.9]
     assert config.run_id == "other"
     assert config.model.n_layer == 2  # from the file
+    loco = load_config(TINY, ["outer.algorithm=loco", "outer.loco.bits=8", "outer.loco.beta=0.5"]).outer
+    assert (loco.algorithm, loco.loco.bits, loco.loco.beta, loco.loco.group_size) == ("loco", 8, 0.5, 128)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -26,7 +28,15 @@ def test_tiny_config_loads_and_overrides_reach_every_section():
     ("inner.lr=fast", "inner.lr must be a number; got 'fast'"),
     ("inner.steps=2.5", "inner.steps must be an integer; got 2.5"),
     ("model.tie_embeddings=maybe", "model.tie_embeddings must be true or false"),
-    ("outer.algorithm=adam", "outer.algorithm must be one of sparseloco, diloco"),
+    ("outer.algorithm=adam", "outer.algorithm must be one of sparseloco, diloco, loco"),
+    ("outer.loco.bits=3", "outer.loco.bits (3) must be 2, 4 or 8"),
+    ("outer.loco.group_size=0", "outer.loco.group_size (0) must be in [1, 1048576]"),
+    ("outer.loco.beta=1", "outer.loco.beta (1.0) must be in [0, 1)"),
+    ("outer.loco.beta=-0.1", "outer.loco.beta (-0.1) must be in [0, 1)"),
+    ("outer.loco.reset_every=0", "outer.loco.reset_every (0) must be at least 1"),
+    ("outer.loco.lr=0", "outer.loco.lr (0.0) must be > 0"),
+    ("outer.loco.momentum=1", "outer.loco.momentum (1.0) must be in [0, 1)"),
+    ("outer.loco.bits=four", "outer.loco.bits must be an integer; got 'four'"),
     ("outer.sparseloco.topk=5000", "outer.sparseloco.topk (5000) must be in [1, chunk_size^2=4096]"),
     ("outer.sparseloco.aggregate=median", "outer.sparseloco.aggregate must be one of mean, sum"),
     ("outer.sparseloco=3", "'outer.sparseloco' is a section, not a value"),
@@ -40,6 +50,9 @@ def test_tiny_config_loads_and_overrides_reach_every_section():
     ("swarm.matchmaking_timeout=.nan", "swarm.matchmaking_timeout must be a finite number"),
     ("swarm.allreduce_timeout=1e9", "must be in (0, 3600] seconds"),
     ("swarm.ban_rounds=-1", "swarm.ban_rounds (-1) must be in [0, 1000]"),
+    ("swarm.min_bandwidth_mbit=0", "swarm.min_bandwidth_mbit (0.0) must be in (0, 1e6]"),
+    ("swarm.bandwidth_mbit=-5", "swarm.bandwidth_mbit (-5.0) in [0, 1e6] Mbit/s"),
+    ("swarm.max_transfer_timeout=10", "swarm.max_transfer_timeout (10.0) must be in [swarm.allreduce_timeout=30.0"),
     ("outer.clip_factor=0.5", "outer.clip_factor (0.5) must be in [1, 100]"),
     ("inner", "expected key=value"),
 ])

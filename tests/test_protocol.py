@@ -96,6 +96,10 @@ def test_a_closing_formation_keeps_the_majority_state_and_whole_pipeline_groups(
     assert set(kept) == {A, B, C}
     assert "pipeline group g1 did not bring all 2 stages" in refused[D]
     assert "another state of stage0" in refused["peerE"]
+    # a tie goes to the state the records show at this round, not to the greater hash
+    tied = {A: member(stage0="aaa"), B: member(stage0="zzz")}
+    assert set(admit(tied, stages=1)[0]) == {B}
+    assert set(admit(tied, stages=1, recorded={"stage0": "aaa"})[0]) == {A}
 
 
 def test_the_coordinator_is_a_rendezvous_winner_not_the_smallest_id():

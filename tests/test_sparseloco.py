@@ -94,37 +94,47 @@ def reference_sparseloco(initial, locals_per_round, config: SparseLoCoConfig):
     replicas = len(locals_per_round[0])
     errors = [[torch.zeros_like(p) for p in initial] for _ in range(replicas)]
     for local_params in locals_per_round:
-        decoded_all = []
-        for r in range(replicas):
-            decoded_r = []
-            for i, p in enumerate(params):
-                errors[r][i] = errors[r][i] * config.error_decay + (p - local_params[r][i]) * config.lr
-                grid = chunk_grid(tuple(p.shape), config.chunk_size, config.topk)
-                matrix = errors[r][i].reshape(grid.rows, grid.cols)
-                tiles = [(a, b) for a in range(0, grid.rows, grid.tile_rows)
-                         for b in range(0, grid.cols, grid.tile_cols)]
-                blocks = [matrix[a:a + grid.tile_rows, b:b + grid.tile_cols].reshape(-1) for a, b in tiles]
-                chosen = [torch.topk(block.abs(), grid.k).indices.sort().values for block in blocks]
-                codes, shift, table = reference_quantize(torch.stack([blk[ix] for blk, ix in zip(blocks, chosen)]))
-                decoded = torch.zeros(grid.rows, grid.cols)
-                for (a, b), ix, code_row in zip(tiles, chosen, codes):
-                    tile = torch.zeros(grid.tile_rows * grid.tile_cols)
-                    tile[ix] = table[code_row.long()] + shift
-                    decoded[a:a + grid.tile_rows, b:b + grid.tile_cols] = tile.view(grid.tile_rows, grid.tile_cols)
-                decoded = decoded.reshape(p.shape)
-                errors[r][i] = errors[r][i] - decoded
-                decoded_r.append(decoded)
-            decoded_all.append(decoded_r)
-        for i, p in enumerate(params):
-            total = torch.zeros_like(p)
-            count = torch.zeros_like(p)
-            for r in range(replicas):
-                total = total + decoded_all[r][i]
-                count = count + (decoded_all[r][i] != 0).float()
-            divisor = count if config.aggregate == "mean" else torch.full_like(p, float(replicas))
-            aggregate = torch.where(count > 0, total / divisor.clamp(min=1), torch.zeros_like(p))
-            params[i] = p - aggregate * config.lr
+        deltas = [[p - local_params[r][i] for i, p in enumerate(params)] for r in range(replicas)]
+        aggregate = reference_sparse_aggregate(deltas, errors, config)
+        params = [p - a * config.lr for p, a in zip(params, aggregate)]
     return params, errors
+
+
+def reference_sparse_aggregate(deltas, errors, config: SparseLoCoConfig):
+    """One round from every replica's pseudo-gradients ``deltas[r][i]``: each replica's error feedback
+    ``errors[r]`` (updated in place), its Top-k tiles with 2-bit values, and the aggregate of each tensor."""
+    replicas = len(deltas)
+    decoded_all = []
+    for r in range(replicas):
+        decoded_r = []
+        for i, delta in enumerate(deltas[r]):
+            errors[r][i] = errors[r][i] * config.error_decay + delta * config.lr
+            grid = chunk_grid(tuple(delta.shape), config.chunk_size, config.topk)
+            matrix = errors[r][i].reshape(grid.rows, grid.cols)
+            tiles = [(a, b) for a in range(0, grid.rows, grid.tile_rows)
+                     for b in range(0, grid.cols, grid.tile_cols)]
+            blocks = [matrix[a:a + grid.tile_rows, b:b + grid.tile_cols].reshape(-1) for a, b in tiles]
+            chosen = [torch.topk(block.abs(), grid.k).indices.sort().values for block in blocks]
+            codes, shift, table = reference_quantize(torch.stack([blk[ix] for blk, ix in zip(blocks, chosen)]))
+            decoded = torch.zeros(grid.rows, grid.cols)
+            for (a, b), ix, code_row in zip(tiles, chosen, codes):
+                tile = torch.zeros(grid.tile_rows * grid.tile_cols)
+                tile[ix] = table[code_row.long()] + shift
+                decoded[a:a + grid.tile_rows, b:b + grid.tile_cols] = tile.view(grid.tile_rows, grid.tile_cols)
+            decoded = decoded.reshape(delta.shape)
+            errors[r][i] = errors[r][i] - decoded
+            decoded_r.append(decoded)
+        decoded_all.append(decoded_r)
+    aggregates = []
+    for i, delta in enumerate(deltas[0]):
+        total = torch.zeros_like(delta)
+        count = torch.zeros_like(delta)
+        for r in range(replicas):
+            total = total + decoded_all[r][i]
+            count = count + (decoded_all[r][i] != 0).float()
+        divisor = count if config.aggregate == "mean" else torch.full_like(delta, float(replicas))
+        aggregates.append(torch.where(count > 0, total / divisor.clamp(min=1), torch.zeros_like(delta)))
+    return aggregates
 
 
 @pytest.mark.parametrize("aggregate", ["mean", "sum"])

@@ -15,6 +15,7 @@ from p2ploco.errors import SwarmError
 from p2ploco.metrics import params_sha256
 from p2ploco.swarm import state as state_module
 from p2ploco.swarm.records import PeerRecord, PeerState, SwarmState, ranked_states, round_state, settled, swarm_state
+from p2ploco.swarm.rounds import contested
 from p2ploco.swarm.state import Snapshot
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
@@ -62,6 +63,15 @@ def test_states_are_followed_per_slice_and_the_round_state_combines_them():
     assert round_state(live, full, 4)[1] == {"stage1": "old"}
 
 
+def test_a_banned_peer_does_not_vote_on_the_state_a_round_starts_from():
+    # The others still show the previous round; the banned peer, left out of it, shows its old state at this one.
+    me = record("m", 5, "applied")
+    live = {r.peer_id: r for r in [record("x", 5, "stale"), record("b", 4, "before")]}
+    assert round_state(live, me, 5)[1] == {S: "stale"}  # a tie, and "stale" wins it on the hash
+    assert round_state(live, me, 5, banned={"x"})[1] == {S: "applied"}
+    assert contested(live, me, 5, {S: "applied"}, set()) and not contested(live, me, 5, {S: "applied"}, {"x"})
+
+
 def test_a_record_stuck_in_the_past_does_not_hold_the_others_up():
     me = record("m", 4, "x")
     live = {r.peer_id: r for r in [record("a", 5, "x"), record("b", 5, "x"), record("stuck", 0, "old")]}
@@ -103,6 +113,7 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
     for donor in donors:
         donor.publish_state([big_snapshot(5)])
         donor.set_progress(5, PeerState.TRAINING, snapshot.params_sha256, {S: snapshot.params_sha256})
+        assert donor.flush()  # records go out in the background: the joiner must see them
     donors[0].loop.loop.call_soon_threadsafe(time.sleep, 8)  # this donor's event loop hangs: a stalled peer
     target = joiner.swarm_state(0, {S: "fresh"})[S]
     assert target.round == 5 and set(target.holders) == {d.peer_id for d in donors}
@@ -132,6 +143,7 @@ def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner
     donors[0].set_progress(6, PeerState.TRAINING, served.params_sha256, {S: served.params_sha256})
     donors[1].set_progress(10**6, PeerState.TRAINING, "f" * 64, {S: "f" * 64})  # a liar: claims a round far ahead
     donors[2].set_progress(8, PeerState.TRAINING, "e" * 64, {S: "e" * 64})  # serves round 5 at most, not this
+    assert all(donor.flush() for donor in donors)
     target = joiner.swarm_state(0, {S: "fresh"})[S]
     assert (target.round, target.params_sha256, target.holders) == (6, served.params_sha256, (donors[0].peer_id,))
     assert joiner.fetch_state(target).params_sha256 == served.params_sha256
@@ -148,6 +160,7 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
         for donor in donors:
             donor.publish_state([big_snapshot(7)])
             donor.set_progress(7, PeerState.TRAINING, snapshot.params_sha256, {S: snapshot.params_sha256})
+            assert donor.flush()
 
         async def victim_dies(point: str, round_index: int) -> None:
             if point == "state.serve" and asyncio.get_running_loop() is donors[1].loop.loop and not killed:

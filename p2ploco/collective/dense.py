@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from p2ploco.collective import robust
-from p2ploco.collective.exchange import Exchange, Span
+from p2ploco.collective.exchange import Exchange, Span, supersede
 from p2ploco.errors import PayloadError
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -44,9 +44,10 @@ class DenseMean(Exchange):
         self.values = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
         self.output = torch.full_like(self.values, float("nan"))  # NaN marks spans not yet received
         self.num_units = self.values.numel()
+        self._digests: dict[Span, bytes] = {}  # sha256 of every span's result as received
 
     def fingerprint(self) -> str:
-        return f"dense-mean/{self.wire_dtype}/{self.num_units}/clip{self.clip_factor:g}"
+        return f"dense-mean/{self.wire_dtype}/{self.num_units}/clip{self.clip_factor:g}/digest2"
 
     def unit_at(self, element: int) -> int:
         return element
@@ -93,9 +94,17 @@ class DenseMean(Exchange):
         values = self._decode(span, result)
         robust.norm(values.numpy())  # a mean of bounded contributions is bounded too: refuse an absurd one
         self.output[span.start : span.stop] = values
+        if len(span):  # an empty span holds nothing (a group larger than the units makes some)
+            supersede(self._digests, span)
+            self._digests[span] = hashlib.sha256(result).digest()
 
     def aggregate_digest(self) -> str:
-        return hashlib.sha256(self.output.numpy().tobytes()).hexdigest()
+        """sha256 of the spans' result bytes (every recipient of a span gets the same), in span order: hashed
+        as they arrive, in parallel, and in the wire dtype, rather than the whole float32 output at the end."""
+        digest = hashlib.sha256()
+        for span in sorted(self._digests, key=lambda s: s.start):
+            digest.update(f"{span.start}:{span.stop}:".encode() + self._digests[span])
+        return digest.hexdigest()
 
     def mean(self) -> list[torch.Tensor]:
         """The aggregate, shaped like the input tensors (float32, CPU)."""

@@ -9,8 +9,10 @@ combine / receive code, so what a test measures in process is what the swarm doe
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +94,13 @@ class Exchange(ABC):
         """Hash of the whole received aggregate: equal on every replica that received the same one."""
 
 
+def supersede(received: dict[Span, Any], span: Span) -> None:
+    """Before ``span``'s aggregate is stored: forget every span received earlier that it overlaps. A redo cuts
+    the units among fewer peers, so a complete later attempt replaces all of an earlier one's spans."""
+    for earlier in [s for s in received if s.start < span.stop and span.start < s.stop]:
+        del received[earlier]
+
+
 @dataclass
 class SpanReduction:
     aggregate: Any  # the exchange's combined value; result_for turns it into bytes for a recipient
@@ -147,6 +156,9 @@ class AllReduceStats:
     committed: bool = True  # False: the round's aggregate must not be applied (late, aborted, dropped)
     excluded: bool = False  # this peer was left out (late or dropped) while others went on: it must catch up
     clipped: list[str] = field(default_factory=list)  # peers whose contribution to this peer's span was scaled down
+    # bytes (sent + received) of each all-reduce the round was made of (Streaming DiLoCo: one per fragment);
+    # empty: the round was one all-reduce
+    sync_bytes: list[int] = field(default_factory=list)
 
 
 def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int) -> int:
@@ -156,9 +168,45 @@ def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int) -
     return 2 * 4 * (others + (len(spans) - 1) * mine)
 
 
+@dataclass
+class PendingAllReduce:
+    """An all-reduce under way in the background (``Communicator.start_all_reduce``).
+
+    ``result`` comes once the exchange holds the round's aggregate (or the round failed here); ``grouped`` is
+    set once this peer knows whom it averages with (or that it averages with nobody): from then on the
+    peer's public record may move on to its next round without changing how this one is formed.
+    """
+
+    result: Future[AllReduceStats]
+    grouped: threading.Event
+
+    def wait(self, timeout: float | None = None) -> AllReduceStats:
+        """The stats once the all-reduce has ended; its exception if it raised one."""
+        return self.result.result(timeout)
+
+
 class Communicator(ABC):
     @abstractmethod
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
         """Every replica of the round calls this with its own exchange; on return the exchange holds
         the same aggregate on every replica that took part. ``name`` tells apart the all-reduces of one
         round (parameter groups, fragments, stages)."""
+
+    def start_all_reduce(self, exchange: Exchange, round_index: int, name: str) -> PendingAllReduce:
+        """``all_reduce`` without waiting for it: the caller trains on and collects the result later. Here in
+        a thread of its own (its group is known only when it ends); a transport that runs on an event loop
+        schedules it there instead."""
+        pending = PendingAllReduce(Future(), threading.Event())
+
+        def run() -> None:
+            if not pending.result.set_running_or_notify_cancel():
+                return
+            try:
+                pending.result.set_result(self.all_reduce(exchange, round_index, name))
+            except BaseException as e:  # handed to whoever waits for the result, like any Future
+                pending.result.set_exception(e)
+            finally:
+                pending.grouped.set()
+
+        threading.Thread(target=run, name=f"all-reduce {name} {round_index}", daemon=True).start()
+        return pending

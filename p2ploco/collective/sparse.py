@@ -7,11 +7,18 @@ with the aggregated float32 values. Both are exact and both end in the same bits
 computed by the same function, over the same contributions, in the same order. Before they are
 combined, contributions above ``clip_factor`` times the span's median norm are scaled down to it
 (``collective/robust.py``); a recipient of a relayed result clips them exactly as the reducer did.
+
+Every contribution is decoded once per peer, and a peer's own never: it reads its own values from its
+compressed tensors, and the reducer takes its own span's aggregate as it combined it. The union is
+encoded only when some recipient's relay could be larger (a relay's size is known without building it;
+the union's has a lower bound). The aggregate stays sparse (positions and values per span): its digest
+hashes that, and the outer step applies it at the coordinates it holds.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,10 +26,12 @@ import numpy as np
 import torch
 
 from p2ploco.collective import robust
-from p2ploco.collective.exchange import Exchange, Span
+from p2ploco.collective.exchange import Exchange, Span, supersede
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.sparse_format import SparseLayout, SparseValues
 from p2ploco.compression.topk import CompressedTensor
+
+SPAN_HEADER = struct.Struct("<3q")  # span start, span stop, positions: hashed before each span's aggregate
 
 
 @dataclass
@@ -32,10 +41,29 @@ class _Parsed:
     norm: float  # of the values: what clipping compares
 
 
-@dataclass
 class _Aggregate:
-    payloads: list[bytes]  # the included contributions, canonical order
-    union: bytes  # the aggregate itself, union-encoded
+    """A span's combined contributions, and what its results are made of."""
+
+    def __init__(self, layout: SparseLayout, span: Span, payloads: list[bytes], values: SparseValues):
+        self.layout, self.span = layout, span
+        self.payloads = payloads  # the included contributions, canonical order
+        self.values = values  # the aggregate, positions from the span's first element
+        # Could the union be smaller than some recipient's relay? The largest relay (all payloads) against a
+        # lower bound of the union's size: if so, it is built now (a reducer combines off the event loop).
+        self.union_may_win = self.relay_bytes(None) > fmt.union_bytes_at_least(layout, span, len(values.positions))
+        self._union = fmt.encode_union(layout, span, values) if self.union_may_win else None
+
+    @property
+    def union(self) -> bytes:
+        """The aggregate union-encoded (built on first use where no relay could be larger)."""
+        if self._union is None:
+            self._union = fmt.encode_union(self.layout, self.span, self.values)
+        return self._union
+
+    def relay_bytes(self, omit: int | None) -> int:
+        """Size of the relay result for the recipient at ``omit``, without building it."""
+        relayed = [len(p) for i, p in enumerate(self.payloads) if i != omit]
+        return fmt.HEADER.size + fmt.U16.size + fmt.U32.size * len(relayed) + sum(relayed)
 
 
 class SparseExchange(Exchange):
@@ -44,14 +72,15 @@ class SparseExchange(Exchange):
         """``clip_factor``: bound on each contribution's norm, in multiples of the span's median (0: no clipping)."""
         self.layout, self.compressed, self.mode, self.clip_factor = layout, list(compressed), mode, clip_factor
         self.num_units = layout.num_chunks
-        self.output = np.full(layout.total_numel, np.nan, dtype=np.float32)  # NaN: span not received yet
         self._encoded: dict[Span, bytes] = {}
+        self._combined: dict[Span, _Aggregate] = {}  # spans this replica reduced
+        self._received: dict[Span, tuple[SparseValues, bytes]] = {}  # every span's aggregate taken, and its digest
 
     def unit_at(self, element: int) -> int:
         return int(np.searchsorted(self.layout.chunk_element_ends, element, side="right"))
 
     def fingerprint(self) -> str:
-        return f"sparse/{self.layout.digest.hex()}/{self.mode}/clip{self.clip_factor:g}"
+        return f"sparse/{self.layout.digest.hex()}/{self.mode}/clip{self.clip_factor:g}/digest2"
 
     def numel(self, span: Span) -> int:
         return self.layout.numel(span)
@@ -69,12 +98,17 @@ class SparseExchange(Exchange):
         return self._encoded[span]
 
     def parse(self, span: Span, payload: bytes) -> _Parsed:
-        values = fmt.decode_contribution(self.layout, span, payload)
+        if payload == self._encoded.get(span):  # our own: its values are at hand
+            values = fmt.contribution_values(self.layout, span, self.compressed)
+        else:
+            values = fmt.decode_contribution(self.layout, span, payload)
         return _Parsed(payload, values, robust.norm(values.values))
 
     def combine(self, span: Span, contributions: Sequence[_Parsed]) -> _Aggregate:
-        union = self._aggregate(span, [c.values for c in contributions], [c.norm for c in contributions])
-        return _Aggregate([c.payload for c in contributions], fmt.encode_union(self.layout, span, union))
+        values = self._aggregate(span, [c.values for c in contributions], [c.norm for c in contributions])
+        combined = _Aggregate(self.layout, span, [c.payload for c in contributions], values)
+        self._combined[span] = combined
+        return combined
 
     def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:
         return robust.clipped([c.norm for c in contributions], self.clip_factor)
@@ -86,31 +120,76 @@ class SparseExchange(Exchange):
         return fmt.aggregate(self.numel(span), bounded, self.mode)
 
     def result_for(self, aggregate: _Aggregate, omit: int | None) -> bytes:
-        relay = fmt.encode_relay(self.layout, [p for i, p in enumerate(aggregate.payloads) if i != omit])
-        return relay if len(relay) <= len(aggregate.union) else aggregate.union
+        if aggregate.union_may_win and len(aggregate.union) < aggregate.relay_bytes(omit):
+            return aggregate.union
+        return fmt.encode_relay(self.layout, [p for i, p in enumerate(aggregate.payloads) if i != omit])
 
     def receive(self, span: Span, result: bytes, own: int | None) -> None:
-        if fmt.read_kind(self.layout, result) == fmt.RELAY:
+        combined = self._combined.get(span)
+        if combined is not None and result == self.result_for(combined, own):  # the aggregate we made
+            values = combined.values
+        elif fmt.read_kind(self.layout, result) == fmt.RELAY:
             payloads = fmt.decode_relay(self.layout, result, self.max_payload_bytes(span))
-            if own is not None:
-                payloads.insert(own, self.encode(span))
             contributions = [fmt.decode_contribution(self.layout, span, p) for p in payloads]
-            union = self._aggregate(span, contributions, [robust.norm(c.values) for c in contributions])
+            if own is not None:
+                contributions.insert(own, fmt.contribution_values(self.layout, span, self.compressed))
+            values = self._aggregate(span, contributions, [robust.norm(c.values) for c in contributions])
         else:
-            union = fmt.decode_union(self.layout, span, result)
-            robust.norm(union.values)  # a mean of bounded contributions is bounded too: refuse an absurd one
-        start, stop = self.layout.element_range(span)
-        part = self.output[start:stop]
-        part[:] = 0.0
-        part[union.positions] = union.values
+            values = fmt.decode_union(self.layout, span, result)
+            robust.norm(values.values)  # a mean of bounded contributions is bounded too: refuse an absurd one
+        if len(span):  # an empty span holds nothing (a group larger than the units makes some)
+            supersede(self._received, span)
+            self._received[span] = values, self._span_digest(span, values)
+
+    def _span_digest(self, span: Span, values: SparseValues) -> bytes:
+        """sha256 of one span's sparse aggregate: bounds, count, positions (u32 where they fit), float32 values.
+        Computed as each span arrives (spans arrive in parallel), not over the whole aggregate at the end."""
+        digest = hashlib.sha256(SPAN_HEADER.pack(span.start, span.stop, len(values.positions)))
+        digest.update(values.positions.astype("<u8" if self.numel(span) >= 1 << 32 else "<u4"))
+        digest.update(values.values.astype("<f4", copy=False))
+        return digest.digest()
 
     def aggregate_digest(self) -> str:
-        return hashlib.sha256(self.output.tobytes()).hexdigest()
+        """sha256 of the spans' digests in span order: the same on every replica that received the same
+        aggregate, whichever encoding (relay or union) brought each span."""
+        return hashlib.sha256(b"".join(self._received[span][1] for span in self._spans())).hexdigest()
+
+    def _spans(self) -> list[Span]:
+        return sorted(self._received, key=lambda span: span.start)
+
+    @property
+    def output(self) -> np.ndarray:
+        """The received aggregate as one dense float32 vector in chunk order; NaN where no span was received."""
+        out = np.full(self.layout.total_numel, np.nan, dtype=np.float32)
+        for span, (values, _) in self._received.items():
+            start, stop = self.layout.element_range(span)
+            part = out[start:stop]
+            part[:] = 0.0
+            part[values.positions] = values.values
+        return out
 
     def aggregate(self) -> list[torch.Tensor]:
         """The aggregate, one dense float32 CPU tensor per input tensor."""
-        if np.isnan(self.output).any():
-            raise RuntimeError("all-reduce finished with spans missing")  # a communicator bug, not bad input
+        self._check_complete()
         out = torch.from_numpy(self.output)
         return [grid.from_chunks(out[int(start) : int(start) + grid.numel].view(grid.chunks, grid.chunk_numel))
                 for grid, start in zip(self.layout.grids, self.layout.element_starts)]
+
+    def updates(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The aggregate, sparse: per input tensor, the row-major offsets of the elements it holds (int64) and
+        their float32 values. Every other element of the aggregate is zero."""
+        self._check_complete()
+        pieces: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.layout.grids]
+        for span in self._spans():
+            values, _ = self._received[span]
+            for s in self.layout.slices(span):
+                n = s.grid.chunk_numel
+                lo, hi = np.searchsorted(values.positions, [s.offset, s.offset + s.chunks * n])
+                chunk_order = values.positions[lo:hi] - (s.offset - s.first * n)  # from the tensor's first element
+                pieces[s.tensor].append((s.grid.flat_index(chunk_order), values.values[lo:hi]))
+        return [(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])) if len(parts) > 1
+                else parts[0] for parts in pieces]
+
+    def _check_complete(self) -> None:
+        if sum(len(span) for span in self._received) != self.num_units:
+            raise RuntimeError("all-reduce finished with spans missing")  # a communicator bug, not bad input

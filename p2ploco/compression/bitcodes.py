@@ -28,30 +28,45 @@ def max_unary_bits(n: int, k: int, r: int) -> int:
     return k + ((n - k) >> r)
 
 
-def _pack(bits: np.ndarray) -> bytes:
-    return np.packbits(bits).tobytes()
+def _bit_matrix(values: np.ndarray, width: int) -> np.ndarray:
+    """(len(values), width) bits of each value, most significant first; values must fit in ``width`` bits."""
+    size = 1 if width <= 8 else 2 if width <= 16 else 4
+    as_bytes = values.astype(f">u{size}").view(np.uint8).reshape(len(values), size)
+    return np.unpackbits(as_bytes, axis=1)[:, 8 * size - width:]
+
+
+def _bit_values(bits: np.ndarray) -> np.ndarray:
+    """The inverse of ``_bit_matrix``: each row of bits (most significant first) as an int64."""
+    width = bits.shape[1]
+    weights = (1 << np.arange(width - 1, -1, -1)).astype(np.uint8 if width <= 8 else np.uint16 if width <= 16
+                                                          else np.uint32)
+    return (bits @ weights).astype(np.int64)
 
 
 def rice_encode(gaps: np.ndarray, widths: np.ndarray) -> tuple[bytes, bytes]:
     """(unary stream, remainder stream) for non-negative ``gaps`` with per-gap remainder ``widths``."""
-    gaps, widths = gaps.astype(np.int64), widths.astype(np.int64)
+    gaps, widths = gaps.astype(np.int64, copy=False), widths.astype(np.int64, copy=False)
     quotients = gaps >> widths
     ends = np.cumsum(quotients + 1) - 1
     unary = np.zeros(int(ends[-1]) + 1 if len(ends) else 0, dtype=np.uint8)
     unary[ends] = 1
-    owner = np.repeat(np.arange(len(gaps)), widths)
-    starts = np.cumsum(widths) - widths
-    bit_index = np.arange(len(owner)) - starts[owner]
-    remainder_bits = (gaps[owner] >> (widths[owner] - 1 - bit_index)) & 1
-    return _pack(unary), _pack(remainder_bits.astype(np.uint8))
+    widest = int(widths.max()) if len(widths) else 0
+    if widest == 0:
+        return np.packbits(unary).tobytes(), b""
+    bits = _bit_matrix(gaps & ((1 << widths) - 1), widest)
+    if int(widths.min()) == widest:  # one width (a contribution's tensor): every row is a whole code
+        remainder_bits = bits.reshape(-1)
+    else:
+        remainder_bits = bits[np.arange(widest) >= (widest - widths)[:, None]]
+    return np.packbits(unary).tobytes(), np.packbits(remainder_bits).tobytes()
 
 
 def rice_decode(unary: bytes, remainders: bytes, widths: np.ndarray) -> np.ndarray:
     """The gaps, checking both streams hold exactly len(widths) codes and nothing more."""
-    widths = widths.astype(np.int64)
+    widths = widths.astype(np.int64, copy=False)
     count = len(widths)
     bits = np.unpackbits(np.frombuffer(unary, dtype=np.uint8))
-    ends = np.flatnonzero(bits)
+    ends = np.flatnonzero(bits.view(bool))  # a bool view: numpy's fast path
     if len(ends) != count:
         raise PayloadError(f"index stream holds {len(ends)} codes, expected {count}")
     if len(unary) != (int(ends[-1]) // 8 + 1 if count else 0):
@@ -63,10 +78,15 @@ def rice_decode(unary: bytes, remainders: bytes, widths: np.ndarray) -> np.ndarr
     remainder_bits = np.unpackbits(np.frombuffer(remainders, dtype=np.uint8))
     if remainder_bits[total:].any():
         raise PayloadError("remainder stream has non-zero padding")
-    owner = np.repeat(np.arange(count), widths)
-    starts = np.cumsum(widths) - widths
-    weights = remainder_bits[:total].astype(np.int64) << (widths[owner] - 1 - (np.arange(total) - starts[owner]))
-    rests = np.bincount(owner, weights=weights, minlength=count).astype(np.int64)
+    widest = int(widths.max()) if count else 0
+    if widest == 0:
+        return quotients
+    if int(widths.min()) == widest:
+        rests = _bit_values(remainder_bits[:total].reshape(count, widest))
+    else:
+        rows = np.zeros((count, widest), dtype=np.uint8)
+        rows[np.arange(widest) >= (widest - widths)[:, None]] = remainder_bits[:total]
+        rests = _bit_values(rows)
     return (quotients << widths) + rests
 
 

@@ -10,9 +10,11 @@ gains and biases dense, as the reference does.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -41,16 +43,39 @@ class ChunkGrid:
     def numel(self) -> int:
         return self.rows * self.cols
 
+    @property
+    def tile_shape(self) -> tuple[int, int, int, int]:
+        """(tile rows, tile columns, rows in a tile, columns in a tile): a chunk-order buffer viewed as tiles."""
+        return self.rows // self.tile_rows, self.cols // self.tile_cols, self.tile_rows, self.tile_cols
+
+    def tiles(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A view of a tensor of this shape in the layout of ``tile_shape`` (no copy): elementwise arithmetic
+        between it and a chunk-order buffer's ``view(tile_shape)`` runs in place, with no reordering copy."""
+        a, b = self.tile_rows, self.tile_cols
+        return tensor.reshape(self.rows // a, a, self.cols // b, b).permute(0, 2, 1, 3)
+
     def to_chunks(self, tensor: torch.Tensor) -> torch.Tensor:
         """(chunks, chunk_numel) view-order copy: chunk c holds tile c in row-major tile order."""
-        a, b = self.tile_rows, self.tile_cols
-        tiles = tensor.reshape(self.rows // a, a, self.cols // b, b).permute(0, 2, 1, 3)
-        return tiles.reshape(self.chunks, self.chunk_numel)
+        return self.tiles(tensor).reshape(self.chunks, self.chunk_numel)
 
     def from_chunks(self, chunked: torch.Tensor) -> torch.Tensor:
-        a, b = self.tile_rows, self.tile_cols
-        tiles = chunked.reshape(self.rows // a, self.cols // b, a, b).permute(0, 2, 1, 3)
-        return tiles.reshape(self.shape)
+        return chunked.reshape(self.tile_shape).permute(0, 2, 1, 3).reshape(self.shape)
+
+    def flat_index(self, positions: np.ndarray) -> np.ndarray:
+        """Row-major element offsets in the tensor of chunk-order element offsets (chunk x chunk_numel + j):
+        where its tile starts, plus where element j sits in a tile."""
+        chunk, inner = np.divmod(positions, self.chunk_numel)
+        return self._tile_starts[chunk] + self._tile_offsets[inner]
+
+    @functools.cached_property
+    def _tile_starts(self) -> np.ndarray:
+        tile_row, tile_col = np.divmod(np.arange(self.chunks, dtype=np.int64), self.cols // self.tile_cols)
+        return tile_row * self.tile_rows * self.cols + tile_col * self.tile_cols
+
+    @functools.cached_property
+    def _tile_offsets(self) -> np.ndarray:
+        row, col = np.divmod(np.arange(self.chunk_numel, dtype=np.int64), self.tile_cols)
+        return row * self.cols + col
 
 
 def chunk_grid(shape: tuple[int, ...], chunk_size: int, topk: int) -> ChunkGrid:

@@ -18,6 +18,7 @@ over-long payloads, out-of-range indices, and non-finite values with a PayloadEr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -183,6 +184,24 @@ def encode_contribution(layout: SparseLayout, span: range, compressed: Sequence[
     return b"".join([_header(layout, CONTRIBUTION), *side, U32.pack(len(unary)), unary, remainders, packed])
 
 
+def _checked_side(side: np.ndarray) -> tuple[np.float32, np.ndarray]:
+    """(shift, decode table) of one tensor's side info; PayloadError if a value could decode to NaN or Inf."""
+    shift, table = side[0], side[1:]
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught just below
+        decoded_table = table + shift  # a value decodes to table[code] + shift: float32, as on the sender
+    if not np.isfinite(side).all() or not np.isfinite(decoded_table).all():
+        raise PayloadError("sparse payload holds NaN or Inf side info")
+    return shift, table
+
+
+def _span_values(s: TensorSlice, side: np.ndarray, local: np.ndarray, codes: np.ndarray,
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Positions from the span's first element, and float32 values, of one tensor's chunks in a span."""
+    shift, table = _checked_side(side)
+    positions = (s.offset + np.arange(s.chunks)[:, None] * s.grid.chunk_numel + local).reshape(-1)
+    return positions, table[codes] + shift
+
+
 def decode_contribution(layout: SparseLayout, span: range, payload: bytes) -> SparseValues:
     if read_kind(layout, payload) != CONTRIBUTION:
         raise PayloadError("expected a contribution payload")
@@ -202,11 +221,6 @@ def decode_contribution(layout: SparseLayout, span: range, payload: bytes) -> Sp
 
     positions, values, gap_at, code_at = [], [], 0, 0
     for s, side in zip(slices, sides):
-        shift, table = side[0], side[1:]
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught just below
-            decoded_table = table + shift  # a value decodes to table[code] + shift: float32, as on the sender
-        if not np.isfinite(side).all() or not np.isfinite(decoded_table).all():
-            raise PayloadError("sparse payload holds NaN or Inf side info")
         n, k = s.grid.chunk_numel, s.grid.k
         if s.sends_indices:
             local = np.cumsum(gaps[gap_at : gap_at + s.chunks * k].reshape(s.chunks, k) + 1, axis=1) - 1
@@ -214,26 +228,62 @@ def decode_contribution(layout: SparseLayout, span: range, payload: bytes) -> Sp
             if s.chunks and local[:, -1].max() >= n:
                 raise PayloadError(f"sparse payload has an index beyond its chunk of {n}")
         else:
-            local = np.broadcast_to(np.arange(n), (s.chunks, n))
-        positions.append((s.offset + np.arange(s.chunks)[:, None] * n + local).reshape(-1))
-        chunk_codes = codes[code_at : code_at + s.chunks * k]
+            local = np.arange(n)
+        where, what = _span_values(s, side, local, codes[code_at : code_at + s.chunks * k])
         code_at += s.chunks * k
-        values.append(table[chunk_codes] + shift)
-    return SparseValues(np.concatenate(positions or [np.zeros(0, np.int64)]),
-                        np.concatenate(values or [np.zeros(0, np.float32)]).astype(np.float32))
+        positions.append(where)
+        values.append(what)
+    return _joined(positions, values)
+
+
+def contribution_values(layout: SparseLayout, span: range, compressed: Sequence[CompressedTensor]) -> SparseValues:
+    """What ``decode_contribution`` returns for the contribution ``encode_contribution`` makes of ``compressed``,
+    read from the compressed tensors instead of decoded from the bytes: the same positions, the same float32
+    values, the same side-info check. A replica takes its own contribution this way."""
+    positions, values = [], []
+    for s in layout.slices(span):
+        c = compressed[s.tensor]
+        side = np.array([c.shift, *c.table], dtype=np.float32)
+        where, what = _span_values(s, side, c.indices[s.first : s.stop], c.codes[s.first : s.stop].reshape(-1))
+        positions.append(where)
+        values.append(what)
+    return _joined(positions, values)
+
+
+def _joined(positions: list[np.ndarray], values: list[np.ndarray]) -> SparseValues:
+    return SparseValues(np.concatenate(positions or [np.zeros(0, np.int64)]).astype(np.int64, copy=False),
+                        np.concatenate(values or [np.zeros(0, np.float32)]).astype(np.float32, copy=False))
+
+
+AGGREGATE_BLOCK = 1 << 20  # coordinates combined at once: the running sums and counts stay in the cache
 
 
 def aggregate(numel: int, contributions: Sequence[SparseValues], mode: str) -> SparseValues:
     """Per-coordinate mean over the contributions that selected it ("mean", the reference), or the sum
-    divided by all contributions ("sum"); summed in the given order, so every peer gets the same bits."""
-    total = np.zeros(numel, dtype=np.float32)
-    count = np.zeros(numel, dtype=np.float32)
-    for c in contributions:
-        total[c.positions] += c.values  # positions are unique within one contribution
-        count[c.positions] += 1
-    selected = np.flatnonzero(count)
-    divisor = count[selected] if mode == "mean" else np.float32(len(contributions))
-    return SparseValues(selected.astype(np.int64), (total[selected] / divisor).astype(np.float32))
+    divided by all contributions ("sum"); summed in float32 from 0.0 in the given order, so every peer gets
+    the same bits. Dense sums and counts over one block of coordinates at a time (reset where touched); the
+    selected coordinates are the ones each contribution is the first to touch, sorted."""
+    block = min(numel, AGGREGATE_BLOCK)
+    total = np.zeros(block, dtype=np.float32)
+    count = np.zeros(block, dtype=np.uint16 if len(contributions) < 1 << 16 else np.uint32)
+    edges = np.arange(0, numel + block, block) if numel else np.zeros(1, np.int64)
+    bounds = [np.searchsorted(c.positions, edges) for c in contributions]
+    positions, values = [], []
+    for b, start in enumerate(edges[:-1]):
+        firsts = []
+        for i, (c, (lo, hi)) in enumerate(zip(contributions, (bound[b : b + 2] for bound in bounds))):
+            local = c.positions[lo:hi] - start  # unique within one contribution
+            firsts.append(local if i == 0 else local[count[local] == 0])
+            total[local] += c.values[lo:hi]
+            count[local] += 1
+        selected = np.concatenate(firsts or [np.zeros(0, np.int64)])
+        selected.sort()
+        divisor = count[selected].astype(np.float32) if mode == "mean" else np.float32(len(contributions))
+        values.append(total[selected] / divisor)
+        positions.append(selected + start)
+        total[selected] = 0.0
+        count[selected] = 0
+    return _joined(positions, values)
 
 
 def encode_relay(layout: SparseLayout, payloads: Sequence[bytes]) -> bytes:
@@ -254,8 +304,21 @@ def decode_relay(layout: SparseLayout, result: bytes, max_payload: int) -> list[
     return payloads
 
 
+@functools.cache
+def _rice_width_table(n: int) -> np.ndarray:
+    return np.array([rice_parameter(n, count) for count in range(n + 1)], dtype=np.int64)
+
+
 def _rice_widths(n: int, counts: np.ndarray) -> np.ndarray:
-    return np.array([rice_parameter(n, int(c)) for c in counts], dtype=np.int64)
+    """The remainder width of each chunk of ``n`` positions holding ``counts`` of them (each at most n)."""
+    return _rice_width_table(n)[counts]
+
+
+def union_bytes_at_least(layout: SparseLayout, span: range, count: int) -> int:
+    """A lower bound on the size of a union result of ``count`` positions, known without encoding it: its
+    header and chunk counts, one unary bit and a float32 value per position."""
+    chunks = sum(s.chunks for s in layout.slices(span))
+    return HEADER.size + U16.size * chunks + U32.size + (count + 7) // 8 + 4 * count
 
 
 def encode_union(layout: SparseLayout, span: range, union: SparseValues) -> bytes:

@@ -9,13 +9,20 @@ import torch
 from p2ploco.config import OuterConfig
 from p2ploco.outer.base import OuterAlgorithm
 from p2ploco.outer.diloco import DiLoCo
+from p2ploco.outer.loco import LoCo
 from p2ploco.outer.sparseloco import SparseLoCo
+from p2ploco.outer.streaming import StreamingDiLoCo
 
 
 def build_outer(config: OuterConfig, global_params: Sequence[torch.Tensor], device: torch.device | None = None,
-                slices: Mapping[str, Sequence[int]] | None = None) -> OuterAlgorithm:
-    """The configured algorithm over ``global_params`` cut into named ``slices`` (default: one); ``device`` is
-    where its per-replica working state lives (the training device)."""
+                slices: Mapping[str, Sequence[int]] | None = None, inner_steps: int = 1) -> OuterAlgorithm:
+    """The configured algorithm over ``global_params`` cut into named ``slices`` (default: one; Streaming
+    DiLoCo's fragments for it); ``device`` is where its per-replica working state lives (the training device);
+    ``inner_steps``: H, the period of Streaming DiLoCo's fragment schedule."""
     if config.algorithm == "diloco":
         return DiLoCo(global_params, config.diloco, slices, config.clip_factor)
+    if config.algorithm == "streaming":
+        return StreamingDiLoCo(global_params, config.streaming, inner_steps, slices, config.clip_factor)
+    if config.algorithm == "loco":
+        return LoCo(global_params, config.loco, device or torch.device("cpu"), slices, config.clip_factor)
     return SparseLoCo(global_params, config.sparseloco, device or torch.device("cpu"), slices, config.clip_factor)

@@ -1,18 +1,43 @@
-"""The interface every outer algorithm implements (DiLoCo, SparseLoCo, Streaming DiLoCo, LoCo)."""
+"""The interface every outer algorithm implements (DiLoCo, SparseLoCo, Streaming DiLoCo, LoCo).
+
+A round has three parts that may happen at different times: ``contribute`` (this replica's pseudo-gradient
+turned into an exchange), ``OuterRound.start`` (its all-reduce, in the background), and ``finish`` (wait for
+the aggregate and apply the outer step to the global parameters as they are *then*). ``sync`` runs the three
+in a row. Overlapped training (``outer.<algorithm>.overlap``) starts a round's all-reduce, trains the next
+round's inner steps meanwhile and finishes it one round late: the delayed outer step of Streaming DiLoCo
+with the whole next round as its delay. Streaming DiLoCo's fragments use the same three parts, a fragment
+contributed at one inner step and finished at a later one.
+"""
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, PendingAllReduce
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import TrainingError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class OuterRound:
+    """One round's contribution from this replica, and its all-reduce once started."""
+
+    round_index: int
+    exchange: SlicedExchange
+    all_reduce: PendingAllReduce | None = None
+
+    def start(self, comm: Communicator, name: str = "params") -> None:
+        """Start the all-reduce in the background; ``name`` tells apart the all-reduces of one round."""
+        self.all_reduce = comm.start_all_reduce(self.exchange, self.round_index, name)
 
 
 class OuterAlgorithm(ABC):
@@ -39,22 +64,54 @@ class OuterAlgorithm(ABC):
         if sorted(i for positions in self.slices.values() for i in positions) != list(range(len(self.params))):
             raise ValueError("slices must cover every parameter exactly once")
 
-    @abstractmethod
     def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
              start: Sequence[torch.Tensor] | None = None) -> AllReduceStats:
         """Combine this replica's progress (its params after H inner steps) with the round's other
         replicas through ``comm`` and update ``self.params`` if the round commits. The pseudo-gradient is
         measured from ``start``, the params the inner steps began from: the global params unless the
         replica trained a projection of them (a subspace-constrained one)."""
+        outer_round = self.contribute(local_params, round_index, start)
+        outer_round.start(comm)
+        return self.finish(outer_round)
 
-    def per_param(self, exchange: SlicedExchange, results: Callable[[Exchange], list[torch.Tensor]],
-                  ) -> list[torch.Tensor]:
-        """A round's per-slice results in parameter order; ``results`` lists one slice's tensors."""
-        out: list[torch.Tensor] = list(self.params)
+    @abstractmethod
+    def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
+                   start: Sequence[torch.Tensor] | None = None) -> OuterRound:
+        """This replica's exchange for the round: its pseudo-gradient ``start - local_params`` (``start``: the
+        global params by default), encoded as the algorithm sends it. Changes only local state (what it takes
+        from an error-feedback buffer is given back by ``finish`` if the round is not applied)."""
+
+    def finish(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> AllReduceStats:
+        """Wait for the round's all-reduce and apply its outer step to the global params as they are now (one
+        round late when overlapped), and the same step to the tensors ``follow`` (an overlapped replica's local
+        params). A round not committed, or whose step would not be finite, changes no shared state;
+        ``stats.committed`` then says False."""
+        stats = outer_round.all_reduce.wait()
+        if not stats.committed or not self.step(outer_round, follow):
+            self.give_back(outer_round)
+            stats.committed = False
+        return stats
+
+    @abstractmethod
+    def step(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> bool:
+        """The outer step on the round's aggregate, to the global params and ``follow``; False (and nothing
+        changed) if it would not be finite."""
+
+    def give_back(self, outer_round: OuterRound) -> None:  # noqa: B027 (most algorithms take nothing)
+        """Undo what ``contribute`` took from local state: the round was not applied."""
+
+    def local_state_with(self, in_flight: OuterRound | None) -> dict[str, torch.Tensor]:
+        """``local_state`` as it would be if ``in_flight`` (a round not finished yet) were not applied: what a
+        checkpoint taken during an overlapped round holds next to the global params that round has not moved."""
+        return self.local_state()
+
+    def per_param(self, exchange: SlicedExchange, results: Callable[[Exchange], list[T]]) -> list[T]:
+        """A round's per-slice results in parameter order; ``results`` lists one slice's, one per tensor."""
+        out: list[T | None] = [None] * len(self.params)
         for name, positions in self.slices.items():
-            for i, tensor in zip(positions, results(exchange.parts[name]), strict=True):
-                out[i] = tensor
-        return out
+            for i, result in zip(positions, results(exchange.parts[name]), strict=True):
+                out[i] = result
+        return out  # type: ignore[return-value]  # the slices cover every parameter (checked in __init__)
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         """The live shared tensors, by name."""
@@ -64,7 +121,8 @@ class OuterAlgorithm(ABC):
         copy_state(self.shared_state(), state)
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        """The live local tensors, by name."""
+        """This replica's own tensors by name, as checkpoints hold them: the live tensors, or copies where the
+        algorithm keeps them in another layout (it then overrides the two methods below)."""
         return {}
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -89,28 +147,47 @@ def pseudo_gradients(global_params: Sequence[torch.Tensor], local_params: Sequen
                      device: torch.device) -> list[torch.Tensor]:
     """global - local on ``device``, refusing to send what a diverged replica computed."""
     deltas = [g.to(device) - p.detach().float() for g, p in zip(global_params, local_params)]
-    if not all(bool(torch.isfinite(d).all()) for d in deltas):
-        if not all(bool(torch.isfinite(g).all()) for g in global_params):  # not this replica's doing
-            raise TrainingError("the global parameters hold NaN or Inf: the state this node loaded is corrupt; "
-                                "start it with a fresh --log-dir so that it fetches the swarm's state")
-        raise TrainingError("this replica's pseudo-gradient holds NaN or Inf: training diverged; lower inner.lr "
-                            "or enable inner.grad_clip")
+    for delta in deltas:
+        check_pseudo_gradient(delta, global_params)
     return deltas
+
+
+def check_pseudo_gradient(delta: torch.Tensor, global_params: Sequence[torch.Tensor]) -> None:
+    """TrainingError if ``delta`` (one tensor's global - local) holds NaN or Inf, saying whose fault it is."""
+    if all_finite(delta):
+        return
+    if not all(all_finite(g) for g in global_params):  # not this replica's doing
+        raise TrainingError("the global parameters hold NaN or Inf: the state this node loaded is corrupt; "
+                            "start it with a fresh --log-dir so that it fetches the swarm's state")
+    raise TrainingError("this replica's pseudo-gradient holds NaN or Inf: training diverged; lower inner.lr "
+                        "or enable inner.grad_clip")
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite, at the speed of a sum: a NaN or an Inf makes the sum NaN or Inf, so a
+    finite sum settles it; only a non-finite one (perhaps an overflow of large finite values) is checked
+    element by element."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def finite_step(params: Sequence[torch.Tensor], steps: Iterable[torch.Tensor], round_index: int) -> bool:
     """Whether ``params - steps`` is finite everywhere. Every peer of a round holds the same params and the
     same aggregate, so all of them refuse a non-finite update alike: the round is dropped, nobody exits."""
-    if all(bool(torch.isfinite(p - s).all()) for p, s in zip(params, steps)):
+    if all(all_finite(p - s) for p, s in zip(params, steps)):
         return True
     logger.warning(f"round {round_index}: the aggregate would make the global parameters non-finite; "
                    f"this round is dropped (by every peer alike)")
     return False
 
 
-def copy_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
-    """Copy ``source`` into the live tensors ``into``; ValueError if they do not describe the same state."""
+def check_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    """ValueError if ``source`` does not hold the same names and shapes as ``into``."""
     if set(source) != set(into) or any(source[k].shape != into[k].shape for k in into):
         raise ValueError(f"state {sorted(source)[:3]}... does not fit {sorted(into)[:3]}...")
+
+
+def copy_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    """Copy ``source`` into the live tensors ``into``; ValueError if they do not describe the same state."""
+    check_state(into, source)
     for key, tensor in into.items():
         tensor.copy_(source[key])

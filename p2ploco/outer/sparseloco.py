@@ -1,25 +1,36 @@
 """SparseLoCo (Sarfi, Thérien, Lidin, Belilovsky 2025): error feedback, chunked Top-k, 2-bit values.
 
 No outer momentum: the error-feedback buffer is the momentum, and it is local state of each replica.
-A round that does not commit gives the buffer back what it would have sent, so nothing is lost.
+A round that does not commit gives the buffer back exactly what it sent, so nothing is lost.
 A replica that catches up from the swarm starts with an empty buffer: what it held was measured
 against parameters the swarm has left behind.
+
+The buffers live on the training device, in chunk order ((chunks, chunk_numel) per tensor): the
+pseudo-gradient is added to them through a tiled view of it, Top-k reads their rows as they are, and
+what is sent is subtracted in place at the selected positions. Checkpoints hold them in the parameters'
+own shapes (``local_state``). The aggregate arrives sparse and is applied at the coordinates it holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
-from p2ploco.compression.topk import compress
+from p2ploco.compression.topk import CompressedTensor, Taken, compress_
 from p2ploco.config import SparseLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, finite_step, pseudo_gradients
+from p2ploco.outer.base import OuterAlgorithm, OuterRound, check_pseudo_gradient, check_state, finite_step
+
+
+@dataclass
+class SparseRound(OuterRound):
+    taken: list[Taken] = field(default_factory=list)  # what the contribution took from each error buffer
 
 
 class SparseLoCo(OuterAlgorithm):
@@ -30,41 +41,92 @@ class SparseLoCo(OuterAlgorithm):
         self.grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.topk) for p in self.params]
         self.layouts = {name: SparseLayout([self.grids[i] for i in positions])
                         for name, positions in self.slices.items()}
-        self.errors = [torch.zeros(p.shape, dtype=torch.float32, device=device) for p in self.params]
+        self.feedback = [torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32, device=device) for g in self.grids]
         self.density = sum(g.k * g.chunks for g in self.grids) / sum(g.numel for g in self.grids)
 
-    def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
-             start: Sequence[torch.Tensor] | None = None) -> AllReduceStats:
-        alpha, beta = self.config.lr, self.config.error_decay
-        deltas = pseudo_gradients(start if start is not None else self.params, local_params, self.device)
-        compressed, sent_values = [], []
-        for error, delta, grid in zip(self.errors, deltas, self.grids):
-            # 1. Pseudo-gradient into the error buffer: e = beta * e + alpha * (global - local).
-            error.mul_(beta).add_(delta.mul_(alpha))
-            # 2. Top-k of every chunk, 2-bit values.
-            sent, decoded = compress(error, grid)
-            # 3. The buffer keeps exactly what was not transmitted (the decoded values, as receivers see them).
-            error.sub_(decoded)
-            compressed.append(sent)
-            sent_values.append(decoded)
+    @property
+    def errors(self) -> list[torch.Tensor]:
+        """The error-feedback buffers in the parameters' shapes (copies)."""
+        return [grid.from_chunks(buffer) for grid, buffer in zip(self.grids, self.feedback)]
 
+    def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
+                   start: Sequence[torch.Tensor] | None = None) -> SparseRound:
+        compressed, taken = self.compress(local_params, start if start is not None else self.params)
         # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
         #    selected it (or sum / replicas), each contribution clipped to clip_factor x the median norm.
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
                                                         self.config.aggregate, self.clip_factor)
                                    for name, positions in self.slices.items()})
-        stats = comm.all_reduce(exchange, round_index, "params")
-        updates = [u.mul_(alpha) for u in self.per_param(exchange, SparseExchange.aggregate)] if stats.committed else []
-        if not stats.committed or not finite_step(self.params, updates, round_index):
-            for error, decoded in zip(self.errors, sent_values):
-                error.add_(decoded)  # not applied anywhere: keep it for the next round
-            stats.committed = False
-            return stats
+        return SparseRound(round_index, exchange, taken=taken)
 
-        # 5. Outer step: plain SGD on the aggregate, elementwise float32 on the CPU.
-        for param, update in zip(self.params, updates):
-            param.sub_(update)
-        return stats
+    def step(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> bool:
+        return self._step(self.per_param(outer_round.exchange, SparseExchange.updates), outer_round.round_index,
+                          follow)
+
+    def give_back(self, outer_round: OuterRound) -> None:
+        """Not applied anywhere: the buffers keep what was sent, for the next round (a round is finished before
+        the next one contributes, so they are put back exactly as they were)."""
+        for buffer, took in zip(self.feedback, outer_round.taken):
+            buffer.scatter_(1, took.indices, took.values)
+
+    def compress(self, local_params: Sequence[torch.Tensor], start: Sequence[torch.Tensor],
+                 ) -> tuple[list[CompressedTensor], list[Taken]]:
+        """Steps 1-3 of a round, on the training device: this replica's contribution, and what it took from
+        the error feedback. A pseudo-gradient that is not finite raises TrainingError, which ends the node
+        (the buffers, perhaps partly updated by then, are not checkpointed)."""
+        alpha, beta = self.config.lr, self.config.error_decay
+        scratch = torch.empty(max(g.numel for g in self.grids), dtype=torch.float32, device=self.device)
+        compressed, taken = [], []
+        for buffer, grid, begin, local in zip(self.feedback, self.grids, start, local_params, strict=True):
+            # 1. Pseudo-gradient into the error buffer: e = beta * e + alpha * (start - local), elementwise,
+            #    through a tiled view of the pseudo-gradient (no reordering copy).
+            delta = torch.sub(begin.to(self.device), local.detach().float(), out=scratch[: grid.numel].view(grid.shape))
+            check_pseudo_gradient(delta, start)
+            if alpha != 1.0:  # x * 1.0 == x exactly: a pass saved in the default setting
+                delta.mul_(alpha)
+            buffer.view(grid.tile_shape).mul_(beta).add_(grid.tiles(delta))
+            # 2. Top-k of every chunk, 2-bit values. 3. The buffer keeps exactly what was not transmitted:
+            #    the decoded values, as receivers see them, are subtracted where they were taken.
+            sent, took = compress_(buffer, grid)
+            compressed.append(sent)
+            taken.append(took)
+        return compressed, taken
+
+    def _step(self, updates: list[tuple[np.ndarray, np.ndarray]], round_index: int,
+              follow: Sequence[torch.Tensor] = ()) -> bool:
+        """5. Outer step: plain SGD on the aggregate, elementwise float32 on the CPU, at the coordinates the
+        aggregate holds (elsewhere it is zero and the parameters keep their bits); the same step to ``follow``
+        on its device. False if it would make the global params non-finite (then nothing changes)."""
+        alpha = self.config.lr
+        flats = [param.view(-1) for param in self.params]
+        where = [torch.from_numpy(index) for index, _ in updates]
+        steps = [torch.from_numpy(values).mul(alpha) for _, values in updates]
+        if not finite_step([flat[index] for flat, index in zip(flats, where)], steps, round_index):
+            return False
+        for flat, index, step in zip(flats, where, steps):
+            flat[index] = flat[index] - step
+        with torch.no_grad():
+            for tensor, index, step in zip(follow, where, steps):
+                flat, index = tensor.view(-1), index.to(tensor.device)
+                flat[index] = flat[index] - step.to(tensor.device)
+        return True
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        return {f"error.{i}": e for i, e in enumerate(self.errors)}
+        """The error-feedback buffers in the parameters' shapes, as checkpoints hold them (copies)."""
+        return {f"error.{i}": error for i, error in enumerate(self.errors)}
+
+    def local_state_with(self, in_flight: OuterRound | None) -> dict[str, torch.Tensor]:
+        if in_flight is None:
+            return self.local_state()
+        buffers = [buffer.clone().scatter_(1, sent.indices, sent.values)
+                   for buffer, sent in zip(self.feedback, in_flight.taken)]
+        return {f"error.{i}": grid.from_chunks(buffer) for i, (grid, buffer) in enumerate(zip(self.grids, buffers))}
+
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        check_state({f"error.{i}": torch.empty(grid.shape, device="meta") for i, grid in enumerate(self.grids)}, state)
+        for i, (buffer, grid) in enumerate(zip(self.feedback, self.grids)):
+            buffer.view(grid.tile_shape).copy_(grid.tiles(state[f"error.{i}"]))
+
+    def reset_local_state(self) -> None:
+        for buffer in self.feedback:
+            buffer.zero_()

@@ -1,7 +1,8 @@
 """A heterogeneous swarm in one process: full replicas and pipeline groups side by side, for tests and
 benchmarks. Every worker (a full replica, or one stage of a group) runs in its own thread and calls
-the same ``Worker.train`` and ``Worker.sync`` a node calls, over the in-process communicator (each
-slice reduced among its holders) and, within a group, the in-process stage transport.
+the same ``Worker.train`` and ``Worker.sync`` (overlapped: ``land`` and ``launch``) a node calls, over
+the in-process communicator (each slice reduced among its holders) and, within a group, the in-process
+stage transport.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from p2ploco.collective.exchange import AllReduceStats
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler
@@ -42,11 +44,22 @@ class InProcessSwarm:
 
         def work(rank: int) -> None:
             try:
+                worker, comm = self.workers[rank], group.communicator(rank)
+
+                def count(stats: AllReduceStats | None) -> None:
+                    if stats is not None:
+                        with lock:
+                            self.all_reduce_bytes[self._replica_of[rank]] += stats.bytes_sent + stats.bytes_received
+
                 for r in range(rounds):
-                    self.workers[rank].train(r)
-                    stats = self.workers[rank].sync(group.communicator(rank), r)
-                    with lock:
-                        self.all_reduce_bytes[self._replica_of[rank]] += stats.bytes_sent + stats.bytes_received
+                    worker.train(r, comm=comm)  # (Streaming DiLoCo syncs its fragments during the inner steps)
+                    if worker.overlap:  # round r's all-reduce runs during round r+1; the last one lands at once
+                        count(worker.land())
+                        worker.launch(r, comm)
+                        if r + 1 == rounds:
+                            count(worker.finish_in_flight())
+                    else:
+                        count(worker.sync(comm, r))
                     if after_round is not None:
                         if finished.wait() == 0:
                             after_round(r)

@@ -17,7 +17,9 @@ A reducer drops a sender from its span, at once and with the reason logged, when
   peer knew the group, or named no group at all;
 - its stream ends mid-message, or this peer cannot reach it to deliver our own contribution (it
   crashed): no ban, a restarted peer is welcome;
-- it is banned here already, or it sends nothing within ``swarm.allreduce_timeout``.
+- it is banned here already, or it sends nothing within the round's transfer deadline
+  (``swarm/deadlines.py``: ``swarm.allreduce_timeout`` plus the round's payload at the slowest link the
+  group reports, so that a slow but honest link is waited for).
 
 The reducer always finishes its span with the contributions it has, and every member keeps sending
 its contributions to the other reducers even after one refused it, so nobody waits for it in vain.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +56,7 @@ from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
+from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.rounds import Group
 
 logger = logging.getLogger(__name__)
@@ -82,6 +86,7 @@ class _ReducerSession:
     span: Span
     exchange: Exchange
     senders: set[str]  # remote group members that owe us a contribution
+    transfer: float  # seconds any one transfer of this round may take (``swarm/deadlines.py``)
     payloads: dict[str, bytes] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)  # members whose stream with us broke: presumed dead, reported
@@ -126,8 +131,11 @@ class _ReducerSession:
 
 
 class ButterflyAllReduce:
-    def __init__(self, p2p: P2P, me: str, run_id: str, timeout: float, bans: Bans):
-        self.p2p, self.me, self.timeout, self.bans = p2p, me, timeout, bans
+    def __init__(self, p2p: P2P, me: str, run_id: str, deadline: TransferDeadline, bans: Bans,
+                 rates: Callable[[Iterable[str]], list[float]] = lambda peers: []):
+        """``rates``: the link rates (Mbit/s, 0: not stated) the given peers report."""
+        self.p2p, self.me, self.deadline, self.bans, self.rates = p2p, me, deadline, bans, rates
+        self.timeout = deadline.base  # for what does not grow with the payload: headers, answers, lookups
         self.handler_name = f"p2ploco/{run_id}/reduce"
         self._sessions: dict[tuple[str, str], asyncio.Future] = {}  # (group id, slice) -> our session
         self.current_round = 0  # the round of the latest all-reduce here: malformed data is banned from it on
@@ -146,11 +154,15 @@ class ButterflyAllReduce:
         sessions: list[_ReducerSession] = []
         senders: list[asyncio.Task] = []
         dropped: set[str] = set()
+        # Every link carries about one whole contribution per phase (ours out to the reducers, or the others' to
+        # our spans in): the slices move at once, so their sizes add up.
+        volume = sum(part.max_payload_bytes(range(part.num_units)) for part in exchange.parts.values())
+        transfer = self.deadline.seconds(volume, self.rates(group.peers))
         for slice_name, part in exchange.parts.items():
             holders = group.holders(slice_name)
             index = holders.index(self.me)
             spans = part.partition(len(holders))
-            session = _ReducerSession(group, slice_name, spans[index], part, set(holders) - {self.me})
+            session = _ReducerSession(group, slice_name, spans[index], part, set(holders) - {self.me}, transfer)
             for peer in session.senders & self.bans.active(group.round_index):
                 session.fail(peer, "banned here for sending malformed data")
             pending = self._sessions.setdefault((group.group_id, slice_name), loop.create_future())
@@ -176,7 +188,7 @@ class ButterflyAllReduce:
             # Every contribution is delivered (or fails) before we report, even after a reducer refused us.
             errors = [e for e in await asyncio.gather(*senders, return_exceptions=True) if e is not None]
             for session in sessions:  # results handed to every sender
-                await _bounded(session.served.wait(), self.timeout)
+                await _bounded(session.served.wait(), session.transfer)
         except (TimeoutError, PayloadError) as e:
             raise AllReduceError(f"{e!r}") from None
         finally:
@@ -199,10 +211,10 @@ class ButterflyAllReduce:
 
     async def _reduce(self, session: _ReducerSession, own: bytes) -> SpanReduction:
         try:
-            await asyncio.wait_for(session.arrived.wait(), self.timeout)
+            await asyncio.wait_for(session.arrived.wait(), session.transfer)
         except TimeoutError:
             for sender in session.senders:
-                session.fail(sender, f"sent nothing within {self.timeout:.0f} s")
+                session.fail(sender, f"sent nothing within {session.transfer:.0f} s")
         contributions = [(p, own if p == self.me else session.payloads[p])
                          for p in session.group.peers if p == self.me or p in session.payloads]
         try:
@@ -241,12 +253,19 @@ class ButterflyAllReduce:
         try:
             header = {"group_id": group.group_id, "round": group.round_index, "slice": session.slice,
                       "span": [span.start, span.stop]}
-            await asyncio.wait_for(wire.write_message(writer, header, payload), self.timeout)
+            try:
+                await asyncio.wait_for(wire.write_message(writer, header, payload), session.transfer)
+            except wire.TRANSPORT_ERRORS as e:
+                reason = None if isinstance(e, TimeoutError) else await _refusal_left_behind(reader)
+                if reason is None:
+                    raise
+                raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {reason}") from None
             stats.bytes_sent += len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
-            # The reducer may wait `timeout` for the slowest sender before it answers.
+            # The reducer may wait a transfer's time for the slowest sender before it answers, and the answer
+            # takes another.
             reply, result = await asyncio.wait_for(
-                wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * self.timeout)
+                wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * session.transfer)
             included = parse_reply(reply, group, self.me)
             if included is None:
                 raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {str(reply.get('reason'))[:200]}")
@@ -281,18 +300,19 @@ class ButterflyAllReduce:
                 raise PayloadError(f"contribution for span {span} of round {round_index}, this peer reduces "
                                    f"{expected} of round {session.group.round_index}")
             limit = session.exchange.max_payload_bytes(session.span)
-            payload = await asyncio.wait_for(wire.read_payload(reader, length, limit), self.timeout)
+            payload = await asyncio.wait_for(wire.read_payload(reader, length, limit), session.transfer)
             session.bytes_in += len(payload)
             session.deliver(sender, payload)
             try:
-                reduction: SpanReduction = await asyncio.wait_for(asyncio.shield(session.result), 2 * self.timeout)
+                reduction: SpanReduction = await asyncio.wait_for(asyncio.shield(session.result),
+                                                                  2 * session.transfer)
             except PayloadError as e:  # this reducer could not combine its span at all: not the sender's fault
                 raise _Refused(f"the span could not be reduced: {e}") from None
             if sender in reduction.rejected:
                 raise _Refused(reduction.rejected[sender])
             reply = {"status": ReduceStatus.OK, "included": reduction.included}
             result = reduction.result_for(session.exchange, sender)
-            await asyncio.wait_for(wire.write_message(writer, reply, result), self.timeout)
+            await asyncio.wait_for(wire.write_message(writer, reply, result), session.transfer)
             session.bytes_out += len(result)
         except (_Refused, _UnknownGroup, wire.StreamClosed, TimeoutError) as e:
             if session is not None:
@@ -363,6 +383,19 @@ async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
         await asyncio.wait_for(wire.write_message(writer, {"status": ReduceStatus.REJECTED, "reason": reason}), 1.0)
     except wire.TRANSPORT_ERRORS:
         pass
+
+
+async def _refusal_left_behind(reader: asyncio.StreamReader) -> str | None:
+    """The reason a reducer gave for refusing our contribution, if it answered before our write broke: it refuses
+    on the header alone (say, a payload longer than the span can need) and hangs up without reading the rest, so
+    the broken write is its refusal, not its crash. None if no such answer is there."""
+    try:
+        reply, _ = await asyncio.wait_for(wire.read_message(reader, 0), 1.0)
+        if wire.status(reply, ReduceStatus) == ReduceStatus.REJECTED:
+            return str(reply.get("reason"))[:200]
+    except (PayloadError, *wire.TRANSPORT_ERRORS):
+        pass
+    return None
 
 
 async def _bounded(awaitable: Any, timeout: float) -> None:

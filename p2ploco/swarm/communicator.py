@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 from p2ploco import faults
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_alone
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, PendingAllReduce, reduce_alone
 from p2ploco.collective.sliced import SlicedExchange, as_sliced
 from p2ploco.errors import PayloadError, TrainingError
 from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedFromRound
@@ -26,18 +27,31 @@ class SwarmCommunicator(Communicator):
         self.loop, self.matchmaker, self.butterfly, self.commit = loop, matchmaker, butterfly, commit
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
-        return self.loop.run(self._all_reduce(as_sliced(exchange, name), round_index, name))
+        return self.loop.run(self._all_reduce(as_sliced(exchange, name), round_index, name, threading.Event()))
 
-    async def _all_reduce(self, exchange: SlicedExchange, round_index: int, name: str) -> AllReduceStats:
+    def start_all_reduce(self, exchange: Exchange, round_index: int, name: str) -> PendingAllReduce:
+        grouped = threading.Event()
+        future = asyncio.run_coroutine_threadsafe(self._all_reduce(as_sliced(exchange, name), round_index, name,
+                                                                   grouped), self.loop.loop)
+        future.add_done_callback(lambda _: grouped.set())
+        return PendingAllReduce(future, grouped)
+
+    async def _all_reduce(self, exchange: SlicedExchange, round_index: int, name: str,
+                          grouped: threading.Event) -> AllReduceStats:
         started = time.perf_counter()
         me = self.matchmaker.me
         directory = self.matchmaker.directory
-        await directory.update(state=PeerState.AVERAGING)
+        # The record of this round (published in the background as the round began) must be out before joining:
+        # the coordinator waits for the peers whose records say they work on this round. Normally long stored.
+        await directory.flush(timeout=self.matchmaker.timeout)
+        directory.update_soon(state=PeerState.AVERAGING)  # informative only: nobody waits for it
         held = directory.me.slices  # the hash of each slice at the start of the round, as the node published it
-        if set(held) != set(exchange.parts):
+        # Some of them (Streaming DiLoCo averages one fragment at a time), each as it was at the round's start.
+        if not set(exchange.parts) <= set(held):
             raise TrainingError(f"this peer published slices {sorted(held)} but averages {sorted(exchange.parts)}")
         slices = {k: (part.fingerprint(), held[k]) for k, part in exchange.parts.items()}
         group = await self.matchmaker.form_group(round_index, name, slices, directory.me.group)
+        grouped.set()  # the join no longer reads this peer's record: it may announce its next round
         if group is None:  # late, refused, or leaving: nothing to apply
             return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started)
         if len(group.peers) == 1:

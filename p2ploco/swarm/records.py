@@ -79,6 +79,7 @@ class PeerRecord:
     bytes_received: int = 0
     compression: float = 0.0  # dense fp32 all-reduce bytes / actual bytes, last round (0: nothing sent)
     round_seconds: float = 0.0  # wall time of the last finished round
+    bandwidth_mbit: float = 0.0  # this peer's link as its operator states it (0: not stated); sizes deadlines
     uptime: float = 0.0  # seconds since the node started
     addresses: list[str] = field(default_factory=list)  # multiaddrs others can reach it at
     eval_history: list[list[float]] = field(default_factory=list)  # [round, eval loss], oldest first
@@ -118,7 +119,7 @@ class PeerRecord:
                 and count(self.bytes_received)
                 and all(v is None or amount(v) for v in (self.loss, self.eval_loss))
                 and all(amount(v) for v in (self.tokens_per_second, self.compression, self.round_seconds,
-                                            self.uptime))
+                                            self.uptime, self.bandwidth_mbit))
                 and isinstance(self.addresses, list) and len(self.addresses) <= MAX_ADDRESSES
                 and all(text(a) for a in self.addresses)
                 and isinstance(self.eval_history, list) and len(self.eval_history) <= EVAL_HISTORY
@@ -251,14 +252,16 @@ def swarm_state(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str) ->
     return next((state for state in ranked_states(live, me, slice_name) if state.vouched), None)
 
 
-def round_state(live: dict[str, PeerRecord], me: PeerRecord, round_index: int) -> tuple[str, dict[str, str]]:
+def round_state(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, banned: set[str] = frozenset()
+                ) -> tuple[str, dict[str, str]]:
     """The state the swarm starts ``round_index`` from, seen from ``me``: for every slice that an active peer of
     our config holds at that round (``me`` included), the hash most of them hold (ties broken by the hash), and
     one digest of them all. Every peer with the same view computes the same; it names the round's formation
-    and seeds the choice of its coordinator."""
+    and seeds the choice of its coordinator. Peers ``me`` has banned have no vote: while the others' records
+    still show the previous round, one banned peer's stale hash would tie with ours and could win the tie."""
     votes: dict[str, Counter] = {}
     for r in active_peers(live, me) + [me]:
-        if r.round == round_index:
+        if r.round == round_index and r.peer_id not in banned:
             for name, digest in r.slices.items():
                 votes.setdefault(name, Counter())[digest] += 1
     chosen = {name: max(counts, key=lambda digest: (counts[digest], digest)) for name, counts in sorted(votes.items())}
@@ -294,30 +297,69 @@ def parse_records(found: object, now: float) -> dict[str, tuple[PeerRecord, floa
 
 
 class PeerDirectory:
-    """This node's record (published on a heartbeat) and the last view of everyone's."""
+    """This node's record (published on a heartbeat, and in the background when it changes) and the last view
+    of everyone's (refreshed on the heartbeat)."""
 
     def __init__(self, node: DHTNode, key: str, owner: bytes, me: PeerRecord, interval: float, ttl: float,
                  run_id: str | None = None):
         self.node, self.key, self.owner, self.me, self.interval, self.ttl = node, key, owner, me, interval, ttl
         self.run_id = run_id  # listed under RUNS_KEY while this peer trains it
         self.live: dict[str, PeerRecord] = {}
+        self.refreshed_at = -math.inf  # local time of the last lookup of everyone's records
+        self.moved_at = -math.inf  # local time this node's record last changed round or state
+        self.watchers: set[asyncio.Event] = set()  # set after every lookup, for whoever waits on the view
         self._expires: dict[str, float] = {}  # DHT time at which each record in `live` lapses
         self._refreshed: dict[str, float] = {}  # local time at which each record was last seen renewed
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._started = time.monotonic()
+        self._changes = 0  # updates of this node's record so far
+        self._attempted = 0  # updates that a finished store (successful or not) has carried
+        self._stored = asyncio.Condition()
+        self._dirty = asyncio.Event()
         self.live_fields: Callable[[], dict[str, Any]] = dict  # fields that change between updates
 
-    async def publish(self) -> None:
+    async def publish(self, list_run: bool = False) -> None:
+        """Store this node's record now (and, on the heartbeat, list its run: that listing only has to outlive
+        the record's ttl, so state changes do not store it again)."""
         for name, value in self.live_fields().items():
             setattr(self.me, name, value)
         self.me.uptime = round(time.monotonic() - self._started, 1)
+        changes = self._changes
         expires = get_dht_time() + self.ttl
-        ok = await self.node.store(self.key, subkey=self.owner, value=self.me.to_value(), expiration_time=expires)
-        if self.run_id is not None:
-            await self.node.store(RUNS_KEY, subkey=self.run_id, value={"version": self.me.version},
-                                  expiration_time=expires)
+        stores = [self.node.store(self.key, subkey=self.owner, value=self.me.to_value(), expiration_time=expires)]
+        if list_run and self.run_id is not None:
+            stores.append(self.node.store(RUNS_KEY, subkey=self.run_id, value={"version": self.me.version},
+                                          expiration_time=expires))
+        try:
+            ok, *_ = await asyncio.gather(*stores)
+        finally:
+            async with self._stored:
+                self._attempted = max(self._attempted, changes)
+                self._stored.notify_all()
         if not ok:
-            logger.debug("heartbeat record was not stored by any DHT peer")
+            logger.debug("peer record was not stored by any DHT peer")
+
+    def update_soon(self, **changes: object) -> int:
+        """Change this node's record now and publish it in the background (a burst of changes costs one store);
+        returns the change's number, for ``flush``."""
+        for name, value in changes.items():
+            setattr(self.me, name, value)
+        if {"round", "slices"} & set(changes):
+            self.moved_at = time.monotonic()
+        self._changes += 1
+        self._dirty.set()
+        return self._changes
+
+    async def flush(self, change: int | None = None, timeout: float = 10.0) -> bool:
+        """Wait until a store has carried ``change`` (default: every change so far), for at most ``timeout``
+        seconds; False if it has not by then (the DHT is slow or unreachable: the heartbeat keeps trying)."""
+        change = self._changes if change is None else change
+        async with self._stored:
+            try:
+                await asyncio.wait_for(self._stored.wait_for(lambda: self._attempted >= change), timeout)
+            except TimeoutError:
+                return False
+        return True
 
     async def refresh(self) -> dict[str, PeerRecord]:
         """The live records of the run, this node's own included. A lookup may miss records (a DHT peer
@@ -335,8 +377,19 @@ class PeerDirectory:
                 self._refreshed[peer_id] = time.monotonic()
             live[peer_id], self._expires[peer_id] = record, expires
         live[self.me.peer_id] = self.me
-        self.live = live
+        self.live, self.refreshed_at = live, time.monotonic()
+        for watcher in self.watchers:
+            watcher.set()
         return live
+
+    def rates(self, peers: Iterable[str]) -> list[float]:
+        """The link rates (Mbit/s, 0: not stated) that ``peers`` state in their records, as last seen."""
+        return [self.live[p].bandwidth_mbit for p in peers if p in self.live]
+
+    async def view(self) -> dict[str, PeerRecord]:
+        """The live records as the heartbeat last saw them if it looked since this node moved to its current
+        round (the others publish theirs as they move, too); otherwise a fresh lookup."""
+        return self.live if self.refreshed_at > self.moved_at else await self.refresh()
 
     def fresh(self, peer_id: str) -> bool:
         """Whether ``peer_id``'s record was renewed lately: a crashed peer stops renewing it long before it lapses."""
@@ -344,25 +397,36 @@ class PeerDirectory:
         return peer_id == self.me.peer_id or time.monotonic() - self._refreshed.get(peer_id, 0.0) < stale_after
 
     async def update(self, **changes: object) -> None:
-        """Change this node's record and publish it at once (state changes should not wait a heartbeat)."""
-        for name, value in changes.items():
-            setattr(self.me, name, value)
-        await self.publish()
+        """Change this node's record and wait until it is stored (where it must be, e.g. before leaving)."""
+        await self.flush(self.update_soon(**changes), timeout=math.inf)
 
     def start_heartbeat(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._heartbeat())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._heartbeat()), loop.create_task(self._publish_changes())]
 
     async def _heartbeat(self) -> None:
         while True:
             started = time.monotonic()
             try:
-                await self.publish()
-                await self.refresh()
+                await asyncio.gather(self.publish(list_run=True), self.refresh())
             except (P2PDaemonError, OSError, EOFError) as e:  # a DHT hiccup must not end the heartbeat
                 logger.warning(f"heartbeat failed: {e!r}")
             except Exception:  # nor a bug: the peer would vanish from the swarm while still training
                 logger.exception("heartbeat failed unexpectedly")
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def _publish_changes(self) -> None:
+        """Store the record whenever it changed: state changes reach the others within a store's time, without
+        the caller waiting for it."""
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            try:
+                await self.publish()
+            except (P2PDaemonError, OSError, EOFError) as e:  # the heartbeat stores it again soon
+                logger.warning(f"publishing this peer's record failed: {e!r}")
+            except Exception:  # a bug: keep publishing, and say where it is
+                logger.exception("publishing this peer's record failed unexpectedly")
 
     async def wait_for_peers(self, count: int, timeout: float) -> int:
         """Wait until ``count`` peers of our config (this one included) are present and have published the

@@ -12,8 +12,15 @@ A peer that is ready for round r sends the coordinator a join request and waits;
 closes the group when every live peer that works on round r from the same state with the same config
 (and still renews its record and can be dialled: a crashed peer is not waited for) has joined, or
 ``matchmaking_timeout`` after the first join, and answers every waiting peer with the same ordered
-list. A late peer is told so: it applies nothing this round and catches up from the swarm after. A
-peer this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
+list. For the first third of that wait it also waits for peers still moving to round r (records at r - 1,
+or at r with another state: they catch up), since a round's all-reduce may come early in it (Streaming
+DiLoCo's first fragment syncs a step or two into the round). Neither side polls the DHT for it: a joiner
+uses the view its heartbeat holds (if taken since it moved to the round), the coordinator looks up the
+records once as the first peer joins and then re-judges on events (a join, a heartbeat's lookup, a probe,
+the end of that grace), so the last join closes the group at once (it looks again only before closing
+without a peer that its view shows at an earlier round).
+A late peer is told so: it applies nothing this round and catches up from the swarm after. A peer
+this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
 starting state differ never share a group. A member checks the group it is given against its own
 view (every member a known live peer, itself included) and refuses an implausible one, trying the
 next coordinator. The coordinator needs no pseudo-gradient of its own: it serves joins from its event
@@ -56,7 +63,7 @@ from hivemind.p2p import P2P
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.records import MAX_SLICES, PeerDirectory, PeerState, round_state
+from p2ploco.swarm.records import MAX_SLICES, PeerDirectory, PeerRecord, PeerState, active_peers, round_state
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +144,7 @@ class _Formation:
     refused: dict[str, str] = field(default_factory=dict)  # members the closed formation left out, and why
     unreachable: set[str] = field(default_factory=set)  # peers the members could not reach
     dead: set[str] = field(default_factory=set)  # expected peers the coordinator could not reach while waiting
+    joined: float = field(default_factory=time.monotonic)  # when the latest member joined
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -193,7 +201,14 @@ class Matchmaker:
         (exchange fingerprint, hash)) and, for a stage peer, its pipeline group: a group of one if it is alone,
         None if it came too late, is banned, was refused, or is leaving, and must apply nothing this round."""
         me = self.directory.me
-        state, _ = round_state(await self.directory.refresh(), me, round_index)  # a fresh view: newcomers count
+        banned = self.bans.active(round_index)
+        looked = self.directory.refreshed_at
+        view = await self.directory.view()  # no lookup if the heartbeat's will do
+        state, chosen = round_state(view, me, round_index, banned)
+        if self.directory.refreshed_at == looked and contested(view, me, round_index, chosen, banned):
+            # Records at this round disagree: a peer left out of the last round shows its old state until it
+            # catches up, and the records of those that applied it may not be in this view yet. One fresh look.
+            state, _ = round_state(await self.directory.refresh(), me, round_index, banned)
         request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state,
                    "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
                    "unreachable": []}
@@ -299,7 +314,8 @@ class Matchmaker:
             formation = _Formation(key, time.monotonic() + self.timeout)
             self._forming[key] = formation
             asyncio.get_running_loop().create_task(self._close_when_complete(formation))
-        formation.members.setdefault(sender, member)
+        if sender not in formation.members:
+            formation.members[sender], formation.joined = member, time.monotonic()
         formation.unreachable |= unreachable
         formation.changed.set()
         outcome: Group | str = await asyncio.shield(formation.closed)
@@ -316,9 +332,13 @@ class Matchmaker:
         formation over to a better-scored peer that has come into view (every member retries there)."""
         round_index, name, config, state = key = formation.key
         probed = time.monotonic()
+        chosen: dict[str, str] = {}  # the hash of each slice most records show at this round
+        self.directory.watchers.add(formation.changed)  # a heartbeat's lookup is an event too
         try:
+            await self.directory.refresh()  # once, when the first peer joins: who works on this round?
             while time.monotonic() < formation.deadline:
-                live = await self.directory.refresh()
+                formation.changed.clear()  # whatever happens from here on wakes the wait below
+                live = self.directory.live
                 best = best_coordinator(self.candidates(formation.unreachable) | {self.me}, round_index, state)
                 if best != self.me:
                     del self._forming[key]
@@ -331,28 +351,49 @@ class Matchmaker:
                 # record (it crashed), nor one banned here.
                 banned = self.bans.active(round_index)
                 joiners_welcome = time.monotonic() < formation.opened + JOINER_GRACE * self.timeout
-                _, chosen = round_state(live, self.directory.me, round_index)
-                expected = {p for p, r in live.items() if r.round == round_index and r.fingerprint == config
-                            and r.slices and all(chosen.get(k) == v for k, v in r.slices.items())
-                            and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
-                            and (r.state != PeerState.JOINING or joiners_welcome)
-                            and self.directory.fresh(p) and p not in banned}
-                if expected - formation.dead <= set(formation.members):
+                _, chosen = round_state(live, self.directory.me, round_index, banned)
+                runs_here = {p for p, r in live.items() if r.fingerprint == config
+                             and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
+                             and self.directory.fresh(p) and p not in banned}
+                expected = {p for p in runs_here if live[p].round == round_index and live[p].slices
+                            and all(chosen.get(k) == v for k, v in live[p].slices.items())
+                            and (live[p].state != PeerState.JOINING or joiners_welcome)}
+                # Peers moving to this round are awaited like joiners, for the joiners' grace only: one still
+                # finishing the previous round, and one at this round that holds another state (it was left out
+                # of the last round and fetches the swarm's state now). A round's all-reduce need not come at its
+                # end: Streaming DiLoCo syncs its first fragment a step or two into the round, and a peer a step
+                # behind (or catching up, every round anew) would miss it every time.
+                moving = {p for p in runs_here if live[p].round == round_index - 1
+                          or (live[p].round == round_index and p not in expected)} if joiners_welcome else set()
+                awaited = (expected | moving) - formation.dead - set(formation.members)
+                if not awaited:
+                    # A peer of this run still at an earlier round in this view may have moved to this one since
+                    # the view was taken: before closing without it, one fresh look (none when all are in).
+                    behind = {p for p in runs_here if live[p].round < round_index} - set(formation.members) \
+                        - formation.dead
+                    if behind and self.directory.refreshed_at < formation.joined:
+                        await self.directory.refresh()
+                        continue
                     break
                 if time.monotonic() >= probed + PROBE_EVERY:  # a peer killed in its inner steps is not waited for
                     probed = time.monotonic()
-                    awaited = sorted(expected - set(formation.members) - formation.dead - {self.me})
+                    probes = sorted(awaited - {self.me})
                     alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
-                                                   for p in awaited))
-                    formation.dead.update(p for p, ok in zip(awaited, alive) if not ok)
-                formation.changed.clear()
+                                                   for p in probes))
+                    formation.dead.update(p for p, ok in zip(probes, alive) if not ok)
+                # Woken by a join, a heartbeat's lookup, the next probe, the end of the joiners' grace or the
+                # deadline: no polling of the DHT.
+                wake = min(probed + PROBE_EVERY, formation.deadline)
+                if joiners_welcome:
+                    wake = min(wake, formation.opened + JOINER_GRACE * self.timeout)
                 try:
-                    await asyncio.wait_for(formation.changed.wait(), min(0.5, formation.deadline - time.monotonic()))
+                    await asyncio.wait_for(formation.changed.wait(), max(0.0, wake - time.monotonic()))
                 except TimeoutError:
                     pass
         finally:
+            self.directory.watchers.discard(formation.changed)
             if not formation.closed.done():
-                members, formation.refused = admit(formation.members, self.stages)
+                members, formation.refused = admit(formation.members, self.stages, chosen)
                 for peer, reason in formation.refused.items():
                     logger.warning(f"round {round_index}: left {peer[-8:]} out: {reason}")
                 group = Group(secrets.token_hex(8), round_index, name, tuple(sorted(members)), self.me,
@@ -367,15 +408,27 @@ class Matchmaker:
                 formation.closed.set_result(group)
 
 
-def admit(members: dict[str, Member], stages: int) -> tuple[dict[str, Member], dict[str, str]]:
+def contested(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, chosen: dict[str, str],
+              banned: set[str]) -> bool:
+    """Whether some peer that votes on ``round_index``'s state (``round_state``) holds another hash of a slice."""
+    return any(r.round == round_index and r.peer_id not in banned and chosen.get(name) != digest
+               for r in active_peers(live, me) + [me] for name, digest in r.slices.items())
+
+
+def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | None = None
+          ) -> tuple[dict[str, Member], dict[str, str]]:
     """The members a closing formation keeps, and the others with the reason: for every slice the (fingerprint,
-    hash) most of its holders hold wins (ties broken by value) and a member that holds another one catches up
-    instead; then a pipeline group whose kept members do not bring all ``stages`` slices is left out whole."""
+    hash) most of its holders hold wins and a member that holds another one catches up instead; then a pipeline
+    group whose kept members do not bring all ``stages`` slices is left out whole. A tie goes to the hash that
+    most records at this round show (``recorded``: slice -> hash), then to the greater value: of two members, one
+    left out of the last round and one that applied it, the latter's state is the swarm's."""
+    recorded = recorded or {}
     votes: dict[str, Counter] = {}
     for member in members.values():
         for name, held in member.slices:
             votes.setdefault(name, Counter())[held] += 1
-    chosen = {name: max(counts, key=lambda held: (counts[held], held)) for name, counts in votes.items()}
+    chosen = {name: max(counts, key=lambda held: (counts[held], held[1] == recorded.get(name), held))
+              for name, counts in votes.items()}
     refused = {peer: f"it holds another state of {next(n for n, held in m.slices if chosen[n] != held)} than the "
                      f"others: it catches up" for peer, m in members.items()
                if any(chosen[name] != held for name, held in m.slices)}

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from hivemind.dht.node import DHTNode
@@ -20,6 +21,7 @@ from p2ploco.swarm.allreduce import ButterflyAllReduce
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.communicator import SwarmCommunicator
+from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.dht import release_identity, start_dht_node, visible_maddrs
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.records import (
@@ -68,15 +70,18 @@ class Swarm:
             p2p, me_id = node.protocol.p2p, str(node.peer_id)
             me = PeerRecord(me_id, round=0, state=PeerState.JOINING, fingerprint=config_fingerprint,
                             version=__version__, name=name or human_name(me_id), device=device, role=role,
+                            bandwidth_mbit=config.bandwidth_mbit,
                             addresses=(await visible_maddrs(node))[:MAX_ADDRESSES])
             directory = PeerDirectory(node, peers_key(run_id), owner, me, config.heartbeat_interval, config.peer_ttl,
                                       run_id=run_id)
             bans = Bans(config.ban_rounds)
             book = GroupBook()
             matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout, bans, stages, book)
-            butterfly = ButterflyAllReduce(p2p, me_id, run_id, config.allreduce_timeout, bans)
+            deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
+                                         config.max_transfer_timeout)
+            butterfly = ButterflyAllReduce(p2p, me_id, run_id, deadlines, bans, directory.rates)
             commit = RoundCommit(p2p, me_id, run_id, config.allreduce_timeout, book)
-            state_server = StateServer(p2p, run_id, config.allreduce_timeout)
+            state_server = StateServer(p2p, run_id, deadlines)
             for service in (matchmaker, butterfly, commit, state_server):
                 await service.start()
             live = (await directory.refresh()).values()
@@ -107,13 +112,17 @@ class Swarm:
 
     def set_progress(self, round_index: int, state: PeerState, params_sha256: str, slices: dict[str, str]) -> None:
         """Publish where this peer is: the round it works on and the hashes of the state it started from (of all
-        it holds, and of each slice)."""
-        self.loop.run(self.directory.update(round=round_index, state=state, params_sha256=params_sha256,
-                                            slices=dict(slices)), CALL_TIMEOUT)
+        it holds, and of each slice). Returns at once: the record is stored in the background (a round's join
+        waits for it, ``flush`` too)."""
+        self.report(round=round_index, state=state, params_sha256=params_sha256, slices=dict(slices))
 
     def report(self, **changes: object) -> None:
-        """Update this peer's public record (loss, throughput, traffic, ...) and publish it at once."""
-        self.loop.run(self.directory.update(**changes), CALL_TIMEOUT)
+        """Update this peer's public record (loss, throughput, traffic, ...); it is stored in the background."""
+        self.loop.loop.call_soon_threadsafe(partial(self.directory.update_soon, **changes))
+
+    def flush(self) -> bool:
+        """Wait until this peer's record as last changed is stored (False if the DHT did not take it in time)."""
+        return self.loop.run(self.directory.flush(timeout=CALL_TIMEOUT))
 
     def track(self, live_fields: Callable[[], dict[str, Any]]) -> None:
         """Fields read afresh at every heartbeat (e.g. the inner step), so the record moves between rounds."""
@@ -164,7 +173,7 @@ class Swarm:
     def fetch_state(self, target: SwarmState) -> Snapshot:
         """Download ``target`` (one slice) from the peers that hold it (SwarmError if none can serve it)."""
         return self.loop.run(fetch_state(self.node.protocol.p2p, self.state_server.handler_name, target,
-                                         self.config.allreduce_timeout))
+                                         self.state_server.deadline, self.directory.rates(target.holders)))
 
     def publish_state(self, snapshots: list[Snapshot]) -> None:
         """Serve ``snapshots`` (one round, one per slice held) to peers that catch up."""
@@ -182,7 +191,7 @@ class Swarm:
     def request_leave(self) -> None:
         """Start leaving now (safe from a signal handler): stop joining groups, tell the others."""
         async def withdraw() -> None:
-            await self.directory.update(state=PeerState.LEAVING)
+            self.directory.update_soon(state=PeerState.LEAVING)
             await self.communicator.matchmaker.withdraw()
 
         asyncio.run_coroutine_threadsafe(withdraw(), self.loop.loop)

@@ -27,6 +27,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from p2ploco import faults
 from p2ploco.errors import PayloadError, SwarmError
 from p2ploco.metrics import params_sha256
 from p2ploco.swarm import wire
+from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.records import SwarmState
 
 logger = logging.getLogger(__name__)
@@ -92,8 +94,8 @@ class Snapshot:
 
 
 class StateServer:
-    def __init__(self, p2p: P2P, run_id: str, timeout: float):
-        self.p2p, self.timeout = p2p, timeout
+    def __init__(self, p2p: P2P, run_id: str, deadline: TransferDeadline):
+        self.p2p, self.deadline = p2p, deadline
         self.handler_name = f"p2ploco/{run_id}/state"
         self.snapshots: OrderedDict[int, dict[str, Snapshot]] = OrderedDict()  # round -> slice -> snapshot
         self._blob_hashes: dict[tuple[int, str], str] = {}  # sha256 of each serialized snapshot, computed once
@@ -121,7 +123,7 @@ class StateServer:
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.timeout)
+            request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.deadline.base)
             wanted, slice_name = wire.field(request, "round", int), wire.field(request, "slice", str)
             offset, length = wire.field(request, "offset", int), wire.field(request, "length", int)
             rounds = [r for r, held in self.snapshots.items() if slice_name in held]
@@ -140,7 +142,8 @@ class StateServer:
                 await faults.hit_async("state.serve", snapshot.round)
             header = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": len(blob),
                       "sha256": blob_sha, "params_sha256": snapshot.params_sha256}
-            await asyncio.wait_for(wire.write_message(writer, header, blob[offset : offset + length]), self.timeout)
+            await asyncio.wait_for(wire.write_message(writer, header, blob[offset : offset + length]),
+                                   self.deadline.seconds(length))
         except (PayloadError, *wire.TRANSPORT_ERRORS) as e:  # a bad request or a vanished joiner never hurts the donor
             logger.info(f"state request from {str(stream_info.peer_id)[-8:]} failed: {e!r}")
         except Exception:  # a bug: keep serving, and say where it is
@@ -179,8 +182,11 @@ async def serves(p2p: P2P, handler: str, donor: str, state: SwarmState, timeout:
         return False
 
 
-async def fetch_state(p2p: P2P, handler: str, target: SwarmState, timeout: float) -> Snapshot:
-    """Download ``target`` (a slice at the start of a round) from its holders; SwarmError if they cannot."""
+async def fetch_state(p2p: P2P, handler: str, target: SwarmState, deadline: TransferDeadline,
+                      rates: Sequence[float] = ()) -> Snapshot:
+    """Download ``target`` (a slice at the start of a round) from its holders; SwarmError if they cannot. A range
+    may take as long as its bytes need at the slowest of ``rates`` (the holders' stated links), within ``deadline``'s
+    floor and cap: a slow donor is not mistaken for a stalled one."""
     started = time.monotonic()
     round_index, slice_name, expected_params_sha256 = target.round, target.slice, target.params_sha256
     # 1. Which donors hold that round, how big is it, and what is its checksum?
@@ -188,7 +194,7 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, timeout: float
     donors = list(target.holders)
     for donor in donors:
         try:
-            header, _ = await _request(p2p, handler, donor, round_index, slice_name, 0, 0, timeout)
+            header, _ = await _request(p2p, handler, donor, round_index, slice_name, 0, 0, deadline.base)
             description = parse_description(header, round_index, slice_name, expected_params_sha256)
         except (PayloadError, *wire.TRANSPORT_ERRORS) as e:  # unreachable or confused donors are skipped
             logger.info(f"donor {donor[-8:]} did not describe its state: {e!r}")
@@ -222,7 +228,8 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, timeout: float
                 return
             length = min(part, total - offset)
             try:
-                header, data = await _request(p2p, handler, donor, round_index, slice_name, offset, length, timeout)
+                header, data = await _request(p2p, handler, donor, round_index, slice_name, offset, length,
+                                              deadline.seconds(length, rates))
                 if parse_description(header, round_index, slice_name, expected_params_sha256) != (
                         total, blob_sha) or len(data) != length:
                     raise PayloadError(f"donor answered {header.get('status')!r} with {len(data)} bytes")

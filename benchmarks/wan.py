@@ -1,0 +1,402 @@
+"""WAN emulation: real p2ploco nodes on hosts of their own, behind capped links, one table per setting.
+
+Every host is a network namespace with its own address on one bridge (10.77.0.0/24, in a namespace of its
+own too, which also runs the bootstrap peer `p2ploco dht` at 10.77.0.254). A host's link is capped both ways
+by a tbf qdisc (its upload on its side of the veth, its download on the bridge's side). Each host runs one
+real `p2ploco node start` (with its p2p daemon) that joins through the bootstrap peer and trains `--rounds`
+rounds with the others, stating its cap as its link rate (``swarm.bandwidth_mbit``: transfer deadlines
+follow it). A setting is an algorithm and a rate: uniform (`100`: every host at 100 Mbit/s) or
+mixed (`1000,20`: host 0 at 1 Gbit/s, the rest at 20 Mbit/s; the last rate repeats). Nothing leaves the
+machine: the namespaces reach only each other.
+
+Per setting, from the nodes' round records, a table with a row per round: bytes per node (sent +
+received), comm, round and inner seconds (means over the nodes), compute utilisation (inner seconds over
+the wall seconds since the node's previous record), the time the slowest host needs to move its larger
+direction at its cap, and whether every node applied the same parameters. The summary line (and `--json`)
+leaves out round 0, which includes start-up. Settings run one after another; each gets fresh namespaces.
+
+Needs root (network namespaces and tc). Where they cannot be made it says so in one line and exits 0.
+It always removes what it made (processes, namespaces, and with them the veths and the bridge), also on
+Ctrl-C, SIGTERM, a failed node or a crash of its own; namespaces left by a run that was SIGKILLed are
+removed by the next run.
+
+    sudo python benchmarks/wan.py                                   # 3 hosts, 100 Mbit/s, SparseLoCo, 5 rounds
+    sudo python benchmarks/wan.py --rate 100 20 --algorithm sparseloco diloco \\
+        --set model.d_model=768 --set model.n_layer=3 --set model.n_head=12 --set inner.steps=3 \\
+        --set inner.batch_size=2 --set data.seq_len=64              # the 21.4M setting of issue 12
+    sudo python benchmarks/wan.py --rate 1000,20 --json             # mixed links; rows as one JSON list
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from p2ploco.config import load_config
+from p2ploco.errors import ConfigError, SwarmError
+from p2ploco.launch import ADDRESS, TINY_CONFIG, Child, cli
+from p2ploco.metrics import format_table, human_bytes, read_records
+from p2ploco.model import Transformer
+
+PREFIX = "p2pwan-"  # namespaces are p2pwan-<pid of the run>-<role>
+SUBNET = "10.77.0"
+BRIDGE_ADDRESS = f"{SUBNET}.254"
+POLL = 0.5  # seconds between looks at the nodes' records
+
+
+class NoNamespaces(Exception):
+    """This machine (or user) cannot make network namespaces with capped links."""
+
+
+def sh(*argv: str) -> None:
+    """Run one ip/tc command; CalledProcessError with its stderr if it fails."""
+    subprocess.run(argv, check=True, capture_output=True, text=True)
+
+
+@dataclass
+class Host:
+    namespace: str
+    address: str
+    rate_mbit: float
+
+
+class Network:
+    """A bridge and ``len(rates)`` hosts, each with its own address and a link capped both ways at its rate."""
+
+    def __init__(self, rates: Sequence[float], tag: str):
+        self.tag = tag
+        self.bridge = f"{PREFIX}{tag}-br"
+        self.hosts = [Host(f"{PREFIX}{tag}-h{i}", f"{SUBNET}.{i + 1}", rate) for i, rate in enumerate(rates)]
+        self.made: list[str] = []
+
+    def __enter__(self) -> Network:
+        try:
+            self._make()
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def _make(self) -> None:
+        self._namespace(self.bridge)
+        sh("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.bridge, "addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", "br0")
+        sh("ip", "-n", self.bridge, "link", "set", "br0", "up")
+        for i, host in enumerate(self.hosts):
+            self._namespace(host.namespace)
+            # Made in this namespace under names unique to the run, then moved and renamed: eth0 on the host's
+            # side, h<i> on the bridge's.
+            near, far = f"pw{os.getpid()}a{i}"[:15], f"pw{os.getpid()}b{i}"[:15]
+            sh("ip", "link", "add", near, "type", "veth", "peer", "name", far)
+            sh("ip", "link", "set", near, "netns", host.namespace)
+            sh("ip", "link", "set", far, "netns", self.bridge)
+            sh("ip", "-n", host.namespace, "link", "set", near, "name", "eth0")
+            sh("ip", "-n", self.bridge, "link", "set", far, "name", f"h{i}")
+            sh("ip", "-n", self.bridge, "link", "set", f"h{i}", "master", "br0", "up")
+            sh("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            sh("ip", "-n", host.namespace, "link", "set", "eth0", "up")
+            for namespace, device in ((host.namespace, "eth0"), (self.bridge, f"h{i}")):  # upload, download
+                sh("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{host.rate_mbit}mbit",
+                   "burst", f"{burst_bytes(host.rate_mbit)}b", "latency", "100ms")
+
+    def _namespace(self, name: str) -> None:
+        sh("ip", "netns", "add", name)
+        self.made.append(name)
+        sh("ip", "-n", name, "link", "set", "lo", "up")
+
+    def run_in(self, namespace: str, argv: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", namespace, *argv]
+
+    def remove(self) -> None:
+        """Delete every namespace made (their veths, the bridge and the qdiscs go with them)."""
+        with signals_held():
+            for name in reversed(self.made):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            self.made.clear()
+
+
+def burst_bytes(rate_mbit: float) -> int:
+    """tbf bucket: 10 ms at the rate, and at least 128 KiB (a GSO segment on a veth is up to 64 KiB)."""
+    return max(128 * 1024, int(rate_mbit * 1e6 / 8 / 100))
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Namespaces of earlier runs whose process is gone (it was SIGKILLed): removed, and their names returned."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    stale = []
+    for name in listing:
+        if name.startswith(PREFIX):
+            pid = name[len(PREFIX):].split("-")[0]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+                stale.append(name)
+    return stale
+
+
+def check_namespaces() -> None:
+    """NoNamespaces, saying why, unless this process can make a namespace with a tbf qdisc."""
+    if sys.platform != "linux":
+        raise NoNamespaces("network namespaces need Linux")
+    if os.geteuid() != 0:
+        raise NoNamespaces("network namespaces and tc need root (run it with sudo)")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise NoNamespaces(f"{' and '.join(missing)} not found (install iproute2)")
+    try:
+        with Network([10.0], f"{os.getpid()}-probe"):
+            pass
+    except subprocess.CalledProcessError as e:
+        raise NoNamespaces(f"`{' '.join(e.cmd)}` failed: {e.stderr.strip() or e.returncode}") from None
+
+
+def parse_rates(text: str, hosts: int) -> list[float]:
+    """Per-host rates in Mbit/s from "100" or "1000,20" (the last rate repeats for the remaining hosts)."""
+    try:
+        rates = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--rate {text!r}: give Mbit/s as a number, or numbers separated by commas") from None
+    if not rates or any(not 0 < r <= 100_000 for r in rates) or len(rates) > hosts:
+        raise ConfigError(f"--rate {text!r}: each rate must be in (0, 100000] Mbit/s, at most one per host")
+    return rates + [rates[-1]] * (hosts - len(rates))
+
+
+@dataclass
+class Setting:
+    algorithm: str
+    rate_text: str
+    rates: list[float]
+
+    @property
+    def label(self) -> str:
+        return f"{self.algorithm} at {self.rate_text} Mbit/s"
+
+
+class NodeFailed(Exception):
+    """A node process ended before finishing its rounds."""
+
+
+def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds: int, workdir: Path,
+                timeout: float) -> list[list[dict]]:
+    """Every node's round records for one setting, on fresh namespaces that are removed on return."""
+    hosts = len(setting.rates)
+    children: list[Child] = []
+    with Network(setting.rates, f"{os.getpid()}-{setting.algorithm}") as network:
+        try:
+            print(f"[{setting.label}] {hosts} hosts in namespaces {PREFIX}{network.tag}-*, bridge {SUBNET}.0/24; "
+                  f"logs in {workdir}", flush=True)
+            bootstrap = Child("bootstrap", network.run_in(network.bridge, cli(
+                "dht", "--host-maddrs", f"/ip4/{BRIDGE_ADDRESS}/tcp/0")), workdir / "bootstrap.log")
+            children.append(bootstrap)
+            address = bootstrap.wait_for_line(ADDRESS, timeout=60).group(1)
+            sets = [f"swarm.min_peers={hosts}", f"outer.algorithm={setting.algorithm}", *overrides]
+            for i, host in enumerate(network.hosts):
+                argv = cli("node", "start", "--config", config_path, "--initial-peers", address, "--host-maddrs",
+                           f"/ip4/{host.address}/tcp/0", "--log-dir", str(workdir / f"h{i}"), "--max-rounds",
+                           str(rounds), "--identity", str(workdir / f"h{i}.key"),
+                           *[item for s in sets for item in ("--set", s)],
+                           "--set", f"swarm.bandwidth_mbit={setting.rates[i]:g}")
+                children.append(Child(f"h{i}", network.run_in(host.namespace, argv), workdir / f"h{i}.log",
+                                      metrics_dir=workdir / f"h{i}"))
+            return watch(setting, children[1:], rounds, timeout)
+        finally:
+            stop_all(children)
+
+
+def stop_all(children: list[Child]) -> None:
+    """SIGTERM to all at once, then reap each (SIGKILL to its session if it lingers)."""
+    with signals_held():
+        for child in children:
+            child.terminate()
+        for child in reversed(children):
+            child.stop()
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """A Ctrl-C or SIGTERM during clean-up waits until it is done (then ends the run as usual)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def watch(setting: Setting, nodes: list[Child], rounds: int, timeout: float) -> list[list[dict]]:
+    """Every node's records once all have exited after their rounds, printing a line per round every node
+    finished; NodeFailed if one exits with an error, TimeoutError past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    shown: set[int] = set()
+    while True:
+        records = [read_records(node.metrics_dir / "metrics.jsonl") for node in nodes]
+        for round_index in sorted(set.intersection(*({r["round"] for r in got} for got in records)) - shown):
+            rows = by_round(records, round_index)
+            print(f"[{setting.label}] round {round_index}: round {mean(r['round_seconds'] for r in rows):.1f} s, "
+                  f"comm {mean(r['comm_seconds'] for r in rows):.1f} s, "
+                  f"{'same params everywhere' if hashes_agree(rows, len(nodes)) else 'PARAMS DIFFER OR NOT APPLIED'}",
+                  flush=True)
+            shown.add(round_index)
+        codes = [node.process.poll() for node in nodes]
+        for node, code, got in zip(nodes, codes, records):
+            if code not in (None, 0):
+                raise NodeFailed(f"node {node.name} exited with code {code} after {len(got)} of {rounds} rounds: "
+                                 f"{last_line(node.log_path)} (log: {node.log_path})")
+        if all(code == 0 for code in codes):
+            return records
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{setting.label}: {len(shown)} of {rounds} rounds in {timeout:.0f} s")
+        time.sleep(POLL)
+
+
+def by_round(records: list[list[dict]], round_index: int) -> list[dict]:
+    """The records of ``round_index``, one per node that has one."""
+    return [r for got in records for r in got if r["round"] == round_index]
+
+
+def last_line(path: Path) -> str:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.exists() else []
+    return lines[-1].strip()[:300] if lines else "(no output)"
+
+
+def mean(values: object) -> float:
+    values = list(values)  # type: ignore[call-overload]
+    return statistics.mean(values) if values else 0.0
+
+
+def hashes_agree(rows: list[dict], hosts: int) -> bool:
+    """Every node applied the round, in one group of all hosts, and holds the same parameters after it."""
+    return (len(rows) == hosts and all(r["applied"] and r["peers"] == hosts for r in rows)
+            and len({r["params_sha256"] for r in rows}) == 1)
+
+
+def transfer_seconds(rows: list[dict], rates: list[float]) -> float:
+    """The slowest host's time to move its larger direction (links are full duplex) at its cap."""
+    return max(max(r["bytes_sent"], r["bytes_received"]) * 8 / (rate * 1e6) for r, rate in zip(rows, rates))
+
+
+def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple[list[tuple], dict]:
+    """Per-round table rows, and the setting's JSON row (means over rounds 1.., or all if there is one)."""
+    hosts = len(records)
+    per_round = [by_round(records, i) for i in sorted({r["round"] for got in records for r in got})]
+    table = []
+    for rows in per_round:
+        table.append((rows[0]["round"], human_bytes(mean(r["bytes_sent"] + r["bytes_received"] for r in rows)),
+                      f"{mean(r['comm_seconds'] for r in rows):.2f}", f"{mean(r['round_seconds'] for r in rows):.2f}",
+                      f"{mean(r['inner_seconds'] for r in rows):.2f}",
+                      f"{mean(r['compute_utilisation'] for r in rows):.2f}",
+                      f"{transfer_seconds(rows, setting.rates):.2f}",
+                      "yes" if hashes_agree(rows, hosts) else "NO"))
+    measured = per_round[1:] or per_round
+    flat = [r for rows in measured for r in rows]
+    uniform = len(set(setting.rates)) == 1
+    row = {
+        "algorithm": setting.algorithm, "rate_mbit": setting.rates[0] if uniform else setting.rates,
+        "hosts": hosts, "params": params, "rounds": len(measured),
+        "bytes_per_round": round(mean(r["bytes_sent"] + r["bytes_received"] for r in flat)),
+        "comm_seconds": round(mean(r["comm_seconds"] for r in flat), 3),
+        "round_seconds": round(mean(r["round_seconds"] for r in flat), 3),
+        "inner_seconds": round(mean(r["inner_seconds"] for r in flat), 3),
+        "utilisation": round(mean(r["compute_utilisation"] for r in flat), 3),
+        "transfer_seconds": round(mean(transfer_seconds(rows, setting.rates) for rows in measured), 3),
+        "hashes_equal": all(hashes_agree(rows, hosts) for rows in per_round),
+    }
+    table.append(("mean 1..", human_bytes(row["bytes_per_round"]), f"{row['comm_seconds']:.2f}",
+                  f"{row['round_seconds']:.2f}", f"{row['inner_seconds']:.2f}", f"{row['utilisation']:.2f}",
+                  f"{row['transfer_seconds']:.2f}", "yes" if row["hashes_equal"] else "NO"))
+    return table, row
+
+
+def count_params(config_path: str, overrides: list[str]) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Transformer(load_config(config_path, overrides).model, seed=0).parameters())
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM ends the run as Ctrl-C does, so that everything made is removed."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", type=int, default=3, help="hosts (nodes), each in its own namespace")
+    parser.add_argument("--rate", nargs="+", default=["100"], metavar="MBIT",
+                        help="link caps, one setting each: 100 (every host), or 1000,20 (host 0, then the rest)")
+    parser.add_argument("--rounds", type=int, default=5, help="outer rounds per setting")
+    parser.add_argument("--algorithm", nargs="+", default=["sparseloco"], choices=["sparseloco", "diloco"])
+    parser.add_argument("--config", default=str(TINY_CONFIG), help="run config [configs/tiny.yaml]")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every node (repeatable)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a setting may take at most")
+    parser.add_argument("--workdir", type=Path, help="where logs go [a temporary folder]")
+    parser.add_argument("--json", action="store_true", help="print the settings' rows as one JSON list")
+    args = parser.parse_args()
+    if not 2 <= args.hosts <= 200 or args.rounds < 1:
+        raise SystemExit("error: --hosts must be in [2, 200] and --rounds at least 1")
+    try:
+        settings = [Setting(a, text, parse_rates(text, args.hosts)) for a in args.algorithm for text in args.rate]
+        params = count_params(args.config, args.overrides)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    try:
+        check_namespaces()
+    except NoNamespaces as e:
+        print(f"wan.py: cannot emulate a WAN here: {e}; nothing measured")
+        return 0
+    stop_on_sigterm()
+    stale = remove_stale_namespaces()
+    if stale:
+        print(f"removed {len(stale)} namespace(s) left by an earlier run that was killed", flush=True)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="p2ploco-wan-"))
+    print(f"wan: {args.hosts} hosts, {params / 1e6:.1f}M parameters ({Path(args.config).name}"
+          f"{' ' + ' '.join(args.overrides) if args.overrides else ''}), {args.rounds} rounds per setting", flush=True)
+    rows, failed = [], []
+    for setting in settings:
+        where = workdir / f"{setting.algorithm}-{setting.rate_text.replace(',', '+')}"
+        where.mkdir(parents=True, exist_ok=True)
+        try:
+            records = run_setting(setting, args.config, args.overrides, args.rounds, where, args.timeout)
+        except (NodeFailed, TimeoutError, SwarmError, subprocess.CalledProcessError) as e:
+            print(f"[{setting.label}] failed: {e}", flush=True)
+            failed.append(setting.label)
+            continue
+        table, row = summarise(setting, records, params)
+        rows.append(row)
+        if not args.json:
+            print(f"\n{setting.label}, {args.hosts} hosts, {params / 1e6:.1f}M parameters "
+                  f"(transfer s: the slowest host's larger direction at its cap)")
+            print(format_table(("round", "bytes/node", "comm s", "round s", "inner s", "utilisation", "transfer s",
+                                "hashes equal"), table))
+            print()
+    if args.json:
+        print(json.dumps(rows))
+    if failed:
+        print(f"error: {len(failed)} setting(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("wan.py: interrupted; everything it made is removed", file=sys.stderr)
+        sys.exit(130)

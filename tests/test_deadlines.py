@@ -1,0 +1,102 @@
+"""Transfer deadlines that follow the payload: the rule, and a slow but honest link over real p2p daemons."""
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+import pytest
+import torch
+from helpers import join_swarms
+
+from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.inprocess import InProcessGroup
+from p2ploco.config import SwarmConfig
+from p2ploco.swarm import wire
+from p2ploco.swarm.deadlines import TransferDeadline
+from p2ploco.swarm.records import PeerState
+
+RULE = TransferDeadline(base=30.0, min_mbit=10.0, cap=600.0)
+
+
+def test_a_deadline_is_the_base_plus_the_payload_at_the_slowest_reported_link():
+    assert RULE.seconds(0) == 30.0
+    assert RULE.seconds(10**6, [80.0, 100.0, 20.0]) == pytest.approx(30.0 + 8e6 / 20e6)  # the slowest link counts
+    assert RULE.seconds(125 * 10**6, [100.0]) == pytest.approx(40.0)  # 1 Gbit over 100 Mbit/s: 10 s more
+    assert RULE.seconds(2 * 10**6, [100.0]) < RULE.seconds(4 * 10**6, [100.0])  # grows with the payload
+
+
+def test_unstated_or_implausibly_slow_links_count_as_the_floor_and_the_cap_bounds_everything():
+    floor = RULE.seconds(10**7, [10.0])
+    assert RULE.seconds(10**7) == RULE.seconds(10**7, [0.0, 0.0]) == floor  # nobody states a rate
+    assert RULE.seconds(10**7, [0.001, 100.0]) == floor  # a claimed crawl cannot stretch it past the floor
+    assert RULE.seconds(10**7, [1000.0]) < floor  # fast links: a dead peer is given up on sooner
+    assert RULE.seconds(10**12, [1000.0]) == 600.0
+
+
+SHAPES = [(100, 250)]  # 100 kB of float32 per peer
+SLOW_SECONDS = 2.5  # how long the slow peer's link takes to carry one contribution
+BASE = 1.0  # swarm.allreduce_timeout: far below that
+
+
+def run_round_with_a_slow_link(min_bandwidth_mbit: float, run_id: str, monkeypatch):
+    """Three real peers all-reduce once; the contributions of the first (in peer order) trickle out over
+    SLOW_SECONDS (the bytes arrive in pieces, as over a slow link). Returns the inputs, the exchanges, each peer's
+    stats (in peer order) and the slow peer's id."""
+    config = SwarmConfig(matchmaking_timeout=10, allreduce_timeout=BASE, heartbeat_interval=0.5, peer_ttl=10,
+                         ban_rounds=0, min_bandwidth_mbit=min_bandwidth_mbit, max_transfer_timeout=60)
+    swarms = []
+    try:
+        join_swarms(run_id, 3, config, swarms)
+        swarms.sort(key=lambda s: s.peer_id)
+        slow = swarms[0]
+        for s in swarms:
+            s.set_progress(0, PeerState.JOINING, "start", {"params": "start"})
+        assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)
+        real_write = wire.write_message
+
+        async def trickle(writer, header, payload=b""):
+            if not (payload and "span" in header and asyncio.get_running_loop() is slow.loop.loop):
+                return await real_write(writer, header, payload)
+            head = msgpack.packb({"v": wire.PROTOCOL_VERSION, **header}, use_bin_type=True)
+            message, pieces = wire.PREFIX.pack(len(head), len(payload)) + head + payload, 10
+            for i in range(pieces):
+                if i:
+                    await asyncio.sleep(SLOW_SECONDS / pieces)  # stands for the link's rate, not for synchronisation
+                writer.write(message[len(message) * i // pieces: len(message) * (i + 1) // pieces])
+                await writer.drain()
+
+        monkeypatch.setattr(wire, "write_message", trickle)
+        inputs = [[torch.randn(shape, generator=torch.Generator().manual_seed(seed)) for shape in SHAPES]
+                  for seed in range(3)]
+        exchanges = [DenseMean(t) for t in inputs]
+        for s in swarms:
+            s.set_progress(0, PeerState.AVERAGING, "start", {"params": "start"})
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(s.communicator.all_reduce, e, 0, "params") for s, e in zip(swarms, exchanges)]
+            stats = [f.result(timeout=120) for f in futures]
+        return inputs, exchanges, stats, slow.peer_id
+    finally:
+        monkeypatch.undo()
+        for s in swarms:
+            s.leave()
+
+
+def test_a_slow_but_honest_link_is_waited_for_when_its_payload_needs_the_time(monkeypatch):
+    """100 kB at a floor of 0.1 Mbit/s allows 8 s on top of the 1 s base: the 2.5 s contribution counts, every
+    peer applies the exact mean of all three."""
+    inputs, exchanges, stats, _ = run_round_with_a_slow_link(0.1, "slow-ok", monkeypatch)
+    group = InProcessGroup(3)
+    reference = [DenseMean(t) for t in inputs]
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda rank: group.communicator(rank).all_reduce(reference[rank], 0, "params"), range(3)))
+    for exchange, s in zip(exchanges, stats):
+        assert s.committed and s.dropped == [] and len(s.peers) == 3
+        assert all(torch.equal(a, b) for a, b in zip(exchange.mean(), reference[0].mean()))
+
+
+def test_the_same_link_is_dropped_when_the_deadline_ignores_the_payload(monkeypatch):
+    """The same round with deadlines that stay at the 1 s base (a floor of 1e6 Mbit/s): the slow peer is dropped
+    and the other two commit without it. This is the branch the payload-sized deadline avoids."""
+    _, _, stats, slow = run_round_with_a_slow_link(1e6, "slow-dropped", monkeypatch)
+    assert not stats[0].committed and stats[0].excluded  # the slow peer (first in peer order) is out
+    assert all(s.committed and slow in s.dropped for s in stats[1:])
