@@ -116,6 +116,7 @@ class Node:
         started = time.perf_counter()
         round_index = 0
         me = swarm.peer_id[-8:]
+        saver: checkpoint.BackgroundSaver | None = None
         try:
             swarm.report(device=describe_device(device))
             self._announce(swarm)
@@ -125,6 +126,7 @@ class Node:
                 raise CheckpointError(f"{checkpoints} already holds a checkpoint: pass --resume to continue it, "
                                       f"or another --log-dir")
             log_dir.mkdir(parents=True, exist_ok=True)
+            saver = checkpoint.BackgroundSaver(checkpoints, c.run_id, fingerprint)
             (log_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
             metrics = MetricsLog(log_dir / "metrics.jsonl")
             board = TensorBoardLog(log_dir / "tensorboard")
@@ -191,20 +193,23 @@ class Node:
                     # once the round in flight has its group, whose formation reads our record
                 round_index += 1
                 if c.training.checkpoint_every and round_index % c.training.checkpoint_every == 0:
-                    checkpoint.save(checkpoints, role.worker.checkpoint(round_index, role.checkpoint_extras()),
-                                    c.run_id, fingerprint)
+                    saver.save(role.worker.checkpoint(round_index, role.checkpoint_extras()))
             board.close()
             landed = role.worker.finish_in_flight()
             if landed is not None:
                 self.out(f"[{me}] the last overlapped round's outer step landed on exit "
                          f"({'applied' if landed.committed else 'NOT APPLIED'}, {len(landed.peers)} peer(s))")
-            checkpoint.save(checkpoints, role.worker.checkpoint(round_index, role.checkpoint_extras()), c.run_id,
-                            fingerprint)
+            saver.save(role.worker.checkpoint(round_index, role.checkpoint_extras()))
+            saver.wait()
             self.out(f"[{me}] checkpoint of round {round_index} written to {checkpoints}")
         except KeyboardInterrupt:  # a second signal: stop now, keep the last periodic checkpoint
             self.out(f"[{me}] stopped at once after {len(self.records)} round(s); no exit checkpoint")
         finally:
-            swarm.leave()
+            try:
+                if saver is not None:  # a periodic checkpoint being written is finished, also when stopped at once
+                    saver.close()
+            finally:
+                swarm.leave()
         if self.stopping.is_set():
             self.out(f"[{me}] left the swarm after {len(self.records)} round(s)")
         self.out(summary(self.records, time.perf_counter() - started))

@@ -38,6 +38,27 @@ def test_new_checkpoints_replace_old_ones_and_keep_one_previous(tmp_path):
     assert not list(tmp_path.glob("*.tmp-*"))  # no temporary file left behind
 
 
+def test_a_background_save_holds_the_state_of_the_moment_it_was_asked_for(tmp_path):
+    saver = checkpoint.BackgroundSaver(tmp_path, "run", "fp")
+    live = sample()
+    expected = {name: t.clone() for name, t in live.params.items()}
+    saver.save(live)
+    for tensor in live.params.values():  # training goes on while the checkpoint is written
+        tensor.add_(1.0)
+    saver.close()
+    loaded = checkpoint.load(tmp_path, "run", "fp")
+    assert all(torch.equal(loaded.params[k], expected[k]) for k in expected)
+
+
+def test_a_background_save_that_fails_says_so_on_the_next_wait(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    saver = checkpoint.BackgroundSaver(blocked, "run", "fp")
+    saver.save(sample())
+    with pytest.raises(FileExistsError):
+        saver.close()
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "checkpoint.json").write_text("{not json"), "unreadable or corrupt"),
     (lambda d: (d / "checkpoint.json").write_text("[1, 2]"), "not a JSON object"),
