@@ -187,10 +187,11 @@ class Node:
                 # Alone, or not applied: the others may hold another state after this round (they committed
                 # without us, or a judge we could not reach decided otherwise).
                 unsettled = round_index if record.peers == 1 or not record.applied else None
-                in_flight = role.worker.in_flight
-                if unsettled is not None and in_flight is not None:  # settling publishes our next round: only
-                    in_flight.all_reduce.grouped.wait(c.swarm.matchmaking_timeout + c.swarm.allreduce_timeout)
-                    # once the round in flight has its group, whose formation reads our record
+                if unsettled is not None and role.worker.launched:  # settling publishes our next round: only
+                    # once the round in flight has its group, whose formation reads our record (not asked otherwise:
+                    # it waits for the round's contribution, which is computed in the background meanwhile)
+                    role.worker.in_flight.all_reduce.grouped.wait(c.swarm.matchmaking_timeout
+                                                                  + c.swarm.allreduce_timeout)
                 round_index += 1
                 if c.training.checkpoint_every and round_index % c.training.checkpoint_every == 0:
                     saver.save(role.worker.checkpoint(round_index, role.checkpoint_extras()))
