@@ -64,9 +64,10 @@ def send_bad_headers(start: int) -> None:
 
     honest = ButterflyAllReduce._contribute
 
-    async def contribute(self: ButterflyAllReduce, session: Any, peer: str, *args: Any) -> None:
+    async def contribute(self: ButterflyAllReduce, ours: list[Any], peer: str, *args: Any) -> None:
+        session = ours[0]  # our pieces of the slice: they all name the same group
         if session.group.round_index < start:
-            return await honest(self, session, peer, *args)
+            return await honest(self, ours, peer, *args)
         reader, writer = await wire.open_stream(self.p2p, peer, self.handler_name)
         try:
             head = msgpack.packb([session.group.group_id, session.group.round_index, "not a map"])

@@ -10,8 +10,9 @@ import torch
 from helpers import LOOPBACK, join_swarms
 from hivemind.p2p import PeerID
 
+from p2ploco.collective import exchange as exchange_module
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
-from p2ploco.collective.exchange import partition
+from p2ploco.collective.exchange import partition, pieces
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
@@ -133,6 +134,34 @@ def sparse_exchanges(seeds, layout):
         compressed = [compress(torch.randn(g.shape, generator=generator), g)[0] for g in layout.grids]
         exchanges.append(SparseExchange(layout, compressed, "mean"))
     return exchanges
+
+
+def test_pieces_cover_a_span_in_order_and_fit_the_piece_size(monkeypatch):
+    monkeypatch.setattr(exchange_module, "PIECE_BYTES", 1000)
+    dense = DenseMean([torch.zeros(2180)])
+    cut = pieces(dense, range(100, 1100))
+    assert [(p.start, p.stop) for p in cut] == [(100, 350), (350, 600), (600, 850), (850, 1100)]
+    assert all(dense.max_payload_bytes(p) <= 1000 for p in cut)
+    assert pieces(dense, range(5, 5)) == [range(5, 5)]  # an empty span is one (empty) piece
+    assert pieces(dense, range(0, 200)) == [range(0, 200)]
+
+
+@pytest.mark.parametrize("clip_factor", [0.0, 1.5])
+def test_spans_reduced_in_pieces_give_the_in_process_aggregate_bit_for_bit(trio, monkeypatch, clip_factor):
+    monkeypatch.setattr(exchange_module, "PIECE_BYTES", 1000)  # each peer's span of 2,180 values: 3 pieces
+    inputs = [random_tensors(20 + seed) for seed in range(3)]
+    inputs[2] = [t * 50 for t in inputs[2]]  # one contribution far larger than the others: clipped, piece by piece
+    exchanges = [DenseMean(t, clip_factor=clip_factor) for t in inputs]
+    assert all(len(pieces(exchanges[0], span)) == 3 for span in exchanges[0].partition(3))
+    stats = all_reduce(trio, exchanges)
+    group = InProcessGroup(3)
+    local = [DenseMean(t, clip_factor=clip_factor) for t in inputs]
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda rank: group.communicator(rank).all_reduce(local[rank], 0, "params"), range(3)))
+    for exchange in exchanges:
+        assert all(torch.equal(a, b) for a, b in zip(exchange.mean(), local[0].mean()))
+    assert all(s.dropped == [] and s.bytes_sent + s.bytes_received == s.dense_fp32_bytes for s in stats)
+    assert bool(clip_factor) == any(s.clipped == [trio[2].peer_id] for s in stats)
 
 
 def test_sparse_all_reduce_over_hivemind_equals_the_in_process_one(trio):

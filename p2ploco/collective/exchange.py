@@ -9,6 +9,7 @@ combine / receive code, so what a test measures in process is what the swarm doe
 
 from __future__ import annotations
 
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -19,12 +20,22 @@ from typing import Any
 from p2ploco.errors import PayloadError
 
 Span = range  # a contiguous run of units; the i-th span of a group is reduced by its i-th peer
+PIECE_BYTES = 4 << 20  # a span is reduced, and travels, in pieces of at most this much payload
 
 
 def partition(num_units: int, parts: int) -> list[Span]:
     """Cut ``num_units`` equal units into ``parts`` contiguous spans of near-equal size."""
     bounds = [num_units * i // parts for i in range(parts + 1)]
     return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def pieces(exchange: Exchange, span: Span) -> list[Span]:
+    """``span`` cut into the fewest near-equal runs of units whose payloads fit ``PIECE_BYTES`` (one for an empty
+    span). Each piece is reduced on its own, so that a reducer combines one piece while the next arrives (a
+    dense fp32 span of a large model is tens of megabytes); every member cuts every span alike."""
+    count = min(max(1, math.ceil(exchange.max_payload_bytes(span) / PIECE_BYTES)), max(1, len(span)))
+    return [range(span.start + len(span) * i // count, span.start + len(span) * (i + 1) // count)
+            for i in range(count)]
 
 
 class Exchange(ABC):

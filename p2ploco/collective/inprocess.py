@@ -1,17 +1,24 @@
 """K replicas in one process: each replica runs in its own thread and calls ``all_reduce`` on its own
-communicator; the call returns once all K have called it. Each named slice is reduced among the
-members that hold it (a full replica holds every slice, a pipeline stage one), cut into spans with
-the same ``partition`` and reduced with the same ``reduce_span`` a swarm reducer runs, holder j
-reducing span j, so results and byte counts match a butterfly among the slice's holders. Replicas are
-trusted here: one whose contribution is rejected still gets the aggregate of the others (in a swarm
-it would be dropped and fall back to its own update)."""
+communicator; the call returns once all K have called it. Each named slice is reduced among the members
+that hold it (a full replica holds every slice, a pipeline stage one), cut into spans and pieces with
+the same ``partition`` and ``pieces`` and reduced with the same ``reduce_span`` a swarm reducer runs,
+holder j reducing span j piece by piece, so results and byte counts match a butterfly among the slice's
+holders. Replicas are trusted here: one whose contribution is rejected still gets the aggregate of the
+others (in a swarm it would be dropped and fall back to its own update)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, dense_fp32_bytes, reduce_span
+from p2ploco.collective.exchange import (
+    AllReduceStats,
+    Communicator,
+    Exchange,
+    dense_fp32_bytes,
+    pieces,
+    reduce_span,
+)
 from p2ploco.collective.sliced import as_sliced
 
 
@@ -44,7 +51,8 @@ class InProcessGroup:
             for slice_name in dict.fromkeys(s for plan in plans for s in plan):  # in order of first appearance
                 holders = [rank for rank in range(size) if slice_name in plans[rank]]
                 spans = plans[holders[0]][slice_name].partition(len(holders))
-                for reducer, span in zip(holders, spans):
+                for reducer, span in ((r, piece) for r, whole in zip(holders, spans)
+                                      for piece in pieces(plans[r][slice_name], whole)):
                     payloads = [plans[rank][slice_name].encode(span) for rank in holders]
                     reducing = plans[reducer][slice_name]
                     reduction = reduce_span(reducing, span, list(zip([names[r] for r in holders], payloads)))

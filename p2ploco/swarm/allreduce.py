@@ -24,9 +24,18 @@ A reducer drops a sender from its span, at once and with the reason logged, when
 The reducer always finishes its span with the contributions it has, and every member keeps sending
 its contributions to the other reducers even after one refused it, so nobody waits for it in vain.
 
-A contribution, a wire message (``swarm/wire.py``) whose payload is the slice's encoding::
+A span travels in pieces of at most ``PIECE_BYTES`` (``collective/exchange.py``) of payload: a dense
+fp32 span of a large model is tens of megabytes. As hivemind's averager sends parts, a sender sends a
+reducer its pieces one after another, and the reducer reduces each piece and sends its result back as
+soon as every contribution to it is in, while the next pieces still arrive. Each piece is reduced on its
+own (its own senders, norms and clipping bound), so a piece is what the rules above call a span; all
+pieces of one span share one transfer deadline, so a silent sender costs one deadline, not one per
+piece.
 
-    {v, group_id, round, slice, span: [start, stop]} + contribution
+A contribution to a piece, a wire message (``swarm/wire.py``) on a stream of its own, whose payload is
+the slice's encoding of the piece::
+
+    {v, group_id, round, slice, span: [piece start, piece stop]} + contribution
 
 answered ``{v, status: ok, included: [peer ids in the aggregate]}`` + result, or
 ``{v, status: rejected, reason}``.
@@ -37,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +60,7 @@ from p2ploco.collective.exchange import (
     Span,
     SpanReduction,
     dense_fp32_bytes,
+    pieces,
     reduce_span,
 )
 from p2ploco.collective.sliced import SlicedExchange
@@ -78,8 +89,16 @@ class DroppedFromRound(AllReduceError):
 
 
 @dataclass
+class _Route:
+    """This peer's pieces to one reducer: sent one after another, and not tried again once it failed."""
+
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    failure: AllReduceError | None = None
+
+
+@dataclass
 class _ReducerSession:
-    """Our span of one slice in one group's all-reduce, as the contributions come in."""
+    """One piece of our span of one slice in one group's all-reduce, as the contributions come in."""
 
     group: Group
     slice: str
@@ -87,6 +106,7 @@ class _ReducerSession:
     exchange: Exchange
     senders: set[str]  # remote group members that owe us a contribution
     transfer: float  # seconds any one transfer of this round may take (``swarm/deadlines.py``)
+    deadline: float = 0.0  # time.monotonic() by which every contribution must be in (all pieces of a span alike)
     payloads: dict[str, bytes] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)  # members whose stream with us broke: presumed dead, reported
@@ -99,6 +119,7 @@ class _ReducerSession:
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def __post_init__(self) -> None:
+        self.deadline = self.deadline or time.monotonic() + self.transfer
         self._check()
 
     def deliver(self, sender: str, payload: bytes) -> None:
@@ -137,7 +158,7 @@ class ButterflyAllReduce:
         self.p2p, self.me, self.deadline, self.bans, self.rates = p2p, me, deadline, bans, rates
         self.timeout = deadline.base  # for what does not grow with the payload: headers, answers, lookups
         self.handler_name = f"p2ploco/{run_id}/reduce"
-        self._sessions: dict[tuple[str, str], asyncio.Future] = {}  # (group id, slice) -> our session
+        self._sessions: dict[tuple[str, str, int], asyncio.Future] = {}  # (group id, slice, piece start) -> session
         self.current_round = 0  # the round of the latest all-reduce here: malformed data is banned from it on
 
     async def start(self) -> None:
@@ -154,25 +175,34 @@ class ButterflyAllReduce:
         sessions: list[_ReducerSession] = []
         senders: list[asyncio.Task] = []
         dropped: set[str] = set()
-        # Every link carries about one whole contribution per phase (ours out to the reducers, or the others' to
-        # our spans in): the slices move at once, so their sizes add up.
+        # Every link carries about one whole contribution each way and phase (ours out to the reducers, the others'
+        # in to our spans; then the results), and the slices move at once, so their sizes add up. Pieces interleave
+        # the phases: the last pieces of the contributions share a link with the results of the first ones, so the
+        # deadline by which every contribution must be in allows for both phases' bytes.
         volume = sum(part.max_payload_bytes(range(part.num_units)) for part in exchange.parts.values())
-        transfer = self.deadline.seconds(volume, self.rates(group.peers))
+        transfer = self.deadline.seconds(2 * volume, self.rates(group.peers))
+        deadline = time.monotonic() + transfer
         for slice_name, part in exchange.parts.items():
             holders = group.holders(slice_name)
             index = holders.index(self.me)
             spans = part.partition(len(holders))
-            session = _ReducerSession(group, slice_name, spans[index], part, set(holders) - {self.me}, transfer)
-            for peer in session.senders & self.bans.active(group.round_index):
-                session.fail(peer, "banned here for sending malformed data")
-            pending = self._sessions.setdefault((group.group_id, slice_name), loop.create_future())
-            if not pending.done():
-                pending.set_result(session)
-            sessions.append(session)
+            ours = [_ReducerSession(group, slice_name, piece, part, set(holders) - {self.me}, transfer, deadline)
+                    for piece in pieces(part, spans[index])]
+            for session in ours:
+                for peer in session.senders & self.bans.active(group.round_index):
+                    session.fail(peer, "banned here for sending malformed data")
+                pending = self._sessions.setdefault((group.group_id, slice_name, session.span.start),
+                                                    loop.create_future())
+                if not pending.done():
+                    pending.set_result(session)
+            sessions += ours
             stats.dense_fp32_bytes += dense_fp32_bytes(part, spans, index)
             stats.params += sum(part.numel(span) for span in spans)
-            senders += [asyncio.create_task(self._contribute(session, peer, span, stats, dropped))
-                        for peer, span in zip(holders, spans) if peer != self.me]
+            for peer, span in zip(holders, spans):
+                if peer != self.me:
+                    route = _Route()
+                    senders += [asyncio.create_task(self._contribute(ours, peer, route, piece, stats, dropped))
+                                for piece in pieces(part, span)]
         reductions: list[SpanReduction] = []
         try:
             for session in sessions:
@@ -196,7 +226,7 @@ class ButterflyAllReduce:
                 task.cancel()
             await asyncio.gather(*senders, return_exceptions=True)  # reap them; their errors are reported below
             for session in sessions:
-                self._sessions.pop((group.group_id, session.slice), None)
+                self._sessions.pop((group.group_id, session.slice, session.span.start), None)
                 stats.bytes_sent += session.bytes_out
                 stats.bytes_received += session.bytes_in
                 drops.update(session.failed, session.lost)
@@ -211,7 +241,7 @@ class ButterflyAllReduce:
 
     async def _reduce(self, session: _ReducerSession, own: bytes) -> SpanReduction:
         try:
-            await asyncio.wait_for(session.arrived.wait(), session.transfer)
+            await asyncio.wait_for(session.arrived.wait(), max(0.0, session.deadline - time.monotonic()))
         except TimeoutError:
             for sender in session.senders:
                 session.fail(sender, f"sent nothing within {session.transfer:.0f} s")
@@ -236,30 +266,55 @@ class ButterflyAllReduce:
         session.result.set_result(reduction)
         return reduction
 
-    async def _contribute(self, session: _ReducerSession, peer: str, span: Span, stats: AllReduceStats,
-                          dropped: set[str]) -> None:
-        """Send our contribution for ``span`` to its reducer ``peer`` and take back the span's aggregate."""
+    async def _contribute(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span,
+                          stats: AllReduceStats, dropped: set[str]) -> None:
+        """Send our contribution to the piece ``span`` to its reducer ``peer`` (after our earlier pieces to it) and
+        take back the piece's aggregate. ``ours``: the pieces we reduce of the same slice, which ``peer`` owes
+        contributions to."""
+        try:
+            await self._send_piece(ours, peer, route, span, stats, dropped)
+        except DroppedFromRound:  # refused, not gone: our other pieces still go out, so it waits for none in vain
+            raise
+        except AllReduceError as e:  # unreachable, broken or out of time: the next pieces would fare no better
+            if route.failure is None:
+                route.failure = e
+            raise
+
+    async def _send_piece(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span,
+                          stats: AllReduceStats, dropped: set[str]) -> None:
+        session = ours[0]
         group, exchange = session.group, session.exchange
         loop = asyncio.get_running_loop()
         payload = await loop.run_in_executor(None, exchange.encode, span)
         stats.contribution_bytes += len(payload)
+        await route.turn.acquire()  # one piece on the wire to a reducer at a time: it reduces one as the next comes
         try:
+            if route.failure is not None:
+                raise route.failure
             reader, writer = await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name),
                                                     self.timeout)
         except (PayloadError, *wire.TRANSPORT_ERRORS) as e:
-            # A peer we cannot reach will not send us its contribution either (it crashed): stop waiting for it.
-            session.lose(peer, f"unreachable ({e!r})")
+            route.turn.release()
+            # A peer we cannot reach will not send us its contributions either (it crashed): stop waiting for it.
+            for piece in ours:
+                piece.lose(peer, f"unreachable ({e!r})")
             raise AllReduceError(f"could not reach reducer {peer[-8:]}: {e!r}") from None
+        except BaseException:
+            route.turn.release()
+            raise
         try:
-            header = {"group_id": group.group_id, "round": group.round_index, "slice": session.slice,
-                      "span": [span.start, span.stop]}
             try:
-                await asyncio.wait_for(wire.write_message(writer, header, payload), session.transfer)
-            except wire.TRANSPORT_ERRORS as e:
-                reason = None if isinstance(e, TimeoutError) else await _refusal_left_behind(reader)
-                if reason is None:
-                    raise
-                raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {reason}") from None
+                header = {"group_id": group.group_id, "round": group.round_index, "slice": session.slice,
+                          "span": [span.start, span.stop]}
+                try:
+                    await asyncio.wait_for(wire.write_message(writer, header, payload), session.transfer)
+                except wire.TRANSPORT_ERRORS as e:
+                    reason = None if isinstance(e, TimeoutError) else await _refusal_left_behind(reader)
+                    if reason is None:
+                        raise
+                    raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {reason}") from None
+            finally:
+                route.turn.release()
             stats.bytes_sent += len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
             # The reducer may wait a transfer's time for the slowest sender before it answers, and the answer
@@ -274,7 +329,8 @@ class ButterflyAllReduce:
             dropped.update(set(group.holders(session.slice)) - set(included))
         except (wire.StreamClosed, *wire.TRANSPORT_ERRORS) as e:
             if not isinstance(e, TimeoutError):  # a reducer that hangs up mid-answer has crashed, not dawdled
-                session.lose(peer, f"its stream broke ({e!r})")
+                for piece in ours:
+                    piece.lose(peer, f"its stream broke ({e!r})")
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e!r}") from None
         except PayloadError as e:
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e!r}") from None
@@ -288,14 +344,17 @@ class ButterflyAllReduce:
         try:
             header, length = await asyncio.wait_for(wire.read_header(reader), self.timeout)
             round_index = wire.field(header, "round", int)
+            span = header.get("span")
+            if not (isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)):
+                raise PayloadError("message field 'span' is not [start, stop]")
             session = await self._session_of(wire.field(header, "group_id", str), wire.field(header, "slice", str),
-                                             sender)
+                                             span[0], sender)
             session.connected.add(sender)
             if sender in session.failed:  # dropped already (unreachable, banned, too late): no new offence
                 raise _Refused(session.failed[sender])
             if sender in session.payloads:
                 raise PayloadError("second contribution to the same span")
-            span, expected = header.get("span"), [session.span.start, session.span.stop]
+            expected = [session.span.start, session.span.stop]
             if span != expected or round_index != session.group.round_index:
                 raise PayloadError(f"contribution for span {span} of round {round_index}, this peer reduces "
                                    f"{expected} of round {session.group.round_index}")
@@ -337,13 +396,13 @@ class ButterflyAllReduce:
                 session.settle(sender)
             writer.close()
 
-    async def _session_of(self, group_id: str, slice_name: str, sender: str) -> _ReducerSession:
-        """Our session of ``slice_name`` in ``group_id`` that ``sender`` belongs to, waiting (bounded) if the group's
-        other members learnt of it first."""
-        key = (group_id, slice_name)
+    async def _session_of(self, group_id: str, slice_name: str, start: int, sender: str) -> _ReducerSession:
+        """Our session of the piece of ``slice_name`` that begins at unit ``start`` in ``group_id``, which ``sender``
+        belongs to, waiting (bounded) if the group's other members learnt of it first."""
+        key = (group_id, slice_name, start)
         pending = self._sessions.get(key)
         if pending is None:
-            if len(self._sessions) >= MAX_UNKNOWN_GROUPS:
+            if sum(not known.done() for known in self._sessions.values()) >= MAX_UNKNOWN_GROUPS:
                 raise _UnknownGroup("too many contributions for unknown groups")
             pending = self._sessions[key] = asyncio.get_running_loop().create_future()
         try:
@@ -351,8 +410,8 @@ class ButterflyAllReduce:
         except TimeoutError:
             if not pending.done():
                 self._sessions.pop(key, None)
-            raise _UnknownGroup(f"contribution for unknown group {group_id[:32]!r} or slice {slice_name[:32]!r}"
-                                ) from None
+            raise _UnknownGroup(f"contribution for unknown group {group_id[:32]!r}, slice {slice_name[:32]!r} or "
+                                f"piece {start}") from None
         if sender not in session.senders:
             raise PayloadError(f"{sender[-8:]} is not a member of this group")
         return session
