@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -122,14 +121,6 @@ def params_sha256(names: Sequence[str], tensors: Iterable[torch.Tensor]) -> str:
         digest.update(f"{name}:{tuple(values.shape)};".encode())
         digest.update(values.view(torch.uint8).numpy())  # hashed in place: no copy of the model
     return digest.hexdigest()
-
-
-def update_norm(before: Iterable[torch.Tensor], after: Iterable[torch.Tensor]) -> float:
-    """L2 norm of ``after - before`` over all tensors, accumulated in float64: how far a round moved the
-    parameters. The difference is taken in float32 (exact wherever a round moves a value by less than itself,
-    which is nearly everywhere) and only the norm in float64: no double copies of the model per round."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(torch.sub(b, a), dtype=torch.float64)) ** 2
-                         for a, b in zip(before, after)))
 
 
 def human_bytes(count: float) -> str:

@@ -26,7 +26,7 @@ from p2ploco.collective.exchange import AllReduceStats
 from p2ploco.config import Config
 from p2ploco.data import Batch, eval_batches, load_training_data
 from p2ploco.errors import CheckpointError, ConfigError, PipelineError, SwarmError
-from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes, update_norm
+from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog, format_table, human_bytes
 from p2ploco.roles import REPLICA, STAGE, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.records import EVAL_HISTORY, PeerState, SwarmState
@@ -244,7 +244,9 @@ class Node:
             self._publish(swarm, worker, round_index, PeerState.TRAINING)  # our state, for the vote
             if not self._wait(lambda: swarm.settled(unsettled), deadline):
                 return round_index, membership
-        targets = swarm.swarm_state(round_index, worker.slice_sha256)
+        # Between two rounds that went well the heartbeat's view will do (a peer behind is also told so at its next
+        # join, and catches up then); a peer that starts, or after a round that went otherwise, looks afresh.
+        targets = swarm.swarm_state(round_index, worker.slice_sha256, fresh=unsettled is not None or not self.records)
         if not behind(targets):
             return round_index, membership
         if unsettled is None:  # joining or restarted: let the round under way end, then start the next with all
@@ -290,8 +292,7 @@ class Node:
         this round's all-reduce starts in the background), an eval and the record."""
         c = self.config
         worker = role.worker
-        start = worker.snapshots(round_index)
-        swarm.publish_state(start)
+        swarm.publish_state(worker.snapshots(round_index))
         announce = partial(swarm.set_progress, round_index, PeerState.TRAINING, worker.params_sha256,
                            dict(worker.slice_sha256))
         # Overlapped, the record moves on to this round once the round in flight has its group (its formation
@@ -330,7 +331,6 @@ class Node:
         syncs = comm.sync_bytes or [comm.bytes_sent + comm.bytes_received]
         evaluated = role.evaluates and (round_index % c.training.eval_every == 0
                                         or round_index + 1 == c.training.rounds)
-        before = {name: t for snapshot in start for name, t in snapshot.params.items()}
         return self._record(
             swarm, role, round_index, membership, started, peers=len(comm.peers), loss=inner_stats.loss,
             eval_loss=worker.evaluate(held_out) if evaluated else None,
@@ -339,7 +339,7 @@ class Node:
             bits_per_param=8 * comm.contribution_bytes / comm.params if comm.params else 0.0,
             tokens=inner_stats.tokens, inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
             dropped_peers=comm.dropped, clipped_peers=comm.clipped,
-            update_norm=update_norm([before[name] for name in worker.names], worker.outer.params),
+            update_norm=worker.outer.take_update_norm(),
             applied=comm.committed, excluded=comm.excluded, fragment_bytes=syncs, peak_sync_bytes=max(syncs))
 
     def _record(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,

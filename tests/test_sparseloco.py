@@ -147,6 +147,15 @@ def test_all_reduce_equals_the_papers_algorithm(aggregate):
         assert all(torch.equal(got, want) for got, want in zip(algorithm.errors, expected_errors[rank]))
 
 
+@pytest.mark.parametrize("algorithm", ["sparseloco", "diloco"])
+def test_the_update_norm_is_how_far_the_round_moved_the_global_params(algorithm):
+    outer = OuterConfig(algorithm=algorithm, sparseloco=SparseLoCoConfig(lr=0.7))
+    initial, _, algorithms, _ = run_outer_replicas(outer, SHAPES, 3, 1, 0.05)
+    moved = math.sqrt(sum(float((p - q).double().square().sum()) for p, q in zip(algorithms[0].params, initial)))
+    assert moved > 0 and algorithms[0].take_update_norm() == pytest.approx(moved, rel=1e-5)
+    assert algorithms[0].take_update_norm() == 0.0  # taken: the next round starts from nothing
+
+
 def test_error_feedback_keeps_exactly_what_was_not_sent():
     generator = torch.Generator().manual_seed(4)
     error = torch.randn(128, 192, generator=generator)

@@ -12,6 +12,7 @@ contributed at one inner step and finished at a later one.
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,17 @@ class OuterAlgorithm(ABC):
         self.slices = {name: list(positions) for name, positions in (slices or whole(len(self.params))).items()}
         if sorted(i for positions in self.slices.values() for i in positions) != list(range(len(self.params))):
             raise ValueError("slices must cover every parameter exactly once")
+        self._moved = 0.0  # squared L2 norm of the outer steps applied since ``take_update_norm`` last read it
+
+    def count_step(self, step: torch.Tensor) -> None:
+        """Tally one tensor's outer step (what was subtracted from a global parameter) for ``take_update_norm``."""
+        self._moved += float(torch.linalg.vector_norm(step, dtype=torch.float64)) ** 2
+
+    def take_update_norm(self) -> float:
+        """L2 norm of the outer steps applied to the global params since the last call (0 if none): how far a
+        round moved them, from the steps themselves (sparse for SparseLoCo) rather than a pass over the model."""
+        norm, self._moved = math.sqrt(self._moved), 0.0
+        return norm
 
     def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
              start: Sequence[torch.Tensor] | None = None) -> AllReduceStats:
@@ -173,7 +185,12 @@ def all_finite(tensor: torch.Tensor) -> bool:
 def finite_step(params: Sequence[torch.Tensor], steps: Iterable[torch.Tensor], round_index: int) -> bool:
     """Whether ``params - steps`` is finite everywhere. Every peer of a round holds the same params and the
     same aggregate, so all of them refuse a non-finite update alike: the round is dropped, nobody exits."""
-    if all(all_finite(p - s) for p, s in zip(params, steps)):
+    return finite_update((p - s for p, s in zip(params, steps)), round_index)
+
+
+def finite_update(updated: Iterable[torch.Tensor], round_index: int) -> bool:
+    """Whether the global params as a round's step would leave them (``updated``) are finite everywhere."""
+    if all(all_finite(u) for u in updated):
         return True
     logger.warning(f"round {round_index}: the aggregate would make the global parameters non-finite; "
                    f"this round is dropped (by every peer alike)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -34,18 +34,19 @@ class DiLoCo(OuterAlgorithm):
         # 3. Outer SGD with (Nesterov) momentum (``follow``, when overlapped: the local params take the same step).
         return nesterov_step(self.params, self.per_param(outer_round.exchange, DenseMean.mean), self.momentum,
                              self.config.lr, self.config.momentum, self.config.nesterov, outer_round.round_index,
-                             follow)
+                             follow, self.count_step)
 
     def shared_state(self) -> dict[str, torch.Tensor]:
         return {f"momentum.{i}": buf for i, buf in enumerate(self.momentum)}
 
 
 def nesterov_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
-                  lr: float, m: float, nesterov: bool, round_index: int, follow: Sequence[torch.Tensor] = ()) -> bool:
+                  lr: float, m: float, nesterov: bool, round_index: int, follow: Sequence[torch.Tensor] = (),
+                  on_step: Callable[[torch.Tensor], None] = lambda step: None) -> bool:
     """Outer SGD with (Nesterov) momentum, in place: buf = m*buf + g; step = g + m*buf (or buf); p -= lr*step.
     One rounding per operation (no fused multiply-add), so every CPU computes the same bits. Computed twice:
     once to refuse a non-finite result before anything changes (False), once to apply it (True). ``follow``
-    (overlapped rounds: the local params, on their device) take the same step."""
+    (overlapped rounds: the local params, on their device) take the same step; ``on_step`` sees each step."""
 
     def step_of(grad: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         new_buf = buf.mul(m).add_(grad)
@@ -58,6 +59,7 @@ def nesterov_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         new_buf, step = step_of(grad, buf)
         buf.copy_(new_buf)
         param.sub_(step)
+        on_step(step)
         if follow:
             with torch.no_grad():
                 follow[i].sub_(step.to(follow[i].device))

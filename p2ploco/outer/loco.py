@@ -80,7 +80,7 @@ class LoCo(OuterAlgorithm):
         # 4. DiLoCo's outer step on the decoded aggregate: SGD with Nesterov momentum.
         c = self.config
         if not nesterov_step(self.params, self.per_param(outer_round.exchange, LowBitMean.mean), self.momentum,
-                             c.lr, c.momentum, True, outer_round.round_index, follow):
+                             c.lr, c.momentum, True, outer_round.round_index, follow, self.count_step):
             return False
 
         # 5. Applied: keep the new buffers, the sender's and the reducer's for the span it reduced.

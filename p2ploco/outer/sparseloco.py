@@ -25,7 +25,7 @@ from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import CompressedTensor, Taken, compress_
 from p2ploco.config import SparseLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, OuterRound, check_pseudo_gradient, check_state, finite_step
+from p2ploco.outer.base import OuterAlgorithm, OuterRound, check_pseudo_gradient, check_state, finite_update
 
 
 @dataclass
@@ -101,10 +101,12 @@ class SparseLoCo(OuterAlgorithm):
         flats = [param.view(-1) for param in self.params]
         where = [torch.from_numpy(index) for index, _ in updates]
         steps = [torch.from_numpy(values).mul(alpha) for _, values in updates]
-        if not finite_step([flat[index] for flat, index in zip(flats, where)], steps, round_index):
+        updated = [flat[index] - step for flat, index, step in zip(flats, where, steps)]
+        if not finite_update(updated, round_index):
             return False
-        for flat, index, step in zip(flats, where, steps):
-            flat[index] = flat[index] - step
+        for flat, index, values, step in zip(flats, where, updated, steps):
+            flat[index] = values
+            self.count_step(step)
         with torch.no_grad():
             for tensor, index, step in zip(follow, where, steps):
                 flat, index = tensor.view(-1), index.to(tensor.device)

@@ -81,7 +81,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         c = self.config
         return nesterov_step([self.params[i] for i in positions], means, [self.momentum[i] for i in positions],
                              c.lr, c.momentum, True, outer_round.round_index,
-                             [follow[i] for i in positions] if follow else ())
+                             [follow[i] for i in positions] if follow else (), self.count_step)
 
     def merge(self, local_params: Sequence[torch.Tensor], fragments: Sequence[str]) -> None:
         """local <- alpha·local + (1 - alpha)·global on ``fragments`` (exactly global when alpha is 0)."""

@@ -132,13 +132,15 @@ class Swarm:
         """Block until ``count`` peers (this one included) are present or the run is under way, or ``timeout``."""
         return self.loop.run(self.directory.wait_for_peers(count, timeout))
 
-    def swarm_state(self, round_index: int, slices: dict[str, str]) -> dict[str, SwarmState]:
-        """For each slice this peer holds (name -> the hash it holds at ``round_index``), the state to follow, from
-        a fresh look at the records: one that two or more peers vouch for, this peer's own, or else a lone
-        peer's claim that it really serves (probed). Slices nobody else holds are left out."""
+    def swarm_state(self, round_index: int, slices: dict[str, str], fresh: bool = True) -> dict[str, SwarmState]:
+        """For each slice this peer holds (name -> the hash it holds at ``round_index``), the state to follow: one
+        that two or more peers vouch for, this peer's own, or else a lone peer's claim that it really serves
+        (probed). Slices nobody else holds are left out. From a fresh look at the records, or (``fresh`` False:
+        the check between two rounds that went well) from the heartbeat's view if it looked since this peer
+        moved to its round."""
         async def look() -> dict[str, SwarmState]:
             me = replace(self.directory.me, round=round_index, slices=dict(slices), state=PeerState.TRAINING)
-            live = await self.directory.refresh()
+            live = await (self.directory.refresh() if fresh else self.directory.view())
             chosen: dict[str, SwarmState] = {}
             for name in slices:
                 for state in ranked_states(live, me, name):
