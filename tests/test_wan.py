@@ -2,6 +2,7 @@
 that it removes everything it made when its nodes fail or it is interrupted. Where namespaces cannot be made
 (not root, no iproute2) it says so in one line and exits 0."""
 
+import importlib.util
 import json
 import os
 import re
@@ -114,6 +115,21 @@ def test_capped_hosts_train_with_equal_hashes_and_report_json(tmp_path):
         assert row["params"] == 459_520 and row["bytes_per_round"] > 0
         assert 0 < row["inner_seconds"] < row["round_seconds"] and 0 < row["utilisation"] <= 1
     assert namespaces_of(run.pid) == [] and processes_mentioning(str(tmp_path)) == []
+
+
+def test_a_round_agrees_when_every_node_applied_it_in_one_group_with_one_hash(monkeypatch):
+    spec = importlib.util.spec_from_file_location("wan", "benchmarks/wan.py")
+    wan = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "wan", wan)  # its dataclasses look their module up there
+    spec.loader.exec_module(wan)
+    row = {"applied": True, "peers": 3, "bytes_sent": 10, "bytes_received": 10, "params_sha256": "a"}
+    assert wan.hashes_agree([row] * 3, 3)
+    assert not wan.hashes_agree([row, row, {**row, "params_sha256": "b"}], 3)  # split
+    assert not wan.hashes_agree([row, row, {**row, "peers": 2}], 3)  # left out, yet the same hash
+    assert not wan.hashes_agree([row, row], 3)  # a node missing
+    first = {**row, "peers": 1, "bytes_sent": 0, "bytes_received": 0}  # overlapped: round 0 lands nothing
+    assert wan.hashes_agree([first] * 3, 3)
+    assert not wan.hashes_agree([first, first, {**first, "applied": False}], 3)
 
 
 def test_compute_utilisation_is_inner_time_over_wall_time_since_the_previous_record():
