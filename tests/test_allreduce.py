@@ -253,3 +253,24 @@ def test_a_formation_waits_for_a_peer_still_finishing_the_previous_round(trio):
         futures.append(pool.submit(moving.communicator.all_reduce, DenseMean(tensors[2]), round_index, "params"))
         stats = [f.result(timeout=60) for f in futures]
     assert [len(s.peers) for s in stats] == [3, 3, 3] and all(s.committed for s in stats)
+
+
+def test_a_member_that_asks_its_coordinator_again_gets_the_same_group(trio):
+    """A joiner whose answer was lost (its stream broke) asks the coordinator again: it must get the group it is
+    in, not "late" (nor form a group of its own elsewhere, while the others wait for it in vain)."""
+    round_index = next(rounds)
+    for s in trio:
+        s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+    exchanges = [DenseMean(random_tensors(70 + i)) for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        stats = [f.result(timeout=60) for f in [pool.submit(s.communicator.all_reduce, e, round_index, "params")
+                                                for s, e in zip(trio, exchanges)]]
+    assert all(len(s.peers) == 3 for s in stats)
+    [(coordinator, key, group)] = [(s, k, g) for s in trio for k, g in s.communicator.matchmaker._closed.items()
+                                   if k[0] == round_index]
+    member = next(s for s in trio if s is not coordinator)
+    request = {"round": key[0], "name": key[1], "config": key[2], "state": key[3], "pipeline": "", "unreachable": [],
+               "slices": {"params": [exchanges[0].fingerprint(), "start-state"]}}
+    answer = member.loop.run(member.communicator.matchmaker._ask(coordinator.peer_id, request, 10), 15)
+    assert answer["status"] == "group" and answer["group_id"] == group.group_id
+    assert answer["peers"] == list(group.peers)

@@ -19,7 +19,9 @@ uses the view its heartbeat holds (if taken since it moved to the round), the co
 records once as the first peer joins and then re-judges on events (a join, a heartbeat's lookup, a probe,
 the end of that grace), so the last join closes the group at once (it looks again only before closing
 without a peer that its view shows at an earlier round).
-A late peer is told so: it applies nothing this round and catches up from the swarm after. A peer
+A late peer is told so: it applies nothing this round and catches up from the swarm after. A member
+that asks again (its answer was lost on a broken stream, and it asks the same coordinator once more
+before any other) gets the group it is in. A peer
 this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
 starting state differ never share a group. A member checks the group it is given against its own
 view (every member a known live peer, itself included) and refuses an implausible one, trying the
@@ -214,6 +216,7 @@ class Matchmaker:
                    "unreachable": []}
         deadline = time.monotonic() + self.timeout + 5.0  # the coordinator may wait `timeout` for others
         unreachable: set[str] = set()
+        asked_again: set[str] = set()
         hints: set[str] = set()
         while time.monotonic() < deadline and not self.leaving.is_set():
             candidates = self.candidates(unreachable) | (hints - unreachable)
@@ -245,7 +248,14 @@ class Matchmaker:
                 else:
                     unreachable.add(coordinator)
             except (TimeoutError, PayloadError, *wire.TRANSPORT_ERRORS) as e:
-                logger.info(f"coordinator {coordinator[-8:]} unreachable or implausible ({e!r}); trying the next one")
+                if not isinstance(e, (TimeoutError, PayloadError)) and coordinator not in asked_again:
+                    # The stream broke: the coordinator may hold our join all the same, and answers a second ask
+                    # with the group it formed (a next coordinator would form a group the others are not in).
+                    asked_again.add(coordinator)
+                    logger.info(f"join at {coordinator[-8:]} broke off ({e!r}); asking it again")
+                    continue
+                logger.warning(f"round {round_index}: coordinator {coordinator[-8:]} unreachable or implausible "
+                               f"({e!r}); trying the next one")
                 unreachable.add(coordinator)
         if self.leaving.is_set():
             return None
@@ -309,6 +319,9 @@ class Matchmaker:
             if best != self.me:
                 return {"status": JoinStatus.REDIRECT, "to": best}
         if key in self._closed:
+            closed = self._closed[key]
+            if sender in closed.peers:
+                return group_answer(closed)  # asked again (its first answer was lost): the same group, not "late"
             return {"status": JoinStatus.LATE, "reason": f"round {round_index} had already started without this peer"}
         if formation is None:
             formation = _Formation(key, time.monotonic() + self.timeout)
@@ -323,9 +336,7 @@ class Matchmaker:
             return {"status": JoinStatus.REDIRECT, "to": outcome}
         if sender in formation.refused:
             return {"status": JoinStatus.LATE, "reason": formation.refused[sender]}
-        return {"status": JoinStatus.GROUP, "group_id": outcome.group_id, "peers": list(outcome.peers),
-                "holdings": {peer: list(slices) for peer, slices in outcome.holdings},
-                "pipelines": dict(outcome.pipelines)}
+        return group_answer(outcome)
 
     async def _close_when_complete(self, formation: _Formation) -> None:
         """Close the group when everyone expected has joined or at the deadline; or hand the whole
@@ -463,6 +474,11 @@ def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]
         raise PayloadError("pipeline group name too long")
     member = Member(tuple(sorted((k, (v[0], v[1])) for k, v in listed.items())), pipeline)
     return key, set(wire.peer_ids(request, "unreachable")), member
+
+
+def group_answer(group: Group) -> dict[str, Any]:
+    return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers),
+            "holdings": {peer: list(slices) for peer, slices in group.holdings}, "pipelines": dict(group.pipelines)}
 
 
 def parse_group(response: dict[str, Any], round_index: int, name: str, coordinator: str) -> Group:
