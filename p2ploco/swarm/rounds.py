@@ -248,14 +248,16 @@ class Matchmaker:
                 else:
                     unreachable.add(coordinator)
             except (TimeoutError, PayloadError, *wire.TRANSPORT_ERRORS) as e:
-                if not isinstance(e, (TimeoutError, PayloadError)) and coordinator not in asked_again:
+                broke = isinstance(e, wire.StreamClosed) or not isinstance(e, (TimeoutError, PayloadError))
+                if broke and coordinator not in asked_again:
                     # The stream broke: the coordinator may hold our join all the same, and answers a second ask
                     # with the group it formed (a next coordinator would form a group the others are not in).
                     asked_again.add(coordinator)
                     logger.info(f"join at {coordinator[-8:]} broke off ({e!r}); asking it again")
                     continue
-                logger.warning(f"round {round_index}: coordinator {coordinator[-8:]} unreachable or implausible "
-                               f"({e!r}); trying the next one")
+                (logger.info if broke else logger.warning)(
+                    f"round {round_index}: coordinator {coordinator[-8:]} unreachable or implausible ({e!r}); "
+                    f"trying the next one")
                 unreachable.add(coordinator)
         if self.leaving.is_set():
             return None
