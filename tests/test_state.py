@@ -14,8 +14,16 @@ from p2ploco.config import SwarmConfig
 from p2ploco.errors import SwarmError
 from p2ploco.metrics import params_sha256
 from p2ploco.swarm import state as state_module
-from p2ploco.swarm.records import PeerRecord, PeerState, SwarmState, ranked_states, round_state, settled, swarm_state
-from p2ploco.swarm.rounds import contested
+from p2ploco.swarm.records import (
+    PeerRecord,
+    PeerState,
+    SwarmState,
+    contested,
+    ranked_states,
+    round_state,
+    settled,
+    swarm_state,
+)
 from p2ploco.swarm.state import Snapshot
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
@@ -69,7 +77,7 @@ def test_a_banned_peer_does_not_vote_on_the_state_a_round_starts_from():
     live = {r.peer_id: r for r in [record("x", 5, "stale"), record("b", 4, "before")]}
     assert round_state(live, me, 5)[1] == {S: "stale"}  # a tie, and "stale" wins it on the hash
     assert round_state(live, me, 5, banned={"x"})[1] == {S: "applied"}
-    assert contested(live, me, 5, {S: "applied"}, set()) and not contested(live, me, 5, {S: "applied"}, {"x"})
+    assert contested(live, me, 5) and not contested(live, me, 5, banned={"x"})
 
 
 def test_a_record_stuck_in_the_past_does_not_hold_the_others_up():

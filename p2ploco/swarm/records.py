@@ -259,14 +259,28 @@ def round_state(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, b
     one digest of them all. Every peer with the same view computes the same; it names the round's formation
     and seeds the choice of its coordinator. Peers ``me`` has banned have no vote: while the others' records
     still show the previous round, one banned peer's stale hash would tie with ours and could win the tie."""
+    votes = _state_votes(live, me, round_index, banned)
+    chosen = {name: max(counts, key=lambda digest: (counts[digest], digest)) for name, counts in sorted(votes.items())}
+    combined = hashlib.sha256(";".join(f"{name}={digest}" for name, digest in chosen.items()).encode()).hexdigest()
+    return combined, chosen
+
+
+def contested(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, banned: set[str] = frozenset()) -> bool:
+    """Whether the peers that vote on ``round_index``'s starting state (``round_state``) hold more than one hash
+    of some slice."""
+    return any(len(counts) > 1 for counts in _state_votes(live, me, round_index, banned).values())
+
+
+def _state_votes(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, banned: set[str]
+                 ) -> dict[str, Counter]:
+    """For every slice, how many of the peers voting on ``round_index``'s starting state hold each hash: the
+    active peers of our config at that round, ``me`` included, those ``me`` has banned left out."""
     votes: dict[str, Counter] = {}
     for r in active_peers(live, me) + [me]:
         if r.round == round_index and r.peer_id not in banned:
             for name, digest in r.slices.items():
                 votes.setdefault(name, Counter())[digest] += 1
-    chosen = {name: max(counts, key=lambda digest: (counts[digest], digest)) for name, counts in sorted(votes.items())}
-    combined = hashlib.sha256(";".join(f"{name}={digest}" for name, digest in chosen.items()).encode()).hexdigest()
-    return combined, chosen
+    return votes
 
 
 def settled(live: dict[str, PeerRecord], me: PeerRecord, round_index: int) -> bool:

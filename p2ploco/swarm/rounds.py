@@ -19,14 +19,13 @@ uses the view its heartbeat holds (if taken since it moved to the round), the co
 records once as the first peer joins and then re-judges on events (a join, a heartbeat's lookup, a probe,
 the end of that grace), so the last join closes the group at once (it looks again only before closing
 without a peer that its view shows at an earlier round).
-A late peer is told so: it applies nothing this round and catches up from the swarm after. A member
-that asks again (its answer was lost on a broken stream, and it asks the same coordinator once more
-before any other) gets the group it is in. A peer
-this coordinator has banned (``swarm/bans.py``) is told so too. Peers whose config, exchange or
-starting state differ never share a group. A member checks the group it is given against its own
-view (every member a known live peer, itself included) and refuses an implausible one, trying the
-next coordinator. The coordinator needs no pseudo-gradient of its own: it serves joins from its event
-loop while it trains.
+A late peer is told so: it applies nothing this round and catches up from the swarm after. A member that
+asks again (its answer was lost on a broken stream, and it asks the same coordinator once more before
+any other) gets the group it is in. A peer this coordinator has banned (``swarm/bans.py``) is told so
+too. Peers whose config, exchange or starting state differ never share a group. A member checks the
+group it is given against its own view (every member a known live peer, itself included) and refuses an
+implausible one, trying the next coordinator. The coordinator needs no pseudo-gradient of its own: it
+serves joins from its event loop while it trains.
 
 A round covers named parameter slices (one per pipeline stage; the whole model when it is not cut):
 a full replica holds them all, a stage peer one. The state a round starts from is, for every slice,
@@ -65,7 +64,7 @@ from hivemind.p2p import P2P
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.records import MAX_SLICES, PeerDirectory, PeerRecord, PeerState, active_peers, round_state
+from p2ploco.swarm.records import MAX_SLICES, PeerDirectory, PeerState, contested, round_state
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +205,8 @@ class Matchmaker:
         banned = self.bans.active(round_index)
         looked = self.directory.refreshed_at
         view = await self.directory.view()  # no lookup if the heartbeat's will do
-        state, chosen = round_state(view, me, round_index, banned)
-        if self.directory.refreshed_at == looked and contested(view, me, round_index, chosen, banned):
+        state, _ = round_state(view, me, round_index, banned)
+        if self.directory.refreshed_at == looked and contested(view, me, round_index, banned):
             # Records at this round disagree: a peer left out of the last round shows its old state until it
             # catches up, and the records of those that applied it may not be in this view yet. One fresh look.
             state, _ = round_state(await self.directory.refresh(), me, round_index, banned)
@@ -419,13 +418,6 @@ class Matchmaker:
                 for old in sorted(self._closed)[:-KEEP_CLOSED_ROUNDS]:
                     del self._closed[old]
                 formation.closed.set_result(group)
-
-
-def contested(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, chosen: dict[str, str],
-              banned: set[str]) -> bool:
-    """Whether some peer that votes on ``round_index``'s state (``round_state``) holds another hash of a slice."""
-    return any(r.round == round_index and r.peer_id not in banned and chosen.get(name) != digest
-               for r in active_peers(live, me) + [me] for name, digest in r.slices.items())
 
 
 def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | None = None
