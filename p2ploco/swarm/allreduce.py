@@ -106,7 +106,7 @@ class _ReducerSession:
     exchange: Exchange
     senders: set[str]  # remote group members that owe us a contribution
     transfer: float  # seconds any one transfer of this round may take (``swarm/deadlines.py``)
-    deadline: float = 0.0  # time.monotonic() by which every contribution must be in (all pieces of a span alike)
+    deadline: float  # time.monotonic() by which every contribution must be in (all pieces of a span alike)
     payloads: dict[str, bytes] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)  # members whose stream with us broke: presumed dead, reported
@@ -119,7 +119,6 @@ class _ReducerSession:
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def __post_init__(self) -> None:
-        self.deadline = self.deadline or time.monotonic() + self.transfer
         self._check()
 
     def deliver(self, sender: str, payload: bytes) -> None:
@@ -287,23 +286,12 @@ class ButterflyAllReduce:
         loop = asyncio.get_running_loop()
         payload = await loop.run_in_executor(None, exchange.encode, span)
         stats.contribution_bytes += len(payload)
-        await route.turn.acquire()  # one piece on the wire to a reducer at a time: it reduces one as the next comes
+        writer: asyncio.StreamWriter | None = None
         try:
-            if route.failure is not None:
-                raise route.failure
-            reader, writer = await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name),
-                                                    self.timeout)
-        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:
-            route.turn.release()
-            # A peer we cannot reach will not send us its contributions either (it crashed): stop waiting for it.
-            for piece in ours:
-                piece.lose(peer, f"unreachable ({e!r})")
-            raise AllReduceError(f"could not reach reducer {peer[-8:]}: {e!r}") from None
-        except BaseException:
-            route.turn.release()
-            raise
-        try:
-            try:
+            async with route.turn:  # one piece on the wire to a reducer at a time: it reduces one as the next comes
+                if route.failure is not None:
+                    raise route.failure
+                reader, writer = await self._open(ours, peer)
                 header = {"group_id": group.group_id, "round": group.round_index, "slice": session.slice,
                           "span": [span.start, span.stop]}
                 try:
@@ -313,8 +301,6 @@ class ButterflyAllReduce:
                     if reason is None:
                         raise
                     raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {reason}") from None
-            finally:
-                route.turn.release()
             stats.bytes_sent += len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
             # The reducer may wait a transfer's time for the slowest sender before it answers, and the answer
@@ -335,7 +321,18 @@ class ButterflyAllReduce:
         except PayloadError as e:
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e!r}") from None
         finally:
-            writer.close()
+            if writer is not None:
+                writer.close()
+
+    async def _open(self, ours: list[_ReducerSession], peer: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A stream to reducer ``peer``; AllReduceError if it cannot be reached. A peer we cannot reach will not
+        send us its contributions either (it crashed): ``ours`` stop waiting for it."""
+        try:
+            return await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name), self.timeout)
+        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:
+            for piece in ours:
+                piece.lose(peer, f"unreachable ({e!r})")
+            raise AllReduceError(f"could not reach reducer {peer[-8:]}: {e!r}") from None
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A group member sends us its contribution to our span; answer with the span's aggregate."""
