@@ -265,8 +265,10 @@ class Node:
         donors = {peer for t in targets.values() for peer in t.holders}
         self.out(f"[{me}] the swarm is at round {top} (this peer: {round_index}); fetching the state of "
                  f"{', '.join(sorted(targets))} from {len(donors)} peer(s)")
-        # Announce where we are headed: a round being formed waits for us rather than closing early.
+        # Announce where we are headed, stored before the fetch (records are otherwise stored in the background):
+        # a round being formed waits for us rather than closing early, but only once its coordinator sees this.
         swarm.set_progress(top, PeerState.JOINING, "", {t.slice: t.params_sha256 for t in targets.values()})
+        swarm.flush()
         started = time.perf_counter()
         try:
             worker.adopt({name: swarm.fetch_state(t) for name, t in targets.items()})
