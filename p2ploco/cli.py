@@ -25,6 +25,7 @@ import click  # noqa: E402
 from p2ploco import __version__  # noqa: E402
 from p2ploco.errors import ConfigError, P2PLocoError  # noqa: E402
 from p2ploco.swarm import DEFAULT_HOST_MADDRS  # noqa: E402
+from p2ploco.swarm.wire import DAEMON_ERRORS  # noqa: E402
 
 
 def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -113,7 +114,7 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
         try:  # the daemon may already be gone (a signal to the whole process group): never hang on it
             if not loop.run(finishes_within(node.shutdown(), 10), 15):
                 click.echo("the p2p daemon did not stop in time; exiting anyway", err=True)
-        except (OSError, ConnectionError, TimeoutError) as e:
+        except DAEMON_ERRORS as e:
             click.echo(f"the p2p daemon stopped uncleanly ({e!r}); exiting anyway", err=True)
     finally:
         loop.stop()

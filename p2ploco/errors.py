@@ -14,7 +14,13 @@ class SwarmError(P2PLocoError):
 
 
 class PayloadError(P2PLocoError):
-    """A message from another peer is malformed; its sender is dropped from the round."""
+    """A message from another peer is malformed (it broke the protocol): its sender is dropped from the round,
+    and may be banned for it."""
+
+
+class TransportError(P2PLocoError):
+    """The link to another peer failed: it could not be dialled, or a stream broke or ended mid-message. Nobody's
+    content was at fault and nobody is banned for it: the peer may have crashed, or its link failed for a moment."""
 
 
 class TrainingError(P2PLocoError):

@@ -2,7 +2,7 @@
 
 Set ``P2PLOCO_FAULTS`` to a comma-separated list of ``point@round=action``, for example
 ``allreduce.contribute@3=kill,inner.step@5=stall:20``. Actions: ``kill`` (SIGKILL this process, as a
-crash would), ``stall:SECONDS`` (hang there), ``fail`` (raise InjectedFault, a ConnectionError, as a broken
+crash would), ``stall:SECONDS`` (hang there), ``fail`` (raise InjectedFault, a TransportError, as a broken
 link would). ``@round`` may be left out to hit the point in every round. Points:
 
 - ``inner.step``           before each inner step
@@ -23,11 +23,13 @@ import signal
 import time
 from dataclasses import dataclass
 
+from p2ploco.errors import TransportError
+
 POINTS = ("inner.step", "matchmaking.grouped", "allreduce.contribute", "allreduce.reduce", "commit.vote",
           "state.serve")
 
 
-class InjectedFault(ConnectionError):
+class InjectedFault(TransportError):
     """Raised where a ``fail`` fault was asked for; handled like any broken connection."""
 
 

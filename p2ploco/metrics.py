@@ -49,6 +49,8 @@ class RoundRecord:
     # bytes (sent + received) of each all-reduce of the round: one per fragment with Streaming DiLoCo, else one
     fragment_bytes: list[int] = field(default_factory=list)
     peak_sync_bytes: int = 0  # the largest of them: what one sync asks of the link at once
+    attempts: int = 1  # butterflies the round's all-reduce ran: 2 when it was redone
+    failures: dict[str, int] = field(default_factory=dict)  # what went wrong for this node, by kind (exchange.Failure)
 
     @staticmethod
     def utilisation(inner_seconds: float, previous: Sequence[RoundRecord], started: float) -> float:

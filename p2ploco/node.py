@@ -13,6 +13,7 @@ import json
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -342,7 +343,8 @@ class Node:
             tokens=inner_stats.tokens, inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
             dropped_peers=comm.dropped, clipped_peers=comm.clipped,
             update_norm=worker.outer.take_update_norm(),
-            applied=comm.committed, excluded=comm.excluded, fragment_bytes=syncs, peak_sync_bytes=max(syncs))
+            applied=comm.committed, excluded=comm.excluded, fragment_bytes=syncs, peak_sync_bytes=max(syncs),
+            attempts=comm.attempts, failures=dict(Counter(str(failure) for failure in comm.failures)))
 
     def _record(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
                 **fields: Any) -> RoundRecord:
@@ -369,6 +371,7 @@ def progress_line(peer_id: str, r: RoundRecord) -> str:
     notes = "" if r.applied else " | NOT APPLIED"
     notes += f" | dropped {len(r.dropped_peers)}" if r.dropped_peers else ""
     notes += f" | clipped {len(r.clipped_peers)}" if r.clipped_peers else ""
+    notes += " | redone" if r.attempts > 1 else ""
     traffic = r.bytes_sent + r.bytes_received
     saving = f", {r.dense_fp32_bytes / traffic:.0f}x under dense fp32" if traffic else ""
     return (f"[{peer_id[-8:]}] round {r.round:>4} | peers {r.peers} | loss {r.loss:.3f} | eval {evaluated} | "

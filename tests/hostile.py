@@ -58,7 +58,8 @@ def lie_about_the_round(claimed: int, start: int) -> None:
 
 
 def send_bad_headers(start: int) -> None:
-    from p2ploco.errors import PayloadError
+    from p2ploco.collective.exchange import Failure
+    from p2ploco.errors import PayloadError, TransportError
     from p2ploco.swarm import wire
     from p2ploco.swarm.allreduce import ButterflyAllReduce, DroppedFromRound
 
@@ -74,11 +75,11 @@ def send_bad_headers(start: int) -> None:
             writer.write(wire.PREFIX.pack(len(head), 0) + head)
             await writer.drain()
             await asyncio.wait_for(wire.read_message(reader, 0), self.timeout)
-        except (PayloadError, *wire.TRANSPORT_ERRORS):
+        except (PayloadError, TransportError, TimeoutError):
             pass
         finally:
             writer.close()
-        raise DroppedFromRound(f"sent reducer {peer[-8:]} a malformed header, on purpose")
+        raise DroppedFromRound(f"sent reducer {peer[-8:]} a malformed header, on purpose", Failure.REJECTED)
 
     ButterflyAllReduce._contribute = contribute
 

@@ -21,6 +21,7 @@ from p2ploco.compression.topk import compress
 from p2ploco.config import SwarmConfig
 from p2ploco.errors import PayloadError, SwarmError
 from p2ploco.swarm import wire
+from p2ploco.swarm.allreduce import ReduceStatus
 from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.rounds import Group
 from p2ploco.swarm.runtime import Swarm
@@ -209,6 +210,17 @@ def test_garbage_on_the_reduce_stream_does_not_hurt_the_reducer(trio):
     sender.loop.run(send_garbage(), 10)
     stats = all_reduce(trio, [DenseMean(random_tensors(seed)) for seed in range(3)])
     assert all(len(s.peers) == 3 and s.dropped == [] for s in stats)
+
+
+def test_a_reducer_that_refuses_a_contribution_on_its_header_still_answers_its_sender(trio):
+    """A reducer refuses a contribution on its header and never reads the 16 MiB behind it: the sender, still
+    writing them, must read the refusal (and be told it is out), not find its stream reset (a lost link)."""
+    sender, reducer = trio[0], trio[1]
+    butterfly = sender.communicator.butterfly
+    header = {"group_id": "g", "round": 0, "slice": "params", "span": "not a span"}
+    answer, _ = sender.loop.run(wire.call(butterfly.p2p, reducer.peer_id, butterfly.handler_name, header,
+                                          payload=bytes(16 << 20)), 60)
+    assert answer["status"] == ReduceStatus.REJECTED and "'span' is not [start, stop]" in answer["reason"]
 
 
 def test_a_peer_with_another_config_cannot_join_the_run(trio):

@@ -138,11 +138,14 @@ def test_malformed_join_requests_are_payload_errors(request_, message):
 
 
 def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends():
-    answer = {"group_id": "g", "peers": [A, B], "holdings": {A: [S], B: [S]}, "pipelines": {}}
-    assert parse_group(answer, 1, "params", A).holders(S) == (A, B)
+    answer = {"group_id": "g", "peers": [A, B], "holdings": {A: [S], B: [S]}, "pipelines": {},
+              "left_out": {C: "it did not join within 20 s"}}
+    group = parse_group(answer, 1, "params", A)
+    assert group.holders(S) == (A, B) and group.without() == "peerC (it did not join within 20 s)"
     for bad in ({**answer, "peers": []}, {**answer, "peers": [B, A]},  # empty, not in canonical order
                 {**answer, "holdings": {A: [S]}}, {**answer, "holdings": {A: [S], B: []}},
-                {**answer, "pipelines": {"intruder": "g0"}}):
+                {**answer, "pipelines": {"intruder": "g0"}}, {**answer, "left_out": {A: "a member"}},
+                {**answer, "left_out": {C: 3}}):
         with pytest.raises(PayloadError):
             parse_group(bad, 1, "params", A)
     vote = {"group_id": "g", "vote": "holds", "digests": {S: "d"}, "drops": [B]}
@@ -152,5 +155,7 @@ def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends(
     with pytest.raises(PayloadError, match="'digests'"):
         parse_vote({**vote, "digests": {S: 3}})
     with pytest.raises(PayloadError, match="outside the round's group"):
-        parse_decision({"outcome": "redo", "group_id": "h", "peers": ["intruder"]}, GROUP, A)
-    assert parse_decision({"outcome": "commit", "digests": {S: "d"}}, GROUP, A).digests == {S: "d"}
+        parse_decision({"outcome": "redo", "group_id": "h", "peers": ["intruder"], "reason": ""}, GROUP, A)
+    assert parse_decision({"outcome": "commit", "digests": {S: "d"}, "reason": ""}, GROUP, A).digests == {S: "d"}
+    with pytest.raises(PayloadError, match="'reason'"):
+        parse_decision({"outcome": "abort", "digests": {}}, GROUP, A)

@@ -9,6 +9,7 @@ combine / receive code, so what a test measures in process is what the swarm doe
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
 from abc import ABC, abstractmethod
@@ -154,6 +155,26 @@ def reduce_alone(exchange: Exchange) -> int:
     return len(payload)
 
 
+class Failure(enum.StrEnum):
+    """What went wrong for a peer in a round. Its record counts them by kind (``RoundRecord.failures``), and
+    ``benchmarks/soak.py`` sums them over a run."""
+
+    STREAM_CLOSED = "stream closed"  # a stream ended mid-message
+    STREAM_BROKE = "stream broke"  # a stream was reset, or broke while written
+    UNREACHABLE = "unreachable"  # no stream to a peer could be opened
+    TIMEOUT = "timeout"  # a peer did not send or answer in time
+    MALFORMED = "malformed"  # a peer sent what breaks the protocol (it is banned)
+    REJECTED = "rejected"  # a reducer refused this peer's contribution as malformed: it was out of the round
+    MISSED = "missed"  # a reducer went on without this peer's contribution (its link failed, or it was too late)
+    LATE = "late"  # the group had started without this peer
+    LEFT_OUT = "left out"  # the coordinator left this peer out: another state than the others', or a pipeline
+    # group that did not bring every stage
+    SMALLER_GROUP = "smaller group"  # the coordinator closed the group without some peers that were expected
+    NO_DECISION = "no decision"  # the coordinator's decision on the round never reached this peer
+    ABORTED = "aborted"  # the coordinator dropped the round for everyone
+    ALONE = "alone"  # this peer could not join the others working on the round: it applied nothing
+
+
 @dataclass
 class AllReduceStats:
     peers: list[str]  # the group that took part, in canonical order (just this peer when alone)
@@ -170,6 +191,8 @@ class AllReduceStats:
     # bytes (sent + received) of each all-reduce the round was made of (Streaming DiLoCo: one per fragment);
     # empty: the round was one all-reduce
     sync_bytes: list[int] = field(default_factory=list)
+    attempts: int = 1  # butterflies run: 2 when the round was redone
+    failures: list[Failure] = field(default_factory=list)  # what went wrong here, one entry per event
 
 
 def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int) -> int:

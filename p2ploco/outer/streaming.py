@@ -117,7 +117,8 @@ class FragmentSyncs:
 
     def stats(self) -> AllReduceStats:
         """The round's syncs as one: bytes, parameters and seconds summed, applied only if every fragment was,
-        the smallest group; ``sync_bytes`` lists each fragment's traffic (sent + received)."""
+        the smallest group, redone if any was, every failure; ``sync_bytes`` lists each fragment's traffic (sent +
+        received)."""
         if set(self.done) != set(self.outer.fragments):
             raise RuntimeError(f"round {self.round_index} ended with fragments {sorted(self.in_flight)} unsynced")
         syncs = [self.done[name] for name in self.outer.fragments]
@@ -128,4 +129,5 @@ class FragmentSyncs:
             sum(s.params for s in syncs), sorted({p for s in syncs for p in s.dropped}), sum(s.seconds for s in syncs),
             committed=all(s.committed for s in syncs), excluded=any(s.excluded for s in syncs),
             clipped=sorted({p for s in syncs for p in s.clipped}),
-            sync_bytes=[s.bytes_sent + s.bytes_received for s in syncs])
+            sync_bytes=[s.bytes_sent + s.bytes_received for s in syncs], attempts=max(s.attempts for s in syncs),
+            failures=[failure for s in syncs for failure in s.failures])

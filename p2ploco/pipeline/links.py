@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 from p2ploco.config import Config
-from p2ploco.errors import PayloadError, PipelineError
+from p2ploco.errors import PayloadError, PipelineError, TransportError
 from p2ploco.pipeline.schedule import WIRE_DTYPES
 from p2ploco.pipeline.transport import Activations, Mailbox, MicroKey, StageTransport, id_dtype
 from p2ploco.swarm import wire
@@ -53,7 +53,6 @@ DTYPES = {"uint16": torch.uint16, "int32": torch.int32, "float32": torch.float32
 MAX_ADDENDS = 16
 PROBE_EVERY = 2.0  # seconds between checks, while waiting for a stage's message, that its peer is still there
 PROBES_TO_GIVE_UP = 2  # consecutive failed checks before a stage's peer counts as gone (a busy daemon may miss one)
-PUSH_ATTEMPTS, RESEND_PAUSE = 3, 0.2  # sends of one message, and the pause (times the attempt) between them
 
 
 class Kind(Enum):
@@ -213,10 +212,10 @@ class StageLinkServer:
             payload = await asyncio.wait_for(wire.read_payload(reader, length, length), self.timeout)
             self.deliver(message, payload)
             await asyncio.wait_for(wire.write_message(writer, {"status": Status.OK.value}), self.timeout)
-        except wire.StreamClosed as e:
+        except TransportError as e:  # the sender resends on a fresh stream, or has crashed (the waiting stage's
+            # probes find that out): the step is not failed for one broken stream
             if message.kind is not None:  # else a liveness probe: a stream opened and closed at once
                 logger.warning(f"stage message from {message.sender[-8:]} broke off: {e}")
-            message.fail(str(e))
         except (PayloadError, PipelineError, TimeoutError) as e:
             reason = str(e) or "timed out"
             logger.warning(f"stage message from {message.sender[-8:]} refused: {reason}")
@@ -224,12 +223,10 @@ class StageLinkServer:
             try:
                 await asyncio.wait_for(wire.write_message(writer, {"status": Status.REJECTED.value,
                                                                    "reason": reason[:200]}), 1.0)
-            except (TimeoutError, OSError, ConnectionError):
+            except (TransportError, TimeoutError):
                 pass  # the sender is gone or stalled; it will time out on its own
-        except (OSError, ConnectionError) as e:
-            message.fail(f"the link to {message.sender[-8:]} broke: {e!r}")
         finally:
-            writer.close()
+            await wire.hang_up(reader, writer, self.timeout)
 
     def _key(self, kind: Kind, header: dict[str, Any], from_stage: int) -> MicroKey:
         step = wire.field(header, "step", int)
@@ -312,34 +309,18 @@ class RemoteTransport(StageTransport):
         payload = b"".join(tensor_bytes(t) for t in tensors)
         peer = self.links.peers[to_stage]
 
-        async def push() -> dict[str, Any]:
-            _, reader, writer = await self.server.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
-                                                                                 self.server.handler_name)
-            try:
-                await wire.write_message(writer, header, payload)
-                answer, _ = await wire.read_message(reader, 0)
-                return answer
-            finally:
-                writer.close()
-
-        # A link can fail for a moment (a starved daemon resets a stream): resend, within the deadline. The
-        # receiver drops a second copy of what it already has, so a resend after a lost answer is harmless.
+        # A stream that breaks is sent again on a fresh one: the receiver drops a second copy of what it already
+        # has, so a resend after a lost answer is harmless.
         started = time.monotonic()
-        deadline = started + self.timeout
-        for attempt in range(1, PUSH_ATTEMPTS + 1):
-            try:
-                answer = self.loop.run(asyncio.wait_for(push(), max(0.1, deadline - time.monotonic())),
-                                       self.timeout + 5)
-                break
-            except (wire.StreamClosed, *wire.TRANSPORT_ERRORS) as e:
-                if attempt == PUSH_ATTEMPTS or time.monotonic() >= deadline:
-                    raise PipelineError(f"could not send {kind.value} of step {key[0]} to stage {to_stage} "
-                                        f"({peer[-8:]}): {e!r}") from None
-                logger.info(f"sending {kind.value} to {peer[-8:]} failed ({e!r}); resending")
-                time.sleep(RESEND_PAUSE * attempt)
-            except PayloadError as e:  # an answer that is not one
-                raise PipelineError(f"stage {to_stage} ({peer[-8:]}) answered our {kind.value} with garbage: "
-                                    f"{e}") from None
+        push = wire.call(self.server.p2p, peer, self.server.handler_name, header, payload=payload, attempts=2)
+        try:
+            answer, _ = self.loop.run(asyncio.wait_for(push, self.timeout), self.timeout + 5)
+        except (TransportError, TimeoutError) as e:
+            raise PipelineError(f"could not send {kind.value} of step {key[0]} to stage {to_stage} "
+                                f"({peer[-8:]}): {e!r}") from None
+        except PayloadError as e:  # an answer that is not one
+            raise PipelineError(f"stage {to_stage} ({peer[-8:]}) answered our {kind.value} with garbage: "
+                                f"{e}") from None
         if answer.get("status") != Status.OK.value:
             raise PipelineError(f"stage {to_stage} refused our {kind.value}: {answer.get('reason')}")
         self.bytes_sent += len(payload)

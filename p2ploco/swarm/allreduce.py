@@ -12,14 +12,15 @@ error) apart.
 A reducer drops a sender from its span, at once and with the reason logged, when:
 
 - its message is malformed (a header that is not a p2ploco map, a field of the wrong type, a span
-  that is not ours, an oversized or undecodable payload, an absurd norm). The sender is also banned
-  here for ``swarm.ban_rounds`` rounds (``swarm/bans.py``), even if the message came before this
-  peer knew the group, or named no group at all;
-- its stream ends mid-message, or this peer cannot reach it to deliver our own contribution (it
-  crashed): no ban, a restarted peer is welcome;
-- it is banned here already, or it sends nothing within the round's transfer deadline
-  (``swarm/deadlines.py``: ``swarm.allreduce_timeout`` plus the round's payload at the slowest link the
-  group reports, so that a slow but honest link is waited for).
+  that is not ours, an oversized or undecodable payload, an absurd norm), or it is banned here for
+  having sent such a message. The sender is *rejected*: it is out of the round (it votes "dropped")
+  and banned here for ``swarm.ban_rounds`` rounds (``swarm/bans.py``), even if the message came before
+  this peer knew the group, or named no group at all;
+- its stream breaks or ends mid-message, this peer cannot reach it to deliver our own contribution,
+  or it sends nothing within the round's transfer deadline (``swarm/deadlines.py``:
+  ``swarm.allreduce_timeout`` plus the round's payload at the slowest link the group reports, so that
+  a slow but honest link is waited for). Its contribution is *missed*: no ban and no blame (it may
+  have crashed, or its link broke once), it votes "missing", and a redo of the round takes it along.
 
 The reducer always finishes its span with the contributions it has, and every member keeps sending
 its contributions to the other reducers even after one refused it, so nobody waits for it in vain.
@@ -37,8 +38,9 @@ the slice's encoding of the piece::
 
     {v, group_id, round, slice, span: [piece start, piece stop]} + contribution
 
-answered ``{v, status: ok, included: [peer ids in the aggregate]}`` + result, or
-``{v, status: rejected, reason}``.
+answered ``{v, status: ok, included: [peer ids in the aggregate]}`` + result, ``{v, status: rejected,
+reason}`` (malformed: out of the round), or ``{v, status: missed, reason}`` (not in the aggregate through no
+fault of the sender's). The sender closes the stream once it has read the answer (``wire.hang_up``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from p2ploco import faults
 from p2ploco.collective.exchange import (
     AllReduceStats,
     Exchange,
+    Failure,
     Span,
     SpanReduction,
     dense_fp32_bytes,
@@ -64,7 +67,7 @@ from p2ploco.collective.exchange import (
     reduce_span,
 )
 from p2ploco.collective.sliced import SlicedExchange
-from p2ploco.errors import PayloadError
+from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.deadlines import TransferDeadline
@@ -77,15 +80,22 @@ MAX_UNKNOWN_GROUPS = 64  # contributions may precede our own view of their group
 
 class ReduceStatus(enum.StrEnum):
     OK = "ok"  # the span's aggregate follows
-    REJECTED = "rejected"  # the sender's contribution was refused: it is out of this round
+    REJECTED = "rejected"  # the sender's contribution was malformed: it is out of this round
+    MISSED = "missed"  # the sender's contribution is not in the aggregate: its link failed, or it came too late
 
 
 class AllReduceError(Exception):
-    """This peer could not obtain the aggregate of some span; the round's all-reduce failed for it."""
+    """This peer could not obtain the aggregate of some span; the round's all-reduce failed for it.
+    ``failure``: what went wrong, as the round's record counts it."""
+
+    def __init__(self, message: str, failure: Failure):
+        super().__init__(message)
+        self.failure = failure
 
 
 class DroppedFromRound(AllReduceError):
-    """A reducer refused this peer's contribution: it is out of this round, and must not block the others."""
+    """A reducer rejected this peer's contribution as malformed: it is out of this round, and must not block
+    the others."""
 
 
 @dataclass
@@ -108,8 +118,8 @@ class _ReducerSession:
     transfer: float  # seconds any one transfer of this round may take (``swarm/deadlines.py``)
     deadline: float  # time.monotonic() by which every contribution must be in (all pieces of a span alike)
     payloads: dict[str, bytes] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-    lost: set[str] = field(default_factory=set)  # members whose stream with us broke: presumed dead, reported
+    missed: dict[str, tuple[Failure, str]] = field(default_factory=dict)  # not in, through no fault of theirs
+    rejected: dict[str, str] = field(default_factory=dict)  # dropped for malformed data (or banned here for it)
     connected: set[str] = field(default_factory=set)  # senders that opened a stream to us
     settled: set[str] = field(default_factory=set)  # senders whose stream with us has ended
     bytes_in: int = 0
@@ -125,28 +135,43 @@ class _ReducerSession:
         self.payloads[sender] = payload
         self._check()
 
-    def lose(self, peer: str, reason: str) -> None:
-        """``peer`` cannot be reached, or its stream broke: it is dead as far as we know. Stop waiting for its
-        contribution, and tell the coordinator not to wait for its vote either."""
-        self.lost.add(peer)
-        self.fail(peer, reason)
+    def miss(self, sender: str, failure: Failure, reason: str) -> None:
+        """Go on without ``sender``'s contribution (its link failed, or it is too late), unless it is in already
+        (it then counts). Not the sender's fault: it votes "missing", and a redo takes it along."""
+        if self._pending(sender):
+            self.missed[sender] = (failure, reason)
+            logger.warning(f"round {self.group.round_index}: going on without {sender[-8:]}'s contribution to span "
+                           f"{self.span.start}:{self.span.stop}: {reason}")
+            self._check()
 
-    def fail(self, sender: str, reason: str) -> None:
-        """Drop ``sender`` from this span, unless its contribution is in already (it then counts)."""
-        if sender in self.senders and sender not in self.payloads and sender not in self.failed:
-            self.failed[sender] = reason
+    def reject(self, sender: str, reason: str) -> None:
+        """Drop ``sender`` for sending malformed data (or for being banned here for it): it is out of the round."""
+        if self._pending(sender):
+            self.rejected[sender] = reason
             logger.warning(f"round {self.group.round_index}: dropped {sender[-8:]} from span "
                            f"{self.span.start}:{self.span.stop}: {reason}")
             self._check()
+
+    def refusal(self, sender: str) -> tuple[ReduceStatus, str] | None:
+        """Why ``sender``'s contribution is not in this piece's aggregate (None: it is, or may still be)."""
+        if sender in self.rejected:
+            return ReduceStatus.REJECTED, self.rejected[sender]
+        if sender in self.missed:
+            return ReduceStatus.MISSED, self.missed[sender][1]
+        return None
 
     def settle(self, sender: str) -> None:
         self.settled.add(sender)
         self._check()
 
+    def _pending(self, sender: str) -> bool:
+        return sender in self.senders and sender not in self.payloads and self.refusal(sender) is None
+
     def _check(self) -> None:
-        if self.senders <= set(self.payloads) | set(self.failed):
+        out = set(self.missed) | set(self.rejected)
+        if self.senders <= set(self.payloads) | out:
             self.arrived.set()
-        if self.senders <= self.settled | (set(self.failed) - self.connected):
+        if self.senders <= self.settled | (out - self.connected):
             self.served.set()
 
 
@@ -163,10 +188,11 @@ class ButterflyAllReduce:
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
 
-    async def run(self, group: Group, exchange: SlicedExchange, stats: AllReduceStats, drops: set[str]) -> None:
+    async def run(self, group: Group, exchange: SlicedExchange, stats: AllReduceStats, malformed: set[str]) -> None:
         """All-reduce every slice of ``exchange`` among its holders in ``group``; on return it holds the aggregate
-        of every span. Traffic is added to ``stats`` as it happens, so a failed attempt is counted too; the peers
-        this one dropped from its own spans are added to ``drops``, also when the all-reduce fails here."""
+        of every span. Traffic and failures are added to ``stats`` as they happen, so a failed attempt is counted
+        too; the peers this one rejected from its own spans for malformed data are added to ``malformed``, also
+        when the all-reduce fails here (the vote reports them)."""
         loop = asyncio.get_running_loop()
         self.current_round = group.round_index
         stats.peers = list(group.peers)
@@ -189,7 +215,7 @@ class ButterflyAllReduce:
                     for piece in pieces(part, spans[index])]
             for session in ours:
                 for peer in session.senders & self.bans.active(group.round_index):
-                    session.fail(peer, "banned here for sending malformed data")
+                    session.reject(peer, "banned here for sending malformed data")
                 pending = self._sessions.setdefault((group.group_id, slice_name, session.span.start),
                                                     loop.create_future())
                 if not pending.done():
@@ -203,13 +229,13 @@ class ButterflyAllReduce:
                     senders += [asyncio.create_task(self._contribute(ours, peer, route, piece, stats, dropped))
                                 for piece in pieces(part, span)]
         reductions: list[SpanReduction] = []
+        errors: list[BaseException] = []
         try:
             for session in sessions:
                 own = await loop.run_in_executor(None, session.exchange.encode, session.span)
                 stats.contribution_bytes += len(own)
                 reduction = await self._reduce(session, own)
                 reductions.append(reduction)
-                dropped.update(reduction.rejected)
                 stats.clipped = sorted(set(stats.clipped) | set(reduction.clipped))
                 result = reduction.result_for(session.exchange, self.me)
                 await loop.run_in_executor(None, session.exchange.receive, session.span, result,
@@ -218,8 +244,8 @@ class ButterflyAllReduce:
             errors = [e for e in await asyncio.gather(*senders, return_exceptions=True) if e is not None]
             for session in sessions:  # results handed to every sender
                 await _bounded(session.served.wait(), session.transfer)
-        except (TimeoutError, PayloadError) as e:
-            raise AllReduceError(f"{e!r}") from None
+        except PayloadError as e:  # our own span could not be reduced (no valid contribution), or not received
+            raise AllReduceError(f"{e!r}", Failure.MALFORMED) from None
         finally:
             for task in senders:
                 task.cancel()
@@ -228,13 +254,18 @@ class ButterflyAllReduce:
                 self._sessions.pop((group.group_id, session.slice, session.span.start), None)
                 stats.bytes_sent += session.bytes_out
                 stats.bytes_received += session.bytes_in
-                drops.update(session.failed, session.lost)
+                malformed.update(session.rejected)
+                dropped.update(session.rejected, session.missed)
+                stats.failures += [failure for failure, _ in session.missed.values()]
+                stats.failures += [Failure.MALFORMED] * len(session.rejected)
         for reduction in reductions:
-            drops.update(reduction.rejected)
+            malformed.update(reduction.rejected)
+            dropped.update(reduction.rejected)
         stats.dropped = sorted(dropped)
         for error in errors:
             if not isinstance(error, AllReduceError):
                 raise error  # a bug in this peer, not a peer's fault
+        stats.failures += [error.failure for error in errors]
         if errors:  # being refused outranks a missing span: the coordinator must not wait for this peer
             raise next((e for e in errors if isinstance(e, DroppedFromRound)), errors[0])
 
@@ -243,7 +274,7 @@ class ButterflyAllReduce:
             await asyncio.wait_for(session.arrived.wait(), max(0.0, session.deadline - time.monotonic()))
         except TimeoutError:
             for sender in session.senders:
-                session.fail(sender, f"sent nothing within {session.transfer:.0f} s")
+                session.miss(sender, Failure.TIMEOUT, f"sent nothing within {session.transfer:.0f} s")
         contributions = [(p, own if p == self.me else session.payloads[p])
                          for p in session.group.peers if p == self.me or p in session.payloads]
         try:
@@ -260,7 +291,6 @@ class ButterflyAllReduce:
         for sender in reduction.clipped:
             logger.warning(f"round {session.group.round_index}: clipped the contribution of {sender[-8:]} to the "
                            f"span's bound (outer.clip_factor x the median norm)")
-        reduction.rejected.update(session.failed)
         await faults.hit_async("allreduce.reduce", session.group.round_index)
         session.result.set_result(reduction)
         return reduction
@@ -291,16 +321,11 @@ class ButterflyAllReduce:
             async with route.turn:  # one piece on the wire to a reducer at a time: it reduces one as the next comes
                 if route.failure is not None:
                     raise route.failure
-                reader, writer = await self._open(ours, peer)
+                reader, writer = await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name),
+                                                        self.timeout)
                 header = {"group_id": group.group_id, "round": group.round_index, "slice": session.slice,
                           "span": [span.start, span.stop]}
-                try:
-                    await asyncio.wait_for(wire.write_message(writer, header, payload), session.transfer)
-                except wire.TRANSPORT_ERRORS as e:
-                    reason = None if isinstance(e, TimeoutError) else await _refusal_left_behind(reader)
-                    if reason is None:
-                        raise
-                    raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {reason}") from None
+                await asyncio.wait_for(wire.write_message(writer, header, payload), session.transfer)
             stats.bytes_sent += len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
             # The reducer may wait a transfer's time for the slowest sender before it answers, and the answer
@@ -308,31 +333,20 @@ class ButterflyAllReduce:
             reply, result = await asyncio.wait_for(
                 wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * session.transfer)
             included = parse_reply(reply, group, self.me)
-            if included is None:
-                raise DroppedFromRound(f"reducer {peer[-8:]} dropped this peer: {str(reply.get('reason'))[:200]}")
             await loop.run_in_executor(None, exchange.receive, span, result, included.index(self.me))
             stats.bytes_received += len(result)
             dropped.update(set(group.holders(session.slice)) - set(included))
-        except (wire.StreamClosed, *wire.TRANSPORT_ERRORS) as e:
-            if not isinstance(e, TimeoutError):  # a reducer that hangs up mid-answer has crashed, not dawdled
-                for piece in ours:
-                    piece.lose(peer, f"its stream broke ({e!r})")
-            raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e!r}") from None
+        except TransportError as e:  # the reducer crashed, or the link to it broke: it will not send us its part
+            for piece in ours:
+                piece.miss(peer, wire.failure_of(e), f"the link to it failed ({e})")
+            raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", wire.failure_of(e)) from None
+        except TimeoutError:  # slow is not dead: its own contributions may still come
+            raise AllReduceError(f"no aggregate from reducer {peer[-8:]} in time", Failure.TIMEOUT) from None
         except PayloadError as e:
-            raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e!r}") from None
+            raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", Failure.MALFORMED) from None
         finally:
             if writer is not None:
                 writer.close()
-
-    async def _open(self, ours: list[_ReducerSession], peer: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A stream to reducer ``peer``; AllReduceError if it cannot be reached. A peer we cannot reach will not
-        send us its contributions either (it crashed): ``ours`` stop waiting for it."""
-        try:
-            return await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name), self.timeout)
-        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:
-            for piece in ours:
-                piece.lose(peer, f"unreachable ({e!r})")
-            raise AllReduceError(f"could not reach reducer {peer[-8:]}: {e!r}") from None
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A group member sends us its contribution to our span; answer with the span's aggregate."""
@@ -347,8 +361,9 @@ class ButterflyAllReduce:
             session = await self._session_of(wire.field(header, "group_id", str), wire.field(header, "slice", str),
                                              span[0], sender)
             session.connected.add(sender)
-            if sender in session.failed:  # dropped already (unreachable, banned, too late): no new offence
-                raise _Refused(session.failed[sender])
+            refusal = session.refusal(sender)
+            if refusal is not None:  # dropped already (unreachable, banned, too late): no new offence
+                raise _Refused(*refusal)
             if sender in session.payloads:
                 raise PayloadError("second contribution to the same span")
             expected = [session.span.start, session.span.stop]
@@ -363,35 +378,39 @@ class ButterflyAllReduce:
                 reduction: SpanReduction = await asyncio.wait_for(asyncio.shield(session.result),
                                                                   2 * session.transfer)
             except PayloadError as e:  # this reducer could not combine its span at all: not the sender's fault
-                raise _Refused(f"the span could not be reduced: {e}") from None
-            if sender in reduction.rejected:
-                raise _Refused(reduction.rejected[sender])
+                raise _Refused(ReduceStatus.MISSED, f"the span could not be reduced: {e}") from None
+            refusal = session.refusal(sender) or (
+                (ReduceStatus.REJECTED, reduction.rejected[sender]) if sender in reduction.rejected else None)
+            if refusal is not None:
+                raise _Refused(*refusal)
             reply = {"status": ReduceStatus.OK, "included": reduction.included}
             result = reduction.result_for(session.exchange, sender)
             await asyncio.wait_for(wire.write_message(writer, reply, result), session.transfer)
             session.bytes_out += len(result)
-        except (_Refused, _UnknownGroup, wire.StreamClosed, TimeoutError) as e:
+        except _Refused as e:
+            await _refuse(writer, e.status, e.reason)
+        except _UnknownGroup as e:  # a group this peer never joined (it was late, or refused it)
+            await _refuse(writer, ReduceStatus.MISSED, str(e))
+        except (TransportError, TimeoutError) as e:  # the sender's link failed, or it is too slow
+            reason = f"its link failed ({e})" if isinstance(e, TransportError) else "it timed out"
             if session is not None:
-                session.fail(sender, str(e) or "timed out")
-            await _refuse(writer, str(e) or "timed out")
+                session.miss(sender, wire.failure_of(e), reason)
+            await _refuse(writer, ReduceStatus.MISSED, reason)
         except PayloadError as e:  # malformed content: its sender is out of every span it owes us, and banned
             reason = f"malformed contribution: {e}"
             for pending in self._sessions.values():
                 if pending.done() and sender in pending.result().senders:
-                    pending.result().fail(sender, reason)
+                    pending.result().reject(sender, reason)
             self.bans.ban(sender, self.current_round, reason)
-            await _refuse(writer, reason)
-        except wire.TRANSPORT_ERRORS as e:  # the sender's link broke: fail it at once (no ban: it may have crashed)
-            if session is not None:
-                session.fail(sender, f"connection lost: {e!r}")
-        except Exception:  # a bug: keep serving, fail the sender rather than wait for it, and say where it is
+            await _refuse(writer, ReduceStatus.REJECTED, reason)
+        except Exception:  # a bug: keep serving, miss the sender rather than wait for it, and say where it is
             logger.exception(f"contribution from {sender[-8:]} failed unexpectedly")
             if session is not None:
-                session.fail(sender, "this reducer failed on its contribution (see its log)")
+                session.miss(sender, Failure.MISSED, "this reducer failed on its contribution (see its log)")
         finally:
             if session is not None:
                 session.settle(sender)
-            writer.close()
+            await wire.hang_up(reader, writer, session.transfer if session is not None else self.timeout)
 
     async def _session_of(self, group_id: str, slice_name: str, start: int, sender: str) -> _ReducerSession:
         """Our session of the piece of ``slice_name`` that begins at unit ``start`` in ``group_id``, which ``sender``
@@ -414,11 +433,16 @@ class ButterflyAllReduce:
         return session
 
 
-def parse_reply(reply: dict[str, Any], group: Group, me: str) -> list[str] | None:
-    """The members whose contributions make up the aggregate that follows a reducer's answer, or None if the
-    reducer refused ours; PayloadError if the answer is malformed."""
-    if wire.status(reply, ReduceStatus) == ReduceStatus.REJECTED:
-        return None
+def parse_reply(reply: dict[str, Any], group: Group, me: str) -> list[str]:
+    """The members whose contributions make up the aggregate that follows a reducer's answer; DroppedFromRound if
+    the reducer rejected ours as malformed, AllReduceError if it went on without it, PayloadError if the answer
+    is malformed."""
+    status = wire.status(reply, ReduceStatus)
+    reason = str(reply.get("reason"))[:200]
+    if status == ReduceStatus.REJECTED:
+        raise DroppedFromRound(f"a reducer rejected this peer's contribution: {reason}", Failure.REJECTED)
+    if status == ReduceStatus.MISSED:
+        raise AllReduceError(f"a reducer went on without this peer's contribution: {reason}", Failure.MISSED)
     included = wire.peer_ids(reply, "included")
     if me not in included or not set(included) <= set(group.peers):
         raise PayloadError("the aggregate leaves this peer out, or names non-members")
@@ -426,32 +450,23 @@ def parse_reply(reply: dict[str, Any], group: Group, me: str) -> list[str] | Non
 
 
 class _Refused(Exception):
-    """The reducer refused the sender's contribution (its reason is the message)."""
+    """The reducer refuses the sender's contribution: rejected (malformed) or missed (its link, or too late)."""
+
+    def __init__(self, status: ReduceStatus, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
 
 
 class _UnknownGroup(Exception):
     """A contribution for a group this peer never joined (it was late, or refused it): not the sender's fault."""
 
 
-async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
-    """Tell a sender it is out of the round; it may have hung up already."""
+async def _refuse(writer: asyncio.StreamWriter, status: ReduceStatus, reason: str) -> None:
+    """Tell a sender why its contribution is not in the aggregate; it may have hung up already."""
     try:
-        await asyncio.wait_for(wire.write_message(writer, {"status": ReduceStatus.REJECTED, "reason": reason}), 1.0)
-    except wire.TRANSPORT_ERRORS:
+        await asyncio.wait_for(wire.write_message(writer, {"status": status, "reason": reason[:200]}), 1.0)
+    except (TransportError, TimeoutError):
         pass
-
-
-async def _refusal_left_behind(reader: asyncio.StreamReader) -> str | None:
-    """The reason a reducer gave for refusing our contribution, if it answered before our write broke: it refuses
-    on the header alone (say, a payload longer than the span can need) and hangs up without reading the rest, so
-    the broken write is its refusal, not its crash. None if no such answer is there."""
-    try:
-        reply, _ = await asyncio.wait_for(wire.read_message(reader, 0), 1.0)
-        if wire.status(reply, ReduceStatus) == ReduceStatus.REJECTED:
-            return str(reply.get("reason"))[:200]
-    except (PayloadError, *wire.TRANSPORT_ERRORS):
-        pass
-    return None
 
 
 async def _bounded(awaitable: Any, timeout: float) -> None:

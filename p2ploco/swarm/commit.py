@@ -1,37 +1,40 @@
 """A round's outcome, the same for every survivor: commit, redo among the survivors, or abort.
 
 After the butterfly every member votes: it holds the aggregate of every span of every slice it holds
-(and sends a digest per slice), some span's aggregate is missing, or a reducer dropped it. Each vote
-also lists the peers the voter dropped from its own spans (malformed, silent or unreachable). The group's coordinator
-decides once, when every member that nobody reported dropped has voted, or ``timeout`` after the
-first vote: a peer already known bad or dead is never waited for a second time, and one whose daemon
-cannot be dialled any more (the coordinator tries every few seconds) is not waited for either.
+(and sends a digest per slice), some span's aggregate is missing (a link failed, or a reducer went on
+without it), or a reducer rejected its contribution as malformed. Each vote also lists the peers the voter
+rejected from its own spans for malformed data. The group's coordinator decides once, when every member has
+voted, or ``timeout`` after the first vote. It does not wait for a member that some reducer rejected for
+malformed data (it cannot hold every span), nor for one whose daemon cannot be dialled any more (the
+coordinator tries every few seconds: it crashed). A member whose link to some reducer broke is waited for:
+it is alive, and votes "missing".
 
-- commit, if every vote (of a voter not known dropped) holds, and all holders of each slice hold one
-  digest of it; members that died after delivering their span do not vote and need not;
-- otherwise, on a first attempt, redo among the voters not known dropped (the dead cannot vote), less
-  the stage peers of a pipeline group that is no longer whole among them (a group acts as one
-  replica or not at all): they run the butterfly again with the same pseudo-gradients and a fresh
-  group id;
+- commit, if every counted vote holds, and all holders of each slice hold one digest of it; members
+  that died after delivering their span do not vote and need not;
+- otherwise, on a first attempt, redo among the counted voters (the dead cannot vote), less the stage
+  peers of a pipeline group that is no longer whole among them (a group acts as one replica or not at
+  all): they run the butterfly again with the same pseudo-gradients and a fresh group id. A member that
+  only missed a span (a broken stream) is in the redo: one broken stream costs a redo, never the round;
 - otherwise commit, for every slice, the digest held by a strict majority of its counted holders (a
   single liar that votes "missing" costs a redo, never the round), or abort if some slice has none:
   nobody applies anything this round.
 
 A member applies the aggregate only if the decision names the digest it holds of each of its slices.
 The coordinator judges every vote against its own record of the group it formed (or of the redo it
-decided), never against what a voter claims the group is. A voter counts as
-known dropped if it says so, or if two reducers report dropping it: one accuser alone (a liar, or a
-link that broke once) cannot push an honest peer out; it can only spare the others a wait. Only the
-coordinator decides: a member that cannot reach it applies nothing (as if aborted) and, if the
-others committed, catches up from them before the next round. A second judge
+decided), never against what a voter claims the group is. A vote is not counted if its voter says it was
+rejected, or if two reducers report rejecting it: one accuser alone (a liar) cannot push an honest peer
+out; it can only spare the others a wait. A redo or commit without some members comes with the reason,
+which every member logs. Only the coordinator decides. A member whose vote's stream breaks asks again (the
+coordinator answers a second ask with the same decision); one that cannot reach it at all applies nothing
+(as if aborted) and, if the others committed, catches up from them before the next round. A second judge
 would let two halves of a group decide differently.
 
 The vote request, a wire message (``swarm/wire.py``) with no payload::
 
-    {v, group_id, vote: holds|missing|dropped, digests: {slice: digest}, drops}
+    {v, group_id, vote: holds|missing|dropped, digests: {slice: digest}, drops: [peers rejected as malformed]}
 
-and the decision: ``{v, outcome: commit|redo|abort, digests: {slice: digest}}`` (+ ``group_id, peers``
-for a redo).
+and the decision: ``{v, outcome: commit|redo|abort, digests: {slice: digest}, reason}`` (+ ``group_id,
+peers`` for a redo).
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ import logging
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind.p2p import P2P
 
-from p2ploco.errors import PayloadError
+from p2ploco.collective.exchange import Failure
+from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.records import MAX_SLICES
 from p2ploco.swarm.rounds import Group, GroupBook
@@ -56,13 +61,14 @@ logger = logging.getLogger(__name__)
 
 KEEP_BALLOTS = 16
 PROBE_EVERY = 2.0  # seconds between looks at whether awaited voters are still reachable
-ACCUSERS = 2  # reducers that must report dropping a peer before its own vote stops counting
+ACCUSERS = 2  # reducers that must report rejecting a peer before its own vote stops counting
+MAX_REASON = 1000  # characters of a decision's reason a member logs
 
 
 class Vote(enum.StrEnum):
     HOLDS = "holds"  # this member holds the aggregate of every span (its digest comes with the vote)
-    MISSING = "missing"  # some span's aggregate did not arrive or was malformed
-    DROPPED = "dropped"  # a reducer refused this member's contribution: it is out of the round
+    MISSING = "missing"  # some span's aggregate did not arrive, or a reducer went on without this member
+    DROPPED = "dropped"  # a reducer rejected this member's contribution as malformed: it is out of the round
 
 
 class Outcome(enum.StrEnum):
@@ -76,6 +82,7 @@ class Decision:
     outcome: Outcome
     digests: dict[str, str] = field(default_factory=dict)  # with commit: the aggregate of each slice to apply
     redo: Group | None = None  # with redo: the survivors' group
+    reason: str = ""  # why the decision leaves members out, or drops the round (empty: it does neither)
 
     def applies(self, digests: dict[str, str]) -> bool:
         """Whether a member that holds ``digests`` (per slice) applies this round."""
@@ -87,14 +94,14 @@ class _Ballot:
     group: Group
     deadline: float
     votes: dict[str, tuple[Vote, dict[str, str]]] = field(default_factory=dict)  # voter -> (vote, digest per slice)
-    accusers: dict[str, set[str]] = field(default_factory=dict)  # peer -> the voters that report dropping it
+    accusers: dict[str, set[str]] = field(default_factory=dict)  # peer -> the voters that rejected it as malformed
     dead: set[str] = field(default_factory=set)  # members the coordinator could not reach while waiting for them
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     decided: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def waiting_for(self) -> list[str]:
-        """Members that have not voted, and that nobody reported dropped or found dead (those need not be waited
-        for: they cannot hold every span, or cannot vote)."""
+        """Members that have not voted, less those a reducer rejected as malformed (they cannot hold every span)
+        and those the coordinator found dead (they cannot vote)."""
         return [p for p in self.group.peers if p not in self.votes and not self.accusers.get(p) and p not in self.dead]
 
 
@@ -108,35 +115,39 @@ class RoundCommit:
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_vote)
 
-    async def vote(self, group: Group, vote: Vote, digests: dict[str, str], drops: set[str]) -> Decision:
-        """Tell the coordinator what this member holds (a digest per slice) and whom it dropped; its decision
-        (abort if unreachable)."""
+    async def vote(self, group: Group, vote: Vote, digests: dict[str, str], malformed: set[str]
+                   ) -> tuple[Decision, Failure | None]:
+        """Tell the coordinator what this member holds (a digest per slice) and whom it rejected as malformed; its
+        decision, or abort (and what went wrong) if none arrives. A vote whose stream broke is asked again: the
+        coordinator answers the same decision twice."""
         request = {"group_id": group.group_id, "vote": vote, "digests": digests,
-                   "drops": sorted(drops & set(group.peers))}
+                   "drops": sorted(malformed & set(group.peers))}
         judge = group.coordinator
         try:
             if judge == self.me:
                 response = await self._decide_here(self.me, request)
             else:
-                response, _ = await asyncio.wait_for(wire.call(self.p2p, judge, self.handler_name, request),
-                                                     2 * self.timeout + 5)
-            return parse_decision(response, group, judge)
-        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:  # unreachable or confused: apply nothing, catch up
+                response, _ = await asyncio.wait_for(
+                    wire.call(self.p2p, judge, self.handler_name, request, attempts=2), 2 * self.timeout + 5)
+            return parse_decision(response, group, judge), None
+        except (PayloadError, TransportError, TimeoutError) as e:  # unreachable or confused: apply nothing, catch up
             logger.warning(f"round {group.round_index}: no decision from the coordinator {judge[-8:]} ({e!r}); "
                            f"applying nothing")
-            return Decision(Outcome.ABORT)
+            return Decision(Outcome.ABORT), wire.failure_of(e)
 
     async def _serve_vote(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         voter = str(stream_info.peer_id)
         try:
             request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.timeout)
             await wire.write_message(writer, await self._decide_here(voter, request))
-        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:  # a malformed vote, or the voter went away
-            logger.info(f"vote from {voter[-8:]} failed: {e!r}")
+        except PayloadError as e:  # a malformed vote
+            logger.info(f"malformed vote from {voter[-8:]}: {e}")
+        except (TransportError, TimeoutError) as e:  # the voter went away, or never finished voting
+            logger.info(f"vote from {voter[-8:]} broke off: {e!r}")
         except Exception:  # a bug: keep serving votes, and say where it is
             logger.exception(f"vote from {voter[-8:]} failed unexpectedly")
         finally:
-            writer.close()
+            await wire.hang_up(reader, writer, self.timeout)
 
     async def _decide_here(self, voter: str, request: dict[str, Any]) -> dict[str, Any]:
         group_id, vote, digests, drops = parse_vote(request)
@@ -159,7 +170,8 @@ class RoundCommit:
                 ballot.accusers.setdefault(peer, set()).add(voter)
         ballot.changed.set()
         decision: Decision = await asyncio.wait_for(asyncio.shield(ballot.decided), 2 * self.timeout)
-        response: dict[str, Any] = {"outcome": decision.outcome, "digests": decision.digests}
+        response: dict[str, Any] = {"outcome": decision.outcome, "digests": decision.digests,
+                                    "reason": decision.reason}
         if decision.redo is not None:
             response.update(group_id=decision.redo.group_id, peers=list(decision.redo.peers))
         return response
@@ -201,6 +213,7 @@ def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers
         return votes[peer][0] == Vote.DROPPED or len(accusers.get(peer, ())) >= ACCUSERS
 
     counted = {peer: v for peer, v in votes.items() if not out(peer)}
+    left_out = _why_left_out(group, votes, out)
     held: dict[str, Counter] = {}  # slice -> digests its counted holders hold
     for peer, (vote, digests) in counted.items():
         for slice_name in group.slices_of(peer):
@@ -209,13 +222,17 @@ def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers
     holders = {name: sum(name in group.slices_of(peer) for peer in counted) for name in held}
     if counted and all(vote == Vote.HOLDS for vote, _ in counted.values()) and all(
             len(digests) == 1 for digests in held.values()):
-        return Decision(Outcome.COMMIT, {name: next(iter(digests)) for name, digests in held.items()})
+        return Decision(Outcome.COMMIT, {name: next(iter(digests)) for name, digests in held.items()},
+                        reason=f"committed without {left_out}" if left_out else "")
     if group.attempt == 0 and len(counted) >= 2:
         survivors = tuple(sorted(group.whole_pipelines(set(counted))))
         if len(survivors) >= 2:
-            logger.warning(f"round {group.round_index}: all-reduce failed for some of {len(group.peers)} peers; "
-                           f"redoing it among the {len(survivors)} that answered")
-            return Decision(Outcome.REDO, redo=group.among(secrets.token_hex(8), survivors, me))
+            missing = sorted(p[-8:] for p in survivors if counted[p][0] != Vote.HOLDS)
+            reason = (f"the all-reduce failed for {', '.join(missing) or 'nobody'} (a span did not arrive, or "
+                      f"holders disagree); redoing it among {len(survivors)} of {len(group.peers)} peers"
+                      + (f", without {left_out}" if len(survivors) < len(group.peers) else ""))
+            logger.warning(f"round {group.round_index}: {reason}")
+            return Decision(Outcome.REDO, redo=group.among(secrets.token_hex(8), survivors, me), reason=reason)
     majority = {}
     for name, digests in held.items():
         digest, count = max(digests.items(), key=lambda item: (item[1], item[0]))
@@ -223,11 +240,19 @@ def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers
             majority[name] = digest
     counted_slices = {name for peer in counted for name in group.slices_of(peer)}
     if majority and set(majority) == counted_slices:
-        logger.warning(f"round {group.round_index}: a majority of each slice's holders hold the same aggregate; "
-                       f"committed for them, the others catch up")
-        return Decision(Outcome.COMMIT, majority)
-    logger.warning(f"round {group.round_index}: all-reduce failed; the round is dropped by every survivor")
-    return Decision(Outcome.ABORT)
+        reason = "a majority of each slice's holders hold the same aggregate; committed for them, the others catch up"
+        logger.warning(f"round {group.round_index}: {reason}")
+        return Decision(Outcome.COMMIT, majority, reason=reason)
+    reason = "the all-reduce failed and no aggregate is held by a majority; the round is dropped by every survivor"
+    logger.warning(f"round {group.round_index}: {reason}")
+    return Decision(Outcome.ABORT, reason=reason)
+
+
+def _why_left_out(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], out: Callable[[str], bool]) -> str:
+    """The members a decision goes on without, and why ("" if none)."""
+    reasons = [f"{peer[-8:]} (" + ("it did not vote" if peer not in votes else "it was rejected as malformed") + ")"
+               for peer in group.peers if peer not in votes or out(peer)]
+    return ", ".join(reasons)
 
 
 def parse_digests(header: dict[str, Any], name: str) -> dict[str, str]:
@@ -247,9 +272,11 @@ def parse_vote(request: dict[str, Any]) -> tuple[str, Vote, dict[str, str], set[
 def parse_decision(response: dict[str, Any], group: Group, judge: str) -> Decision:
     """The coordinator's answer to a vote; PayloadError if malformed."""
     outcome = wire.status(response, Outcome, "outcome")
+    reason = wire.field(response, "reason", str)[:MAX_REASON]
     if outcome == Outcome.REDO:
         peers = wire.peer_ids(response, "peers")
         if not set(peers) <= set(group.peers):
             raise PayloadError("redo group names peers outside the round's group")
-        return Decision(outcome, redo=group.among(wire.field(response, "group_id", str), tuple(peers), judge))
-    return Decision(outcome, parse_digests(response, "digests") if outcome == Outcome.COMMIT else {})
+        return Decision(outcome, redo=group.among(wire.field(response, "group_id", str), tuple(peers), judge),
+                        reason=reason)
+    return Decision(outcome, parse_digests(response, "digests") if outcome == Outcome.COMMIT else {}, reason=reason)

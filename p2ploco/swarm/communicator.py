@@ -9,7 +9,14 @@ import threading
 import time
 
 from p2ploco import faults
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, PendingAllReduce, reduce_alone
+from p2ploco.collective.exchange import (
+    AllReduceStats,
+    Communicator,
+    Exchange,
+    Failure,
+    PendingAllReduce,
+    reduce_alone,
+)
 from p2ploco.collective.sliced import SlicedExchange, as_sliced
 from p2ploco.errors import PayloadError, TrainingError
 from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedFromRound
@@ -50,29 +57,39 @@ class SwarmCommunicator(Communicator):
         if not set(exchange.parts) <= set(held):
             raise TrainingError(f"this peer published slices {sorted(held)} but averages {sorted(exchange.parts)}")
         slices = {k: (part.fingerprint(), held[k]) for k, part in exchange.parts.items()}
-        group = await self.matchmaker.form_group(round_index, name, slices, directory.me.group)
+        failures: list[Failure] = []
+        group = await self.matchmaker.form_group(round_index, name, slices, directory.me.group, failures)
         grouped.set()  # the join no longer reads this peer's record: it may announce its next round
         if group is None:  # late, refused, or leaving: nothing to apply
-            return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started)
+            return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started,
+                                  failures=failures)
         if len(group.peers) == 1:
-            return await self._alone(exchange, started)
+            return await self._alone(exchange, round_index, started, failures)
 
-        stats = AllReduceStats(list(group.peers))
+        stats = AllReduceStats(list(group.peers), failures=failures)
         formed = set(group.peers)
         while True:
             await faults.hit_async("matchmaking.grouped", round_index)
-            vote, drops = Vote.HOLDS, set()
+            vote, malformed = Vote.HOLDS, set()
             try:
-                await self.butterfly.run(group, exchange, stats, drops)
+                await self.butterfly.run(group, exchange, stats, malformed)
             except AllReduceError as e:
                 vote = Vote.DROPPED if isinstance(e, DroppedFromRound) else Vote.MISSING
                 logger.warning(f"round {round_index}: all-reduce among {len(group.peers)} peers failed here ({e})")
             await faults.hit_async("commit.vote", round_index)
             digests = {k: part.aggregate_digest() for k, part in exchange.parts.items()} if vote == Vote.HOLDS else {}
-            decision = await self.commit.vote(group, vote, digests, drops)
+            decision, lost = await self.commit.vote(group, vote, digests, malformed)
+            if lost is not None:
+                stats.failures += [Failure.NO_DECISION]
+            elif decision.reason:  # the coordinator went on without some members, or dropped the round
+                logger.warning(f"round {round_index}: the coordinator {group.coordinator[-8:]} decided "
+                               f"{decision.outcome}: {decision.reason}")
             if decision.outcome == Outcome.REDO and decision.redo is not None and me in decision.redo.peers:
                 group = decision.redo
+                stats.attempts += 1
                 continue
+            if decision.outcome == Outcome.ABORT and lost is None:
+                stats.failures += [Failure.ABORTED]
             stats.committed = vote == Vote.HOLDS and decision.applies(digests)
             # Others applied an aggregate this peer does not hold (or redid the round without it).
             stats.excluded = not stats.committed and decision.outcome in (Outcome.COMMIT, Outcome.REDO)
@@ -80,7 +97,18 @@ class SwarmCommunicator(Communicator):
             stats.seconds = time.perf_counter() - started
             return stats
 
-    async def _alone(self, exchange: Exchange, started: float) -> AllReduceStats:
+    async def _alone(self, exchange: Exchange, round_index: int, started: float, failures: list[Failure]
+                     ) -> AllReduceStats:
+        """A group of one: its own update, through the same codec, if nobody else works on this round; else
+        nothing (a solitary commit would split this peer from the others: it catches up with them instead)."""
+        others = await self.matchmaker.working_on(round_index)
+        if others:
+            failures.append(Failure.ALONE)
+            logger.warning(f"round {round_index}: this peer is alone while {len(others)} other peer(s) work on this "
+                           f"round ({', '.join(p[-8:] for p in others)}): it applies nothing rather than its own "
+                           f"update, and catches up with them")
+            return AllReduceStats([self.matchmaker.me], committed=False, excluded=True, failures=failures,
+                                  seconds=time.perf_counter() - started)
         try:
             uploaded = await asyncio.get_running_loop().run_in_executor(None, reduce_alone, exchange)
         except PayloadError as e:
@@ -88,4 +116,4 @@ class SwarmCommunicator(Communicator):
                                 f"lower the inner or outer learning rate") from None
         whole = range(exchange.num_units)
         return AllReduceStats([self.matchmaker.me], contribution_bytes=uploaded, params=exchange.numel(whole),
-                              seconds=time.perf_counter() - started)
+                              seconds=time.perf_counter() - started, failures=failures)

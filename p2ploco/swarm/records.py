@@ -27,9 +27,10 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2PDaemonError
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+
+from p2ploco.swarm.wire import DAEMON_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -383,7 +384,7 @@ class PeerDirectory:
         live = {p: r for p, r in self.live.items() if self._expires.get(p, 0.0) > now}
         try:
             found = await self.node.get(self.key, latest=True)
-        except (P2PDaemonError, OSError, EOFError) as e:  # the daemon or a link failed mid-lookup
+        except DAEMON_ERRORS as e:  # the daemon or a link failed mid-lookup
             logger.info(f"peer lookup failed, keeping the last view: {e!r}")
             found = None
         for peer_id, (record, expires) in parse_records(getattr(found, "value", None), now).items():
@@ -423,7 +424,7 @@ class PeerDirectory:
             started = time.monotonic()
             try:
                 await asyncio.gather(self.publish(list_run=True), self.refresh())
-            except (P2PDaemonError, OSError, EOFError) as e:  # a DHT hiccup must not end the heartbeat
+            except DAEMON_ERRORS as e:  # a DHT hiccup must not end the heartbeat
                 logger.warning(f"heartbeat failed: {e!r}")
             except Exception:  # nor a bug: the peer would vanish from the swarm while still training
                 logger.exception("heartbeat failed unexpectedly")
@@ -437,7 +438,7 @@ class PeerDirectory:
             self._dirty.clear()
             try:
                 await self.publish()
-            except (P2PDaemonError, OSError, EOFError) as e:  # the heartbeat stores it again soon
+            except DAEMON_ERRORS as e:  # the heartbeat stores it again soon
                 logger.warning(f"publishing this peer's record failed: {e!r}")
             except Exception:  # a bug: keep publishing, and say where it is
                 logger.exception("publishing this peer's record failed unexpectedly")

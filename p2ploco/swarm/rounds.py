@@ -27,6 +27,13 @@ group it is given against its own view (every member a known live peer, itself i
 implausible one, trying the next coordinator. The coordinator needs no pseudo-gradient of its own: it
 serves joins from its event loop while it trains.
 
+A group smaller than the peers that joined or were expected is the coordinator's decision, never an
+accident: the answer lists who was left out and why (another state, an incomplete pipeline group, did not
+join in time), and every member logs it. A group of one is not remembered as a round that started (a
+straggler is not told "late" by a round that averaged nothing); and a peer that is alone, or reaches no
+coordinator, while its view shows other live peers at the round applies nothing rather than its own
+update (``SwarmCommunicator``): a solitary commit would split the swarm.
+
 A round covers named parameter slices (one per pipeline stage; the whole model when it is not cut):
 a full replica holds them all, a stage peer one. The state a round starts from is, for every slice,
 the hash most active peers of that round hold (``records.round_state``); its digest names the
@@ -43,8 +50,8 @@ A join request, a wire message (``swarm/wire.py``) with no payload::
     {v, round, name, config, state, slices: {slice: [exchange fingerprint, hash]}, pipeline,
      unreachable: [peer ids the joiner could not reach]}
 
-answered ``{v, status: group, group_id, peers, holdings: {peer: [slices]}, pipelines: {peer: group}}``,
-``{v, status: redirect, to}``, or ``{v, status: late|banned|leaving, reason}``.
+answered ``{v, status: group, group_id, peers, holdings: {peer: [slices]}, pipelines: {peer: group},
+left_out: {peer: reason}}``, ``{v, status: redirect, to}``, or ``{v, status: late|banned|leaving, reason}``.
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
-from p2ploco.errors import PayloadError
+from p2ploco.collective.exchange import Failure
+from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.records import MAX_SLICES, PeerDirectory, PeerState, contested, round_state
@@ -73,14 +81,21 @@ KEEP_GROUPS = 32  # groups (and their redos) this peer coordinated, remembered t
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
+MAX_LEFT_OUT = 256  # peers a group answer may list as left out
+MAX_REASON = 200  # characters of the reason a peer was left out
 
 
 class JoinStatus(enum.StrEnum):
     GROUP = "group"  # the group formed: all-reduce with these peers
     REDIRECT = "redirect"  # another peer coordinates this round
     LATE = "late"  # the round started without the joiner: it applies nothing and catches up
+    LEFT_OUT = "left out"  # the joiner holds another state than the others, or its pipeline group is incomplete
     BANNED = "banned"  # the coordinator caught the joiner sending malformed data; it sits this round out
     LEAVING = "leaving"  # the coordinator is leaving and forms no new group
+
+
+JOIN_FAILURES = {JoinStatus.LATE: Failure.LATE, JoinStatus.LEFT_OUT: Failure.LEFT_OUT,
+                 JoinStatus.BANNED: Failure.REJECTED}
 
 
 def rendezvous(round_index: int, state: str, peer: str) -> bytes:
@@ -102,6 +117,11 @@ class Group:
     attempt: int = 0  # 1 for the redo of a failed all-reduce among its survivors
     holdings: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (peer, the slices it holds), in peer order
     pipelines: tuple[tuple[str, str], ...] = ()  # (stage peer, its pipeline group), in peer order
+    left_out: tuple[tuple[str, str], ...] = ()  # (peer, why): joined or expected, and not in the group
+
+    def without(self) -> str:
+        """Who the coordinator left out and why, as a member logs it ("" if nobody)."""
+        return ", ".join(f"{peer[-8:]} ({why})" for peer, why in self.left_out)
 
     def holders(self, slice_name: str) -> tuple[str, ...]:
         """The members that hold ``slice_name``, in canonical order: the i-th reduces the slice's span i."""
@@ -143,6 +163,7 @@ class _Formation:
     opened: float = field(default_factory=time.monotonic)
     members: dict[str, Member] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # members the closed formation left out, and why
+    awaited: set[str] = field(default_factory=set)  # expected peers that had not joined at the last look
     unreachable: set[str] = field(default_factory=set)  # peers the members could not reach
     dead: set[str] = field(default_factory=set)  # expected peers the coordinator could not reach while waiting
     joined: float = field(default_factory=time.monotonic)  # when the latest member joined
@@ -197,10 +218,13 @@ class Matchmaker:
     # ---- the joining side -------------------------------------------------------------------------
 
     async def form_group(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
-                         pipeline: str = "") -> Group | None:
+                         pipeline: str = "", failures: list[Failure] | None = None) -> Group | None:
         """The group this peer all-reduces with in ``round_index``, given the slices it holds (name ->
-        (exchange fingerprint, hash)) and, for a stage peer, its pipeline group: a group of one if it is alone,
-        None if it came too late, is banned, was refused, or is leaving, and must apply nothing this round."""
+        (exchange fingerprint, hash)) and, for a stage peer, its pipeline group: a group of one (``alone``) if no
+        coordinator could be reached or none put anyone else with it (the caller decides whether it may commit
+        alone), None if it came too late, is banned, was refused, or is leaving, and must apply nothing this
+        round. What went wrong on the way is added to ``failures``."""
+        failures = failures if failures is not None else []
         me = self.directory.me
         banned = self.bans.active(round_index)
         looked = self.directory.refreshed_at
@@ -214,11 +238,10 @@ class Matchmaker:
                    "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
                    "unreachable": []}
         deadline = time.monotonic() + self.timeout + 5.0  # the coordinator may wait `timeout` for others
-        unreachable: set[str] = set()
-        asked_again: set[str] = set()
+        unreachable: dict[str, str] = {}  # coordinators tried in vain, and why
         hints: set[str] = set()
         while time.monotonic() < deadline and not self.leaving.is_set():
-            candidates = self.candidates(unreachable) | (hints - unreachable)
+            candidates = self.candidates(set(unreachable)) | (hints - set(unreachable))
             if not candidates:
                 break
             coordinator = best_coordinator(candidates, round_index, state)
@@ -234,33 +257,44 @@ class Matchmaker:
                     if set(group.slices_of(self.me)) != set(slices):
                         raise PayloadError("group that says this peer holds other slices")
                     await self._check_plausible(group)
+                    if group.left_out:
+                        failures.append(Failure.SMALLER_GROUP)
+                        logger.warning(f"round {round_index}: the coordinator {coordinator[-8:]} formed a group of "
+                                       f"{len(group.peers)} without {group.without()}")
                     return group
                 if status == JoinStatus.REDIRECT:
                     to = wire.field(response, "to", str)
                     if rendezvous(round_index, state, to) >= rendezvous(round_index, state, coordinator):
                         raise PayloadError(f"redirect to {to[-8:]}, which does not score better")
                     hints.add(to)
-                elif status in (JoinStatus.LATE, JoinStatus.BANNED):
-                    logger.warning(f"round {round_index}: {response.get('reason', status)}; this peer applies "
-                                   f"nothing this round and catches up")
+                elif status in (JoinStatus.LATE, JoinStatus.LEFT_OUT, JoinStatus.BANNED):
+                    failures.append(JOIN_FAILURES[status])
+                    logger.warning(f"round {round_index}: {str(response.get('reason', status))[:300]}; this peer "
+                                   f"applies nothing this round and catches up")
                     return None
                 else:
-                    unreachable.add(coordinator)
-            except (TimeoutError, PayloadError, *wire.TRANSPORT_ERRORS) as e:
-                broke = isinstance(e, wire.StreamClosed) or not isinstance(e, (TimeoutError, PayloadError))
-                if broke and coordinator not in asked_again:
-                    # The stream broke: the coordinator may hold our join all the same, and answers a second ask
-                    # with the group it formed (a next coordinator would form a group the others are not in).
-                    asked_again.add(coordinator)
-                    logger.info(f"join at {coordinator[-8:]} broke off ({e!r}); asking it again")
-                    continue
-                (logger.info if broke else logger.warning)(
-                    f"round {round_index}: coordinator {coordinator[-8:]} unreachable or implausible ({e!r}); "
-                    f"trying the next one")
-                unreachable.add(coordinator)
+                    unreachable[coordinator] = "it is leaving"
+            except (TimeoutError, PayloadError, TransportError) as e:
+                failures.append(wire.failure_of(e))
+                logger.warning(f"round {round_index}: coordinator {coordinator[-8:]} unreachable or implausible "
+                               f"({e!r}); trying the next one")
+                unreachable[coordinator] = str(e) or type(e).__name__
         if self.leaving.is_set():
             return None
+        tried = ", ".join(f"{peer[-8:]} ({why[:100]})" for peer, why in unreachable.items())
+        logger.warning(f"round {round_index}: no coordinator answered ({tried or 'none to ask'})")
         return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),))
+
+    async def working_on(self, round_index: int) -> list[str]:
+        """The other peers whose records, at a fresh look, say they work on ``round_index`` for our config (fresh,
+        not leaving, not waiting for a slot, not banned here): peers this one would split from by applying a
+        round alone."""
+        live = await self.directory.refresh()
+        banned = self.bans.active(round_index)
+        return sorted(p for p, r in live.items() if p != self.me and r.round == round_index
+                      and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
+                      and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)
+                      and p not in banned)
 
     async def _check_plausible(self, group: Group) -> None:
         """PayloadError unless every member of ``group`` is a live peer this peer knows, itself included. A
@@ -276,9 +310,11 @@ class Matchmaker:
         raise PayloadError(f"group of {len(group.peers)} names {len(unknown)} peer(s) this peer does not know")
 
     async def _ask(self, coordinator: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """One join request, abandoned at once if this peer starts leaving."""
-        asked = asyncio.ensure_future(asyncio.wait_for(wire.call(self.p2p, coordinator, self.handler_name, request),
-                                                       timeout))
+        """One join request, abandoned at once if this peer starts leaving. A stream that breaks is asked again:
+        the coordinator may hold our join all the same, and answers a second ask with the group it formed (a next
+        coordinator would form a group the others are not in)."""
+        asked = asyncio.ensure_future(asyncio.wait_for(
+            wire.call(self.p2p, coordinator, self.handler_name, request, attempts=2), timeout))
         leaving = asyncio.ensure_future(self.leaving.wait())
         try:
             await asyncio.wait({asked, leaving}, return_when=asyncio.FIRST_COMPLETED)
@@ -299,12 +335,12 @@ class Matchmaker:
             await wire.write_message(writer, response)
         except PayloadError as e:
             logger.info(f"bad join request from {sender[-8:]}: {e}")
-        except wire.TRANSPORT_ERRORS as e:  # the joiner went away (or never finished asking); it retries elsewhere
+        except (TransportError, TimeoutError) as e:  # the joiner went away (or never finished asking); it asks again
             logger.debug(f"join request from {sender[-8:]} broke off: {e!r}")
         except Exception:  # a bug: keep serving joins, and say where it is
             logger.exception(f"join request from {sender[-8:]} failed unexpectedly")
         finally:
-            writer.close()
+            await wire.hang_up(reader, writer, self.timeout)
 
     async def _join_here(self, sender: str, request: dict[str, Any]) -> dict[str, Any]:
         key, unreachable, member = parse_join(request)
@@ -336,7 +372,7 @@ class Matchmaker:
         if isinstance(outcome, str):
             return {"status": JoinStatus.REDIRECT, "to": outcome}
         if sender in formation.refused:
-            return {"status": JoinStatus.LATE, "reason": formation.refused[sender]}
+            return {"status": JoinStatus.LEFT_OUT, "reason": formation.refused[sender]}
         return group_answer(outcome)
 
     async def _close_when_complete(self, formation: _Formation) -> None:
@@ -377,7 +413,7 @@ class Matchmaker:
                 # behind (or catching up, every round anew) would miss it every time.
                 moving = {p for p in runs_here if live[p].round == round_index - 1
                           or (live[p].round == round_index and p not in expected)} if joiners_welcome else set()
-                awaited = (expected | moving) - formation.dead - set(formation.members)
+                awaited = formation.awaited = (expected | moving) - formation.dead - set(formation.members)
                 if not awaited:
                     # A peer of this run still at an earlier round in this view may have moved to this one since
                     # the view was taken: before closing without it, one fresh look (none when all are in).
@@ -406,14 +442,20 @@ class Matchmaker:
             self.directory.watchers.discard(formation.changed)
             if not formation.closed.done():
                 members, formation.refused = admit(formation.members, self.stages, chosen)
-                for peer, reason in formation.refused.items():
-                    logger.warning(f"round {round_index}: left {peer[-8:]} out: {reason}")
+                left_out = dict(formation.refused)
+                left_out.update((p, f"it did not join within {self.timeout:.0f} s") for p in formation.awaited)
+                left_out.update((p, "it could not be reached") for p in formation.dead - set(members))
+                if left_out:
+                    logger.warning(f"round {round_index}: formed a group of {len(members)} without "
+                                   + ", ".join(f"{p[-8:]} ({why})" for p, why in sorted(left_out.items())))
                 group = Group(secrets.token_hex(8), round_index, name, tuple(sorted(members)), self.me,
                               holdings=tuple((p, tuple(sorted(dict(members[p].slices)))) for p in sorted(members)),
                               pipelines=tuple((p, members[p].pipeline) for p in sorted(members)
-                                              if members[p].pipeline))
+                                              if members[p].pipeline),
+                              left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())))
                 self.book.add(group)
-                self._closed[key] = group
+                if len(members) > 1:  # a group of one averaged nothing: a straggler is not "late" for it
+                    self._closed[key] = group
                 del self._forming[key]
                 for old in sorted(self._closed)[:-KEEP_CLOSED_ROUNDS]:
                     del self._closed[old]
@@ -472,7 +514,8 @@ def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]
 
 def group_answer(group: Group) -> dict[str, Any]:
     return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers),
-            "holdings": {peer: list(slices) for peer, slices in group.holdings}, "pipelines": dict(group.pipelines)}
+            "holdings": {peer: list(slices) for peer, slices in group.holdings}, "pipelines": dict(group.pipelines),
+            "left_out": dict(group.left_out)}
 
 
 def parse_group(response: dict[str, Any], round_index: int, name: str, coordinator: str) -> Group:
@@ -487,6 +530,11 @@ def parse_group(response: dict[str, Any], round_index: int, name: str, coordinat
         raise PayloadError("group answer whose holdings do not list the slices of every member")
     if not set(pipelines) <= set(peers) or not all(isinstance(v, str) and len(v) <= 64 for v in pipelines.values()):
         raise PayloadError("group answer whose pipeline groups name non-members")
+    left_out = wire.field(response, "left_out", dict)
+    if len(left_out) > MAX_LEFT_OUT or set(left_out) & set(peers) or not all(
+            isinstance(p, str) and len(p) <= wire.MAX_PEER_ID and isinstance(why, str) for p, why in left_out.items()):
+        raise PayloadError("group answer whose list of peers left out is malformed")
     return Group(wire.field(response, "group_id", str), round_index, name, tuple(peers), coordinator, 0,
                  tuple((p, tuple(sorted(set(holdings[p])))) for p in peers),
-                 tuple((p, pipelines[p]) for p in peers if p in pipelines))
+                 tuple((p, pipelines[p]) for p in peers if p in pipelines),
+                 tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())))

@@ -205,14 +205,14 @@ class Swarm:
             try:
                 if not await finishes_within(self.directory.update(state=PeerState.LEAVING), FAREWELL_TIMEOUT):
                     logger.info("could not announce leaving: the DHT did not answer")
-            except (OSError, ConnectionError) as e:
+            except wire.DAEMON_ERRORS as e:
                 logger.info(f"could not announce leaving: {e!r}")
             await finishes_within(self.communicator.matchmaker.withdraw(), FAREWELL_TIMEOUT)
             await finishes_within(self.node.shutdown(), FAREWELL_TIMEOUT)
 
         try:
             self.loop.run(stop(), CALL_TIMEOUT)
-        except wire.TRANSPORT_ERRORS as e:  # the daemon is gone, or did not answer in time
+        except wire.DAEMON_ERRORS as e:  # the daemon is gone, or did not answer in time
             logger.warning(f"leaving the swarm uncleanly: {e!r}")
         except Exception:  # a bug must not keep the process from exiting: say where it is, stop anyway
             logger.exception("leaving the swarm uncleanly")

@@ -38,7 +38,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from p2ploco import faults
-from p2ploco.errors import PayloadError, SwarmError
+from p2ploco.errors import PayloadError, SwarmError, TransportError
 from p2ploco.metrics import params_sha256
 from p2ploco.swarm import wire
 from p2ploco.swarm.deadlines import TransferDeadline
@@ -144,12 +144,14 @@ class StateServer:
                       "sha256": blob_sha, "params_sha256": snapshot.params_sha256}
             await asyncio.wait_for(wire.write_message(writer, header, blob[offset : offset + length]),
                                    self.deadline.seconds(length))
-        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:  # a bad request or a vanished joiner never hurts the donor
-            logger.info(f"state request from {str(stream_info.peer_id)[-8:]} failed: {e!r}")
+        except PayloadError as e:  # a bad request never hurts the donor
+            logger.info(f"malformed state request from {str(stream_info.peer_id)[-8:]}: {e}")
+        except (TransportError, TimeoutError) as e:  # nor a vanished joiner
+            logger.info(f"state request from {str(stream_info.peer_id)[-8:]} broke off: {e!r}")
         except Exception:  # a bug: keep serving, and say where it is
             logger.exception(f"state request from {str(stream_info.peer_id)[-8:]} failed unexpectedly")
         finally:
-            writer.close()
+            await wire.hang_up(reader, writer, self.deadline.seconds(PART_BYTES))
 
 
 async def _request(p2p: P2P, handler: str, donor: str, round_index: int, slice_name: str, offset: int, length: int,
@@ -178,7 +180,7 @@ async def serves(p2p: P2P, handler: str, donor: str, state: SwarmState, timeout:
     try:
         header, _ = await _request(p2p, handler, donor, state.round, state.slice, 0, 0, timeout)
         return parse_description(header, state.round, state.slice, state.params_sha256) is not None
-    except (PayloadError, *wire.TRANSPORT_ERRORS):
+    except (PayloadError, TransportError, TimeoutError):
         return False
 
 
@@ -196,7 +198,7 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, deadline: Tran
         try:
             header, _ = await _request(p2p, handler, donor, round_index, slice_name, 0, 0, deadline.base)
             description = parse_description(header, round_index, slice_name, expected_params_sha256)
-        except (PayloadError, *wire.TRANSPORT_ERRORS) as e:  # unreachable or confused donors are skipped
+        except (PayloadError, TransportError, TimeoutError) as e:  # unreachable or confused donors are skipped
             logger.info(f"donor {donor[-8:]} did not describe its state: {e!r}")
             continue
         if description is not None:
@@ -233,7 +235,7 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, deadline: Tran
                 if parse_description(header, round_index, slice_name, expected_params_sha256) != (
                         total, blob_sha) or len(data) != length:
                     raise PayloadError(f"donor answered {header.get('status')!r} with {len(data)} bytes")
-            except (PayloadError, *wire.TRANSPORT_ERRORS) as e:
+            except (PayloadError, TransportError, TimeoutError) as e:
                 logger.info(f"donor {donor[-8:]} failed on range {offset}: {e!r}; leaving it to the others")
                 parts.put_nowait(offset)
                 working.discard(donor)

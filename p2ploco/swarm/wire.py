@@ -1,4 +1,4 @@
-"""Framing of p2ploco messages on hivemind's libp2p streams.
+"""Framing of p2ploco messages on hivemind's libp2p streams, and the order in which a stream is closed.
 
 A message, big-endian lengths::
 
@@ -8,10 +8,33 @@ A message, big-endian lengths::
     |                  |  largest valid)   |                          |                 |
     +------------------+-------------------+--------------------------+-----------------+
 
-Both lengths are checked against limits before anything is read, so an oversized or truncated
-message from a peer costs a bounded read and a PayloadError, never memory or a crash. A stream
-that ends mid-message raises StreamClosed (a PayloadError that says the link, not the content,
-failed: a crashed peer is not banned for it).
+Both lengths are checked against limits before anything is read, so an oversized message from a peer
+costs a bounded read and a PayloadError, never memory or a crash.
+
+Two kinds of failure, two classes, never mixed up:
+
+- PayloadError: the peer broke the protocol (a header that is no p2ploco map, a field of the wrong type,
+  an oversized payload). Its sender is at fault and may be banned.
+- TransportError: the link failed (the peer could not be dialled, ``Unreachable``; its stream ended
+  mid-message, ``StreamClosed``; it was reset). Nobody is banned for it: the peer may have crashed, or
+  its link broke for a moment. Every error hivemind's daemon client or its sockets raise on a stream
+  (``DAEMON_ERRORS``) is turned into one here, so callers catch TransportError alone. A timeout stays a
+  TimeoutError: slow is not broken.
+
+**Every exchange is a request and its answer on a fresh stream, and the reader of the last message
+closes first.** The p2p daemon (hivemind's go-libp2p-daemon, ``stream.go``) pipes each stream between a
+unix socket and a yamux stream with two goroutines. When our end of the socket closes, one of them
+calls ``Close`` on the yamux stream, which is ``CloseRead`` then ``CloseWrite`` (the FIN); ``CloseRead``
+wakes the other goroutine, whose pending read then fails and which calls ``Reset``. If it gets there
+between the two halves of ``Close`` (a loaded machine preempts the first goroutine there), the peer
+receives a RST and no FIN, and its yamux session drops every byte it has received but not yet handed to
+the reader (``Read`` on a reset stream fails even with data buffered). So an answer written and closed
+at once is now and then lost whole or in part at a busy reader: "stream closed mid-message (0 of 12
+bytes)", "payload truncated: 0 of 4386 bytes". Closing with unread input left in our socket makes the
+daemon reset the stream the same way, every time (``tests/test_wire.py`` shows it). Hence: a caller
+(``call``) writes its request, reads the whole answer and then closes; the side that answered waits for
+that close, reading and dropping whatever the caller still sends, before it closes its own end
+(``hang_up``). Nothing written is then ever in flight when a stream ends.
 """
 
 from __future__ import annotations
@@ -19,47 +42,84 @@ from __future__ import annotations
 import asyncio
 import enum
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import msgpack
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 
-from p2ploco.errors import PayloadError
+from p2ploco.collective.exchange import Failure
+from p2ploco.errors import PayloadError, TransportError
 
 PREFIX = struct.Struct(">IQ")
 MAX_HEADER_BYTES = 1 << 16
 PROTOCOL_VERSION = 1
 MAX_PEER_ID = 128  # a base58 peer id is ~52 characters
+DRAIN_CHUNK = 1 << 16
 
-# What a stream to or from another peer raises when the link fails: the daemon's control errors (it cannot
-# dial the peer, the peer has no such handler), a refused, reset or timed-out connection (OSError covers
-# ConnectionError and TimeoutError), and a stream that ends early (asyncio.IncompleteReadError is an EOFError).
-TRANSPORT_ERRORS = (P2PDaemonError, OSError, EOFError)
+# What hivemind's daemon client and its sockets raise when a link or the daemon fails: the daemon's control
+# errors (it cannot dial the peer, the peer has no such handler), a refused, reset or broken connection
+# (OSError; TimeoutError is one too, and is left alone), and a connection that ends early (EOFError). The one
+# definition of a transport failure: streams turn these into TransportError, DHT calls catch them as they are.
+DAEMON_ERRORS = (P2PDaemonError, OSError, EOFError)
 
 E = TypeVar("E", bound=enum.Enum)
 
 
-class StreamClosed(PayloadError):
-    """The stream ended mid-message: the sender crashed or its link broke (its content was not at fault)."""
+class StreamClosed(TransportError):
+    """The stream ended mid-message: the peer crashed, or its link broke (its content was not at fault)."""
+
+
+class Unreachable(TransportError):
+    """No stream to the peer could be opened: its daemon cannot be dialled, or it serves no such handler."""
+
+
+def failure_of(error: BaseException) -> Failure:
+    """The kind of a failure on a stream, as a round's record counts it."""
+    if isinstance(error, StreamClosed):
+        return Failure.STREAM_CLOSED
+    if isinstance(error, Unreachable):
+        return Failure.UNREACHABLE
+    if isinstance(error, TransportError):
+        return Failure.STREAM_BROKE
+    if isinstance(error, TimeoutError):
+        return Failure.TIMEOUT
+    if isinstance(error, PayloadError):
+        return Failure.MALFORMED
+    raise TypeError(f"{error!r} is no failure of a stream")
+
+
+@contextmanager
+def _link(doing: str, error: type[TransportError] = TransportError) -> Iterator[None]:
+    """Turn what a failing link raises into ``error`` (a TransportError); a timeout stays a timeout."""
+    try:
+        yield
+    except TimeoutError:
+        raise
+    except DAEMON_ERRORS as e:
+        raise error(f"{doing}: {e!r}") from None
 
 
 async def write_message(writer: asyncio.StreamWriter, header: dict[str, Any], payload: bytes = b"") -> None:
     head = msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True)
-    writer.write(PREFIX.pack(len(head), len(payload)) + head)
-    if payload:
-        writer.write(payload)
-    await writer.drain()
+    with _link("the stream broke while writing"):
+        writer.write(PREFIX.pack(len(head), len(payload)) + head)
+        if payload:
+            writer.write(payload)
+        await writer.drain()
 
 
 async def read_header(reader: asyncio.StreamReader) -> tuple[dict[str, Any], int]:
     """The header of the next message and the length of the payload that follows it."""
-    try:
-        head_len, payload_len = PREFIX.unpack(await reader.readexactly(PREFIX.size))
-        if head_len > MAX_HEADER_BYTES:
-            raise PayloadError(f"message header of {head_len} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
-        raw = await reader.readexactly(head_len)
-    except asyncio.IncompleteReadError as e:
-        raise StreamClosed(f"stream closed mid-message ({len(e.partial)} of {e.expected} bytes)") from None
+    with _link("the stream broke while reading"):
+        try:
+            head_len, payload_len = PREFIX.unpack(await reader.readexactly(PREFIX.size))
+            if head_len > MAX_HEADER_BYTES:
+                raise PayloadError(f"message header of {head_len} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+            raw = await reader.readexactly(head_len)
+        except asyncio.IncompleteReadError as e:
+            raise StreamClosed(f"stream closed mid-message ({len(e.partial)} of {e.expected} bytes)") from None
     try:
         header = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_HEADER_BYTES, max_str_len=MAX_HEADER_BYTES)
     except (ValueError, TypeError, msgpack.UnpackException) as e:  # msgpack's errors on garbage
@@ -72,10 +132,11 @@ async def read_header(reader: asyncio.StreamReader) -> tuple[dict[str, Any], int
 async def read_payload(reader: asyncio.StreamReader, length: int, limit: int) -> bytes:
     if length > limit:
         raise PayloadError(f"payload of {length} bytes exceeds the {limit} bytes this span can need")
-    try:
-        return await reader.readexactly(length)
-    except asyncio.IncompleteReadError as e:
-        raise StreamClosed(f"payload truncated: {len(e.partial)} of {length} bytes") from None
+    with _link("the stream broke while reading"):
+        try:
+            return await reader.readexactly(length)
+        except asyncio.IncompleteReadError as e:
+            raise StreamClosed(f"payload truncated: {len(e.partial)} of {length} bytes") from None
 
 
 async def read_message(reader: asyncio.StreamReader, max_payload: int) -> tuple[dict[str, Any], bytes]:
@@ -108,24 +169,51 @@ def peer_ids(header: dict[str, Any], name: str) -> list[str]:
 
 
 async def open_stream(p2p: P2P, peer_id: str, handler: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A fresh stream to ``peer_id``'s ``handler``; a malformed peer id is a PayloadError, not a crash."""
+    """A fresh stream to ``peer_id``'s ``handler``; Unreachable if none opens, PayloadError for a malformed id."""
     try:
         peer = PeerID.from_base58(peer_id)
     except ValueError:
         raise PayloadError(f"{peer_id[:MAX_PEER_ID]!r} is not a peer id") from None
-    _, reader, writer = await p2p.call_binary_stream_handler(peer, handler)
+    with _link(f"could not open a stream to {peer_id[-8:]}", Unreachable):
+        _, reader, writer = await p2p.call_binary_stream_handler(peer, handler)
     return reader, writer
 
 
 async def call(p2p: P2P, peer_id: str, handler: str, header: dict[str, Any], max_payload: int = 0,
-               ) -> tuple[dict[str, Any], bytes]:
-    """One request and its answer on a fresh stream to ``peer_id``'s ``handler`` (the caller bounds the time)."""
-    reader, writer = await open_stream(p2p, peer_id, handler)
+               payload: bytes = b"", attempts: int = 1) -> tuple[dict[str, Any], bytes]:
+    """One request and its answer on a fresh stream to ``peer_id``'s ``handler`` (the caller bounds the time),
+    which this side closes once it has read the answer. ``attempts`` > 1 asks again on a new stream when a
+    stream breaks (a TransportError other than Unreachable): for requests that are safe to repeat, whose
+    handler answers a second ask as it answered the first."""
+    attempt = 1
+    while True:
+        reader, writer = await open_stream(p2p, peer_id, handler)
+        try:
+            await write_message(writer, header, payload)
+            return await read_message(reader, max_payload)
+        except TransportError:
+            if attempt >= attempts:
+                raise
+            attempt += 1
+        finally:
+            writer.close()
+
+
+async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float) -> None:
+    """Close a stream this side answered on, once the caller has closed its end (it has read the answer then):
+    what the caller still sends is read and dropped, and a caller that keeps the stream open is cut off after
+    ``timeout`` seconds. Closing first could lose the answer (module docstring)."""
     try:
-        await write_message(writer, header)
-        return await read_message(reader, max_payload)
+        await asyncio.wait_for(_until_closed(reader), timeout)
+    except (TimeoutError, *DAEMON_ERRORS):  # cut off, or the link is gone already: nothing left to deliver
+        pass
     finally:
         writer.close()
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    while await reader.read(DRAIN_CHUNK):
+        pass
 
 
 async def reachable(p2p: P2P, peer_id: str, handler: str, timeout: float) -> bool:
@@ -135,7 +223,7 @@ async def reachable(p2p: P2P, peer_id: str, handler: str, timeout: float) -> boo
         _, writer = await asyncio.wait_for(open_stream(p2p, peer_id, handler), timeout)
     except TimeoutError:
         return True
-    except (PayloadError, *TRANSPORT_ERRORS):
+    except (PayloadError, TransportError):
         return False
     writer.close()
     return True
