@@ -3,9 +3,9 @@
 No fault is injected: every node is healthy, so every round should be applied by every node with one
 hash. What a busy machine does to the swarm anyway shows in the table, one row per run:
 
-- rounds, and the rounds every node applied;
+- rounds, and the rounds every node applied (an overlapped run's first round lands, so applies, nothing);
 - rounds redone (some all-reduce failed, and the coordinator ran it again among the same peers);
-- rounds lost per node (not applied by that node, or no record of it);
+- rounds lost per node (applied by some node, but not by that one: not applied, or no record of it);
 - splits: rounds after which two nodes that applied the round hold different parameters (per slice);
 - failures counted by kind, summed over the nodes (``RoundRecord.failures``: stream closed, stream broke,
   unreachable, timeout, late, left out, smaller group, no decision, alone, ...).
@@ -72,8 +72,9 @@ def summarise(run: str, rounds: int, records: dict[str, list[dict]], seconds: fl
     soak = Soak(run, len(records), rounds, seconds=seconds, exit_ok=exit_ok)
     by_node = {name: {r["round"]: r for r in rs} for name, rs in records.items()}
     failures: Counter = Counter()
+    applied_by_some = {k for rs in records.values() for r in rs if r["applied"] for k in [r["round"]]}
     for name, rs in records.items():
-        soak.lost[name] = sum(1 for k in range(rounds) if k not in by_node[name] or not by_node[name][k]["applied"])
+        soak.lost[name] = sum(1 for k in applied_by_some if k not in by_node[name] or not by_node[name][k]["applied"])
         for r in rs:
             failures.update(r.get("failures", {}))
     soak.failures = dict(failures)

@@ -98,6 +98,7 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
     """A bootstrap-only DHT peer: prints the addresses nodes join through and stays up until stopped."""
     from p2ploco.swarm.bootstrap import start_bootstrap
     from p2ploco.swarm.loop import EventLoopThread, finishes_within
+    from p2ploco.swarm.runtime import FAREWELL_TIMEOUT
 
     loop = EventLoopThread()
     try:
@@ -112,8 +113,9 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
         stopped.wait()
         click.echo("bootstrap peer stopping")
         try:  # the daemon may already be gone (a signal to the whole process group): never hang on it
-            if not loop.run(finishes_within(node.shutdown(), 10), 15):
-                click.echo("the p2p daemon did not stop in time; exiting anyway", err=True)
+            if not loop.run(finishes_within(node.shutdown(), FAREWELL_TIMEOUT), FAREWELL_TIMEOUT + 5):
+                click.echo("the p2p daemon did not answer (a signal to the process group stops it too); "
+                           "exiting anyway", err=True)
         except DAEMON_ERRORS as e:
             click.echo(f"the p2p daemon stopped uncleanly ({e!r}); exiting anyway", err=True)
     finally:
@@ -295,6 +297,7 @@ def look_at_swarm(initial_peers: tuple[str, ...], run_id: str | None,
     from p2ploco.monitor import find_run, survey
     from p2ploco.swarm.dht import start_dht_node
     from p2ploco.swarm.loop import EventLoopThread, finishes_within
+    from p2ploco.swarm.runtime import FAREWELL_TIMEOUT
     from p2ploco.swarm.records import record_validator
 
     logging.getLogger("hivemind").setLevel(logging.CRITICAL)  # a client's daemon chatter is noise to its user

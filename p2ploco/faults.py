@@ -3,13 +3,17 @@
 Set ``P2PLOCO_FAULTS`` to a comma-separated list of ``point@round=action``, for example
 ``allreduce.contribute@3=kill,inner.step@5=stall:20``. Actions: ``kill`` (SIGKILL this process, as a
 crash would), ``stall:SECONDS`` (hang there), ``fail`` (raise InjectedFault, a TransportError, as a broken
-link would). ``@round`` may be left out to hit the point in every round. Points:
+link would), ``fail:N`` (only the first N times the point is reached in that round: a link that breaks
+once). ``@round`` may be left out to hit the point in every round. Points:
 
 - ``inner.step``           before each inner step
+- ``matchmaking.join``     as this peer asks a coordinator (itself included) to take it into the round's
+                           group (a failure there is an answer that never arrives)
 - ``matchmaking.grouped``  after this peer learnt its group
 - ``allreduce.contribute`` after sending the first contribution to another reducer
 - ``allreduce.reduce``     before this peer answers the senders of its span
-- ``commit.vote``          before this peer votes on the round's outcome
+- ``commit.vote``          as this peer asks the coordinator for the round's outcome (a failure there is a
+                           decision that never arrives)
 - ``state.serve``          before this peer serves a range of its state to a peer catching up
 
 Without the variable every hit is a dictionary lookup that finds nothing.
@@ -21,12 +25,13 @@ import asyncio
 import os
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from p2ploco.errors import TransportError
 
-POINTS = ("inner.step", "matchmaking.grouped", "allreduce.contribute", "allreduce.reduce", "commit.vote",
-          "state.serve")
+POINTS = ("inner.step", "matchmaking.join", "matchmaking.grouped", "allreduce.contribute", "allreduce.reduce",
+          "commit.vote", "state.serve")
 
 
 class InjectedFault(TransportError):
@@ -36,7 +41,8 @@ class InjectedFault(TransportError):
 @dataclass(frozen=True)
 class Fault:
     action: str  # kill, stall, fail
-    seconds: float = 0.0
+    seconds: float = 0.0  # how long a stall lasts
+    times: int = 0  # a failure only at the first this many hits (0: at every one)
 
 
 def parse(spec: str) -> dict[tuple[str, int | None], Fault]:
@@ -46,14 +52,18 @@ def parse(spec: str) -> dict[tuple[str, int | None], Fault]:
         point, _, round_text = where.partition("@")
         if point not in POINTS:
             raise ValueError(f"P2PLOCO_FAULTS: unknown point {point!r}; known: {', '.join(POINTS)}")
-        kind, _, seconds = action.partition(":")
-        if kind not in ("kill", "stall", "fail") or (kind == "stall") != bool(seconds):
-            raise ValueError(f"P2PLOCO_FAULTS: bad action {action!r}; use kill, fail or stall:SECONDS")
-        faults[(point, int(round_text) if round_text else None)] = Fault(kind, float(seconds or 0))
+        kind, _, value = action.partition(":")
+        valid = ((kind == "kill" and not value) or (kind == "stall" and bool(value))
+                 or (kind == "fail" and (not value or value.isdigit() and int(value) > 0)))
+        if not valid:
+            raise ValueError(f"P2PLOCO_FAULTS: bad action {action!r}; use kill, fail, fail:TIMES or stall:SECONDS")
+        faults[(point, int(round_text) if round_text else None)] = (
+            Fault(kind, float(value)) if kind == "stall" else Fault(kind, times=int(value or 0)))
     return faults
 
 
 ACTIVE = parse(os.environ.get("P2PLOCO_FAULTS", ""))
+_hits: Counter[tuple[str, int]] = Counter()  # (point, round) -> times reached, for fail:N
 
 
 def _find(point: str, round_index: int) -> Fault | None:
@@ -70,7 +80,9 @@ def hit(point: str, round_index: int) -> None:
     if fault.action == "stall":
         time.sleep(fault.seconds)
     if fault.action == "fail":
-        raise InjectedFault(f"injected failure at {point} in round {round_index}")
+        _hits[(point, round_index)] += 1
+        if not fault.times or _hits[(point, round_index)] <= fault.times:
+            raise InjectedFault(f"injected failure at {point} in round {round_index}")
 
 
 async def hit_async(point: str, round_index: int) -> None:

@@ -159,15 +159,17 @@ class Node:
                 return bool(c.training.rounds) and round_index >= c.training.rounds
 
             unsettled: int | None = None  # a round that may have ended otherwise for the others
+            doubtful = False  # this peer did not apply a round the others may have, and has not caught up since
             waiting = ""  # what a standby stage last said it waits for (said once, not every look)
             while not self.stopping.is_set() and not finished():
                 if role.place():
                     self.out(f"[{me}] now {role.describe()}")
                     membership = Membership(round_index, "init")
-                round_index, membership = self._catch_up(swarm, role.worker, round_index, membership, unsettled)
+                round_index, membership, doubtful = self._catch_up(swarm, role.worker, round_index, membership,
+                                                                   unsettled, doubtful)
                 if finished():
                     break
-                announce = partial(self._publish, swarm, role.worker, round_index, PeerState.TRAINING)
+                announce = partial(self._publish, swarm, role.worker, round_index, PeerState.TRAINING, doubtful)
                 if not role.ready(round_index, announce, self.stopping):
                     if role.waiting_for != waiting:
                         waiting = role.waiting_for
@@ -176,7 +178,7 @@ class Node:
                     self._wait(lambda: False, time.monotonic() + c.swarm.heartbeat_interval)
                     continue
                 waiting = ""
-                record = self._round(swarm, role, round_index, membership, held_out)
+                record = self._round(swarm, role, round_index, membership, held_out, doubtful)
                 if record is None:  # stopped during the inner steps: the round is abandoned
                     break
                 metrics.append(record)
@@ -188,6 +190,7 @@ class Node:
                 # Alone, or not applied: the others may hold another state after this round (they committed
                 # without us, or a judge we could not reach decided otherwise).
                 unsettled = round_index if record.peers == 1 or not record.applied else None
+                doubtful = doubtful or not record.applied
                 if unsettled is not None and role.worker.launched:  # settling publishes our next round: only
                     # once the round in flight has its group, whose formation reads our record (not asked otherwise:
                     # it waits for the round's contribution, which is computed in the background meanwhile)
@@ -218,16 +221,18 @@ class Node:
         return self.records
 
     @staticmethod
-    def _publish(swarm: Swarm, worker: Worker, round_index: int, state: PeerState) -> None:
-        swarm.set_progress(round_index, state, worker.params_sha256, worker.slice_sha256)
+    def _publish(swarm: Swarm, worker: Worker, round_index: int, state: PeerState, doubtful: bool = False) -> None:
+        swarm.set_progress(round_index, state, worker.params_sha256, worker.slice_sha256, doubtful)
 
     def _catch_up(self, swarm: Swarm, worker: Worker, round_index: int, membership: Membership,
-                  unsettled: int | None) -> tuple[int, Membership]:
+                  unsettled: int | None, doubtful: bool) -> tuple[int, Membership, bool]:
         """If the swarm is ahead of us, or holds another state of some slice at our round, fetch the state of
         every slice this peer holds and contribute from the next round. After an unsettled round, first let
-        the others finish it and compare states at the next round (the majority wins), then fetch at once. A
-        peer that is otherwise behind (joining, restarted) first waits (bounded) for the others to finish the
-        round they are in, so that it starts the next one with them rather than late."""
+        the others finish it and compare states at the next round (the swarm's state wins: ``records.state_rank``,
+        in which a ``doubtful`` state, one this peer holds for not having applied a round the others may have, has
+        no say), then fetch at once. A peer that is otherwise behind (joining, restarted) first waits (bounded) for
+        the others to finish the round they are in, so that it starts the next one with them rather than late.
+        Returns the round to train, how this peer came by its state, and whether that state is still doubtful."""
         def behind(targets: dict[str, SwarmState]) -> bool:
             return any(t.round > round_index or (t.round == round_index
                                                  and t.params_sha256 != worker.slice_sha256[t.slice])
@@ -242,27 +247,29 @@ class Node:
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
         if unsettled is not None:
-            self._publish(swarm, worker, round_index, PeerState.TRAINING)  # our state, for the vote
+            self._publish(swarm, worker, round_index, PeerState.TRAINING, doubtful)  # our state, for the comparison
             if not self._wait(lambda: swarm.settled(unsettled), deadline):
-                return round_index, membership
+                return round_index, membership, doubtful
         # Between two rounds that went well the heartbeat's view will do (a peer behind is also told so at its next
         # join, and catches up then); a peer that starts, or after a round that went otherwise, looks afresh.
-        targets = swarm.swarm_state(round_index, worker.slice_sha256, fresh=unsettled is not None or not self.records)
+        targets = swarm.swarm_state(round_index, worker.slice_sha256,
+                                    fresh=unsettled is not None or doubtful or not self.records)
         if not behind(targets):
-            return round_index, membership
-        if unsettled is None:  # joining or restarted: let the round under way end, then start the next with all
+            return round_index, membership, False
+        if unsettled is None and not doubtful:  # joining or restarted: let the round under way end, then start the
+            # next with all
             if not self._wait(lambda: passed(max(t.round for t in targets.values())), deadline):
-                return round_index, membership
+                return round_index, membership, doubtful
             targets = latest[0]
             if not behind(targets):
-                return round_index, membership
+                return round_index, membership, False
         me = swarm.peer_id[-8:]
         top = max(t.round for t in targets.values())
         missing = sorted(name for name in worker.slices if name not in targets or targets[name].round != top)
         if missing:
             self.out(f"[{me}] the swarm is at round {top} but nobody serves {', '.join(missing)} of it; training on "
                      f"and trying again next round")
-            return round_index, membership
+            return round_index, membership, True
         donors = {peer for t in targets.values() for peer in t.holders}
         self.out(f"[{me}] the swarm is at round {top} (this peer: {round_index}); fetching the state of "
                  f"{', '.join(sorted(targets))} from {len(donors)} peer(s)")
@@ -275,10 +282,10 @@ class Node:
             worker.adopt({name: swarm.fetch_state(t) for name, t in targets.items()})
         except SwarmError as e:
             self.out(f"[{me}] could not catch up ({e}); training on and trying again next round")
-            return round_index, membership
+            return round_index, membership, True
         seconds = time.perf_counter() - started
         self.out(f"[{me}] caught up to round {top} in {seconds:.1f} s")
-        return top, Membership(top, "peer", seconds)
+        return top, Membership(top, "peer", seconds), False
 
     def _wait(self, done: Callable[[], bool], deadline: float) -> bool:
         """Poll ``done`` until it holds or ``deadline`` passes; False if this node is stopping."""
@@ -290,14 +297,15 @@ class Node:
         return not self.stopping.is_set()
 
     def _round(self, swarm: Swarm, role: Role, round_index: int, membership: Membership,
-               held_out: list[Batch]) -> RoundRecord | None:
+               held_out: list[Batch], doubtful: bool) -> RoundRecord | None:
         """One round: inner steps, then the outer round (overlapped: the previous round's outer step lands and
-        this round's all-reduce starts in the background), an eval and the record."""
+        this round's all-reduce starts in the background), an eval and the record. ``doubtful``: published with
+        the state this round starts from (``_catch_up``)."""
         c = self.config
         worker = role.worker
         swarm.publish_state(worker.snapshots(round_index))
         announce = partial(swarm.set_progress, round_index, PeerState.TRAINING, worker.params_sha256,
-                           dict(worker.slice_sha256))
+                           dict(worker.slice_sha256), doubtful)
         # Overlapped, the record moves on to this round once the round in flight has its group (its formation
         # reads the record), at the first inner step after that or at the latest when the round lands.
         announced = not worker.launched
@@ -328,7 +336,8 @@ class Node:
             if not announced:
                 announce()
             worker.launch(round_index, swarm.communicator)
-            comm = landed or AllReduceStats([swarm.peer_id])  # nothing landed: the first round in flight
+            # Nothing landed (the first round in flight, or the one dropped by a catch-up): nothing applied either
+            comm = landed or AllReduceStats([swarm.peer_id], committed=False)
         else:
             comm = worker.sync(swarm.communicator, round_index)
         syncs = comm.sync_bytes or [comm.bytes_sent + comm.bytes_received]

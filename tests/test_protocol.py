@@ -1,13 +1,14 @@
 """The round protocol's rules as pure functions: the coordinator's decision, the rendezvous choice of the
 coordinator, bans, and the parsers of every message (a malformed one is a PayloadError, never a crash)."""
 
+import asyncio
 import hashlib
 
 import pytest
 
 from p2ploco.errors import PayloadError
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.commit import Outcome, Vote, decide, parse_decision, parse_vote
+from p2ploco.swarm.commit import Outcome, Vote, _Ballot, decide, parse_decision, parse_vote
 from p2ploco.swarm.rounds import Group, Member, admit, best_coordinator, parse_group, parse_join, rendezvous
 
 A, B, C, D = "peerA", "peerB", "peerC", "peerD"
@@ -52,6 +53,21 @@ def test_one_liar_costs_a_redo_never_the_round():
     assert decide(redo, forged, {}, A).digests == {S: "d"}
     split = {A: holds("x"), B: holds("y"), C: MISSING, D: MISSING}
     assert decide(redo, split, {}, A).outcome == Outcome.ABORT  # no majority for anything
+
+
+def test_a_member_whose_link_broke_is_waited_for_and_redone_with():
+    """A reducer that lost B's stream reports nothing about B (it did nothing wrong): the coordinator waits for B's
+    vote ("missing") and redoes the round with it. Only a reducer's rejection of malformed data spares the wait."""
+    async def ballots():  # a ballot's decision is a future of the coordinator's event loop
+        return _Ballot(GROUP, deadline=0.0), _Ballot(GROUP, deadline=0.0, accusers={B: {A}})
+
+    ballot, rejected = asyncio.run(ballots())
+    ballot.votes.update({A: holds(), C: holds(), D: holds()})
+    assert ballot.waiting_for() == [B]
+    ballot.votes[B] = MISSING
+    assert decide(GROUP, ballot.votes, ballot.accusers, A).redo.peers == (A, B, C, D)
+    rejected.votes.update({A: holds(), C: holds(), D: holds()})
+    assert rejected.waiting_for() == []
 
 
 def test_two_accusers_push_a_peer_out_one_only_spares_a_wait():

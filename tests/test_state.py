@@ -4,6 +4,7 @@ import asyncio
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from p2ploco.swarm.records import (
     settled,
     swarm_state,
 )
+from p2ploco.swarm.rounds import Member, admit
 from p2ploco.swarm.state import Snapshot
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
@@ -80,6 +82,27 @@ def test_a_banned_peer_does_not_vote_on_the_state_a_round_starts_from():
     assert contested(live, me, 5) and not contested(live, me, 5, banned={"x"})
 
 
+def test_a_peer_that_missed_its_last_round_has_no_say_on_the_swarms_state():
+    """b applied nothing in its last round (it was alone, or its decision never came) while a committed it: at the
+    next round they hold different states, and a's wins whatever the hashes, for the round's formation (the
+    coordinator keeps the members that hold it) and for the state b catches up to alike. With nobody settled,
+    the hash decides, as it does for every peer with the same view."""
+    a, b = record("a", 5, "aaa"), replace(record("b", 5, "zzz"), unsettled=True)
+    live = {"a": a, "b": b}
+    for me in (a, b):
+        assert round_state(live, me, 5)[1] == {S: "aaa"}
+        assert [s.params_sha256 for s in ranked_states(live, me, S)] == ["aaa", "zzz"]
+    members = {"a": Member(((S, ("fp", "aaa")),)), "b": Member(((S, ("fp", "zzz")),))}
+    assert set(admit(members, 1, round_state(live, b, 5)[1])[0]) == {"a"}
+    # Two unsettled peers vouch for the stale state together, and still lose to the one that applied the round.
+    c = replace(record("c", 5, "zzz"), unsettled=True)
+    assert [s.params_sha256 for s in ranked_states({**live, "c": c}, b, S)] == ["aaa", "zzz"]
+    assert round_state({**live, "c": c}, b, 5)[1] == {S: "aaa"}
+    # Nobody settled: the greater hash, the same for both.
+    unsure = {"a": replace(a, unsettled=True), "b": b}
+    assert round_state(unsure, unsure["a"], 5)[1] == round_state(unsure, b, 5)[1] == {S: "zzz"}
+
+
 def test_a_record_stuck_in_the_past_does_not_hold_the_others_up():
     me = record("m", 4, "x")
     live = {r.peer_id: r for r in [record("a", 5, "x"), record("b", 5, "x"), record("stuck", 0, "old")]}
@@ -89,10 +112,12 @@ def test_a_record_stuck_in_the_past_does_not_hold_the_others_up():
 
 
 def test_fault_specs_parse_and_reject_typos():
-    parsed = faults.parse("allreduce.contribute@3=kill, inner.step=stall:2.5,commit.vote@1=fail")
+    parsed = faults.parse("allreduce.contribute@3=kill, inner.step=stall:2.5,commit.vote@1=fail,"
+                          "allreduce.reduce@2=fail:1")
     assert parsed[("allreduce.contribute", 3)] == faults.Fault("kill")
     assert parsed[("inner.step", None)] == faults.Fault("stall", 2.5)
-    for bad in ("nowhere@1=kill", "inner.step=explode", "inner.step=stall"):
+    assert parsed[("commit.vote", 1)] == faults.Fault("fail") and parsed[("allreduce.reduce", 2)].times == 1
+    for bad in ("nowhere@1=kill", "inner.step=explode", "inner.step=stall", "commit.vote=fail:0", "commit.vote=kill:2"):
         with pytest.raises(ValueError):
             faults.parse(bad)
 

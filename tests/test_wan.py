@@ -127,9 +127,10 @@ def test_a_round_agrees_when_every_node_applied_it_in_one_group_with_one_hash(mo
     assert not wan.hashes_agree([row, row, {**row, "params_sha256": "b"}], 3)  # split
     assert not wan.hashes_agree([row, row, {**row, "peers": 2}], 3)  # left out, yet the same hash
     assert not wan.hashes_agree([row, row], 3)  # a node missing
-    first = {**row, "peers": 1, "bytes_sent": 0, "bytes_received": 0}  # overlapped: round 0 lands nothing
-    assert wan.hashes_agree([first] * 3, 3)
-    assert not wan.hashes_agree([first, first, {**first, "applied": False}], 3)
+    first = {**row, "applied": False, "peers": 1, "bytes_sent": 0, "bytes_received": 0}  # overlapped: round 0
+    assert wan.hashes_agree([first] * 3, 3)  # lands nothing, on every node
+    assert not wan.hashes_agree([first, first, {**first, "applied": True}], 3)
+    assert not wan.hashes_agree([first, row, row], 3)
 
 
 def test_compute_utilisation_is_inner_time_over_wall_time_since_the_previous_record():

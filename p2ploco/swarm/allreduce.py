@@ -118,7 +118,9 @@ class _ReducerSession:
     transfer: float  # seconds any one transfer of this round may take (``swarm/deadlines.py``)
     deadline: float  # time.monotonic() by which every contribution must be in (all pieces of a span alike)
     payloads: dict[str, bytes] = field(default_factory=dict)
-    missed: dict[str, tuple[Failure, str]] = field(default_factory=dict)  # not in, through no fault of theirs
+    # senders not in, through no fault of theirs -> (what this reducer saw go wrong, or None where our own send to
+    # them failed: that failure is counted once, by the send), why
+    missed: dict[str, tuple[Failure | None, str]] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)  # dropped for malformed data (or banned here for it)
     connected: set[str] = field(default_factory=set)  # senders that opened a stream to us
     settled: set[str] = field(default_factory=set)  # senders whose stream with us has ended
@@ -135,7 +137,7 @@ class _ReducerSession:
         self.payloads[sender] = payload
         self._check()
 
-    def miss(self, sender: str, failure: Failure, reason: str) -> None:
+    def miss(self, sender: str, failure: Failure | None, reason: str) -> None:
         """Go on without ``sender``'s contribution (its link failed, or it is too late), unless it is in already
         (it then counts). Not the sender's fault: it votes "missing", and a redo takes it along."""
         if self._pending(sender):
@@ -256,7 +258,7 @@ class ButterflyAllReduce:
                 stats.bytes_received += session.bytes_in
                 malformed.update(session.rejected)
                 dropped.update(session.rejected, session.missed)
-                stats.failures += [failure for failure, _ in session.missed.values()]
+                stats.failures += [failure for failure, _ in session.missed.values() if failure is not None]
                 stats.failures += [Failure.MALFORMED] * len(session.rejected)
         for reduction in reductions:
             malformed.update(reduction.rejected)
@@ -338,7 +340,7 @@ class ButterflyAllReduce:
             dropped.update(set(group.holders(session.slice)) - set(included))
         except TransportError as e:  # the reducer crashed, or the link to it broke: it will not send us its part
             for piece in ours:
-                piece.miss(peer, wire.failure_of(e), f"the link to it failed ({e})")
+                piece.miss(peer, None, f"the link to it failed ({e})")
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", wire.failure_of(e)) from None
         except TimeoutError:  # slow is not dead: its own contributions may still come
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]} in time", Failure.TIMEOUT) from None

@@ -51,6 +51,7 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
+from p2ploco import faults
 from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
@@ -124,6 +125,7 @@ class RoundCommit:
                    "drops": sorted(malformed & set(group.peers))}
         judge = group.coordinator
         try:
+            await faults.hit_async("commit.vote", group.round_index)
             if judge == self.me:
                 response = await self._decide_here(self.me, request)
             else:

@@ -76,7 +76,6 @@ class SwarmCommunicator(Communicator):
             except AllReduceError as e:
                 vote = Vote.DROPPED if isinstance(e, DroppedFromRound) else Vote.MISSING
                 logger.warning(f"round {round_index}: all-reduce among {len(group.peers)} peers failed here ({e})")
-            await faults.hit_async("commit.vote", round_index)
             digests = {k: part.aggregate_digest() for k, part in exchange.parts.items()} if vote == Vote.HOLDS else {}
             decision, lost = await self.commit.vote(group, vote, digests, malformed)
             if lost is not None:
@@ -99,14 +98,14 @@ class SwarmCommunicator(Communicator):
 
     async def _alone(self, exchange: Exchange, round_index: int, started: float, failures: list[Failure]
                      ) -> AllReduceStats:
-        """A group of one: its own update, through the same codec, if nobody else works on this round; else
-        nothing (a solitary commit would split this peer from the others: it catches up with them instead)."""
+        """A group of one: its own update, through the same codec, if nobody else works on this round or past it;
+        else nothing (a solitary commit would split this peer from the others: it catches up with them instead)."""
         others = await self.matchmaker.working_on(round_index)
         if others:
             failures.append(Failure.ALONE)
             logger.warning(f"round {round_index}: this peer is alone while {len(others)} other peer(s) work on this "
-                           f"round ({', '.join(p[-8:] for p in others)}): it applies nothing rather than its own "
-                           f"update, and catches up with them")
+                           f"round or past it ({', '.join(p[-8:] for p in others)}): it applies nothing rather than "
+                           f"its own update, and catches up with them")
             return AllReduceStats([self.matchmaker.me], committed=False, excluded=True, failures=failures,
                                   seconds=time.perf_counter() - started)
         try:

@@ -16,8 +16,7 @@ import hashlib
 import logging
 import math
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -88,6 +87,9 @@ class PeerRecord:
     stage: int = -1  # a stage peer's stage in that group (-1 for replicas)
     since: float = 0.0  # DHT time at which a stage peer claimed its (group, stage) slot
     schedule: str = ""  # digest of the inner settings the stages of a pipeline group must share
+    # its last round may have ended otherwise for the others (it was left out, alone, or got no decision), and it
+    # has not caught up since: its state has no say on the swarm's (``state_rank``)
+    unsettled: bool = False
 
     @classmethod
     def parse(cls, value: object) -> PeerRecord | None:
@@ -129,7 +131,7 @@ class PeerRecord:
                 and isinstance(self.slices, dict) and len(self.slices) <= MAX_SLICES
                 and all(text(k, 32) and text(v, 64) for k, v in self.slices.items())
                 and text(self.group, 64) and type(self.stage) is int and -1 <= self.stage < MAX_STAGES
-                and amount(self.since) and text(self.schedule, 64))
+                and amount(self.since) and text(self.schedule, 64) and type(self.unsettled) is bool)
 
     def to_value(self) -> dict[str, Any]:
         return {**asdict(self), "state": str(self.state)}  # hivemind's serializer takes no str subclass
@@ -226,25 +228,34 @@ def active_peers(live: dict[str, PeerRecord], me: PeerRecord) -> list[PeerRecord
     return [r for r in live.values() if r.peer_id != me.peer_id and r.fingerprint == me.fingerprint and r.active]
 
 
+def state_rank(holders: Sequence[PeerRecord], digest: str) -> tuple[int, int, str]:
+    """How a state of one slice at one round ranks against the others held there: by its holders whose last round
+    settled (a peer left out of its last round, alone in it, or without its decision may hold a state the others
+    have moved past: it has no say), then by all its holders, then by the hash, so that every peer with the same
+    view ranks alike. The one rule of the swarm's state: a round's formation (``round_state``), the coordinator's
+    choice among members (``rounds.admit``) and the state a peer catches up to (``ranked_states``) follow it."""
+    return sum(not r.unsettled for r in holders), len(holders), digest
+
+
 def ranked_states(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str) -> list[SwarmState]:
     """The states of ``slice_name`` to follow, seen from ``me``, best first; empty when no other active peer of
     our config holds that slice.
 
-    Only states that two or more peers hold (``me`` included) count, so that one record's claim alone,
-    such as a round a million rounds ahead, never moves anyone: the furthest round wins, at that round the
-    state most peers hold, ties broken by the hash (every peer with the same view ranks alike). If no two
-    peers agree on anything, every peer's own claim is ranked the same way: the caller then follows a claim
-    only if its holder actually serves that state (a liar that serves nothing is passed over)."""
+    The furthest round at which two or more peers (``me`` included) hold one state wins, so that one record's
+    claim alone, such as a round a million rounds ahead, never moves anyone; at that round the states rank by
+    ``state_rank``. If no two peers agree on anything, every round's claims are ranked the same way: the caller
+    then follows a claim held by one peer only if its holder actually serves that state (a liar that serves
+    nothing is passed over)."""
     peers = [r for r in active_peers(live, me) if slice_name in r.slices]
     if not peers:
         return []
-    holders: dict[tuple[int, str], list[str]] = {}
+    holders: dict[tuple[int, str], list[PeerRecord]] = {}
     for r in peers + ([me] if me.active and slice_name in me.slices else []):
-        holders.setdefault((r.round, r.slices[slice_name]), []).append(r.peer_id)
-    vouched = {state: ids for state, ids in holders.items() if len(ids) >= 2}
-    pool = vouched or holders
-    ranked = sorted(pool, key=lambda state: (state[0], len(pool[state]), state[1]), reverse=True)
-    return [SwarmState(round_index, slice_name, digest, tuple(sorted(pool[(round_index, digest)])))
+        holders.setdefault((r.round, r.slices[slice_name]), []).append(r)
+    vouched_rounds = {round_index for (round_index, _), rs in holders.items() if len(rs) >= 2}
+    pool = {state: rs for state, rs in holders.items() if not vouched_rounds or state[0] in vouched_rounds}
+    ranked = sorted(pool, key=lambda state: (state[0], *state_rank(pool[state], state[1])), reverse=True)
+    return [SwarmState(round_index, slice_name, digest, tuple(sorted(r.peer_id for r in pool[(round_index, digest)])))
             for round_index, digest in ranked]
 
 
@@ -256,12 +267,13 @@ def swarm_state(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str) ->
 def round_state(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, banned: set[str] = frozenset()
                 ) -> tuple[str, dict[str, str]]:
     """The state the swarm starts ``round_index`` from, seen from ``me``: for every slice that an active peer of
-    our config holds at that round (``me`` included), the hash most of them hold (ties broken by the hash), and
-    one digest of them all. Every peer with the same view computes the same; it names the round's formation
-    and seeds the choice of its coordinator. Peers ``me`` has banned have no vote: while the others' records
-    still show the previous round, one banned peer's stale hash would tie with ours and could win the tie."""
-    votes = _state_votes(live, me, round_index, banned)
-    chosen = {name: max(counts, key=lambda digest: (counts[digest], digest)) for name, counts in sorted(votes.items())}
+    our config holds at that round (``me`` included), the state ``state_rank`` puts first, and one digest of them
+    all. Every peer with the same view computes the same; it names the round's formation and seeds the choice of
+    its coordinator. Peers ``me`` has banned have no vote: while the others' records still show the previous
+    round, one banned peer's stale hash would tie with ours and could win the tie."""
+    held = _holders_at(live, me, round_index, banned)
+    chosen = {name: max(states, key=lambda digest: state_rank(states[digest], digest))
+              for name, states in sorted(held.items())}
     combined = hashlib.sha256(";".join(f"{name}={digest}" for name, digest in chosen.items()).encode()).hexdigest()
     return combined, chosen
 
@@ -269,19 +281,19 @@ def round_state(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, b
 def contested(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, banned: set[str] = frozenset()) -> bool:
     """Whether the peers that vote on ``round_index``'s starting state (``round_state``) hold more than one hash
     of some slice."""
-    return any(len(counts) > 1 for counts in _state_votes(live, me, round_index, banned).values())
+    return any(len(states) > 1 for states in _holders_at(live, me, round_index, banned).values())
 
 
-def _state_votes(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, banned: set[str]
-                 ) -> dict[str, Counter]:
-    """For every slice, how many of the peers voting on ``round_index``'s starting state hold each hash: the
-    active peers of our config at that round, ``me`` included, those ``me`` has banned left out."""
-    votes: dict[str, Counter] = {}
+def _holders_at(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, banned: set[str]
+                ) -> dict[str, dict[str, list[PeerRecord]]]:
+    """For every slice, who holds each of its hashes among the peers voting on ``round_index``'s starting state:
+    the active peers of our config at that round, ``me`` included, those ``me`` has banned left out."""
+    held: dict[str, dict[str, list[PeerRecord]]] = {}
     for r in active_peers(live, me) + [me]:
         if r.round == round_index and r.peer_id not in banned:
             for name, digest in r.slices.items():
-                votes.setdefault(name, Counter())[digest] += 1
-    return votes
+                held.setdefault(name, {}).setdefault(digest, []).append(r)
+    return held
 
 
 def settled(live: dict[str, PeerRecord], me: PeerRecord, round_index: int) -> bool:

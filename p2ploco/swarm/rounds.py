@@ -31,8 +31,8 @@ A group smaller than the peers that joined or were expected is the coordinator's
 accident: the answer lists who was left out and why (another state, an incomplete pipeline group, did not
 join in time), and every member logs it. A group of one is not remembered as a round that started (a
 straggler is not told "late" by a round that averaged nothing); and a peer that is alone, or reaches no
-coordinator, while its view shows other live peers at the round applies nothing rather than its own
-update (``SwarmCommunicator``): a solitary commit would split the swarm.
+coordinator, while its view shows other live peers at the round or past it applies nothing rather than its
+own update (``SwarmCommunicator``): a solitary commit would split it from them.
 
 A round covers named parameter slices (one per pipeline stage; the whole model when it is not cut):
 a full replica holds them all, a stage peer one. The state a round starts from is, for every slice,
@@ -68,6 +68,7 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
+from p2ploco import faults
 from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
@@ -247,6 +248,7 @@ class Matchmaker:
             coordinator = best_coordinator(candidates, round_index, state)
             request["unreachable"] = sorted(unreachable)
             try:
+                await faults.hit_async("matchmaking.join", round_index)
                 if coordinator == self.me:
                     response = await self._join_here(self.me, request)
                 else:
@@ -286,12 +288,12 @@ class Matchmaker:
         return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),))
 
     async def working_on(self, round_index: int) -> list[str]:
-        """The other peers whose records, at a fresh look, say they work on ``round_index`` for our config (fresh,
-        not leaving, not waiting for a slot, not banned here): peers this one would split from by applying a
-        round alone."""
+        """The other peers whose records, at a fresh look, say they work on ``round_index`` or a later round for our
+        config (fresh, not leaving, not waiting for a slot, not banned here): peers this one would split from by
+        applying the round alone (those at earlier rounds follow this one's state once they reach it)."""
         live = await self.directory.refresh()
         banned = self.bans.active(round_index)
-        return sorted(p for p, r in live.items() if p != self.me and r.round == round_index
+        return sorted(p for p, r in live.items() if p != self.me and r.round >= round_index
                       and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
                       and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)
                       and p not in banned)
@@ -464,17 +466,18 @@ class Matchmaker:
 
 def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | None = None
           ) -> tuple[dict[str, Member], dict[str, str]]:
-    """The members a closing formation keeps, and the others with the reason: for every slice the (fingerprint,
-    hash) most of its holders hold wins and a member that holds another one catches up instead; then a pipeline
-    group whose kept members do not bring all ``stages`` slices is left out whole. A tie goes to the hash that
-    most records at this round show (``recorded``: slice -> hash), then to the greater value: of two members, one
-    left out of the last round and one that applied it, the latter's state is the swarm's."""
+    """The members a closing formation keeps, and the others with the reason: for every slice, the state the
+    records at this round rank first (``recorded``: slice -> hash, by ``records.state_rank``, the one rule of the
+    swarm's state: a member left out of the last round, which publishes its state as unsettled, never outvotes
+    those that applied it) wins, or, if no member holds that one, the (fingerprint, hash) most members hold (ties
+    to the greater value); a member that holds another one catches up instead. Then a pipeline group whose kept
+    members do not bring all ``stages`` slices is left out whole."""
     recorded = recorded or {}
     votes: dict[str, Counter] = {}
     for member in members.values():
         for name, held in member.slices:
             votes.setdefault(name, Counter())[held] += 1
-    chosen = {name: max(counts, key=lambda held: (counts[held], held[1] == recorded.get(name), held))
+    chosen = {name: max(counts, key=lambda held: (held[1] == recorded.get(name), counts[held], held))
               for name, counts in votes.items()}
     refused = {peer: f"it holds another state of {next(n for n, held in m.slices if chosen[n] != held)} than the "
                      f"others: it catches up" for peer, m in members.items()

@@ -110,11 +110,14 @@ class Swarm:
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)
 
-    def set_progress(self, round_index: int, state: PeerState, params_sha256: str, slices: dict[str, str]) -> None:
+    def set_progress(self, round_index: int, state: PeerState, params_sha256: str, slices: dict[str, str],
+                     unsettled: bool = False) -> None:
         """Publish where this peer is: the round it works on and the hashes of the state it started from (of all
-        it holds, and of each slice). Returns at once: the record is stored in the background (a round's join
-        waits for it, ``flush`` too)."""
-        self.report(round=round_index, state=state, params_sha256=params_sha256, slices=dict(slices))
+        it holds, and of each slice), and whether that state is unsettled (its last round may have ended otherwise
+        for the others, and it has not caught up since: the state then has no say on the swarm's). Returns at
+        once: the record is stored in the background (a round's join waits for it, ``flush`` too)."""
+        self.report(round=round_index, state=state, params_sha256=params_sha256, slices=dict(slices),
+                    unsettled=unsettled)
 
     def report(self, **changes: object) -> None:
         """Update this peer's public record (loss, throughput, traffic, ...); it is stored in the background."""
