@@ -297,7 +297,6 @@ def look_at_swarm(initial_peers: tuple[str, ...], run_id: str | None,
     from p2ploco.monitor import find_run, survey
     from p2ploco.swarm.dht import start_dht_node
     from p2ploco.swarm.loop import EventLoopThread, finishes_within
-    from p2ploco.swarm.runtime import FAREWELL_TIMEOUT
     from p2ploco.swarm.records import record_validator
 
     logging.getLogger("hivemind").setLevel(logging.CRITICAL)  # a client's daemon chatter is noise to its user
