@@ -1,3 +1,8 @@
 """p2ploco: peer-to-peer low-communication LLM pre-training over a hivemind DHT."""
 
 __version__ = "0.1.0"
+# The version of the messages peers exchange (swarm/wire.py). It is part of a run's config fingerprint, so peers
+# that speak different versions never meet in a round: the newcomer refuses to start, in one line.
+# 2: streams closed by the side that read last; reducers answer "missed"; groups and decisions say whom they leave
+# out and why; votes report only peers rejected as malformed; records carry "unsettled".
+PROTOCOL_VERSION = 2

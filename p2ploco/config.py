@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from p2ploco import PROTOCOL_VERSION
 from p2ploco.errors import ConfigError
 
 MIN_PEER_TTL = 8.0  # seconds; hivemind's DHT waits up to 3 s for a peer in a lookup
@@ -220,10 +221,12 @@ class Config:
         return dataclasses.asdict(self)
 
     def swarm_fingerprint(self, data: str = "") -> str:
-        """Digest of what every peer of a round must share for identical global parameters; ``data`` is
-        ``TrainingData.fingerprint`` (a prepared corpus's digest, a non-default tokenizer's, or "")."""
+        """Digest of what every peer of a round must share for identical global parameters (and the protocol
+        version their messages speak); ``data`` is ``TrainingData.fingerprint`` (a prepared corpus's digest, a
+        non-default tokenizer's, or "")."""
         shared = {"model": dataclasses.asdict(self.model), "outer": dataclasses.asdict(self.outer),
-                  "pipeline": dataclasses.asdict(self.pipeline), "seed": self.training.seed}
+                  "pipeline": dataclasses.asdict(self.pipeline), "seed": self.training.seed,
+                  "protocol": PROTOCOL_VERSION}
         if data:
             shared["data"] = data
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]

@@ -233,7 +233,7 @@ def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers
             reason = (f"the all-reduce failed for {', '.join(missing) or 'nobody'} (a span did not arrive, or "
                       f"holders disagree); redoing it among {len(survivors)} of {len(group.peers)} peers"
                       + (f", without {left_out}" if len(survivors) < len(group.peers) else ""))
-            logger.warning(f"round {group.round_index}: {reason}")
+            logger.info(f"round {group.round_index}: {reason}")  # every member logs it at WARNING
             return Decision(Outcome.REDO, redo=group.among(secrets.token_hex(8), survivors, me), reason=reason)
     majority = {}
     for name, digests in held.items():
@@ -243,10 +243,10 @@ def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers
     counted_slices = {name for peer in counted for name in group.slices_of(peer)}
     if majority and set(majority) == counted_slices:
         reason = "a majority of each slice's holders hold the same aggregate; committed for them, the others catch up"
-        logger.warning(f"round {group.round_index}: {reason}")
+        logger.info(f"round {group.round_index}: {reason}")  # every member logs it at WARNING
         return Decision(Outcome.COMMIT, majority, reason=reason)
     reason = "the all-reduce failed and no aggregate is held by a majority; the round is dropped by every survivor"
-    logger.warning(f"round {group.round_index}: {reason}")
+    logger.info(f"round {group.round_index}: {reason}")  # every member logs it at WARNING
     return Decision(Outcome.ABORT, reason=reason)
 
 

@@ -447,9 +447,9 @@ class Matchmaker:
                 left_out = dict(formation.refused)
                 left_out.update((p, f"it did not join within {self.timeout:.0f} s") for p in formation.awaited)
                 left_out.update((p, "it could not be reached") for p in formation.dead - set(members))
-                if left_out:
-                    logger.warning(f"round {round_index}: formed a group of {len(members)} without "
-                                   + ", ".join(f"{p[-8:]} ({why})" for p, why in sorted(left_out.items())))
+                if left_out:  # every member logs it at WARNING, with the coordinator's name
+                    logger.info(f"round {round_index}: formed a group of {len(members)} without "
+                                + ", ".join(f"{p[-8:]} ({why})" for p, why in sorted(left_out.items())))
                 group = Group(secrets.token_hex(8), round_index, name, tuple(sorted(members)), self.me,
                               holdings=tuple((p, tuple(sorted(dict(members[p].slices)))) for p in sorted(members)),
                               pipelines=tuple((p, members[p].pipeline) for p in sorted(members)

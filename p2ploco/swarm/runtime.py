@@ -13,7 +13,7 @@ from typing import Any
 
 from hivemind.dht.node import DHTNode
 
-from p2ploco import __version__
+from p2ploco import PROTOCOL_VERSION, __version__
 from p2ploco.config import SwarmConfig
 from p2ploco.errors import SwarmError
 from p2ploco.swarm import DEFAULT_HOST_MADDRS, wire
@@ -90,7 +90,8 @@ class Swarm:
                 await node.shutdown()
                 raise SwarmError(f"run '{run_id}' is training another config (fingerprint "
                                  f"{', '.join(sorted(foreign))}, yours {config_fingerprint}): use the same model, "
-                                 f"outer and seed settings, tokenizer and prepared corpus, or another --run-id")
+                                 f"outer and seed settings, tokenizer and prepared corpus, and the same p2ploco "
+                                 f"protocol version (yours is {PROTOCOL_VERSION}), or another --run-id")
             await directory.publish()
             directory.start_heartbeat()
             communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)

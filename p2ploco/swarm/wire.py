@@ -49,12 +49,12 @@ from typing import Any, TypeVar
 import msgpack
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 
+from p2ploco import PROTOCOL_VERSION
 from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
 
 PREFIX = struct.Struct(">IQ")
 MAX_HEADER_BYTES = 1 << 16
-PROTOCOL_VERSION = 1
 MAX_PEER_ID = 128  # a base58 peer id is ~52 characters
 DRAIN_CHUNK = 1 << 16
 
