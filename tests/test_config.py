@@ -1,5 +1,6 @@
 import pytest
 
+from p2ploco import config as config_module
 from p2ploco.config import Config, load_config
 from p2ploco.errors import ConfigError
 
@@ -87,6 +88,13 @@ def test_fingerprint_covers_what_peers_must_share():
     other_inner = load_config(None, ["inner.lr=1e-3", "inner.batch_size=4"])
     assert base.swarm_fingerprint() != other_outer.swarm_fingerprint()
     assert base.swarm_fingerprint() == other_inner.swarm_fingerprint()  # inner settings may differ per peer
+
+
+def test_peers_that_speak_another_protocol_version_have_another_fingerprint(monkeypatch):
+    """Messages changed between versions: such peers must never meet in a round (the newcomer refuses to start)."""
+    current = Config().swarm_fingerprint()
+    monkeypatch.setattr(config_module, "PROTOCOL_VERSION", config_module.PROTOCOL_VERSION - 1)
+    assert Config().swarm_fingerprint() != current
 
 
 @pytest.mark.parametrize("overrides, message", [
