@@ -6,6 +6,7 @@ import msgpack
 import pytest
 from hivemind.p2p import P2P
 
+from p2ploco import PROTOCOL_VERSION
 from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
@@ -49,7 +50,7 @@ def test_round_trip():
 
 @pytest.mark.parametrize("data, message", [
     (b"\x00\x00", r"stream closed mid-message \(2 of 12 bytes\)"),
-    (frame({"v": 1}, b"abc", declared=10), "payload truncated: 3 of 10 bytes"),
+    (frame({"v": PROTOCOL_VERSION}, b"abc", declared=10), "payload truncated: 3 of 10 bytes"),
 ])
 def test_a_stream_that_ends_mid_message_is_a_transport_error_not_malformed_data(data, message):
     """A crashed sender, or a broken link, is not banned: StreamClosed is a TransportError, never a PayloadError."""
@@ -61,9 +62,9 @@ def test_a_stream_that_ends_mid_message_is_a_transport_error_not_malformed_data(
 
 @pytest.mark.parametrize("data, message", [
     (struct.pack(">IQ", 1 << 20, 0), "exceeds the 65536-byte limit"),
-    (frame({"v": 1}, b"x" * 100), "exceeds the 50 bytes"),
-    (frame([1, 2]), "not a p2ploco v1 map"),
-    (frame({"v": 99}), "not a p2ploco v1 map"),
+    (frame({"v": PROTOCOL_VERSION}, b"x" * 100), "exceeds the 50 bytes"),
+    (frame([1, 2]), f"not a p2ploco v{PROTOCOL_VERSION} map"),
+    (frame({"v": 99}), f"not a p2ploco v{PROTOCOL_VERSION} map"),
     (struct.pack(">IQ", 3, 0) + b"\xc1\xc1\xc1", "not valid msgpack"),
 ])
 def test_malformed_frames_raise_payload_error(data, message):

@@ -4,7 +4,7 @@ A message, big-endian lengths::
 
     +------------------+-------------------+--------------------------+-----------------+
     | u32 header bytes | u64 payload bytes | msgpack header (a map,   | payload bytes   |
-    | (<= 64 KiB)      | (<= the span's    | {"v": 1, ...fields})     |                 |
+    | (<= 64 KiB)      | (<= the span's    | {"v": 2, ...fields})     |                 |
     |                  |  largest valid)   |                          |                 |
     +------------------+-------------------+--------------------------+-----------------+
 
