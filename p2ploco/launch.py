@@ -25,6 +25,7 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 ADDRESS = re.compile(r"(/ip4/\S+/tcp/\d+/p2p/\w+)")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
+LOG_TAIL = 40  # lines of each child's log shown when a swarm's user fails
 
 
 class Child:
@@ -136,5 +137,10 @@ class LocalSwarm:
     def __enter__(self) -> LocalSwarm:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close()
+        # A failed test or demo (not ctrl-c): what each process said last is where to start looking.
+        if exc_type is not None and issubclass(exc_type, Exception):
+            for child in self.children:
+                print(f"---- the last lines of {child.log_path}", *child.log_path.read_text().splitlines()[-LOG_TAIL:],
+                      sep="\n")

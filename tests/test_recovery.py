@@ -19,7 +19,7 @@ FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=6", "--set
 BROKEN_STREAM, NO_JOIN, SLOW_JOIN, NO_DECISION = 2, 3, 4, 8  # the round each failure is injected in
 ROUNDS = 13
 FAULTS = {"b": f"allreduce.contribute@{BROKEN_STREAM}=fail:1,matchmaking.join@{NO_JOIN}=fail",
-          "c": f"matchmaking.join@{SLOW_JOIN}=stall:8,commit.vote@{NO_DECISION}=fail"}
+          "c": f"matchmaking.join@{SLOW_JOIN}=stall:7,commit.vote@{NO_DECISION}=fail"}
 
 
 @pytest.mark.timeout(300)

@@ -10,7 +10,8 @@ winner is redirected to it; a redirect must name a better score, so redirects en
 
 A peer that is ready for round r sends the coordinator a join request and waits; the coordinator
 closes the group when every live peer that works on round r from the same state with the same config
-(and still renews its record and can be dialled: a crashed peer is not waited for) has joined, or
+(or announced that it fetches that state to join round r; and still renews its record and can be dialled:
+a crashed peer is not waited for) has joined, or
 ``matchmaking_timeout`` after the first join, and answers every waiting peer with the same ordered
 list. For the first third of that wait it also waits for peers still moving to round r (records at r - 1,
 or at r with another state: they catch up), since a round's all-reduce may come early in it (Streaming
@@ -394,11 +395,12 @@ class Matchmaker:
                     del self._forming[key]
                     formation.closed.set_result(best)
                     return
-                # Peers working on this round from this state: a swarm started together should not split
-                # because one peer published its record a moment late. Peers still joining at it (catching
-                # up, or just restarted from a checkpoint of it) only for the first third of the wait: a
-                # restarting process may take longer than a round. Not a peer that stopped renewing its
-                # record (it crashed), nor one banned here.
+                # Peers working on this round from this state, for the whole wait: a swarm started together
+                # should not split because one peer published its record a moment late. A peer that announced
+                # it is fetching this very state (joining at this round: told "late" for the last one, or just
+                # restarted from a checkpoint of it) is one of them: it brings its update once it has it, and it
+                # would otherwise lose this round too, and the next, whenever a round is shorter than its lag.
+                # Not a peer that stopped renewing its record (it crashed), nor one banned here.
                 banned = self.bans.active(round_index)
                 joiners_welcome = time.monotonic() < formation.opened + JOINER_GRACE * self.timeout
                 _, chosen = round_state(live, self.directory.me, round_index, banned)
@@ -406,8 +408,7 @@ class Matchmaker:
                              and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
                              and self.directory.fresh(p) and p not in banned}
                 expected = {p for p in runs_here if live[p].round == round_index and live[p].slices
-                            and all(chosen.get(k) == v for k, v in live[p].slices.items())
-                            and (live[p].state != PeerState.JOINING or joiners_welcome)}
+                            and all(chosen.get(k) == v for k, v in live[p].slices.items())}
                 # Peers moving to this round are awaited like joiners, for the joiners' grace only: one still
                 # finishing the previous round, and one at this round that holds another state (it was left out
                 # of the last round and fetches the swarm's state now). A round's all-reduce need not come at its
