@@ -213,9 +213,9 @@ def main() -> None:
             receiving = receive_seconds(exchanges)
             upload = 8 * sum(len(exchanges[0].encode(span)) for span in exchanges[0].partition(n)) / params
             cpu = float(np.median(compress_seconds)) + encoding
-            speed.append((density, n, "cpu", f"{gigabytes / cpu:.2f}", f"{gigabytes / receiving:.2f}", f"{upload:.3f}"))
+            speed.append((density, n, "cpu", f"{gigabytes / cpu:.3g}", f"{gigabytes / receiving:.3g}", f"{upload:.3f}"))
             if gpu_seconds is not None:
-                speed.append((density, n, torch.cuda.get_device_name(), f"{gigabytes / (gpu_seconds + encoding):.2f}",
+                speed.append((density, n, torch.cuda.get_device_name(), f"{gigabytes / (gpu_seconds + encoding):.3g}",
                               "-", f"{upload:.3f}"))
 
             sent, received = butterfly_bytes([SparseExchange(layout, c, "mean") for c in replicas[:n]])
