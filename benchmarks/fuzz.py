@@ -49,8 +49,9 @@ from p2ploco.pipeline.links import Schedule, StageLinks, StageLinkServer
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import parse_reply
 from p2ploco.swarm.commit import parse_decision, parse_vote
+from p2ploco.swarm.messages import decode
 from p2ploco.swarm.records import PeerRecord, RecordSchema, peers_key, record_validator
-from p2ploco.swarm.rounds import Group, JoinStatus, parse_group, parse_join
+from p2ploco.swarm.rounds import Group, JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.swarm.state import Snapshot, parse_description
 
 ME, OTHER = "12D3KooWMe", "12D3KooWOther"
@@ -238,6 +239,12 @@ def sliced_result(data: bytes) -> None:
     SLICED[0].receive(SLICED_SPAN, data, 0)
 
 
+def join_answer(header: dict[str, Any]) -> None:
+    answer = decode(JoinAnswer, header)
+    if answer.status == JoinStatus.GROUP:
+        parse_group(answer, 3, "params", OTHER)
+
+
 def stage_message(parts: tuple[dict[str, Any], bytes]) -> None:
     header, payload = parts
     STAGE_SERVER.accept(OTHER, header, payload)
@@ -276,8 +283,7 @@ def targets() -> list[Target]:
     return [
         Target("wire frame", read_frame, frames()),
         Target("join request", parse_join, headers("join")),
-        Target("join answer", lambda h: (wire.status(h, JoinStatus), parse_group(h, 3, "params", OTHER)),
-               headers("group")),
+        Target("join answer", join_answer, headers("group")),
         Target("vote", parse_vote, headers("vote")),
         Target("decision", lambda h: parse_decision(h, GROUP, OTHER), headers("decision")),
         Target("reducer reply", lambda h: parse_reply(h, GROUP, ME), headers("reply")),

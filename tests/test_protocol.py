@@ -9,7 +9,17 @@ import pytest
 from p2ploco.errors import PayloadError
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import Outcome, Vote, _Ballot, decide, parse_decision, parse_vote
-from p2ploco.swarm.rounds import Group, Member, admit, best_coordinator, parse_group, parse_join, rendezvous
+from p2ploco.swarm.messages import decode
+from p2ploco.swarm.rounds import (
+    Group,
+    JoinAnswer,
+    Member,
+    admit,
+    best_coordinator,
+    parse_group,
+    parse_join,
+    rendezvous,
+)
 
 A, B, C, D = "peerA", "peerB", "peerC", "peerD"
 S = "stage0"
@@ -140,13 +150,17 @@ JOIN = {"round": 1, "name": "p", "config": "c", "state": "s", "slices": {S: ["fp
 
 
 @pytest.mark.parametrize("request_, message", [
-    ({**JOIN, "round": -1}, "negative"),
-    ({**JOIN, "unreachable": "x"}, "unreachable"),
-    ({**JOIN, "unreachable": ["b", "a"]}, "sorted"),
-    ({**JOIN, "round": "1"}, "'round'"),
-    ({**JOIN, "slices": {}}, "'slices'"),
-    ({**JOIN, "slices": {S: ["fp"]}}, "'slices'"),
-    ({**JOIN, "pipeline": 3}, "'pipeline'"),
+    ({**JOIN, "round": -1}, "JoinRequest: round: Input should be greater than or equal to 0"),
+    ({**JOIN, "unreachable": "x"}, "JoinRequest: unreachable: Input should be a valid list"),
+    ({**JOIN, "unreachable": ["b", "a"]}, "JoinRequest: unreachable: Value error, not a sorted list"),
+    ({**JOIN, "round": "1"}, "JoinRequest: round: Input should be a valid integer"),
+    ({**JOIN, "round": True}, "JoinRequest: round: Input should be a valid integer"),
+    ({**JOIN, "round": 1.0}, "JoinRequest: round: Input should be a valid integer"),
+    ({**JOIN, "slices": {}}, "JoinRequest: slices: Dictionary should have at least 1 item"),
+    ({**JOIN, "slices": {S: ["fp"]}}, "JoinRequest: slices.stage0: List should have at least 2 items"),
+    ({**JOIN, "pipeline": 3}, "JoinRequest: pipeline: Input should be a valid string"),
+    ({**JOIN, "pipeline": b"g0"}, "JoinRequest: pipeline: Input should be a valid string"),
+    ({k: v for k, v in JOIN.items() if k != "state"}, "JoinRequest: state: Field required"),
 ])
 def test_malformed_join_requests_are_payload_errors(request_, message):
     with pytest.raises(PayloadError, match=message):
@@ -154,24 +168,25 @@ def test_malformed_join_requests_are_payload_errors(request_, message):
 
 
 def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends():
-    answer = {"group_id": "g", "peers": [A, B], "holdings": {A: [S], B: [S]}, "pipelines": {},
+    answer = {"status": "group", "group_id": "g", "peers": [A, B], "holdings": {A: [S], B: [S]}, "pipelines": {},
               "left_out": {C: "it did not join within 20 s"}}
-    group = parse_group(answer, 1, "params", A)
+    group = parse_group(decode(JoinAnswer, answer), 1, "params", A)
     assert group.holders(S) == (A, B) and group.without() == "peerC (it did not join within 20 s)"
     for bad in ({**answer, "peers": []}, {**answer, "peers": [B, A]},  # empty, not in canonical order
                 {**answer, "holdings": {A: [S]}}, {**answer, "holdings": {A: [S], B: []}},
                 {**answer, "pipelines": {"intruder": "g0"}}, {**answer, "left_out": {A: "a member"}},
-                {**answer, "left_out": {C: 3}}):
-        with pytest.raises(PayloadError):
-            parse_group(bad, 1, "params", A)
+                {**answer, "left_out": {C: 3}}, {**answer, "status": "grouped"}, {**answer, "status": ["group"]},
+                {"status": "redirect"}):
+        with pytest.raises(PayloadError, match="^JoinAnswer: "):
+            decode(JoinAnswer, bad)
     vote = {"group_id": "g", "vote": "holds", "digests": {S: "d"}, "drops": [B]}
     assert parse_vote(vote) == ("g", Vote.HOLDS, {S: "d"}, {B})
-    with pytest.raises(PayloadError, match="'vote' is not one of"):
+    with pytest.raises(PayloadError, match="VoteRequest: vote: Value error, not one of holds, missing, dropped"):
         parse_vote({**vote, "vote": "maybe"})
-    with pytest.raises(PayloadError, match="'digests'"):
+    with pytest.raises(PayloadError, match="VoteRequest: digests.stage0: Input should be a valid string"):
         parse_vote({**vote, "digests": {S: 3}})
     with pytest.raises(PayloadError, match="outside the round's group"):
         parse_decision({"outcome": "redo", "group_id": "h", "peers": ["intruder"], "reason": ""}, GROUP, A)
     assert parse_decision({"outcome": "commit", "digests": {S: "d"}, "reason": ""}, GROUP, A).digests == {S: "d"}
-    with pytest.raises(PayloadError, match="'reason'"):
+    with pytest.raises(PayloadError, match="DecisionAnswer: reason: Field required"):
         parse_decision({"outcome": "abort", "digests": {}}, GROUP, A)

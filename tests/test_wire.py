@@ -72,11 +72,19 @@ def test_malformed_frames_raise_payload_error(data, message):
         asyncio.run(read(data, max_payload=50))
 
 
-def test_field_checks_types():
-    assert wire.field({"round": 3}, "round", int) == 3
-    for header in ({}, {"round": "3"}, {"round": True}):
-        with pytest.raises(PayloadError, match="'round' is missing or not a int"):
-            wire.field(header, "round", int)
+def test_a_header_nested_deeper_than_any_message_is_refused_before_anything_reads_it():
+    """msgpack unpacks 1024 levels; formatting or comparing a value nested 1020 deep overflows Python's stack
+    (RecursionError, which no handler expects: it crashed every node that read such a reducer's answer)."""
+    deep: list = []
+    for _ in range(1020):
+        deep = [deep]
+    with pytest.raises(PayloadError, match=f"nests deeper than {wire.MAX_DEPTH} levels"):
+        asyncio.run(read(frame({"v": PROTOCOL_VERSION, "status": deep}), max_payload=0))
+    shallow: list = []
+    for _ in range(wire.MAX_DEPTH - 2):  # the map, then MAX_DEPTH - 1 lists
+        shallow = [shallow]
+    header, _ = asyncio.run(read(frame({"v": PROTOCOL_VERSION, "status": shallow}), max_payload=0))
+    assert header["status"] == shallow
 
 
 class Reset:

@@ -33,11 +33,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
 from hivemind.p2p import P2P
+from pydantic import Field, StringConstraints
 
 from p2ploco.config import Config
 from p2ploco.errors import PayloadError, PipelineError, TransportError
@@ -45,12 +46,14 @@ from p2ploco.pipeline.schedule import WIRE_DTYPES
 from p2ploco.pipeline.transport import Activations, Mailbox, MicroKey, StageTransport, id_dtype
 from p2ploco.swarm import wire
 from p2ploco.swarm.loop import EventLoopThread
+from p2ploco.swarm.messages import MAX_ROUND, Message, Name, Reason, decode, status_of
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"uint16": torch.uint16, "int32": torch.int32, "float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "float64": torch.float64}
 MAX_ADDENDS = 16
+MAX_DIMENSION = 1 << 31  # of a tensor on the wire, or a stage or micro-batch index
 PROBE_EVERY = 2.0  # seconds between checks, while waiting for a stage's message, that its peer is still there
 PROBES_TO_GIVE_UP = 2  # consecutive failed checks before a stage's peer counts as gone (a busy daemon may miss one)
 
@@ -65,6 +68,26 @@ class Kind(Enum):
 class Status(Enum):
     OK = "ok"
     REJECTED = "rejected"
+
+
+Shape = Annotated[list[Annotated[int, Field(ge=0, le=MAX_DIMENSION)]], Field(max_length=4)]
+
+
+class StageHeader(Message):
+    kind: status_of(Kind)
+    group: Name
+    epoch: Annotated[int, Field(ge=0, le=MAX_ROUND)]
+    step: Annotated[int, Field(ge=0, le=MAX_ROUND)]
+    micro: Annotated[int, Field(ge=0, le=MAX_DIMENSION)] = 0
+    shapes: Annotated[list[Shape], Field(max_length=4)] = []
+    dtypes: Annotated[list[Annotated[str, StringConstraints(max_length=16)]], Field(max_length=4)] = []
+    from_stage: Annotated[int, Field(ge=0, le=MAX_DIMENSION)] = 0  # with sum and abort: the sender's stage
+    reason: Reason = ""  # with abort
+
+
+class StageAnswer(Message):
+    status: status_of(Status)
+    reason: Reason = ""
 
 
 @dataclass(frozen=True)
@@ -152,35 +175,32 @@ class StageLinkServer:
             mailbox.close()
         self.links = None
 
-    def _expected_sender(self, kind: Kind, header: dict[str, Any]) -> tuple[StageLinks, Mailbox, int]:
+    def _expected_sender(self, header: StageHeader) -> tuple[StageLinks, Mailbox, int]:
         links = self.links
-        if links is None or wire.field(header, "group", str) != links.group \
-                or wire.field(header, "epoch", int) != links.epoch:
+        if links is None or header.group != links.group or header.epoch != links.epoch:
             raise PayloadError("message for a group formation this peer does not serve")
-        if kind is Kind.ACTIVATIONS:
+        if header.kind is Kind.ACTIVATIONS:
             return links, self.activations, self.stage - 1
-        if kind is Kind.GRADIENTS:
+        if header.kind is Kind.GRADIENTS:
             return links, self.gradients, self.stage + 1
-        return links, self.sums, wire.field(header, "from_stage", int)  # sums and aborts: any member
+        return links, self.sums, header.from_stage  # sums and aborts: any member
 
-    def admit(self, message: _Message, header: dict[str, Any], length: int) -> None:
+    def admit(self, message: _Message, raw: dict[str, Any], length: int) -> None:
         """Check a message's header before its payload is read: its kind, that ``message.sender`` is the stage that
         may send it, its step and micro-batch, and that its shapes fit the schedule and announce ``length``
         bytes. PayloadError otherwise; once the sender is known to be the right neighbour, ``message`` names
         the step a bad message fails."""
-        try:
-            kind = message.kind = Kind(header.get("kind"))
-        except ValueError:
-            raise PayloadError(f"unknown stage message kind {header.get('kind')!r}") from None
-        links, mailbox, from_stage = self._expected_sender(kind, header)
+        header = decode(StageHeader, raw)
+        kind = message.kind = header.kind
+        links, mailbox, from_stage = self._expected_sender(header)
         if not 0 <= from_stage < len(links.peers) or links.peers[from_stage] != message.sender:
             raise PayloadError(f"{message.sender[-8:]} does not hold the stage that sends {kind.value} to this one")
         message.mailbox, message.from_stage = mailbox, from_stage
-        message.key = self._key(kind, header, from_stage)
+        message.key = self._key(header, from_stage)
         if kind is Kind.ABORT:
-            message.reason = str(header.get("reason", ""))[:200]
+            message.reason = header.reason[:200]
             return
-        message.shapes, message.dtypes = self._expected_tensors(kind, header)
+        message.shapes, message.dtypes = self._expected_tensors(header)
         size = sum(int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
                    for shape, dtype in zip(message.shapes, message.dtypes))
         if length != size:
@@ -228,32 +248,25 @@ class StageLinkServer:
         finally:
             await wire.hang_up(reader, writer, self.timeout)
 
-    def _key(self, kind: Kind, header: dict[str, Any], from_stage: int) -> MicroKey:
-        step = wire.field(header, "step", int)
-        if step < 0:
-            raise PayloadError(f"negative step {step}")
-        if kind in (Kind.SUM, Kind.ABORT):
-            return step, from_stage
-        micro = wire.field(header, "micro", int)
-        if not 0 <= micro < self.schedule.micro_batches:
-            raise PayloadError(f"micro-batch {micro} outside [0, {self.schedule.micro_batches})")
-        return step, micro
+    def _key(self, header: StageHeader, from_stage: int) -> MicroKey:
+        if header.kind in (Kind.SUM, Kind.ABORT):
+            return header.step, from_stage
+        if header.micro >= self.schedule.micro_batches:
+            raise PayloadError(f"micro-batch {header.micro} outside [0, {self.schedule.micro_batches})")
+        return header.step, header.micro
 
-    def _expected_tensors(self, kind: Kind, header: dict[str, Any]) -> tuple[list[tuple[int, ...]],
-                                                                              list[torch.dtype]]:
+    def _expected_tensors(self, header: StageHeader) -> tuple[list[tuple[int, ...]], list[torch.dtype]]:
         """The shapes and element types the header announces, checked against the schedule."""
-        s = self.schedule
-        shapes = [tuple(shape) for shape in wire.field(header, "shapes", list) if isinstance(shape, list)]
-        names = wire.field(header, "dtypes", list)
-        dtypes = [DTYPES.get(name) if isinstance(name, str) else None for name in names]
+        s, kind = self.schedule, header.kind
+        shapes = [tuple(shape) for shape in header.shapes]
+        dtypes = [DTYPES.get(name) for name in header.dtypes]
         if kind is Kind.ACTIVATIONS:
             allowed = [s.id_dtype, s.wire_dtype]
         elif kind is Kind.GRADIENTS:
             allowed = [s.wire_dtype]
         else:
             allowed = [torch.float64]
-        if dtypes != allowed or len(shapes) != len(allowed) \
-                or not all(all(type(d) is int for d in shape) for shape in shapes):
+        if dtypes != allowed or len(shapes) != len(allowed):
             raise PayloadError(f"{kind.value} must carry tensors of types {[str(d) for d in allowed]}")
         if kind is Kind.SUM:
             if len(shapes[0]) != 1 or not 0 < shapes[0][0] <= MAX_ADDENDS:
@@ -321,8 +334,13 @@ class RemoteTransport(StageTransport):
         except PayloadError as e:  # an answer that is not one
             raise PipelineError(f"stage {to_stage} ({peer[-8:]}) answered our {kind.value} with garbage: "
                                 f"{e}") from None
-        if answer.get("status") != Status.OK.value:
-            raise PipelineError(f"stage {to_stage} refused our {kind.value}: {answer.get('reason')}")
+        try:
+            reply = decode(StageAnswer, answer)
+        except PayloadError as e:
+            raise PipelineError(f"stage {to_stage} ({peer[-8:]}) answered our {kind.value} with garbage: "
+                                f"{e}") from None
+        if reply.status is not Status.OK:
+            raise PipelineError(f"stage {to_stage} refused our {kind.value}: {reply.reason[:200]}")
         self.bytes_sent += len(payload)
         self.seconds += time.monotonic() - started
 

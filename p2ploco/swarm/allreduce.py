@@ -51,9 +51,10 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from hivemind.p2p import P2P
+from pydantic import Field
 
 from p2ploco import faults
 from p2ploco.collective.exchange import (
@@ -71,11 +72,13 @@ from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.deadlines import TransferDeadline
+from p2ploco.swarm.messages import Digest, Message, PeerIds, Reason, Round, SliceName, decode, status_of
 from p2ploco.swarm.rounds import Group
 
 logger = logging.getLogger(__name__)
 
 MAX_UNKNOWN_GROUPS = 64  # contributions may precede our own view of their group, but not without bound
+MAX_UNITS = 1 << 40  # units (values, or chunks) of a slice a span may name
 
 
 class ReduceStatus(enum.StrEnum):
@@ -356,12 +359,9 @@ class ButterflyAllReduce:
         session: _ReducerSession | None = None
         try:
             header, length = await asyncio.wait_for(wire.read_header(reader), self.timeout)
-            round_index = wire.field(header, "round", int)
-            span = header.get("span")
-            if not (isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)):
-                raise PayloadError("message field 'span' is not [start, stop]")
-            session = await self._session_of(wire.field(header, "group_id", str), wire.field(header, "slice", str),
-                                             span[0], sender)
+            contribution = decode(Contribution, header)
+            round_index, span = contribution.round, contribution.span
+            session = await self._session_of(contribution.group_id, contribution.slice, span[0], sender)
             session.connected.add(sender)
             refusal = session.refusal(sender)
             if refusal is not None:  # dropped already (unreachable, banned, too late): no new offence
@@ -435,20 +435,32 @@ class ButterflyAllReduce:
         return session
 
 
+class Contribution(Message):
+    group_id: Digest
+    round: Round
+    slice: SliceName
+    span: Annotated[list[Annotated[int, Field(ge=0, le=MAX_UNITS)]], Field(min_length=2, max_length=2)]  # [start, stop]
+
+
+class ReduceAnswer(Message):
+    status: status_of(ReduceStatus)
+    reason: Reason = ""
+    included: PeerIds = []  # with ok: the members whose contributions make up the aggregate that follows
+
+
 def parse_reply(reply: dict[str, Any], group: Group, me: str) -> list[str]:
     """The members whose contributions make up the aggregate that follows a reducer's answer; DroppedFromRound if
     the reducer rejected ours as malformed, AllReduceError if it went on without it, PayloadError if the answer
     is malformed."""
-    status = wire.status(reply, ReduceStatus)
-    reason = str(reply.get("reason"))[:200]
-    if status == ReduceStatus.REJECTED:
-        raise DroppedFromRound(f"a reducer rejected this peer's contribution: {reason}", Failure.REJECTED)
-    if status == ReduceStatus.MISSED:
-        raise AllReduceError(f"a reducer went on without this peer's contribution: {reason}", Failure.MISSED)
-    included = wire.peer_ids(reply, "included")
-    if me not in included or not set(included) <= set(group.peers):
+    answer = decode(ReduceAnswer, reply)
+    if answer.status == ReduceStatus.REJECTED:
+        raise DroppedFromRound(f"a reducer rejected this peer's contribution: {answer.reason[:200]}", Failure.REJECTED)
+    if answer.status == ReduceStatus.MISSED:
+        raise AllReduceError(f"a reducer went on without this peer's contribution: {answer.reason[:200]}",
+                             Failure.MISSED)
+    if me not in answer.included or not set(answer.included) <= set(group.peers):
         raise PayloadError("the aggregate leaves this peer out, or names non-members")
-    return included
+    return answer.included
 
 
 class _Refused(Exception):

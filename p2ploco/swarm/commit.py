@@ -50,12 +50,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind.p2p import P2P
+from pydantic import model_validator
 
 from p2ploco import faults
 from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
-from p2ploco.swarm.records import MAX_SLICES
+from p2ploco.swarm.messages import Digest, Digests, Message, PeerIds, Reason, decode, status_of
 from p2ploco.swarm.rounds import Group, GroupBook
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,6 @@ logger = logging.getLogger(__name__)
 KEEP_BALLOTS = 16
 PROBE_EVERY = 2.0  # seconds between looks at whether awaited voters are still reachable
 ACCUSERS = 2  # reducers that must report rejecting a peer before its own vote stops counting
-MAX_REASON = 1000  # characters of a decision's reason a member logs
 
 
 class Vote(enum.StrEnum):
@@ -257,28 +257,39 @@ def _why_left_out(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], o
     return ", ".join(reasons)
 
 
-def parse_digests(header: dict[str, Any], name: str) -> dict[str, str]:
-    digests = wire.field(header, name, dict)
-    if len(digests) > MAX_SLICES or not all(isinstance(k, str) and len(k) <= 32 and isinstance(v, str)
-                                            and len(v) <= 128 for k, v in digests.items()):
-        raise PayloadError(f"message field {name!r} is not a map of slice -> digest")
-    return digests
+class VoteRequest(Message):
+    group_id: Digest
+    vote: status_of(Vote)
+    digests: Digests  # with holds: the aggregate of each slice the voter holds
+    drops: PeerIds  # the members the voter rejected as malformed from its spans
+
+
+class DecisionAnswer(Message):
+    outcome: status_of(Outcome)
+    digests: Digests = {}  # with commit
+    reason: Reason
+    group_id: Digest = ""  # with redo: the survivors' group
+    peers: PeerIds = []
+
+    @model_validator(mode="after")
+    def _complete(self) -> DecisionAnswer:
+        if self.outcome == Outcome.REDO and not (self.group_id and self.peers):
+            raise ValueError("a redo without the survivors' group")
+        return self
 
 
 def parse_vote(request: dict[str, Any]) -> tuple[str, Vote, dict[str, str], set[str]]:
     """A vote request's group id, vote, digest per slice and reported drops; PayloadError if malformed."""
-    return (wire.field(request, "group_id", str), wire.status(request, Vote, "vote"), parse_digests(request, "digests"),
-            set(wire.peer_ids(request, "drops")))
+    vote = decode(VoteRequest, request)
+    return vote.group_id, vote.vote, vote.digests, set(vote.drops)
 
 
 def parse_decision(response: dict[str, Any], group: Group, judge: str) -> Decision:
     """The coordinator's answer to a vote; PayloadError if malformed."""
-    outcome = wire.status(response, Outcome, "outcome")
-    reason = wire.field(response, "reason", str)[:MAX_REASON]
-    if outcome == Outcome.REDO:
-        peers = wire.peer_ids(response, "peers")
-        if not set(peers) <= set(group.peers):
+    answer = decode(DecisionAnswer, response)
+    if answer.outcome == Outcome.REDO:
+        if not set(answer.peers) <= set(group.peers):
             raise PayloadError("redo group names peers outside the round's group")
-        return Decision(outcome, redo=group.among(wire.field(response, "group_id", str), tuple(peers), judge),
-                        reason=reason)
-    return Decision(outcome, parse_digests(response, "digests") if outcome == Outcome.COMMIT else {}, reason=reason)
+        return Decision(answer.outcome, redo=group.among(answer.group_id, tuple(answer.peers), judge),
+                        reason=answer.reason)
+    return Decision(answer.outcome, answer.digests if answer.outcome == Outcome.COMMIT else {}, reason=answer.reason)

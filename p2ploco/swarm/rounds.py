@@ -65,16 +65,32 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from hivemind.p2p import P2P
+from pydantic import Field, model_validator
 
 from p2ploco import faults
 from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.records import MAX_SLICES, PeerDirectory, PeerState, contested, round_state
+from p2ploco.swarm.messages import (
+    MAX_PEERS,
+    MAX_REASON,
+    MAX_SLICES,
+    Digest,
+    Message,
+    Name,
+    PeerId,
+    PeerIds,
+    Reason,
+    Round,
+    SliceName,
+    decode,
+    status_of,
+)
+from p2ploco.swarm.records import PeerDirectory, PeerState, contested, round_state
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +100,6 @@ LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is formin
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
 MAX_LEFT_OUT = 256  # peers a group answer may list as left out
-MAX_REASON = 200  # characters of the reason a peer was left out
 
 
 class JoinStatus(enum.StrEnum):
@@ -254,9 +269,10 @@ class Matchmaker:
                     response = await self._join_here(self.me, request)
                 else:
                     response = await self._ask(coordinator, request, deadline - time.monotonic())
-                status = wire.status(response, JoinStatus)
+                answer = decode(JoinAnswer, response)
+                status = answer.status
                 if status == JoinStatus.GROUP:
-                    group = parse_group(response, round_index, name, coordinator)
+                    group = parse_group(answer, round_index, name, coordinator)
                     if set(group.slices_of(self.me)) != set(slices):
                         raise PayloadError("group that says this peer holds other slices")
                     await self._check_plausible(group)
@@ -266,13 +282,13 @@ class Matchmaker:
                                        f"{len(group.peers)} without {group.without()}")
                     return group
                 if status == JoinStatus.REDIRECT:
-                    to = wire.field(response, "to", str)
+                    to = answer.to
                     if rendezvous(round_index, state, to) >= rendezvous(round_index, state, coordinator):
                         raise PayloadError(f"redirect to {to[-8:]}, which does not score better")
                     hints.add(to)
                 elif status in (JoinStatus.LATE, JoinStatus.LEFT_OUT, JoinStatus.BANNED):
                     failures.append(JOIN_FAILURES[status])
-                    logger.warning(f"round {round_index}: {str(response.get('reason', status))[:300]}; this peer "
+                    logger.warning(f"round {round_index}: {(answer.reason or status)[:300]}; this peer "
                                    f"applies nothing this round and catches up")
                     return None
                 else:
@@ -496,24 +512,48 @@ def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | No
     return kept, refused
 
 
+class JoinRequest(Message):
+    round: Round
+    name: Name
+    config: Digest  # the joiner's config fingerprint
+    state: Digest  # the digest of the state the joiner starts the round from (``records.round_state``)
+    slices: Annotated[dict[SliceName, Annotated[list[Digest], Field(min_length=2, max_length=2)]],
+                      Field(min_length=1, max_length=MAX_SLICES)]  # slice -> [exchange fingerprint, hash]
+    pipeline: Name
+    unreachable: PeerIds
+
+
+class JoinAnswer(Message):
+    status: status_of(JoinStatus)
+    reason: Reason = ""
+    to: PeerId = ""  # with redirect
+    group_id: Digest = ""  # with group, and the members' holdings and pipeline groups, and whom it leaves out
+    peers: PeerIds = []
+    holdings: Annotated[dict[PeerId, Annotated[list[SliceName], Field(min_length=1, max_length=MAX_SLICES)]],
+                        Field(max_length=MAX_PEERS)] = {}
+    pipelines: Annotated[dict[PeerId, Name], Field(max_length=MAX_PEERS)] = {}
+    left_out: Annotated[dict[PeerId, Reason], Field(max_length=MAX_LEFT_OUT)] = {}
+
+    @model_validator(mode="after")
+    def _complete(self) -> JoinAnswer:
+        if self.status == JoinStatus.REDIRECT and not self.to:
+            raise ValueError("a redirect names no peer")
+        if self.status == JoinStatus.GROUP:
+            if not self.group_id or not self.peers:
+                raise ValueError("a group without id or members")
+            if set(self.holdings) != set(self.peers):
+                raise ValueError("a group whose holdings do not list the slices of every member")
+            if not set(self.pipelines) <= set(self.peers) or set(self.left_out) & set(self.peers):
+                raise ValueError("a group whose pipeline groups name non-members, or that leaves out members")
+        return self
+
+
 def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]:
     """A join request's formation key, the peers the joiner could not reach, and what the joiner holds;
     PayloadError if malformed."""
-    round_index = wire.field(request, "round", int)
-    if round_index < 0:
-        raise PayloadError("join request for a negative round")
-    key = (round_index, wire.field(request, "name", str), wire.field(request, "config", str),
-           wire.field(request, "state", str))
-    listed = wire.field(request, "slices", dict)
-    if not 0 < len(listed) <= MAX_SLICES or not all(
-            isinstance(k, str) and 0 < len(k) <= 32 and isinstance(v, list) and len(v) == 2
-            and all(isinstance(x, str) and len(x) <= 256 for x in v) for k, v in listed.items()):
-        raise PayloadError("join request field 'slices' is not a map of slice -> [fingerprint, hash]")
-    pipeline = wire.field(request, "pipeline", str)
-    if len(pipeline) > 64:
-        raise PayloadError("pipeline group name too long")
-    member = Member(tuple(sorted((k, (v[0], v[1])) for k, v in listed.items())), pipeline)
-    return key, set(wire.peer_ids(request, "unreachable")), member
+    join = decode(JoinRequest, request)
+    member = Member(tuple(sorted((k, (v[0], v[1])) for k, v in join.slices.items())), join.pipeline)
+    return (join.round, join.name, join.config, join.state), set(join.unreachable), member
 
 
 def group_answer(group: Group) -> dict[str, Any]:
@@ -522,23 +562,9 @@ def group_answer(group: Group) -> dict[str, Any]:
             "left_out": dict(group.left_out)}
 
 
-def parse_group(response: dict[str, Any], round_index: int, name: str, coordinator: str) -> Group:
-    """The group in a coordinator's answer; PayloadError if malformed."""
-    peers = wire.peer_ids(response, "peers")
-    if not peers:
-        raise PayloadError("empty group")
-    holdings, pipelines = wire.field(response, "holdings", dict), wire.field(response, "pipelines", dict)
-    if set(holdings) != set(peers) or not all(
-            isinstance(v, list) and 0 < len(v) <= MAX_SLICES and all(isinstance(x, str) and len(x) <= 32 for x in v)
-            for v in holdings.values()):
-        raise PayloadError("group answer whose holdings do not list the slices of every member")
-    if not set(pipelines) <= set(peers) or not all(isinstance(v, str) and len(v) <= 64 for v in pipelines.values()):
-        raise PayloadError("group answer whose pipeline groups name non-members")
-    left_out = wire.field(response, "left_out", dict)
-    if len(left_out) > MAX_LEFT_OUT or set(left_out) & set(peers) or not all(
-            isinstance(p, str) and len(p) <= wire.MAX_PEER_ID and isinstance(why, str) for p, why in left_out.items()):
-        raise PayloadError("group answer whose list of peers left out is malformed")
-    return Group(wire.field(response, "group_id", str), round_index, name, tuple(peers), coordinator, 0,
-                 tuple((p, tuple(sorted(set(holdings[p])))) for p in peers),
-                 tuple((p, pipelines[p]) for p in peers if p in pipelines),
-                 tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())))
+def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: str) -> Group:
+    """The group in a coordinator's answer (its status is ``group``)."""
+    return Group(answer.group_id, round_index, name, tuple(answer.peers), coordinator, 0,
+                 tuple((p, tuple(sorted(set(answer.holdings[p])))) for p in answer.peers),
+                 tuple((p, answer.pipelines[p]) for p in answer.peers if p in answer.pipelines),
+                 tuple(sorted(answer.left_out.items())))

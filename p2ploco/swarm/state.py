@@ -29,10 +29,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from hivemind.p2p import P2P
+from pydantic import Field
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
@@ -42,11 +43,13 @@ from p2ploco.errors import PayloadError, SwarmError, TransportError
 from p2ploco.metrics import params_sha256
 from p2ploco.swarm import wire
 from p2ploco.swarm.deadlines import TransferDeadline
+from p2ploco.swarm.messages import MAX_ROUND, Digest, Message, Round, SliceName, decode, status_of
 from p2ploco.swarm.records import SwarmState
 
 logger = logging.getLogger(__name__)
 
 PART_BYTES = 4 << 20  # the largest range a donor serves in one answer
+MAX_STATE_BYTES = 1 << 36  # the largest state of one slice a donor may describe (its ranges are listed up front)
 MIN_PART_BYTES = 64 << 10
 STREAMS_PER_DONOR = 2  # ranges in flight per donor: one is served while the other crosses the wire
 KEEP_SNAPSHOTS = 2
@@ -123,9 +126,9 @@ class StateServer:
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.deadline.base)
-            wanted, slice_name = wire.field(request, "round", int), wire.field(request, "slice", str)
-            offset, length = wire.field(request, "offset", int), wire.field(request, "length", int)
+            header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.deadline.base)
+            request = decode(StateRequest, header)
+            wanted, slice_name, offset, length = request.round, request.slice, request.offset, request.length
             rounds = [r for r, held in self.snapshots.items() if slice_name in held]
             if not rounds:
                 await wire.write_message(writer, {"status": StateStatus.EMPTY})
@@ -136,7 +139,7 @@ class StateServer:
                 return
             snapshot = self.snapshots[round_held][slice_name]
             blob, blob_sha = await self._describe(snapshot)
-            if not (0 <= offset <= len(blob) and 0 <= length <= PART_BYTES):
+            if offset > len(blob):
                 raise PayloadError(f"bad range {offset}+{length} of a {len(blob)}-byte state")
             if length:  # a range, not the joiner's first question (which round, how big)
                 await faults.hit_async("state.serve", snapshot.round)
@@ -160,19 +163,32 @@ async def _request(p2p: P2P, handler: str, donor: str, round_index: int, slice_n
     return await asyncio.wait_for(wire.call(p2p, donor, handler, request, max_payload=PART_BYTES), timeout)
 
 
+class StateRequest(Message):
+    round: Annotated[int, Field(ge=LATEST, le=MAX_ROUND)]
+    slice: SliceName
+    offset: Annotated[int, Field(ge=0, le=MAX_STATE_BYTES)]
+    length: Annotated[int, Field(ge=0, le=PART_BYTES)]  # 0: the joiner's first question
+
+
+class StateAnswer(Message):
+    status: status_of(StateStatus)
+    round: Round = 0  # with ok: the state's round; with moved: the latest the donor holds
+    slice: SliceName = "-"
+    total: Annotated[int, Field(ge=0, le=MAX_STATE_BYTES)] = 0  # with ok: the blob's size and sha256
+    sha256: Digest = ""
+    params_sha256: Digest = ""
+
+
 def parse_description(header: dict[str, Any], round_index: int, slice_name: str,
                       params_sha256: str) -> tuple[int, str] | None:
     """The blob size and sha256 a donor describes for the state of ``slice_name`` (``round_index``,
     ``params_sha256``), or None if it holds another state; PayloadError if the answer is malformed."""
-    if wire.status(header, StateStatus) != StateStatus.OK:
+    answer = decode(StateAnswer, header)
+    if answer.status != StateStatus.OK:
         return None
-    total, blob_sha = wire.field(header, "total", int), wire.field(header, "sha256", str)
-    if total < 0:
-        raise PayloadError("negative state size")
-    if (wire.field(header, "round", int), wire.field(header, "slice", str),
-            wire.field(header, "params_sha256", str)) != (round_index, slice_name, params_sha256):
+    if (answer.round, answer.slice, answer.params_sha256) != (round_index, slice_name, params_sha256):
         return None
-    return total, blob_sha
+    return answer.total, answer.sha256
 
 
 async def serves(p2p: P2P, handler: str, donor: str, state: SwarmState, timeout: float) -> bool:
@@ -234,7 +250,7 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, deadline: Tran
                                               deadline.seconds(length, rates))
                 if parse_description(header, round_index, slice_name, expected_params_sha256) != (
                         total, blob_sha) or len(data) != length:
-                    raise PayloadError(f"donor answered {header.get('status')!r} with {len(data)} bytes")
+                    raise PayloadError(f"donor answered another state, or {len(data)} bytes for a {length}-byte range")
             except (PayloadError, TransportError, TimeoutError) as e:
                 logger.info(f"donor {donor[-8:]} failed on range {offset}: {e!r}; leaving it to the others")
                 parts.put_nowait(offset)

@@ -40,11 +40,10 @@ that close, reading and dropping whatever the caller still sends, before it clos
 from __future__ import annotations
 
 import asyncio
-import enum
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
@@ -52,10 +51,11 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from p2ploco import PROTOCOL_VERSION
 from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
+from p2ploco.swarm.messages import MAX_PEER_ID
 
 PREFIX = struct.Struct(">IQ")
 MAX_HEADER_BYTES = 1 << 16
-MAX_PEER_ID = 128  # a base58 peer id is ~52 characters
+MAX_DEPTH = 8  # how deep a header's maps and lists may nest: p2ploco's messages need 3 levels
 DRAIN_CHUNK = 1 << 16
 
 # What hivemind's daemon client and its sockets raise when a link or the daemon fails: the daemon's control
@@ -63,8 +63,6 @@ DRAIN_CHUNK = 1 << 16
 # (OSError; TimeoutError is one too, and is left alone), and a connection that ends early (EOFError). The one
 # definition of a transport failure: streams turn these into TransportError, DHT calls catch them as they are.
 DAEMON_ERRORS = (P2PDaemonError, OSError, EOFError)
-
-E = TypeVar("E", bound=enum.Enum)
 
 
 class StreamClosed(TransportError):
@@ -123,10 +121,30 @@ async def read_header(reader: asyncio.StreamReader) -> tuple[dict[str, Any], int
     try:
         header = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_HEADER_BYTES, max_str_len=MAX_HEADER_BYTES)
     except (ValueError, TypeError, msgpack.UnpackException) as e:  # msgpack's errors on garbage
-        raise PayloadError(f"message header is not valid msgpack: {e!r}") from None
+        raise PayloadError(f"message header is not valid msgpack: {type(e).__name__}") from None
+    if not nested_within(header, MAX_DEPTH):  # before anything formats, hashes or compares it
+        raise PayloadError(f"message header nests deeper than {MAX_DEPTH} levels")
     if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
         raise PayloadError(f"message header is not a p2ploco v{PROTOCOL_VERSION} map")
     return header, payload_len
+
+
+def nested_within(value: Any, limit: int) -> bool:
+    """Whether ``value``'s maps and lists nest at most ``limit`` levels deep, found without recursion: msgpack
+    unpacks up to 1024 levels, and formatting or comparing such a value overflows Python's stack."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: list[Any] = [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
 
 
 async def read_payload(reader: asyncio.StreamReader, length: int, limit: int) -> bytes:
@@ -142,30 +160,6 @@ async def read_payload(reader: asyncio.StreamReader, length: int, limit: int) ->
 async def read_message(reader: asyncio.StreamReader, max_payload: int) -> tuple[dict[str, Any], bytes]:
     header, length = await read_header(reader)
     return header, await read_payload(reader, length, max_payload)
-
-
-def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    """A header field of the expected type, or PayloadError naming it."""
-    value = header.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise PayloadError(f"message field {name!r} is missing or not a {getattr(kind, '__name__', kind)}")
-    return value
-
-
-def status(header: dict[str, Any], kind: type[E], name: str = "status") -> E:
-    """A header field that must be one of an Enum's values, or PayloadError naming it."""
-    try:
-        return kind(header.get(name))
-    except ValueError:
-        raise PayloadError(f"message field {name!r} is not one of {', '.join(str(k.value) for k in kind)}") from None
-
-
-def peer_ids(header: dict[str, Any], name: str) -> list[str]:
-    """A header field listing distinct peer ids in ascending order, or PayloadError naming it."""
-    peers = field(header, name, list)
-    if not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in peers) or peers != sorted(set(peers)):
-        raise PayloadError(f"message field {name!r} is not a sorted list of distinct peer ids")
-    return peers
 
 
 async def open_stream(p2p: P2P, peer_id: str, handler: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

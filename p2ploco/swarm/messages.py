@@ -1,0 +1,76 @@
+"""The one decoder of what other peers say: typed, bounded fields and ``decode``.
+
+Every message a peer sends (a join, a group, a vote, a decision, a contribution, a reducer's answer, a state
+request or description, a stage message) is a pydantic model of its own, next to the protocol that uses it,
+built from the field types below. The models are strict (an int is no float and no bool, a string is no bytes),
+every string, list, map and integer is bounded, and a status is checked against its Enum as a string before it is
+looked up, so that no value, however deep or odd, is ever formatted or hashed. ``decode`` turns any mismatch
+into one PayloadError that names the message and the field, never the value; no other exception can come out of
+it. (A header is a msgpack map no deeper than ``wire.MAX_DEPTH``: the wire refuses deeper ones before any of
+this runs.) Checks that need context (a group that must name this peer, a span that must be this reducer's)
+stay with the code that has the context.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, StringConstraints, ValidationError
+
+from p2ploco.errors import PayloadError
+
+MAX_PEER_ID = 128  # a base58 peer id is ~52 characters
+MAX_PEERS = 1024  # members of one group; peers one message may list
+MAX_SLICES = 64  # named slices (pipeline stages, fragments) one message may list
+MAX_ROUND = 1 << 48  # rounds, at one a second, for nine million years
+MAX_REASON = 1000  # characters of a reason kept (longer ones are cut, not refused)
+
+PeerId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PEER_ID)]
+SliceName = Annotated[str, StringConstraints(min_length=1, max_length=32)]
+Digest = Annotated[str, StringConstraints(max_length=128)]  # a hash, a fingerprint or a group id
+Name = Annotated[str, StringConstraints(max_length=64)]  # an all-reduce's or a pipeline group's name
+Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]
+Reason = Annotated[str, AfterValidator(lambda text: text[:MAX_REASON])]
+Digests = Annotated[dict[SliceName, Digest], Field(max_length=MAX_SLICES)]  # slice -> hash
+
+
+def _sorted_distinct(peers: list[str]) -> list[str]:
+    if peers != sorted(set(peers)):
+        raise ValueError("not a sorted list of distinct peer ids")
+    return peers
+
+
+PeerIds = Annotated[list[PeerId], Field(max_length=MAX_PEERS), AfterValidator(_sorted_distinct)]
+
+E = TypeVar("E", bound=enum.Enum)
+M = TypeVar("M", bound="Message")
+
+
+def status_of(kind: type[E]) -> Any:
+    """The field type of a status that must be one of ``kind``'s values, given as its string. Checked as a string
+    first: Enum's own lookup would hash any other value and format it in its error."""
+    def parse(value: Any) -> E:
+        if isinstance(value, str):
+            for member in kind:
+                if member.value == value:
+                    return member
+        raise ValueError(f"not one of {', '.join(str(member.value) for member in kind)}")
+
+    return Annotated[kind, PlainValidator(parse)]
+
+
+class Message(BaseModel):
+    """A message from another peer: strict types, unknown fields ignored (newer peers may add some)."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+
+def decode(model: type[M], header: Any) -> M:
+    """``header`` as a ``model``, or PayloadError naming the first field that does not fit (never its value)."""
+    try:
+        return model.model_validate(header)
+    except ValidationError as e:
+        error = e.errors(include_url=False, include_context=False, include_input=False)[0]
+        where = ".".join(str(part)[:32] for part in error["loc"]) or "the message"
+        raise PayloadError(f"{model.__name__}: {where}: {error['msg']}") from None
