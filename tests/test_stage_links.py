@@ -103,7 +103,7 @@ def test_malformed_stage_messages_are_refused_and_a_bad_neighbour_fails_only_its
     assert receiver.recv_activations((5, 0)).values.shape == (2, 16, 8)
     nan = values.clone()
     nan[0, 0, 0] = float("nan")
-    bad = [(header(kind="weights"), payload, "unknown stage message kind"),
+    bad = [(header(kind="weights"), payload, "StageHeader: kind: Value error, not one of activations"),
            (header(shapes=[[2, 17], [2, 16, 9]]), payload, "of shape"),
            (header(shapes=[[3, 17], [3, 16, 8]]), payload, "of shape"),
            (header(dtypes=["uint16", "float64"]), payload, "must carry tensors of types"),
