@@ -49,6 +49,7 @@ from p2ploco.pipeline.links import Schedule, StageLinks, StageLinkServer
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import parse_reply
 from p2ploco.swarm.commit import parse_decision, parse_vote
+from p2ploco.swarm.identity import Identity, peer_id_of
 from p2ploco.swarm.messages import decode
 from p2ploco.swarm.records import PeerRecord, RecordSchema, peers_key, record_validator
 from p2ploco.swarm.rounds import Group, JoinAnswer, JoinStatus, parse_group, parse_join
@@ -99,9 +100,11 @@ STAGE_SERVER = StageLinkServer(None, "fuzz", timeout=1.0)
 STAGE_SERVER.join(StageLinks("g0", 1, (OTHER, ME)), 1, Schedule(2, 2, 16, 8, 257, torch.bfloat16, torch.uint16))
 STAGE_PAYLOAD = (torch.zeros(2, 17, dtype=torch.int32).numpy().astype(np.uint16).tobytes()
                  + torch.zeros(2, 16, 8, dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())
-RECORD = PeerRecord(ME, 3, "training", "f" * 16, "a" * 64, name="swift-otter", addresses=["/ip4/1.2.3.4/tcp/1"],
-                    eval_history=[[1, 4.5]]).to_value()
-VALIDATOR, OWNER = record_validator("fuzz")
+IDENTITY = Identity.fresh()
+IDENTITY.release()  # no daemon: only its key signs
+VALIDATOR, OWNER = record_validator(IDENTITY.key, "fuzz")
+RECORD = PeerRecord(peer_id=peer_id_of(OWNER), round=3, state="training", fingerprint="f" * 16, params_sha256="a" * 64,
+                    name="swift-otter", addresses=["/ip4/1.2.3.4/tcp/1"], eval_history=[[1, 4.5]]).to_value()
 SCHEMA = RecordSchema([peers_key("fuzz")])
 RECORD_KEY = DHTID.generate(source=peers_key("fuzz")).to_bytes()
 SIGNED = VALIDATOR.sign_value(DHTRecord(RECORD_KEY, MSGPackSerializer.dumps(OWNER), MSGPackSerializer.dumps(RECORD),

@@ -297,14 +297,12 @@ def look_at_swarm(initial_peers: tuple[str, ...], run_id: str | None,
     from p2ploco.monitor import find_run, survey
     from p2ploco.swarm.dht import start_dht_node
     from p2ploco.swarm.loop import EventLoopThread, finishes_within
-    from p2ploco.swarm.records import record_validator
 
     logging.getLogger("hivemind").setLevel(logging.CRITICAL)  # a client's daemon chatter is noise to its user
     loop = EventLoopThread()
     node = None
     try:
-        node = loop.run(start_dht_node(initial_peers, CLIENT_HOST_MADDRS, client_mode=True,
-                                       record_validator=record_validator()[0]))
+        node, _ = loop.run(start_dht_node(initial_peers, CLIENT_HOST_MADDRS, client_mode=True))
         run = loop.run(find_run(node, run_id))
         show(lambda: loop.run(survey(node, run), 60))
     except KeyboardInterrupt:

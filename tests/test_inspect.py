@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -18,6 +19,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
 from p2ploco.metrics import RoundRecord, TensorBoardLog
 from p2ploco.monitor import COLUMNS, Survey, peer_rows, peers_rich
+from p2ploco.swarm.dht import start_dht_node
+from p2ploco.swarm.identity import Identity, peer_id_of
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerRecord, peers_key, record_validator
 
@@ -26,8 +29,8 @@ NOBODY = "12D3KooWJFBvJXaPgQ1XAX5u5MCmZYfgVUgvyeTA2BwcCGJhu78u"  # a well-formed
 
 
 def valid_value(**changes) -> dict:
-    record = PeerRecord("12D3KooWExample", round=3, state="training", fingerprint="f" * 16, params_sha256="a" * 64,
-                        name="swift-otter-mple", eval_history=[[1, 4.5], [2, 4.0]])
+    record = PeerRecord(peer_id="12D3KooWExample", round=3, state="training", fingerprint="f" * 16,
+                        params_sha256="a" * 64, name="swift-otter-mple", eval_history=[[1, 4.5], [2, 4.0]])
     return {**record.to_value(), **changes}
 
 
@@ -77,25 +80,66 @@ def dht_record(subkey: bytes, value: object) -> DHTRecord:
 
 
 def test_only_the_owner_can_sign_its_record_and_the_schema_is_checked():
-    validator, owner = record_validator("tiny")
+    identity = Identity.fresh()
+    identity.release()  # no daemon here: only its key is used
+    validator, owner = record_validator(identity.key, "tiny")
+    mine = peer_id_of(owner)
 
     def signed(record: DHTRecord) -> DHTRecord:
         return DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
 
-    good = signed(dht_record(owner, valid_value()))
+    good = signed(dht_record(owner, valid_value(peer_id=mine)))
     assert validator.validate(good)
     tampered = DHTRecord(good.key, good.subkey, good.value.replace(b"training", b"averaging"), good.expiration_time)
     assert not validator.validate(tampered)
-    assert not validator.validate(dht_record(owner, valid_value()))  # unsigned
+    assert not validator.validate(dht_record(owner, valid_value(peer_id=mine)))  # unsigned
     someone_else = RSASignatureValidator(RSAPrivateKey()).local_public_key
-    assert not validator.validate(signed(dht_record(someone_else, valid_value())))  # not ours to sign
+    assert not validator.validate(signed(dht_record(someone_else, valid_value(peer_id=mine))))  # not ours to sign
     # A subkey whose embedded key does not parse is refused (hivemind's validator raised ValueError from its
     # DHT handlers on it; found by benchmarks/fuzz.py).
     garbled = owner.replace(owner[20:24], b"\x1d\xcc!!")
     forged = DHTRecord(good.key, MSGPackSerializer.dumps(garbled), good.value, good.expiration_time)
     assert not validator.validate(forged)
-    assert not validator.validate(signed(dht_record(owner, valid_value(state="dancing"))))  # signed junk
-    assert not validator.validate(signed(dht_record(b"plain-subkey", valid_value())))  # must name an owner
+    assert not validator.validate(signed(dht_record(owner, valid_value(peer_id=mine, state="dancing"))))  # junk
+    assert not validator.validate(signed(dht_record(b"plain-subkey", valid_value(peer_id=mine))))  # names no owner
+
+
+def test_a_record_names_its_signer_holds_one_subkey_and_lapses_within_the_longest_ttl():
+    """The signer's key is the one behind its peer id: it cannot publish a record for another peer (a forged
+    "leaving" record hid its victim; a second record outvoted it), nor more than one record per key, nor one that
+    outlives every honest peer's ttl by days (abandoned records used to pile up)."""
+    identity = Identity.fresh()
+    identity.release()
+    validator, owner = record_validator(identity.key, "tiny")
+    mine = peer_id_of(owner)
+
+    def signed(subkey: bytes, value: dict, expires: float) -> DHTRecord:
+        record = DHTRecord(DHTID.generate(source=peers_key("tiny")).to_bytes(), MSGPackSerializer.dumps(subkey),
+                           MSGPackSerializer.dumps(value), expires)
+        return DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
+
+    soon = get_dht_time() + 10
+    assert validator.validate(signed(owner, valid_value(peer_id=mine), soon))
+    assert not validator.validate(signed(owner, valid_value(peer_id=NOBODY, state="leaving"), soon))
+    assert not validator.validate(signed(owner + b"#2", valid_value(peer_id=mine), soon))  # a second subkey
+    assert not validator.validate(signed(owner, valid_value(peer_id=mine), get_dht_time() + 10 * 365 * 86400))
+
+
+def test_an_identity_file_gives_the_peer_id_its_records_name(tmp_path):
+    """The p2p daemon's peer id and the id computed from the record signing key agree, for a claimed identity file
+    and a fresh one (whose key file is gone once the daemon runs)."""
+    loop = EventLoopThread()
+    try:
+        for identity in (Identity.claim(str(tmp_path / "node.key")), Identity.fresh()):
+            node, owner = loop.run(start_dht_node(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity=identity), 60)
+            try:
+                assert str(node.peer_id) == peer_id_of(owner)
+                assert os.path.exists(identity.path) != identity.ephemeral
+            finally:
+                loop.run(node.shutdown(), 30)
+                identity.release()
+    finally:
+        loop.stop()
 
 
 class Forger(RecordValidatorBase):

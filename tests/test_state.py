@@ -4,7 +4,6 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -35,7 +34,7 @@ S = "stage0"  # the one slice of a model not cut into stages
 
 
 def record(peer, round_index, digest, state="training", fingerprint="cfg", slices=None):
-    return PeerRecord(peer, round_index, state, fingerprint, digest,
+    return PeerRecord(peer_id=peer, round=round_index, state=state, fingerprint=fingerprint, params_sha256=digest,
                       slices=slices if slices is not None else ({S: digest} if digest else {}))
 
 
@@ -87,7 +86,7 @@ def test_a_peer_that_missed_its_last_round_has_no_say_on_the_swarms_state():
     next round they hold different states, and a's wins whatever the hashes, for the round's formation (the
     coordinator keeps the members that hold it) and for the state b catches up to alike. With nobody settled,
     the hash decides, as it does for every peer with the same view."""
-    a, b = record("a", 5, "aaa"), replace(record("b", 5, "zzz"), unsettled=True)
+    a, b = record("a", 5, "aaa"), record("b", 5, "zzz").model_copy(update={"unsettled": True})
     live = {"a": a, "b": b}
     for me in (a, b):
         assert round_state(live, me, 5)[1] == {S: "aaa"}
@@ -95,11 +94,11 @@ def test_a_peer_that_missed_its_last_round_has_no_say_on_the_swarms_state():
     members = {"a": Member(((S, ("fp", "aaa")),)), "b": Member(((S, ("fp", "zzz")),))}
     assert set(admit(members, 1, round_state(live, b, 5)[1])[0]) == {"a"}
     # Two unsettled peers vouch for the stale state together, and still lose to the one that applied the round.
-    c = replace(record("c", 5, "zzz"), unsettled=True)
+    c = record("c", 5, "zzz").model_copy(update={"unsettled": True})
     assert [s.params_sha256 for s in ranked_states({**live, "c": c}, b, S)] == ["aaa", "zzz"]
     assert round_state({**live, "c": c}, b, 5)[1] == {S: "aaa"}
     # Nobody settled: the greater hash, the same for both.
-    unsure = {"a": replace(a, unsettled=True), "b": b}
+    unsure = {"a": a.model_copy(update={"unsettled": True}), "b": b}
     assert round_state(unsure, unsure["a"], 5)[1] == round_state(unsure, b, 5)[1] == {S: "zzz"}
 
 

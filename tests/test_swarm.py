@@ -95,7 +95,7 @@ def test_bootstrap_peer_rejects_a_bad_listen_address():
 CLAIM = """
 import sys, time
 from p2ploco.errors import SwarmError
-from p2ploco.swarm.dht import claim_identity
+from p2ploco.swarm.identity import claim_identity
 print("ready", flush=True)
 sys.stdin.readline()  # both processes claim at the same moment
 try:

@@ -10,18 +10,18 @@ from hivemind.dht.node import DHTNode
 from p2ploco import __version__
 from p2ploco.config import SwarmConfig
 from p2ploco.swarm.dht import start_dht_node, visible_maddrs
-from p2ploco.swarm.records import BOOTSTRAP_KEY, MAX_ADDRESSES, PeerDirectory, PeerRecord, human_name, record_validator
+from p2ploco.swarm.identity import Identity
+from p2ploco.swarm.records import BOOTSTRAP_KEY, MAX_ADDRESSES, PeerDirectory, PeerRecord, human_name
 
 
 async def start_bootstrap(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
                           identity_path: str | None, name: str = "") -> tuple[DHTNode, list[str]]:
     """Start the DHT node and its record heartbeat; return the node and the addresses to join through."""
-    validator, owner = record_validator()
-    node = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path,
-                                record_validator=validator)
+    identity = Identity.claim(identity_path) if identity_path is not None else Identity.fresh()
+    node, owner = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity)
     addresses = await visible_maddrs(node)
     peer_id = str(node.peer_id)
-    me = PeerRecord(peer_id, round=0, state="serving", fingerprint="", version=__version__,
+    me = PeerRecord(peer_id=peer_id, round=0, state="serving", fingerprint="", version=__version__,
                     name=name or human_name(peer_id), role="bootstrap", addresses=addresses[:MAX_ADDRESSES])
     defaults = SwarmConfig()
     directory = PeerDirectory(node, BOOTSTRAP_KEY, owner, me, defaults.heartbeat_interval, defaults.peer_ttl)

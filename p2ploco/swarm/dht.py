@@ -2,63 +2,19 @@
 
 from __future__ import annotations
 
-import fcntl
-import os
-import secrets
 from collections.abc import Sequence
-from pathlib import Path
 
 from hivemind.dht.node import DHTNode
-from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2ploco.errors import SwarmError
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
+from p2ploco.swarm.identity import Identity
+from p2ploco.swarm.records import record_validator
 
 EXAMPLE = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
-_held_identities: dict[str, int] = {}  # identity file -> the descriptor that holds its lock while this process runs
-
-
-def claim_identity(path: str) -> None:
-    """Make sure the identity file exists, creating it atomically if it does not (two nodes started at once
-    with a new --identity must not both write one and run under the same peer id), and hold an exclusive lock
-    on it for this process's life: a second live holder on this machine is refused with a SwarmError.
-    (hivemind's own check, a dial to the peer id, catches a holder on another machine.)"""
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise SwarmError(f"--identity {path}: the folder {target.parent} does not exist")
-    if not target.exists():
-        key = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
-        temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        temporary.write_bytes(key.SerializeToString())
-        temporary.chmod(0o400)
-        try:
-            os.link(temporary, target)  # atomic: exactly one of several racing creators wins
-        except FileExistsError:
-            pass  # another process created it first: use theirs
-        finally:
-            temporary.unlink()
-    key = str(target.resolve())
-    if key in _held_identities:
-        raise SwarmError(f"identity {path} is already used by a peer in this process; pass another --identity")
-    descriptor = os.open(key, os.O_RDONLY)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(descriptor)
-        raise SwarmError(f"identity {path} is already used by a live peer on this machine; stop that peer or "
-                         f"pass another --identity") from None
-    _held_identities[key] = descriptor
-
-
-def release_identity(path: str | None) -> None:
-    """Let another process use the identity file (this one is leaving)."""
-    descriptor = _held_identities.pop(str(Path(path).resolve()), None) if path else None
-    if descriptor is not None:
-        os.close(descriptor)
 
 
 def check_multiaddrs(values: Sequence[str], option: str, need_peer_id: bool) -> list[str]:
@@ -83,44 +39,49 @@ async def start_dht_node(
     initial_peers: Sequence[str] = (),
     host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
     announce_maddrs: Sequence[str] = (),
-    identity_path: str | None = None,
+    identity: Identity | None = None,
     client_mode: bool = False,
-    record_validator: RecordValidatorBase | None = None,
-) -> DHTNode:
-    """Start a p2p daemon and a DHT node in the running loop; bootstrap from ``initial_peers`` if any."""
-    initial_peers = check_multiaddrs(initial_peers, "--initial-peers", need_peer_id=True)
-    host_maddrs = check_multiaddrs(host_maddrs, "--host-maddrs", need_peer_id=False)
-    announce_maddrs = check_multiaddrs(announce_maddrs, "--announce-maddrs", need_peer_id=False)
-    for address in map(Multiaddr, announce_maddrs):
-        if any(proto in address and address[proto] == "0" for proto in ("tcp", "udp")):
-            raise SwarmError(f"--announce-maddrs '{address}' has port 0; announce the real port others can reach")
-    if identity_path is not None:
-        claim_identity(identity_path)
+    run_id: str | None = None,
+) -> tuple[DHTNode, bytes]:
+    """Start a p2p daemon and a DHT node in the running loop; bootstrap from ``initial_peers`` if any. Records are
+    signed with ``identity``'s key, the one behind the peer id (a client that publishes nothing may go without:
+    its daemon makes up a key), and validated for ``run_id``'s key too if given. Returns the node and the subkey
+    its records are stored under. An ephemeral identity's key file is gone once this returns (a claimed one is
+    the caller's to release)."""
     try:
+        initial_peers = check_multiaddrs(initial_peers, "--initial-peers", need_peer_id=True)
+        host_maddrs = check_multiaddrs(host_maddrs, "--host-maddrs", need_peer_id=False)
+        announce_maddrs = check_multiaddrs(announce_maddrs, "--announce-maddrs", need_peer_id=False)
+        for address in map(Multiaddr, announce_maddrs):
+            if any(proto in address and address[proto] == "0" for proto in ("tcp", "udp")):
+                raise SwarmError(f"--announce-maddrs '{address}' has port 0; announce the real port others can reach")
+        validator, owner = record_validator(identity.key if identity is not None else RSAPrivateKey(), run_id)
         return await DHTNode.create(
             initial_peers=list(initial_peers),
             host_maddrs=list(host_maddrs),
             announce_maddrs=list(announce_maddrs) or None,
-            identity_path=identity_path,
+            identity_path=identity.path if identity is not None else None,
+            check_if_identity_free=identity is not None and not identity.ephemeral,  # a fresh key is nobody's
             client_mode=client_mode,
-            record_validator=record_validator,
-        )
+            record_validator=validator,
+        ), owner
     except P2PDaemonError as e:
-        release_identity(identity_path)
         text = str(e)
         if "failed to connect to bootstrap peers" in text:
             raise SwarmError(f"could not reach any bootstrap peer in {', '.join(initial_peers)}: "
                              f"check the address and that the peer is running") from None
         if "already taken" in text:
-            raise SwarmError(f"identity {identity_path} is already used by a live peer; "
+            raise SwarmError(f"identity {identity.path} is already used by a live peer; "
                              f"stop that peer or pass another --identity") from None
         raise SwarmError(f"could not start the p2p daemon: {text.splitlines()[-1] if text else e!r}") from None
     except RuntimeError as e:
-        release_identity(identity_path)
         if "bootstrap failed" in str(e):
             raise SwarmError(f"no bootstrap peer in {', '.join(initial_peers)} answered a DHT ping; "
                              f"is it a hivemind DHT peer of a compatible version?") from None
         raise
+    finally:
+        if identity is not None and identity.ephemeral:
+            identity.release()
 
 
 async def visible_maddrs(node: DHTNode) -> list[str]:

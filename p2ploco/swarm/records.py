@@ -17,8 +17,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 import msgpack
 from cryptography.exceptions import UnsupportedAlgorithm
@@ -28,11 +28,14 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from p2ploco.config import MAX_WAIT
+from p2ploco.swarm.identity import peer_id_of
+from p2ploco.swarm.messages import MAX_ROUND, MAX_SLICES, status_of
 from p2ploco.swarm.wire import DAEMON_ERRORS
 
 logger = logging.getLogger(__name__)
-
 
 
 class PeerState(enum.StrEnum):
@@ -46,95 +49,80 @@ class PeerState(enum.StrEnum):
     STANDBY = "standby"  # a stage peer waiting for a slot, or for the other stages of its pipeline group
 
 
-STATES = tuple(PeerState)
-ROLES = ("replica", "stage", "bootstrap")  # a full model replica, a pipeline stage, a bootstrap-only peer
 BOOTSTRAP_KEY = "p2ploco/bootstrap"  # records of bootstrap peers, shared by all runs
 RUNS_KEY = "p2ploco/runs"  # the run ids being trained, so a client can find them
 MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; anything much larger is junk
+MAX_RECORD_TTL = MAX_WAIT + 5.0  # the longest swarm.peer_ttl, plus the clock skew DHT peers tolerate
+MAX_COUNT = 1 << 62
 MAX_TEXT = 256  # longest string field (an address, a device name)
 MAX_ADDRESSES = 16
-MAX_SLICES = 64  # named slices (pipeline stages) a record may list
 MAX_STAGES = 1024
 EVAL_HISTORY = 16  # (round, eval loss) pairs a record keeps, for the trend in `p2ploco status`
 STALE_HEARTBEATS = 3  # a record not renewed for this many heartbeats (or half its ttl) belongs to a dead peer
 
 
-@dataclass
-class PeerRecord:
-    peer_id: str
-    round: int  # the round this peer is working on
-    state: str  # one of STATES
-    fingerprint: str  # of the config parts every peer of a round must share (Config.swarm_fingerprint)
-    params_sha256: str = ""  # hash of the global parameters this peer holds, at the start of `round`
-    slices: dict[str, str] = field(default_factory=dict)  # slice name -> hash of its global parameters, same time
-    version: str = ""
-    name: str = ""  # short human name
-    role: str = "replica"  # one of ROLES
-    device: str = ""
-    inner_step: int = 0  # inner steps done in the current round
-    loss: float | None = None  # mean inner loss of the last finished round
-    eval_loss: float | None = None  # eval loss after the last finished round
-    tokens_per_second: float = 0.0  # over the last finished round, communication included
-    bytes_sent: int = 0  # payload bytes of the last round's all-reduce
-    bytes_received: int = 0
-    compression: float = 0.0  # dense fp32 all-reduce bytes / actual bytes, last round (0: nothing sent)
-    round_seconds: float = 0.0  # wall time of the last finished round
-    bandwidth_mbit: float = 0.0  # this peer's link as its operator states it (0: not stated); sizes deadlines
-    uptime: float = 0.0  # seconds since the node started
-    addresses: list[str] = field(default_factory=list)  # multiaddrs others can reach it at
-    eval_history: list[list[float]] = field(default_factory=list)  # [round, eval loss], oldest first
-    group: str = ""  # a stage peer's pipeline group ("" for replicas)
-    stage: int = -1  # a stage peer's stage in that group (-1 for replicas)
-    since: float = 0.0  # DHT time at which a stage peer claimed its (group, stage) slot
-    schedule: str = ""  # digest of the inner settings the stages of a pipeline group must share
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
+Short = Annotated[str, StringConstraints(max_length=64)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Amount = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # an int is taken too
+
+
+def _evaluated(pair: list[float]) -> list[float]:
+    if pair[0] != int(pair[0]):
+        raise ValueError("the round of an eval is not a whole number")
+    return [int(pair[0]), pair[1]]
+
+
+Evaluation = Annotated[list[Amount], Field(min_length=2, max_length=2), AfterValidator(_evaluated)]
+
+
+class PeerRecord(BaseModel):
+    """A peer's public record: strict and bounded (a record is read from anyone), unknown fields ignored so that
+    newer versions can add some. Its ``peer_id`` must be the signer's (``RecordSchema``)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    peer_id: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    round: Annotated[int, Field(ge=0, le=MAX_ROUND)]  # the round this peer is working on
+    state: status_of(PeerState)
+    fingerprint: Short  # of the config parts every peer of a round must share (Config.swarm_fingerprint)
+    params_sha256: Short = ""  # hash of the global parameters this peer holds, at the start of `round`
+    slices: Annotated[dict[Annotated[str, StringConstraints(max_length=32)], Short],
+                      Field(max_length=MAX_SLICES)] = {}  # slice name -> hash of its global parameters, same time
+    version: Short = ""
+    name: Short = ""  # short human name
+    role: Literal["replica", "stage", "bootstrap"] = "replica"  # a full replica, a pipeline stage, a bootstrap
+    device: Text = ""
+    inner_step: Count = 0  # inner steps done in the current round
+    loss: Amount | None = None  # mean inner loss of the last finished round
+    eval_loss: Amount | None = None  # eval loss after the last finished round
+    tokens_per_second: Amount = 0.0  # over the last finished round, communication included
+    bytes_sent: Count = 0  # payload bytes of the last round's all-reduce
+    bytes_received: Count = 0
+    compression: Amount = 0.0  # dense fp32 all-reduce bytes / actual bytes, last round (0: nothing sent)
+    round_seconds: Amount = 0.0  # wall time of the last finished round
+    bandwidth_mbit: Amount = 0.0  # this peer's link as its operator states it (0: not stated); sizes deadlines
+    uptime: Amount = 0.0  # seconds since the node started
+    addresses: Annotated[list[Text], Field(max_length=MAX_ADDRESSES)] = []  # multiaddrs others can reach it at
+    eval_history: Annotated[list[Evaluation], Field(max_length=EVAL_HISTORY)] = []  # [round, eval loss], oldest first
+    group: Short = ""  # a stage peer's pipeline group ("" for replicas)
+    stage: Annotated[int, Field(ge=-1, lt=MAX_STAGES)] = -1  # a stage peer's stage in that group (-1 for replicas)
+    since: Amount = 0.0  # DHT time at which a stage peer claimed its (group, stage) slot
+    schedule: Short = ""  # digest of the inner settings the stages of a pipeline group must share
     # its last round may have ended otherwise for the others (it was left out, alone, or got no decision), and it
     # has not caught up since: its state has no say on the swarm's (``state_rank``)
     unsettled: bool = False
 
     @classmethod
     def parse(cls, value: object) -> PeerRecord | None:
-        """The record in ``value`` if it fits the schema exactly enough to trust its fields, else None.
-        Unknown keys are ignored so that newer versions can add fields."""
-        if not isinstance(value, dict):
-            return None
-        known = {f.name for f in fields(cls)}
-        record = {k: v for k, v in value.items() if k in known}
+        """The record in ``value`` if it fits the schema exactly enough to trust its fields, else None."""
         try:
-            parsed = cls(**record)
-        except TypeError:  # a required field is missing
+            return cls.model_validate(value)
+        except ValidationError:
             return None
-        return parsed if parsed._well_formed() else None
-
-    def _well_formed(self) -> bool:
-        def text(value: object, limit: int = MAX_TEXT) -> bool:
-            return isinstance(value, str) and len(value) <= limit
-
-        def count(value: object) -> bool:
-            return type(value) is int and value >= 0
-
-        def amount(value: object) -> bool:
-            return type(value) in (int, float) and math.isfinite(value) and value >= 0
-
-        return (text(self.peer_id, 64) and bool(self.peer_id) and count(self.round) and self.state in STATES
-                and self.role in ROLES and all(text(t, 64) for t in (self.fingerprint, self.params_sha256,
-                                                                      self.version, self.name))
-                and text(self.device) and count(self.inner_step) and count(self.bytes_sent)
-                and count(self.bytes_received)
-                and all(v is None or amount(v) for v in (self.loss, self.eval_loss))
-                and all(amount(v) for v in (self.tokens_per_second, self.compression, self.round_seconds,
-                                            self.uptime, self.bandwidth_mbit))
-                and isinstance(self.addresses, list) and len(self.addresses) <= MAX_ADDRESSES
-                and all(text(a) for a in self.addresses)
-                and isinstance(self.eval_history, list) and len(self.eval_history) <= EVAL_HISTORY
-                and all(isinstance(p, list) and len(p) == 2 and count(p[0]) and amount(p[1])
-                        for p in self.eval_history)
-                and isinstance(self.slices, dict) and len(self.slices) <= MAX_SLICES
-                and all(text(k, 32) and text(v, 64) for k, v in self.slices.items())
-                and text(self.group, 64) and type(self.stage) is int and -1 <= self.stage < MAX_STAGES
-                and amount(self.since) and text(self.schedule, 64) and type(self.unsettled) is bool)
 
     def to_value(self) -> dict[str, Any]:
-        return {**asdict(self), "state": str(self.state)}  # hivemind's serializer takes no str subclass
+        return {**self.model_dump(), "state": str(self.state)}  # hivemind's serializer takes no str subclass
 
     @property
     def active(self) -> bool:
@@ -158,8 +146,11 @@ def human_name(peer_id: str) -> str:
 
 
 class RecordSchema(RecordValidatorBase):
-    """DHT-level schema for p2ploco's keys: peer records must be signed (their subkey names the owner's
-    public key) and parse as PeerRecord; run names are short strings. Other keys pass untouched."""
+    """DHT-level rules for p2ploco's keys: a peer record is signed (its subkey names the owner's public key, and
+    nothing else, so a key holds one record per run key), parses as PeerRecord, names the signer's own peer id
+    (``identity.peer_id_of``: nobody publishes for another peer), and lapses within ``MAX_RECORD_TTL`` (an
+    abandoned record does not linger); run names are short strings. Other keys pass untouched. Every DHT node
+    applies these rules to what it stores, and every reader to what it receives."""
 
     def __init__(self, record_keys: Iterable[str]):
         self.record_keys = {DHTID.generate(source=key).to_bytes() for key in record_keys}
@@ -168,7 +159,7 @@ class RecordSchema(RecordValidatorBase):
     def validate(self, record: DHTRecord) -> bool:
         if record.key not in self.record_keys and record.key != self.runs_key:
             return True
-        if len(record.value) > MAX_RECORD_BYTES:
+        if len(record.value) > MAX_RECORD_BYTES or record.expiration_time > get_dht_time() + MAX_RECORD_TTL:
             return False
         try:
             subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
@@ -176,8 +167,10 @@ class RecordSchema(RecordValidatorBase):
             return False
         if record.key == self.runs_key:
             return isinstance(subkey, str) and 0 < len(subkey) <= 64 and isinstance(value, dict)
-        return (isinstance(subkey, bytes) and RSASignatureValidator._PUBLIC_KEY_RE.fullmatch(subkey) is not None
-                and PeerRecord.parse(value) is not None)
+        if not isinstance(subkey, bytes):
+            return False
+        parsed = PeerRecord.parse(value)
+        return parsed is not None and parsed.peer_id == peer_id_of(subkey)
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         if not isinstance(other, RecordSchema):
@@ -198,11 +191,11 @@ class SignatureValidator(RSASignatureValidator):
             return False
 
 
-def record_validator(run_id: str | None = None) -> tuple[CompositeValidator, bytes]:
-    """A validator for a node of ``run_id`` (or a bootstrap peer or client: None), and the subkey under
-    which this node's records are signed: the public half of a fresh RSA key (one per node, not per
-    process: tests and benchmarks run several nodes in one process)."""
-    signatures = SignatureValidator(RSAPrivateKey())
+def record_validator(signing_key: RSAPrivateKey, run_id: str | None = None) -> tuple[CompositeValidator, bytes]:
+    """A validator for a node of ``run_id`` (or a bootstrap peer or client: None) whose records ``signing_key``
+    signs, and the subkey they are stored under. The key must be the one behind the node's peer id
+    (``identity.Identity``), or others refuse its records."""
+    signatures = SignatureValidator(signing_key)
     keys = [BOOTSTRAP_KEY] + ([peers_key(run_id)] if run_id is not None else [])
     return CompositeValidator([signatures, RecordSchema(keys)]), signatures.local_public_key
 
@@ -308,8 +301,7 @@ def peers_key(run_id: str) -> str:
 
 
 def parse_records(found: object, now: float) -> dict[str, tuple[PeerRecord, float]]:
-    """Records and their expiry from a DHT dictionary value, latest per peer id (a restarted peer may
-    have a second, older record under another key until that one lapses)."""
+    """Records and their expiry from a DHT dictionary value, by peer id (one each: a record names its signer)."""
     records: dict[str, tuple[PeerRecord, float]] = {}
     if not isinstance(found, dict):
         return records

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -15,14 +14,14 @@ from hivemind.dht.node import DHTNode
 
 from p2ploco import PROTOCOL_VERSION, __version__
 from p2ploco.config import SwarmConfig
-from p2ploco.errors import SwarmError
 from p2ploco.swarm import DEFAULT_HOST_MADDRS, wire
 from p2ploco.swarm.allreduce import ButterflyAllReduce
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.communicator import SwarmCommunicator
 from p2ploco.swarm.deadlines import TransferDeadline
-from p2ploco.swarm.dht import release_identity, start_dht_node, visible_maddrs
+from p2ploco.swarm.dht import start_dht_node, visible_maddrs
+from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.records import (
     MAX_ADDRESSES,
@@ -33,7 +32,6 @@ from p2ploco.swarm.records import (
     human_name,
     peers_key,
     ranked_states,
-    record_validator,
     settled,
 )
 from p2ploco.swarm.rounds import GroupBook, Matchmaker
@@ -49,9 +47,9 @@ FAREWELL_TIMEOUT = 3.0  # the "leaving" record is a courtesy: never hold up an e
 
 class Swarm:
     def __init__(self, loop: EventLoopThread, node: DHTNode, directory: PeerDirectory, communicator: SwarmCommunicator,
-                 state_server: StateServer, config: SwarmConfig, identity_path: str | None = None):
+                 state_server: StateServer, config: SwarmConfig, identity: Identity):
         self.loop, self.node, self.directory, self.communicator = loop, node, directory, communicator
-        self.state_server, self.config, self.identity_path = state_server, config, identity_path
+        self.state_server, self.config, self.identity = state_server, config, identity
         self._probes: dict[tuple[str, int, str, str], tuple[bool, float]] = {}  # claim -> (served, when asked)
 
     @classmethod
@@ -61,14 +59,13 @@ class Swarm:
              stages: int = 1) -> Swarm:
         """Start the p2p daemon and DHT node, publish this peer's record and serve rounds and state. ``stages``:
         how many slices a pipeline group of this run brings to a round."""
+        identity = Identity.claim(identity_path) if identity_path is not None else Identity.fresh()
         loop = EventLoopThread()
 
         async def start() -> Swarm:
-            validator, owner = record_validator(run_id)
-            node = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity_path,
-                                        record_validator=validator)
+            node, owner = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity, run_id=run_id)
             p2p, me_id = node.protocol.p2p, str(node.peer_id)
-            me = PeerRecord(me_id, round=0, state=PeerState.JOINING, fingerprint=config_fingerprint,
+            me = PeerRecord(peer_id=me_id, round=0, state=PeerState.JOINING, fingerprint=config_fingerprint,
                             version=__version__, name=name or human_name(me_id), device=device, role=role,
                             bandwidth_mbit=config.bandwidth_mbit,
                             addresses=(await visible_maddrs(node))[:MAX_ADDRESSES])
@@ -86,22 +83,21 @@ class Swarm:
                 await service.start()
             live = (await directory.refresh()).values()
             foreign = {r.fingerprint for r in live if r.state != PeerState.LEAVING} - {config_fingerprint}
-            if foreign:
-                await node.shutdown()
-                raise SwarmError(f"run '{run_id}' is training another config (fingerprint "
-                                 f"{', '.join(sorted(foreign))}, yours {config_fingerprint}): use the same model, "
-                                 f"outer and seed settings, tokenizer and prepared corpus, and the same p2ploco "
-                                 f"protocol version (yours is {PROTOCOL_VERSION}), or another --run-id")
+            if foreign:  # ignored, never a reason not to start: anyone can publish a record under the run's key
+                logger.warning(f"run '{run_id}' has peers of another config (fingerprint {', '.join(sorted(foreign))}, "
+                               f"yours {config_fingerprint}); this peer ignores them. To train with them, use the "
+                               f"same model, outer and seed settings, tokenizer and prepared corpus, and the same "
+                               f"p2ploco protocol version (yours is {PROTOCOL_VERSION}); `p2ploco peers` lists them")
             await directory.publish()
             directory.start_heartbeat()
             communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
-            return cls(loop, node, directory, communicator, state_server, config, identity_path)
+            return cls(loop, node, directory, communicator, state_server, config, identity)
 
         try:
             return loop.run(start())
         except BaseException:
             loop.stop()
-            release_identity(identity_path)
+            identity.release()
             raise
 
     @property
@@ -143,7 +139,8 @@ class Swarm:
         the check between two rounds that went well) from the heartbeat's view if it looked since this peer
         moved to its round."""
         async def look() -> dict[str, SwarmState]:
-            me = replace(self.directory.me, round=round_index, slices=dict(slices), state=PeerState.TRAINING)
+            me = self.directory.me.model_copy(update={"round": round_index, "slices": dict(slices),
+                                                     "state": PeerState.TRAINING})
             live = await (self.directory.refresh() if fresh else self.directory.view())
             chosen: dict[str, SwarmState] = {}
             for name in slices:
@@ -222,4 +219,4 @@ class Swarm:
             logger.exception("leaving the swarm uncleanly")
         finally:
             self.loop.stop()
-            release_identity(self.identity_path)
+            self.identity.release()
