@@ -49,9 +49,9 @@ def donor(config_path: str, initial_peers: list[str], pipe: Connection) -> None:
     swarm = Swarm.join(RUN_ID, config.swarm, config.swarm_fingerprint(), initial_peers)
     try:
         swarm.publish_state([snapshot])
-        swarm.set_progress(ROUND, PeerState.TRAINING, snapshot.params_sha256, {SLICE: snapshot.params_sha256})
+        swarm.set_progress(ROUND, PeerState.TRAINING, snapshot.state_sha256, {SLICE: snapshot.state_sha256})
         swarm.flush()  # the record goes out in the background: the joiner looks for it at once
-        pipe.send(snapshot.params_sha256)
+        pipe.send(snapshot.state_sha256)
         pipe.recv()  # returns or raises EOFError when the benchmark is done
     except EOFError:
         pass
@@ -80,10 +80,12 @@ def measure(config_path: str, donors: int, repeats: int) -> tuple[int, int, list
             if time.monotonic() > deadline:
                 raise RuntimeError("the donors' records did not appear in the DHT")
             time.sleep(0.2)  # records propagate through the DHT: poll until all are visible
+        own = snapshot_of(config_path)
+        tensors = sum(t.numel() * t.element_size() for t in [*own.params.values(), *own.shared.values()])
         seconds = []
         for _ in range(repeats):
             started = time.perf_counter()
-            snapshot = joiner.fetch_state(target)
+            snapshot = joiner.fetch_state(target, tensors)
             seconds.append(time.perf_counter() - started)
         state_bytes = len(snapshot.blob())
         parameters = sum(t.numel() for t in snapshot.params.values())

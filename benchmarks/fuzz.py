@@ -44,14 +44,13 @@ from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.errors import P2PLocoError
-from p2ploco.metrics import params_sha256
 from p2ploco.pipeline.links import Schedule, StageLinks, StageLinkServer
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import parse_reply
 from p2ploco.swarm.commit import parse_decision, parse_vote
 from p2ploco.swarm.identity import Identity, peer_id_of
 from p2ploco.swarm.messages import decode
-from p2ploco.swarm.records import PeerRecord, RecordSchema, peers_key, record_validator
+from p2ploco.swarm.records import PeerRecord, RecordSchema, SwarmState, peers_key, record_validator
 from p2ploco.swarm.rounds import Group, JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.swarm.state import Snapshot, parse_description
 
@@ -87,8 +86,8 @@ E3M0_SPAN = range(2, E3M0.num_units)
 E3M0_CONTRIBUTION = E3M0.encode(E3M0_SPAN)
 E3M0_RESULT = E3M0.combine(E3M0_SPAN, [E3M0.parse(E3M0_SPAN, E3M0_CONTRIBUTION)])
 _PARAMS = {"w": torch.randn(8, 4), "b": torch.randn(4)}
-BLOB = Snapshot(7, "stage0", _PARAMS, {"momentum.w": torch.zeros(4)},
-                params_sha256(list(_PARAMS), _PARAMS.values())).blob()
+BLOB = Snapshot(7, "stage0", _PARAMS, {"momentum.w": torch.zeros(4)}, "").blob()
+STATE = SwarmState(7, "stage0", "p", ("12D3KooWOther",))
 SLICED = [SlicedExchange({"stage0": SparseExchange(LAYOUT, r.compressed, "mean", clip_factor=2.0),
                           "stage1": DenseMean([torch.randn(30)], clip_factor=2.0)}) for r in REPLICAS]
 SLICED_SPAN = range(2, SLICED[0].num_units - 5)  # across the border of the two slices
@@ -118,7 +117,7 @@ HEADERS = {
     "vote": {"group_id": "g", "vote": "holds", "digests": {"stage0": "d"}, "drops": [OTHER]},
     "decision": {"outcome": "redo", "digests": {}, "group_id": "h", "peers": [ME], "reason": "a span is missing"},
     "reply": {"status": "ok", "included": [ME, OTHER]},
-    "state": {"status": "ok", "round": 7, "slice": "stage0", "total": 100, "sha256": "x", "params_sha256": "p"},
+    "state": {"status": "ok", "round": 7, "slice": "stage0", "total": 100, "state_sha256": "p"},
     "stage": {"kind": "activations", "group": "g0", "epoch": 1, "step": 3, "micro": 1,
               "shapes": [[2, 17], [2, 16, 8]], "dtypes": ["uint16", "bfloat16"]},
 }
@@ -290,7 +289,7 @@ def targets() -> list[Target]:
         Target("vote", parse_vote, headers("vote")),
         Target("decision", lambda h: parse_decision(h, GROUP, OTHER), headers("decision")),
         Target("reducer reply", lambda h: parse_reply(h, GROUP, ME), headers("reply")),
-        Target("state answer", lambda h: parse_description(h, 7, "stage0", "p"), headers("state")),
+        Target("state answer", lambda h: parse_description(h, b"\0" * 32, STATE), headers("state")),
         Target("sparse contribution", sparse_contribution, payloads(CONTRIBUTION)),
         Target("sparse relay result", sparse_result, payloads(RELAY)),
         Target("sparse union result", sparse_result, payloads(UNION)),

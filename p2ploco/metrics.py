@@ -125,6 +125,14 @@ def params_sha256(names: Sequence[str], tensors: Iterable[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def state_sha256(params: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]) -> str:
+    """Digest of a slice's global state: its parameters and the outer state every peer holds alike for them
+    (momentum), by name. What a peer's record vouches for, and what a peer that catches up checks its download
+    against: the optimizer state that travels with the parameters is covered too."""
+    names = [f"param/{name}" for name in params] + [f"shared/{key}" for key in shared]
+    return params_sha256(names, [*params.values(), *shared.values()])
+
+
 def human_bytes(count: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if abs(count) < 1000 or unit == "GB":

@@ -235,7 +235,7 @@ class Node:
         Returns the round to train, how this peer came by its state, and whether that state is still doubtful."""
         def behind(targets: dict[str, SwarmState]) -> bool:
             return any(t.round > round_index or (t.round == round_index
-                                                 and t.params_sha256 != worker.slice_sha256[t.slice])
+                                                 and t.state_sha256 != worker.slice_sha256[t.slice])
                        for t in targets.values())
 
         latest: list[dict[str, SwarmState]] = []  # the last look passed() took: acted on at once, rounds may be short
@@ -275,11 +275,11 @@ class Node:
                  f"{', '.join(sorted(targets))} from {len(donors)} peer(s)")
         # Announce where we are headed, stored before the fetch (records are otherwise stored in the background):
         # a round being formed waits for us rather than closing early, but only once its coordinator sees this.
-        swarm.set_progress(top, PeerState.JOINING, "", {t.slice: t.params_sha256 for t in targets.values()})
+        swarm.set_progress(top, PeerState.JOINING, "", {t.slice: t.state_sha256 for t in targets.values()})
         swarm.flush()
         started = time.perf_counter()
         try:
-            worker.adopt({name: swarm.fetch_state(t) for name, t in targets.items()})
+            worker.adopt({name: swarm.fetch_state(t, worker.state_bytes(name)) for name, t in targets.items()})
         except SwarmError as e:
             self.out(f"[{me}] could not catch up ({e}); training on and trying again next round")
             return round_index, membership, True

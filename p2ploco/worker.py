@@ -16,7 +16,7 @@ is measured from that projection, so it reports its own training and not the pro
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from p2ploco.config import Config
 from p2ploco.data import Batch, ShardSampler
 from p2ploco.errors import CheckpointError, SwarmError
 from p2ploco.inner import GradientSource, InnerStats, InnerTrainer, LocalBatches, evaluate
-from p2ploco.metrics import params_sha256
+from p2ploco.metrics import state_sha256
 from p2ploco.model import Transformer, stage_layers
 from p2ploco.outer import build_outer
 from p2ploco.outer.base import OuterRound
@@ -64,9 +64,9 @@ class Worker:
         self.load_into_model()
 
     def _hash(self) -> tuple[str, dict[str, str]]:
-        """The hash of each slice's global params, and one of them all (the slice's own when there is one)."""
-        slices = {name: params_sha256([self.names[i] for i in positions], [self.outer.params[i] for i in positions])
-                  for name, positions in self.slices.items()}
+        """The hash of each slice's global state (params and shared outer state), and one of them all (the slice's
+        own when there is one)."""
+        slices = {name: state_sha256(*self._global_state(positions)) for name, positions in self.slices.items()}
         if len(slices) == 1:
             return next(iter(slices.values())), slices
         return hashlib.sha256(";".join(f"{k}={v}" for k, v in slices.items()).encode()).hexdigest(), slices
@@ -201,17 +201,27 @@ class Worker:
         """The outer algorithm's shared state keys (``kind.i``, i a parameter position) -> (kind, position)."""
         return {key: (key.rpartition(".")[0], int(key.rpartition(".")[2])) for key in self.outer.shared_state()}
 
+    def _global_state(self, members: Sequence[int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The live global params at parameter positions ``members``, and the shared outer state that goes with
+        them, named by parameter (``momentum.blocks.3.mlp.up.weight``), whatever holds them."""
+        shared = self.outer.shared_state()
+        return ({self.names[i]: self.outer.params[i] for i in members},
+                {f"{kind}.{self.names[i]}": shared[key] for key, (kind, i) in self._shared_positions().items()
+                 if i in members})
+
+    def state_bytes(self, slice_name: str) -> int:
+        """The bytes of the tensors of ``slice_name``'s global state (params and shared outer state)."""
+        params, shared = self._global_state(self.slices[slice_name])
+        return sum(t.numel() * t.element_size() for t in [*params.values(), *shared.values()])
+
     def snapshots(self, round_index: int) -> list[Snapshot]:
         """The global state of each slice this worker holds at the start of ``round_index``, for peers catching
-        up; tensors are named by parameter (``momentum.blocks.3.mlp.up.weight``), whatever holds them."""
-        shared = self.outer.shared_state()
-        positions = self._shared_positions()
+        up (CPU copies)."""
         out = []
         for name, members in self.slices.items():
-            params = {self.names[i]: self.outer.params[i].clone() for i in members}
-            state = {f"{kind}.{self.names[i]}": shared[key].detach().to("cpu").clone()
-                     for key, (kind, i) in positions.items() if i in members}
-            out.append(Snapshot(round_index, name, params, state, self.slice_sha256[name]))
+            params, shared = self._global_state(members)
+            out.append(Snapshot(round_index, name, {k: v.clone() for k, v in params.items()},
+                                {k: v.detach().to("cpu").clone() for k, v in shared.items()}, self.slice_sha256[name]))
         return out
 
     def adopt(self, snapshots: dict[str, Snapshot]) -> None:

@@ -12,7 +12,7 @@ from helpers import join_swarms
 from p2ploco import faults
 from p2ploco.config import SwarmConfig
 from p2ploco.errors import SwarmError
-from p2ploco.metrics import params_sha256
+from p2ploco.metrics import state_sha256
 from p2ploco.swarm import state as state_module
 from p2ploco.swarm.records import (
     PeerRecord,
@@ -44,16 +44,31 @@ def test_only_states_two_peers_vouch_for_are_followed():
                                    record("d", 9, "z", state="leaving"), record("e", 9, "z", fingerprint="other"),
                                    record("f", 4, "w"), record("g", 9, "", state="joining"),
                                    record("liar", 10**6, "forged")]}
-    target = swarm_state(live, me, S)  # the furthest round two peers vouch for, and its majority state
-    assert (target.round, target.slice, target.params_sha256, target.holders) == (5, S, "x", ("a", "b"))
+    target = swarm_state(live, me, S)  # the state most peers hold, whatever round others claim
+    assert (target.round, target.slice, target.state_sha256, target.holders) == (5, S, "x", ("a", "b"))
     assert swarm_state({}, me, S) is None
     tie = {r.peer_id: r for r in [record("a", 5, "x"), record("c", 5, "y")]}
     assert swarm_state(tie, record("m", 5, "x"), S).holders == ("a", "m")  # my own state, vouched by "a"
     assert swarm_state(tie, record("m", 2, "q"), S) is None  # nobody agrees with anybody: nothing is vouched
     # Then every lone claim is ranked (furthest round, most holders, larger hash) for the caller to probe.
     ranked = ranked_states(tie, record("m", 2, "q"), S)
-    assert [(s.round, s.params_sha256, s.vouched) for s in ranked] == [(5, "y", False), (5, "x", False),
-                                                                      (2, "q", False)]
+    assert [(s.round, s.state_sha256, s.vouched) for s in ranked] == [(5, "y", False), (5, "x", False),
+                                                                     (2, "q", False)]
+
+
+def test_records_that_claim_a_round_ahead_of_everyone_do_not_move_the_swarm():
+    """One attacker with two keys publishes two records of round 10**6 holding its own state: the state three
+    training peers hold wins (it used to be the furthest round any two records agreed on, which every joiner then
+    fetched from the attacker). A state a majority moved on to wins over the one the last peer still shows."""
+    honest = [record(p, 5, "x") for p in "abc"]
+    liars = [record(p, 10**6, "forged") for p in ("liar1", "liar2")]
+    live = {r.peer_id: r for r in honest + liars}
+    joiner = record("new", 0, "init")
+    assert [(s.round, s.state_sha256) for s in ranked_states(live, joiner, S)][:2] == [(5, "x"), (10**6, "forged")]
+    moving = {**live, "a": record("a", 6, "x6"), "b": record("b", 6, "x6")}
+    assert swarm_state(moving, joiner, S).state_sha256 == "forged"  # 2 against 2: the later round wins the tie
+    moving["c"] = record("c", 6, "x6")
+    assert swarm_state(moving, joiner, S).state_sha256 == "x6"
 
 
 def test_states_are_followed_per_slice_and_the_round_state_combines_them():
@@ -64,7 +79,7 @@ def test_states_are_followed_per_slice_and_the_round_state_combines_them():
                                    record("t1", 5, "x1", slices={"stage1": "x1"})]}
     joiner = record("new", 0, "init", slices={"stage1": "init"})
     target = swarm_state(live, joiner, "stage1")
-    assert (target.round, target.params_sha256, target.holders) == (5, "x1", ("full", "t1"))
+    assert (target.round, target.state_sha256, target.holders) == (5, "x1", ("full", "t1"))
     assert swarm_state(live, joiner, "stage0").holders == ("full", "s0")  # holders of each slice, whoever asks
     digest, chosen = round_state(live, full, 5)
     assert chosen == {"stage0": "x0", "stage1": "x1"}  # s1 is at round 4: not counted for round 5
@@ -90,12 +105,12 @@ def test_a_peer_that_missed_its_last_round_has_no_say_on_the_swarms_state():
     live = {"a": a, "b": b}
     for me in (a, b):
         assert round_state(live, me, 5)[1] == {S: "aaa"}
-        assert [s.params_sha256 for s in ranked_states(live, me, S)] == ["aaa", "zzz"]
+        assert [s.state_sha256 for s in ranked_states(live, me, S)] == ["aaa", "zzz"]
     members = {"a": Member(((S, ("fp", "aaa")),)), "b": Member(((S, ("fp", "zzz")),))}
     assert set(admit(members, 1, round_state(live, b, 5)[1])[0]) == {"a"}
     # Two unsettled peers vouch for the stale state together, and still lose to the one that applied the round.
     c = record("c", 5, "zzz").model_copy(update={"unsettled": True})
-    assert [s.params_sha256 for s in ranked_states({**live, "c": c}, b, S)] == ["aaa", "zzz"]
+    assert [s.state_sha256 for s in ranked_states({**live, "c": c}, b, S)] == ["aaa", "zzz"]
     assert round_state({**live, "c": c}, b, 5)[1] == {S: "aaa"}
     # Nobody settled: the greater hash, the same for both.
     unsure = {"a": a.model_copy(update={"unsettled": True}), "b": b}
@@ -136,7 +151,11 @@ def big_snapshot(round_index: int) -> Snapshot:
     generator = torch.Generator().manual_seed(round_index)
     params = {f"layer{i}.weight": torch.randn(512, 1024, generator=generator) for i in range(5)}  # 10 MB, 3 parts
     shared = {"momentum.0": torch.randn(64, generator=generator)}
-    return Snapshot(round_index, S, params, shared, params_sha256(list(params), params.values()))
+    return Snapshot(round_index, S, params, shared, state_sha256(params, shared))
+
+
+def tensor_bytes(snapshot: Snapshot) -> int:
+    return sum(t.numel() * t.element_size() for t in [*snapshot.params.values(), *snapshot.shared.values()])
 
 
 def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(donors_and_joiner):
@@ -144,15 +163,15 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
     snapshot = big_snapshot(5)
     for donor in donors:
         donor.publish_state([big_snapshot(5)])
-        donor.set_progress(5, PeerState.TRAINING, snapshot.params_sha256, {S: snapshot.params_sha256})
+        donor.set_progress(5, PeerState.TRAINING, snapshot.state_sha256, {S: snapshot.state_sha256})
         assert donor.flush()  # records go out in the background: the joiner must see them
     donors[0].loop.loop.call_soon_threadsafe(time.sleep, 8)  # this donor's event loop hangs: a stalled peer
     target = joiner.swarm_state(0, {S: "fresh"})[S]
     assert target.round == 5 and set(target.holders) == {d.peer_id for d in donors}
     started = time.monotonic()
-    fetched = joiner.fetch_state(target)
+    fetched = joiner.fetch_state(target, tensor_bytes(snapshot))
     assert time.monotonic() - started < 8  # did not wait for the stalled donor to wake up
-    assert fetched.params_sha256 == snapshot.params_sha256
+    assert fetched.state_sha256 == snapshot.state_sha256
     assert all(torch.equal(fetched.params[k], snapshot.params[k]) for k in snapshot.params)
     assert torch.equal(fetched.shared["momentum.0"], snapshot.shared["momentum.0"])
     assert state_module.PART_BYTES * 2 < len(snapshot.blob())  # really fetched in several parts
@@ -160,10 +179,12 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
 
 def test_a_state_nobody_holds_is_refused(donors_and_joiner):
     donors, joiner = donors_and_joiner
-    with pytest.raises(SwarmError, match="no donor serves stage0 of round 5 with the expected hash"):
-        joiner.fetch_state(SwarmState(5, S, "f" * 64, tuple(d.peer_id for d in donors[1:])))
-    with pytest.raises(SwarmError, match="no donor serves stage1 of round 5"):  # a slice they do not hold
-        joiner.fetch_state(SwarmState(5, "stage1", big_snapshot(5).params_sha256, tuple(d.peer_id for d in donors)))
+    size = tensor_bytes(big_snapshot(5))
+    with pytest.raises(SwarmError, match="no donor served stage0 of round 5 with the vouched hash"):
+        joiner.fetch_state(SwarmState(5, S, "f" * 64, tuple(d.peer_id for d in donors[1:])), size)
+    with pytest.raises(SwarmError, match="no donor served stage1 of round 5"):  # a slice they do not hold
+        joiner.fetch_state(SwarmState(5, "stage1", big_snapshot(5).state_sha256, tuple(d.peer_id for d in donors)),
+                           size)
 
 
 def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner):
@@ -172,13 +193,13 @@ def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner
     donors, joiner = donors_and_joiner
     served = big_snapshot(6)
     donors[0].publish_state([served])
-    donors[0].set_progress(6, PeerState.TRAINING, served.params_sha256, {S: served.params_sha256})
+    donors[0].set_progress(6, PeerState.TRAINING, served.state_sha256, {S: served.state_sha256})
     donors[1].set_progress(10**6, PeerState.TRAINING, "f" * 64, {S: "f" * 64})  # a liar: claims a round far ahead
     donors[2].set_progress(8, PeerState.TRAINING, "e" * 64, {S: "e" * 64})  # serves round 5 at most, not this
     assert all(donor.flush() for donor in donors)
     target = joiner.swarm_state(0, {S: "fresh"})[S]
-    assert (target.round, target.params_sha256, target.holders) == (6, served.params_sha256, (donors[0].peer_id,))
-    assert joiner.fetch_state(target).params_sha256 == served.params_sha256
+    assert (target.round, target.state_sha256, target.holders) == (6, served.state_sha256, (donors[0].peer_id,))
+    assert joiner.fetch_state(target, tensor_bytes(served)).state_sha256 == served.state_sha256
 
 
 def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
@@ -191,7 +212,7 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
         snapshot = big_snapshot(7)
         for donor in donors:
             donor.publish_state([big_snapshot(7)])
-            donor.set_progress(7, PeerState.TRAINING, snapshot.params_sha256, {S: snapshot.params_sha256})
+            donor.set_progress(7, PeerState.TRAINING, snapshot.state_sha256, {S: snapshot.state_sha256})
             assert donor.flush()
 
         async def victim_dies(point: str, round_index: int) -> None:
@@ -203,9 +224,41 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
         monkeypatch.setattr(faults, "hit_async", victim_dies)  # each donor runs on its own event loop
         target = joiner.swarm_state(0, {S: "fresh"})[S]
         assert set(target.holders) == {d.peer_id for d in donors}
-        fetched = joiner.fetch_state(target)
-        assert killed == [7] and fetched.params_sha256 == snapshot.params_sha256
+        fetched = joiner.fetch_state(target, tensor_bytes(snapshot))
+        assert killed == [7] and fetched.state_sha256 == snapshot.state_sha256
         assert all(torch.equal(fetched.params[k], snapshot.params[k]) for k in snapshot.params)
+    finally:
+        for s in swarms:
+            s.leave()
+
+
+def test_a_donor_that_serves_or_describes_the_state_falsely_is_banned_and_routed_around():
+    """Three donors hold round 9. One flips a byte in every range it serves (its manifest is the true one), one
+    describes a blob of its own (a manifest nobody else does): the joiner checks every range against the manifest
+    most donors describe, takes the flipped ones from the honest donor, and bans both liars (one flipped byte, or
+    one donor describing the state differently, used to fail every catch-up, and nobody was blamed)."""
+    swarms = []
+    try:
+        join_swarms("state-blame", 4, CONFIG, swarms)
+        (flipper, inventor, honest), joiner = swarms[:3], swarms[3]
+        true = big_snapshot(9)
+        corrupted = bytearray(true.blob())
+        for at in range(64, len(corrupted), state_module.RANGE_BYTES):
+            corrupted[at] ^= 1
+        flipped = big_snapshot(9)
+        flipped._blob, flipped._manifest = bytes(corrupted), true.manifest()
+        invented = big_snapshot(9)
+        invented._blob = bytes(corrupted)
+        for donor, snapshot in ((flipper, flipped), (inventor, invented), (honest, big_snapshot(9))):
+            donor.publish_state([snapshot])
+            donor.set_progress(9, PeerState.TRAINING, true.state_sha256, {S: true.state_sha256})
+            assert donor.flush()
+        target = joiner.swarm_state(0, {S: "fresh"})[S]
+        assert set(target.holders) == {flipper.peer_id, inventor.peer_id, honest.peer_id}
+        fetched = joiner.fetch_state(target, tensor_bytes(true))
+        assert fetched.blob() == true.blob() and fetched.state_sha256 == true.state_sha256
+        assert joiner.bans.banned(flipper.peer_id, 9) and joiner.bans.banned(inventor.peer_id, 9)
+        assert not joiner.bans.banned(honest.peer_id, 9)
     finally:
         for s in swarms:
             s.leave()

@@ -208,7 +208,7 @@ class SwarmState:
 
     round: int
     slice: str
-    params_sha256: str
+    state_sha256: str  # ``metrics.state_sha256`` of the slice
     holders: tuple[str, ...]
 
     @property
@@ -234,22 +234,21 @@ def ranked_states(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str) 
     """The states of ``slice_name`` to follow, seen from ``me``, best first; empty when no other active peer of
     our config holds that slice.
 
-    The furthest round at which two or more peers (``me`` included) hold one state wins, so that one record's
-    claim alone, such as a round a million rounds ahead, never moves anyone; at that round the states rank by
-    ``state_rank``. If no two peers agree on anything, every round's claims are ranked the same way: the caller
-    then follows a claim held by one peer only if its holder actually serves that state (a liar that serves
-    nothing is passed over)."""
+    A state ranks by the peers whose signed records hold it (``state_rank``: those whose last round settled first,
+    then all), never by how far ahead it claims to be: records that claim a round ahead of everyone, from one
+    attacker with a few keys, lose to the peers that actually train, as long as those are more. Among equals the
+    later round, then the hash, so that every peer with the same view ranks alike. A state two or more peers hold
+    is vouched for; the caller follows a lone claim only if its holder actually serves that state (a liar that
+    serves nothing is passed over)."""
     peers = [r for r in active_peers(live, me) if slice_name in r.slices]
     if not peers:
         return []
     holders: dict[tuple[int, str], list[PeerRecord]] = {}
     for r in peers + ([me] if me.active and slice_name in me.slices else []):
         holders.setdefault((r.round, r.slices[slice_name]), []).append(r)
-    vouched_rounds = {round_index for (round_index, _), rs in holders.items() if len(rs) >= 2}
-    pool = {state: rs for state, rs in holders.items() if not vouched_rounds or state[0] in vouched_rounds}
-    ranked = sorted(pool, key=lambda state: (state[0], *state_rank(pool[state], state[1])), reverse=True)
-    return [SwarmState(round_index, slice_name, digest, tuple(sorted(r.peer_id for r in pool[(round_index, digest)])))
-            for round_index, digest in ranked]
+    ranked = sorted(holders, key=lambda state: (*state_rank(holders[state], state[1])[:2], *state), reverse=True)
+    return [SwarmState(state[0], slice_name, state[1], tuple(sorted(r.peer_id for r in holders[state])))
+            for state in ranked]
 
 
 def swarm_state(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str) -> SwarmState | None:

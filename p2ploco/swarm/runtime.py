@@ -47,9 +47,9 @@ FAREWELL_TIMEOUT = 3.0  # the "leaving" record is a courtesy: never hold up an e
 
 class Swarm:
     def __init__(self, loop: EventLoopThread, node: DHTNode, directory: PeerDirectory, communicator: SwarmCommunicator,
-                 state_server: StateServer, config: SwarmConfig, identity: Identity):
+                 state_server: StateServer, config: SwarmConfig, identity: Identity, bans: Bans):
         self.loop, self.node, self.directory, self.communicator = loop, node, directory, communicator
-        self.state_server, self.config, self.identity = state_server, config, identity
+        self.state_server, self.config, self.identity, self.bans = state_server, config, identity, bans
         self._probes: dict[tuple[str, int, str, str], tuple[bool, float]] = {}  # claim -> (served, when asked)
 
     @classmethod
@@ -91,7 +91,7 @@ class Swarm:
             await directory.publish()
             directory.start_heartbeat()
             communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
-            return cls(loop, node, directory, communicator, state_server, config, identity)
+            return cls(loop, node, directory, communicator, state_server, config, identity, bans)
 
         try:
             return loop.run(start())
@@ -154,7 +154,7 @@ class Swarm:
 
     async def _serves(self, claim: SwarmState) -> bool:
         """Whether the lone holder of ``claim`` serves that state (answers are remembered for a while)."""
-        key = (claim.holders[0], claim.round, claim.slice, claim.params_sha256)
+        key = (claim.holders[0], claim.round, claim.slice, claim.state_sha256)
         now = time.monotonic()
         self._probes = {k: v for k, v in self._probes.items() if now - v[1] < PROBE_MEMORY}
         if key not in self._probes:
@@ -173,10 +173,18 @@ class Swarm:
 
         return self.loop.run(look(), CALL_TIMEOUT)
 
-    def fetch_state(self, target: SwarmState) -> Snapshot:
-        """Download ``target`` (one slice) from the peers that hold it (SwarmError if none can serve it)."""
-        return self.loop.run(fetch_state(self.node.protocol.p2p, self.state_server.handler_name, target,
-                                         self.state_server.deadline, self.directory.rates(target.holders)))
+    def fetch_state(self, target: SwarmState, tensor_bytes: int) -> Snapshot:
+        """Download ``target`` (one slice, whose tensors take ``tensor_bytes`` here) from the peers that hold it and
+        are not banned here (SwarmError if none serves it as vouched); a donor that describes or serves it falsely
+        is banned."""
+        donors = [p for p in target.holders if p != self.peer_id and not self.bans.banned(p, target.round)]
+
+        def blame(donor: str, why: str) -> None:
+            self.bans.ban(donor, target.round, why)
+
+        return self.loop.run(fetch_state(self.node.protocol.p2p, self.state_server.handler_name, target, donors,
+                                         self.state_server.deadline, tensor_bytes, blame,
+                                         self.directory.rates(donors)))
 
     def publish_state(self, snapshots: list[Snapshot]) -> None:
         """Serve ``snapshots`` (one round, one per slice held) to peers that catch up."""

@@ -4,19 +4,26 @@ A snapshot is the global state of one named slice (``stage0``, ...: the whole mo
 into stages) at the start of a round: the slice's parameters plus the outer state every peer holds
 alike for them, serialized (on first request) as one safetensors blob. Every node serves byte ranges
 of the snapshots of its two latest rounds, one per slice it holds, so a stage peer fetches only its
-slice, from any holder: a full replica or the same stage of another group. A peer catching up fetches
-ranges from all donors at once, two streams per donor (so a donor's link does not idle a round trip
-per range), spreading the load; a range that fails or stalls past its deadline goes back in the queue
-for another donor, and that donor is not asked again. The blob's sha256, reported by every donor, and
-the slice's hash, published in the donors' peer records, are both checked.
+slice, from any holder: a full replica or the same stage of another group.
+
+Nothing a donor says is taken on its word. The state to fetch is the one the swarm vouches for
+(``records.ranked_states``: by the number of peers whose signed records hold it, never by how far ahead a
+claim is), and its hash covers the parameters and the shared outer state alike (``metrics.state_sha256``).
+Each donor first describes the blob: its size and a manifest, the sha256 of every ``RANGE_BYTES`` of it.
+The manifest most donors describe is fetched first, in ranges from all of its donors at once (two streams per
+donor, so a donor's link does not idle a round trip per range), and every range is checked against it as it
+arrives: a donor whose range does not match is blamed (banned, ``swarm/bans.py``) and its ranges go to the
+others. A blob that does not hash to the vouched state when whole (its donors described another one) blames
+all of them, and the next manifest is tried. A range that stalls past its deadline (a transfer deadline as in
+the butterfly) goes back to the queue, and that donor is not asked again, unblamed.
 
 A range request, a wire message (``swarm/wire.py``) with no payload::
 
     {v, round: the round the state starts, or -1 for the latest, slice, offset, length: <= 4 MiB}
 
-answered ``{v, status: ok, round, slice, total, sha256, params_sha256}`` + the bytes of the range (none
-for a length of 0: the joiner's first question), ``{v, status: moved, round: the latest held}``, or
-``{v, status: empty}`` (no state of that slice).
+answered ``{v, status: ok, round, slice, total, state_sha256}`` + the bytes of the range, or, for a length of 0
+(the joiner's first question), + the manifest; ``{v, status: moved, round: the latest held}``; or
+``{v, status: empty}`` (no state of that slice). A range starts at a multiple of ``RANGE_BYTES``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -40,7 +47,7 @@ from safetensors.torch import save as save_tensors
 
 from p2ploco import faults
 from p2ploco.errors import PayloadError, SwarmError, TransportError
-from p2ploco.metrics import params_sha256
+from p2ploco.metrics import state_sha256
 from p2ploco.swarm import wire
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.messages import MAX_ROUND, Digest, Message, Round, SliceName, decode, status_of
@@ -48,16 +55,20 @@ from p2ploco.swarm.records import SwarmState
 
 logger = logging.getLogger(__name__)
 
-PART_BYTES = 4 << 20  # the largest range a donor serves in one answer
-MAX_STATE_BYTES = 1 << 36  # the largest state of one slice a donor may describe (its ranges are listed up front)
-MIN_PART_BYTES = 64 << 10
+RANGE_BYTES = 1 << 20  # the manifest's grain: each range of this size is hashed on its own
+PART_BYTES = 4 << 20  # the most a donor serves in one answer: whole ranges
+MAX_STATE_BYTES = 1 << 36  # the largest state of one slice a donor may describe
+MAX_MANIFEST_BYTES = 32 * (MAX_STATE_BYTES // RANGE_BYTES)
+MAX_BLOB_HEADER = 1 << 20  # a snapshot's safetensors header (names, shapes, offsets) is far smaller
 STREAMS_PER_DONOR = 2  # ranges in flight per donor: one is served while the other crosses the wire
 KEEP_SNAPSHOTS = 2
 LATEST = -1  # ask for whatever round the donor has last
 
+Blame = Callable[[str, str], None]  # (donor, what it did): a donor that served or described a state falsely
+
 
 class StateStatus(enum.StrEnum):
-    OK = "ok"  # the state's description, and the range asked for
+    OK = "ok"  # the state's description, and the range asked for (or its manifest)
     MOVED = "moved"  # the donor no longer (or not yet) holds that round
     EMPTY = "empty"  # the donor holds no state yet
 
@@ -68,8 +79,9 @@ class Snapshot:
     slice: str  # the slice these parameters make up
     params: dict[str, torch.Tensor]  # CPU copies, owned by the snapshot
     shared: dict[str, torch.Tensor]
-    params_sha256: str
+    state_sha256: str  # ``metrics.state_sha256`` of params and shared: what the records vouch for
     _blob: bytes | None = field(default=None, repr=False)
+    _manifest: bytes | None = field(default=None, repr=False)
 
     def blob(self) -> bytes:
         if self._blob is None:
@@ -77,6 +89,13 @@ class Snapshot:
             tensors.update({f"shared/{k}": v for k, v in self.shared.items()})
             self._blob = save_tensors(tensors)
         return self._blob
+
+    def manifest(self) -> bytes:
+        """The sha256 of every RANGE_BYTES of the blob, one after the other."""
+        if self._manifest is None:
+            blob = self.blob()
+            self._manifest = manifest_of(blob)
+        return self._manifest
 
     @classmethod
     def from_blob(cls, round_index: int, slice_name: str, blob: bytes) -> Snapshot:
@@ -90,10 +109,14 @@ class Snapshot:
             section, _, name = key.partition("/")
             if section not in ("param", "shared") or not name:
                 raise PayloadError(f"state blob holds an unexpected tensor {key[:64]!r}")
-            if tensor.dtype != torch.float32 or (section == "param" and not torch.isfinite(tensor).all()):
+            if tensor.dtype != torch.float32 or not torch.isfinite(tensor).all():
                 raise PayloadError(f"state tensor {key[:64]!r} is not finite float32")
             (params if section == "param" else shared)[name] = tensor
-        return cls(round_index, slice_name, params, shared, params_sha256(list(params), params.values()), blob)
+        return cls(round_index, slice_name, params, shared, state_sha256(params, shared), blob)
+
+
+def manifest_of(blob: bytes) -> bytes:
+    return b"".join(hashlib.sha256(blob[at : at + RANGE_BYTES]).digest() for at in range(0, len(blob), RANGE_BYTES))
 
 
 class StateServer:
@@ -101,7 +124,6 @@ class StateServer:
         self.p2p, self.deadline = p2p, deadline
         self.handler_name = f"p2ploco/{run_id}/state"
         self.snapshots: OrderedDict[int, dict[str, Snapshot]] = OrderedDict()  # round -> slice -> snapshot
-        self._blob_hashes: dict[tuple[int, str], str] = {}  # sha256 of each serialized snapshot, computed once
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
@@ -113,40 +135,33 @@ class StateServer:
         for snapshot in snapshots:
             self.snapshots.setdefault(snapshot.round, {})[snapshot.slice] = snapshot
         while len(self.snapshots) > KEEP_SNAPSHOTS:
-            dropped, _ = self.snapshots.popitem(last=False)
-            self._blob_hashes = {key: value for key, value in self._blob_hashes.items() if key[0] != dropped}
-
-    async def _describe(self, snapshot: Snapshot) -> tuple[bytes, str]:
-        loop = asyncio.get_running_loop()
-        blob = await loop.run_in_executor(None, snapshot.blob)
-        key = (snapshot.round, snapshot.slice)
-        if key not in self._blob_hashes:
-            self._blob_hashes[key] = await loop.run_in_executor(None, lambda: hashlib.sha256(blob).hexdigest())
-        return blob, self._blob_hashes[key]
+            self.snapshots.popitem(last=False)
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.deadline.base)
             request = decode(StateRequest, header)
-            wanted, slice_name, offset, length = request.round, request.slice, request.offset, request.length
-            rounds = [r for r, held in self.snapshots.items() if slice_name in held]
+            rounds = [r for r, held in self.snapshots.items() if request.slice in held]
             if not rounds:
                 await wire.write_message(writer, {"status": StateStatus.EMPTY})
                 return
-            round_held = rounds[-1] if wanted == LATEST else wanted
+            round_held = rounds[-1] if request.round == LATEST else request.round
             if round_held not in rounds:
                 await wire.write_message(writer, {"status": StateStatus.MOVED, "round": rounds[-1]})
                 return
-            snapshot = self.snapshots[round_held][slice_name]
-            blob, blob_sha = await self._describe(snapshot)
-            if offset > len(blob):
-                raise PayloadError(f"bad range {offset}+{length} of a {len(blob)}-byte state")
-            if length:  # a range, not the joiner's first question (which round, how big)
+            snapshot = self.snapshots[round_held][request.slice]
+            loop = asyncio.get_running_loop()
+            blob = await loop.run_in_executor(None, snapshot.blob)
+            if request.offset % RANGE_BYTES or request.offset > len(blob):
+                raise PayloadError(f"bad range {request.offset}+{request.length} of a {len(blob)}-byte state")
+            if request.length:  # a range
                 await faults.hit_async("state.serve", snapshot.round)
-            header = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": len(blob),
-                      "sha256": blob_sha, "params_sha256": snapshot.params_sha256}
-            await asyncio.wait_for(wire.write_message(writer, header, blob[offset : offset + length]),
-                                   self.deadline.seconds(length))
+                payload = blob[request.offset : request.offset + request.length]
+            else:  # the joiner's first question: how big, and the hash of every range
+                payload = await loop.run_in_executor(None, snapshot.manifest)
+            answer = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": len(blob),
+                      "state_sha256": snapshot.state_sha256}
+            await asyncio.wait_for(wire.write_message(writer, answer, payload), self.deadline.seconds(len(payload)))
         except PayloadError as e:  # a bad request never hurts the donor
             logger.info(f"malformed state request from {str(stream_info.peer_id)[-8:]}: {e}")
         except (TransportError, TimeoutError) as e:  # nor a vanished joiner
@@ -155,12 +170,6 @@ class StateServer:
             logger.exception(f"state request from {str(stream_info.peer_id)[-8:]} failed unexpectedly")
         finally:
             await wire.hang_up(reader, writer, self.deadline.seconds(PART_BYTES))
-
-
-async def _request(p2p: P2P, handler: str, donor: str, round_index: int, slice_name: str, offset: int, length: int,
-                   timeout: float) -> tuple[dict[str, Any], bytes]:
-    request = {"round": round_index, "slice": slice_name, "offset": offset, "length": length}
-    return await asyncio.wait_for(wire.call(p2p, donor, handler, request, max_payload=PART_BYTES), timeout)
 
 
 class StateRequest(Message):
@@ -174,70 +183,135 @@ class StateAnswer(Message):
     status: status_of(StateStatus)
     round: Round = 0  # with ok: the state's round; with moved: the latest the donor holds
     slice: SliceName = "-"
-    total: Annotated[int, Field(ge=0, le=MAX_STATE_BYTES)] = 0  # with ok: the blob's size and sha256
-    sha256: Digest = ""
-    params_sha256: Digest = ""
+    total: Annotated[int, Field(ge=0, le=MAX_STATE_BYTES)] = 0  # with ok: the blob's size
+    state_sha256: Digest = ""
 
 
-def parse_description(header: dict[str, Any], round_index: int, slice_name: str,
-                      params_sha256: str) -> tuple[int, str] | None:
-    """The blob size and sha256 a donor describes for the state of ``slice_name`` (``round_index``,
-    ``params_sha256``), or None if it holds another state; PayloadError if the answer is malformed."""
+@dataclass(frozen=True)
+class Description:
+    """What a donor says of the blob of the state asked for: its size and the hash of every range."""
+
+    total: int
+    manifest: bytes
+
+    def range_hash(self, offset: int) -> bytes:
+        at = 32 * (offset // RANGE_BYTES)
+        return self.manifest[at : at + 32]
+
+
+def parse_description(header: dict[str, Any], payload: bytes, target: SwarmState) -> Description | None:
+    """A donor's description of ``target``'s blob, or None if the donor holds another state; PayloadError if the
+    answer is malformed (a manifest that does not fit the size it states)."""
     answer = decode(StateAnswer, header)
-    if answer.status != StateStatus.OK:
+    if not _answers_for(answer, target):
         return None
-    if (answer.round, answer.slice, answer.params_sha256) != (round_index, slice_name, params_sha256):
-        return None
-    return answer.total, answer.sha256
+    if len(payload) != 32 * -(-answer.total // RANGE_BYTES):
+        raise PayloadError(f"a manifest of {len(payload)} bytes for a {answer.total}-byte state")
+    return Description(answer.total, payload)
+
+
+def _answers_for(answer: StateAnswer, target: SwarmState) -> bool:
+    return answer.status == StateStatus.OK and (answer.round, answer.slice, answer.state_sha256) == (
+        target.round, target.slice, target.state_sha256)
+
+
+async def _request(p2p: P2P, handler: str, donor: str, round_index: int, slice_name: str, offset: int, length: int,
+                   timeout: float) -> tuple[dict[str, Any], bytes]:
+    request = {"round": round_index, "slice": slice_name, "offset": offset, "length": length}
+    limit = length or MAX_MANIFEST_BYTES
+    return await asyncio.wait_for(wire.call(p2p, donor, handler, request, max_payload=limit), timeout)
 
 
 async def serves(p2p: P2P, handler: str, donor: str, state: SwarmState, timeout: float) -> bool:
-    """Whether ``donor`` serves ``state`` (a slice's parameters at the start of a round)."""
+    """Whether ``donor`` serves ``state`` (a slice's state at the start of a round)."""
     try:
-        header, _ = await _request(p2p, handler, donor, state.round, state.slice, 0, 0, timeout)
-        return parse_description(header, state.round, state.slice, state.params_sha256) is not None
+        header, payload = await _request(p2p, handler, donor, state.round, state.slice, 0, 0, timeout)
+        return parse_description(header, payload, state) is not None
     except (PayloadError, TransportError, TimeoutError):
         return False
 
 
-async def fetch_state(p2p: P2P, handler: str, target: SwarmState, deadline: TransferDeadline,
-                      rates: Sequence[float] = ()) -> Snapshot:
-    """Download ``target`` (a slice at the start of a round) from its holders; SwarmError if they cannot. A range
-    may take as long as its bytes need at the slowest of ``rates`` (the holders' stated links), within ``deadline``'s
+async def fetch_state(p2p: P2P, handler: str, target: SwarmState, donors: Sequence[str], deadline: TransferDeadline,
+                      tensor_bytes: int, blame: Blame, rates: Sequence[float] = ()) -> Snapshot:
+    """Download ``target`` (a slice's state at the start of a round) from ``donors``; SwarmError if they cannot.
+    ``tensor_bytes``: those of this peer's own state of the slice, which an honest blob holds plus a header (a
+    donor that describes more is malformed: it would have this peer download and hold junk). ``blame`` is told
+    of every donor that described or served the state falsely. A range may
+    take as long as its bytes need at the slowest of ``rates`` (the donors' stated links), within ``deadline``'s
     floor and cap: a slow donor is not mistaken for a stalled one."""
     started = time.monotonic()
-    round_index, slice_name, expected_params_sha256 = target.round, target.slice, target.params_sha256
-    # 1. Which donors hold that round, how big is it, and what is its checksum?
-    described: dict[str, tuple[int, str]] = {}
-    donors = list(target.holders)
-    for donor in donors:
-        try:
-            header, _ = await _request(p2p, handler, donor, round_index, slice_name, 0, 0, deadline.base)
-            description = parse_description(header, round_index, slice_name, expected_params_sha256)
-        except (PayloadError, TransportError, TimeoutError) as e:  # unreachable or confused donors are skipped
-            logger.info(f"donor {donor[-8:]} did not describe its state: {e!r}")
-            continue
-        if description is not None:
-            described[donor] = description
-    agreed = set(described.values())
-    if not described or len(agreed) != 1:
-        raise SwarmError(f"no donor serves {slice_name} of round {round_index} with the expected hash "
-                         f"({len(described)} of {len(donors)} answered, {len(agreed)} distinct blobs)")
-    total, blob_sha = agreed.pop()
 
-    # 2. Ranges from every donor at once; a failed or stalled range goes back for another donor.
-    # Ranges small enough that every stream of every donor gets work, large enough to keep overheads low.
-    part = min(PART_BYTES, max(MIN_PART_BYTES, -(-total // (STREAMS_PER_DONOR * len(described)))))
+    async def describe(donor: str) -> Description | None:
+        try:
+            header, payload = await _request(p2p, handler, donor, target.round, target.slice, 0, 0,
+                                             deadline.seconds(MAX_MANIFEST_BYTES, rates))
+            description = parse_description(header, payload, target)
+            if description is not None and description.total > tensor_bytes + MAX_BLOB_HEADER:
+                raise PayloadError(f"a {description.total}-byte state where {tensor_bytes} bytes of tensors fit "
+                                   f"this model")
+            return description
+        except PayloadError as e:
+            blame(donor, f"it described {target.slice} of round {target.round} falsely ({e})")
+        except (TransportError, TimeoutError) as e:  # unreachable or slow donors are skipped, unblamed
+            logger.info(f"donor {donor[-8:]} did not describe its state: {e!r}")
+        return None
+
+    # 1. What each donor says the blob is: donors that agree on it are tried together, the most agreed-on first.
+    described = dict(zip(donors, await asyncio.gather(*(describe(donor) for donor in donors))))
+    candidates: dict[Description, list[str]] = {}
+    for donor, description in described.items():
+        if description is not None:
+            candidates.setdefault(description, []).append(donor)
+    ranked = sorted(candidates.items(), key=lambda item: (-len(item[1]), hashlib.sha256(item[0].manifest).digest()))
+    # 2. Its ranges from all of them at once, each checked as it comes; then the whole against the vouched hash.
+    for description, agreeing in ranked:
+        blob = await _fetch_blob(p2p, handler, target, description, agreeing, deadline, blame, rates)
+        if blob is None:
+            continue
+        try:
+            snapshot = Snapshot.from_blob(target.round, target.slice, blob)
+            if snapshot.state_sha256 != target.state_sha256:
+                raise PayloadError("its contents do not hash to the state the swarm vouches for")
+        except PayloadError as e:  # every range matched the manifest: the manifest itself was false
+            for donor in agreeing:
+                blame(donor, f"it described {target.slice} of round {target.round} falsely ({e})")
+            continue
+        for donor, other in described.items():  # it described the vouched state, and the state is not that
+            if other is not None and other != description:
+                blame(donor, f"it described {target.slice} of round {target.round} falsely (another manifest)")
+        logger.info(f"fetched {description.total / 1e6:.1f} MB of {target.slice} from {len(agreeing)} donors in "
+                    f"{time.monotonic() - started:.1f} s")
+        return snapshot
+    raise SwarmError(f"no donor served {target.slice} of round {target.round} with the vouched hash "
+                     f"({len(candidates)} description(s) from {sum(d is not None for d in described.values())} of "
+                     f"{len(donors)} donors)")
+
+
+async def _fetch_blob(p2p: P2P, handler: str, target: SwarmState, description: Description, donors: list[str],
+                      deadline: TransferDeadline, blame: Blame, rates: Sequence[float]) -> bytes | None:
+    """The blob ``description`` describes, from ``donors``, every range checked against its manifest; None if they
+    all failed, stalled or served something else."""
+    total = description.total
+    # Parts (whole ranges) small enough that every stream of every donor gets work, large enough to keep overheads
+    # low.
+    wanted = -(-total // (STREAMS_PER_DONOR * len(donors)))
+    part = min(PART_BYTES, max(RANGE_BYTES, -(-wanted // RANGE_BYTES) * RANGE_BYTES))
     offsets = list(range(0, total, part))
     parts: asyncio.Queue[int | None] = asyncio.Queue()
     for offset in offsets:
         parts.put_nowait(offset)
     received: dict[int, bytes] = {}
-    working = set(described)
+    working = set(donors)
 
     def release_all() -> None:  # wake every waiting worker: all ranges are in, or nobody is left to fetch
-        for _ in range(STREAMS_PER_DONOR * len(described)):
+        for _ in range(STREAMS_PER_DONOR * len(donors)):
             parts.put_nowait(None)
+
+    def drop(donor: str, offset: int) -> None:
+        parts.put_nowait(offset)
+        working.discard(donor)
+        if not working:
+            release_all()
 
     async def worker(donor: str) -> None:
         while (offset := await parts.get()) is not None:
@@ -246,35 +320,29 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, deadline: Tran
                 return
             length = min(part, total - offset)
             try:
-                header, data = await _request(p2p, handler, donor, round_index, slice_name, offset, length,
+                header, data = await _request(p2p, handler, donor, target.round, target.slice, offset, length,
                                               deadline.seconds(length, rates))
-                if parse_description(header, round_index, slice_name, expected_params_sha256) != (
-                        total, blob_sha) or len(data) != length:
-                    raise PayloadError(f"donor answered another state, or {len(data)} bytes for a {length}-byte range")
-            except (PayloadError, TransportError, TimeoutError) as e:
+                if not _answers_for(decode(StateAnswer, header), target):
+                    raise PayloadError("it answered for another state")
+                if len(data) != length or any(hashlib.sha256(data[at : at + RANGE_BYTES]).digest()
+                                              != description.range_hash(offset + at)
+                                              for at in range(0, length, RANGE_BYTES)):
+                    raise PayloadError(f"bytes {offset}+{length} do not match the manifest it described")
+            except PayloadError as e:
+                blame(donor, f"it served {target.slice} of round {target.round} falsely ({e})")
+                drop(donor, offset)
+                return
+            except (TransportError, TimeoutError) as e:
                 logger.info(f"donor {donor[-8:]} failed on range {offset}: {e!r}; leaving it to the others")
-                parts.put_nowait(offset)
-                working.discard(donor)
-                if not working:
-                    release_all()
+                drop(donor, offset)
                 return
             received[offset] = data
             if len(received) == len(offsets):
                 release_all()
 
     if offsets:
-        await asyncio.gather(*(worker(donor) for donor in described for _ in range(STREAMS_PER_DONOR)))
+        await asyncio.gather(*(worker(donor) for donor in donors for _ in range(STREAMS_PER_DONOR)))
     if len(received) != len(offsets):
-        raise SwarmError(f"download of {slice_name} of round {round_index} failed: every donor stalled or failed")
-    blob = b"".join(received[offset] for offset in sorted(received))
-    if hashlib.sha256(blob).hexdigest() != blob_sha:
-        raise SwarmError(f"downloaded {slice_name} of round {round_index} does not match its checksum")
-    try:
-        snapshot = Snapshot.from_blob(round_index, slice_name, blob)
-    except PayloadError as e:  # a blob that passed the checksum yet does not parse: every donor served garbage
-        raise SwarmError(f"downloaded {slice_name} of round {round_index} is malformed ({e})") from None
-    if snapshot.params_sha256 != expected_params_sha256:
-        raise SwarmError(f"downloaded {slice_name} of round {round_index} does not match the donors' published hash")
-    logger.info(f"fetched {total / 1e6:.1f} MB of {slice_name} from {len(described)} donors in "
-                f"{time.monotonic() - started:.1f} s")
-    return snapshot
+        logger.info(f"download of {target.slice} of round {target.round} from {len(donors)} donor(s) failed")
+        return None
+    return b"".join(received[offset] for offset in offsets)
