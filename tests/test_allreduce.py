@@ -1,6 +1,7 @@
 """The butterfly all-reduce over real hivemind DHT nodes and p2p daemons (three peers in this process)."""
 
 import itertools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +20,7 @@ from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import SwarmConfig
-from p2ploco.errors import PayloadError, SwarmError
+from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import ReduceStatus
 from p2ploco.swarm.records import PeerState
@@ -224,9 +225,16 @@ def test_a_reducer_that_refuses_a_contribution_on_its_header_still_answers_its_s
     assert "Contribution: span: Input should be a valid list" in answer["reason"]
 
 
-def test_a_peer_with_another_config_cannot_join_the_run(trio):
-    with pytest.raises(SwarmError, match="run 'test' is training another config"):
-        Swarm.join("test", CONFIG, "other-cfg", initial_peers=trio[0].addresses(), host_maddrs=LOOPBACK)
+def test_a_peer_with_another_config_is_warned_and_never_counts_the_others(trio, caplog):
+    """Anyone can publish a record of another config under a run's key: it never stops a node from starting (it
+    used to), and a node never counts a peer of another config as one to average with or follow."""
+    with caplog.at_level(logging.WARNING, logger="p2ploco.swarm.runtime"):
+        other = Swarm.join("test", CONFIG, "other-cfg", initial_peers=trio[0].addresses(), host_maddrs=LOOPBACK)
+    try:
+        assert "run 'test' has peers of another config (fingerprint cfg, yours other-cfg)" in caplog.text
+        assert other.swarm_state(0, {"params": "mine"}) == {}
+    finally:
+        other.leave()
 
 
 def test_a_group_naming_unknown_peers_or_leaving_out_its_member_is_refused(trio):
