@@ -110,7 +110,11 @@ def test_malformed_stage_messages_are_refused_and_a_bad_neighbour_fails_only_its
            (header(micro=7), payload, "micro-batch 7 outside"),
            (header(), payload[:-4], "payload of"),
            (header(), ids.numpy().tobytes() + nan.numpy().tobytes(), "NaN or Inf"),
-           (header(), (ids.numpy() + 300).tobytes() + values.numpy().tobytes(), "token ids outside")]
+           (header(), (ids.numpy() + 300).tobytes() + values.numpy().tobytes(), "token ids outside"),
+           # finite, yet it would overflow the forward pass (this neighbour's TrainingError used to end the process)
+           (header(), ids.numpy().tobytes() + torch.full_like(values, 3e37).numpy().tobytes(), "magnitude 3e+37"),
+           (header(kind=Kind.GRADIENTS.value, shapes=[[2, 16, 8]], dtypes=["float32"]), values.numpy().tobytes(),
+            "does not hold the stage that sends gradients")]
     for step, (head, body, why) in enumerate(bad, start=10):
         head["step"] = step
         answer = push(loop, neighbour, servers[1], head, body)
@@ -141,3 +145,35 @@ def test_a_stage_that_gives_up_a_step_releases_the_others_at_once(peers):
     first.abort(4, "its sampler broke")
     waiting.join(30)  # far less than the 60 s the wait would otherwise take
     assert not waiting.is_alive() and "stage 0 gave up: its sampler broke" in str(failure[0])
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_that_sends_odd_sums_or_floods_its_neighbour_fails_the_step_not_the_process(peers):
+    """A sum of three addends where the group sums two (torch.stack used to raise out of the step), a negative
+    squared norm (math.sqrt raised), and messages for steps far ahead (a mailbox held them without bound): each
+    fails the step with a PipelineError, which the node handles by sitting the round out."""
+    loop, servers = peers
+    schedule = Schedule.of(small_config("pipeline.rank=8"))
+    links = StageLinks("g", 0, (servers[0].me, servers[1].me))
+    RemoteTransport(loop, servers[0], links, 0, schedule, timeout=20)  # takes the receiver's own addends
+    receiver = RemoteTransport(loop, servers[1], links, 1, schedule, timeout=20)
+    neighbour = servers[0].p2p
+
+    def addends(step: int, values: list[float]) -> dict:
+        header = {"kind": Kind.SUM.value, "group": "g", "epoch": 0, "step": step, "micro": 0, "from_stage": 0,
+                  "shapes": [[len(values)]], "dtypes": ["float64"]}
+        return push(loop, neighbour, servers[1], header, torch.tensor(values, dtype=torch.float64).numpy().tobytes())
+
+    assert addends(3, [1.0, 2.0, 3.0])["status"] == "ok"  # well-formed on its own: the count is checked at the sum
+    with pytest.raises(PipelineError, match="stage 0 sent 3 addends for step 3, where the group sums 2"):
+        receiver.all_sum(3, [0.5, 4.0])
+    negative = addends(4, [1.0, -4.0])
+    assert negative["status"] == "rejected" and "none is negative" in negative["reason"]
+    with pytest.raises(PipelineError, match="none is negative"):
+        receiver.all_sum(4, [0.5, 4.0])
+    assert addends(5, [1.0, 4.0])["status"] == "ok"
+    assert receiver.all_sum(5, [0.5, 4.0]) == [1.5, 8.0]
+    # a flood of messages for steps ahead: the mailbox holds a few steps' worth, the rest fails the step
+    capacity = servers[1].sums.capacity
+    answers = [addends(step, [1.0, 1.0])["status"] for step in range(100, 100 + capacity + 1)]
+    assert answers == ["ok"] * capacity + ["rejected"]

@@ -43,7 +43,7 @@ from pydantic import Field, StringConstraints
 from p2ploco.config import Config
 from p2ploco.errors import PayloadError, PipelineError, TransportError
 from p2ploco.pipeline.schedule import WIRE_DTYPES
-from p2ploco.pipeline.transport import Activations, Mailbox, MicroKey, StageTransport, id_dtype
+from p2ploco.pipeline.transport import PENDING_STEPS, Activations, Mailbox, MicroKey, StageTransport, id_dtype
 from p2ploco.swarm import wire
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.messages import MAX_ROUND, Message, Name, Reason, decode, status_of
@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"uint16": torch.uint16, "int32": torch.int32, "float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "float64": torch.float64}
 MAX_ADDENDS = 16
+MAX_BOUNDARY_MAGNITUDE = 1e5  # no honest activation or activation-gradient comes near: the forward would overflow
 MAX_DIMENSION = 1 << 31  # of a tensor on the wire, or a stage or micro-batch index
 PROBE_EVERY = 2.0  # seconds between checks, while waiting for a stage's message, that its peer is still there
 PROBES_TO_GIVE_UP = 2  # consecutive failed checks before a stage's peer counts as gone (a busy daemon may miss one)
@@ -166,7 +167,8 @@ class StageLinkServer:
         """Serve ``stage`` of the formation ``links`` from now on; what was in flight for another one is gone."""
         for mailbox in (self.activations, self.gradients, self.sums):
             mailbox.close()
-        self.activations, self.gradients, self.sums = Mailbox(), Mailbox(), Mailbox()
+        capacity = PENDING_STEPS * max(schedule.micro_batches, len(links.peers))
+        self.activations, self.gradients, self.sums = Mailbox(capacity), Mailbox(capacity), Mailbox(capacity)
         self.links, self.stage, self.schedule = links, stage, schedule
 
     def leave(self) -> None:
@@ -288,8 +290,14 @@ class StageLinkServer:
             size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
             tensors.append(from_bytes(payload[offset : offset + size], dtype, shape))
             offset += size
-        if not torch.isfinite(tensors[-1].float()).all():
+        values = tensors[-1].float()
+        if not torch.isfinite(values).all():
             raise PayloadError(f"{kind.value} hold NaN or Inf values")
+        if kind is Kind.SUM and (values < 0).any():
+            raise PayloadError("a sum's addends are losses and squared norms: none is negative")
+        if kind is not Kind.SUM and values.numel() and float(values.abs().max()) > MAX_BOUNDARY_MAGNITUDE:
+            raise PayloadError(f"{kind.value} of magnitude {float(values.abs().max()):.3g}, beyond "
+                               f"{MAX_BOUNDARY_MAGNITUDE:.0e}: the forward pass would overflow")
         if kind is Kind.ACTIVATIONS:
             ids = tensors[0].to(torch.int64)
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.schedule.vocab_size):
@@ -386,6 +394,10 @@ class RemoteTransport(StageTransport):
                 self._push(Kind.SUM, other, (step, 0), [mine], from_stage=self.stage)
         addends = [mine if s == self.stage else self._take(self.server.sums, (step, s), "sum", s)
                    for s in range(self.stages)]
+        for s, addend in enumerate(addends):
+            if addend.shape != mine.shape:
+                raise PipelineError(f"stage {s} sent {addend.numel()} addends for step {step}, where the group sums "
+                                    f"{mine.numel()}")
         return [float(v) for v in torch.stack(addends).sum(0)]  # in stage order: the same on every stage
 
     def abort(self, step: int, reason: str) -> None:

@@ -20,6 +20,7 @@ as gradient accumulation in one model does, so the group's update equals the uns
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -86,7 +87,13 @@ class PipelineStage(GradientSource):
         return loss
 
     def reduce(self, step: int, values: Sequence[float]) -> list[float]:
-        return self.transport.all_sum(step, values)
+        """The group's sums (the loss, the squared gradient norm); PipelineError if they are not finite and
+        non-negative: some stage's inputs made its step overflow, and the group's round fails, not this peer."""
+        sums = self.transport.all_sum(step, values)
+        if not all(math.isfinite(v) and v >= 0 for v in sums):
+            raise PipelineError(f"step {step}: the group's loss and squared gradient norm are {sums}; a stage's "
+                                f"inputs made it overflow")
+        return sums
 
     def _forward(self, key: MicroKey) -> None:
         step, micro = key

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from p2ploco.errors import PipelineError
+from p2ploco.errors import PayloadError, PipelineError
 
 MicroKey = tuple[int, int]  # (global inner step, micro-batch)
 MAX_REMEMBERED, REMEMBERED_STEPS = 4096, 64  # delivered keys a mailbox remembers, to drop resent copies
+PENDING_STEPS = 4  # steps' worth of messages a mailbox holds untaken: a neighbour runs at most one step ahead
 
 
 def id_dtype(vocab_size: int) -> torch.dtype:
@@ -71,7 +72,8 @@ class StageTransport(ABC):
 
     @abstractmethod
     def all_sum(self, step: int, values: Sequence[float]) -> list[float]:
-        """The element-wise sum of ``values`` over the group's stages (every stage gets the same numbers)."""
+        """The element-wise sum of ``values`` (finite and non-negative: losses, squared norms) over the group's
+        stages (every stage gets the same numbers); PipelineError if a stage sends other addends."""
 
     @abstractmethod
     def abort(self, step: int, reason: str) -> None:
@@ -80,9 +82,12 @@ class StageTransport(ABC):
 
 class Mailbox:
     """Messages by (step, index), each taken once; a take waits (bounded) for its message, and fails at once
-    when its step was failed (a malformed message from the neighbour) or the mailbox closed."""
+    when its step was failed (a malformed message from the neighbour) or the mailbox closed. It holds at most
+    ``capacity`` messages not yet taken (a neighbour that sends more, for steps far ahead, is refused), and
+    forgets those of steps before the one last taken (a failed step's leftovers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
         self._items: dict[MicroKey, object] = {}
         self._delivered: set[MicroKey] = set()  # every key put so far (recent steps only): a resent copy is dropped
         self._failed: dict[int, str] = {}  # step -> why
@@ -102,10 +107,13 @@ class Mailbox:
             self._arrived.notify_all()
 
     def put(self, key: MicroKey, item: object) -> None:
-        """Deliver ``key``'s message; a second copy (a sender that resent after a lost answer) is dropped."""
+        """Deliver ``key``'s message; a second copy (a sender that resent after a lost answer) is dropped.
+        PayloadError if the mailbox is full: its sender sends faster than any schedule does."""
         with self._arrived:
             if key in self._delivered:
                 return
+            if len(self._items) >= self.capacity:
+                raise PayloadError(f"{self.capacity} messages not taken yet; a stage runs at most one step ahead")
             self._delivered.add(key)
             if len(self._delivered) > MAX_REMEMBERED:  # forget the keys of old steps
                 newest = max(step for step, _ in self._delivered)
@@ -131,6 +139,8 @@ class Mailbox:
         if not self.wait(key, timeout, what):
             raise PipelineError(f"no {what} for step {key[0]} micro-batch {key[1]} within {timeout:.0f} s")
         with self._arrived:
+            for stale in [k for k in self._items if k[0] < key[0]]:
+                del self._items[stale]
             return self._items.pop(key)
 
 
