@@ -270,16 +270,20 @@ class Node:
             self.out(f"[{me}] the swarm is at round {top} but nobody serves {', '.join(missing)} of it; training on "
                      f"and trying again next round")
             return round_index, membership, True
-        donors = {peer for t in targets.values() for peer in t.holders}
+        # A slice whose state this peer holds already (a full replica may be behind in one slice only) is kept.
+        own = {snapshot.slice: snapshot for snapshot in worker.snapshots(round_index)}
+        fetch = {name: t for name, t in targets.items() if (t.round, t.state_sha256) != (round_index,
+                                                                                          own[name].state_sha256)}
+        donors = {peer for t in fetch.values() for peer in t.holders} - {swarm.peer_id}
         self.out(f"[{me}] the swarm is at round {top} (this peer: {round_index}); fetching the state of "
-                 f"{', '.join(sorted(targets))} from {len(donors)} peer(s)")
+                 f"{', '.join(sorted(fetch))} from {len(donors)} peer(s)")
         # Announce where we are headed, stored before the fetch (records are otherwise stored in the background):
         # a round being formed waits for us rather than closing early, but only once its coordinator sees this.
         swarm.set_progress(top, PeerState.JOINING, "", {t.slice: t.state_sha256 for t in targets.values()})
         swarm.flush()
         started = time.perf_counter()
         try:
-            worker.adopt({name: swarm.fetch_state(t, worker.state_bytes(name)) for name, t in targets.items()})
+            worker.adopt({**own, **{name: swarm.fetch_state(t, worker.state_bytes(name)) for name, t in fetch.items()}})
         except SwarmError as e:
             self.out(f"[{me}] could not catch up ({e}); training on and trying again next round")
             return round_index, membership, True

@@ -30,10 +30,11 @@ serves joins from its event loop while it trains.
 
 A group smaller than the peers that joined or were expected is the coordinator's decision, never an
 accident: the answer lists who was left out and why (another state, an incomplete pipeline group, did not
-join in time), and every member logs it. A group of one is not remembered as a round that started (a
-straggler is not told "late" by a round that averaged nothing); and a peer that is alone, or reaches no
-coordinator, while its view shows other live peers at the round or past it applies nothing rather than its
-own update (``SwarmCommunicator``): a solitary commit would split it from them.
+join in time), and every member logs it. A group of one is remembered like any other (its peer may apply
+the round alone: stragglers that formed a second group of the same round at the same coordinator split the
+swarm in two); and a peer that is alone, or reaches no coordinator, while other peers that could apply the
+round without it are alive (``working_on``) applies nothing rather than its own update
+(``SwarmCommunicator``): a solitary commit would split it from them.
 
 A round covers named parameter slices (one per pipeline stage; the whole model when it is not cut):
 a full replica holds them all, a stage peer one. The state a round starts from is, for every slice,
@@ -305,15 +306,25 @@ class Matchmaker:
         return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),))
 
     async def working_on(self, round_index: int) -> list[str]:
-        """The other peers whose records, at a fresh look, say they work on ``round_index`` or a later round for our
-        config (fresh, not leaving, not waiting for a slot, not banned here): peers this one would split from by
-        applying the round alone (those at earlier rounds follow this one's state once they reach it)."""
+        """The other peers that could apply ``round_index`` without this one, so that applying it alone would split
+        this peer from them: those whose records, at a fresh look, say they work on that round or a later one for
+        our config (fresh, not leaving, not waiting for a slot, not banned here), whose daemon can still be dialled
+        (a peer killed a moment ago still has a fresh record), less the stage peers whose pipeline group has no such
+        peer for some stage (a group acts as one replica or not at all). Those at earlier rounds follow this peer's
+        state once they reach it."""
         live = await self.directory.refresh()
         banned = self.bans.active(round_index)
-        return sorted(p for p, r in live.items() if p != self.me and r.round >= round_index
-                      and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
-                      and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)
-                      and p not in banned)
+        ahead = sorted(p for p, r in live.items() if p != self.me and r.round >= round_index
+                       and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
+                       and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)
+                       and p not in banned)
+        dialled = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY) for p in ahead))
+        alive = [p for p, ok in zip(ahead, dialled) if ok]
+        stages: dict[str, set[int]] = {}
+        for p in alive:
+            if live[p].group:
+                stages.setdefault(live[p].group, set()).add(live[p].stage)
+        return [p for p in alive if not live[p].group or len(stages[live[p].group]) >= self.stages]
 
     async def _check_plausible(self, group: Group) -> None:
         """PayloadError unless every member of ``group`` is a live peer this peer knows, itself included. A
@@ -473,8 +484,7 @@ class Matchmaker:
                                               if members[p].pipeline),
                               left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())))
                 self.book.add(group)
-                if len(members) > 1:  # a group of one averaged nothing: a straggler is not "late" for it
-                    self._closed[key] = group
+                self._closed[key] = group
                 del self._forming[key]
                 for old in sorted(self._closed)[:-KEEP_CLOSED_ROUNDS]:
                     del self._closed[old]
