@@ -152,8 +152,9 @@ class Node:
             self._publish(swarm, role.worker, round_index, PeerState.JOINING)
             if c.swarm.min_peers > 1:
                 self.out(f"[{me}] waiting for {c.swarm.min_peers} peers ...")
-                present = swarm.wait_for_peers(c.swarm.min_peers, c.swarm.startup_timeout)
-                self.out(f"[{me}] {present} peer(s) present; starting")
+                present = swarm.wait_for_peers(c.swarm.min_peers, c.swarm.startup_timeout, self.stopping)
+                if not self.stopping.is_set():
+                    self.out(f"[{me}] {present} peer(s) present; starting")
 
             def finished() -> bool:
                 return bool(c.training.rounds) and round_index >= c.training.rounds

@@ -24,7 +24,7 @@ from p2ploco.swarm.identity import Identity, peer_id_of
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerRecord, peers_key, record_validator
 
-JOINED = re.compile(r"peer (12D3\w+) joined run")
+JOINED = re.compile(r"peer (\w+) joined run")
 NOBODY = "12D3KooWJFBvJXaPgQ1XAX5u5MCmZYfgVUgvyeTA2BwcCGJhu78u"  # a well-formed peer id nobody runs
 
 

@@ -14,7 +14,7 @@ from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.records import record_validator
 
-EXAMPLE = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
+EXAMPLE = "/ip4/203.0.113.7/tcp/31337/p2p/Qm..."
 
 
 def check_multiaddrs(values: Sequence[str], option: str, need_peer_id: bool) -> list[str]:
@@ -27,7 +27,7 @@ def check_multiaddrs(values: Sequence[str], option: str, need_peer_id: bool) -> 
             raise SwarmError(f"{option} {value!r} is not a multiaddr; expected e.g. {EXAMPLE}") from None
         protocols = {p.name for p in address.protocols()}
         if need_peer_id and "p2p" not in protocols:
-            raise SwarmError(f"{option} {value!r} lacks the peer id part /p2p/12D3KooW...; "
+            raise SwarmError(f"{option} {value!r} lacks the peer id part /p2p/Qm...; "
                              f"copy the full address the bootstrap peer printed")
         if not need_peer_id and "p2p" in protocols:
             raise SwarmError(f"{option} {value!r} must not include /p2p/...: it names a local listening address")

@@ -15,6 +15,7 @@ import enum
 import hashlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -446,13 +447,14 @@ class PeerDirectory:
             except Exception:  # a bug: keep publishing, and say where it is
                 logger.exception("publishing this peer's record failed unexpectedly")
 
-    async def wait_for_peers(self, count: int, timeout: float) -> int:
+    async def wait_for_peers(self, count: int, timeout: float, stop: threading.Event) -> int:
         """Wait until ``count`` peers of our config (this one included) are present and have published the
-        state they start from, or the run is already under way (someone trains); return how many are present."""
+        state they start from, or the run is already under way (someone trains), or ``stop`` is set; return how
+        many are present."""
         deadline = time.monotonic() + timeout
         while True:
             peers = [r for r in (await self.refresh()).values()
                      if r.fingerprint == self.me.fingerprint and r.state != PeerState.LEAVING and r.slices]
-            if len(peers) >= count or any(r.active for r in peers) or time.monotonic() >= deadline:
+            if len(peers) >= count or any(r.active for r in peers) or time.monotonic() >= deadline or stop.is_set():
                 return len(peers)
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -128,9 +129,10 @@ class Swarm:
         """Fields read afresh at every heartbeat (e.g. the inner step), so the record moves between rounds."""
         self.directory.live_fields = live_fields
 
-    def wait_for_peers(self, count: int, timeout: float) -> int:
-        """Block until ``count`` peers (this one included) are present or the run is under way, or ``timeout``."""
-        return self.loop.run(self.directory.wait_for_peers(count, timeout))
+    def wait_for_peers(self, count: int, timeout: float, stop: threading.Event | None = None) -> int:
+        """Block until ``count`` peers (this one included) are present or the run is under way, ``timeout`` passes,
+        or ``stop`` is set (the node was told to leave while it waited)."""
+        return self.loop.run(self.directory.wait_for_peers(count, timeout, stop or threading.Event()))
 
     def swarm_state(self, round_index: int, slices: dict[str, str], fresh: bool = True) -> dict[str, SwarmState]:
         """For each slice this peer holds (name -> the hash it holds at ``round_index``), the state to follow: one
