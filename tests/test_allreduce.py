@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import LOOPBACK, join_swarms
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 
 from p2ploco.collective import exchange as exchange_module
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
@@ -262,7 +262,7 @@ def test_a_formation_waits_for_a_peer_still_finishing_the_previous_round(trio):
     def joined_or_closed() -> bool:
         matchmakers = [s.communicator.matchmaker for s in trio]
         return any(k[0] == round_index and len(f.members) == 2 for m in matchmakers for k, f in list(m._forming.items())
-                   ) or any(k[0] == round_index for m in matchmakers for k in list(m._closed))
+                   ) or any(k[0] == round_index for m in matchmakers for k in m.book.formations())
 
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(s.communicator.all_reduce, DenseMean(t), round_index, "params")
@@ -287,7 +287,8 @@ def test_a_member_that_asks_its_coordinator_again_gets_the_same_group(trio):
         stats = [f.result(timeout=60) for f in [pool.submit(s.communicator.all_reduce, e, round_index, "params")
                                                 for s, e in zip(trio, exchanges)]]
     assert all(len(s.peers) == 3 for s in stats)
-    [(coordinator, key, group)] = [(s, k, g) for s in trio for k, g in s.communicator.matchmaker._closed.items()
+    [(coordinator, key, group)] = [(s, k, g) for s in trio
+                                   for k, g in s.communicator.matchmaker.book.formations().items()
                                    if k[0] == round_index]
     member = next(s for s in trio if s is not coordinator)
     request = {"round": key[0], "name": key[1], "config": key[2], "state": key[3], "pipeline": "", "unreachable": [],
@@ -295,3 +296,35 @@ def test_a_member_that_asks_its_coordinator_again_gets_the_same_group(trio):
     answer = member.loop.run(member.communicator.matchmaker._ask(coordinator.peer_id, request, 10), 15)
     assert answer["status"] == "group" and answer["group_id"] == group.group_id
     assert answer["peers"] == list(group.peers)
+
+
+def test_joins_from_outside_the_run_are_refused_and_do_not_disturb_its_rounds(trio):
+    """Any libp2p peer can open a stream to a coordinator: 40 joins for made-up configs, rounds and states, from a
+    peer with no record of the run, are refused, and the run's next round commits as ever (they used to push its
+    group out of the coordinator's book, so that every vote failed)."""
+    round_index = next(rounds)
+    for s in trio:
+        s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+    assert all(s.flush() for s in trio)
+    coordinator = trio[0].communicator.matchmaker
+    loop = trio[0].loop
+    outsider = loop.run(P2P.create(host_maddrs=LOOPBACK, initial_peers=trio[0].addresses()), 60)
+    try:
+        async def junk(i: int) -> dict:
+            request = {"round": round_index + i % 3, "name": "params", "config": f"made-up-{i}" if i % 2 else "cfg",
+                       "state": f"s{i}", "pipeline": "", "unreachable": [], "slices": {"params": ["fp", f"h{i}"]}}
+            answer, _ = await wire.call(outsider, coordinator.me, coordinator.handler_name, request)
+            return answer
+
+        answers = [loop.run(junk(i), 30) for i in range(40)]
+        assert all(a["status"] == "left out" for a in answers)
+        assert {a["reason"].split(" ", 2)[2] for a in answers} == {"trains another config",
+                                                                  "sees no live record of this run's config for this "
+                                                                  "peer"}
+    finally:
+        loop.run(outsider.shutdown(), 30)
+    exchanges = [DenseMean(random_tensors(80 + i)) for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        stats = [f.result(timeout=60) for f in [pool.submit(s.communicator.all_reduce, e, round_index, "params")
+                                                for s, e in zip(trio, exchanges)]]
+    assert all(len(s.peers) == 3 and s.committed for s in stats)

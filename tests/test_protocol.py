@@ -11,7 +11,9 @@ from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import Outcome, Vote, _Ballot, decide, parse_decision, parse_vote
 from p2ploco.swarm.messages import decode
 from p2ploco.swarm.rounds import (
+    KEEP_PER_PEER,
     Group,
+    GroupBook,
     JoinAnswer,
     Member,
     admit,
@@ -190,3 +192,24 @@ def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends(
     assert parse_decision({"outcome": "commit", "digests": {S: "d"}, "reason": ""}, GROUP, A).digests == {S: "d"}
     with pytest.raises(PayloadError, match="DecisionAnswer: reason: Field required"):
         parse_decision({"outcome": "abort", "digests": {}}, GROUP, A)
+
+
+def test_a_coordinator_that_asks_for_a_second_redo_is_not_followed():
+    """Members redo a round once: a coordinator answering "redo" forever used to keep its group redoing."""
+    redo = {"outcome": "redo", "group_id": "h", "peers": [A, B], "reason": "again"}
+    assert parse_decision(redo, GROUP, A).redo.attempt == 1
+    with pytest.raises(PayloadError, match="a second redo of one round"):
+        parse_decision(redo, group(attempt=1), A)
+
+
+def test_junk_groups_of_one_peer_never_push_another_peers_group_out_of_the_book():
+    """33 junk formations used to push the real group out of a 32-group book, and every vote for it failed. A
+    group is kept while it is among the latest few of one of its members: the junk only ages the junker's own."""
+    book = GroupBook()
+    real = group((A, B, C))
+    book.add(real, (5, "params", "cfg", "s"))
+    for i in range(1000):
+        book.add(Group(f"junk{i}", 5, "params", (D,), D), (5, "params", "cfg", f"made-up{i}"))
+    assert book.get(real.group_id) == real and book.closed((5, "params", "cfg", "s")) == real
+    assert book.get("junk0") is None and book.get("junk999") is not None
+    assert len(book.formations()) <= 1 + KEEP_PER_PEER

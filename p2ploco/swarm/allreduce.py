@@ -77,7 +77,7 @@ from p2ploco.swarm.rounds import Group
 
 logger = logging.getLogger(__name__)
 
-MAX_UNKNOWN_GROUPS = 64  # contributions may precede our own view of their group, but not without bound
+UNKNOWN_GROUPS_PER_PEER = 16  # pieces of groups this peer does not know yet that one sender may wait on
 MAX_UNITS = 1 << 40  # units (values, or chunks) of a slice a span may name
 
 
@@ -188,6 +188,7 @@ class ButterflyAllReduce:
         self.timeout = deadline.base  # for what does not grow with the payload: headers, answers, lookups
         self.handler_name = f"p2ploco/{run_id}/reduce"
         self._sessions: dict[tuple[str, str, int], asyncio.Future] = {}  # (group id, slice, piece start) -> session
+        self._awaited_by: dict[tuple[str, str, int], str] = {}  # a session not known yet -> the sender that waits
         self.current_round = 0  # the round of the latest all-reduce here: malformed data is banned from it on
 
     async def start(self) -> None:
@@ -419,10 +420,13 @@ class ButterflyAllReduce:
         belongs to, waiting (bounded) if the group's other members learnt of it first."""
         key = (group_id, slice_name, start)
         pending = self._sessions.get(key)
-        if pending is None:
-            if sum(not known.done() for known in self._sessions.values()) >= MAX_UNKNOWN_GROUPS:
-                raise _UnknownGroup("too many contributions for unknown groups")
+        if pending is None:  # its sender learnt of the group first: a few such slots per sender, so that one that
+            # sends made-up group ids takes up its own slots only
+            if sum(by == sender for by in self._awaited_by.values()) >= UNKNOWN_GROUPS_PER_PEER:
+                raise _UnknownGroup(f"contribution for unknown group {group_id[:32]!r}: this peer holds "
+                                    f"{UNKNOWN_GROUPS_PER_PEER} of the sender's already")
             pending = self._sessions[key] = asyncio.get_running_loop().create_future()
+            self._awaited_by[key] = sender
         try:
             session: _ReducerSession = await asyncio.wait_for(asyncio.shield(pending), self.timeout)
         except TimeoutError:
@@ -430,6 +434,8 @@ class ButterflyAllReduce:
                 self._sessions.pop(key, None)
             raise _UnknownGroup(f"contribution for unknown group {group_id[:32]!r}, slice {slice_name[:32]!r} or "
                                 f"piece {start}") from None
+        finally:
+            self._awaited_by.pop(key, None)
         if sender not in session.senders:
             raise PayloadError(f"{sender[-8:]} is not a member of this group")
         return session

@@ -288,6 +288,8 @@ def parse_decision(response: dict[str, Any], group: Group, judge: str) -> Decisi
     """The coordinator's answer to a vote; PayloadError if malformed."""
     answer = decode(DecisionAnswer, response)
     if answer.outcome == Outcome.REDO:
+        if group.attempt >= 1:  # members redo a round once: a coordinator that answers "redo" forever stalls nobody
+            raise PayloadError("a second redo of one round")
         if not set(answer.peers) <= set(group.peers):
             raise PayloadError("redo group names peers outside the round's group")
         return Decision(answer.outcome, redo=group.among(answer.group_id, tuple(answer.peers), judge),

@@ -410,6 +410,12 @@ class PeerDirectory:
         round (the others publish theirs as they move, too); otherwise a fresh lookup."""
         return self.live if self.refreshed_at > self.moved_at else await self.refresh()
 
+    def of_run(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` has a live record of this run's config, as last seen (this peer's own included)."""
+        record = self.live.get(peer_id)
+        return (record is not None and record.fingerprint == self.me.fingerprint and record.state != PeerState.LEAVING
+                and self.fresh(peer_id))
+
     def fresh(self, peer_id: str) -> bool:
         """Whether ``peer_id``'s record was renewed lately: a crashed peer stops renewing it long before it lapses."""
         stale_after = max(STALE_HEARTBEATS * self.interval, self.ttl / 2)

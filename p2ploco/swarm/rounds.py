@@ -64,7 +64,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -95,8 +95,12 @@ from p2ploco.swarm.records import PeerDirectory, PeerState, contested, round_sta
 
 logger = logging.getLogger(__name__)
 
-KEEP_CLOSED_ROUNDS = 8  # closed groups remembered, to answer stragglers "late" rather than start a new group
-KEEP_GROUPS = 32  # groups (and their redos) this peer coordinated, remembered to judge their votes
+KEEP_PER_PEER = 16  # a group is remembered while it is among this many latest of one of its members' ...
+KEEP_SECONDS = 600.0  # ... and at most this long
+MAX_FORMING_PER_PEER = 4  # open formations at one coordinator a peer may be in at once (an overlapped round's next
+# one, Streaming DiLoCo's next fragment): more is junk, refused
+STRAGGLER_MISSES = 2  # formations a peer was expected in and never joined, after which it is not waited for
+BAN_MISSES = 4  # and after which it is banned: its record claims rounds it never joins
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
@@ -190,18 +194,42 @@ class _Formation:
 
 
 class GroupBook:
-    """The groups this peer coordinates, by id, so that it judges votes against its own record of a group."""
+    """The groups this peer coordinated (and the redos it decided), by id and by formation: votes are judged
+    against them, and a straggler is told "late" (or, if it is a member whose answer was lost, given its group
+    again). A group is kept while it is among the KEEP_PER_PEER latest of some member's (and for at most
+    KEEP_SECONDS), so junk cannot push a real group out: a peer that opens formation after formation only ages
+    its own groups. (Only peers with a live record of the run may join at all: ``Matchmaker._refusal``.)"""
 
     def __init__(self) -> None:
-        self._groups: dict[str, Group] = {}
+        self._groups: dict[str, tuple[Group, float]] = {}  # group id -> (group, when it was added)
+        self._latest: dict[str, deque[str]] = {}  # peer -> the ids of its latest groups
+        self._closed: dict[FormationKey, str] = {}  # formation -> the group id it closed with
 
-    def add(self, group: Group) -> None:
-        self._groups[group.group_id] = group
-        for old in list(self._groups)[:-KEEP_GROUPS]:
-            del self._groups[old]
+    def add(self, group: Group, key: FormationKey | None = None) -> None:
+        """Remember ``group``; ``key``: the formation it closed (none for a redo)."""
+        now = time.monotonic()
+        self._groups[group.group_id] = (group, now)
+        for peer in group.peers:
+            self._latest.setdefault(peer, deque(maxlen=KEEP_PER_PEER)).append(group.group_id)
+        if key is not None:
+            self._closed[key] = group.group_id
+        kept = {gid for ids in self._latest.values() for gid in ids}
+        self._groups = {gid: entry for gid, entry in self._groups.items()
+                        if gid in kept and now - entry[1] < KEEP_SECONDS}
+        self._latest = {peer: ids for peer, ids in self._latest.items() if any(gid in self._groups for gid in ids)}
+        self._closed = {key: gid for key, gid in self._closed.items() if gid in self._groups}
 
     def get(self, group_id: str) -> Group | None:
-        return self._groups.get(group_id)
+        entry = self._groups.get(group_id)
+        return entry[0] if entry is not None else None
+
+    def closed(self, key: FormationKey) -> Group | None:
+        """The group formation ``key`` closed with, if this peer still remembers it."""
+        return self.get(self._closed[key]) if key in self._closed else None
+
+    def formations(self) -> dict[FormationKey, Group]:
+        """Every formation this peer remembers closing, and its group."""
+        return {key: self._groups[gid][0] for key, gid in self._closed.items()}
 
 
 class Matchmaker:
@@ -213,7 +241,7 @@ class Matchmaker:
         self.me = directory.me.peer_id
         self.handler_name = f"p2ploco/{run_id}/join"
         self._forming: dict[FormationKey, _Formation] = {}
-        self._closed: dict[FormationKey, Group] = {}
+        self._missed: Counter[str] = Counter()  # formations each peer was waited for in vain, in a row
         self.leaving = asyncio.Event()
 
     async def start(self) -> None:
@@ -378,6 +406,10 @@ class Matchmaker:
         if self.bans.banned(sender, round_index):
             return {"status": JoinStatus.BANNED, "reason": f"coordinator {self.me[-8:]} has banned this peer for "
                                                            f"sending malformed data"}
+        self._missed.pop(sender, None)  # it asks: late perhaps, but no straggler
+        refusal = None if sender == self.me else await self._refusal(sender, key)
+        if refusal is not None:
+            return {"status": JoinStatus.LEFT_OUT, "reason": refusal}
         formation = self._forming.get(key)
         if formation is None and sender != self.me:  # an open formation is finished even while leaving
             if self.leaving.is_set():
@@ -385,8 +417,8 @@ class Matchmaker:
             best = best_coordinator(self.candidates(unreachable | {sender}), round_index, state)
             if best != self.me:
                 return {"status": JoinStatus.REDIRECT, "to": best}
-        if key in self._closed:
-            closed = self._closed[key]
+        closed = self.book.closed(key)
+        if closed is not None:
             if sender in closed.peers:
                 return group_answer(closed)  # asked again (its first answer was lost): the same group, not "late"
             return {"status": JoinStatus.LATE, "reason": f"round {round_index} had already started without this peer"}
@@ -404,6 +436,21 @@ class Matchmaker:
         if sender in formation.refused:
             return {"status": JoinStatus.LEFT_OUT, "reason": formation.refused[sender]}
         return group_answer(outcome)
+
+    async def _refusal(self, sender: str, key: FormationKey) -> str | None:
+        """Why a join from ``sender`` for ``key`` is refused, if it is: a peer joins only rounds of this run's config,
+        with a live record of it (anyone can open a stream; only peers of the run form groups), and only a few at
+        once. An unknown sender is looked up afresh, at most once a heartbeat: its record may be a moment old."""
+        if key[2] != self.directory.me.fingerprint:
+            return f"coordinator {self.me[-8:]} trains another config"
+        stale = time.monotonic() - self.directory.refreshed_at > self.directory.interval
+        if not self.directory.of_run(sender) and stale:
+            await self.directory.refresh()
+        if not self.directory.of_run(sender):
+            return f"coordinator {self.me[-8:]} sees no live record of this run's config for this peer"
+        if sum(sender in f.members for k, f in self._forming.items() if k != key) >= MAX_FORMING_PER_PEER:
+            return f"this peer is in {MAX_FORMING_PER_PEER} open rounds at coordinator {self.me[-8:]} already"
+        return None
 
     async def _close_when_complete(self, formation: _Formation) -> None:
         """Close the group when everyone expected has joined or at the deadline; or hand the whole
@@ -435,7 +482,8 @@ class Matchmaker:
                              and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
                              and self.directory.fresh(p) and p not in banned}
                 expected = {p for p in runs_here if live[p].round == round_index and live[p].slices
-                            and all(chosen.get(k) == v for k, v in live[p].slices.items())}
+                            and all(chosen.get(k) == v for k, v in live[p].slices.items())
+                            and self._missed[p] < STRAGGLER_MISSES}
                 # Peers moving to this round are awaited like joiners, for the joiners' grace only: one still
                 # finishing the previous round, and one at this round that holds another state (it was left out
                 # of the last round and fetches the swarm's state now). A round's all-reduce need not come at its
@@ -475,6 +523,7 @@ class Matchmaker:
                 left_out = dict(formation.refused)
                 left_out.update((p, f"it did not join within {self.timeout:.0f} s") for p in formation.awaited)
                 left_out.update((p, "it could not be reached") for p in formation.dead - set(members))
+                self._count_misses(formation, round_index)
                 if left_out:  # every member logs it at WARNING, with the coordinator's name
                     logger.info(f"round {round_index}: formed a group of {len(members)} without "
                                 + ", ".join(f"{p[-8:]} ({why})" for p, why in sorted(left_out.items())))
@@ -483,12 +532,21 @@ class Matchmaker:
                               pipelines=tuple((p, members[p].pipeline) for p in sorted(members)
                                               if members[p].pipeline),
                               left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())))
-                self.book.add(group)
-                self._closed[key] = group
+                self.book.add(group, key)
                 del self._forming[key]
-                for old in sorted(self._closed)[:-KEEP_CLOSED_ROUNDS]:
-                    del self._closed[old]
                 formation.closed.set_result(group)
+
+    def _count_misses(self, formation: _Formation, round_index: int) -> None:
+        """Peers waited for in vain: after STRAGGLER_MISSES formations in a row they are not waited for any more
+        (a live peer that never joins cost every round the whole timeout), after BAN_MISSES they are banned."""
+        for peer in formation.awaited - formation.dead:
+            self._missed[peer] += 1
+            if self._missed[peer] == STRAGGLER_MISSES:
+                logger.info(f"round {round_index}: {peer[-8:]} did not join the last {STRAGGLER_MISSES} rounds its "
+                            f"record claims; not waiting for it any more")
+            if self._missed[peer] >= BAN_MISSES:
+                self.bans.ban(peer, round_index, f"it did not join the last {BAN_MISSES} rounds its record claims")
+                del self._missed[peer]
 
 
 def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | None = None
