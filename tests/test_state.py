@@ -59,14 +59,14 @@ def test_only_states_two_peers_vouch_for_are_followed():
 def test_records_that_claim_a_round_ahead_of_everyone_do_not_move_the_swarm():
     """One attacker with two keys publishes two records of round 10**6 holding its own state: the state three
     training peers hold wins (it used to be the furthest round any two records agreed on, which every joiner then
-    fetched from the attacker). A state a majority moved on to wins over the one the last peer still shows."""
+    fetched from the attacker). While the three move to the next round, a tie goes to the earlier round."""
     honest = [record(p, 5, "x") for p in "abc"]
     liars = [record(p, 10**6, "forged") for p in ("liar1", "liar2")]
     live = {r.peer_id: r for r in honest + liars}
     joiner = record("new", 0, "init")
     assert [(s.round, s.state_sha256) for s in ranked_states(live, joiner, S)][:2] == [(5, "x"), (10**6, "forged")]
     moving = {**live, "a": record("a", 6, "x6"), "b": record("b", 6, "x6")}
-    assert swarm_state(moving, joiner, S).state_sha256 == "forged"  # 2 against 2: the later round wins the tie
+    assert swarm_state(moving, joiner, S).state_sha256 == "x6"  # 2 against 2: the earlier round wins the tie
     moving["c"] = record("c", 6, "x6")
     assert swarm_state(moving, joiner, S).state_sha256 == "x6"
 

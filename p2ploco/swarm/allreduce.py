@@ -348,7 +348,12 @@ class ButterflyAllReduce:
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", wire.failure_of(e)) from None
         except TimeoutError:  # slow is not dead: its own contributions may still come
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]} in time", Failure.TIMEOUT) from None
-        except PayloadError as e:
+        except PayloadError as e:  # its answer or aggregate is malformed: it is out of our spans too (our vote
+            # reports it), and banned here
+            reason = f"malformed answer to our contribution: {e}"
+            for piece in ours:
+                piece.reject(peer, reason)
+            self.bans.ban(peer, group.round_index, reason)
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", Failure.MALFORMED) from None
         finally:
             if writer is not None:

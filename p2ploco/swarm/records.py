@@ -238,16 +238,23 @@ def ranked_states(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str) 
     A state ranks by the peers whose signed records hold it (``state_rank``: those whose last round settled first,
     then all), never by how far ahead it claims to be: records that claim a round ahead of everyone, from one
     attacker with a few keys, lose to the peers that actually train, as long as those are more. Among equals the
-    later round, then the hash, so that every peer with the same view ranks alike. A state two or more peers hold
-    is vouched for; the caller follows a lone claim only if its holder actually serves that state (a liar that
-    serves nothing is passed over)."""
+    earlier round (while the swarm moves to the next round, some of it is still at the last: an attacker's
+    claim of the next round ties with the honest peers that moved already, and loses), then the hash, so that
+    every peer with the same view ranks alike. A state two or more peers hold is vouched for; among lone claims
+    the furthest round comes first instead (a swarm of two, one of them restarted, agrees on nothing), and the
+    caller follows one only if its holder actually serves that state (a liar that serves nothing is passed
+    over)."""
     peers = [r for r in active_peers(live, me) if slice_name in r.slices]
     if not peers:
         return []
     holders: dict[tuple[int, str], list[PeerRecord]] = {}
     for r in peers + ([me] if me.active and slice_name in me.slices else []):
         holders.setdefault((r.round, r.slices[slice_name]), []).append(r)
-    ranked = sorted(holders, key=lambda state: (*state_rank(holders[state], state[1])[:2], *state), reverse=True)
+    def rank(state: tuple[int, str]) -> tuple[int, int, int, str]:
+        settled, count, digest = state_rank(holders[state], state[1])
+        return settled, count, -state[0] if count >= 2 else state[0], digest
+
+    ranked = sorted(holders, key=rank, reverse=True)
     return [SwarmState(state[0], slice_name, state[1], tuple(sorted(r.peer_id for r in holders[state])))
             for state in ranked]
 
