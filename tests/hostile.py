@@ -9,6 +9,11 @@ Behaviours (each starts at round FROM and lasts until the node exits):
 - ``lie-round:ROUND@FROM`` the node's DHT record claims it works on ROUND (it otherwise trains honestly
                           and serves only the states it really has)
 - ``bad-header@FROM``     every contribution to another reducer starts with a msgpack list, not a map
+- ``deep-status@FROM``    as a reducer, answers every contribution with a header whose ``status`` is a list
+                          nested 1020 levels deep (valid msgpack: formatting it overflows Python's stack)
+- ``poison-state@FROM``   the node's record claims the round after its own, holding a state of its own making
+                          (every parameter 0.5), and it serves that state to peers catching up: two such nodes
+                          (two keys of one attacker) agree on it
 
 Everything else is the real node: the same processes, daemons and protocol as ``p2ploco node start``.
 """
@@ -84,6 +89,59 @@ def send_bad_headers(start: int) -> None:
     ButterflyAllReduce._contribute = contribute
 
 
+def answer_with_deep_status(start: int) -> None:
+    from p2ploco.swarm import wire
+    from p2ploco.swarm.allreduce import ButterflyAllReduce
+
+    honest = ButterflyAllReduce._serve
+    deep = b"\x91" * 1020 + b"\x90"  # [[[...[]...]]], 1021 levels: msgpack.packb refuses to write it, peers read it
+    head = b"\x82" + msgpack.packb("v") + msgpack.packb(wire.PROTOCOL_VERSION) + msgpack.packb("status") + deep
+
+    async def serve(self: ButterflyAllReduce, stream_info: Any, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> None:
+        if self.current_round < start:
+            return await honest(self, stream_info, reader, writer)
+        try:
+            _, length = await wire.read_header(reader)
+            await reader.readexactly(length)
+            writer.write(wire.PREFIX.pack(len(head), 0) + head)
+            await writer.drain()
+        finally:
+            await wire.hang_up(reader, writer, self.timeout)
+
+    ButterflyAllReduce._serve = serve
+
+
+def claim_a_poisoned_next_round(start: int) -> None:
+    import torch
+
+    from p2ploco.metrics import state_sha256
+    from p2ploco.swarm.runtime import Swarm
+    from p2ploco.swarm.state import Snapshot
+
+    honest_publish, honest_progress = Swarm.publish_state, Swarm.set_progress
+    poisoned: dict[str, Snapshot] = {}
+
+    def publish_state(self: Swarm, snapshots: list[Snapshot]) -> None:
+        if snapshots and snapshots[0].round >= start:
+            for snapshot in snapshots:
+                params = {name: torch.full_like(t, 0.5) for name, t in snapshot.params.items()}
+                shared = {name: torch.zeros_like(t) for name, t in snapshot.shared.items()}
+                poisoned[snapshot.slice] = Snapshot(snapshot.round + 1, snapshot.slice, params, shared,
+                                                    state_sha256(params, shared))
+            snapshots = list(poisoned.values())
+        honest_publish(self, snapshots)
+
+    def set_progress(self: Swarm, round_index: int, state: Any, params_sha256: str, slices: dict[str, str],
+                     unsettled: bool = False) -> None:
+        if round_index >= start and poisoned:
+            round_index, slices = round_index + 1, {name: s.state_sha256 for name, s in poisoned.items()}
+            params_sha256, unsettled = next(iter(slices.values())), False
+        honest_progress(self, round_index, state, params_sha256, slices, unsettled)
+
+    Swarm.publish_state, Swarm.set_progress = publish_state, set_progress
+
+
 def main() -> None:
     behaviour, separator, *arguments = sys.argv[1:]
     assert separator == "--", __doc__
@@ -95,6 +153,10 @@ def main() -> None:
         lie_about_the_round(int(value), int(start))
     elif kind == "bad-header":
         send_bad_headers(int(start))
+    elif kind == "deep-status":
+        answer_with_deep_status(int(start))
+    elif kind == "poison-state":
+        claim_a_poisoned_next_round(int(start))
     else:
         raise SystemExit(f"unknown behaviour {behaviour!r}\n{__doc__}")
     from p2ploco.cli import main as cli

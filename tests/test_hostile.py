@@ -100,3 +100,43 @@ def test_a_peer_sending_malformed_headers_loses_one_round_then_is_left_out(tmp_p
     report("malformed headers: comm seconds (clean median, attacked max)",
            {"clean": statistics.median(r["comm_seconds"] for rs in honest.values() for r in rs[1:attack_from]),
             "attacked": max(r["comm_seconds"] for rs in honest.values() for r in rs[attack_from:])})
+
+
+@pytest.mark.timeout(300)
+def test_a_reducer_answering_with_a_deeply_nested_status_costs_one_round_and_is_banned(tmp_path):
+    """A reducer's answer whose status is a list nested 1020 levels deep: valid msgpack, and formatting it raised
+    RecursionError, which every honest node of the round took for a bug of its own and exited on (0 rounds
+    applied). Now the wire refuses it, the reducer is out of the round and banned, and the others train on."""
+    attack_from, rounds = 2, 7
+    runs, hostile = run_swarm(tmp_path, "abc", f"deep-status@{attack_from}", rounds)
+    honest = {name: runs[name] for name in "abc"}
+    assert_agreement(honest)
+    for name, records in honest.items():
+        assert [r["round"] for r in records] == list(range(rounds))  # nobody exited (run_swarm checks exit 0)
+        assert sum(not r["applied"] for r in records) <= 1, [(r["round"], r["applied"]) for r in records]
+        assert all(r["applied"] for r in records[attack_from + 1:])
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "nests deeper than 8 levels" in log and f"{hostile[-8:]} sent malformed data" in log
+
+
+@pytest.mark.timeout(300)
+def test_two_keys_claiming_the_next_round_with_a_state_of_their_own_move_nobody(tmp_path):
+    """One attacker, two keys: both records claim the round after the swarm's, holding a state of the attacker's
+    making that both serve (every parameter 0.5). It used to be the furthest round two records agreed on, so every
+    honest peer fetched it; now the state most peers hold wins, and no honest peer ever catches up to it."""
+    attack_from, rounds = 2, 7
+    with LocalSwarm(tmp_path) as swarm:
+        common = [*FAST, "--max-rounds", str(rounds), "--set", "swarm.min_peers=6"]
+        nodes = {name: swarm.start_node(name, TINY_CONFIG, *common) for name in "abcd"}
+        for name in ("x1", "x2"):
+            nodes[name] = swarm.start_node(name, TINY_CONFIG, *common,
+                                           program=[*HOSTILE, f"poison-state@{attack_from}", "--"])
+        assert [nodes[name].process.wait(240) for name in "abcd"] == [0] * 4
+        for name in ("x1", "x2"):
+            nodes[name].process.wait(60)
+        honest = {name: swarm.records(name) for name in "abcd"}
+    assert_agreement(honest)
+    for name, records in honest.items():
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "caught up" not in log and "fetching the state" not in log, name
+        assert [r["round"] for r in records] == list(range(rounds)) and all(r["applied"] for r in records)
