@@ -248,8 +248,9 @@ class Matchmaker:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_join)
 
     def candidates(self, exclude: set[str] = frozenset()) -> set[str]:
-        """Peers that may coordinate: live, not leaving, not known unreachable."""
-        live = {p for p, r in self.directory.live.items() if r.state != PeerState.LEAVING}
+        """Peers that may coordinate: live peers of this run's config, not leaving, not known unreachable."""
+        config = self.directory.me.fingerprint
+        live = {p for p, r in self.directory.live.items() if r.state != PeerState.LEAVING and r.fingerprint == config}
         if not self.leaving.is_set():
             live.add(self.me)
         return live - exclude
