@@ -99,6 +99,7 @@ def test_fuzzing_every_decoder_raises_only_project_errors():
     assert out.rstrip().endswith("0 non-project exceptions")
 
 
+@pytest.mark.slow  # kills and restarts are in the default run through test_elastic.py
 @pytest.mark.timeout(260)
 def test_chaos_benchmark_kills_and_restarts_nodes_and_rounds_stay_all_or_nothing():
     out = run("benchmarks/chaos.py", "--nodes", "3", "--rounds", "10", "--kill-every", "2", "--rejoin-rounds", "5",

@@ -119,6 +119,7 @@ def test_a_reducer_answering_with_a_deeply_nested_status_costs_one_round_and_is_
         assert "nests deeper than 8 levels" in log and f"{hostile[-8:]} sent malformed data" in log
 
 
+@pytest.mark.slow  # six nodes; the rule itself is in the default run (test_state.py)
 @pytest.mark.timeout(300)
 def test_two_keys_claiming_the_next_round_with_a_state_of_their_own_move_nobody(tmp_path):
     """One attacker, two keys: both records claim the round after the swarm's, holding a state of the attacker's
