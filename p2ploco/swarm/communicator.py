@@ -98,14 +98,15 @@ class SwarmCommunicator(Communicator):
 
     async def _alone(self, exchange: Exchange, round_index: int, started: float, failures: list[Failure]
                      ) -> AllReduceStats:
-        """A group of one: its own update, through the same codec, if nobody else works on this round or past it;
-        else nothing (a solitary commit would split this peer from the others: it catches up with them instead)."""
+        """A group of one: its own update, through the same codec, if nobody else could apply this round without it
+        (``Matchmaker.working_on``); else nothing (a solitary commit would split this peer from the others: it
+        catches up with them instead)."""
         others = await self.matchmaker.working_on(round_index)
         if others:
             failures.append(Failure.ALONE)
-            logger.warning(f"round {round_index}: this peer is alone while {len(others)} other peer(s) work on this "
-                           f"round or past it ({', '.join(p[-8:] for p in others)}): it applies nothing rather than "
-                           f"its own update, and catches up with them")
+            logger.warning(f"round {round_index}: this peer is alone while {len(others)} other peer(s) could apply "
+                           f"this round without it ({', '.join(p[-8:] for p in others)}): it applies nothing rather "
+                           f"than its own update, and catches up with them")
             return AllReduceStats([self.matchmaker.me], committed=False, excluded=True, failures=failures,
                                   seconds=time.perf_counter() - started)
         try:

@@ -336,14 +336,15 @@ class Matchmaker:
 
     async def working_on(self, round_index: int) -> list[str]:
         """The other peers that could apply ``round_index`` without this one, so that applying it alone would split
-        this peer from them: those whose records, at a fresh look, say they work on that round or a later one for
-        our config (fresh, not leaving, not waiting for a slot, not banned here), whose daemon can still be dialled
-        (a peer killed a moment ago still has a fresh record), less the stage peers whose pipeline group has no such
-        peer for some stage (a group acts as one replica or not at all). Those at earlier rounds follow this peer's
-        state once they reach it."""
+        this peer from them: those whose records, at a fresh look, say they work on that round, a later one or the
+        one before (still moving to it: an overlapped peer's record moves on only once its round in flight has a
+        group) for our config (fresh, not leaving, not waiting for a slot, not banned here), whose daemon can still
+        be dialled (a peer killed a moment ago still has a fresh record), less the stage peers whose pipeline group
+        has no such peer for some stage (a group acts as one replica or not at all). Those further behind follow
+        this peer's state once they reach it."""
         live = await self.directory.refresh()
         banned = self.bans.active(round_index)
-        ahead = sorted(p for p, r in live.items() if p != self.me and r.round >= round_index
+        ahead = sorted(p for p, r in live.items() if p != self.me and r.round >= round_index - 1
                        and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
                        and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)
                        and p not in banned)
