@@ -1,5 +1,6 @@
 """The butterfly all-reduce over real hivemind DHT nodes and p2p daemons (three peers in this process)."""
 
+import hashlib
 import itertools
 import logging
 import time
@@ -24,7 +25,7 @@ from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import ReduceStatus
 from p2ploco.swarm.records import PeerState
-from p2ploco.swarm.rounds import Group
+from p2ploco.swarm.rounds import Group, best_coordinator
 from p2ploco.swarm.runtime import Swarm
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10, ban_rounds=0)
@@ -274,6 +275,28 @@ def test_a_formation_waits_for_a_peer_still_finishing_the_previous_round(trio):
         futures.append(pool.submit(moving.communicator.all_reduce, DenseMean(tensors[2]), round_index, "params"))
         stats = [f.result(timeout=60) for f in futures]
     assert [len(s.peers) for s in stats] == [3, 3, 3] and all(s.committed for s in stats)
+
+
+def test_the_coordinator_of_a_round_does_not_follow_the_state_it_starts_from(trio):
+    """Reducers shape the next round's starting state: were its coordinator seeded by that state's hash, a
+    reducer could try low-bit variants of its span until the hash picked it, every round (grinding). Here the
+    round starts from a state under whose hash another peer would have won; the coordinator is the round's."""
+    round_index = next(rounds)
+    ids = sorted(s.peer_id for s in trio)
+    by_round = best_coordinator(set(ids), round_index)
+    state = next(f"ground-{k}" for k in itertools.count() if by_round != min(
+        ids, key=lambda p: hashlib.sha256(f"{round_index}/ground-{k}/{p}".encode()).digest()))
+    for s in trio:
+        s.set_progress(round_index, PeerState.AVERAGING, state, {"params": state})
+    assert all(s.flush() for s in trio)
+    exchanges = [DenseMean(random_tensors(80 + i)) for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        stats = [f.result(timeout=60) for f in [pool.submit(s.communicator.all_reduce, e, round_index, "params")
+                                                for s, e in zip(trio, exchanges)]]
+    assert all(len(s.peers) == 3 and s.committed for s in stats)
+    [coordinator] = [s.peer_id for s in trio
+                     for k in s.communicator.matchmaker.book.formations() if k[0] == round_index]
+    assert coordinator == by_round
 
 
 def test_a_member_that_asks_its_coordinator_again_gets_the_same_group(trio):

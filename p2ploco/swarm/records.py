@@ -268,8 +268,8 @@ def round_state(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, b
                 ) -> tuple[str, dict[str, str]]:
     """The state the swarm starts ``round_index`` from, seen from ``me``: for every slice that an active peer of
     our config holds at that round (``me`` included), the state ``state_rank`` puts first, and one digest of them
-    all. Every peer with the same view computes the same; it names the round's formation and seeds the choice of
-    its coordinator. Peers ``me`` has banned have no vote: while the others' records still show the previous
+    all. Every peer with the same view computes the same; it names the round's formation.
+    Peers ``me`` has banned have no vote: while the others' records still show the previous
     round, one banned peer's stale hash would tie with ours and could win the tie."""
     held = _holders_at(live, me, round_index, banned)
     chosen = {name: max(states, key=lambda digest: state_rank(states[digest], digest))

@@ -1,12 +1,14 @@
 """Which peers all-reduce together in a round.
 
 Every peer of a run must average with the same peers in a round, or their global parameters part
-ways. So a group is not negotiated pairwise: one coordinator decides it. The coordinator of the
-round r that starts from state s is the live, not-leaving peer whose rendezvous score
-``sha256(r / s / peer id)`` is smallest: every peer whose view of the swarm agrees makes the same
-choice, and no peer can make itself coordinator by grinding keys, since s (the hash of the round's
-starting parameters) is known only once the previous round has ended. A peer whose view lacks the
-winner is redirected to it; a redirect must name a better score, so redirects end.
+ways. So a group is not negotiated pairwise: one coordinator decides it. The coordinator of round r
+is the live, not-leaving peer whose rendezvous score ``sha256(r / peer id)`` is smallest: every peer
+whose view of the swarm agrees makes the same choice. The score depends on nothing sent during the
+run: seeded by the hash of the round's starting parameters (as it once was), a reducer could try
+low-bit variants of its span until that hash made it the next round's coordinator, every round. With
+a fixed seed a key wins about one round in n + 1 among n peers, and a key ground to win m chosen
+rounds costs about (n + 1)^m keys. A peer whose view lacks the winner is redirected to it; a
+redirect must name a better score, so redirects end.
 
 A peer that is ready for round r sends the coordinator a join request and waits; the coordinator
 closes the group when every live peer that works on round r from the same state with the same config
@@ -39,9 +41,9 @@ round without it are alive (``working_on``) applies nothing rather than its own 
 A round covers named parameter slices (one per pipeline stage; the whole model when it is not cut):
 a full replica holds them all, a stage peer one. The state a round starts from is, for every slice,
 the hash most active peers of that round hold (``records.round_state``); its digest names the
-formation and seeds the coordinator's choice, so full replicas and stage peers meet at one
-coordinator. Each joiner says which slices it holds (with its exchange fingerprint and hash for
-each) and, for a stage peer, its pipeline group. When the coordinator closes the formation it refuses
+formation, so peers that start from different states never share a group. Each joiner says which
+slices it holds (with its exchange fingerprint and hash for each) and, for a stage peer, its pipeline
+group. When the coordinator closes the formation it refuses
 members that hold another state of some slice than the majority (they catch up) and every stage peer
 of a pipeline group that is not complete in the formation (a group acts as one replica or not at all);
 the answer lists which slices each member holds, so that every member cuts each slice among exactly
@@ -120,13 +122,15 @@ JOIN_FAILURES = {JoinStatus.LATE: Failure.LATE, JoinStatus.LEFT_OUT: Failure.LEF
                  JoinStatus.BANNED: Failure.REJECTED}
 
 
-def rendezvous(round_index: int, state: str, peer: str) -> bytes:
-    """A peer's score for coordinating the round that starts from ``state``; the smallest score wins."""
-    return hashlib.sha256(f"{round_index}/{state}/{peer}".encode()).digest()
+def rendezvous(round_index: int, peer: str) -> bytes:
+    """A peer's score for coordinating round ``round_index``; the smallest score wins. It depends on nothing a
+    peer sends during the run: seeded by the round's starting state, a reducer could try low-bit variants of its
+    span until the next round's hash made it coordinator, every round."""
+    return hashlib.sha256(f"{round_index}/{peer}".encode()).digest()
 
 
-def best_coordinator(candidates: set[str], round_index: int, state: str) -> str:
-    return min(candidates, key=lambda peer: rendezvous(round_index, state, peer))
+def best_coordinator(candidates: set[str], round_index: int) -> str:
+    return min(candidates, key=lambda peer: rendezvous(round_index, peer))
 
 
 @dataclass(frozen=True)
@@ -291,7 +295,7 @@ class Matchmaker:
             candidates = self.candidates(set(unreachable)) | (hints - set(unreachable))
             if not candidates:
                 break
-            coordinator = best_coordinator(candidates, round_index, state)
+            coordinator = best_coordinator(candidates, round_index)
             request["unreachable"] = sorted(unreachable)
             try:
                 await faults.hit_async("matchmaking.join", round_index)
@@ -313,7 +317,7 @@ class Matchmaker:
                     return group
                 if status == JoinStatus.REDIRECT:
                     to = answer.to
-                    if rendezvous(round_index, state, to) >= rendezvous(round_index, state, coordinator):
+                    if rendezvous(round_index, to) >= rendezvous(round_index, coordinator):
                         raise PayloadError(f"redirect to {to[-8:]}, which does not score better")
                     hints.add(to)
                 elif status in (JoinStatus.LATE, JoinStatus.LEFT_OUT, JoinStatus.BANNED):
@@ -404,7 +408,7 @@ class Matchmaker:
 
     async def _join_here(self, sender: str, request: dict[str, Any]) -> dict[str, Any]:
         key, unreachable, member = parse_join(request)
-        round_index, state = key[0], key[3]
+        round_index = key[0]
         if self.bans.banned(sender, round_index):
             return {"status": JoinStatus.BANNED, "reason": f"coordinator {self.me[-8:]} has banned this peer for "
                                                            f"sending malformed data"}
@@ -416,7 +420,7 @@ class Matchmaker:
         if formation is None and sender != self.me:  # an open formation is finished even while leaving
             if self.leaving.is_set():
                 return {"status": JoinStatus.LEAVING, "reason": "the coordinator is leaving"}
-            best = best_coordinator(self.candidates(unreachable | {sender}), round_index, state)
+            best = best_coordinator(self.candidates(unreachable | {sender}), round_index)
             if best != self.me:
                 return {"status": JoinStatus.REDIRECT, "to": best}
         closed = self.book.closed(key)
@@ -466,7 +470,7 @@ class Matchmaker:
             while time.monotonic() < formation.deadline:
                 formation.changed.clear()  # whatever happens from here on wakes the wait below
                 live = self.directory.live
-                best = best_coordinator(self.candidates(formation.unreachable) | {self.me}, round_index, state)
+                best = best_coordinator(self.candidates(formation.unreachable) | {self.me}, round_index)
                 if best != self.me:
                     del self._forming[key]
                     formation.closed.set_result(best)
