@@ -190,6 +190,7 @@ class _Formation:
     members: dict[str, Member] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # members the closed formation left out, and why
     awaited: set[str] = field(default_factory=set)  # expected peers that had not joined at the last look
+    waited_for: set[str] = field(default_factory=set)  # every peer it awaited at some look, and stragglers
     unreachable: set[str] = field(default_factory=set)  # peers the members could not reach
     dead: set[str] = field(default_factory=set)  # expected peers the coordinator could not reach while waiting
     joined: float = field(default_factory=time.monotonic)  # when the latest member joined
@@ -487,9 +488,9 @@ class Matchmaker:
                 runs_here = {p for p, r in live.items() if r.fingerprint == config
                              and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
                              and self.directory.fresh(p) and p not in banned}
-                expected = {p for p in runs_here if live[p].round == round_index and live[p].slices
-                            and all(chosen.get(k) == v for k, v in live[p].slices.items())
-                            and self._missed[p] < STRAGGLER_MISSES}
+                claim = {p for p in runs_here if live[p].round == round_index and live[p].slices
+                         and all(chosen.get(k) == v for k, v in live[p].slices.items())}
+                expected = {p for p in claim if self._missed[p] < STRAGGLER_MISSES}
                 # Peers moving to this round are awaited like joiners, for the joiners' grace only: one still
                 # finishing the previous round, and one at this round that holds another state (it was left out
                 # of the last round and fetches the swarm's state now). A round's all-reduce need not come at its
@@ -498,6 +499,7 @@ class Matchmaker:
                 moving = {p for p in runs_here if live[p].round == round_index - 1
                           or (live[p].round == round_index and p not in expected)} if joiners_welcome else set()
                 awaited = formation.awaited = (expected | moving) - formation.dead - set(formation.members)
+                formation.waited_for |= awaited | (claim - expected)  # a straggler still misses this round
                 if not awaited:
                     # A peer of this run still at an earlier round in this view may have moved to this one since
                     # the view was taken: before closing without it, one fresh look (none when all are in).
@@ -543,13 +545,15 @@ class Matchmaker:
                 formation.closed.set_result(group)
 
     def _count_misses(self, formation: _Formation, round_index: int) -> None:
-        """Peers waited for in vain: after STRAGGLER_MISSES formations in a row they are not waited for any more
-        (a live peer that never joins cost every round the whole timeout), after BAN_MISSES they are banned."""
-        for peer in formation.awaited - formation.dead:
+        """Peers waited for in vain (for the whole wait, or the joiners' grace): after STRAGGLER_MISSES formations
+        in a row they are not expected any more (a live peer that never joins cost every round the whole timeout),
+        after BAN_MISSES (formations that no longer expected them count too) they are banned. A peer that asks,
+        late or not, starts again from none."""
+        for peer in formation.waited_for - formation.dead - set(formation.members) - {self.me}:
             self._missed[peer] += 1
             if self._missed[peer] == STRAGGLER_MISSES:
-                logger.info(f"round {round_index}: {peer[-8:]} did not join the last {STRAGGLER_MISSES} rounds its "
-                            f"record claims; not waiting for it any more")
+                logger.warning(f"round {round_index}: {peer[-8:]} did not join the last {STRAGGLER_MISSES} rounds its "
+                               f"record claims; not waiting for it any more")
             if self._missed[peer] >= BAN_MISSES:
                 self.bans.ban(peer, round_index, f"it did not join the last {BAN_MISSES} rounds its record claims")
                 del self._missed[peer]
