@@ -11,6 +11,13 @@ Behaviours (each starts at round FROM and lasts until the node exits):
 - ``bad-header@FROM``     every contribution to another reducer starts with a msgpack list, not a map
 - ``deep-status@FROM``    as a reducer, answers every contribution with a header whose ``status`` is a list
                           nested 1020 levels deep (valid msgpack: formatting it overflows Python's stack)
+- ``redo-forever@FROM``   as a coordinator, answers every vote "redo" (the round's group, anew), attempt after attempt
+- ``lying-donor@FROM``    serves peers catching up a state blob with one byte flipped, described by a manifest of
+                          its own (its record vouches for the true state)
+- ``junk-joins@FROM``     before each of its rounds, sends every other peer 40 join requests for made-up configs,
+                          rounds and states (it otherwise trains honestly)
+- ``never-join@FROM``     its record claims every round from the round's state, but it never joins one: it waits
+                          until the others have moved on, applies nothing and catches up
 - ``poison-state@FROM``   the node's record claims the round after its own, holding a state of its own making
                           (every parameter 0.5), and it serves that state to peers catching up: two such nodes
                           (two keys of one attacker) agree on it
@@ -112,6 +119,89 @@ def answer_with_deep_status(start: int) -> None:
     ButterflyAllReduce._serve = serve
 
 
+def redo_forever(start: int) -> None:
+    import secrets
+
+    from p2ploco.swarm import commit
+
+    honest = commit.decide
+
+    def decide(group: Any, votes: Any, accusers: Any, me: str) -> Any:
+        if group.round_index < start:
+            return honest(group, votes, accusers, me)
+        return commit.Decision(commit.Outcome.REDO, redo=group.among(secrets.token_hex(8), group.peers, me),
+                               reason="redoing, on purpose")
+
+    commit.decide = decide
+
+
+def serve_a_false_state(start: int) -> None:
+    from p2ploco.swarm.runtime import Swarm
+    from p2ploco.swarm.state import Snapshot
+
+    honest = Swarm.publish_state
+
+    def publish_state(self: Swarm, snapshots: list[Snapshot]) -> None:
+        if snapshots and snapshots[0].round >= start:
+            forged = []
+            for snapshot in snapshots:
+                blob = bytearray(snapshot.blob())
+                blob[-1] ^= 1  # the last tensor's last byte; the manifest is computed from this blob
+                forged.append(Snapshot(snapshot.round, snapshot.slice, snapshot.params, snapshot.shared,
+                                       snapshot.state_sha256, bytes(blob)))
+            snapshots = forged
+        honest(self, snapshots)
+
+    Swarm.publish_state = publish_state
+
+
+def send_junk_joins(start: int) -> None:
+    from p2ploco.errors import PayloadError, TransportError
+    from p2ploco.swarm import wire
+    from p2ploco.swarm.communicator import SwarmCommunicator
+
+    honest = SwarmCommunicator._all_reduce
+
+    async def _all_reduce(self: SwarmCommunicator, exchange: Any, round_index: int, name: str, *args: Any) -> Any:
+        if round_index >= start:
+            matchmaker = self.matchmaker
+            config = matchmaker.directory.me.fingerprint
+
+            async def junk(peer: str, i: int) -> None:
+                request = {"round": round_index + i % 3, "name": name, "config": f"made-up-{i}" if i % 2 else config,
+                           "state": f"s{i}", "pipeline": "", "unreachable": [],
+                           "slices": {name: ["fp", f"h{i}"]}}
+                try:
+                    await asyncio.wait_for(wire.call(matchmaker.p2p, peer, matchmaker.handler_name, request), 5)
+                except (PayloadError, TransportError, TimeoutError):
+                    pass
+
+            others = matchmaker.candidates() - {matchmaker.me}
+            await asyncio.gather(*(junk(peer, i) for peer in others for i in range(40)))
+        return await honest(self, exchange, round_index, name, *args)
+
+    SwarmCommunicator._all_reduce = _all_reduce
+
+
+def never_join(start: int) -> None:
+    from p2ploco.swarm.rounds import Matchmaker
+
+    honest = Matchmaker.form_group
+
+    async def form_group(self: Matchmaker, round_index: int, *args: Any, **kwargs: Any) -> Any:
+        if round_index < start:
+            return await honest(self, round_index, *args, **kwargs)
+        # Until the others have moved on (the round's group formed without it), so that its record claims each round
+        # from the round's state, as the others' do: it catches up as a peer left out of a round does.
+        deadline = asyncio.get_running_loop().time() + 3 * self.timeout
+        while asyncio.get_running_loop().time() < deadline and not any(
+                r.round > round_index for r in self.directory.live.values()):
+            await asyncio.sleep(0.1)
+        return None
+
+    Matchmaker.form_group = form_group
+
+
 def claim_a_poisoned_next_round(start: int) -> None:
     import torch
 
@@ -155,6 +245,14 @@ def main() -> None:
         send_bad_headers(int(start))
     elif kind == "deep-status":
         answer_with_deep_status(int(start))
+    elif kind == "redo-forever":
+        redo_forever(int(start))
+    elif kind == "lying-donor":
+        serve_a_false_state(int(start))
+    elif kind == "junk-joins":
+        send_junk_joins(int(start))
+    elif kind == "never-join":
+        never_join(int(start))
     elif kind == "poison-state":
         claim_a_poisoned_next_round(int(start))
     else:

@@ -2,14 +2,19 @@
 agree on every round, and lose at most the round in which a malformed peer was first caught."""
 
 import re
+import signal
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_elastic import assert_agreement
+from hivemind.p2p import PeerID
+from test_elastic import CAUGHT_UP, applied_with, assert_agreement
 
 from p2ploco.launch import TINY_CONFIG, LocalSwarm
+from p2ploco.swarm.identity import new_key_file
+from p2ploco.swarm.rounds import best_coordinator
 
 ALLREDUCE_TIMEOUT = 10
 FAST = ["--set", "inner.steps=5", "--set", "inner.warmup_steps=0", "--set", "swarm.matchmaking_timeout=10",
@@ -17,16 +22,41 @@ FAST = ["--set", "inner.steps=5", "--set", "inner.warmup_steps=0", "--set", "swa
 HOSTILE = [sys.executable, str(Path(__file__).with_name("hostile.py"))]
 
 
-def run_swarm(workdir: Path, honest: str, behaviour: str, rounds: int) -> tuple[dict[str, list[dict]], str]:
-    """``honest`` nodes and one hostile node ``x`` train ``rounds`` rounds; their records and x's peer id."""
+def run_swarm(workdir: Path, honest: str, behaviour: str, rounds: int, peer_ids: dict[str, str] | None = None
+              ) -> tuple[dict[str, list[dict]], str]:
+    """``honest`` nodes and one hostile node ``x`` train ``rounds`` rounds; their records and x's peer id.
+    ``peer_ids``: nodes run with the identities ``ground`` wrote for them."""
     with LocalSwarm(workdir) as swarm:
         common = [*FAST, "--max-rounds", str(rounds), "--set", f"swarm.min_peers={len(honest) + 1}"]
-        nodes = {name: swarm.start_node(name, TINY_CONFIG, *common) for name in honest}
-        nodes["x"] = swarm.start_node("x", TINY_CONFIG, *common, program=[*HOSTILE, behaviour, "--"])
+
+        def identity(name: str) -> list[str]:
+            return ["--identity", str(workdir / f"{name}.key")] if peer_ids else []
+
+        nodes = {name: swarm.start_node(name, TINY_CONFIG, *common, *identity(name)) for name in honest}
+        nodes["x"] = swarm.start_node("x", TINY_CONFIG, *common, *identity("x"), program=[*HOSTILE, behaviour, "--"])
         hostile_id = nodes["x"].wait_for_line(re.compile(r"peer (\w+) joined run"), 60).group(1)
         assert [nodes[name].process.wait(240) for name in honest] == [0] * len(honest)  # nobody exits early
         nodes["x"].process.wait(60)
         return {name: swarm.records(name) for name in nodes}, hostile_id
+
+
+def ground(workdir: Path, names: str, wanted: Callable[[dict[str, str]], bool]) -> dict[str, str]:
+    """Identity files ``workdir/NAME.key`` for nodes ``names`` and ``x``, drawn until their peer ids (by name) make
+    ``wanted`` true; those peer ids. The coordinator of a round follows from the round index and the peers' ids
+    alone, so a test picks the rounds a peer coordinates, as an attacker grinding keys offline would."""
+    while True:
+        keys = {name: new_key_file() for name in [*names, "x"]}
+        peer_ids = {name: PeerID.from_identity(key).to_base58() for name, key in keys.items()}
+        if wanted(peer_ids):
+            break
+    for name, key in keys.items():
+        (workdir / f"{name}.key").write_bytes(key)
+    return peer_ids
+
+
+def coordinated_by(peer_ids: dict[str, str], name: str, rounds: range) -> list[int]:
+    """The rounds among ``rounds`` that node ``name`` coordinates while all of ``peer_ids`` are live."""
+    return [r for r in rounds if best_coordinator(set(peer_ids.values()), r) == peer_ids[name]]
 
 
 def report(title: str, rows: dict[str, float]) -> None:
@@ -117,6 +147,83 @@ def test_a_reducer_answering_with_a_deeply_nested_status_costs_one_round_and_is_
         assert all(r["applied"] for r in records[attack_from + 1:])
         log = (tmp_path / f"{name}.log").read_text()
         assert "nests deeper than 8 levels" in log and f"{hostile[-8:]} sent malformed data" in log
+
+
+@pytest.mark.timeout(300)
+def test_a_coordinator_that_answers_redo_forever_costs_only_the_rounds_it_coordinates(tmp_path):
+    """Its members used to redo the round as often as it answered "redo", forever. Now they redo a round once
+    and refuse a second redo: the rounds it coordinates are lost (nobody applies them), no other round is."""
+    attack_from, rounds = 2, 7
+    attacked = range(attack_from, rounds)
+    peer_ids = ground(tmp_path, "abc", lambda ids: 2 <= len(coordinated_by(ids, "x", attacked)) < len(attacked))
+    runs, _ = run_swarm(tmp_path, "abc", f"redo-forever@{attack_from}", rounds, peer_ids)
+    lost = set(coordinated_by(peer_ids, "x", attacked))
+    honest = {name: runs[name] for name in "abc"}
+    assert_agreement(honest)
+    for name, records in honest.items():
+        assert [r["round"] for r in records] == list(range(rounds))  # nobody exited (run_swarm checks exit 0)
+        assert [r["round"] for r in records if not r["applied"]] == sorted(lost), name
+        assert all(r["attempts"] == 2 for r in records if r["round"] in lost)  # one redo, then no more
+        assert "a second redo of one round" in (tmp_path / f"{name}.log").read_text()
+
+
+@pytest.mark.slow  # four nodes and a joiner; the rule is in the default run (test_state.py)
+@pytest.mark.timeout(300)
+def test_a_donor_serving_a_false_state_is_banned_and_the_joiner_catches_up_from_the_others(tmp_path):
+    """A joiner fetches the swarm's state from every peer that holds it: one serves a blob with a byte flipped,
+    described by its own manifest. That used to fail every catch-up, nobody blamed; now the joiner takes the
+    state most donors describe, checks it against the hash the swarm vouches for, and bans the liar."""
+    with LocalSwarm(tmp_path) as swarm:
+        common = [*FAST, "--set", "swarm.min_peers=3"]
+        nodes = {name: swarm.start_node(name, TINY_CONFIG, *common) for name in "ab"}
+        nodes["x"] = swarm.start_node("x", TINY_CONFIG, *common, program=[*HOSTILE, "lying-donor@0", "--"])
+        hostile = nodes["x"].wait_for_line(re.compile(r"peer (\w+) joined run"), 60).group(1)
+        nodes["a"].wait_for_line(re.compile(r"round\s+2 \|"), 120)
+        nodes["c"] = swarm.start_node("c", TINY_CONFIG, *common)
+        joined = int(nodes["c"].wait_for_line(CAUGHT_UP, 120).group(1))
+        nodes["c"].wait_for_line(applied_with(3), 120)  # the liar is banned here: its joins are refused
+        for node in nodes.values():
+            node.signal(signal.SIGTERM)
+        assert [nodes[name].process.wait(60) for name in "abc"] == [0, 0, 0]
+        nodes["x"].process.wait(60)
+        runs = {name: swarm.records(name) for name in "abc"}
+    assert_agreement(runs)
+    log = (tmp_path / "c.log").read_text()
+    assert f"{hostile[-8:]} sent malformed data (it described stage0 of round {joined} falsely" in log
+    assert runs["c"][0]["state_source"] == "peer" and any(r["applied"] for r in runs["c"])
+
+
+@pytest.mark.slow  # the rule is in the default run (test_allreduce.py, over real daemons in one process)
+@pytest.mark.timeout(300)
+def test_junk_joins_from_a_member_of_the_run_do_not_disturb_its_rounds(tmp_path):
+    """Before each of its rounds, x sends every other peer 40 joins for made-up configs, rounds and states. They
+    used to push the real group out of each coordinator's book, so that every vote failed."""
+    attack_from, rounds = 2, 7
+    runs, _ = run_swarm(tmp_path, "abc", f"junk-joins@{attack_from}", rounds)
+    honest = {name: runs[name] for name in "abc"}
+    assert_agreement(honest)
+    for records in honest.values():
+        assert [r["round"] for r in records] == list(range(rounds)) and all(r["applied"] for r in records)
+        assert all(r["peers"] >= 3 and r["attempts"] == 1 for r in records)
+
+
+@pytest.mark.slow  # the rule is in the default run (test_protocol.py)
+@pytest.mark.timeout(300)
+def test_a_peer_whose_record_claims_rounds_it_never_joins_is_no_longer_waited_for_then_banned(tmp_path):
+    """x's record claims every round, but x never joins: every coordinator used to wait the whole matchmaking
+    timeout for it, every round. Now a coordinator stops waiting for it after 2 such rounds and bans it after 4."""
+    attack_from, rounds = 2, 9
+    attacked = range(attack_from, rounds)
+    peer_ids = ground(tmp_path, "abc", lambda ids: len(coordinated_by(ids, "a", attacked)) >= 4)
+    runs, hostile = run_swarm(tmp_path, "abc", f"never-join@{attack_from}", rounds, peer_ids)
+    honest = {name: runs[name] for name in "abc"}
+    assert_agreement(honest)
+    for records in honest.values():
+        assert [r["round"] for r in records] == list(range(rounds)) and all(r["applied"] for r in records)
+        assert all(r["peers"] == 3 for r in records[attack_from:])
+    log = (tmp_path / "a.log").read_text()
+    assert f"{hostile[-8:]} did not join the last 2 rounds its record claims; not waiting for it any more" in log
+    assert f"{hostile[-8:]} sent malformed data (it did not join the last 4 rounds its record claims)" in log
 
 
 @pytest.mark.slow  # six nodes; the rule itself is in the default run (test_state.py)

@@ -61,7 +61,7 @@ class Identity:
     @classmethod
     def fresh(cls) -> Identity:
         """A new identity in a private temporary file (``release`` removes it once the daemon has read it)."""
-        serialized = _new_key_file()
+        serialized = new_key_file()
         descriptor, path = tempfile.mkstemp(prefix="p2ploco-identity-")
         with os.fdopen(descriptor, "wb") as f:
             f.write(serialized)
@@ -75,7 +75,8 @@ class Identity:
             release_identity(self.path)
 
 
-def _new_key_file() -> bytes:
+def new_key_file() -> bytes:
+    """A fresh RSA key in the libp2p key-file form that ``--identity`` names and the p2p daemon reads."""
     return crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes()).SerializeToString()
 
 
@@ -119,7 +120,7 @@ def claim_identity(path: str) -> None:
         raise SwarmError(f"--identity {path}: the folder {target.parent} does not exist")
     if not target.exists():
         temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        temporary.write_bytes(_new_key_file())
+        temporary.write_bytes(new_key_file())
         temporary.chmod(0o400)
         try:
             os.link(temporary, target)  # atomic: exactly one of several racing creators wins
