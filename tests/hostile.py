@@ -14,10 +14,17 @@ Behaviours (each starts at round FROM and lasts until the node exits):
 - ``redo-forever@FROM``   as a coordinator, answers every vote "redo" (the round's group, anew), attempt after attempt
 - ``lying-donor@FROM``    serves peers catching up a state blob with one byte flipped, described by a manifest of
                           its own (its record vouches for the true state)
+- ``huge-state@FROM``     describes the state it holds to peers catching up as a blob of 2**62 bytes (it used to
+                          make them allocate it: MemoryError), and serves no range of it
 - ``junk-joins@FROM``     before each of its rounds, sends every other peer 40 join requests for made-up configs,
                           rounds and states (it otherwise trains honestly)
 - ``never-join@FROM``     its record claims every round from the round's state, but it never joins one: it waits
                           until the others have moved on, applies nothing and catches up
+- ``forge-leaving@FROM``  after each store of its own record, stores one per other live peer that names that
+                          peer and says it is leaving, signed with its own key
+- ``huge-activations@STEP`` as a stage, sends activations scaled by 1e30 from inner step STEP on (finite in bf16;
+                          a forward pass over them overflows)
+- ``odd-sums@STEP``       as a stage, sends its group one addend too many, and negative ones, from step STEP on
 - ``poison-state@FROM``   the node's record claims the round after its own, holding a state of its own making
                           (every parameter 0.5), and it serves that state to peers catching up: two such nodes
                           (two keys of one attacker) agree on it
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -155,6 +163,34 @@ def serve_a_false_state(start: int) -> None:
     Swarm.publish_state = publish_state
 
 
+def describe_a_huge_state(start: int) -> None:
+    from p2ploco.errors import PayloadError, TransportError
+    from p2ploco.swarm import wire
+    from p2ploco.swarm.messages import decode
+    from p2ploco.swarm.state import StateRequest, StateServer, StateStatus
+
+    honest = StateServer._serve
+
+    async def serve(self: StateServer, stream_info: Any, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> None:
+        if not self.snapshots or next(reversed(self.snapshots)) < start:
+            return await honest(self, stream_info, reader, writer)
+        try:
+            header, _ = await wire.read_message(reader, max_payload=0)
+            request = decode(StateRequest, header)
+            snapshot = self.snapshots.get(request.round, {}).get(request.slice)
+            if snapshot is not None and not request.length:
+                await wire.write_message(writer, {"status": str(StateStatus.OK), "round": snapshot.round,
+                                                  "slice": snapshot.slice, "total": 2**62,
+                                                  "state_sha256": snapshot.state_sha256})
+        except (PayloadError, TransportError):
+            pass
+        finally:
+            await wire.hang_up(reader, writer, self.deadline.base)
+
+    StateServer._serve = serve
+
+
 def send_junk_joins(start: int) -> None:
     from p2ploco.errors import PayloadError, TransportError
     from p2ploco.swarm import wire
@@ -202,6 +238,51 @@ def never_join(start: int) -> None:
     Matchmaker.form_group = form_group
 
 
+def forge_leaving_records(start: int) -> None:
+    from hivemind.utils import get_dht_time
+
+    from p2ploco.swarm.records import PeerDirectory, PeerState
+
+    honest = PeerDirectory.publish
+
+    async def publish(self: PeerDirectory, list_run: bool = False) -> None:
+        await honest(self, list_run)
+        if self.me.round >= start:
+            for victim in sorted(set(self.live) - {self.me.peer_id}):
+                forged = {**self.me.to_value(), "peer_id": victim, "state": str(PeerState.LEAVING)}
+                await self.node.store(self.key, subkey=self.owner, value=forged,
+                                      expiration_time=get_dht_time() + self.ttl)
+
+    PeerDirectory.publish = publish
+
+
+def send_huge_activations(start_step: int) -> None:
+    from p2ploco.pipeline.links import RemoteTransport
+    from p2ploco.pipeline.transport import Activations
+
+    honest = RemoteTransport.send_activations
+
+    def send_activations(self: RemoteTransport, key: tuple[int, int], activations: Activations) -> None:
+        if key[0] >= start_step:
+            activations = Activations(activations.ids, activations.values * 1e30)
+        honest(self, key, activations)
+
+    RemoteTransport.send_activations = send_activations
+
+
+def send_odd_sums(start_step: int) -> None:
+    from p2ploco.pipeline.links import RemoteTransport
+
+    honest = RemoteTransport.all_sum
+
+    def all_sum(self: RemoteTransport, step: int, values: Any) -> list[float]:
+        if step >= start_step:
+            values = [-abs(v) - 1.0 for v in values] + [1.0]
+        return honest(self, step, values)
+
+    RemoteTransport.all_sum = all_sum
+
+
 def claim_a_poisoned_next_round(start: int) -> None:
     import torch
 
@@ -232,31 +313,32 @@ def claim_a_poisoned_next_round(start: int) -> None:
     Swarm.publish_state, Swarm.set_progress = publish_state, set_progress
 
 
+# behaviour name -> how to patch it in, given the value after ":" (if any) and the round or step after "@"
+BEHAVIOURS: dict[str, Callable[[str, int], None]] = {
+    "scale": lambda value, start: scale_contributions(float(value), start),
+    "lie-round": lambda value, start: lie_about_the_round(int(value), start),
+    "bad-header": lambda _, start: send_bad_headers(start),
+    "deep-status": lambda _, start: answer_with_deep_status(start),
+    "redo-forever": lambda _, start: redo_forever(start),
+    "lying-donor": lambda _, start: serve_a_false_state(start),
+    "huge-state": lambda _, start: describe_a_huge_state(start),
+    "junk-joins": lambda _, start: send_junk_joins(start),
+    "never-join": lambda _, start: never_join(start),
+    "forge-leaving": lambda _, start: forge_leaving_records(start),
+    "huge-activations": lambda _, start: send_huge_activations(start),
+    "odd-sums": lambda _, start: send_odd_sums(start),
+    "poison-state": lambda _, start: claim_a_poisoned_next_round(start),
+}
+
+
 def main() -> None:
     behaviour, separator, *arguments = sys.argv[1:]
     assert separator == "--", __doc__
     what, _, start = behaviour.partition("@")
     kind, _, value = what.partition(":")
-    if kind == "scale":
-        scale_contributions(float(value), int(start))
-    elif kind == "lie-round":
-        lie_about_the_round(int(value), int(start))
-    elif kind == "bad-header":
-        send_bad_headers(int(start))
-    elif kind == "deep-status":
-        answer_with_deep_status(int(start))
-    elif kind == "redo-forever":
-        redo_forever(int(start))
-    elif kind == "lying-donor":
-        serve_a_false_state(int(start))
-    elif kind == "junk-joins":
-        send_junk_joins(int(start))
-    elif kind == "never-join":
-        never_join(int(start))
-    elif kind == "poison-state":
-        claim_a_poisoned_next_round(int(start))
-    else:
+    if kind not in BEHAVIOURS:
         raise SystemExit(f"unknown behaviour {behaviour!r}\n{__doc__}")
+    BEHAVIOURS[kind](value, int(start))
     from p2ploco.cli import main as cli
 
     cli(arguments, prog_name="p2ploco")

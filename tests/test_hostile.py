@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import PeerID
 from test_elastic import CAUGHT_UP, applied_with, assert_agreement
+from test_pipeline_swarm import FAST as PIPELINE_FAST
+from test_pipeline_swarm import PIPELINE_CONFIG, stage
 
 from p2ploco.launch import TINY_CONFIG, LocalSwarm
 from p2ploco.swarm.identity import new_key_file
@@ -169,14 +171,16 @@ def test_a_coordinator_that_answers_redo_forever_costs_only_the_rounds_it_coordi
 
 @pytest.mark.slow  # four nodes and a joiner; the rule is in the default run (test_state.py)
 @pytest.mark.timeout(300)
-def test_a_donor_serving_a_false_state_is_banned_and_the_joiner_catches_up_from_the_others(tmp_path):
+@pytest.mark.parametrize("behaviour", ["lying-donor", "huge-state"])
+def test_a_donor_describing_a_false_state_is_banned_and_the_joiner_catches_up_from_the_others(tmp_path, behaviour):
     """A joiner fetches the swarm's state from every peer that holds it: one serves a blob with a byte flipped,
-    described by its own manifest. That used to fail every catch-up, nobody blamed; now the joiner takes the
-    state most donors describe, checks it against the hash the swarm vouches for, and bans the liar."""
+    described by its own manifest (that used to fail every catch-up, nobody blamed), or describes a blob of 2**62
+    bytes (the joiner died of MemoryError). Now the joiner takes the state most donors describe, checks it against
+    the hash the swarm vouches for, and bans the liar."""
     with LocalSwarm(tmp_path) as swarm:
         common = [*FAST, "--set", "swarm.min_peers=3"]
         nodes = {name: swarm.start_node(name, TINY_CONFIG, *common) for name in "ab"}
-        nodes["x"] = swarm.start_node("x", TINY_CONFIG, *common, program=[*HOSTILE, "lying-donor@0", "--"])
+        nodes["x"] = swarm.start_node("x", TINY_CONFIG, *common, program=[*HOSTILE, f"{behaviour}@0", "--"])
         hostile = nodes["x"].wait_for_line(re.compile(r"peer (\w+) joined run"), 60).group(1)
         nodes["a"].wait_for_line(re.compile(r"round\s+2 \|"), 120)
         nodes["c"] = swarm.start_node("c", TINY_CONFIG, *common)
@@ -224,6 +228,47 @@ def test_a_peer_whose_record_claims_rounds_it_never_joins_is_no_longer_waited_fo
     log = (tmp_path / "a.log").read_text()
     assert f"{hostile[-8:]} did not join the last 2 rounds its record claims; not waiting for it any more" in log
     assert f"{hostile[-8:]} sent malformed data (it did not join the last 4 rounds its record claims)" in log
+
+
+@pytest.mark.slow  # the rule is in the default run (test_inspect.py)
+@pytest.mark.timeout(300)
+def test_records_forged_for_other_peers_hide_nobody(tmp_path):
+    """x stores, signed with its own key, a record for every other peer saying it is leaving: every DHT node and
+    reader refuses a record whose peer id is not its signer's, so nobody is hidden or left out of a round."""
+    attack_from, rounds = 1, 6
+    runs, _ = run_swarm(tmp_path, "abc", f"forge-leaving@{attack_from}", rounds)
+    honest = {name: runs[name] for name in "abc"}
+    assert_agreement(honest)
+    for records in honest.values():
+        assert [r["round"] for r in records] == list(range(rounds))
+        assert all(r["applied"] and r["peers"] == 4 for r in records)
+
+
+@pytest.mark.slow  # the rules are in the default run (test_stage_links.py, over real daemons in one process)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("behaviour, hostile_stage", [("huge-activations", 0), ("odd-sums", 1)])
+def test_a_stage_that_sends_nonsense_fails_its_groups_rounds_never_a_process(tmp_path, behaviour, hostile_stage):
+    """A stage sends activations of 1e30 (finite in bf16; the next stage's forward overflowed, and it exited with a
+    TrainingError), or one addend too many with negative ones (torch.stack and math.sqrt raised, and the stage
+    exited). Now the honest stage fails the step, and its group sits each round out; the full replica trains on."""
+    attack_from, rounds, steps = 2, 4, 4
+    honest_stage = f"s{1 - hostile_stage}"
+    with LocalSwarm(tmp_path) as swarm:
+        common = [*PIPELINE_FAST, "--max-rounds", str(rounds), "--set", "swarm.min_peers=3"]
+        nodes = {"full": swarm.start_node("full", PIPELINE_CONFIG, *common),
+                 honest_stage: swarm.start_node(honest_stage, PIPELINE_CONFIG, *common,
+                                                *stage("g0", 1 - hostile_stage))}
+        nodes["x"] = swarm.start_node("x", PIPELINE_CONFIG, *common, *stage("g0", hostile_stage),
+                                      program=[*HOSTILE, f"{behaviour}@{attack_from * steps}", "--"])
+        assert [nodes[name].process.wait(240) for name in ("full", honest_stage)] == [0, 0]
+        nodes["x"].process.wait(60)
+        runs = {name: swarm.records(name) for name in ("full", honest_stage)}
+    full, group = runs["full"], runs[honest_stage]
+    assert [r["round"] for r in full] == list(range(rounds)) and all(r["applied"] for r in full)
+    assert [r["round"] for r in group] == list(range(rounds))
+    assert [r["applied"] for r in group] == [True] * attack_from + [False] * (rounds - attack_from)
+    log = (tmp_path / f"{honest_stage}.log").read_text()
+    assert f"round {attack_from}: the pipeline group failed (" in log
 
 
 @pytest.mark.slow  # six nodes; the rule itself is in the default run (test_state.py)
