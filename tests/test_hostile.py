@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from hivemind.p2p import PeerID
-from test_elastic import CAUGHT_UP, applied_with, assert_agreement
+from test_elastic import CAUGHT_UP, assert_agreement
 from test_pipeline_swarm import FAST as PIPELINE_FAST
 from test_pipeline_swarm import PIPELINE_CONFIG, stage
 
@@ -22,6 +22,8 @@ ALLREDUCE_TIMEOUT = 10
 FAST = ["--set", "inner.steps=5", "--set", "inner.warmup_steps=0", "--set", "swarm.matchmaking_timeout=10",
         "--set", f"swarm.allreduce_timeout={ALLREDUCE_TIMEOUT}", "--set", "swarm.heartbeat_interval=0.5"]
 HOSTILE = [sys.executable, str(Path(__file__).with_name("hostile.py"))]
+FETCHING = re.compile(r"fetching the state of stage0 from (\d+) peer\(s\)")
+APPLIED = re.compile(r"round\s+\d+ \| peers \d+ \|(?!.*NOT APPLIED)")
 
 
 def run_swarm(workdir: Path, honest: str, behaviour: str, rounds: int, peer_ids: dict[str, str] | None = None
@@ -183,18 +185,28 @@ def test_a_donor_describing_a_false_state_is_banned_and_the_joiner_catches_up_fr
         nodes["x"] = swarm.start_node("x", TINY_CONFIG, *common, program=[*HOSTILE, f"{behaviour}@0", "--"])
         hostile = nodes["x"].wait_for_line(re.compile(r"peer (\w+) joined run"), 60).group(1)
         nodes["a"].wait_for_line(re.compile(r"round\s+2 \|"), 120)
-        nodes["c"] = swarm.start_node("c", TINY_CONFIG, *common)
-        joined = int(nodes["c"].wait_for_line(CAUGHT_UP, 120).group(1))
-        nodes["c"].wait_for_line(applied_with(3), 120)  # the liar is banned here: its joins are refused
+        # A joiner fetches from the peers whose records its view shows at the swarm's round: one that looked as x
+        # moved on does without x (and the attack never happens). Joiners come until one fetches from all three.
+        for attempt in range(5):
+            joiner = f"c{attempt}"
+            nodes[joiner] = swarm.start_node(joiner, TINY_CONFIG, *common)
+            donors = int(nodes[joiner].wait_for_line(FETCHING, 120).group(1))
+            joined = int(nodes[joiner].wait_for_line(CAUGHT_UP, 120).group(1))
+            if donors == 3:
+                break
+            nodes.pop(joiner).signal(signal.SIGTERM)
+        else:
+            pytest.fail("no joiner of 5 fetched the state from x too")
+        nodes[joiner].wait_for_line(APPLIED, 120)
         for node in nodes.values():
             node.signal(signal.SIGTERM)
-        assert [nodes[name].process.wait(60) for name in "abc"] == [0, 0, 0]
+        assert [nodes[name].process.wait(60) for name in ("a", "b", joiner)] == [0, 0, 0]
         nodes["x"].process.wait(60)
-        runs = {name: swarm.records(name) for name in "abc"}
+        runs = {name: swarm.records(name) for name in ("a", "b", joiner)}
     assert_agreement(runs)
-    log = (tmp_path / "c.log").read_text()
+    log = (tmp_path / f"{joiner}.log").read_text()
     assert f"{hostile[-8:]} sent malformed data (it described stage0 of round {joined} falsely" in log
-    assert runs["c"][0]["state_source"] == "peer" and any(r["applied"] for r in runs["c"])
+    assert runs[joiner][0]["state_source"] == "peer" and any(r["applied"] for r in runs[joiner])
 
 
 @pytest.mark.slow  # the rule is in the default run (test_allreduce.py, over real daemons in one process)
@@ -246,11 +258,13 @@ def test_records_forged_for_other_peers_hide_nobody(tmp_path):
 
 @pytest.mark.slow  # the rules are in the default run (test_stage_links.py, over real daemons in one process)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("behaviour, hostile_stage", [("huge-activations", 0), ("odd-sums", 1)])
-def test_a_stage_that_sends_nonsense_fails_its_groups_rounds_never_a_process(tmp_path, behaviour, hostile_stage):
+@pytest.mark.parametrize("behaviour, hostile_stage, why", [
+    ("huge-activations", 0, "activations of magnitude"), ("odd-sums", 1, "a sum's addends are losses")])
+def test_a_stage_that_sends_nonsense_fails_its_groups_rounds_never_a_process(tmp_path, behaviour, hostile_stage, why):
     """A stage sends activations of 1e30 (finite in bf16; the next stage's forward overflowed, and it exited with a
     TrainingError), or one addend too many with negative ones (torch.stack and math.sqrt raised, and the stage
-    exited). Now the honest stage fails the step, and its group sits each round out; the full replica trains on."""
+    exited). Now the honest stage refuses the message, the group's round fails, every process lives, and the full
+    replica trains on."""
     attack_from, rounds, steps = 2, 4, 4
     honest_stage = f"s{1 - hostile_stage}"
     with LocalSwarm(tmp_path) as swarm:
@@ -260,15 +274,21 @@ def test_a_stage_that_sends_nonsense_fails_its_groups_rounds_never_a_process(tmp
                                                 *stage("g0", 1 - hostile_stage))}
         nodes["x"] = swarm.start_node("x", PIPELINE_CONFIG, *common, *stage("g0", hostile_stage),
                                       program=[*HOSTILE, f"{behaviour}@{attack_from * steps}", "--"])
-        assert [nodes[name].process.wait(240) for name in ("full", honest_stage)] == [0, 0]
+        hostile = nodes["x"].wait_for_line(re.compile(r"peer (\w+) joined run"), 60).group(1)
+        assert nodes["full"].process.wait(240) == 0
         nodes["x"].process.wait(60)
+        # It ends its rounds, or (its group cannot train without a second stage) waits for one and leaves when told
+        if nodes[honest_stage].process.poll() is None:
+            nodes[honest_stage].signal(signal.SIGTERM)
+        assert nodes[honest_stage].process.wait(60) == 0
         runs = {name: swarm.records(name) for name in ("full", honest_stage)}
     full, group = runs["full"], runs[honest_stage]
-    assert [r["round"] for r in full] == list(range(rounds)) and all(r["applied"] for r in full)
-    assert [r["round"] for r in group] == list(range(rounds))
-    assert [r["applied"] for r in group] == [True] * attack_from + [False] * (rounds - attack_from)
-    log = (tmp_path / f"{honest_stage}.log").read_text()
-    assert f"round {attack_from}: the pipeline group failed (" in log
+    # The replica trains on: it may lose the first attacked round only (a peer that finds itself alone while the
+    # stage peers' records still show that round applies nothing rather than split from them).
+    assert [r["round"] for r in full] == list(range(rounds))
+    assert [r["round"] for r in full if not r["applied"]] in ([], [attack_from])
+    assert [r["round"] for r in group if r["applied"]] == list(range(attack_from))
+    assert f"stage message from {hostile[-8:]} refused: {why}" in (tmp_path / f"{honest_stage}.log").read_text()
 
 
 @pytest.mark.slow  # six nodes; the rule itself is in the default run (test_state.py)
