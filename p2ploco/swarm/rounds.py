@@ -103,6 +103,7 @@ MAX_FORMING_PER_PEER = 4  # open formations at one coordinator a peer may be in 
 # one, Streaming DiLoCo's next fragment): more is junk, refused
 STRAGGLER_MISSES = 2  # formations a peer was expected in and never joined, after which it is not waited for
 BAN_MISSES = 4  # and after which it is banned: its record claims rounds it never joins
+KEEP_ASKED_ROUNDS = 8  # rounds for which a coordinator remembers who asked to join (an overlapped peer asks ahead)
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
@@ -246,7 +247,9 @@ class Matchmaker:
         self.me = directory.me.peer_id
         self.handler_name = f"p2ploco/{run_id}/join"
         self._forming: dict[FormationKey, _Formation] = {}
-        self._missed: Counter[str] = Counter()  # formations each peer was waited for in vain, in a row
+        self._missed: Counter[str] = Counter()  # rounds each peer was waited for in vain here, in a row
+        self._missed_round: dict[str, int] = {}  # the last round counted for each: a round counts once
+        self._asked: dict[int, set[str]] = {}  # round -> the peers that asked to join some formation of it here
         self.leaving = asyncio.Event()
 
     async def start(self) -> None:
@@ -413,7 +416,10 @@ class Matchmaker:
         if self.bans.banned(sender, round_index):
             return {"status": JoinStatus.BANNED, "reason": f"coordinator {self.me[-8:]} has banned this peer for "
                                                            f"sending malformed data"}
-        self._missed.pop(sender, None)  # it asks: late perhaps, but no straggler
+        self._missed.pop(sender, None), self._missed_round.pop(sender, None)  # it asks: late perhaps, no straggler
+        self._asked.setdefault(round_index, set()).add(sender)
+        for old in [r for r in self._asked if r < round_index - KEEP_ASKED_ROUNDS]:
+            del self._asked[old]
         refusal = None if sender == self.me else await self._refusal(sender, key)
         if refusal is not None:
             return {"status": JoinStatus.LEFT_OUT, "reason": refusal}
@@ -545,18 +551,24 @@ class Matchmaker:
                 formation.closed.set_result(group)
 
     def _count_misses(self, formation: _Formation, round_index: int) -> None:
-        """Peers waited for in vain (for the whole wait, or the joiners' grace): after STRAGGLER_MISSES formations
-        in a row they are not expected any more (a live peer that never joins cost every round the whole timeout),
-        after BAN_MISSES (formations that no longer expected them count too) they are banned. A peer that asks,
-        late or not, starts again from none."""
-        for peer in formation.waited_for - formation.dead - set(formation.members) - {self.me}:
+        """Peers waited for in vain (for the whole wait, or the joiners' grace) that asked to join no formation of
+        the round here: after STRAGGLER_MISSES such rounds in a row they are not expected any more (a live peer
+        that never joins cost every round the whole timeout), after BAN_MISSES (rounds that no longer expected them
+        count too) they are banned. A peer that asks, late or not, starts again from none."""
+        # A peer in another formation of the round is no straggler, and a round counts once: junk joins open
+        # formations of it that expect everyone, and may close before an honest peer has finished its inner steps.
+        asked = self._asked.get(round_index, set())
+        for peer in formation.waited_for - formation.dead - set(formation.members) - asked - {self.me}:
+            if self._missed_round.get(peer) == round_index:
+                continue
+            self._missed_round[peer] = round_index
             self._missed[peer] += 1
             if self._missed[peer] == STRAGGLER_MISSES:
                 logger.warning(f"round {round_index}: {peer[-8:]} did not join the last {STRAGGLER_MISSES} rounds its "
                                f"record claims; not waiting for it any more")
             if self._missed[peer] >= BAN_MISSES:
                 self.bans.ban(peer, round_index, f"it did not join the last {BAN_MISSES} rounds its record claims")
-                del self._missed[peer]
+                del self._missed[peer], self._missed_round[peer]
 
 
 def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | None = None
