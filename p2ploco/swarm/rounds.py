@@ -416,7 +416,8 @@ class Matchmaker:
         if self.bans.banned(sender, round_index):
             return {"status": JoinStatus.BANNED, "reason": f"coordinator {self.me[-8:]} has banned this peer for "
                                                            f"sending malformed data"}
-        self._missed.pop(sender, None), self._missed_round.pop(sender, None)  # it asks: late perhaps, no straggler
+        self._missed.pop(sender, None)  # it asks: late perhaps, but no straggler
+        self._missed_round.pop(sender, None)
         self._asked.setdefault(round_index, set()).add(sender)
         for old in [r for r in self._asked if r < round_index - KEEP_ASKED_ROUNDS]:
             del self._asked[old]
