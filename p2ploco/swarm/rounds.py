@@ -418,8 +418,12 @@ class Matchmaker:
                                                            f"sending malformed data"}
         self._missed.pop(sender, None)  # it asks: late perhaps, but no straggler
         self._missed_round.pop(sender, None)
-        self._asked.setdefault(round_index, set()).add(sender)
-        for old in [r for r in self._asked if r < round_index - KEEP_ASKED_ROUNDS]:
+        # Kept around this peer's own round, never the sender's: a join for a made-up far round must neither grow
+        # the memory nor push out who asked for the rounds under way.
+        own = self.directory.me.round
+        if abs(round_index - own) <= KEEP_ASKED_ROUNDS:
+            self._asked.setdefault(round_index, set()).add(sender)
+        for old in [r for r in self._asked if r < own - KEEP_ASKED_ROUNDS]:
             del self._asked[old]
         refusal = None if sender == self.me else await self._refusal(sender, key)
         if refusal is not None:
