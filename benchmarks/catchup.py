@@ -20,13 +20,13 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from p2ploco.build import build_stage
 from p2ploco.config import load_config
 from p2ploco.metrics import format_table
-from p2ploco.pipeline.slices import slice_name
+from p2ploco.slices import slice_name
 from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.swarm.state import Snapshot
-from p2ploco.worker import build_stage
 
 RUN_ID = "catchup-benchmark"
 SLICE = slice_name(0)  # a whole-model run has one slice
@@ -37,7 +37,7 @@ STARTUP_TIMEOUT = 120.0
 def snapshot_of(config_path: str) -> Snapshot:
     """The state a round of ``config_path``'s run starts from, as every donor would serve it (``Worker.snapshots``;
     stage 0 of a one-stage model is the whole model, and needs no training data)."""
-    worker = build_stage(load_config(config_path), torch.device("cpu"), 0)
+    worker, _ = build_stage(load_config(config_path), torch.device("cpu"), 0)
     (snapshot,) = worker.snapshots(ROUND)
     return snapshot
 

@@ -46,7 +46,7 @@ from p2ploco.config import LoCoConfig, SparseLoCoConfig, load_config
 from p2ploco.metrics import format_table
 from p2ploco.model import Transformer
 from p2ploco.outer.sparseloco import SparseLoCo
-from p2ploco.pipeline.slices import group_by_slice
+from p2ploco.slices import group_by_slice
 
 
 def model_shapes(config_path: str) -> list[tuple[int, ...]]:
@@ -56,7 +56,7 @@ def model_shapes(config_path: str) -> list[tuple[int, ...]]:
 
 
 def fragment_shapes(config_path: str, fragments: int) -> list[list[tuple[int, ...]]]:
-    """The parameter shapes of each Streaming DiLoCo fragment of the model (``pipeline/slices.py``)."""
+    """The parameter shapes of each Streaming DiLoCo fragment of the model (``p2ploco/slices.py``)."""
     config = load_config(config_path)
     with torch.device("meta"):
         named = list(Transformer(config.model, seed=0).named_parameters())

@@ -63,7 +63,7 @@ def measured(config: Config, tokens: np.ndarray) -> tuple[dict, list[list]]:
     (full,), stages = swarm.replicas
     c = config
     tokens_per_boundary = c.inner.grad_accum * c.inner.batch_size * c.data.seq_len
-    first = stages[0].inner.gradients.transport
+    first = swarm.transports[0]  # the group's first stage's
     held = {"full": tensors_held(full), **{f"stage {s}": tensors_held(w) for s, w in enumerate(stages)}}
     full_total = sum(held["full"].values())
     rows = [[c.run_id, worker, f"{sum(p.numel() for p in w.model.parameters()) / 1e6:.2f}M",

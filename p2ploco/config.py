@@ -78,7 +78,19 @@ class InnerConfig:
 
 
 @dataclass
-class DiLoCoConfig:
+class OverlapConfig:
+    """Whether a round's all-reduce runs while the next round's inner steps do (docs/design.md, "Overlapped
+    rounds"), and how the replica trains on meanwhile."""
+
+    overlap: bool = False
+    # eager: the replica trains on from where its inner steps ended (its own pseudo-gradient standing in for the
+    # round's average) and is rebased onto the new global params as soon as they land; naive: it keeps its own
+    # progress and takes the outer step one round late.
+    overlap_update: Literal["eager", "naive"] = "eager"
+
+
+@dataclass
+class DiLoCoConfig(OverlapConfig):
     """Dense mean of pseudo-gradients, outer SGD with Nesterov momentum (Douillard et al. 2023)."""
 
     lr: float = 0.7
@@ -86,12 +98,10 @@ class DiLoCoConfig:
     nesterov: bool = True
     # Element type of pseudo-gradients on the wire; the reducer sums in float32.
     wire_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    # The round's all-reduce runs while the next round's inner steps do; its outer step lands one round late.
-    overlap: bool = False
 
 
 @dataclass
-class SparseLoCoConfig:
+class SparseLoCoConfig(OverlapConfig):
     """Error feedback, chunked Top-k, 2-bit values (Sarfi et al. 2025)."""
 
     lr: float = 1.0  # alpha: scales the pseudo-gradient into the error buffer and the aggregate into the params
@@ -100,12 +110,10 @@ class SparseLoCoConfig:
     topk: int = 64  # values kept per full chunk_size^2 tile (64 of 4096 = 1/64 density)
     # mean: per coordinate over the replicas that selected it (reference code); sum: divide by all replicas.
     aggregate: Literal["mean", "sum"] = "mean"
-    # The round's all-reduce runs while the next round's inner steps do; its outer step lands one round late.
-    overlap: bool = False
 
 
 @dataclass
-class LoCoConfig:
+class LoCoConfig(OverlapConfig):
     """Error-compensated low-bit pseudo-gradients (Xie et al. 2024) with DiLoCo's outer step.
 
     What quantization drops is kept in a buffer e, a moving average of past errors, and added back before
@@ -151,9 +159,11 @@ class OuterConfig:
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
 
     @property
-    def overlap(self) -> bool:
-        """Whether the chosen algorithm overlaps its all-reduce with the next round's inner steps."""
-        return {"diloco": self.diloco.overlap, "sparseloco": self.sparseloco.overlap}.get(self.algorithm, False)
+    def overlap(self) -> Literal["eager", "naive"] | None:
+        """How the chosen algorithm overlaps a round's all-reduce with the next round's inner steps (None: it does
+        not; Streaming DiLoCo overlaps fragment by fragment within its own round)."""
+        section = getattr(self, self.algorithm)
+        return section.overlap_update if isinstance(section, OverlapConfig) and section.overlap else None
 
 
 @dataclass
@@ -349,7 +359,7 @@ def validate(config: Config) -> None:
         (not p.compressed or 1 <= p.rank < m.d_model,
          f"pipeline.rank ({p.rank}) must be in [1, model.d_model={m.d_model}): it is the number of values per token "
          f"a compressed stage boundary sends"),
-        (p.stages == 1 or not o.overlap,
+        (p.stages == 1 or o.overlap is None,
          f"outer.{o.algorithm}.overlap needs pipeline.stages=1: pipeline groups run their rounds without overlap"),
         (p.stages == 1 or not m.tie_embeddings,
          f"pipeline.stages={p.stages} needs model.tie_embeddings: false (the embedding lives on the first stage, the "

@@ -7,7 +7,8 @@ replay them.
 Where a step's gradients come from is a :class:`GradientSource`: this peer's own micro-batches
 through the whole model (:class:`LocalBatches`), or its stage's part of a pipeline group's schedule
 (``p2ploco.pipeline.schedule``). Either way the step is the same: gradients, the global norm over
-everything that trains together, one clipping coefficient, one AdamW step.
+everything that trains together, one clipping coefficient, one AdamW step. ``GradientSource`` and
+:class:`Constraint` are the seam through which pipelines plug in: nothing here knows of them.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from p2ploco import faults
 from p2ploco.config import InnerConfig
 from p2ploco.data import ShardSampler
-from p2ploco.pipeline.subspace import SubspaceConstraint
 
 
 @dataclass
@@ -40,6 +40,16 @@ def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cuda":
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+class Constraint(Protocol):
+    """Keeps some of a worker's tensors in a subspace (``pipeline.subspace.SubspaceConstraint``)."""
+
+    def project_(self, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Project the constrained entries of ``tensors`` (parameters or their gradients, in order) in place."""
+
+    def projected(self, tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """``tensors`` with the constrained entries replaced by float32 projections on ``device``."""
 
 
 class GradientSource(ABC):
@@ -90,7 +100,7 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 class InnerTrainer:
     def __init__(self, model: torch.nn.Module, config: InnerConfig, gradients: GradientSource, device: torch.device,
-                 horizon: int, constraint: SubspaceConstraint | None = None):
+                 horizon: int, constraint: Constraint | None = None):
         """``horizon``: the inner step where the cosine reaches its floor (0: constant after warm-up).
         ``constraint``: keeps subspace-constrained weights in span(U) (gradients projected before the step,
         weights after it)."""

@@ -24,13 +24,15 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
+from p2ploco.build import build_replica, build_stage
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler, TrainingData
 from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch
 from p2ploco.pipeline.links import RemoteTransport, Schedule, StageLinks, StageLinkServer
+from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
-from p2ploco.worker import Worker, build_replica, build_stage
+from p2ploco.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,7 @@ class StageRole(Role):
         swarm.loop.run(self.server.start(), 30)
         self.schedule = schedule_digest(config)
         self.slot: tuple[str, int] | None = None
+        self.gradients: PipelineStage | None = None  # the worker's gradient source: its part of the group's steps
         self.links: StageLinks | None = None
         self.transport: RemoteTransport | None = None
         self._counted: tuple[int, int, float] = (0, 0, 0.0)  # boundary traffic and time as of the last record
@@ -125,9 +128,9 @@ class StageRole(Role):
         logger.info(f"stage slot {slot[0]}/{slot[1]} (was {self.slot})")
         self.slot, self.links = slot, None
         self.swarm.report(group=slot[0], stage=slot[1], since=get_dht_time(), schedule=self.schedule)
-        if self.worker is not None and self.worker.inner.gradients.stage == slot[1]:
+        if self.gradients is not None and self.gradients.stage == slot[1]:
             return False  # the same stage of another group: the same slice, kept
-        self.worker = build_stage(self.config, self.device, slot[1])
+        self.worker, self.gradients = build_stage(self.config, self.device, slot[1])
         return True
 
     def _group(self) -> tuple[tuple[str, ...] | None, dict[str, tuple[str, int, str]]]:
@@ -159,7 +162,7 @@ class StageRole(Role):
             c = self.config
             sampler = (ShardSampler(self.data.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"group-{group}")
                        if stage == 0 else None)
-            self.worker.inner.gradients.link(self.transport, sampler)
+            self.gradients.link(self.transport, sampler)
             self._counted = (0, 0, 0.0)
         # In for this round: the round's coordinator now waits for this stage; the others may send to it.
         announce()

@@ -13,6 +13,7 @@ import torch
 from helpers import CPU, TOKENS, run_outer_replicas, sampler, small_config
 
 from p2ploco import checkpoint
+from p2ploco.build import build_replica
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_alone, reduce_span
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.lowbit import HEADER, LowBitMean
@@ -23,7 +24,8 @@ from p2ploco.errors import PayloadError
 from p2ploco.metrics import read_records
 from p2ploco.outer.loco import LoCo
 from p2ploco.pipeline.inprocess import run_in_threads
-from p2ploco.worker import build_replica
+from p2ploco.schedules import RoundHooks
+from p2ploco.schedules.blocking import BlockingRounds
 
 SHAPES = [(33, 17), (17,), (5, 4, 3)]  # 561 = 35 x 16 + 1: groups of 16 and shorter tails
 
@@ -384,9 +386,9 @@ def test_a_worker_checkpoints_its_buffers_and_drops_them_when_it_takes_the_swarm
     group = InProcessGroup(2, timeout=60)
 
     def replica(rank: int) -> None:
+        schedule = BlockingRounds(workers[rank])
         for round_index in range(2):
-            workers[rank].train(round_index)
-            assert workers[rank].sync(group.communicator(rank), round_index).committed
+            assert schedule.run(round_index, group.communicator(rank), RoundHooks()).comm.committed
 
     run_in_threads(2, replica)
     worker = workers[0]

@@ -1,20 +1,32 @@
 """Overlapped rounds (``outer.<algorithm>.overlap``): the all-reduce of round r runs during round r+1's inner
-steps and its outer step lands one round late. In process, against the schedule written out by hand, bit for
-bit; then real nodes over hivemind."""
+steps; its outer step lands one round late (naive) or rebases the local params as soon as it lands (eager). In
+process, against the schedules written out by hand, bit for bit; the background thread's state as others see
+it; then real nodes over hivemind."""
 
 import re
 import subprocess
 import sys
+import threading
+import time
+from functools import partial
 
 import pytest
 import torch
-from helpers import TOKENS
+from helpers import CPU, TOKENS
 from safetensors.torch import load_file
 from test_sparseloco import reference_sparse_aggregate
 
+from p2ploco import checkpoint
+from p2ploco.build import build_replica
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
+from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import ConfigError, load_config
-from p2ploco.metrics import read_records
+from p2ploco.data import ShardSampler
+from p2ploco.metrics import read_records, state_sha256
 from p2ploco.pipeline.inprocess import FULL, build_swarm
+from p2ploco.schedules import Landing, RoundHooks
+from p2ploco.schedules.overlapped import OverlappedRounds
+from p2ploco.swarm.state import Snapshot
 
 REPLICAS, ROUNDS = 3, 4
 
@@ -82,7 +94,7 @@ def reference_overlap(config, rounds: int) -> list[list[torch.Tensor]]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("algorithm", ["diloco", "sparseloco"])
 def test_the_delayed_outer_step_equals_the_schedule_written_out(algorithm):
-    config = overlap_config(algorithm)
+    config = overlap_config(algorithm, f"outer.{algorithm}.overlap_update=naive")
     swarm = build_swarm(config, [FULL] * REPLICAS, TOKENS)
     seen = []
     swarm.train(ROUNDS, lambda r: seen.append([[p.clone() for p in w.outer.params] for w in swarm.workers]))
@@ -93,6 +105,185 @@ def test_the_delayed_outer_step_equals_the_schedule_written_out(algorithm):
         for params in replicas:  # exactly, so every replica holds the same bits
             assert all(torch.equal(got, w) for got, w in zip(params, want)), (algorithm, r)
     assert not all(torch.equal(a, b) for a, b in zip(expected[1], expected[2]))  # the steps did move the params
+
+
+def outer_steps(config):
+    """The outer step, written out: what it subtracts from every tensor given an aggregate (SGD, or Nesterov
+    momentum with its buffers kept here)."""
+    momentum = []
+
+    def step(aggregate):
+        if config.outer.algorithm == "sparseloco":
+            return [a * config.outer.sparseloco.lr for a in aggregate]
+        d = config.outer.diloco
+        momentum[:] = momentum or [torch.zeros_like(a) for a in aggregate]
+        steps = []
+        for i, g in enumerate(aggregate):
+            momentum[i] = momentum[i] * d.momentum + g
+            steps.append((momentum[i] * d.momentum + g) * d.lr)
+        return steps
+
+    return step
+
+
+def reference_aggregate(config, deltas, errors):
+    """The round's aggregate of every replica's pseudo-gradient: SparseLoCo's (error feedback, Top-k, 2 bits,
+    ``errors`` updated in place) or DiLoCo's dense mean."""
+    if config.outer.algorithm == "sparseloco":
+        return reference_sparse_aggregate(deltas, errors, config.outer.sparseloco)
+    mean = []
+    for i in range(len(deltas[0])):
+        total = deltas[0][i]
+        for replica in deltas[1:]:
+            total = total + replica[i]
+        mean.append(total / len(deltas))
+    return mean
+
+
+@torch.no_grad()
+def rebase_after(landing: int, params, landed, end, steps_done: int) -> None:
+    """After ``landing`` inner steps: local += the landed global params - where the previous round ended."""
+    if steps_done == landing:
+        for param, new, old in zip(params, landed, end):
+            param.add_(new.sub(old))
+
+
+def reference_eager(config, rounds: int, landing: int) -> list[list[torch.Tensor]]:
+    """The eager schedule written out on a swarm of the same workers: every replica's inner steps (its own
+    ``InnerTrainer``) go on from where its previous round ended; round r-1's aggregate lands on the global params
+    after ``landing`` inner steps of round r, where every replica's local params are rebased onto the new global
+    params (local += new - where round r-1 ended), and round r's pseudo-gradient is measured from them. Returns
+    the global params after each round (round r-1 landed), and once more after the last round has landed."""
+    workers = build_swarm(config, [FULL] * REPLICAS, TOKENS).workers
+    step_of = outer_steps(config)
+    glob = [p.clone() for p in workers[0].outer.params]
+    errors = [[torch.zeros_like(p) for p in glob] for _ in workers]
+    starts, ends, pending, history = [glob] * len(workers), None, None, []
+    for r in range(rounds):
+        landed = [p - step for p, step in zip(glob, step_of(pending))] if pending is not None else None
+        trained = []
+        for m, worker in enumerate(workers):
+            params = list(worker.model.parameters())
+            rebase = partial(rebase_after, landing, params, landed, ends[m]) if landed is not None else None
+            worker.inner.run_round(r, lambda: False, rebase)
+            trained.append([p.detach().clone() for p in params])
+        if landed is not None:
+            glob, starts = landed, [landed] * len(workers)
+        pending = reference_aggregate(config, [[s - y for s, y in zip(start, local)]
+                                               for start, local in zip(starts, trained)], errors)
+        starts = ends = trained
+        history.append(glob)
+    history.append([p - step for p, step in zip(glob, step_of(pending))])
+    return history
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("landing", [1, 2])
+@pytest.mark.parametrize("algorithm", ["diloco", "sparseloco"])
+def test_the_eager_step_equals_the_schedule_written_out(algorithm, landing):
+    """Landing after the first of the next round's 2 inner steps, or at its end (an all-reduce as long as a
+    round): the global params every replica holds after every round, exactly."""
+    config = overlap_config(algorithm)
+    assert config.outer.overlap == "eager"  # the default update of an overlapped round
+    swarm = build_swarm(config, [FULL] * REPLICAS, TOKENS, landing=Landing(after=landing, wait=True))
+    seen = []
+    swarm.train(ROUNDS, lambda r: seen.append([[p.clone() for p in w.outer.params] for w in swarm.workers]))
+    expected = reference_eager(config, ROUNDS, landing)
+    for r, (replicas, want) in enumerate(zip(seen, expected[:ROUNDS - 1] + [expected[ROUNDS]])):
+        for params in replicas:
+            assert all(torch.equal(got, w) for got, w in zip(params, want)), (algorithm, landing, r)
+    # a different algorithm from the naive delay's
+    naive = reference_overlap(overlap_config(algorithm, f"outer.{algorithm}.overlap_update=naive"), ROUNDS)
+    assert not all(torch.equal(a, b) for a, b in zip(expected[ROUNDS], naive[ROUNDS]))
+
+
+def replica(config):
+    return build_replica(config, CPU, ShardSampler(TOKENS, config.data.seq_len, config.inner.batch_size, "run", "r0"))
+
+
+class Gated(Communicator):
+    """An in-process member whose all-reduces end only once ``gate`` is open: an all-reduce as slow as we like."""
+
+    def __init__(self, inner: Communicator, gate: threading.Event):
+        self.inner, self.gate = inner, gate
+
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+        assert self.gate.wait(60)
+        return self.inner.all_reduce(exchange, round_index, name)
+
+
+@pytest.mark.timeout(120)
+def test_a_round_in_flight_holds_up_no_inner_step_and_the_next_rounds_end_waits_for_it():
+    """Eager, landing as soon as it can: while round 0's all-reduce has not ended, round 1's inner steps all
+    run; only the end of round 1 (round 0 then more than one round late) waits for it."""
+    config = overlap_config("sparseloco")
+    worker = replica(config)
+    schedule = OverlappedRounds(worker, "eager")
+    gate = threading.Event()
+    comm = Gated(InProcessGroup(1).communicator(0), gate)
+    first = schedule.run(0, comm, RoundHooks())
+    assert first is not None and first.comm is None  # nothing was in flight before round 0
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(schedule.run(1, comm, RoundHooks())))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while worker.inner.step_in_round < config.inner.steps and time.monotonic() < deadline:
+            thread.join(0.05)
+        assert worker.inner.step_in_round == config.inner.steps  # every inner step of round 1 ran
+        assert thread.is_alive() and not outcome  # and the round's end waits for round 0, whose all-reduce has not
+    finally:
+        gate.set()
+        thread.join(60)
+    assert outcome[0].comm.committed
+    assert schedule.finish_in_flight().committed
+    schedule.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algorithm", ["sparseloco", "diloco"])
+def test_a_checkpoint_or_a_state_download_taken_while_a_step_is_in_flight_holds_a_fully_stepped_state(
+        algorithm, tmp_path):
+    """Round 0's step is computed on the background thread and held there before it is taken: what a joiner
+    downloads and what a checkpoint saves meanwhile is the state before it, whole and as hashed; once taken,
+    the state after it, whole and as hashed."""
+    config = overlap_config(algorithm)
+    worker = replica(config)
+    schedule = OverlappedRounds(worker, "eager")
+    preparing, release = threading.Event(), threading.Event()
+    prepare = worker.outer.prepare
+
+    def held(outer_round):
+        step = prepare(outer_round)
+        preparing.set()
+        assert release.wait(60)
+        return step
+
+    worker.outer.prepare = held
+    before = worker.published
+
+    def served(round_index: int) -> Snapshot:
+        (snapshot,) = worker.snapshots(round_index)
+        fetched = Snapshot.from_blob(round_index, snapshot.slice, snapshot.blob())
+        assert state_sha256(fetched.params, fetched.shared) == snapshot.state_sha256 == worker.params_sha256
+        return fetched
+
+    try:
+        schedule.run(0, InProcessGroup(1).communicator(0), RoundHooks())
+        assert preparing.wait(60)
+        fetched = served(1)
+        assert all(torch.equal(fetched.params[n], p) for n, p in zip(worker.names, before.params))
+        checkpoint.save(tmp_path, schedule.checkpoint(1), "run", "fp")
+        resumed = replica(config)
+        resumed.restore(checkpoint.load(tmp_path, "run", "fp"), tmp_path)
+        assert resumed.params_sha256 == before.params_sha256
+    finally:
+        release.set()
+    assert schedule.finish_in_flight().committed
+    assert worker.params_sha256 != before.params_sha256
+    fetched = served(2)
+    assert all(torch.equal(fetched.params[n], p) for n, p in zip(worker.names, worker.outer.params))
+    schedule.close()
 
 
 @pytest.mark.timeout(120)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import CPU, TOKENS, sampler, small_config
 
+from p2ploco.build import build_linked_stage, build_replica
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import Config, load_config
 from p2ploco.errors import PipelineError
@@ -12,15 +13,18 @@ from p2ploco.pipeline.inprocess import build_swarm, run_in_threads
 from p2ploco.pipeline.schedule import one_forward_one_backward
 from p2ploco.pipeline.subspace import Subspace, constrained_dims
 from p2ploco.pipeline.transport import InProcessPipe
-from p2ploco.worker import Worker, build_linked_stage, build_replica
+from p2ploco.schedules.blocking import BlockingRounds
+from p2ploco.worker import Worker
 
 
-def one_step_unsplit_and_split(config: Config) -> tuple[Worker, list[Worker], float, list[float]]:
-    """The same inner step by the whole model and by an S-stage group (same batches, same init)."""
+def one_step_unsplit_and_split(config: Config) -> tuple[Worker, list[Worker], float, list[float], list]:
+    """The same inner step by the whole model and by an S-stage group (same batches, same init); the group's
+    stage transports last."""
     whole = build_replica(config, CPU, sampler(config))
     pipe = InProcessPipe(config.pipeline.stages, timeout=60)
-    stages = [build_linked_stage(config, CPU, pipe.transport(s), sampler(config) if s == 0 else None)
-              for s in range(config.pipeline.stages)]
+    transports = [pipe.transport(s) for s in range(config.pipeline.stages)]
+    stages = [build_linked_stage(config, CPU, transport, sampler(config) if transport.stage == 0 else None)
+              for transport in transports]
     for stage in stages:  # a stage holds exactly the (projected) weights of its slice of the whole model
         mine = dict(zip(stage.names, stage.model.parameters()))
         for name, p in zip(whole.names, whole.model.parameters()):
@@ -32,7 +36,7 @@ def one_step_unsplit_and_split(config: Config) -> tuple[Worker, list[Worker], fl
         losses[s] = stages[s].inner.step(7)
 
     run_in_threads(len(stages), step)
-    return whole, stages, whole.inner.step(7), losses
+    return whole, stages, whole.inner.step(7), losses, transports
 
 
 def grad_norm(workers: list[Worker]) -> float:
@@ -66,7 +70,7 @@ def test_one_forward_one_backward_bounds_the_micro_batches_in_flight():
 @pytest.mark.parametrize("stages", [2, 4])
 def test_an_uncompressed_pipeline_equals_the_unsplit_model(stages):
     config = small_config(f"pipeline.stages={stages}", "pipeline.compression=none")
-    whole, group, whole_loss, losses = one_step_unsplit_and_split(config)
+    whole, group, whole_loss, losses, _ = one_step_unsplit_and_split(config)
     assert whole.constraint is None and group[0].model.token_table is None
     assert_same_step(whole, group, whole_loss, losses)
 
@@ -75,10 +79,10 @@ def test_an_uncompressed_pipeline_equals_the_unsplit_model(stages):
 def test_the_compressed_pipeline_is_exact_against_the_unsplit_constrained_model(stages):
     # uniform: the whole model is constrained too, so both compute the same function
     config = small_config(f"pipeline.stages={stages}", "pipeline.compression=uniform", "pipeline.rank=8")
-    whole, group, whole_loss, losses = one_step_unsplit_and_split(config)
+    whole, group, whole_loss, losses, transports = one_step_unsplit_and_split(config)
     assert whole.constraint is not None
     # per micro-batch: the window's ids (2 x 17, uint16) and k = 8 float32 values per token (2 x 16 tokens)
-    assert group[0].inner.gradients.transport.bytes_sent == 3 * (2 * 17 * 2 + 2 * 16 * 8 * 4)
+    assert transports[0].bytes_sent == 3 * (2 * 17 * 2 + 2 * 16 * 8 * 4)
     assert_same_step(whole, group, whole_loss, losses)
     # after the step the constrained weights are back in span(U)
     for worker in (whole, *group):
@@ -137,7 +141,7 @@ def test_a_constrained_worker_that_did_not_train_sends_no_update():
     stage = build_linked_stage(config, CPU, InProcessPipe(2).transport(0), sampler(config))
     before = [p.clone() for p in stage.outer.params]
     assert stage.constraint.subspace.relative_residual(before[stage.names.index("embed.weight")], 1) > 0.5
-    stats = stage.sync(InProcessGroup(1).communicator(0), 0)
+    stats = BlockingRounds(stage).average(0, InProcessGroup(1).communicator(0))
     assert stats.committed
     assert all(torch.equal(a, b) for a, b in zip(before, stage.outer.params))
 

@@ -15,6 +15,7 @@ import torch
 from helpers import CPU, TOKENS, small_config
 
 from p2ploco import checkpoint
+from p2ploco.build import build_replica
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
 from p2ploco.collective.fp4 import GROUP_SIZE, HEADER, E3M0Mean
 from p2ploco.collective.inprocess import InProcessGroup
@@ -23,8 +24,11 @@ from p2ploco.compression.groupwise import GroupLayout
 from p2ploco.config import ConfigError
 from p2ploco.data import ShardSampler
 from p2ploco.errors import PayloadError
-from p2ploco.pipeline.slices import group_by_slice
-from p2ploco.worker import build_replica
+from p2ploco.outer.streaming import StreamingDiLoCo
+from p2ploco.schedules import RoundHooks
+from p2ploco.schedules.blocking import BlockingRounds
+from p2ploco.schedules.streaming import StreamingRounds
+from p2ploco.slices import group_by_slice
 
 
 def reference_e3m0(values: np.ndarray) -> tuple[np.ndarray, np.float32]:
@@ -187,6 +191,13 @@ def replicas(count: int, *overrides: str):
                                                     f"replica-{i}")) for i in range(count)]
 
 
+def schedule_of(worker):
+    """The round schedule a node runs for ``worker``: Streaming DiLoCo's, or the blocking one (DiLoCo)."""
+    if isinstance(worker.outer, StreamingDiLoCo):
+        return StreamingRounds(worker, worker.outer)
+    return BlockingRounds(worker)
+
+
 def train_rounds(workers, rounds: int, group=None, start: int = 0):
     """``rounds`` rounds of every worker in its own thread; each round's stats and params_sha256 per worker."""
     group = group or InProcessGroup(len(workers), timeout=60)
@@ -194,10 +205,10 @@ def train_rounds(workers, rounds: int, group=None, start: int = 0):
     errors = []
 
     def run(rank: int) -> None:
+        schedule = schedule_of(workers[rank])
         try:
             for r in range(start, start + rounds):
-                workers[rank].train(r, comm=group.communicator(rank))
-                stats[rank].append(workers[rank].sync(group.communicator(rank), r))
+                stats[rank].append(schedule.run(r, group.communicator(rank), RoundHooks()).comm)
                 hashes[rank].append(workers[rank].params_sha256)
         except BaseException as e:
             errors.append(e)
@@ -273,8 +284,9 @@ def test_a_stop_request_takes_effect_at_the_end_of_the_round_not_between_fragmen
     worker = replicas(1, "outer.algorithm=streaming", "outer.streaming.fragments=2")[0]
     before = [p.clone() for p in worker.outer.params]
     group = InProcessGroup(1, timeout=60)
-    assert worker.train(0, lambda: True, comm=group.communicator(0)) is not None  # all 4 steps, both fragments
-    stats = worker.sync(group.communicator(0), 0)
+    outcome = schedule_of(worker).run(0, group.communicator(0), RoundHooks(stopping=lambda: True))
+    assert outcome is not None  # all 4 steps, both fragments
+    stats = outcome.comm
     assert stats.committed and len(stats.sync_bytes) == 2
     assert all(not torch.equal(a, b) for a, b in zip(before, worker.outer.params))  # every fragment moved
 

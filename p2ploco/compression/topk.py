@@ -22,6 +22,7 @@ import torch
 
 from p2ploco.compression.chunking import ChunkGrid
 from p2ploco.compression.quantize import Quantized, quantize
+from p2ploco.device import to_host
 
 MIN_GROUP = 8  # smallest group of the lower bound worth its cost (a chunk has at least 2k groups)
 MAX_CANDIDATES = 8  # a chunk with more than this many times k candidates takes the plain path
@@ -74,13 +75,9 @@ def _select(chunked: torch.Tensor, grid: ChunkGrid) -> tuple[torch.Tensor, torch
 def _compressed(grid: ChunkGrid, indices: torch.Tensor, quantized: Quantized) -> CompressedTensor:
     if indices.device.type != "cpu":  # chunk-local positions fit 16 bits: a quarter of the bytes to copy
         indices = indices.to(torch.int16)
-    return CompressedTensor(
-        grid,
-        indices.cpu().numpy().astype(np.int64, copy=False),
-        quantized.codes.cpu().numpy(),
-        np.float32(quantized.shift.item()),
-        quantized.table.cpu().numpy().astype(np.float32),
-    )
+    indices, codes, shift, table = to_host([indices, quantized.codes, quantized.shift, quantized.table])
+    return CompressedTensor(grid, indices.numpy().astype(np.int64, copy=False), codes.numpy(),
+                            np.float32(shift.item()), table.numpy().astype(np.float32))
 
 
 def top_positions(chunked: torch.Tensor, k: int) -> torch.Tensor:

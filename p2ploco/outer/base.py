@@ -1,12 +1,16 @@
 """The interface every outer algorithm implements (DiLoCo, SparseLoCo, Streaming DiLoCo, LoCo).
 
-A round has three parts that may happen at different times: ``contribute`` (this replica's pseudo-gradient
-turned into an exchange), ``OuterRound.start`` (its all-reduce, in the background), and ``finish`` (wait for
-the aggregate and apply the outer step to the global parameters as they are *then*). ``sync`` runs the three
-in a row. Overlapped training (``outer.<algorithm>.overlap``) starts a round's all-reduce, trains the next
-round's inner steps meanwhile and finishes it one round late: the delayed outer step of Streaming DiLoCo
-with the whole next round as its delay. Streaming DiLoCo's fragments use the same three parts, a fragment
-contributed at one inner step and finished at a later one.
+A round has four parts that may happen at different times and on different threads: ``contribute`` (this
+replica's pseudo-gradient turned into an exchange), ``OuterRound.start`` (its all-reduce, in the background),
+``prepare`` (the outer step on the aggregate, computed out of place) and ``take`` (the prepared step put in
+place of the global state, or, for a round not applied, what ``contribute`` took from local state given
+back). ``finish`` waits for the all-reduce and does the last two; ``sync`` does all four in a row. Round
+schedules (``p2ploco.schedules``) decide when each part runs.
+
+The global parameters and the shared state are never written in place: a step builds new tensors and
+``take`` swaps them in. So a copy of the global state handed out once (to serve peers catching up, to
+evaluate, to checkpoint) stays whole while the next step is computed on another thread: the double buffer
+costs no copy of its own.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -26,6 +30,7 @@ from p2ploco.errors import TrainingError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -41,6 +46,39 @@ class OuterRound:
         self.all_reduce = comm.start_all_reduce(self.exchange, self.round_index, name)
 
 
+@dataclass
+class Move:
+    """What an outer step subtracted from one global parameter: a dense tensor of its shape, or values at some
+    of its flat positions (a sparse aggregate)."""
+
+    step: torch.Tensor
+    at: torch.Tensor | None = None  # flat positions of a sparse step; None: dense
+
+    @torch.no_grad()
+    def apply_to(self, tensor: torch.Tensor) -> None:
+        """The same step, in place, to ``tensor`` on its own device (an overlapped replica's local params)."""
+        step = self.step.to(tensor.device)
+        if self.at is None:
+            tensor.sub_(step)
+        else:
+            flat, index = tensor.view(-1), self.at.to(tensor.device)
+            flat[index] = flat[index] - step
+
+
+@dataclass
+class OuterStep:
+    """A round's outer step, computed and not yet taken: the new tensors that replace global ones (built out of
+    place), and how far it moved each parameter it touched."""
+
+    params: dict[int, torch.Tensor]  # parameter position -> its new global value
+    shared: dict[str, torch.Tensor]  # shared-state key (``momentum.3``) -> its new value
+    moves: dict[int, Move] = field(default_factory=dict)
+
+    def norm_squared(self) -> float:
+        """The squared L2 norm of the whole step (float64 sums)."""
+        return sum(float(torch.linalg.vector_norm(m.step, dtype=torch.float64)) ** 2 for m in self.moves.values())
+
+
 class OuterAlgorithm(ABC):
     """Owns the global parameters (float32, CPU) and moves them one outer round forward.
 
@@ -49,30 +87,29 @@ class OuterAlgorithm(ABC):
     whose all-reduce was not committed changes nothing: neither the parameters nor any outer state.
 
     State comes in two kinds: *shared* state every peer holds alike (a joiner downloads it with the
-    parameters) and *local* state of this replica alone (only checkpointed).
+    parameters) and *local* state of this replica alone (only checkpointed). Shared state is kept per
+    parameter in the list attributes named by ``shared_kinds`` (``momentum``), keyed ``kind.position``; like
+    the parameters it is replaced, never written in place. Local state (error feedback) is written in place.
 
-    The parameters come in named slices (``p2ploco.pipeline.slices``: one per pipeline stage); each slice
+    The parameters come in named slices (``p2ploco.slices``: one per pipeline stage); each slice
     is averaged among the peers that hold it, so a pipeline stage runs the same algorithm on its slice
     alone while a full replica runs it on every slice, all in one all-reduce per round.
     """
 
     density: float = 1.0  # share of coordinates one replica sends per round
+    shared_kinds: tuple[str, ...] = ()  # list attributes of per-parameter shared state
 
     def __init__(self, global_params: Sequence[torch.Tensor], slices: Mapping[str, Sequence[int]] | None = None):
         """``slices``: slice name -> positions in ``global_params``; by default one slice of everything."""
-        self.params = [p.detach().to("cpu", torch.float32).clone() for p in global_params]
+        self.params = [p.detach().to(CPU, torch.float32).clone() for p in global_params]
         self.slices = {name: list(positions) for name, positions in (slices or whole(len(self.params))).items()}
         if sorted(i for positions in self.slices.values() for i in positions) != list(range(len(self.params))):
             raise ValueError("slices must cover every parameter exactly once")
-        self._moved = 0.0  # squared L2 norm of the outer steps applied since ``take_update_norm`` last read it
-
-    def count_step(self, step: torch.Tensor) -> None:
-        """Tally one tensor's outer step (what was subtracted from a global parameter) for ``take_update_norm``."""
-        self._moved += float(torch.linalg.vector_norm(step, dtype=torch.float64)) ** 2
+        self._moved = 0.0  # squared L2 norm of the outer steps taken since ``take_update_norm`` last read it
 
     def take_update_norm(self) -> float:
-        """L2 norm of the outer steps applied to the global params since the last call (0 if none): how far a
-        round moved them, from the steps themselves (sparse for SparseLoCo) rather than a pass over the model."""
+        """L2 norm of the outer steps taken since the last call (0 if none): how far they moved the global params,
+        from the steps themselves (sparse for SparseLoCo) rather than a pass over the model."""
         norm, self._moved = math.sqrt(self._moved), 0.0
         return norm
 
@@ -91,29 +128,44 @@ class OuterAlgorithm(ABC):
                    start: Sequence[torch.Tensor] | None = None) -> OuterRound:
         """This replica's exchange for the round: its pseudo-gradient ``start - local_params`` (``start``: the
         global params by default), encoded as the algorithm sends it. Changes only local state (what it takes
-        from an error-feedback buffer is given back by ``finish`` if the round is not applied)."""
+        from an error-feedback buffer is given back by ``take`` if the round is not applied)."""
 
     def finish(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> AllReduceStats:
-        """Wait for the round's all-reduce and apply its outer step to the global params as they are now (one
-        round late when overlapped), and the same step to the tensors ``follow`` (an overlapped replica's local
-        params). A round not committed, or whose step would not be finite, changes no shared state;
-        ``stats.committed`` then says False."""
+        """Wait for the round's all-reduce, prepare its outer step and take it (``follow``: tensors that take
+        the same step, an overlapped replica's local params). A round not committed, or whose step would not be
+        finite, changes no shared state; ``stats.committed`` then says False."""
         stats = outer_round.all_reduce.wait()
-        if not stats.committed or not self.step(outer_round, follow):
-            self.give_back(outer_round)
-            stats.committed = False
+        step = self.prepare(outer_round) if stats.committed else None
+        self.take(outer_round, step, follow)
+        stats.committed = step is not None
         return stats
 
     @abstractmethod
-    def step(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> bool:
-        """The outer step on the round's aggregate, to the global params and ``follow``; False (and nothing
-        changed) if it would not be finite."""
+    def prepare(self, outer_round: OuterRound) -> OuterStep | None:
+        """The outer step on the round's (committed) aggregate, from the global state as it is now, out of place:
+        nothing changes until ``take``. None if it would make the global params non-finite."""
+
+    def take(self, outer_round: OuterRound, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
+        """Put a prepared ``step`` in place (and move ``follow[i]`` by the same step), or, with no step (the
+        round is not applied), give back what ``contribute`` took from local state."""
+        if step is None:
+            self.give_back(outer_round)
+            return
+        for i, value in step.params.items():
+            self.params[i] = value
+        for key, value in step.shared.items():
+            kind, i = split_key(key)
+            getattr(self, kind)[i] = value
+        for i, move in step.moves.items():
+            if follow:
+                move.apply_to(follow[i])
+        self._moved += step.norm_squared()
 
     def give_back(self, outer_round: OuterRound) -> None:  # noqa: B027 (most algorithms take nothing)
         """Undo what ``contribute`` took from local state: the round was not applied."""
 
     def local_state_with(self, in_flight: OuterRound | None) -> dict[str, torch.Tensor]:
-        """``local_state`` as it would be if ``in_flight`` (a round not finished yet) were not applied: what a
+        """``local_state`` as it would be if ``in_flight`` (a round not taken yet) were not applied: what a
         checkpoint taken during an overlapped round holds next to the global params that round has not moved."""
         return self.local_state()
 
@@ -126,11 +178,15 @@ class OuterAlgorithm(ABC):
         return out  # type: ignore[return-value]  # the slices cover every parameter (checked in __init__)
 
     def shared_state(self) -> dict[str, torch.Tensor]:
-        """The live shared tensors, by name."""
-        return {}
+        """The current shared tensors, by key (``kind.position``)."""
+        return {f"{kind}.{i}": tensor for kind in self.shared_kinds for i, tensor in enumerate(getattr(self, kind))}
 
     def load_shared_state(self, state: dict[str, torch.Tensor]) -> None:
-        copy_state(self.shared_state(), state)
+        """Take ``state`` (copies) as the shared state; ValueError if it does not describe this algorithm's."""
+        check_state(self.shared_state(), state)
+        for key, tensor in state.items():
+            kind, i = split_key(key)
+            getattr(self, kind)[i] = tensor.detach().to(CPU, torch.float32, copy=True)
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This replica's own tensors by name, as checkpoints hold them: the live tensors, or copies where the
@@ -146,8 +202,16 @@ class OuterAlgorithm(ABC):
             tensor.zero_()
 
     def load_params(self, params: Sequence[torch.Tensor]) -> None:
-        for mine, theirs in zip(self.params, params, strict=True):
-            mine.copy_(theirs)
+        """Take ``params`` (copies) as the global params; ValueError if their shapes differ from these."""
+        if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in self.params]:
+            raise ValueError("the parameters' shapes differ from this model's")
+        self.params = [p.detach().to(CPU, torch.float32, copy=True) for p in params]
+
+
+def split_key(key: str) -> tuple[str, int]:
+    """A shared-state key ``kind.position`` -> (kind, position)."""
+    kind, _, position = key.rpartition(".")
+    return kind, int(position)
 
 
 def whole(count: int) -> dict[str, list[int]]:
@@ -155,12 +219,13 @@ def whole(count: int) -> dict[str, list[int]]:
     return {"stage0": list(range(count))}
 
 
-def pseudo_gradients(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor],
-                     device: torch.device) -> list[torch.Tensor]:
-    """global - local on ``device``, refusing to send what a diverged replica computed."""
-    deltas = [g.to(device) - p.detach().float() for g, p in zip(global_params, local_params)]
+def pseudo_gradients(start: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """start - local in float32, each on its local tensor's device (the training device: on CUDA it runs on
+    whatever stream the caller runs on), refusing to send what a diverged replica computed."""
+    deltas = [begin.to(local.device, torch.float32) - local.detach().float()
+              for begin, local in zip(start, local_params)]
     for delta in deltas:
-        check_pseudo_gradient(delta, global_params)
+        check_pseudo_gradient(delta, start)
     return deltas
 
 
@@ -180,12 +245,6 @@ def all_finite(tensor: torch.Tensor) -> bool:
     finite sum settles it; only a non-finite one (perhaps an overflow of large finite values) is checked
     element by element."""
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
-
-
-def finite_step(params: Sequence[torch.Tensor], steps: Iterable[torch.Tensor], round_index: int) -> bool:
-    """Whether ``params - steps`` is finite everywhere. Every peer of a round holds the same params and the
-    same aggregate, so all of them refuse a non-finite update alike: the round is dropped, nobody exits."""
-    return finite_update((p - s for p, s in zip(params, steps)), round_index)
 
 
 def finite_update(updated: Iterable[torch.Tensor], round_index: int) -> bool:

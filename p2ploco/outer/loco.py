@@ -25,10 +25,9 @@ from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.compression.groupwise import GroupLayout, compensate
 from p2ploco.config import LoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, OuterRound, pseudo_gradients
+from p2ploco.device import to_host
+from p2ploco.outer.base import OuterAlgorithm, OuterRound, OuterStep, pseudo_gradients
 from p2ploco.outer.diloco import nesterov_step
-
-CPU = torch.device("cpu")
 
 
 @dataclass
@@ -36,8 +35,9 @@ class LoCoRound(OuterRound):
     errors: dict[str, torch.Tensor] = field(default_factory=dict)  # per slice, the sender's buffer if applied
 
 
-
 class LoCo(OuterAlgorithm):
+    shared_kinds = ("momentum",)
+
     def __init__(self, global_params: Sequence[torch.Tensor], config: LoCoConfig, device: torch.device,
                  slices: Mapping[str, Sequence[int]] | None = None, clip_factor: float = 0.0):
         super().__init__(global_params, slices)
@@ -57,9 +57,8 @@ class LoCo(OuterAlgorithm):
         if round_index % c.reset_every == 0:
             self.reset_local_state()
 
-        # 1. Pseudo-gradient: global (or where training started) - local, on the training device, then the CPU.
-        deltas = [d.to(CPU) for d in pseudo_gradients(start if start is not None else self.params, local_params,
-                                                      self.device)]
+        # 1. Pseudo-gradient: global (or where training started) - local, on the training device, then the host.
+        deltas = to_host(pseudo_gradients(start if start is not None else self.params, local_params))
 
         # 2. Per slice: g~ = g + e; q = Q(g~); e' = beta*e + (1 - beta)*(g~ - deQ(q)), kept if the round commits.
         exchanges, errors = {}, {}
@@ -75,24 +74,24 @@ class LoCo(OuterAlgorithm):
         #    decodes the same bytes.
         return LoCoRound(round_index, SlicedExchange(exchanges), errors=errors)
 
-    def step(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> bool:
-        assert isinstance(outer_round, LoCoRound)
+    def prepare(self, outer_round: OuterRound) -> OuterStep | None:
         # 4. DiLoCo's outer step on the decoded aggregate: SGD with Nesterov momentum.
         c = self.config
-        if not nesterov_step(self.params, self.per_param(outer_round.exchange, LowBitMean.mean), self.momentum,
-                             c.lr, c.momentum, True, outer_round.round_index, follow, self.count_step):
-            return False
+        means = self.per_param(outer_round.exchange, LowBitMean.mean)
+        return nesterov_step(range(len(self.params)), self.params, means, self.momentum, c.lr, c.momentum, True,
+                             outer_round.round_index)
 
+    def take(self, outer_round: OuterRound, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
+        super().take(outer_round, step, follow)
+        if step is None:
+            return
+        assert isinstance(outer_round, LoCoRound)
         # 5. Applied: keep the new buffers, the sender's and the reducer's for the span it reduced.
         for name, part in outer_round.exchange.parts.items():
             self.errors[name].copy_(outer_round.errors[name])
             if part.reduced is not None:
                 span = part.reduced.elements
                 self.reducer_errors[name][span.start : span.stop] = part.reduced.error
-        return True
-
-    def shared_state(self) -> dict[str, torch.Tensor]:
-        return {f"momentum.{i}": buf for i, buf in enumerate(self.momentum)}
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """Per-parameter views of the flat buffers (live: loading into them loads the buffers)."""

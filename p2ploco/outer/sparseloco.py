@@ -25,7 +25,15 @@ from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import CompressedTensor, Taken, compress_
 from p2ploco.config import SparseLoCoConfig
-from p2ploco.outer.base import OuterAlgorithm, OuterRound, check_pseudo_gradient, check_state, finite_update
+from p2ploco.outer.base import (
+    Move,
+    OuterAlgorithm,
+    OuterRound,
+    OuterStep,
+    check_pseudo_gradient,
+    check_state,
+    finite_update,
+)
 
 
 @dataclass
@@ -59,9 +67,8 @@ class SparseLoCo(OuterAlgorithm):
                                    for name, positions in self.slices.items()})
         return SparseRound(round_index, exchange, taken=taken)
 
-    def step(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> bool:
-        return self._step(self.per_param(outer_round.exchange, SparseExchange.updates), outer_round.round_index,
-                          follow)
+    def prepare(self, outer_round: OuterRound) -> OuterStep | None:
+        return self._step(self.per_param(outer_round.exchange, SparseExchange.updates), outer_round.round_index)
 
     def give_back(self, outer_round: OuterRound) -> None:
         """Not applied anywhere: the buffers keep what was sent, for the next round (a round is finished before
@@ -80,7 +87,8 @@ class SparseLoCo(OuterAlgorithm):
         for buffer, grid, begin, local in zip(self.feedback, self.grids, start, local_params, strict=True):
             # 1. Pseudo-gradient into the error buffer: e = beta * e + alpha * (start - local), elementwise,
             #    through a tiled view of the pseudo-gradient (no reordering copy).
-            delta = torch.sub(begin.to(self.device), local.detach().float(), out=scratch[: grid.numel].view(grid.shape))
+            delta = torch.sub(begin.to(self.device, torch.float32), local.detach().float(),
+                              out=scratch[: grid.numel].view(grid.shape))
             check_pseudo_gradient(delta, start)
             if alpha != 1.0:  # x * 1.0 == x exactly: a pass saved in the default setting
                 delta.mul_(alpha)
@@ -92,26 +100,22 @@ class SparseLoCo(OuterAlgorithm):
             taken.append(took)
         return compressed, taken
 
-    def _step(self, updates: list[tuple[np.ndarray, np.ndarray]], round_index: int,
-              follow: Sequence[torch.Tensor] = ()) -> bool:
+    def _step(self, updates: list[tuple[np.ndarray, np.ndarray]], round_index: int) -> OuterStep | None:
         """5. Outer step: plain SGD on the aggregate, elementwise float32 on the CPU, at the coordinates the
-        aggregate holds (elsewhere it is zero and the parameters keep their bits); the same step to ``follow``
-        on its device. False if it would make the global params non-finite (then nothing changes)."""
+        aggregate holds (elsewhere it is zero and the parameters keep their bits), into new tensors. None if it
+        would make the global params non-finite."""
         alpha = self.config.lr
-        flats = [param.view(-1) for param in self.params]
         where = [torch.from_numpy(index) for index, _ in updates]
         steps = [torch.from_numpy(values).mul(alpha) for _, values in updates]
-        updated = [flat[index] - step for flat, index, step in zip(flats, where, steps)]
+        updated = [param.view(-1)[index] - step for param, index, step in zip(self.params, where, steps)]
         if not finite_update(updated, round_index):
-            return False
-        for flat, index, values, step in zip(flats, where, updated, steps):
+            return None
+        new_params = {}
+        for i, (param, index, values) in enumerate(zip(self.params, where, updated)):
+            flat = param.view(-1).clone()
             flat[index] = values
-            self.count_step(step)
-        with torch.no_grad():
-            for tensor, index, step in zip(follow, where, steps):
-                flat, index = tensor.view(-1), index.to(tensor.device)
-                flat[index] = flat[index] - step.to(tensor.device)
-        return True
+            new_params[i] = flat.view(param.shape)
+        return OuterStep(new_params, {}, {i: Move(step, index) for i, (index, step) in enumerate(zip(where, steps))})
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """The error-feedback buffers in the parameters' shapes, as checkpoints hold them (copies)."""

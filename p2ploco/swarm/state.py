@@ -77,7 +77,7 @@ class StateStatus(enum.StrEnum):
 class Snapshot:
     round: int  # the round this state starts
     slice: str  # the slice these parameters make up
-    params: dict[str, torch.Tensor]  # CPU copies, owned by the snapshot
+    params: dict[str, torch.Tensor]  # CPU tensors that nobody writes (a published state, or fetched)
     shared: dict[str, torch.Tensor]
     state_sha256: str  # ``metrics.state_sha256`` of params and shared: what the records vouch for
     _blob: bytes | None = field(default=None, repr=False)

@@ -1,0 +1,63 @@
+"""Workers as a run's config describes them: a full replica, or one stage of a pipeline group.
+
+The one place that puts pipelines into a worker: a stage's gradients come from its group's schedule
+(``pipeline/schedule.py``) and a compressed boundary constrains weights to span(U) (``pipeline/subspace.py``),
+both through the seam of ``p2ploco.inner`` (``GradientSource``, ``Constraint``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from p2ploco.config import Config
+from p2ploco.data import ShardSampler
+from p2ploco.inner import LocalBatches
+from p2ploco.model import Transformer, stage_layers
+from p2ploco.pipeline.schedule import PipelineStage
+from p2ploco.pipeline.subspace import PlainBoundary, Subspace, SubspaceConstraint, constrained_dims
+from p2ploco.pipeline.transport import StageTransport
+from p2ploco.worker import Worker
+
+
+def run_subspace(config: Config, device: torch.device) -> Subspace | None:
+    """The run's U and F on ``device`` when its stage boundaries are compressed, else None."""
+    p = config.pipeline
+    return Subspace.derive(config.model, p.rank, config.training.seed).to(device) if p.compressed else None
+
+
+def _constraint(config: Config, subspace: Subspace, model: Transformer) -> SubspaceConstraint:
+    names = [name for name, _ in model.named_parameters()]
+    return SubspaceConstraint(subspace, names, constrained_dims(config.model, config.pipeline.stages))
+
+
+def build_replica(config: Config, device: torch.device, sampler: ShardSampler) -> Worker:
+    """A full replica: the whole model on this peer's own batches; constrained only in uniform mode."""
+    subspace = run_subspace(config, device)
+    model = Transformer(config.model, config.training.seed,
+                        token_table=subspace.table if subspace else None).to(device)
+    constrained = subspace is not None and config.pipeline.compression == "uniform"
+    return Worker(config, device, model, LocalBatches(model, sampler, config.inner.grad_accum, device),
+                  _constraint(config, subspace, model) if constrained else None)
+
+
+def build_stage(config: Config, device: torch.device, stage: int) -> tuple[Worker, PipelineStage]:
+    """Stage ``stage`` of a pipeline group: its worker, and the gradient source that trains it with the group's
+    other stages once linked to them (``PipelineStage.link``)."""
+    c = config
+    subspace = run_subspace(c, device)
+    layers = stage_layers(c.model.n_layer, c.pipeline.stages)[stage]
+    first_with_table = subspace is not None and layers.start == 0  # only the first stage adds F to its input
+    model = Transformer(c.model, c.training.seed, layers,
+                        token_table=subspace.table if first_with_table else None).to(device)
+    codec = subspace if subspace is not None else PlainBoundary(c.model.d_model)
+    gradients = PipelineStage(model, codec, stage, c.pipeline.stages, c.inner.grad_accum, c.inner.batch_size,
+                              c.data.seq_len, c.pipeline.wire_dtype, device)
+    return Worker(c, device, model, gradients, _constraint(c, subspace, model) if subspace else None), gradients
+
+
+def build_linked_stage(config: Config, device: torch.device, transport: StageTransport,
+                       sampler: ShardSampler | None) -> Worker:
+    """A stage worker linked at once (in-process groups): ``sampler`` on the first stage only."""
+    worker, gradients = build_stage(config, device, transport.stage)
+    gradients.link(transport, sampler)
+    return worker

@@ -1,0 +1,99 @@
+"""Outer work off the training thread: a worker's background thread, and what a landing hands back.
+
+A round schedule hands the outer algorithm's slow work (a contribution: pseudo-gradient, compression,
+encoding; a landing: the wait for the aggregate, the outer step computed out of place, the hash of the state it
+leaves) to one background thread per worker, in order, so that the training thread only trains. On CUDA that
+work runs on a side stream (``p2ploco.device``). The training thread then *takes* a landing between two
+inner steps: it swaps the prepared tensors in (``OuterAlgorithm.take``) and publishes the state they make up,
+which costs a few reference swaps. Outer state is only ever taken on the training thread, in round order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from p2ploco.collective.exchange import AllReduceStats
+from p2ploco.device import SideStream
+from p2ploco.outer.base import OuterRound, OuterStep
+from p2ploco.worker import Published, Worker
+
+T = TypeVar("T")
+
+
+@dataclass
+class Landed:
+    """A round's all-reduce as it ended, and its outer step prepared (None: nothing to apply)."""
+
+    outer_round: OuterRound
+    stats: AllReduceStats
+    step: OuterStep | None
+    loaded: int  # ``Background.loaded`` when the step was prepared: a state loaded since makes it stale
+    published: Published | None = None  # the state the step leaves (overlapped rounds)
+    slice_sha256: str = ""  # the hash of the synced slice once stepped (a Streaming DiLoCo fragment)
+    # Eager overlapped rounds: the new global params on the training device, and what rebases the local params
+    # onto them (new - the point the local params continued from)
+    rebased: list[torch.Tensor] = field(default_factory=list)
+    moved: list[torch.Tensor] = field(default_factory=list)
+    done: torch.cuda.Event | None = None  # on CUDA: when the side stream has finished the tensors above
+
+
+@dataclass
+class Flight:
+    """A round whose outer work was handed to the background thread."""
+
+    round_index: int
+    base: list[torch.Tensor] = field(default_factory=list)  # where the local params continued from meanwhile
+    landing: Future[Landed] | None = None
+    outer_round: OuterRound | None = None  # once contributed
+    contributed: threading.Event = field(default_factory=threading.Event)  # set once contributed, or failed to
+
+    def grouped(self) -> bool:
+        """Whether its all-reduce knows its group (never waits)."""
+        pending = self.outer_round.all_reduce if self.outer_round is not None else None
+        return pending is not None and pending.grouped.is_set()
+
+    def ready(self) -> bool:
+        """Whether its landing is ready to take (never waits)."""
+        return self.landing is not None and self.landing.done()
+
+
+class Background:
+    """One worker's background thread for outer work, and the side stream that work runs on."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.side = SideStream(worker.device)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="outer-work")
+        # Bumped whenever the global state is loaded from outside (a catch-up): a step prepared before that is
+        # stale and is prepared again when taken.
+        self.loaded = 0
+
+    def submit(self, work: Callable[[], T]) -> Future[T]:
+        return self._thread.submit(work)
+
+    def land(self, outer_round: OuterRound) -> Landed:
+        """Wait for ``outer_round``'s all-reduce and prepare its outer step (on the calling thread)."""
+        loaded = self.loaded
+        stats = outer_round.all_reduce.wait()
+        step = self.worker.outer.prepare(outer_round) if stats.committed else None
+        return Landed(outer_round, stats, step, loaded)
+
+    def take(self, landed: Landed, follow: list[torch.Tensor] | tuple[()] = ()) -> AllReduceStats:
+        """On the training thread: put ``landed``'s step in place (prepared again if a state was loaded since), or
+        give back what its round took; ``follow`` takes the same step. Returns its stats, ``committed`` saying
+        whether the step was taken."""
+        if landed.loaded != self.loaded and landed.step is not None:
+            landed.step, landed.published = self.worker.outer.prepare(landed.outer_round), None
+        with self.worker.lock:
+            self.worker.outer.take(landed.outer_round, landed.step, follow)
+        landed.stats.committed = landed.step is not None
+        return landed.stats
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,38 @@
+"""The blocking round, as DiLoCo, SparseLoCo and LoCo are written in their papers.
+
+    train H inner steps from the global params
+    contribute: pseudo-gradient (global - local) into the outer algorithm's exchange
+    all-reduce it with the round's group, and wait
+    outer step on the aggregate (if the round committed), publish the new global state
+    the local params start over from it
+
+Everything happens on the training thread, one part after the other: the time a round spends outside its
+inner steps is the all-reduce, the step and the hash.
+"""
+
+from __future__ import annotations
+
+from p2ploco.collective.exchange import AllReduceStats, Communicator
+from p2ploco.schedules.base import RoundHooks, RoundOutcome, RoundSchedule
+
+
+class BlockingRounds(RoundSchedule):
+    def run(self, round_index: int, comm: Communicator, hooks: RoundHooks) -> RoundOutcome | None:
+        hooks.announce()
+        inner = self.worker.inner.run_round(round_index, hooks.stopping)
+        if inner is None:
+            self.worker.load_into_model()
+            return None
+        return RoundOutcome(inner, self.average(round_index, comm))
+
+    def average(self, round_index: int, comm: Communicator) -> AllReduceStats:
+        """The outer round on whatever the local params hold now: pseudo-gradient, all-reduce, step, publish; the
+        local params start over from the global ones."""
+        worker = self.worker
+        # A constrained worker trained a projection of the global params: its progress is measured from that.
+        start = worker.start_params() if worker.constraint is not None else None
+        stats = worker.outer.sync(list(worker.model.parameters()), comm, round_index, start)
+        if stats.committed:
+            worker.publish()
+        worker.load_into_model()
+        return stats

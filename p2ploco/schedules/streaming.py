@@ -1,0 +1,92 @@
+"""Streaming DiLoCo's round: every fragment synced at its own inner steps (``outer/streaming.py``).
+
+    for each inner step h = 1 .. H, after it:
+        for every fragment p whose sync starts at h ((p + 1)·H/P - tau):
+            contribute its pseudo-gradient (global - local, the fragment alone), start its all-reduce
+            (named after it), and hand its landing to the background thread: wait for the aggregate, prepare
+            the Nesterov step of the fragment, hash the fragment's state
+        for every fragment p applied at h ((p + 1)·H/P):
+            take its landing (waiting for it if it is not ready), then merge the local fragment:
+            alpha·local + (1 - alpha)·global
+    publish the round's state: every fragment stepped (or not, where its sync failed)
+
+Every sync lands within its round, so at a round's end nothing is in flight and joiners, checkpoints and
+catch-up see rounds as with DiLoCo. A round not applied everywhere restarts the local params from the
+global ones. The round is not stopped midway: its early fragments already moved the global params, and every
+peer must end the round holding all of them (a checkpoint of half a round would be a state nobody else holds);
+a stop request takes effect at the round's end.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from functools import partial
+
+from p2ploco.collective.exchange import AllReduceStats, Communicator
+from p2ploco.outer.base import OuterRound
+from p2ploco.outer.streaming import StreamingDiLoCo
+from p2ploco.schedules.background import Background, Landed
+from p2ploco.schedules.base import RoundHooks, RoundOutcome, RoundSchedule
+from p2ploco.worker import Worker
+
+
+class StreamingRounds(RoundSchedule):
+    def __init__(self, worker: Worker, outer: StreamingDiLoCo):
+        """``outer``: the worker's outer algorithm, as the Streaming DiLoCo it is."""
+        super().__init__(worker)
+        self.outer = outer
+        self.background = Background(worker)
+
+    def run(self, round_index: int, comm: Communicator, hooks: RoundHooks) -> RoundOutcome | None:
+        worker, outer = self.worker, self.outer
+        local = list(worker.model.parameters())
+        syncing: dict[str, Future[Landed]] = {}
+        synced: dict[str, AllReduceStats] = {}
+        hashes = dict(worker.slice_sha256)
+
+        def between(steps_done: int) -> None:
+            for name, (start, apply) in outer.schedule.items():
+                if steps_done == start:
+                    sync = outer.contribute_fragments([name], local, round_index)
+                    sync.start(comm, name)
+                    syncing[name] = self.background.submit(partial(self._land, sync, name))
+                if steps_done == apply:
+                    landed = syncing.pop(name).result()
+                    synced[name] = self.background.take(landed)
+                    if landed.step is not None:
+                        outer.merge(local, [name])
+                        hashes[name] = landed.slice_sha256
+
+        hooks.announce()
+        inner = worker.inner.run_round(round_index, lambda: False, between)
+        if set(synced) != set(outer.fragments):
+            raise RuntimeError(f"round {round_index} ended with fragments {sorted(syncing)} unsynced")
+        stats = summed([synced[name] for name in outer.fragments])
+        worker.published = worker.state_of(outer.params, outer.shared_state(), hashes)
+        if not stats.committed:
+            worker.load_into_model()
+        return RoundOutcome(inner, stats)
+
+    def _land(self, sync: OuterRound, name: str) -> Landed:
+        landed = self.background.land(sync)
+        if landed.step is not None:
+            landed.slice_sha256 = self.worker.slice_hash(landed.step, name)
+        return landed
+
+    def close(self) -> None:
+        self.background.close()
+
+
+def summed(syncs: list[AllReduceStats]) -> AllReduceStats:
+    """A round's fragment syncs as one: bytes, parameters and seconds summed, applied only if every fragment was,
+    the smallest group, redone if any was, every failure; ``sync_bytes`` lists each fragment's traffic (sent +
+    received)."""
+    smallest = min(syncs, key=lambda s: len(s.peers))
+    return AllReduceStats(
+        list(smallest.peers), sum(s.bytes_sent for s in syncs), sum(s.bytes_received for s in syncs),
+        sum(s.dense_fp32_bytes for s in syncs), sum(s.contribution_bytes for s in syncs),
+        sum(s.params for s in syncs), sorted({p for s in syncs for p in s.dropped}), sum(s.seconds for s in syncs),
+        committed=all(s.committed for s in syncs), excluded=any(s.excluded for s in syncs),
+        clipped=sorted({p for s in syncs for p in s.clipped}),
+        sync_bytes=[s.bytes_sent + s.bytes_received for s in syncs], attempts=max(s.attempts for s in syncs),
+        failures=[failure for s in syncs for failure in s.failures])
