@@ -10,19 +10,27 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py --methods diloco "sparseloco:topk=128,error_decay=0.9"   # variants
     python benchmarks/quality.py --methods diloco loco "loco:bits=2"   # LoCo's low-bit values against fp32
     python benchmarks/quality.py --suite heterogeneous    # full replicas vs 2-stage compressed groups
-    python benchmarks/quality.py --suite overlap          # DiLoCo and SparseLoCo with and without overlap
+    python benchmarks/quality.py --suite overlap --seeds 2   # DiLoCo and SparseLoCo: no overlap, naive, eager
     python benchmarks/quality.py --suite streaming        # Streaming DiLoCo (P = 2, 4) next to the others
 
 Methods: ``ddp``; ``diloco`` / ``sparseloco`` / ``loco`` / ``streaming`` (every replica full), each with
 optional outer settings after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
-``selective:ratio=R`` (half the replicas full, half compressed groups), SparseLoCo per stage. The eval
-loss is that of the global parameters as replica 0 runs them (projected onto span(U) when replica 0
-is a compressed group).
+``selective:ratio=R`` (half the replicas full, half compressed groups), SparseLoCo per stage.
+``ALGORITHM+overlap:UPDATE`` runs overlapped rounds (UPDATE: eager or naive; more settings after a comma). An
+in-process all-reduce ends at once, so an eager round lands at a fixed inner step of the next round, as if
+its all-reduce took that long: ``landing=K`` inner steps (default 1), ``landing=end`` the whole round (the
+naive update always takes its step at the round's end).
+
+The eval loss is that of the global parameters (projected onto span(U) when replica 0 is a compressed
+group). With ``--seeds N`` every method runs N times (model init and data order seeded apart): the tables
+show the mean, and ``--json`` prints one object per method with its mean and per-seed final eval losses.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
 
 import torch
@@ -34,9 +42,9 @@ from p2ploco.data import ShardSampler, eval_batches, load_training_data
 from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate, squared_norm
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.model import Transformer
-from p2ploco.outer.streaming import StreamingDiLoCo
 from p2ploco.pipeline.inprocess import FULL, GROUP, InProcessSwarm, build_swarm, run_in_threads
 from p2ploco.pipeline.subspace import SubspaceConstraint, constrained_dims
+from p2ploco.schedules import Landing
 
 CPU = torch.device("cpu")
 # Besides each method's reference settings, one variant each found by a small sweep on this benchmark:
@@ -54,9 +62,12 @@ SUITES = {
                    "streaming:fragments=4,delay=1"], ["model.n_layer=4", "inner.steps=12"]),
     # Heterogeneous SparseLoCo (arXiv 2601.02360): all full replicas, then 2-stage compressed groups for all
     # replicas (uniform) or half of them (selective), at a mild and an aggressive compression d/k.
-    # Overlap: each round's all-reduce runs during the next round's inner steps, its outer step one round late.
+    # Overlap: each round's all-reduce runs during the next round's inner steps. Naive: the outer step one round
+    # late; eager: rebased as soon as it lands (after one inner step, or, at worst, the whole next round).
     "overlap": ("configs/tiny.yaml",
-                ["diloco", "diloco:overlap=true", "sparseloco", "sparseloco:overlap=true"], []),
+                ["diloco", "diloco+overlap:naive", "diloco+overlap:eager", "diloco+overlap:eager,landing=end",
+                 "sparseloco", "sparseloco+overlap:naive", "sparseloco+overlap:eager",
+                 "sparseloco+overlap:eager,landing=end"], []),
     "heterogeneous": ("configs/tiny-pipeline.yaml",
                       ["sparseloco", "selective:ratio=8", "uniform:ratio=8", "selective:ratio=32",
                        "uniform:ratio=32"], []),
@@ -70,13 +81,26 @@ class Setup:
         self.eval = eval_batches(self.data.eval, config.data.seq_len, config.data.eval_sequences)
         self.eval_every = max(1, rounds // 8)
 
-    def method_config(self, method: str) -> tuple[Config, list[str]]:
-        """The run config of an outer method and the kind of each replica (full or a pipeline group)."""
-        algorithm, _, settings = method.partition(":")
-        pairs = dict(setting.split("=", 1) for setting in settings.split(",") if setting)
+    def method_config(self, method: str, seed: int = 0) -> tuple[Config, list[str], Landing]:
+        """The run config of an outer method, the kind of each replica (full or a pipeline group), and when an
+        eager overlapped round lands; ``seed`` > 0 seeds the model and the data order apart."""
+        name, _, settings = method.partition(":")
+        algorithm, _, overlap = name.partition("+")
+        words = [setting for setting in settings.split(",") if setting]
+        pairs = dict(word.split("=", 1) for word in words if "=" in word)
         c = self.config
         # the cosine spans the whole run, as in DDP
         overrides = [f"inner.total_steps={self.rounds * c.inner.steps}", f"training.rounds={self.rounds}"]
+        if seed:
+            overrides += [f"training.seed={seed}", f"run_id={c.run_id}-seed{seed}"]
+        landing = Landing(after=1, wait=True)
+        if overlap:
+            if overlap != "overlap":
+                raise SystemExit(f"method {method!r}: expected ALGORITHM+overlap:eager or ALGORITHM+overlap:naive")
+            (update,) = [word for word in words if "=" not in word] or ["eager"]
+            overrides += [f"outer.{algorithm}.overlap=true", f"outer.{algorithm}.overlap_update={update}"]
+            steps = pairs.pop("landing", "1")
+            landing = Landing(after=c.inner.steps if steps == "end" else int(steps), wait=True)
         kinds = [FULL] * self.replicas
         if algorithm in ("selective", "uniform"):
             ratio = int(pairs.pop("ratio", "8"))
@@ -88,18 +112,14 @@ class Setup:
         else:
             overrides += [f"outer.algorithm={algorithm}", "pipeline.compression=none"]
         overrides += [f"outer.{algorithm}.{key}={value}" for key, value in pairs.items()]
-        return with_overrides(c, overrides), kinds
+        return with_overrides(c, overrides), kinds, landing
 
 
 def global_model(swarm: InProcessSwarm, config: Config) -> Transformer:
-    """The global parameters in one whole model, as replica 0 runs them (projected if it is constrained)."""
+    """The published global parameters in one whole model (projected onto span(U) if replica 0 is constrained)."""
     workers = swarm.replicas[0]
-    # Overlapped and streaming replicas train local params that differ from the global ones: build the latter.
-    if len(workers) == 1 and workers[0].trained_from is None and not isinstance(workers[0].outer, StreamingDiLoCo):
-        return workers[0].model
-    stages = [w.model for w in workers]
-    model = Transformer(config.model, config.training.seed, token_table=stages[0].token_table)
-    values = {name: p for w in workers for name, p in zip(w.names, w.outer.params)}
+    model = Transformer(config.model, config.training.seed, token_table=workers[0].model.token_table)
+    values = {name: p for w in workers for name, p in zip(w.names, w.published.params)}
     names = [name for name, _ in model.named_parameters()]
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -131,11 +151,11 @@ def off_span_share(swarm: InProcessSwarm, config: Config, initial: dict[str, tor
     return (outside / total) ** 0.5
 
 
-def run_outer(setup: Setup, method: str) -> tuple[list[tuple[int, float]], int, int, float | None]:
+def run_outer(setup: Setup, method: str, seed: int = 0) -> tuple[list[tuple[int, float]], int, int, float | None]:
     """An outer method: the eval-loss curve (at outer rounds), all-reduce bytes per replica, the
     stage-boundary bytes per pipeline group (0 without groups), and the off-span share of the global update."""
-    config, kinds = setup.method_config(method)
-    swarm = build_swarm(config, kinds, setup.data.train)
+    config, kinds, landing = setup.method_config(method, seed)
+    swarm = build_swarm(config, kinds, setup.data.train, landing=landing)
     initial = global_params(swarm)
     curve: list[tuple[int, float]] = []
 
@@ -146,13 +166,14 @@ def run_outer(setup: Setup, method: str) -> tuple[list[tuple[int, float]], int, 
     swarm.train(setup.rounds, after_round)
     all_reduce = sum(swarm.all_reduce_bytes) // setup.replicas
     groups = [r for r in swarm.replicas if len(r) > 1]
-    boundary = sum(w.inner.gradients.transport.bytes_sent for r in groups for w in r) // max(1, len(groups))
+    boundary = sum(t.bytes_sent for t in swarm.transports) // max(1, len(groups))
     return curve, all_reduce, boundary, off_span_share(swarm, config, initial)
 
 
-def run_ddp(setup: Setup) -> tuple[list[tuple[int, float]], int, int, float | None]:
+def run_ddp(setup: Setup, seed: int = 0) -> tuple[list[tuple[int, float]], int, int, float | None]:
     """AdamW with gradients averaged over the replicas at every step (replicas stay identical)."""
-    c = setup.config
+    c = with_overrides(setup.config, [f"training.seed={seed}", f"run_id={setup.config.run_id}-seed{seed}"]) if seed \
+        else setup.config
     group = InProcessGroup(setup.replicas)
     steps = setup.rounds * c.inner.steps
     curve: list[tuple[int, float]] = []
@@ -194,10 +215,13 @@ def main() -> None:
     parser.add_argument("--config", help="model and training config (default: the suite's)")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=40, help="outer rounds; DDP runs rounds * H steps")
+    parser.add_argument("--seeds", type=int, default=1, help="runs of every method, seeded apart (tables: means)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--methods", nargs="+", help='e.g. ddp diloco "sparseloco:topk=128" selective:ratio=8')
+    parser.add_argument("--json", action="store_true", help="print one JSON object per method instead of tables")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the replicas' threads share the cores
+    say = (lambda *_: None) if args.json else print
 
     suite_config, suite_methods, suite_overrides = SUITES[args.suite]
     config_path = args.config or suite_config
@@ -205,20 +229,37 @@ def main() -> None:
     setup = Setup(config, args.replicas, args.rounds)
     tokens = args.replicas * args.rounds * config.inner.steps * config.inner.grad_accum * config.inner.batch_size \
         * config.data.seq_len
-    print(f"{args.replicas} replicas, {args.rounds} rounds x H={config.inner.steps} inner steps, "
-          f"{tokens / 1e6:.2f}M tokens per method, model {config_path}")
-    results = {}
+    say(f"{args.replicas} replicas, {args.rounds} rounds x H={config.inner.steps} inner steps, "
+        f"{tokens / 1e6:.2f}M tokens per method, model {config_path}, {args.seeds} seed(s)")
+    runs: dict[str, list[tuple[list[tuple[int, float]], int, int, float | None]]] = {}
     for method in args.methods or suite_methods:
-        started = time.perf_counter()
-        results[method] = run_ddp(setup) if method == "ddp" else run_outer(setup, method)
-        print(f"  {method}: {time.perf_counter() - started:.0f} s, final eval loss {results[method][0][-1][1]:.3f}",
-              flush=True)
+        for seed in range(args.seeds):
+            started = time.perf_counter()
+            run = run_ddp(setup, seed) if method == "ddp" else run_outer(setup, method, seed)
+            runs.setdefault(method, []).append(run)
+            say(f"  {method} (seed {seed}): {time.perf_counter() - started:.0f} s, final eval loss {run[0][-1][1]:.3f}",
+                flush=True)
+    # Per method: the mean eval-loss curve over seeds, and the first seed's traffic (the same for every seed).
+    results = {m: ([(step, statistics.fmean(curve[k][1] for curve, *_ in seeded))
+                    for k, (step, _) in enumerate(seeded[0][0])], *seeded[0][1:]) for m, seeded in runs.items()}
+    if args.json:
+        print(json.dumps([{"method": m, "final_eval_loss": round(results[m][0][-1][1], 4),
+                           "seeds": [round(curve[-1][1], 4) for curve, *_ in seeded], "rounds": args.rounds,
+                           "replicas": args.replicas, "all_reduce_bytes_per_replica": results[m][1]}
+                          for m, seeded in runs.items()], indent=1))
+        return
 
     steps = [s for s, _ in next(iter(results.values()))[0]]
     print()
-    print("Eval loss by inner step")
+    print("Eval loss by inner step" + (f" (mean of {args.seeds} seeds)" if args.seeds > 1 else ""))
     print(format_table(["step", *results], [
         [step, *(f"{dict(curve)[step]:.3f}" for curve, *_ in results.values())] for step in steps]))
+    if args.seeds > 1:
+        print()
+        print("Final eval loss by seed")
+        print(format_table(["method", *(f"seed {s}" for s in range(args.seeds)), "mean"], [
+            [m, *(f"{curve[-1][1]:.3f}" for curve, *_ in seeded), f"{results[m][0][-1][1]:.3f}"]
+            for m, seeded in runs.items()]))
     print()
     final = {m: curve[-1][1] for m, (curve, *_) in results.items()}
     reference = final.get("ddp", final.get("sparseloco"))
@@ -229,6 +270,13 @@ def main() -> None:
             for m, (_, traffic, boundary, outside) in results.items()]
     print(format_table(("method", "final eval loss", f"vs {against}", "all-reduce bytes per replica",
                         "stage-boundary bytes per group", "update off span(U)"), rows))
+    overlapped = [m for m in final if "+overlap" in m and m.split("+")[0] in final]
+    if overlapped:
+        print()
+        print("Overlap against the same algorithm without it")
+        print(format_table(("method", "final eval loss", "no overlap", "difference"), [
+            (m, f"{final[m]:.3f}", f"{final[m.split('+')[0]]:.3f}",
+             f"{100 * (final[m] / final[m.split('+')[0]] - 1):+.2f}%") for m in overlapped]))
 
 
 if __name__ == "__main__":
