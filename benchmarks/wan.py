@@ -12,8 +12,10 @@ machine: the namespaces reach only each other.
 Per setting, from the nodes' round records, a table with a row per round: bytes per node (sent +
 received), comm, round and inner seconds (means over the nodes), compute utilisation (inner seconds over
 the wall seconds since the node's previous record), the time the slowest host needs to move its larger
-direction at its cap, and whether every node applied the same parameters. The summary line (and `--json`)
-leaves out round 0, which includes start-up. Settings run one after another; each gets fresh namespaces.
+direction at its cap, and whether every node applied the same parameters. The summary lines (and `--json`)
+leave out round 0, which includes start-up: means over rounds 1.., and medians over every node's rounds
+1 .. R-2 (the last round also evaluates and writes the exit checkpoint; `median_utilisation`,
+`median_round_minus_inner`). Settings run one after another; each gets fresh namespaces.
 
 Needs root (network namespaces and tc). Where they cannot be made it says so in one line and exits 0.
 It always removes what it made (processes, namespaces, and with them the veths and the bridge), also on
@@ -324,6 +326,15 @@ def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple
     table.append(("mean 1..", human_bytes(row["bytes_per_round"]), f"{row['comm_seconds']:.2f}",
                   f"{row['round_seconds']:.2f}", f"{row['inner_seconds']:.2f}", f"{row['utilisation']:.2f}",
                   f"{row['transfer_seconds']:.2f}", "yes" if row["hashes_equal"] else "NO"))
+    # Medians over rounds 1 .. R-2 of every node: the last round also evaluates and writes the exit checkpoint.
+    middle = [r for rows in (per_round[1:-1] or measured) for r in rows]
+    medians = {key: round(statistics.median(r[key] for r in middle), 3)
+               for key in ("comm_seconds", "round_seconds", "inner_seconds", "compute_utilisation")}
+    row["median_utilisation"] = medians["compute_utilisation"]
+    row["median_round_minus_inner"] = round(statistics.median(r["round_seconds"] - r["inner_seconds"]
+                                                              for r in middle), 3)
+    table.append(("median 1..R-2", "", f"{medians['comm_seconds']:.2f}", f"{medians['round_seconds']:.2f}",
+                  f"{medians['inner_seconds']:.2f}", f"{medians['compute_utilisation']:.2f}", "", ""))
     return table, row
 
 

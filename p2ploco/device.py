@@ -40,6 +40,14 @@ class SideStream:
                 self.stream.wait_event(after)
             yield
 
+    def holds(self, tensors: Sequence[torch.Tensor]) -> None:
+        """``tensors``, made on another stream, are used on the side stream too: the caching allocator must not
+        hand their memory out again before the side stream is done with them."""
+        if self.stream is not None:
+            for tensor in tensors:
+                if tensor.device.type == "cuda":
+                    tensor.record_stream(self.stream)
+
     def done(self) -> torch.cuda.Event | None:
         """An event on the side stream: what was queued on it so far (for the main stream to wait on)."""
         if self.stream is None:
@@ -49,10 +57,16 @@ class SideStream:
         return event
 
 
-def wait_for(event: torch.cuda.Event | None) -> None:
-    """Make the calling thread's current stream wait for ``event`` (a ``SideStream.done``); no-op on the CPU."""
+def wait_for(event: torch.cuda.Event | None, tensors: Sequence[torch.Tensor] = ()) -> None:
+    """Make the calling thread's current stream wait for ``event`` (a ``SideStream.done``) before it uses
+    ``tensors``, which the side stream made (and which the allocator must then keep for this stream too); no-op
+    on the CPU."""
     if event is not None:
-        torch.cuda.current_stream().wait_event(event)
+        stream = torch.cuda.current_stream()
+        stream.wait_event(event)
+        for tensor in tensors:
+            if tensor.device.type == "cuda":
+                tensor.record_stream(stream)
 
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -224,6 +224,7 @@ def test_a_round_in_flight_holds_up_no_inner_step_and_the_next_rounds_end_waits_
     first = schedule.run(0, comm, RoundHooks())
     assert first is not None and first.comm is None  # nothing was in flight before round 0
     outcome = []
+    worker.inner.step_in_round = 0  # round 0 left it at H: only round 1's inner steps bring it there again
     thread = threading.Thread(target=lambda: outcome.append(schedule.run(1, comm, RoundHooks())))
     thread.start()
     try:

@@ -10,9 +10,10 @@ which costs a few reference swaps. Outer state is only ever taken on the trainin
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -64,18 +65,35 @@ class Flight:
 
 
 class Background:
-    """One worker's background thread for outer work, and the side stream that work runs on."""
+    """One worker's background thread for outer work, and the side stream that work runs on.
+
+    The thread is a daemon: a node that stops at once does not wait for an all-reduce its swarm has left."""
 
     def __init__(self, worker: Worker):
         self.worker = worker
         self.side = SideStream(worker.device)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="outer-work")
+        self._jobs: queue.SimpleQueue[tuple[Future, Callable[[], object]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="outer-work", daemon=True)
+        self._thread.start()
         # Bumped whenever the global state is loaded from outside (a catch-up): a step prepared before that is
         # stale and is prepared again when taken.
         self.loaded = 0
 
     def submit(self, work: Callable[[], T]) -> Future[T]:
-        return self._thread.submit(work)
+        """Run ``work`` after the jobs submitted before it; its result (or its exception) in the future."""
+        future: Future[T] = Future()
+        self._jobs.put((future, work))
+        return future
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, work = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(work())
+            except BaseException as e:  # handed to whoever takes the landing, like any Future
+                future.set_exception(e)
 
     def land(self, outer_round: OuterRound) -> Landed:
         """Wait for ``outer_round``'s all-reduce and prepare its outer step (on the calling thread)."""
@@ -96,4 +114,5 @@ class Background:
         return landed.stats
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        """No more jobs: the thread ends after the one under way (whose result nobody takes)."""
+        self._jobs.put(None)

@@ -116,6 +116,7 @@ class OverlappedRounds(RoundSchedule):
         def work() -> Landed:
             try:
                 with background.side.running(after), worker.lock:
+                    background.side.holds([*trained, *start])
                     flight.outer_round = worker.outer.contribute(trained, round_index, start)
                 flight.outer_round.start(comm)
             finally:
@@ -145,7 +146,7 @@ class OverlappedRounds(RoundSchedule):
             self.worker.published = landed.published or self.worker.state_of(self.worker.outer.params,
                                                                               self.worker.outer.shared_state())
         if self.eager:
-            wait_for(landed.done)
+            wait_for(landed.done, [*landed.rebased, *landed.moved])
             if prepared_here or base is not flight.base:  # a catch-up moved the local params meanwhile
                 landed.rebased = to_device(self.worker.published.params, self.worker.device)
                 landed.moved = [new.sub(old) for new, old in zip(landed.rebased, base)]
