@@ -50,7 +50,7 @@ class Flight:
 
     round_index: int
     base: list[torch.Tensor] = field(default_factory=list)  # where the local params continued from meanwhile
-    landing: Future[Landed] | None = None
+    landing: Future[Landed] = field(default_factory=Future)
     outer_round: OuterRound | None = None  # once contributed
     contributed: threading.Event = field(default_factory=threading.Event)  # set once contributed, or failed to
 
@@ -61,7 +61,7 @@ class Flight:
 
     def ready(self) -> bool:
         """Whether its landing is ready to take (never waits)."""
-        return self.landing is not None and self.landing.done()
+        return self.landing.done()
 
 
 class Background:
@@ -85,6 +85,13 @@ class Background:
         self._jobs.put((future, work))
         return future
 
+    def when(self, done: Future, work: Callable[[], T], into: Future[T] | None = None) -> Future[T]:
+        """Run ``work`` once ``done`` has ended (an all-reduce: the thread never waits for the network, so a round
+        whose all-reduce runs long holds up no other work); its result in ``into`` (a fresh future by default)."""
+        future: Future[T] = into if into is not None else Future()
+        done.add_done_callback(lambda _: self._jobs.put((future, work)))
+        return future
+
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             future, work = job
@@ -96,7 +103,7 @@ class Background:
                 future.set_exception(e)
 
     def land(self, outer_round: OuterRound) -> Landed:
-        """Wait for ``outer_round``'s all-reduce and prepare its outer step (on the calling thread)."""
+        """``outer_round``'s ended all-reduce, and its outer step prepared (on the calling thread)."""
         loaded = self.loaded
         stats = outer_round.all_reduce.wait()
         step = self.worker.outer.prepare(outer_round) if stats.committed else None

@@ -113,14 +113,20 @@ class OverlappedRounds(RoundSchedule):
         flight = Flight(round_index, trained)
         after = background.side.mark()  # ``trained`` was copied on the training stream
 
-        def work() -> Landed:
+        def contribute() -> None:
             try:
                 with background.side.running(after), worker.lock:
                     background.side.holds([*trained, *start])
                     flight.outer_round = worker.outer.contribute(trained, round_index, start)
                 flight.outer_round.start(comm)
+            except BaseException as e:  # the training thread meets it when it takes the landing
+                flight.landing.set_exception(e)
+                raise
             finally:
                 flight.contributed.set()
+            background.when(flight.outer_round.all_reduce.result, land, into=flight.landing)
+
+        def land() -> Landed:
             landed = background.land(flight.outer_round)
             with background.side.running():
                 if landed.step is not None:
@@ -131,7 +137,7 @@ class OverlappedRounds(RoundSchedule):
                 landed.done = background.side.done()
             return landed
 
-        flight.landing = background.submit(work)
+        background.submit(contribute)
         self.flight = flight
 
     @torch.no_grad()

@@ -49,7 +49,7 @@ class StreamingRounds(RoundSchedule):
                 if steps_done == start:
                     sync = outer.contribute_fragments([name], local, round_index)
                     sync.start(comm, name)
-                    syncing[name] = self.background.submit(partial(self._land, sync, name))
+                    syncing[name] = self.background.when(sync.all_reduce.result, partial(self._land, sync, name))
                 if steps_done == apply:
                     landed = syncing.pop(name).result()
                     synced[name] = self.background.take(landed)
