@@ -25,7 +25,7 @@ import torch
 from p2ploco.catchup import CatchUp, Membership
 from p2ploco.collective.exchange import AllReduceStats
 from p2ploco.config import Config
-from p2ploco.data import Batch, eval_batches, load_training_data
+from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
 from p2ploco.errors import ConfigError, PipelineError
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.roles import REPLICA, STAGE, ReplicaRole, Role, RoleOptions, StageRole
@@ -113,18 +113,7 @@ class Node:
             self._announce(swarm)
             files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, fingerprint, self.resume,
                                  lambda line: self.out(f"[{me}] {line}"))
-            role: Role = (ReplicaRole(c, device, data, swarm) if self.role_options.kind == REPLICA
-                          else StageRole(c, device, data, swarm, self.role_options))
-            round_index, membership = 0, Membership(0, "init")
-            saved = files.saved()
-            if saved is not None and isinstance(role, StageRole):
-                role.pin(*saved.extras.get("slot", (None, None)))
-            role.place()
-            swarm.track(lambda: {"inner_step": role.worker.inner.step_in_round})
-            if saved is not None:
-                role.worker.restore(saved, files.checkpoints)
-                round_index, membership = saved.round, Membership(saved.round, "checkpoint")
-                self.out(f"[{me}] resumed from {files.checkpoints} at round {round_index}")
+            role, round_index, membership = self._take_role(swarm, device, data, files)
             self.out(f"[{me}] {role.describe()} on {device}; {data.describe()}; outer {c.outer.algorithm}, "
                      f"H={c.inner.steps}")
             self._publish(swarm, role.worker, round_index, PeerState.JOINING)
@@ -157,6 +146,24 @@ class Node:
             self.out(f"[{me}] left the swarm after {len(self.records)} round(s)")
         self.out(summary(self.records, time.perf_counter() - started))
         return self.records
+
+    def _take_role(self, swarm: Swarm, device: torch.device, data: TrainingData, files: RunDirectory,
+                   ) -> tuple[Role, int, Membership]:
+        """This node's role with its worker placed, resumed from the run directory's checkpoint if asked; the round
+        to train first and how the node came by its state."""
+        c = self.config
+        role: Role = (ReplicaRole(c, device, data, swarm) if self.role_options.kind == REPLICA
+                      else StageRole(c, device, data, swarm, self.role_options))
+        saved = files.saved()
+        if saved is not None and isinstance(role, StageRole):
+            role.pin(*saved.extras.get("slot", (None, None)))
+        role.place()
+        swarm.track(lambda: {"inner_step": role.worker.inner.step_in_round})
+        if saved is None:
+            return role, 0, Membership(0, "init")
+        role.worker.restore(saved, files.checkpoints)
+        self.out(f"[{swarm.peer_id[-8:]}] resumed from {files.checkpoints} at round {saved.round}")
+        return role, saved.round, Membership(saved.round, "checkpoint")
 
     def _loop(self, swarm: Swarm, role: Role, schedule: RoundSchedule, files: RunDirectory, held_out: list[Batch],
               round_index: int, membership: Membership) -> tuple[int, RoundSchedule]:

@@ -91,10 +91,9 @@ class Worker:
                  hashlib.sha256(";".join(f"{k}={v}" for k, v in slice_sha256.items()).encode()).hexdigest())
         return Published(tuple(params), dict(shared), dict(slice_sha256), whole)
 
-    def after(self, step: OuterStep, slice_sha256: dict[str, str] | None = None) -> Published:
-        """The published state as ``step`` will leave it once taken (hashed here, on the calling thread, unless
-        ``slice_sha256`` says)."""
-        return self.state_of(*self._stepped(step), slice_sha256)
+    def after(self, step: OuterStep) -> Published:
+        """The published state as ``step`` will leave it once taken (hashed here, on the calling thread)."""
+        return self.state_of(*self._stepped(step))
 
     def slice_hash(self, step: OuterStep, slice_name: str) -> str:
         """The hash of ``slice_name``'s state once ``step`` is taken (on the calling thread)."""
