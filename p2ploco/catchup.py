@@ -18,8 +18,14 @@ from p2ploco.errors import SwarmError
 from p2ploco.schedules import RoundSchedule
 from p2ploco.swarm.records import PeerState, SwarmState
 from p2ploco.swarm.runtime import Swarm
+from p2ploco.worker import Worker
 
 CATCH_UP_POLL = 0.25  # seconds between looks at the records while waiting to catch up
+
+
+def publish_progress(swarm: Swarm, worker: Worker, round_index: int, state: PeerState, doubtful: bool = False) -> None:
+    """This peer's record: the round it is at, and the hashes of the published state it holds."""
+    swarm.set_progress(round_index, state, worker.params_sha256, worker.slice_sha256, doubtful)
 
 
 @dataclass
@@ -61,8 +67,7 @@ class CatchUp:
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
         if unsettled is not None:
-            # our state, for the comparison
-            swarm.set_progress(round_index, PeerState.TRAINING, worker.params_sha256, worker.slice_sha256, doubtful)
+            publish_progress(swarm, worker, round_index, PeerState.TRAINING, doubtful)  # our state, to compare
             if not self._wait(lambda: swarm.settled(unsettled), deadline):
                 return round_index, membership, doubtful
         # Between two rounds that went well the heartbeat's view will do (a peer behind is also told so at its next

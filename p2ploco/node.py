@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from p2ploco.catchup import CatchUp, Membership
+from p2ploco.catchup import CatchUp, Membership, publish_progress
 from p2ploco.collective.exchange import AllReduceStats
 from p2ploco.config import Config
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
@@ -34,7 +34,6 @@ from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.records import EVAL_HISTORY, PeerState
 from p2ploco.swarm.runtime import Swarm
-from p2ploco.worker import Worker
 
 
 @dataclass
@@ -116,7 +115,7 @@ class Node:
             role, round_index, membership = self._take_role(swarm, device, data, files)
             self.out(f"[{me}] {role.describe()} on {device}; {data.describe()}; outer {c.outer.algorithm}, "
                      f"H={c.inner.steps}")
-            self._publish(swarm, role.worker, round_index, PeerState.JOINING)
+            publish_progress(swarm, role.worker, round_index, PeerState.JOINING)
             if c.swarm.min_peers > 1:
                 self.out(f"[{me}] waiting for {c.swarm.min_peers} peers ...")
                 present = swarm.wait_for_peers(c.swarm.min_peers, c.swarm.startup_timeout, self.stopping)
@@ -183,12 +182,12 @@ class Node:
                                                          first=not self.records)
             if c.training.rounds and round_index >= c.training.rounds:
                 break
-            announce = partial(self._publish, swarm, role.worker, round_index, PeerState.TRAINING, doubtful)
+            announce = partial(publish_progress, swarm, role.worker, round_index, PeerState.TRAINING, doubtful)
             if not role.ready(round_index, announce, self.stopping):
                 if role.waiting_for != waiting:
                     waiting = role.waiting_for
                     self.out(f"[{me}] standby: waiting for {waiting}")
-                self._publish(swarm, role.worker, round_index, PeerState.STANDBY)
+                publish_progress(swarm, role.worker, round_index, PeerState.STANDBY)
                 self.stopping.wait(c.swarm.heartbeat_interval)
                 continue
             waiting = ""
@@ -212,10 +211,6 @@ class Node:
                 files.save(schedule.checkpoint(round_index, role.checkpoint_extras()))
         return round_index, schedule
 
-    @staticmethod
-    def _publish(swarm: Swarm, worker: Worker, round_index: int, state: PeerState, doubtful: bool = False) -> None:
-        swarm.set_progress(round_index, state, worker.params_sha256, worker.slice_sha256, doubtful)
-
     def _round(self, swarm: Swarm, role: Role, schedule: RoundSchedule, round_index: int, membership: Membership,
                held_out: list[Batch], doubtful: bool) -> RoundRecord | None:
         """One round by the schedule, an eval and the record; ``doubtful``: published with the state this round
@@ -234,7 +229,7 @@ class Node:
             self.out(f"[{swarm.peer_id[-8:]}] round {round_index}: the pipeline group failed ({e}); it sits the "
                      f"round out and catches up")
             schedule.restart()
-            self._publish(swarm, worker, round_index, PeerState.STANDBY)  # nobody waits for this peer's join
+            publish_progress(swarm, worker, round_index, PeerState.STANDBY)  # nobody waits for this peer's join
             return self._record(swarm, role, round_index, membership, started, loss=float("nan"),
                                 applied=False, excluded=True)
         if outcome is None:

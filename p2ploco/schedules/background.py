@@ -1,8 +1,8 @@
 """Outer work off the training thread: a worker's background thread, and what a landing hands back.
 
 A round schedule hands the outer algorithm's slow work (a contribution: pseudo-gradient, compression,
-encoding; a landing: the wait for the aggregate, the outer step computed out of place, the hash of the state it
-leaves) to one background thread per worker, in order, so that the training thread only trains. On CUDA that
+encoding; a landing, queued once the all-reduce has ended: the outer step computed out of place, the hash of the
+state it leaves) to one background thread per worker, in order, so that the training thread only trains. On CUDA that
 work runs on a side stream (``p2ploco.device``). The training thread then *takes* a landing between two
 inner steps: it swaps the prepared tensors in (``OuterAlgorithm.take``) and publishes the state they make up,
 which costs a few reference swaps. Outer state is only ever taken on the training thread, in round order.

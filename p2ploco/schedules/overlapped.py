@@ -148,9 +148,10 @@ class OverlappedRounds(RoundSchedule):
         base = self.start if self.start is not None else list(self.worker.published.params)
         prepared_here = landed.loaded != self.background.loaded
         stats = self.background.take(landed, () if self.eager else params)
-        if landed.step is not None:
-            self.worker.published = landed.published or self.worker.state_of(self.worker.outer.params,
-                                                                              self.worker.outer.shared_state())
+        if landed.published is not None:
+            self.worker.published = landed.published
+        elif landed.step is not None:  # prepared again here, on a state loaded meanwhile
+            self.worker.publish()
         if self.eager:
             wait_for(landed.done, [*landed.rebased, *landed.moved])
             if prepared_here or base is not flight.base:  # a catch-up moved the local params meanwhile
