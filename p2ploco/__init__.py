@@ -5,4 +5,6 @@ __version__ = "0.1.0"
 # that speak different versions never meet in a round: the newcomer refuses to start, in one line.
 # 2: streams closed by the side that read last; reducers answer "missed"; groups and decisions say whom they leave
 # out and why; votes report only peers rejected as malformed; records carry "unsettled".
-PROTOCOL_VERSION = 2
+# 3: contributions are weighted by the tokens they were trained on (joins and groups carry them); peers behind a
+# NAT say so (joins, groups, records) and reduce no span.
+PROTOCOL_VERSION = 3

@@ -21,6 +21,8 @@ from p2ploco.swarm.runtime import Swarm
 from p2ploco.worker import Worker
 
 CATCH_UP_POLL = 0.25  # seconds between looks at the records while waiting to catch up
+# a peer at most this many rounds behind keeps its unapplied work (error feedback, carry) when it catches up
+KEEP_LOCAL_ROUNDS = 4
 
 
 def publish_progress(swarm: Swarm, worker: Worker, round_index: int, state: PeerState, doubtful: bool = False) -> None:
@@ -102,8 +104,8 @@ class CatchUp:
         swarm.flush()
         started = time.perf_counter()
         try:
-            schedule.adopt({**own, **{name: swarm.fetch_state(t, worker.state_bytes(name))
-                                      for name, t in fetch.items()}})
+            fetched = {name: swarm.fetch_state(t, worker.state_bytes(name)) for name, t in fetch.items()}
+            schedule.adopt({**own, **fetched}, keep_local=top - round_index <= KEEP_LOCAL_ROUNDS)
         except SwarmError as e:
             self.out(f"[{me}] could not catch up ({e}); training on and trying again next round")
             return round_index, membership, True

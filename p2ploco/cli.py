@@ -145,17 +145,21 @@ def node() -> None:
               help="Train the whole model, or one stage of a pipeline group (needs pipeline.stages >= 2).")
 @click.option("--group", "pipeline_group", help="With --role stage: join this pipeline group [any with a free slot].")
 @click.option("--stage", type=click.IntRange(min=0), help="With --role stage: hold this stage [any free one].")
+@click.option("--reachability", type=click.Choice(["auto", "public", "relayed", "client"]),
+              help="Whether other peers can dial this one [auto: a peer dials it back at start]; client: it is "
+                   "behind a NAT and only dials out (sets swarm.reachability).")
 @reports_errors
 def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...],
                announce_maddrs: tuple[str, ...], identity: str | None, run_id: str | None, max_rounds: int | None,
                log_dir: str | None, overrides: tuple[str, ...], resume: bool, name: str, role: str,
-               pipeline_group: str | None, stage: int | None) -> None:
+               pipeline_group: str | None, stage: int | None, reachability: str | None) -> None:
     """Join (or start) a swarm and train."""
     from p2ploco.config import load_config
     from p2ploco.node import Node, SwarmOptions
     from p2ploco.roles import RoleOptions
 
-    extra = ([f"run_id={run_id}"] if run_id else []) + ([f"training.rounds={max_rounds}"] if max_rounds else [])
+    extra = ([f"run_id={run_id}"] if run_id else []) + ([f"training.rounds={max_rounds}"] if max_rounds else []) \
+        + ([f"swarm.reachability={reachability}"] if reachability else [])
     config = load_config(config_path, list(overrides) + extra)
     if len(name) > 64:
         raise ConfigError(f"--name is {len(name)} characters long; use at most 64")

@@ -75,6 +75,10 @@ class InnerConfig:
     # after warm-up when the run has no round limit.
     total_steps: int = 0
     min_lr_ratio: float = 0.1
+    # A round trains as many of its H steps as fit in the swarm's round budget (budget.py): this many seconds, or
+    # (0) H times the fastest peer's step. fixed_steps: train H steps every round, however long they take.
+    round_seconds: float = 0.0
+    fixed_steps: bool = False
 
 
 @dataclass
@@ -202,6 +206,9 @@ class SwarmConfig:
     min_peers: int = 1  # peers (self included) to wait for before the first round
     startup_timeout: float = 120.0  # longest wait for min_peers at start; then train anyway
     ban_rounds: int = 10  # rounds a peer caught sending malformed data is left out of this node's rounds
+    # whether other peers can dial this one (swarm/reachability.py): auto asks a peer to dial it back at start;
+    # public, relayed (only through a circuit relay) or client (it can only dial out) skip the probe
+    reachability: Literal["auto", "public", "relayed", "client"] = "auto"
 
 
 @dataclass

@@ -4,7 +4,8 @@ Set ``P2PLOCO_FAULTS`` to a comma-separated list of ``point@round=action``, for 
 ``allreduce.contribute@3=kill,inner.step@5=stall:20``. Actions: ``kill`` (SIGKILL this process, as a
 crash would), ``stall:SECONDS`` (hang there), ``fail`` (raise InjectedFault, a TransportError, as a broken
 link would), ``fail:N`` (only the first N times the point is reached in that round: a link that breaks
-once). ``@round`` may be left out to hit the point in every round. Points:
+once), ``slow:FACTOR`` (``inner.step`` only: every step takes FACTOR times its own compute time, as on a
+slower GPU). ``@round`` may be left out to hit the point in every round. Points:
 
 - ``inner.step``           before each inner step
 - ``matchmaking.join``     as this peer asks a coordinator (itself included) to take it into the round's
@@ -40,8 +41,9 @@ class InjectedFault(TransportError):
 
 @dataclass(frozen=True)
 class Fault:
-    action: str  # kill, stall, fail
+    action: str  # kill, stall, fail, slow
     seconds: float = 0.0  # how long a stall lasts
+    factor: float = 1.0  # how many times its compute time a slowed step takes
     times: int = 0  # a failure only at the first this many hits (0: at every one)
 
 
@@ -54,12 +56,22 @@ def parse(spec: str) -> dict[tuple[str, int | None], Fault]:
             raise ValueError(f"P2PLOCO_FAULTS: unknown point {point!r}; known: {', '.join(POINTS)}")
         kind, _, value = action.partition(":")
         valid = ((kind == "kill" and not value) or (kind == "stall" and bool(value))
-                 or (kind == "fail" and (not value or value.isdigit() and int(value) > 0)))
+                 or (kind == "fail" and (not value or value.isdigit() and int(value) > 0))
+                 or (kind == "slow" and point == "inner.step" and _factor(value) >= 1))
         if not valid:
-            raise ValueError(f"P2PLOCO_FAULTS: bad action {action!r}; use kill, fail, fail:TIMES or stall:SECONDS")
+            raise ValueError(f"P2PLOCO_FAULTS: bad action {action!r}; use kill, fail, fail:TIMES, stall:SECONDS or "
+                             f"(at inner.step) slow:FACTOR")
         faults[(point, int(round_text) if round_text else None)] = (
-            Fault(kind, float(value)) if kind == "stall" else Fault(kind, times=int(value or 0)))
+            Fault(kind, float(value)) if kind == "stall" else Fault(kind, factor=float(value)) if kind == "slow"
+            else Fault(kind, times=int(value or 0)))
     return faults
+
+
+def _factor(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
 
 
 ACTIVE = parse(os.environ.get("P2PLOCO_FAULTS", ""))
@@ -83,6 +95,14 @@ def hit(point: str, round_index: int) -> None:
         _hits[(point, round_index)] += 1
         if not fault.times or _hits[(point, round_index)] <= fault.times:
             raise InjectedFault(f"injected failure at {point} in round {round_index}")
+
+
+def stretch(point: str, round_index: int, seconds: float) -> None:
+    """After work that took ``seconds`` at ``point``: with a ``slow:FACTOR`` fault there, wait until it has taken
+    FACTOR times as long."""
+    fault = _find(point, round_index)
+    if fault is not None and fault.action == "slow":
+        time.sleep((fault.factor - 1.0) * seconds)
 
 
 async def hit_async(point: str, round_index: int) -> None:

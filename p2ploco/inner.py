@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from p2ploco import faults
+from p2ploco.budget import RoundBudget, StepTimes
 from p2ploco.config import InnerConfig
 from p2ploco.data import ShardSampler
 
@@ -33,6 +34,7 @@ class InnerStats:
     loss: float  # mean training loss over the round's inner steps
     tokens: int
     seconds: float
+    steps: int  # inner steps trained: H, or fewer where the round's budget allowed fewer (``budget.py``)
 
 
 def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
@@ -114,6 +116,7 @@ class InnerTrainer:
             lr=config.lr, betas=tuple(config.betas),
         )
         self.step_in_round = 0  # inner steps done in the round under way (shown in the peer's record)
+        self.step_times = StepTimes()  # recent steps' wall time: sizes the swarm's round budget (``budget.py``)
 
     def lr_at(self, step: int) -> float:
         c = self.config
@@ -146,26 +149,35 @@ class InnerTrainer:
         return loss
 
     def run_round(self, round_index: int, should_stop: Callable[[], bool] = lambda: False,
-                  between: Callable[[int], None] | None = None) -> InnerStats | None:
-        """The round's H steps; None if ``should_stop`` turned true before they were done. ``between(h)`` runs
-        after each step, h steps done (1..H): the place for work that belongs between inner steps (announcing
-        the round once the previous one's group formed; a Streaming DiLoCo fragment started or landed). Its
-        time is not counted as training time."""
+                  between: Callable[[int], None] | None = None, budget: RoundBudget | None = None
+                  ) -> InnerStats | None:
+        """The round's steps: H, or as many as ``budget`` allows (at least one; ``budget.py``); None if
+        ``should_stop`` turned true before they were done. ``between(h)`` runs after each step, h steps done: the
+        place for work that belongs between inner steps (announcing the round once the previous one's group
+        formed; a Streaming DiLoCo fragment started or landed). Its time is not counted as training time. Step h
+        of round r is global step r * H + h whatever the budget (its learning rate and batch), so a peer that
+        trains fewer steps skips the rest of the round's batches."""
         c = self.config
         self.model.train()
-        losses, seconds = [], 0.0
+        losses, seconds, began = [], 0.0, time.perf_counter()
         for h in range(c.steps):
             self.step_in_round = h
+            if budget is not None and not budget.allows(h, time.perf_counter() - began):
+                break
             if should_stop():
                 return None
             faults.hit("inner.step", round_index)
             started = time.perf_counter()
             losses.append(self.step(round_index * c.steps + h))
-            seconds += time.perf_counter() - started
+            faults.stretch("inner.step", round_index, time.perf_counter() - started)
+            took = time.perf_counter() - started
+            self.step_times.add(took)
+            seconds += took
             if between is not None:
                 between(h + 1)
-        self.step_in_round = c.steps
-        return InnerStats(sum(losses) / len(losses), c.steps * self.gradients.tokens_per_step, seconds)
+        self.step_in_round = len(losses)
+        return InnerStats(sum(losses) / len(losses), len(losses) * self.gradients.tokens_per_step, seconds,
+                          len(losses))
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """AdamW's moments as named tensors, and its settings as JSON, for a checkpoint."""

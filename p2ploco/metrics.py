@@ -26,6 +26,11 @@ class RoundRecord:
     density: float = 1.0  # share of coordinates this node sent (1.0 for dense algorithms)
     bits_per_param: float = 0.0  # size of this node's encoded pseudo-gradient (its upload), in bits per parameter
     tokens: int = 0  # tokens this node trained on in the round (a pipeline group's, for each of its stages)
+    inner_steps: int = 0  # inner steps it trained: H, or fewer where the round's time budget allowed fewer
+    # the weight its contribution to the round's all-reduce carried: its tokens, plus those of earlier work that no
+    # aggregate had applied yet (docs/design.md, "Slow peers"); in the aggregate if ``applied``
+    contributed_tokens: int = 0
+    reachability: str = "public"  # whether others could dial it: public, relayed or client (swarm/reachability.py)
     inner_seconds: float = 0.0
     comm_seconds: float = 0.0
     peer_id: str = ""

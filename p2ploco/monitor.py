@@ -97,7 +97,7 @@ def _number(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-COLUMNS = ("name", "peer", "role", "group", "stage", "state", "round", "step", "loss", "eval", "tok/s", "sent",
+COLUMNS = ("name", "peer", "role", "group", "stage", "state", "reach", "round", "step", "loss", "eval", "tok/s", "sent",
            "recv", "ratio", "uptime", "device", "address")
 
 
@@ -107,7 +107,7 @@ def peer_rows(s: Survey) -> list[tuple[str, ...]]:
         trains = p.role != "bootstrap"
         staged = p.role == "stage"
         rows.append((p.name, p.peer_id[-8:], p.role, p.group if staged else "-", str(p.stage) if staged else "-",
-                     p.state, str(p.round) if trains else "-",
+                     p.state, str(p.reachability), str(p.round) if trains else "-",
                      str(p.inner_step) if trains else "-", _number(p.loss), _number(p.eval_loss),
                      f"{p.tokens_per_second / 1e3:.1f}k" if trains else "-",
                      human_bytes(p.bytes_sent) if trains else "-", human_bytes(p.bytes_received) if trains else "-",
@@ -122,7 +122,8 @@ def peers_text(s: Survey) -> str:
 
 
 # Columns in the order they are given up when a terminal is too narrow for all (last first).
-PRIORITY = ("name", "state", "round", "loss", "eval", "tok/s", "role", "group", "stage", "step", "ratio", "uptime",
+PRIORITY = ("name", "state", "round", "loss", "eval", "tok/s", "reach", "role", "group", "stage", "step", "ratio",
+            "uptime",
             "sent", "recv", "peer", "device", "address")
 
 
@@ -146,7 +147,7 @@ def peers_rich(s: Survey, width: int) -> Any:
     styles = {"training": "green", "averaging": "cyan", "joining": "yellow", "standby": "yellow", "leaving": "red",
               "serving": "dim"}
     for i in shown:
-        left = COLUMNS[i] in ("name", "peer", "role", "group", "state", "device", "address")
+        left = COLUMNS[i] in ("name", "peer", "role", "group", "state", "reach", "device", "address")
         table.add_column(COLUMNS[i], no_wrap=True, justify="left" if left else "right")
     for record, row in zip(s.peers, rows):
         table.add_row(*(row[i] for i in shown), style=styles.get(record.state))
@@ -176,6 +177,7 @@ def status_json(s: Survey) -> dict[str, Any]:
         "peers": len(trainers),
         "roles": dict(Counter(p.role for p in s.peers)),
         "states": dict(Counter(p.state for p in trainers)),
+        "reachability": dict(Counter(str(p.reachability) for p in trainers)),
         "tokens_per_second": round(sum(p.tokens_per_second for p in trainers), 1),
         "last_round": {
             "seconds": round(statistics.median(p.round_seconds for p in reported), 2) if reported else None,
@@ -203,6 +205,7 @@ def status_text(s: Survey) -> str:
         ("run", s.run_id),
         ("round", "-" if j["round"] is None else str(j["round"])),
         ("peers", f"{roles} ({states})"),
+        ("reachability", ", ".join(f"{count} {reach}" for reach, count in sorted(j["reachability"].items())) or "-"),
         ("throughput", f"{j['tokens_per_second'] / 1e3:.1f}k tokens/s in total"),
         ("last round", "-" if last["seconds"] is None else
          f"{last['seconds']:.1f} s; per peer sent {human_bytes(last['bytes_sent'])}, received "

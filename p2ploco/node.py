@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from p2ploco.budget import RoundBudget, WallClockBudget
 from p2ploco.catchup import CatchUp, Membership, publish_progress
 from p2ploco.collective.exchange import AllReduceStats
 from p2ploco.config import Config
@@ -157,7 +158,8 @@ class Node:
         if saved is not None and isinstance(role, StageRole):
             role.pin(*saved.extras.get("slot", (None, None)))
         role.place()
-        swarm.track(lambda: {"inner_step": role.worker.inner.step_in_round})
+        swarm.track(lambda: {"inner_step": role.worker.inner.step_in_round,
+                             "step_seconds": role.worker.inner.step_times.median})
         if saved is None:
             return role, 0, Membership(0, "init")
         role.worker.restore(saved, files.checkpoints)
@@ -224,7 +226,8 @@ class Node:
                            dict(worker.slice_sha256), doubtful)
         started = time.perf_counter()
         try:
-            outcome = schedule.run(round_index, swarm.communicator, RoundHooks(self.stopping.is_set, announce))
+            outcome = schedule.run(round_index, swarm.communicator,
+                                   RoundHooks(self.stopping.is_set, announce, self._budget(swarm, role)))
         except PipelineError as e:  # the group could not finish the round: it contributes nothing to it
             self.out(f"[{swarm.peer_id[-8:]}] round {round_index}: the pipeline group failed ({e}); it sits the "
                      f"round out and catches up")
@@ -246,7 +249,8 @@ class Node:
             bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
             dense_fp32_bytes=comm.dense_fp32_bytes, density=worker.outer.density,
             bits_per_param=8 * comm.contribution_bytes / comm.params if comm.params else 0.0,
-            tokens=inner_stats.tokens, inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
+            tokens=inner_stats.tokens, inner_steps=inner_stats.steps, contributed_tokens=comm.tokens,
+            inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
             dropped_peers=comm.dropped, clipped_peers=comm.clipped,
             update_norm=worker.outer.take_update_norm(),
             applied=comm.committed, excluded=comm.excluded, fragment_bytes=syncs, peak_sync_bytes=max(syncs),
@@ -261,7 +265,16 @@ class Node:
                            params_sha256=worker.params_sha256, slice_sha256=dict(worker.slice_sha256),
                            round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id,
                            joined_round=membership.joined_round, state_source=membership.source,
-                           catchup_seconds=membership.catchup_seconds, timestamp=time.time(), **role.record_fields())
+                           catchup_seconds=membership.catchup_seconds, timestamp=time.time(),
+                           reachability=str(swarm.reachability), **role.record_fields())
+
+    def _budget(self, swarm: Swarm, role: Role) -> RoundBudget | None:
+        """How many inner steps fit in a round (``budget.py``): as many as the swarm's round budget allows, unless
+        this peer trains a fixed H (set so, a pipeline stage, or Streaming DiLoCo)."""
+        c = self.config
+        if c.inner.fixed_steps or not role.trains_alone or c.outer.algorithm == "streaming":
+            return None
+        return WallClockBudget(c.inner.steps, role.worker.inner.step_times, swarm.step_seconds, c.inner.round_seconds)
 
     def _announce(self, swarm: Swarm) -> None:
         addresses = swarm.addresses()

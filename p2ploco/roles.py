@@ -57,6 +57,9 @@ def schedule_digest(config: Config) -> str:
 class Role(ABC):
     kind: str
     evaluates: bool  # whether this peer can score the held-out data (it holds the whole model)
+    # whether it steps on its own (a replica), so may train as many steps as fit in a round; a pipeline stage steps
+    # with its group's other stages, H every round
+    trains_alone: bool
     worker: Worker | None = None
     waiting_for = ""  # why the last ready() said no, for the node's log
 
@@ -83,7 +86,7 @@ class Role(ABC):
 
 
 class ReplicaRole(Role):
-    kind, evaluates = REPLICA, True
+    kind, evaluates, trains_alone = REPLICA, True, True
 
     def __init__(self, config: Config, device: torch.device, data: TrainingData, swarm: Swarm):
         c = config
@@ -95,7 +98,7 @@ class ReplicaRole(Role):
 
 
 class StageRole(Role):
-    kind, evaluates = STAGE, False
+    kind, evaluates, trains_alone = STAGE, False, False
 
     def __init__(self, config: Config, device: torch.device, data: TrainingData, swarm: Swarm,
                  options: RoleOptions):

@@ -165,10 +165,12 @@ class Worker:
         params = list(self.published.params)
         return self.constraint.projected(params, self.device) if self.constraint is not None else params
 
-    def adopt(self, snapshots: dict[str, Snapshot]) -> None:
-        """Take the swarm's state of every slice this worker holds; its own local outer state no longer applies,
-        and the model starts over from the new global params. (A round in flight is the schedule's to keep or
-        drop: ``RoundSchedule.adopt``.)"""
+    def adopt(self, snapshots: dict[str, Snapshot], keep_local: bool = False) -> None:
+        """Take the swarm's state of every slice this worker holds; the model starts over from the new global
+        params. ``keep_local``: this peer missed a round or two and keeps its local outer state, rebased (error
+        feedback, or the carry, holds its work no aggregate has applied yet: a difference of params, valid on the
+        new ones; docs/design.md, "Slow peers"); else that state refers to params the swarm has moved far past and
+        is reset. (A round in flight is the schedule's to keep or drop: ``RoundSchedule.adopt``.)"""
         if set(snapshots) != set(self.slices):
             raise SwarmError(f"fetched slices {sorted(snapshots)} but this worker holds {sorted(self.slices)}")
         params = {name: t for snapshot in snapshots.values() for name, t in snapshot.params.items()}
@@ -185,7 +187,8 @@ class Worker:
                 self.outer.load_shared_state(shared)
             except (KeyError, ValueError, RuntimeError) as e:
                 raise SwarmError(f"fetched state does not fit this model and algorithm: {e!r}") from None
-            self.outer.reset_local_state()
+            if not keep_local:
+                self.outer.reset_local_state()
         self.publish()
         self.load_into_model()
 

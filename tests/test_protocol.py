@@ -170,13 +170,16 @@ def test_malformed_join_requests_are_payload_errors(request_, message):
 
 def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends():
     answer = {"status": "group", "group_id": "g", "peers": [A, B], "holdings": {A: [S], B: [S]}, "pipelines": {},
-              "left_out": {C: "it did not join within 20 s"}}
+              "left_out": {C: "it did not join within 20 s"}, "tokens": {A: 3000, B: 1000}, "dial_out": [B]}
     group = parse_group(decode(JoinAnswer, answer), 1, "params", A)
     assert group.holders(S) == (A, B) and group.without() == "peerC (it did not join within 20 s)"
+    assert group.reducers(S) == (A,) and group.tokens_of() == {A: 3000, B: 1000}
     for bad in ({**answer, "peers": []}, {**answer, "peers": [B, A]},  # empty, not in canonical order
                 {**answer, "holdings": {A: [S]}}, {**answer, "holdings": {A: [S], B: []}},
                 {**answer, "pipelines": {"intruder": "g0"}}, {**answer, "left_out": {A: "a member"}},
                 {**answer, "left_out": {C: 3}}, {**answer, "status": "grouped"}, {**answer, "status": ["group"]},
+                {**answer, "tokens": {A: 3000}}, {**answer, "tokens": {A: 3000, B: 0}},  # a member without weight
+                {**answer, "dial_out": [C]},  # a non-member behind a NAT
                 {"status": "redirect"}):
         with pytest.raises(PayloadError, match="^JoinAnswer: "):
             decode(JoinAnswer, bad)

@@ -76,9 +76,9 @@ class DenseMean(Exchange):
             raise PayloadError("dense payload holds NaN or Inf values")
         return values
 
-    def combine(self, span: Span, contributions: Sequence[_Parsed]) -> bytes:
+    def combine(self, span: Span, contributions: Sequence[_Parsed], scales: Sequence[float] | None = None) -> bytes:
         bounded = robust.clip([c.values.numpy() for c in contributions], [c.norm for c in contributions],
-                              self.clip_factor)
+                              self.clip_factor, scales)
         total = torch.from_numpy(bounded[0]).clone()
         for values in bounded[1:]:
             total.add_(torch.from_numpy(values))
@@ -90,7 +90,7 @@ class DenseMean(Exchange):
     def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
         return aggregate  # every recipient gets the same mean
 
-    def receive(self, span: Span, result: bytes, own: int | None) -> None:
+    def receive(self, span: Span, result: bytes, own: int | None, scales: Sequence[float] | None = None) -> None:
         values = self._decode(span, result)
         robust.norm(values.numpy())  # a mean of bounded contributions is bounded too: refuse an absurd one
         self.output[span.start : span.stop] = values

@@ -13,11 +13,12 @@ import enum
 import math
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2ploco.collective import robust
 from p2ploco.errors import PayloadError
 
 Span = range  # a contiguous run of units; the i-th span of a group is reduced by its i-th peer
@@ -84,9 +85,10 @@ class Exchange(ABC):
         """Check and decode a contribution from any replica; raise PayloadError if it is malformed."""
 
     @abstractmethod
-    def combine(self, span: Span, contributions: Sequence[Any]) -> Any:
+    def combine(self, span: Span, contributions: Sequence[Any], scales: Sequence[float] | None = None) -> Any:
         """The aggregate of parsed contributions, given in the group's canonical order, each one bounded
-        first (``collective/robust.py``) so that no single contribution can poison it."""
+        first (``collective/robust.py``) so that no single contribution can poison it, then weighted by its
+        factor in ``scales`` (``robust.token_scales``: the tokens its peer trained)."""
 
     def clipped(self, contributions: Sequence[Any]) -> list[int]:
         """Positions of the parsed contributions that ``combine`` scales down (reported, not acted on)."""
@@ -98,8 +100,9 @@ class Exchange(ABC):
         among them). A result may leave out what the recipient already holds, such as its own payload."""
 
     @abstractmethod
-    def receive(self, span: Span, result: bytes, own: int | None) -> None:
-        """Take a span's aggregate from ``result_for(..., omit=own)``; raise PayloadError if it is malformed."""
+    def receive(self, span: Span, result: bytes, own: int | None, scales: Sequence[float] | None = None) -> None:
+        """Take a span's aggregate from ``result_for(..., omit=own)``; raise PayloadError if it is malformed.
+        ``scales``: the included contributions' weight factors, for a result that relays them to be combined."""
 
     @abstractmethod
     def aggregate_digest(self) -> str:
@@ -119,6 +122,7 @@ class SpanReduction:
     included: list[str]  # senders whose contribution is in the aggregate, in canonical order
     rejected: dict[str, str] = field(default_factory=dict)  # sender -> why it was dropped
     clipped: list[str] = field(default_factory=list)  # senders whose contribution was scaled down
+    scales: list[float] = field(default_factory=list)  # the included contributions' token-weight factors
 
     def own_position(self, recipient: str) -> int | None:
         return self.included.index(recipient) if recipient in self.included else None
@@ -127,8 +131,10 @@ class SpanReduction:
         return exchange.result_for(self.aggregate, self.own_position(recipient))
 
 
-def reduce_span(exchange: Exchange, span: Span, contributions: Sequence[tuple[str, bytes]]) -> SpanReduction:
-    """What the reducer of ``span`` does: parse every sender's payload, drop the malformed, combine the rest.
+def reduce_span(exchange: Exchange, span: Span, contributions: Sequence[tuple[str, bytes]],
+                tokens: Mapping[str, int] | None = None) -> SpanReduction:
+    """What the reducer of ``span`` does: parse every sender's payload, drop the malformed, combine the rest,
+    weighted by the tokens each sender trained (``tokens``: sender -> tokens; none: equal weights).
 
     ``contributions`` come in the group's canonical order, which fixes the order of the sum.
     """
@@ -142,7 +148,13 @@ def reduce_span(exchange: Exchange, span: Span, contributions: Sequence[tuple[st
     if not parsed:
         raise PayloadError(f"no valid contribution for span {span.start}:{span.stop}: {rejected}")
     clipped = [included[i] for i in exchange.clipped(parsed)]
-    return SpanReduction(exchange.combine(span, parsed), included, rejected, clipped)
+    scales = scales_of(included, tokens)
+    return SpanReduction(exchange.combine(span, parsed, scales), included, rejected, clipped, scales)
+
+
+def scales_of(included: Sequence[str], tokens: Mapping[str, int] | None) -> list[float]:
+    """The weight factor of each of the ``included`` senders' contributions (``robust.token_scales``)."""
+    return robust.token_scales([tokens[p] for p in included]) if tokens else [1.0] * len(included)
 
 
 def reduce_alone(exchange: Exchange) -> int:
@@ -151,7 +163,7 @@ def reduce_alone(exchange: Exchange) -> int:
     whole = range(exchange.num_units)
     payload = exchange.encode(whole)
     reduction = reduce_span(exchange, whole, [("self", payload)])
-    exchange.receive(whole, reduction.result_for(exchange, "self"), own=0)
+    exchange.receive(whole, reduction.result_for(exchange, "self"), 0, reduction.scales)
     return len(payload)
 
 
@@ -193,12 +205,14 @@ class AllReduceStats:
     sync_bytes: list[int] = field(default_factory=list)
     attempts: int = 1  # butterflies run: 2 when the round was redone
     failures: list[Failure] = field(default_factory=list)  # what went wrong here, one entry per event
+    tokens: int = 0  # the weight this peer's contribution carried: tokens trained for it (0: it sent none)
 
 
-def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int) -> int:
-    """Send + receive of a dense fp32 butterfly: our values for others' spans, and n-1 copies of our span each way."""
+def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int | None) -> int:
+    """Send + receive of a dense fp32 butterfly: our values for others' spans, and n-1 copies of our span each way
+    (``my_index`` None: we reduce no span, and send and receive every value once)."""
     others = sum(exchange.numel(span) for i, span in enumerate(spans) if i != my_index)
-    mine = exchange.numel(spans[my_index])
+    mine = 0 if my_index is None else exchange.numel(spans[my_index])
     return 2 * 4 * (others + (len(spans) - 1) * mine)
 
 

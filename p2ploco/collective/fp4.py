@@ -62,9 +62,10 @@ class E3M0Mean(GroupedMean):
         return self._encode(CONTRIBUTION, span, self.nibbles[elements.start : elements.stop],
                             self.scales[span.start : span.stop])
 
-    def combine(self, span: Span, contributions: Sequence[Parsed]) -> bytes:
-        nibbles, scales = e3m0.quantize(self.bounded_mean(contributions), self.layout.lengths[span.start : span.stop])
-        return self._encode(RESULT, span, nibbles, scales)
+    def combine(self, span: Span, contributions: Sequence[Parsed], scales: Sequence[float] | None = None) -> bytes:
+        nibbles, group_scales = e3m0.quantize(self.bounded_mean(contributions, scales),
+                                              self.layout.lengths[span.start : span.stop])
+        return self._encode(RESULT, span, nibbles, group_scales)
 
     def _encode(self, kind: int, span: Span, nibbles: np.ndarray, scales: torch.Tensor) -> bytes:
         header = HEADER.pack(MAGIC, VERSION, kind, span.start, len(span))

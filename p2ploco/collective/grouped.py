@@ -52,9 +52,10 @@ class GroupedMean(Exchange):
         values = self.decode(CONTRIBUTION, span, payload)
         return Parsed(values, robust.norm(values))
 
-    def bounded_mean(self, contributions: Sequence[Parsed]) -> torch.Tensor:
-        """The float32 mean of the contributions, each clipped first, summed in their order."""
-        bounded = robust.clip([c.values for c in contributions], [c.norm for c in contributions], self.clip_factor)
+    def bounded_mean(self, contributions: Sequence[Parsed], scales: Sequence[float] | None = None) -> torch.Tensor:
+        """The float32 mean of the contributions, each clipped and weighted first, summed in their order."""
+        bounded = robust.clip([c.values for c in contributions], [c.norm for c in contributions], self.clip_factor,
+                              scales)
         total = torch.from_numpy(bounded[0]).clone()
         for values in bounded[1:]:
             total.add_(torch.from_numpy(values))
@@ -66,7 +67,7 @@ class GroupedMean(Exchange):
     def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
         return aggregate  # every recipient gets the same quantized mean
 
-    def receive(self, span: Span, result: bytes, own: int | None) -> None:
+    def receive(self, span: Span, result: bytes, own: int | None, scales: Sequence[float] | None = None) -> None:
         values = self.decode(RESULT, span, result)
         robust.norm(values)  # a mean of bounded contributions is bounded too: refuse an absurd one
         elements = self.layout.element_range(span)

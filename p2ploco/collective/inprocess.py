@@ -3,7 +3,8 @@ communicator; the call returns once all K have called it. Each named slice is re
 that hold it (a full replica holds every slice, a pipeline stage one), cut into spans and pieces with
 the same ``partition`` and ``pieces`` and reduced with the same ``reduce_span`` a swarm reducer runs,
 holder j reducing span j piece by piece, so results and byte counts match a butterfly among the slice's
-holders. Replicas are trusted here: one whose contribution is rejected still gets the aggregate of the
+holders, each contribution weighted by the tokens its replica trained. Replicas are trusted
+here: one whose contribution is rejected still gets the aggregate of the
 others (in a swarm it would be dropped and fall back to its own update)."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class InProcessGroup:
     def __init__(self, size: int, timeout: float = 600.0):
         self.size, self.timeout = size, timeout
         self._plans: list[dict[str, Exchange]] = [{} for _ in range(size)]
+        self._tokens: list[int] = [1] * size  # what each replica trained for its contribution: its weight
         self._stats: list[AllReduceStats | None] = [None] * size
         self._error: BaseException | None = None
         self._gather = threading.Barrier(size, action=self._reduce_all)  # the last to arrive reduces
@@ -55,12 +57,14 @@ class InProcessGroup:
                                       for piece in pieces(plans[r][slice_name], whole)):
                     payloads = [plans[rank][slice_name].encode(span) for rank in holders]
                     reducing = plans[reducer][slice_name]
-                    reduction = reduce_span(reducing, span, list(zip([names[r] for r in holders], payloads)))
+                    reduction = reduce_span(reducing, span, list(zip([names[r] for r in holders], payloads)),
+                                            {names[r]: self._tokens[r] for r in holders})
                     dropped.update(reduction.rejected)
                     clipped[reducer].update(reduction.clipped)
                     for rank, payload in zip(holders, payloads):
                         result = reduction.result_for(reducing, names[rank])
-                        plans[rank][slice_name].receive(span, result, reduction.own_position(names[rank]))
+                        plans[rank][slice_name].receive(span, result, reduction.own_position(names[rank]),
+                                                        reduction.scales)
                         contributed[rank] += len(payload)
                         if rank != reducer:
                             sent[rank] += len(payload)
@@ -76,7 +80,7 @@ class InProcessGroup:
             self._stats = [
                 AllReduceStats(sorted(peers[rank]), sent[rank], received[rank], dense[rank], contributed[rank],
                                params[rank], sorted(dropped), seconds,
-                               clipped=sorted(clipped[rank]))
+                               clipped=sorted(clipped[rank]), tokens=self._tokens[rank])
                 for rank in range(size)
             ]
             self._error = None
@@ -90,7 +94,8 @@ class InProcessCommunicator(Communicator):
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
         group = self.group
-        group._plans[self.rank] = as_sliced(exchange, name).parts
+        sliced = as_sliced(exchange, name)
+        group._plans[self.rank], group._tokens[self.rank] = sliced.parts, sliced.tokens
         group._gather.wait(group.timeout)
         error, stats = group._error, group._stats[self.rank]
         group._release.wait(group.timeout)

@@ -77,8 +77,8 @@ class LowBitMean(GroupedMean):
         return self._encode(CONTRIBUTION, span, self.sent.codes[elements.start : elements.stop],
                             self.sent.scales[span.start : span.stop])
 
-    def combine(self, span: Span, contributions: Sequence[Parsed]) -> bytes:
-        mean = self.bounded_mean(contributions)
+    def combine(self, span: Span, contributions: Sequence[Parsed], scales: Sequence[float] | None = None) -> bytes:
+        mean = self.bounded_mean(contributions, scales)
         # LoCo at the reducer: its own buffer for this span compensates the re-quantization of the mean.
         elements = self.layout.element_range(span)
         quantized, error = compensate(mean, self.reducer_error[elements.start : elements.stop], self.beta,

@@ -18,6 +18,14 @@ result, which recombines the contributions itself. So the arithmetic is fixed, i
   of a clipped contribution is multiplied by that scale in float32.
 
 A contribution within the bound is left untouched, so an honest round's aggregate keeps every bit.
+
+Contributions are weighted by the tokens their peers trained (``token_scales``): a peer that fits a third of the
+steps into the round's time budget moves the mean a third as far. The weights are the group's (the coordinator
+lists every member's tokens), so every reducer and recipient uses the same ones; each is clamped to
+``MAX_WEIGHT_SPREAD`` times the group's lower median first, so a peer that claims absurd tokens weighs no more
+than that. A contribution's factor ``n * w_i / sum(w)`` is computed in float64 and, times its clipping scale,
+rounded once to float32; equal weights give factors of exactly 1.0, and such a round's aggregate is the plain
+mean to the bit.
 A contribution whose norm reaches ``MAX_NORM`` is refused outright (PayloadError, its sender is dropped):
 nothing trained in float32 produces it, and scaling it down would take factors near float32's
 subnormal range, where the scaled values lose their precision. With every contribution below
@@ -34,6 +42,7 @@ import numpy as np
 from p2ploco.errors import PayloadError
 
 MAX_NORM = 2.0**64
+MAX_WEIGHT_SPREAD = 4  # a contribution weighs at most this many times the group's lower-median tokens
 
 
 def norm(values: np.ndarray) -> float:
@@ -54,12 +63,29 @@ def bound(norms: Sequence[float], factor: float) -> float | None:
     return factor * median if median > 0 else None
 
 
-def clip(values: Sequence[np.ndarray], norms: Sequence[float], factor: float) -> list[np.ndarray]:
-    """The contributions, each one above the bound scaled down to it (the others are returned as they are)."""
+def token_scales(tokens: Sequence[int]) -> list[float]:
+    """Each contribution's factor in the tokens-weighted mean of contributions that trained ``tokens``:
+    ``n * w_i / sum(w)`` of the weights clamped to [1, MAX_WEIGHT_SPREAD x lower median]. All 1.0 when the
+    weights are equal (or none are given)."""
+    if len(set(tokens)) <= 1:
+        return [1.0] * len(tokens)
+    cap = MAX_WEIGHT_SPREAD * max(1, sorted(tokens)[(len(tokens) - 1) // 2])
+    weights = [min(max(1, t), cap) for t in tokens]
+    total = sum(weights)
+    return [len(weights) * w / total for w in weights]
+
+
+def clip(values: Sequence[np.ndarray], norms: Sequence[float], factor: float,
+         scales: Sequence[float] | None = None) -> list[np.ndarray]:
+    """The contributions, each one above the bound scaled down to it, and each times its token weight's factor
+    (``token_scales``; none: all 1). One above the bound and weighted 1.0 is returned as it is."""
     limit = bound(norms, factor)
-    if limit is None:
-        return list(values)
-    return [v if n <= limit else v * np.float32(limit / n) for v, n in zip(values, norms)]
+    scales = scales if scales is not None else [1.0] * len(values)
+    out = []
+    for v, n, s in zip(values, norms, scales, strict=True):
+        factor_here = s * (limit / n) if limit is not None and n > limit else s
+        out.append(v if factor_here == 1.0 else v * np.float32(factor_here))
+    return out
 
 
 def clipped(norms: Sequence[float], factor: float) -> list[int]:

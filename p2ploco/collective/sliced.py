@@ -46,10 +46,11 @@ class _SlicedAggregate:
 
 
 class SlicedExchange(Exchange):
-    def __init__(self, parts: Mapping[str, Exchange]):
+    def __init__(self, parts: Mapping[str, Exchange], tokens: int = 1):
+        """``tokens``: what this replica trained for the contribution (its weight in the round's mean)."""
         if not parts:
             raise ValueError("a sliced exchange needs at least one slice")
-        self.parts = dict(parts)
+        self.parts, self.tokens = dict(parts), tokens
         self._exchanges = list(self.parts.values())
         self.unit_starts = np.cumsum([0] + [e.num_units for e in self._exchanges])
         self.element_starts = np.cumsum([0] + [e.numel(range(e.num_units)) for e in self._exchanges])
@@ -89,9 +90,10 @@ class SlicedExchange(Exchange):
         data = _split(payload, [e.max_payload_bytes(part) for e, part in pieces])
         return _SlicedParsed([e for e, _ in pieces], [e.parse(part, piece) for (e, part), piece in zip(pieces, data)])
 
-    def combine(self, span: Span, contributions: Sequence[_SlicedParsed]) -> _SlicedAggregate:
+    def combine(self, span: Span, contributions: Sequence[_SlicedParsed], scales: Sequence[float] | None = None
+                ) -> _SlicedAggregate:
         pieces = self.pieces(span)
-        return _SlicedAggregate([e for e, _ in pieces], [e.combine(part, [c.pieces[i] for c in contributions])
+        return _SlicedAggregate([e for e, _ in pieces], [e.combine(part, [c.pieces[i] for c in contributions], scales)
                                                          for i, (e, part) in enumerate(pieces)])
 
     def clipped(self, contributions: Sequence[_SlicedParsed]) -> list[int]:
@@ -104,11 +106,11 @@ class SlicedExchange(Exchange):
     def result_for(self, aggregate: _SlicedAggregate, omit: int | None) -> bytes:
         return _join(e.result_for(a, omit) for e, a in zip(aggregate.exchanges, aggregate.aggregates))
 
-    def receive(self, span: Span, result: bytes, own: int | None) -> None:
+    def receive(self, span: Span, result: bytes, own: int | None, scales: Sequence[float] | None = None) -> None:
         pieces = self.pieces(span)
         # the whole result was bounded by max_result_bytes already; each slice checks its own piece
         for (e, part), piece in zip(pieces, _split(result, [len(result)] * len(pieces))):
-            e.receive(part, piece, own)
+            e.receive(part, piece, own, scales)
 
     def aggregate_digest(self) -> str:
         digest = hashlib.sha256()

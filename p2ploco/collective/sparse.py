@@ -30,6 +30,7 @@ from p2ploco.collective.exchange import Exchange, Span, supersede
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.sparse_format import SparseLayout, SparseValues
 from p2ploco.compression.topk import CompressedTensor
+from p2ploco.errors import PayloadError
 
 SPAN_HEADER = struct.Struct("<3q")  # span start, span stop, positions: hashed before each span's aggregate
 
@@ -104,8 +105,9 @@ class SparseExchange(Exchange):
             values = fmt.decode_contribution(self.layout, span, payload)
         return _Parsed(payload, values, robust.norm(values.values))
 
-    def combine(self, span: Span, contributions: Sequence[_Parsed]) -> _Aggregate:
-        values = self._aggregate(span, [c.values for c in contributions], [c.norm for c in contributions])
+    def combine(self, span: Span, contributions: Sequence[_Parsed], scales: Sequence[float] | None = None
+                ) -> _Aggregate:
+        values = self._aggregate(span, [c.values for c in contributions], [c.norm for c in contributions], scales)
         combined = _Aggregate(self.layout, span, [c.payload for c in contributions], values)
         self._combined[span] = combined
         return combined
@@ -113,9 +115,11 @@ class SparseExchange(Exchange):
     def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:
         return robust.clipped([c.norm for c in contributions], self.clip_factor)
 
-    def _aggregate(self, span: Span, contributions: Sequence[SparseValues], norms: Sequence[float]) -> SparseValues:
-        """The span's aggregate of bounded contributions: one function for the reducer and every recipient."""
-        values = robust.clip([c.values for c in contributions], norms, self.clip_factor)
+    def _aggregate(self, span: Span, contributions: Sequence[SparseValues], norms: Sequence[float],
+                   scales: Sequence[float] | None = None) -> SparseValues:
+        """The span's aggregate of bounded, weighted contributions: one function for the reducer and every
+        recipient."""
+        values = robust.clip([c.values for c in contributions], norms, self.clip_factor, scales)
         bounded = [SparseValues(c.positions, v) for c, v in zip(contributions, values)]
         return fmt.aggregate(self.numel(span), bounded, self.mode)
 
@@ -124,7 +128,7 @@ class SparseExchange(Exchange):
             return aggregate.union
         return fmt.encode_relay(self.layout, [p for i, p in enumerate(aggregate.payloads) if i != omit])
 
-    def receive(self, span: Span, result: bytes, own: int | None) -> None:
+    def receive(self, span: Span, result: bytes, own: int | None, scales: Sequence[float] | None = None) -> None:
         combined = self._combined.get(span)
         if combined is not None and result == self.result_for(combined, own):  # the aggregate we made
             values = combined.values
@@ -133,7 +137,11 @@ class SparseExchange(Exchange):
             contributions = [fmt.decode_contribution(self.layout, span, p) for p in payloads]
             if own is not None:
                 contributions.insert(own, fmt.contribution_values(self.layout, span, self.compressed))
-            values = self._aggregate(span, contributions, [robust.norm(c.values) for c in contributions])
+            scales = scales if scales is not None else [1.0] * len(contributions)
+            if len(scales) != len(contributions):
+                raise PayloadError(f"a relayed result of {len(contributions)} contributions where the reducer's "
+                                   f"answer named {len(scales)}")
+            values = self._aggregate(span, contributions, [robust.norm(c.values) for c in contributions], scales)
         else:
             values = fmt.decode_union(self.layout, span, result)
             robust.norm(values.values)  # a mean of bounded contributions is bounded too: refuse an absurd one

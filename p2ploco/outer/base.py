@@ -40,6 +40,9 @@ class OuterRound:
     round_index: int
     exchange: SlicedExchange
     all_reduce: PendingAllReduce | None = None
+    # the pseudo-gradient as sent, by an algorithm that keeps no error feedback: if the round is not applied it is
+    # carried into the next contribution (``OuterAlgorithm.carried``)
+    sent: list[torch.Tensor] | None = None
 
     def start(self, comm: Communicator, name: str = "params") -> None:
         """Start the all-reduce in the background; ``name`` tells apart the all-reduces of one round."""
@@ -106,6 +109,10 @@ class OuterAlgorithm(ABC):
         if sorted(i for positions in self.slices.values() for i in positions) != list(range(len(self.params))):
             raise ValueError("slices must cover every parameter exactly once")
         self._moved = 0.0  # squared L2 norm of the outer steps taken since ``take_update_norm`` last read it
+        # Work trained here and not yet in an applied aggregate (docs/design.md, "Slow peers"): its tokens, and, for
+        # an algorithm without error feedback, its pseudo-gradient (error feedback holds it already).
+        self.unapplied_tokens = 0
+        self.carry: list[torch.Tensor] | None = None
 
     def take_update_norm(self) -> float:
         """L2 norm of the outer steps taken since the last call (0 if none): how far they moved the global params,
@@ -114,21 +121,34 @@ class OuterAlgorithm(ABC):
         return norm
 
     def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
-             start: Sequence[torch.Tensor] | None = None) -> AllReduceStats:
-        """Combine this replica's progress (its params after H inner steps) with the round's other
-        replicas through ``comm`` and update ``self.params`` if the round commits. The pseudo-gradient is
-        measured from ``start``, the params the inner steps began from: the global params unless the
-        replica trained a projection of them (a subspace-constrained one)."""
-        outer_round = self.contribute(local_params, round_index, start)
+             start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> AllReduceStats:
+        """Combine this replica's progress (its params after its inner steps, trained on ``tokens`` tokens) with
+        the round's other replicas through ``comm`` and update ``self.params`` if the round commits. The
+        pseudo-gradient is measured from ``start``, the params the inner steps began from: the global params unless
+        the replica trained a projection of them (a subspace-constrained one)."""
+        outer_round = self.contribute(local_params, round_index, start, tokens)
         outer_round.start(comm)
         return self.finish(outer_round)
 
     @abstractmethod
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
-                   start: Sequence[torch.Tensor] | None = None) -> OuterRound:
+                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterRound:
         """This replica's exchange for the round: its pseudo-gradient ``start - local_params`` (``start``: the
-        global params by default), encoded as the algorithm sends it. Changes only local state (what it takes
-        from an error-feedback buffer is given back by ``take`` if the round is not applied)."""
+        global params by default), encoded as the algorithm sends it, weighted by ``tokens`` (what the inner steps
+        trained on) plus the tokens of work not applied yet (``weigh``). Changes only local state (what it takes
+        from an error-feedback buffer, or the carry, is given back by ``take`` if the round is not applied)."""
+
+    def weigh(self, tokens: int) -> int:
+        """The weight of a contribution trained on ``tokens``: those, and the tokens of earlier work that is in it
+        because no aggregate applied it yet (given back by ``take`` if this round is not applied either)."""
+        weight, self.unapplied_tokens = max(1, tokens) + self.unapplied_tokens, 0
+        return weight
+
+    def carried(self, deltas: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``deltas`` plus the pseudo-gradient of rounds not applied (an algorithm without error feedback keeps it
+        here, rebased: a difference of params holds on any base), which is then taken."""
+        carry, self.carry = self.carry, None
+        return deltas if carry is None else [d.add_(c) for d, c in zip(deltas, carry, strict=True)]
 
     def finish(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> AllReduceStats:
         """Wait for the round's all-reduce, prepare its outer step and take it (``follow``: tensors that take
@@ -150,6 +170,9 @@ class OuterAlgorithm(ABC):
         round is not applied), give back what ``contribute`` took from local state."""
         if step is None:
             self.give_back(outer_round)
+            self.unapplied_tokens = outer_round.exchange.tokens
+            if outer_round.sent is not None:
+                self.carry = outer_round.sent
             return
         for i, value in step.params.items():
             self.params[i] = value
@@ -197,9 +220,10 @@ class OuterAlgorithm(ABC):
         copy_state(self.local_state(), state)
 
     def reset_local_state(self) -> None:
-        """Forget this replica's own state: it refers to parameters the swarm has moved past."""
+        """Forget this replica's own state: it refers to parameters the swarm has moved far past."""
         for tensor in self.local_state().values():
             tensor.zero_()
+        self.unapplied_tokens, self.carry = 0, None
 
     def load_params(self, params: Sequence[torch.Tensor]) -> None:
         """Take ``params`` (copies) as the global params; ValueError if their shapes differ from these."""

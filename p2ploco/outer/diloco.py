@@ -23,14 +23,14 @@ class DiLoCo(OuterAlgorithm):
         self.momentum = [torch.zeros_like(p) for p in self.params]
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
-                   start: Sequence[torch.Tensor] | None = None) -> OuterRound:
+                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterRound:
         # 1. Pseudo-gradient: global (or where training started) - local, a descent direction like a gradient,
-        #    computed where the local params live and brought to the host.
-        deltas = to_host(pseudo_gradients(start if start is not None else self.params, local_params))
-        # 2. Its mean over the replicas of this round, every slice among its holders.
+        #    computed where the local params live and brought to the host; plus that of rounds not applied.
+        deltas = self.carried(to_host(pseudo_gradients(start if start is not None else self.params, local_params)))
+        # 2. Its mean over the replicas of this round, every slice among its holders, weighted by tokens trained.
         return OuterRound(round_index, SlicedExchange({
             name: DenseMean([deltas[i] for i in positions], self.config.wire_dtype, self.clip_factor)
-            for name, positions in self.slices.items()}))
+            for name, positions in self.slices.items()}, self.weigh(tokens)), sent=deltas)
 
     def prepare(self, outer_round: OuterRound) -> OuterStep | None:
         # 3. Outer SGD with (Nesterov) momentum.

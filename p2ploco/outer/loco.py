@@ -51,14 +51,15 @@ class LoCo(OuterAlgorithm):
         self.reducer_errors = {name: torch.zeros(layout.numel) for name, layout in self.layouts.items()}
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
-                   start: Sequence[torch.Tensor] | None = None) -> LoCoRound:
+                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> LoCoRound:
         c = self.config
         # 0. Rounds whose index is a multiple of reset_every start with empty buffers.
         if round_index % c.reset_every == 0:
             self.reset_local_state()
 
-        # 1. Pseudo-gradient: global (or where training started) - local, on the training device, then the host.
-        deltas = to_host(pseudo_gradients(start if start is not None else self.params, local_params))
+        # 1. Pseudo-gradient: global (or where training started) - local, on the training device, then the host;
+        #    plus that of rounds not applied.
+        deltas = self.carried(to_host(pseudo_gradients(start if start is not None else self.params, local_params)))
 
         # 2. Per slice: g~ = g + e; q = Q(g~); e' = beta*e + (1 - beta)*(g~ - deQ(q)), kept if the round commits.
         exchanges, errors = {}, {}
@@ -72,7 +73,7 @@ class LoCo(OuterAlgorithm):
         # 3. All-reduce of every slice among its holders (``OuterRound.start``): each span's reducer bounds the
         #    contributions, averages them in float32 and re-quantizes the mean with its own buffer; everybody
         #    decodes the same bytes.
-        return LoCoRound(round_index, SlicedExchange(exchanges), errors=errors)
+        return LoCoRound(round_index, SlicedExchange(exchanges, self.weigh(tokens)), sent=deltas, errors=errors)
 
     def prepare(self, outer_round: OuterRound) -> OuterStep | None:
         # 4. DiLoCo's outer step on the decoded aggregate: SGD with Nesterov momentum.

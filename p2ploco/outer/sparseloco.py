@@ -58,13 +58,13 @@ class SparseLoCo(OuterAlgorithm):
         return [grid.from_chunks(buffer) for grid, buffer in zip(self.grids, self.feedback)]
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
-                   start: Sequence[torch.Tensor] | None = None) -> SparseRound:
+                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> SparseRound:
         compressed, taken = self.compress(local_params, start if start is not None else self.params)
         # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
         #    selected it (or sum / replicas), each contribution clipped to clip_factor x the median norm.
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
                                                         self.config.aggregate, self.clip_factor)
-                                   for name, positions in self.slices.items()})
+                                   for name, positions in self.slices.items()}, self.weigh(tokens))
         return SparseRound(round_index, exchange, taken=taken)
 
     def prepare(self, outer_round: OuterRound) -> OuterStep | None:

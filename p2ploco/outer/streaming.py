@@ -55,19 +55,22 @@ class StreamingDiLoCo(OuterAlgorithm):
                          for p, name in enumerate(self.fragments)}
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
-                   start: Sequence[torch.Tensor] | None = None) -> OuterRound:
+                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterRound:
         """Every fragment at once (one all-reduce for the whole round; the node syncs fragment by fragment)."""
-        return self.contribute_fragments(self.fragments, local_params, round_index, start)
+        return self.contribute_fragments(self.fragments, local_params, round_index, start, tokens)
 
     def contribute_fragments(self, fragments: Sequence[str], local_params: Sequence[torch.Tensor], round_index: int,
-                             start: Sequence[torch.Tensor] | None = None) -> OuterRound:
-        """The pseudo-gradient of ``fragments`` alone (global, or ``start``, minus local), as they are sent."""
+                             start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterRound:
+        """The pseudo-gradient of ``fragments`` alone (global, or ``start``, minus local), as they are sent,
+        weighted by ``tokens``. A fragment trains a fixed H (its syncs are placed by inner step), so its weight
+        only differs where peers set different H; a fragment not applied is not carried (``merge`` follows the
+        global fragment)."""
         begin = start if start is not None else self.params
         positions = [i for name in fragments for i in self.slices[name]]
         deltas = dict(zip(positions, to_host(pseudo_gradients([begin[i] for i in positions],
                                                               [local_params[i] for i in positions]))))
         return OuterRound(round_index, SlicedExchange({name: self._exchange([deltas[i] for i in self.slices[name]])
-                                                       for name in fragments}))
+                                                       for name in fragments}, max(1, tokens)))
 
     def _exchange(self, deltas: list[torch.Tensor]) -> Exchange:
         if self.config.bits == 32:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from p2ploco.budget import RoundBudget
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceStats, Communicator
 from p2ploco.inner import InnerStats
@@ -36,6 +37,9 @@ class RoundHooks:
     # Called once per round, as soon as the peer's public record may say it works on this round (the formation of
     # a round in flight reads that record: it must not move on before that round has its group).
     announce: Callable[[], None] = _nothing
+    # how many inner steps fit in the round (``budget.py``); None: H. Streaming DiLoCo always trains H (its
+    # fragments sync at fixed steps), and so does a pipeline stage (its group steps together).
+    budget: RoundBudget | None = None
 
 
 @dataclass
@@ -65,9 +69,9 @@ class RoundSchedule(ABC):
         """The local params start over from the published global ones (a round was abandoned)."""
         self.worker.load_into_model()
 
-    def adopt(self, snapshots: dict[str, Snapshot]) -> None:
+    def adopt(self, snapshots: dict[str, Snapshot], keep_local: bool = False) -> None:
         """Take the swarm's state (``Worker.adopt``)."""
-        self.worker.adopt(snapshots)
+        self.worker.adopt(snapshots, keep_local)
 
     def checkpoint(self, round_index: int, extras: dict[str, Any] | None = None) -> Checkpoint:
         """``Worker.checkpoint`` of the published state."""

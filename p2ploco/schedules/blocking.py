@@ -1,6 +1,6 @@
 """The blocking round, as DiLoCo, SparseLoCo and LoCo are written in their papers.
 
-    train H inner steps from the global params
+    train H inner steps from the global params (or as many as fit in the round's budget: budget.py)
     contribute: pseudo-gradient (global - local) into the outer algorithm's exchange
     all-reduce it with the round's group, and wait
     outer step on the aggregate (if the round committed), publish the new global state
@@ -19,19 +19,19 @@ from p2ploco.schedules.base import RoundHooks, RoundOutcome, RoundSchedule
 class BlockingRounds(RoundSchedule):
     def run(self, round_index: int, comm: Communicator, hooks: RoundHooks) -> RoundOutcome | None:
         hooks.announce()
-        inner = self.worker.inner.run_round(round_index, hooks.stopping)
+        inner = self.worker.inner.run_round(round_index, hooks.stopping, budget=hooks.budget)
         if inner is None:
             self.worker.load_into_model()
             return None
-        return RoundOutcome(inner, self.average(round_index, comm))
+        return RoundOutcome(inner, self.average(round_index, comm, inner.tokens))
 
-    def average(self, round_index: int, comm: Communicator) -> AllReduceStats:
-        """The outer round on whatever the local params hold now: pseudo-gradient, all-reduce, step, publish; the
-        local params start over from the global ones."""
+    def average(self, round_index: int, comm: Communicator, tokens: int = 1) -> AllReduceStats:
+        """The outer round on whatever the local params hold now (trained on ``tokens``): pseudo-gradient,
+        all-reduce, step, publish; the local params start over from the global ones."""
         worker = self.worker
         # A constrained worker trained a projection of the global params: its progress is measured from that.
         start = worker.start_params() if worker.constraint is not None else None
-        stats = worker.outer.sync(list(worker.model.parameters()), comm, round_index, start)
+        stats = worker.outer.sync(list(worker.model.parameters()), comm, round_index, start, tokens)
         if stats.committed:
             worker.publish()
         worker.load_into_model()

@@ -92,7 +92,7 @@ class OverlappedRounds(RoundSchedule):
                 landed = self._take(params)
 
         between(0)
-        inner = self.worker.inner.run_round(round_index, hooks.stopping, between)
+        inner = self.worker.inner.run_round(round_index, hooks.stopping, between, hooks.budget)
         if inner is None:
             return None  # the round in flight lands at finish_in_flight
         if self.eager and self.flight is not None:
@@ -102,12 +102,13 @@ class OverlappedRounds(RoundSchedule):
             landed = self._take(params)
         if not announced:
             hooks.announce()
-        self._launch(round_index, comm, trained)
+        self._launch(round_index, comm, trained, inner.tokens)
         self.start = trained if self.eager else [p.detach().clone() for p in params]
         return RoundOutcome(inner, landed)
 
-    def _launch(self, round_index: int, comm: Communicator, trained: list[torch.Tensor]) -> None:
-        """Round ``round_index``'s outer work, on the background thread: contribution, all-reduce, landing."""
+    def _launch(self, round_index: int, comm: Communicator, trained: list[torch.Tensor], tokens: int) -> None:
+        """Round ``round_index``'s outer work (``trained`` on ``tokens``), on the background thread: contribution,
+        all-reduce, landing."""
         worker, background = self.worker, self.background
         start = self.start if self.start is not None else list(worker.published.params)
         flight = Flight(round_index, trained)
@@ -117,7 +118,7 @@ class OverlappedRounds(RoundSchedule):
             try:
                 with background.side.running(after), worker.lock:
                     background.side.holds([*trained, *start])
-                    flight.outer_round = worker.outer.contribute(trained, round_index, start)
+                    flight.outer_round = worker.outer.contribute(trained, round_index, start, tokens)
                 flight.outer_round.start(comm)
             except BaseException as e:  # the training thread meets it when it takes the landing
                 flight.landing.set_exception(e)
@@ -182,13 +183,13 @@ class OverlappedRounds(RoundSchedule):
         self.start = None
         self.worker.load_into_model()
 
-    def adopt(self, snapshots: dict[str, Snapshot]) -> None:
+    def adopt(self, snapshots: dict[str, Snapshot], keep_local: bool = False) -> None:
         """Take the swarm's state. A round in flight still lands on it if it is the state it was meant for (that of
         the next round), else it is dropped (its all-reduce ends in the background, unread)."""
         flight = self.flight
         if flight is not None:
             flight.contributed.wait()  # what its contribution takes from local state is taken before the reset
-        self.worker.adopt(snapshots)
+        self.worker.adopt(snapshots, keep_local)
         self.background.loaded += 1
         self.start = None
         if flight is not None and {snapshot.round for snapshot in snapshots.values()} != {flight.round_index + 1}:

@@ -66,6 +66,7 @@ from p2ploco.collective.exchange import (
     dense_fp32_bytes,
     pieces,
     reduce_span,
+    scales_of,
 )
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import PayloadError, TransportError
@@ -103,8 +104,13 @@ class DroppedFromRound(AllReduceError):
 
 @dataclass
 class _Route:
-    """This peer's pieces to one reducer: sent one after another, and not tried again once it failed."""
+    """This peer's pieces of one slice to one reducer: sent one after another, and not tried again once it
+    failed."""
 
+    group: Group
+    slice: str
+    exchange: Exchange
+    transfer: float  # seconds any one transfer of this round may take
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     failure: AllReduceError | None = None
 
@@ -214,11 +220,12 @@ class ButterflyAllReduce:
         transfer = self.deadline.seconds(2 * volume, self.rates(group.peers))
         deadline = time.monotonic() + transfer
         for slice_name, part in exchange.parts.items():
-            holders = group.holders(slice_name)
-            index = holders.index(self.me)
-            spans = part.partition(len(holders))
-            ours = [_ReducerSession(group, slice_name, piece, part, set(holders) - {self.me}, transfer, deadline)
-                    for piece in pieces(part, spans[index])]
+            holders, reducers = group.holders(slice_name), group.reducers(slice_name)
+            index = reducers.index(self.me) if self.me in reducers else None  # None: this peer only dials out
+            spans = part.partition(len(reducers))
+            ours = [] if index is None else [
+                _ReducerSession(group, slice_name, piece, part, set(holders) - {self.me}, transfer, deadline)
+                for piece in pieces(part, spans[index])]
             for session in ours:
                 for peer in session.senders & self.bans.active(group.round_index):
                     session.reject(peer, "banned here for sending malformed data")
@@ -229,9 +236,9 @@ class ButterflyAllReduce:
             sessions += ours
             stats.dense_fp32_bytes += dense_fp32_bytes(part, spans, index)
             stats.params += sum(part.numel(span) for span in spans)
-            for peer, span in zip(holders, spans):
+            for peer, span in zip(reducers, spans):
                 if peer != self.me:
-                    route = _Route()
+                    route = _Route(group, slice_name, part, transfer)
                     senders += [asyncio.create_task(self._contribute(ours, peer, route, piece, stats, dropped))
                                 for piece in pieces(part, span)]
         reductions: list[SpanReduction] = []
@@ -245,7 +252,7 @@ class ButterflyAllReduce:
                 stats.clipped = sorted(set(stats.clipped) | set(reduction.clipped))
                 result = reduction.result_for(session.exchange, self.me)
                 await loop.run_in_executor(None, session.exchange.receive, session.span, result,
-                                           reduction.own_position(self.me))
+                                           reduction.own_position(self.me), reduction.scales)
             # Every contribution is delivered (or fails) before we report, even after a reducer refused us.
             errors = [e for e in await asyncio.gather(*senders, return_exceptions=True) if e is not None]
             for session in sessions:  # results handed to every sender
@@ -285,7 +292,7 @@ class ButterflyAllReduce:
                          for p in session.group.peers if p == self.me or p in session.payloads]
         try:
             reduction = await asyncio.get_running_loop().run_in_executor(
-                None, reduce_span, session.exchange, session.span, contributions)
+                None, reduce_span, session.exchange, session.span, contributions, session.group.tokens_of())
         except PayloadError as e:
             session.result.set_exception(e)
             session.result.exception()  # retrieved here; handlers re-raise it to their senders
@@ -317,8 +324,7 @@ class ButterflyAllReduce:
 
     async def _send_piece(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span,
                           stats: AllReduceStats, dropped: set[str]) -> None:
-        session = ours[0]
-        group, exchange = session.group, session.exchange
+        group, exchange = route.group, route.exchange
         loop = asyncio.get_running_loop()
         payload = await loop.run_in_executor(None, exchange.encode, span)
         stats.contribution_bytes += len(payload)
@@ -329,19 +335,20 @@ class ButterflyAllReduce:
                     raise route.failure
                 reader, writer = await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name),
                                                         self.timeout)
-                header = {"group_id": group.group_id, "round": group.round_index, "slice": session.slice,
+                header = {"group_id": group.group_id, "round": group.round_index, "slice": route.slice,
                           "span": [span.start, span.stop]}
-                await asyncio.wait_for(wire.write_message(writer, header, payload), session.transfer)
+                await asyncio.wait_for(wire.write_message(writer, header, payload), route.transfer)
             stats.bytes_sent += len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
             # The reducer may wait a transfer's time for the slowest sender before it answers, and the answer
             # takes another.
             reply, result = await asyncio.wait_for(
-                wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * session.transfer)
+                wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * route.transfer)
             included = parse_reply(reply, group, self.me)
-            await loop.run_in_executor(None, exchange.receive, span, result, included.index(self.me))
+            await loop.run_in_executor(None, exchange.receive, span, result, included.index(self.me),
+                                       scales_of(included, group.tokens_of()))
             stats.bytes_received += len(result)
-            dropped.update(set(group.holders(session.slice)) - set(included))
+            dropped.update(set(group.holders(route.slice)) - set(included))
         except TransportError as e:  # the reducer crashed, or the link to it broke: it will not send us its part
             for piece in ours:
                 piece.miss(peer, None, f"the link to it failed ({e})")

@@ -197,11 +197,14 @@ class RoundCommit:
     async def _probe(self, ballot: _Ballot) -> None:
         """Every PROBE_EVERY seconds, try to open a stream to each member still awaited: one whose daemon cannot
         be reached at all has crashed (after delivering its span, or nobody would wait for it), and is not
-        waited for until the deadline."""
+        waited for until the deadline. A member behind a NAT cannot be dialled at all: its vote is waited
+        for."""
         while True:
             await asyncio.sleep(PROBE_EVERY)
             for peer in ballot.waiting_for():
-                if peer != self.me and not await wire.reachable(self.p2p, peer, self.handler_name, PROBE_EVERY):
+                if peer == self.me or peer in ballot.group.dial_out:
+                    continue
+                if not await wire.reachable(self.p2p, peer, self.handler_name, PROBE_EVERY):
                     logger.info(f"round {ballot.group.round_index}: {peer[-8:]} cannot be reached; not waiting "
                                 f"for its vote")
                     ballot.dead.add(peer)

@@ -58,7 +58,8 @@ class SwarmCommunicator(Communicator):
             raise TrainingError(f"this peer published slices {sorted(held)} but averages {sorted(exchange.parts)}")
         slices = {k: (part.fingerprint(), held[k]) for k, part in exchange.parts.items()}
         failures: list[Failure] = []
-        group = await self.matchmaker.form_group(round_index, name, slices, directory.me.group, failures)
+        group = await self.matchmaker.form_group(round_index, name, slices, directory.me.group, failures,
+                                                 exchange.tokens)
         grouped.set()  # the join no longer reads this peer's record: it may announce its next round
         if group is None:  # late, refused, or leaving: nothing to apply
             return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started,
@@ -66,7 +67,7 @@ class SwarmCommunicator(Communicator):
         if len(group.peers) == 1:
             return await self._alone(exchange, round_index, started, failures)
 
-        stats = AllReduceStats(list(group.peers), failures=failures)
+        stats = AllReduceStats(list(group.peers), failures=failures, tokens=exchange.tokens)
         formed = set(group.peers)
         while True:
             await faults.hit_async("matchmaking.grouped", round_index)
@@ -116,4 +117,4 @@ class SwarmCommunicator(Communicator):
                                 f"lower the inner or outer learning rate") from None
         whole = range(exchange.num_units)
         return AllReduceStats([self.matchmaker.me], contribution_bytes=uploaded, params=exchange.numel(whole),
-                              seconds=time.perf_counter() - started, failures=failures)
+                              seconds=time.perf_counter() - started, failures=failures, tokens=exchange.tokens)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.proto import dht_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -64,6 +65,10 @@ async def start_dht_node(
             check_if_identity_free=identity is not None and not identity.ephemeral,  # a fresh key is nobody's
             client_mode=client_mode,
             record_validator=validator,
+            # Behind a NAT the daemon reserves a slot at a public peer's relay (its bootstrap peers are trusted
+            # relays) and announces the circuit address; a public peer's AutoNAT keeps it from doing so.
+            use_relay=True,
+            use_auto_relay=True,
         ), owner
     except P2PDaemonError as e:
         text = str(e)
@@ -82,6 +87,17 @@ async def start_dht_node(
     finally:
         if identity is not None and identity.ephemeral:
             identity.release()
+
+
+async def stop_serving(node: DHTNode) -> None:
+    """Turn a running DHT node into a client, as hivemind's ``client_mode`` starts one: its handlers go, and its
+    requests carry an empty node info, so that no peer adds it to its routing table and dials it for records
+    (it cannot be dialled: ``swarm/reachability.py``)."""
+    protocol = node.protocol
+    if not protocol.client_mode:
+        await protocol.remove_p2p_handlers(protocol.p2p)
+        protocol.client_mode = True
+        protocol.node_info = dht_pb2.NodeInfo()
 
 
 async def visible_maddrs(node: DHTNode) -> list[str]:

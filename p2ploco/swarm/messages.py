@@ -31,6 +31,7 @@ SliceName = Annotated[str, StringConstraints(min_length=1, max_length=32)]
 Digest = Annotated[str, StringConstraints(max_length=128)]  # a hash, a fingerprint or a group id
 Name = Annotated[str, StringConstraints(max_length=64)]  # an all-reduce's or a pipeline group's name
 Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]
+Tokens = Annotated[int, Field(ge=1, le=1 << 48)]  # tokens a contribution was trained on: its weight
 Reason = Annotated[str, AfterValidator(lambda text: text[:MAX_REASON])]
 Digests = Annotated[dict[SliceName, Digest], Field(max_length=MAX_SLICES)]  # slice -> hash
 

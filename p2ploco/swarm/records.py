@@ -34,6 +34,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from p2ploco.config import MAX_WAIT
 from p2ploco.swarm.identity import peer_id_of
 from p2ploco.swarm.messages import MAX_ROUND, MAX_SLICES, status_of
+from p2ploco.swarm.reachability import Reachability
 from p2ploco.swarm.wire import DAEMON_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,14 @@ class PeerRecord(BaseModel):
     # its last round may have ended otherwise for the others (it was left out, alone, or got no decision), and it
     # has not caught up since: its state has no say on the swarm's (``state_rank``)
     unsettled: bool = False
+    reachability: status_of(Reachability) = Reachability.PUBLIC  # whether others can dial it (swarm/reachability.py)
+    step_seconds: Amount = 0.0  # its inner step's recent median time (0: none yet): sizes the swarm's round budget
+
+    @property
+    def dials_out(self) -> bool:
+        """Whether this peer only opens streams in rounds (behind a NAT): no span, no coordinating, no
+        donating."""
+        return Reachability(self.reachability).dials_out
 
     @classmethod
     def parse(cls, value: object) -> PeerRecord | None:
@@ -123,7 +132,8 @@ class PeerRecord(BaseModel):
             return None
 
     def to_value(self) -> dict[str, Any]:
-        return {**self.model_dump(), "state": str(self.state)}  # hivemind's serializer takes no str subclass
+        # hivemind's serializer takes no str subclass
+        return {**self.model_dump(), "state": str(self.state), "reachability": str(self.reachability)}
 
     @property
     def active(self) -> bool:
@@ -422,6 +432,11 @@ class PeerDirectory:
         record = self.live.get(peer_id)
         return (record is not None and record.fingerprint == self.me.fingerprint and record.state != PeerState.LEAVING
                 and self.fresh(peer_id))
+
+    def dials_out(self, peer_id: str) -> bool:
+        """Whether ``peer_id``'s record (this peer's own included) says it cannot be dialled in rounds, as last seen."""
+        record = self.me if peer_id == self.me.peer_id else self.live.get(peer_id)
+        return record is not None and record.dials_out
 
     def fresh(self, peer_id: str) -> bool:
         """Whether ``peer_id``'s record was renewed lately: a crashed peer stops renewing it long before it lapses."""

@@ -90,6 +90,7 @@ from p2ploco.swarm.messages import (
     Reason,
     Round,
     SliceName,
+    Tokens,
     decode,
     status_of,
 )
@@ -145,14 +146,25 @@ class Group:
     holdings: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (peer, the slices it holds), in peer order
     pipelines: tuple[tuple[str, str], ...] = ()  # (stage peer, its pipeline group), in peer order
     left_out: tuple[tuple[str, str], ...] = ()  # (peer, why): joined or expected, and not in the group
+    tokens: tuple[tuple[str, int], ...] = ()  # (peer, tokens its contribution carries: its weight), in peer order
+    dial_out: tuple[str, ...] = ()  # members that can only dial out: they reduce no span
 
     def without(self) -> str:
         """Who the coordinator left out and why, as a member logs it ("" if nobody)."""
         return ", ".join(f"{peer[-8:]} ({why})" for peer, why in self.left_out)
 
     def holders(self, slice_name: str) -> tuple[str, ...]:
-        """The members that hold ``slice_name``, in canonical order: the i-th reduces the slice's span i."""
+        """The members that hold ``slice_name``, in canonical order: each contributes to every span of it."""
         return tuple(peer for peer, slices in self.holdings if slice_name in slices)
+
+    def reducers(self, slice_name: str) -> tuple[str, ...]:
+        """The holders of ``slice_name`` that others can dial, in canonical order: the i-th reduces span i. A
+        member that can only dial out sends its contributions and reads the results on streams it opened."""
+        return tuple(peer for peer in self.holders(slice_name) if peer not in self.dial_out)
+
+    def tokens_of(self) -> dict[str, int]:
+        """Each member's weight: the tokens its contribution carries."""
+        return dict(self.tokens)
 
     def slices_of(self, peer: str) -> tuple[str, ...]:
         return dict(self.holdings).get(peer, ())
@@ -161,7 +173,9 @@ class Group:
         """The redo of this round among ``peers`` (each keeps its holdings)."""
         kept = set(peers)
         return Group(group_id, self.round_index, self.name, tuple(sorted(kept)), coordinator, 1,
-                     tuple(h for h in self.holdings if h[0] in kept), tuple(p for p in self.pipelines if p[0] in kept))
+                     tuple(h for h in self.holdings if h[0] in kept), tuple(p for p in self.pipelines if p[0] in kept),
+                     tokens=tuple(t for t in self.tokens if t[0] in kept),
+                     dial_out=tuple(p for p in self.dial_out if p in kept))
 
     def whole_pipelines(self, peers: set[str]) -> set[str]:
         """``peers`` less the stage peers of a pipeline group that is not whole among them."""
@@ -173,10 +187,13 @@ class Group:
 
 @dataclass(frozen=True)
 class Member:
-    """What a joiner says of itself: its slices (name -> (exchange fingerprint, hash)) and pipeline group."""
+    """What a joiner says of itself: its slices (name -> (exchange fingerprint, hash)), pipeline group, the tokens
+    its contribution carries, and whether others can dial it (one that only dials out reduces no span)."""
 
     slices: tuple[tuple[str, tuple[str, str]], ...]
     pipeline: str = ""
+    tokens: int = 1
+    dial_out: bool = False
 
 
 # round, all-reduce name, config fingerprint, digest of the state the round starts from (``records.round_state``)
@@ -240,10 +257,11 @@ class GroupBook:
 
 class Matchmaker:
     def __init__(self, p2p: P2P, directory: PeerDirectory, run_id: str, timeout: float, bans: Bans, stages: int,
-                 book: GroupBook):
-        """``stages``: slices of a pipeline group, all of which it must bring to a round."""
+                 book: GroupBook, dial_out: bool = False):
+        """``stages``: slices of a pipeline group, all of which it must bring to a round; ``dial_out``: this peer
+        cannot be dialled (``swarm/reachability.py``): it never coordinates, and reduces no span."""
         self.p2p, self.directory, self.timeout, self.bans = p2p, directory, timeout, bans
-        self.stages, self.book = stages, book
+        self.stages, self.book, self.dial_out = stages, book, dial_out
         self.me = directory.me.peer_id
         self.handler_name = f"p2ploco/{run_id}/join"
         self._forming: dict[FormationKey, _Formation] = {}
@@ -256,10 +274,12 @@ class Matchmaker:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_join)
 
     def candidates(self, exclude: set[str] = frozenset()) -> set[str]:
-        """Peers that may coordinate: live peers of this run's config, not leaving, not known unreachable."""
+        """Peers that may coordinate: live peers of this run's config that can be dialled, not leaving, not known
+        unreachable."""
         config = self.directory.me.fingerprint
-        live = {p for p, r in self.directory.live.items() if r.state != PeerState.LEAVING and r.fingerprint == config}
-        if not self.leaving.is_set():
+        live = {p for p, r in self.directory.live.items() if r.state != PeerState.LEAVING and r.fingerprint == config
+                and not r.dials_out}
+        if not self.leaving.is_set() and not self.dial_out:
             live.add(self.me)
         return live - exclude
 
@@ -273,9 +293,10 @@ class Matchmaker:
     # ---- the joining side -------------------------------------------------------------------------
 
     async def form_group(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
-                         pipeline: str = "", failures: list[Failure] | None = None) -> Group | None:
+                         pipeline: str = "", failures: list[Failure] | None = None, tokens: int = 1) -> Group | None:
         """The group this peer all-reduces with in ``round_index``, given the slices it holds (name ->
-        (exchange fingerprint, hash)) and, for a stage peer, its pipeline group: a group of one (``alone``) if no
+        (exchange fingerprint, hash)), the tokens its contribution carries and, for a stage peer, its pipeline
+        group: a group of one (``alone``) if no
         coordinator could be reached or none put anyone else with it (the caller decides whether it may commit
         alone), None if it came too late, is banned, was refused, or is leaving, and must apply nothing this
         round. What went wrong on the way is added to ``failures``."""
@@ -291,7 +312,7 @@ class Matchmaker:
             state, _ = round_state(await self.directory.refresh(), me, round_index, banned)
         request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state,
                    "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
-                   "unreachable": []}
+                   "unreachable": [], "tokens": max(1, tokens), "dial_out": self.dial_out}
         deadline = time.monotonic() + self.timeout + 5.0  # the coordinator may wait `timeout` for others
         unreachable: dict[str, str] = {}  # coordinators tried in vain, and why
         hints: set[str] = set()
@@ -340,7 +361,8 @@ class Matchmaker:
             return None
         tried = ", ".join(f"{peer[-8:]} ({why[:100]})" for peer, why in unreachable.items())
         logger.warning(f"round {round_index}: no coordinator answered ({tried or 'none to ask'})")
-        return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),))
+        return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),),
+                     tokens=((self.me, max(1, tokens)),))
 
     async def working_on(self, round_index: int) -> list[str]:
         """The other peers that could apply ``round_index`` without this one, so that applying it alone would split
@@ -356,8 +378,11 @@ class Matchmaker:
                        and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
                        and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)
                        and p not in banned)
-        dialled = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY) for p in ahead))
-        alive = [p for p, ok in zip(ahead, dialled) if ok]
+        # A peer behind a NAT cannot be dialled: its fresh record is all there is to go by.
+        dialled = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
+                                         for p in ahead if not live[p].dials_out))
+        reached = iter(dialled)
+        alive = [p for p in ahead if live[p].dials_out or next(reached)]
         stages: dict[str, set[int]] = {}
         for p in alive:
             if live[p].group:
@@ -522,7 +547,7 @@ class Matchmaker:
                     break
                 if time.monotonic() >= probed + PROBE_EVERY:  # a peer killed in its inner steps is not waited for
                     probed = time.monotonic()
-                    probes = sorted(awaited - {self.me})
+                    probes = sorted(p for p in awaited - {self.me} if not live[p].dials_out)
                     alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
                                                    for p in probes))
                     formation.dead.update(p for p, ok in zip(probes, alive) if not ok)
@@ -550,7 +575,9 @@ class Matchmaker:
                               holdings=tuple((p, tuple(sorted(dict(members[p].slices)))) for p in sorted(members)),
                               pipelines=tuple((p, members[p].pipeline) for p in sorted(members)
                                               if members[p].pipeline),
-                              left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())))
+                              left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())),
+                              tokens=tuple((p, members[p].tokens) for p in sorted(members)),
+                              dial_out=tuple(p for p in sorted(members) if members[p].dial_out))
                 self.book.add(group, key)
                 del self._forming[key]
                 formation.closed.set_result(group)
@@ -604,6 +631,14 @@ def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | No
         if m.pipeline in incomplete:
             refused[peer] = f"its pipeline group {m.pipeline} did not bring all {stages} stages to this round"
             del kept[peer]
+    # A slice needs a member others can dial to reduce it; members that only dial out cannot reduce for each other.
+    reducible = {name for m in kept.values() if not m.dial_out for name, _ in m.slices}
+    for peer, m in list(kept.items()):
+        unreduced = sorted(name for name, _ in m.slices if name not in reducible)
+        if unreduced:
+            refused[peer] = (f"no member that holds {unreduced[0]} can be dialled to reduce it (all of them are "
+                             f"behind NAT): it needs a public peer, or a relay")
+            del kept[peer]
     return kept, refused
 
 
@@ -616,6 +651,8 @@ class JoinRequest(Message):
                       Field(min_length=1, max_length=MAX_SLICES)]  # slice -> [exchange fingerprint, hash]
     pipeline: Name
     unreachable: PeerIds
+    tokens: Tokens  # what the joiner trained for its contribution: its weight in the round's mean
+    dial_out: bool  # others cannot dial the joiner (it is behind NAT): it reduces no span
 
 
 class JoinAnswer(Message):
@@ -628,6 +665,8 @@ class JoinAnswer(Message):
                         Field(max_length=MAX_PEERS)] = {}
     pipelines: Annotated[dict[PeerId, Name], Field(max_length=MAX_PEERS)] = {}
     left_out: Annotated[dict[PeerId, Reason], Field(max_length=MAX_LEFT_OUT)] = {}
+    tokens: Annotated[dict[PeerId, Tokens], Field(max_length=MAX_PEERS)] = {}
+    dial_out: PeerIds = []
 
     @model_validator(mode="after")
     def _complete(self) -> JoinAnswer:
@@ -640,6 +679,9 @@ class JoinAnswer(Message):
                 raise ValueError("a group whose holdings do not list the slices of every member")
             if not set(self.pipelines) <= set(self.peers) or set(self.left_out) & set(self.peers):
                 raise ValueError("a group whose pipeline groups name non-members, or that leaves out members")
+            if set(self.tokens) != set(self.peers) or not set(self.dial_out) <= set(self.peers):
+                raise ValueError("a group whose tokens do not list every member, or whose dial-out peers are not "
+                                 "members")
         return self
 
 
@@ -647,14 +689,15 @@ def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]
     """A join request's formation key, the peers the joiner could not reach, and what the joiner holds;
     PayloadError if malformed."""
     join = decode(JoinRequest, request)
-    member = Member(tuple(sorted((k, (v[0], v[1])) for k, v in join.slices.items())), join.pipeline)
+    member = Member(tuple(sorted((k, (v[0], v[1])) for k, v in join.slices.items())), join.pipeline, join.tokens,
+                    join.dial_out)
     return (join.round, join.name, join.config, join.state), set(join.unreachable), member
 
 
 def group_answer(group: Group) -> dict[str, Any]:
     return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers),
             "holdings": {peer: list(slices) for peer, slices in group.holdings}, "pipelines": dict(group.pipelines),
-            "left_out": dict(group.left_out)}
+            "left_out": dict(group.left_out), "tokens": dict(group.tokens), "dial_out": list(group.dial_out)}
 
 
 def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: str) -> Group:
@@ -662,4 +705,5 @@ def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: st
     return Group(answer.group_id, round_index, name, tuple(answer.peers), coordinator, 0,
                  tuple((p, tuple(sorted(set(answer.holdings[p])))) for p in answer.peers),
                  tuple((p, answer.pipelines[p]) for p in answer.peers if p in answer.pipelines),
-                 tuple(sorted(answer.left_out.items())))
+                 tuple(sorted(answer.left_out.items())), tuple((p, answer.tokens[p]) for p in answer.peers),
+                 tuple(answer.dial_out))

@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 from hivemind.dht.node import DHTNode
+from hivemind.utils.multiaddr import Multiaddr
 
 from p2ploco import PROTOCOL_VERSION, __version__
 from p2ploco.config import SwarmConfig
@@ -21,9 +22,10 @@ from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.communicator import SwarmCommunicator
 from p2ploco.swarm.deadlines import TransferDeadline
-from p2ploco.swarm.dht import start_dht_node, visible_maddrs
+from p2ploco.swarm.dht import start_dht_node, stop_serving, visible_maddrs
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
+from p2ploco.swarm.reachability import DialBack, Reachability, detect
 from p2ploco.swarm.records import (
     MAX_ADDRESSES,
     PeerDirectory,
@@ -64,17 +66,30 @@ class Swarm:
         loop = EventLoopThread()
 
         async def start() -> Swarm:
-            node, owner = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity, run_id=run_id)
+            forced_client = config.reachability == Reachability.CLIENT
+            node, owner = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity,
+                                               client_mode=forced_client, run_id=run_id)
             p2p, me_id = node.protocol.p2p, str(node.peer_id)
+            addresses = await visible_maddrs(node)
+            if config.reachability == "auto":
+                reachability = await detect(p2p, [Multiaddr(a)["p2p"] for a in initial_peers], addresses)
+            else:
+                reachability = Reachability(config.reachability)
+            if reachability.dials_out:
+                await stop_serving(node)  # nobody could dial it for records
+            else:
+                await DialBack(p2p).start()
+            logger.info(f"reachability: {reachability}")
             me = PeerRecord(peer_id=me_id, round=0, state=PeerState.JOINING, fingerprint=config_fingerprint,
                             version=__version__, name=name or human_name(me_id), device=device, role=role,
-                            bandwidth_mbit=config.bandwidth_mbit,
-                            addresses=(await visible_maddrs(node))[:MAX_ADDRESSES])
+                            bandwidth_mbit=config.bandwidth_mbit, reachability=reachability,
+                            addresses=addresses[:MAX_ADDRESSES])
             directory = PeerDirectory(node, peers_key(run_id), owner, me, config.heartbeat_interval, config.peer_ttl,
                                       run_id=run_id)
             bans = Bans(config.ban_rounds)
             book = GroupBook()
-            matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout, bans, stages, book)
+            matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout, bans, stages, book,
+                                    reachability.dials_out)
             deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
                                          config.max_transfer_timeout)
             butterfly = ButterflyAllReduce(p2p, me_id, run_id, deadlines, bans, directory.rates)
@@ -104,6 +119,16 @@ class Swarm:
     @property
     def peer_id(self) -> str:
         return self.directory.me.peer_id
+
+    @property
+    def reachability(self) -> Reachability:
+        return Reachability(self.directory.me.reachability)
+
+    def step_seconds(self) -> list[float]:
+        """The inner-step times the live peers of this run's config publish, as the heartbeat last saw them (0: not
+        known yet). Read between inner steps: no lookup."""
+        return [r.step_seconds for p, r in self.directory.live.items()
+                if r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)]
 
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)
@@ -179,7 +204,9 @@ class Swarm:
         """Download ``target`` (one slice, whose tensors take ``tensor_bytes`` here) from the peers that hold it and
         are not banned here (SwarmError if none serves it as vouched); a donor that describes or serves it falsely
         is banned."""
-        donors = [p for p in target.holders if p != self.peer_id and not self.bans.banned(p, target.round)]
+        # A peer behind a NAT cannot be dialled for the state: it is never a donor.
+        donors = [p for p in target.holders if p != self.peer_id and not self.bans.banned(p, target.round)
+                  and not self.directory.dials_out(p)]
 
         def blame(donor: str, why: str) -> None:
             self.bans.ban(donor, target.round, why)
