@@ -112,10 +112,11 @@ SIGNED = VALIDATOR.sign_value(DHTRecord(RECORD_KEY, MSGPackSerializer.dumps(OWNE
                                         get_dht_time() + 10))
 HEADERS = {
     "join": {"round": 3, "name": "params", "config": "c", "state": "s", "slices": {"stage0": ["e", "h"]},
-             "pipeline": "g0", "unreachable": [OTHER]},
+             "pipeline": "g0", "unreachable": [OTHER], "tokens": 10240, "dial_out": False},
     "group": {"status": JoinStatus.GROUP, "group_id": "g", "peers": [ME, OTHER],
               "holdings": {ME: ["stage0"], OTHER: ["stage0", "stage1"]}, "pipelines": {ME: "g0"},
-              "left_out": {"12D3KooWLeftOut": "it did not join within 20 s"}},
+              "left_out": {"12D3KooWLeftOut": "it did not join within 20 s"}, "tokens": {ME: 10240, OTHER: 2048},
+              "dial_out": [OTHER]},
     "vote": {"group_id": "g", "vote": "holds", "digests": {"stage0": "d"}, "drops": [OTHER]},
     "decision": {"outcome": "redo", "digests": {}, "group_id": "h", "peers": [ME], "reason": "a span is missing"},
     "reply": {"status": "ok", "included": [ME, OTHER]},

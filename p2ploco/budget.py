@@ -82,7 +82,7 @@ class WallClockBudget:
         fastest = max(min(known), own / MAX_SPEED_SPREAD)
         if own <= FAST_COHORT * fastest:
             return None
-        return self.steps * statistics.median(s for s in known if fastest <= s <= FAST_COHORT * fastest)
+        return self.steps * statistics.median(max(s, fastest) for s in known if s <= FAST_COHORT * fastest)
 
     def allows(self, steps_done: int, seconds: float) -> bool:
         if steps_done >= self.steps:

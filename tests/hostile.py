@@ -205,7 +205,7 @@ def send_junk_joins(start: int) -> None:
 
             async def junk(peer: str, i: int) -> None:
                 request = {"round": round_index + i % 3, "name": name, "config": f"made-up-{i}" if i % 2 else config,
-                           "state": f"s{i}", "pipeline": "", "unreachable": [],
+                           "state": f"s{i}", "pipeline": "", "unreachable": [], "tokens": 1000, "dial_out": False,
                            "slices": {name: ["fp", f"h{i}"]}}
                 try:
                     await asyncio.wait_for(wire.call(matchmaker.p2p, peer, matchmaker.handler_name, request), 5)

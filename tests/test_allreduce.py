@@ -315,6 +315,7 @@ def test_a_member_that_asks_its_coordinator_again_gets_the_same_group(trio):
                                    if k[0] == round_index]
     member = next(s for s in trio if s is not coordinator)
     request = {"round": key[0], "name": key[1], "config": key[2], "state": key[3], "pipeline": "", "unreachable": [],
+               "tokens": 1000, "dial_out": False,
                "slices": {"params": [exchanges[0].fingerprint(), "start-state"]}}
     answer = member.loop.run(member.communicator.matchmaker._ask(coordinator.peer_id, request, 10), 15)
     assert answer["status"] == "group" and answer["group_id"] == group.group_id
@@ -335,7 +336,8 @@ def test_joins_from_outside_the_run_are_refused_and_do_not_disturb_its_rounds(tr
     try:
         async def junk(i: int) -> dict:
             request = {"round": round_index + i % 3, "name": "params", "config": f"made-up-{i}" if i % 2 else "cfg",
-                       "state": f"s{i}", "pipeline": "", "unreachable": [], "slices": {"params": ["fp", f"h{i}"]}}
+                       "state": f"s{i}", "pipeline": "", "unreachable": [], "tokens": 1000, "dial_out": False,
+                       "slices": {"params": ["fp", f"h{i}"]}}
             answer, _ = await wire.call(outsider, coordinator.me, coordinator.handler_name, request)
             return answer
 

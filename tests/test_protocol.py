@@ -147,7 +147,7 @@ def test_bans_are_local_and_bounded():
 
 
 JOIN = {"round": 1, "name": "p", "config": "c", "state": "s", "slices": {S: ["fp", "h"]}, "pipeline": "",
-        "unreachable": []}
+        "unreachable": [], "tokens": 10240, "dial_out": False}
 
 
 @pytest.mark.parametrize("request_, message", [
@@ -162,6 +162,9 @@ JOIN = {"round": 1, "name": "p", "config": "c", "state": "s", "slices": {S: ["fp
     ({**JOIN, "pipeline": 3}, "JoinRequest: pipeline: Input should be a valid string"),
     ({**JOIN, "pipeline": b"g0"}, "JoinRequest: pipeline: Input should be a valid string"),
     ({k: v for k, v in JOIN.items() if k != "state"}, "JoinRequest: state: Field required"),
+    ({**JOIN, "tokens": 0}, "JoinRequest: tokens: Input should be greater than or equal to 1"),
+    ({**JOIN, "tokens": 1 << 60}, "JoinRequest: tokens: Input should be less than or equal to"),
+    ({**JOIN, "dial_out": "yes"}, "JoinRequest: dial_out: Input should be a valid boolean"),
 ])
 def test_malformed_join_requests_are_payload_errors(request_, message):
     with pytest.raises(PayloadError, match=message):

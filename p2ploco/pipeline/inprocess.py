@@ -2,19 +2,26 @@
 benchmarks. Every worker (a full replica, or one stage of a group) runs in its own thread and runs the same
 round schedule a node runs (``p2ploco.schedules``), over the in-process communicator (each slice reduced among
 its holders) and, within a group, the in-process stage transport.
+
+Replicas of unequal speed are simulated by count, not by time (runs repeat exactly): ``budgets[i]`` is replica
+i's round budget (``budget.FixedSteps(n)``: n inner steps a round, as a replica that fits n of the fast ones' H
+steps into the round's time), and its contribution is weighted by the tokens it trained, as in a swarm.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from p2ploco.budget import RoundBudget
 from p2ploco.build import build_linked_stage, build_replica
-from p2ploco.collective.exchange import AllReduceStats
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
 from p2ploco.collective.inprocess import InProcessGroup
+from p2ploco.collective.sliced import SlicedExchange, as_sliced
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler
 from p2ploco.data.streams import TokenStream
@@ -30,15 +37,28 @@ AFTER_ONE_STEP = Landing(after=1, wait=True)  # an eager overlapped round's all-
 class InProcessSwarm:
     """Replicas of one run in this process: ``replicas[i]`` is [a full replica's worker] or [the S stage
     workers of a group]. Each worker runs its run's round schedule (``schedules[i]`` for ``workers[i]``); an eager
-    overlapped round lands at a fixed inner step of the next round (``landing``), so that runs repeat exactly."""
+    overlapped round lands at a fixed inner step of the next round (``landing``), so that runs repeat exactly.
+    ``budgets[i]``: how many inner steps replica i trains a round (None: H; every stage of a group gets the
+    same); ``weighted=False`` weighs every contribution the same whatever it trained (for comparison)."""
 
     def __init__(self, config: Config, replicas: list[list[Worker]], pipes: list[InProcessPipe],
-                 transports: list[StageTransport], landing: Landing):
+                 transports: list[StageTransport], landing: Landing,
+                 budgets: Sequence[RoundBudget | None] | None = None, weighted: bool = True):
         self.replicas, self.pipes, self.transports = replicas, pipes, transports
         self.workers = [worker for replica in replicas for worker in replica]
         self.schedules: list[RoundSchedule] = [build_schedule(config, worker, landing) for worker in self.workers]
+        self.budgets = list(budgets) if budgets is not None else [None] * len(replicas)
+        if len(self.budgets) != len(replicas):
+            raise ValueError(f"{len(self.budgets)} budgets for {len(replicas)} replicas")
+        self.weighted = weighted
         self.all_reduce_bytes = [0] * len(replicas)  # sent + received by each replica's workers in all rounds
+        self.tokens = [0] * len(replicas)  # tokens each replica trained in all rounds (a group's, once)
+        self.steps = [0] * len(replicas)  # inner steps each replica trained in all rounds
+        # per sender (``replica-{rank}``, rank in ``workers``): the spans, over all rounds, whose reducer clipped
+        # its contribution (``outer.clip_factor`` x the median norm)
+        self.clipped: Counter[str] = Counter()
         self._replica_of = [i for i, replica in enumerate(replicas) for _ in replica]
+        self._first = {self.workers.index(replica[0]) for replica in replicas}  # ranks that count a replica's work
 
     def train(self, rounds: int, after_round: Callable[[int], None] | None = None) -> None:
         """``rounds`` outer rounds of every worker; ``after_round(r)`` runs once all have finished round r.
@@ -49,15 +69,24 @@ class InProcessSwarm:
 
         def work(rank: int) -> None:
             try:
-                comm = group.communicator(rank)
+                comm: Communicator = group.communicator(rank)
+                if not self.weighted:
+                    comm = EqualWeights(comm)
+                hooks = RoundHooks(budget=self.budgets[self._replica_of[rank]])
 
                 def count(stats: AllReduceStats | None) -> None:
                     if stats is not None:
                         with lock:
                             self.all_reduce_bytes[self._replica_of[rank]] += stats.bytes_sent + stats.bytes_received
+                            self.clipped.update(stats.clipped)
 
                 for r in range(rounds):
-                    count(self.schedules[rank].run(r, comm, RoundHooks()).comm)
+                    outcome = self.schedules[rank].run(r, comm, hooks)
+                    assert outcome is not None  # nothing stops a round here
+                    if rank in self._first:
+                        self.tokens[self._replica_of[rank]] += outcome.inner.tokens
+                        self.steps[self._replica_of[rank]] += outcome.inner.steps
+                    count(outcome.comm)
                     if r + 1 == rounds:  # an overlapped round still in flight lands at the end of the run
                         count(self.schedules[rank].finish_in_flight())
                     if after_round is not None:
@@ -72,11 +101,24 @@ class InProcessSwarm:
         run_in_threads(len(self.workers), work)
 
 
+class EqualWeights(Communicator):
+    """``inner`` with every contribution weighing one token, whatever its replica trained: the plain mean."""
+
+    def __init__(self, inner: Communicator):
+        self.inner = inner
+
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+        # the same slices (they receive the aggregate), without the tokens
+        return self.inner.all_reduce(SlicedExchange(as_sliced(exchange, name).parts), round_index, name)
+
+
 def build_swarm(config: Config, kinds: Sequence[str], tokens: TokenStream | np.ndarray,
-                device: torch.device = CPU, landing: Landing = AFTER_ONE_STEP) -> InProcessSwarm:
+                device: torch.device = CPU, landing: Landing = AFTER_ONE_STEP,
+                budgets: Sequence[RoundBudget | None] | None = None, weighted: bool = True) -> InProcessSwarm:
     """Replica i is a full replica or a pipeline group (``kinds[i]``) and draws its batches from a sampler
     seeded by ``replica-i`` (a group's first stage draws for the group). ``landing``: when an eager overlapped
-    round lands (by default after the first inner step of the next round: an all-reduce that takes one)."""
+    round lands (by default after the first inner step of the next round: an all-reduce that takes one).
+    ``budgets``, ``weighted``: see ``InProcessSwarm``."""
     c = config
     replicas: list[list[Worker]] = []
     pipes: list[InProcessPipe] = []
@@ -94,7 +136,7 @@ def build_swarm(config: Config, kinds: Sequence[str], tokens: TokenStream | np.n
             transports += group
         else:
             raise ValueError(f"replica kind {kind!r}: expected {FULL} or {GROUP}")
-    return InProcessSwarm(c, replicas, pipes, transports, landing)
+    return InProcessSwarm(c, replicas, pipes, transports, landing, budgets, weighted)
 
 
 def run_in_threads(count: int, work: Callable[[int], None]) -> None:

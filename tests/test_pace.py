@@ -1,0 +1,91 @@
+"""Peers of unequal speed: the round's time budget, tokens-weighted aggregates, and work that a missed round keeps."""
+
+import torch
+
+from p2ploco.budget import FixedSteps, StepTimes, WallClockBudget
+from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_alone
+from p2ploco.collective.inprocess import InProcessGroup
+from p2ploco.collective.robust import token_scales
+from p2ploco.collective.sliced import SlicedExchange
+from p2ploco.config import DiLoCoConfig
+from p2ploco.outer.diloco import DiLoCo
+from p2ploco.pipeline.inprocess import run_in_threads
+
+
+def all_reduce(values: list[torch.Tensor], tokens: list[int]) -> torch.Tensor:
+    """The aggregate three replicas holding ``values`` (trained on ``tokens``) all end with (checked equal)."""
+    exchanges = [SlicedExchange({"params": DenseMean([v])}, tokens=t) for v, t in zip(values, tokens)]
+    group = InProcessGroup(len(values))
+    run_in_threads(len(values), lambda rank: group.communicator(rank).all_reduce(exchanges[rank], 0, "params"))
+    means = [e.parts["params"].mean()[0] for e in exchanges]
+    assert all(torch.equal(m, means[0]) for m in means)
+    return means[0]
+
+
+def test_contributions_weigh_the_tokens_they_were_trained_on():
+    generator = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(1000, generator=generator) for _ in range(3))
+    weighted = all_reduce([a, b, c], [3000, 1000, 1000])
+    # Written out: each contribution times n * w_i / sum(w) in float32, summed in group order, divided by n.
+    f32 = torch.float32
+    reference = (a * torch.tensor(1.8, dtype=f32) + b * torch.tensor(0.6, dtype=f32)
+                 + c * torch.tensor(0.6, dtype=f32)) / 3
+    assert torch.equal(weighted, reference)
+    assert torch.allclose(weighted, (3 * a + b + c) / 5, atol=1e-6)
+    # Equal weights are the plain mean, to the bit (every earlier reference test holds).
+    assert torch.equal(all_reduce([a, b, c], [2048] * 3), all_reduce([a, b, c], [1, 1, 1]))
+    assert not torch.equal(weighted, all_reduce([a, b, c], [1, 1, 1]))
+
+
+def test_a_claim_of_absurd_tokens_weighs_at_most_four_times_the_median():
+    assert token_scales([1000, 1000, 10**12]) == token_scales([1000, 1000, 4000]) == [0.5, 0.5, 2.0]
+    assert token_scales([5, 5]) == [1.0, 1.0] and token_scales([]) == []
+
+
+class NotApplied(Communicator):
+    """The round runs, then its vote fails: nothing is applied."""
+
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+        reduce_alone(exchange)
+        return AllReduceStats(["me"], committed=False)
+
+
+def test_diloco_carries_a_missed_rounds_pseudo_gradient_and_tokens_into_the_next():
+    generator = torch.Generator().manual_seed(1)
+    start = [torch.randn(4, 8, generator=generator), torch.randn(8, generator=generator)]
+    config = DiLoCoConfig(lr=0.5, momentum=0.9)
+    outer, reference = DiLoCo(start, config), DiLoCo(start, config)
+    missed = [p - 0.01 * torch.randn(p.shape, generator=generator) for p in start]
+    trained = [p - 0.01 * torch.randn(p.shape, generator=generator) for p in start]
+    assert not outer.sync(missed, NotApplied(), 0, tokens=1024).committed
+    assert all(torch.equal(p, q) for p, q in zip(outer.params, start)) and outer.unapplied_tokens == 1024
+    stats = outer.sync(trained, InProcessGroup(1).communicator(0), 1, tokens=3072)
+    assert stats.committed and stats.tokens == 1024 + 3072 and outer.unapplied_tokens == 0 and outer.carry is None
+    # The reference takes one round whose local params moved by both pseudo-gradients at once.
+    both = [t - (p - m) for t, p, m in zip(trained, start, missed)]
+    reference.sync(both, InProcessGroup(1).communicator(0), 1)
+    assert all(torch.equal(p, q) for p, q in zip(outer.params, reference.params))
+
+
+def times(*seconds: float) -> StepTimes:
+    steps = StepTimes()
+    for s in seconds:
+        steps.add(s)
+    return steps
+
+
+def test_the_budget_fits_a_slow_peers_steps_into_the_fast_peers_round():
+    fast, slow = times(0.1, 0.1, 0.11), times(0.3, 0.31, 0.3)
+    swarm = [0.1, 0.3, 0.12]
+    assert WallClockBudget(10, fast, lambda: swarm).seconds() is None  # among the fastest: H steps
+    budget = WallClockBudget(10, slow, lambda: swarm)
+    assert budget.seconds() == 10 * 0.11  # H times the median step of the fast ones (0.1, 0.11, 0.12)
+    steps_in = [h for h in range(10) if budget.allows(h, h * 0.3)]
+    assert steps_in == [0, 1, 2, 3]  # the fourth step ends at 1.2 s, within half a step of 1.1 s
+    assert WallClockBudget(10, slow, lambda: swarm, round_seconds=0.6).seconds() == 0.6
+    assert WallClockBudget(10, times(), lambda: swarm).seconds() is None  # no step of its own yet: H
+    assert not WallClockBudget(3, fast, lambda: swarm).allows(3, 0.0)  # never more than H
+    # A record claiming an absurdly fast step shortens the round at most MAX_SPEED_SPREAD times.
+    assert WallClockBudget(10, slow, lambda: [1e-9]).seconds() == 10 * 0.3 / 16
+    assert [FixedSteps(2).allows(h, 0.0) for h in range(3)] == [True, True, False]
