@@ -114,8 +114,11 @@ class Node:
             files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, fingerprint, self.resume,
                                  lambda line: self.out(f"[{me}] {line}"))
             role, round_index, membership = self._take_role(swarm, device, data, files)
+            pace = "H every round" if self._budget(swarm, role) is None else "as many of H as fit in the round's time"
+            reach = ("can be dialled" if not swarm.reachability.dials_out else
+                     f"{swarm.reachability}: cannot be dialled (behind a NAT?), takes part by dialling out")
             self.out(f"[{me}] {role.describe()} on {device}; {data.describe()}; outer {c.outer.algorithm}, "
-                     f"H={c.inner.steps}")
+                     f"H={c.inner.steps} ({pace}); reachability {reach}")
             publish_progress(swarm, role.worker, round_index, PeerState.JOINING)
             if c.swarm.min_peers > 1:
                 self.out(f"[{me}] waiting for {c.swarm.min_peers} peers ...")

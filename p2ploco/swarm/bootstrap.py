@@ -1,5 +1,7 @@
-"""A bootstrap-only peer: a DHT node that trains nothing, validates p2ploco's signed records, and
-publishes a record of its own (role ``bootstrap``) so that ``p2ploco peers`` shows it."""
+"""A bootstrap-only peer: a DHT node that trains nothing, validates p2ploco's signed records, publishes a
+record of its own (role ``bootstrap``) so that ``p2ploco peers`` shows it, dials joining nodes back so that they
+learn whether they can be dialled (``swarm/reachability.py``), and relays for nodes behind NAT (p2pd's relay
+service)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from p2ploco import __version__
 from p2ploco.config import SwarmConfig
 from p2ploco.swarm.dht import start_dht_node, visible_maddrs
 from p2ploco.swarm.identity import Identity
+from p2ploco.swarm.reachability import DialBack
 from p2ploco.swarm.records import BOOTSTRAP_KEY, MAX_ADDRESSES, PeerDirectory, PeerRecord, human_name
 
 
@@ -19,6 +22,7 @@ async def start_bootstrap(initial_peers: Sequence[str], host_maddrs: Sequence[st
     """Start the DHT node and its record heartbeat; return the node and the addresses to join through."""
     identity = Identity.claim(identity_path) if identity_path is not None else Identity.fresh()
     node, owner = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity)
+    await DialBack(node.protocol.p2p).start()  # joining nodes ask it whether they can be dialled
     addresses = await visible_maddrs(node)
     peer_id = str(node.peer_id)
     me = PeerRecord(peer_id=peer_id, round=0, state="serving", fingerprint="", version=__version__,

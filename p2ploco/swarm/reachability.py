@@ -16,7 +16,8 @@ that cannot be dialled must never be any of those three; everything else it does
 A coordinator never waits on a dial it cannot make: it gives members that dial out no reducer span
 (``Group.reducers``), never picks one as coordinator, and a catching-up peer never asks one for the state.
 
-Detection (``detect``): the peer asks a peer it is connected to (its bootstrap peers first) to dial it back.
+Detection (``detect``): the peer asks a peer it is connected to (its bootstrap peers first, then public peers of
+its run) to dial it back.
 The asked peer opens a plain TCP connection to the address it sees the request come from, at each port the asker
 listens on, and says which ports answered. It dials nothing else, so the probe cannot be turned against a third
 party. A port that answers means ``public``; none, ``relayed`` if the daemon holds a relay address, else
@@ -49,7 +50,7 @@ DIAL_TIMEOUT = 3.0  # a TCP connect that has not completed by then counts as dro
 ASK_TIMEOUT = 2 * DIAL_TIMEOUT + 5.0
 MAX_PORTS = 4  # ports one request may ask to be dialled at
 MIN_INTERVAL = 10.0  # seconds between two probes for the same peer: a peer cannot keep this one dialling
-ASK_AT_MOST = 3  # peers asked before giving up
+ASK_AT_MOST = 4  # peers asked before giving up (a stock hivemind bootstrap peer does not serve the probe)
 
 
 class Reachability(enum.StrEnum):
@@ -144,11 +145,17 @@ async def detect(p2p: P2P, helpers: Sequence[str], addresses: Sequence[str]) -> 
     relayed = any("/p2p-circuit" in a for a in addresses)
     if not helpers or not ports:
         return Reachability.PUBLIC
-    for helper in list(helpers)[:ASK_AT_MOST]:
+    asked = 0
+    for helper in helpers:
+        if asked == ASK_AT_MOST:
+            break
         try:
             header, _ = await asyncio.wait_for(wire.call(p2p, helper, HANDLER, {"ports": ports}), ASK_TIMEOUT)
             answer = decode(DialBackAnswer, header)
+        except wire.Unreachable:  # it serves no probe (a stock hivemind peer), or is gone: not counted
+            continue
         except (PayloadError, TransportError, TimeoutError) as e:
+            asked += 1
             logger.info(f"could not ask {helper[-8:]} to dial this peer back ({e!r}); asking the next")
             continue
         if answer.reached:

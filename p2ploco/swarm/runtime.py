@@ -71,8 +71,16 @@ class Swarm:
                                                client_mode=forced_client, run_id=run_id)
             p2p, me_id = node.protocol.p2p, str(node.peer_id)
             addresses = await visible_maddrs(node)
-            if config.reachability == "auto":
-                reachability = await detect(p2p, [Multiaddr(a)["p2p"] for a in initial_peers], addresses)
+            me = PeerRecord(peer_id=me_id, round=0, state=PeerState.JOINING, fingerprint=config_fingerprint,
+                            version=__version__, name=name or human_name(me_id), device=device, role=role,
+                            bandwidth_mbit=config.bandwidth_mbit, addresses=addresses[:MAX_ADDRESSES])
+            directory = PeerDirectory(node, peers_key(run_id), owner, me, config.heartbeat_interval, config.peer_ttl,
+                                      run_id=run_id)
+            live = (await directory.refresh()).values()
+            if config.reachability == "auto":  # the bootstrap peers first, then public peers of the run
+                helpers = [Multiaddr(a)["p2p"] for a in initial_peers]
+                helpers += sorted(r.peer_id for r in live if not r.dials_out and r.peer_id not in helpers)
+                reachability = await detect(p2p, helpers, addresses)
             else:
                 reachability = Reachability(config.reachability)
             if reachability.dials_out:
@@ -80,12 +88,7 @@ class Swarm:
             else:
                 await DialBack(p2p).start()
             logger.info(f"reachability: {reachability}")
-            me = PeerRecord(peer_id=me_id, round=0, state=PeerState.JOINING, fingerprint=config_fingerprint,
-                            version=__version__, name=name or human_name(me_id), device=device, role=role,
-                            bandwidth_mbit=config.bandwidth_mbit, reachability=reachability,
-                            addresses=addresses[:MAX_ADDRESSES])
-            directory = PeerDirectory(node, peers_key(run_id), owner, me, config.heartbeat_interval, config.peer_ttl,
-                                      run_id=run_id)
+            directory.update_soon(reachability=reachability)  # stored with the first publish, below
             bans = Bans(config.ban_rounds)
             book = GroupBook()
             matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout, bans, stages, book,
@@ -97,7 +100,6 @@ class Swarm:
             state_server = StateServer(p2p, run_id, deadlines)
             for service in (matchmaker, butterfly, commit, state_server):
                 await service.start()
-            live = (await directory.refresh()).values()
             foreign = {r.fingerprint for r in live if r.state != PeerState.LEAVING} - {config_fingerprint}
             if foreign:  # ignored, never a reason not to start: anyone can publish a record under the run's key
                 logger.warning(f"run '{run_id}' has peers of another config (fingerprint {', '.join(sorted(foreign))}, "
