@@ -1,10 +1,12 @@
 """Butterfly all-reduce over hivemind's p2p streams, returning the aggregate itself.
 
 A round's exchange is made of named slices (``collective/sliced.py``), and each slice is reduced
-among the members that hold it (the group lists them): with n holders (canonical order), the slice's
-units are cut into n spans and holder i reduces span i. Every other holder streams it its
-contribution to span i, holder i combines the contributions in group order (each one bounded first,
-``collective/robust.py``) and sends the very same result bytes back to each of them. A full replica
+among the members that hold it (the group lists them): with n holders that can be dialled (its reducers,
+canonical order), the slice's units are cut into n spans and reducer i reduces span i. Every other holder
+streams it its contribution to span i, reducer i combines the contributions in group order (each one bounded
+and weighted by its sender's tokens first, ``collective/robust.py``) and sends the very same result bytes back
+to each of them. A holder behind a NAT (``swarm/reachability.py``) reduces nothing: it only sends its
+contributions and reads the results on the streams it opened. A full replica
 thus reduces a span of every slice, a stage peer a span of its own. Every peer thus applies identical aggregates: unlike
 hivemind's stock runner, which returns "average - own part" and leaves peers an ulp (or a codec
 error) apart.

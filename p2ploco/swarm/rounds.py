@@ -30,6 +30,11 @@ group it is given against its own view (every member a known live peer, itself i
 implausible one, trying the next coordinator. The coordinator needs no pseudo-gradient of its own: it
 serves joins from its event loop while it trains.
 
+A joiner says how many tokens its contribution was trained on (its weight in the round's mean, ``budget.py``) and
+whether others can dial it (``swarm/reachability.py``); the group lists both for every member, so every reducer
+weighs a member alike, and the members that only dial out reduce no span. Only a peer that can be dialled
+coordinates, and a slice that no dialable member holds cannot be reduced: its holders are left out.
+
 A group smaller than the peers that joined or were expected is the coordinator's decision, never an
 accident: the answer lists who was left out and why (another state, an incomplete pipeline group, did not
 join in time), and every member logs it. A group of one is remembered like any other (its peer may apply
@@ -52,10 +57,11 @@ its holders.
 A join request, a wire message (``swarm/wire.py``) with no payload::
 
     {v, round, name, config, state, slices: {slice: [exchange fingerprint, hash]}, pipeline,
-     unreachable: [peer ids the joiner could not reach]}
+     unreachable: [peer ids the joiner could not reach], tokens, dial_out}
 
 answered ``{v, status: group, group_id, peers, holdings: {peer: [slices]}, pipelines: {peer: group},
-left_out: {peer: reason}}``, ``{v, status: redirect, to}``, or ``{v, status: late|banned|leaving, reason}``.
+left_out: {peer: reason}, tokens: {peer: tokens}, dial_out: [peers]}``, ``{v, status: redirect, to}``, or
+``{v, status: late|banned|leaving, reason}``.
 """
 
 from __future__ import annotations
