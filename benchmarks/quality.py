@@ -12,6 +12,7 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py --suite heterogeneous    # full replicas vs 2-stage compressed groups
     python benchmarks/quality.py --suite overlap --seeds 2   # DiLoCo and SparseLoCo: no overlap, naive, eager
     python benchmarks/quality.py --suite streaming        # Streaming DiLoCo (P = 2, 4) next to the others
+    python benchmarks/quality.py --suite pace --rounds 20 --seeds 2   # slow replicas next to fast ones
 
 Methods: ``ddp``; ``diloco`` / ``sparseloco`` / ``loco`` / ``streaming`` (every replica full), each with
 optional outer settings after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
@@ -20,6 +21,16 @@ optional outer settings after a colon; ``uniform:ratio=R`` (every replica a comp
 in-process all-reduce ends at once, so an eager round lands at a fixed inner step of the next round, as if
 its all-reduce took that long: ``landing=K`` inner steps (default 1), ``landing=end`` the whole round (the
 naive update always takes its step at the round's end).
+
+``ALGORITHM+speeds:F1,F2,...`` runs one full replica per factor (``--replicas`` is ignored), replica i F_i times
+slower than a replica of factor 1, all for the same outer rounds: equal wall time, where every round lasts as long
+as the fast replicas' H inner steps (a round's wall-clock budget, ``p2ploco/budget.py``). Simulated by count, so
+runs repeat exactly: a replica of factor F trains max(1, round(H / F)) inner steps a round, and its contribution
+weighs the tokens it trained, as in a swarm; the word ``unweighted`` weighs every contribution the same instead
+(for comparison). It combines with overlap (``diloco+overlap+speeds:eager,1,3``) and outer settings
+(``sparseloco+speeds:1,3,10,topk=128``). The pace table shows the tokens trained in all, the slow replicas' share
+of them (factor above the smallest) and of the weight in each mean, and how often each replica's contribution to a
+span was clipped (``outer.clip_factor`` x the median norm of the span's contributions).
 
 The eval loss is that of the global parameters (projected onto span(U) when replica 0 is a compressed
 group). With ``--seeds N`` every method runs N times (model init and data order seeded apart): the tables
@@ -32,11 +43,14 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
+from p2ploco.budget import FixedSteps
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.inprocess import InProcessGroup
+from p2ploco.collective.robust import token_scales
 from p2ploco.config import Config, load_config, with_overrides
 from p2ploco.data import ShardSampler, eval_batches, load_training_data
 from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate, squared_norm
@@ -71,7 +85,56 @@ SUITES = {
     "heterogeneous": ("configs/tiny-pipeline.yaml",
                       ["sparseloco", "selective:ratio=8", "uniform:ratio=8", "selective:ratio=32",
                        "uniform:ratio=32"], []),
+    # Replicas of unequal speed at equal wall time (the same rounds): the fast replica alone, two and three fast
+    # ones, one fast with a 3x and a 10x slower one (tokens-weighted, then unweighted), and two fast with both.
+    # DiLoCo with momentum 0.5: at 0.9 its outer step overshoots here, and whatever shrinks the mean update (slow
+    # replicas' short pseudo-gradients, the fast one's clipped to twice theirs) wins: 1,3,10 beat 1,1,1.
+    "pace": ("configs/tiny.yaml",
+             [f"{algorithm}+speeds:{speeds}{settings}" for algorithm, settings in (("sparseloco", ""),
+                                                                                  ("diloco", ",momentum=0.5"))
+              for speeds in ("1", "1,1", "1,1,1", "1,3,10", "1,3,10,unweighted", "1,1,3,10")], []),
 }
+
+
+def steps_at(speed: float, steps: int) -> int:
+    """Inner steps a replica ``speed`` times slower than the fastest trains in the time of their ``steps``."""
+    return max(1, round(steps / speed))
+
+
+@dataclass(frozen=True)
+class Method:
+    """How ``run_outer`` runs a method: its config, each replica's kind (full or a pipeline group), when an eager
+    overlapped round lands, and, for ``+speeds``, each replica's slowdown factor and whether its contribution
+    weighs its tokens."""
+
+    config: Config
+    kinds: list[str]
+    landing: Landing
+    speeds: list[float] | None = None
+    weighted: bool = True
+
+
+@dataclass(frozen=True)
+class Pace:
+    """What the replicas of a ``+speeds`` method trained, in all rounds."""
+
+    speeds: list[float]
+    steps: list[int]  # inner steps trained, per replica
+    tokens: list[int]
+    weighted: bool
+    clipped: list[float]  # per replica, the share of its contributions to a span that were clipped
+
+    def slow(self) -> list[bool]:
+        return [speed > min(self.speeds) for speed in self.speeds]
+
+    def slow_tokens_share(self) -> float:
+        return sum(t for t, slow in zip(self.tokens, self.slow()) if slow) / sum(self.tokens)
+
+    def slow_weight_share(self) -> float:
+        """The slow replicas' share of the weight in every round's mean (``robust.token_scales``; every round
+        trains the same steps)."""
+        scales = token_scales(self.tokens) if self.weighted else [1.0] * len(self.tokens)
+        return sum(s for s, slow in zip(scales, self.slow()) if slow) / len(scales)
 
 
 class Setup:
@@ -81,13 +144,26 @@ class Setup:
         self.eval = eval_batches(self.data.eval, config.data.seq_len, config.data.eval_sequences)
         self.eval_every = max(1, rounds // 8)
 
-    def method_config(self, method: str, seed: int = 0) -> tuple[Config, list[str], Landing]:
-        """The run config of an outer method, the kind of each replica (full or a pipeline group), and when an
-        eager overlapped round lands; ``seed`` > 0 seeds the model and the data order apart."""
+    def method_config(self, method: str, seed: int = 0) -> Method:
+        """How to run an outer method (``Method``); ``seed`` > 0 seeds the model and the data order apart."""
         name, _, settings = method.partition(":")
-        algorithm, _, overlap = name.partition("+")
+        algorithm, *modifiers = name.split("+")
+        if not set(modifiers) <= {"overlap", "speeds"} or len(set(modifiers)) < len(modifiers):
+            raise SystemExit(f"method {method!r}: expected ALGORITHM[+overlap][+speeds][:SETTINGS]")
         words = [setting for setting in settings.split(",") if setting]
         pairs = dict(word.split("=", 1) for word in words if "=" in word)
+        words = [word for word in words if "=" not in word]
+        speeds, weighted = None, True
+        if "speeds" in modifiers:
+            speeds = [float(word) for word in words if is_number(word)]
+            weighted = "unweighted" not in words
+            words = [word for word in words if not is_number(word) and word != "unweighted"]
+            if not speeds or min(speeds) < 1:
+                raise SystemExit(f"method {method!r}: expected slowdown factors of 1 or more, e.g. speeds:1,3,10")
+        overlap = "overlap" in modifiers
+        if not overlap and words:
+            raise SystemExit(f"method {method!r}: unexpected {', '.join(words)}")
+        replicas = len(speeds) if speeds else self.replicas
         c = self.config
         # the cosine spans the whole run, as in DDP
         overrides = [f"inner.total_steps={self.rounds * c.inner.steps}", f"training.rounds={self.rounds}"]
@@ -95,24 +171,32 @@ class Setup:
             overrides += [f"training.seed={seed}", f"run_id={c.run_id}-seed{seed}"]
         landing = Landing(after=1, wait=True)
         if overlap:
-            if overlap != "overlap":
+            if len(words) > 1 or not set(words) <= {"eager", "naive"}:
                 raise SystemExit(f"method {method!r}: expected ALGORITHM+overlap:eager or ALGORITHM+overlap:naive")
-            (update,) = [word for word in words if "=" not in word] or ["eager"]
+            (update,) = words or ["eager"]
             overrides += [f"outer.{algorithm}.overlap=true", f"outer.{algorithm}.overlap_update={update}"]
             steps = pairs.pop("landing", "1")
             landing = Landing(after=c.inner.steps if steps == "end" else int(steps), wait=True)
-        kinds = [FULL] * self.replicas
+        kinds = [FULL] * replicas
         if algorithm in ("selective", "uniform"):
             ratio = int(pairs.pop("ratio", "8"))
             overrides += ["outer.algorithm=sparseloco", f"pipeline.compression={algorithm}",
                           f"pipeline.rank={c.model.d_model // ratio}"]
-            groups = self.replicas if algorithm == "uniform" else int(pairs.pop("groups", self.replicas // 2))
-            kinds = [FULL] * (self.replicas - groups) + [GROUP] * groups
+            groups = replicas if algorithm == "uniform" else int(pairs.pop("groups", replicas // 2))
+            kinds = [FULL] * (replicas - groups) + [GROUP] * groups
             algorithm = "sparseloco"
         else:
             overrides += [f"outer.algorithm={algorithm}", "pipeline.compression=none"]
         overrides += [f"outer.{algorithm}.{key}={value}" for key, value in pairs.items()]
-        return with_overrides(c, overrides), kinds, landing
+        return Method(with_overrides(c, overrides), kinds, landing, speeds, weighted)
+
+
+def is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
 
 
 def global_model(swarm: InProcessSwarm, config: Config) -> Transformer:
@@ -151,11 +235,18 @@ def off_span_share(swarm: InProcessSwarm, config: Config, initial: dict[str, tor
     return (outside / total) ** 0.5
 
 
-def run_outer(setup: Setup, method: str, seed: int = 0) -> tuple[list[tuple[int, float]], int, int, float | None]:
+Run = tuple[list[tuple[int, float]], int, int, float | None, Pace | None]
+
+
+def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
     """An outer method: the eval-loss curve (at outer rounds), all-reduce bytes per replica, the
-    stage-boundary bytes per pipeline group (0 without groups), and the off-span share of the global update."""
-    config, kinds, landing = setup.method_config(method, seed)
-    swarm = build_swarm(config, kinds, setup.data.train, landing=landing)
+    stage-boundary bytes per pipeline group (0 without groups), the off-span share of the global update, and
+    what replicas of unequal speed trained (None without ``+speeds``)."""
+    plan = setup.method_config(method, seed)
+    config = plan.config
+    budgets = [FixedSteps(steps_at(speed, config.inner.steps)) for speed in plan.speeds] if plan.speeds else None
+    swarm = build_swarm(config, plan.kinds, setup.data.train, landing=plan.landing, budgets=budgets,
+                        weighted=plan.weighted)
     initial = global_params(swarm)
     curve: list[tuple[int, float]] = []
 
@@ -164,13 +255,18 @@ def run_outer(setup: Setup, method: str, seed: int = 0) -> tuple[list[tuple[int,
             curve.append(((r + 1) * config.inner.steps, evaluate(global_model(swarm, config), setup.eval, CPU)))
 
     swarm.train(setup.rounds, after_round)
-    all_reduce = sum(swarm.all_reduce_bytes) // setup.replicas
+    all_reduce = sum(swarm.all_reduce_bytes) // len(swarm.replicas)
     groups = [r for r in swarm.replicas if len(r) > 1]
     boundary = sum(t.bytes_sent for t in swarm.transports) // max(1, len(groups))
-    return curve, all_reduce, boundary, off_span_share(swarm, config, initial)
+    pace = None
+    if plan.speeds:  # full replicas only: replica i is worker i, and reduces one span of each of its rounds
+        spans = setup.rounds * len(swarm.replicas)
+        pace = Pace(plan.speeds, swarm.steps, swarm.tokens, plan.weighted,
+                    [swarm.clipped[f"replica-{i}"] / spans for i in range(len(swarm.replicas))])
+    return curve, all_reduce, boundary, off_span_share(swarm, config, initial), pace
 
 
-def run_ddp(setup: Setup, seed: int = 0) -> tuple[list[tuple[int, float]], int, int, float | None]:
+def run_ddp(setup: Setup, seed: int = 0) -> Run:
     """AdamW with gradients averaged over the replicas at every step (replicas stay identical)."""
     c = with_overrides(setup.config, [f"training.seed={seed}", f"run_id={setup.config.run_id}-seed{seed}"]) if seed \
         else setup.config
@@ -205,7 +301,7 @@ def run_ddp(setup: Setup, seed: int = 0) -> tuple[list[tuple[int, float]], int, 
                 curve.append((step + 1, evaluate(model, setup.eval, CPU)))
 
     run_in_threads(setup.replicas, replica)
-    return curve, sum(traffic) // setup.replicas, 0, None
+    return curve, sum(traffic) // setup.replicas, 0, None, None
 
 
 def main() -> None:
@@ -221,18 +317,23 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object per method instead of tables")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the replicas' threads share the cores
-    say = (lambda *_: None) if args.json else print
+    say = (lambda *_, **__: None) if args.json else print
 
     suite_config, suite_methods, suite_overrides = SUITES[args.suite]
     config_path = args.config or suite_config
     config = load_config(config_path, suite_overrides + args.overrides)
     setup = Setup(config, args.replicas, args.rounds)
+    methods = args.methods or suite_methods
     tokens = args.replicas * args.rounds * config.inner.steps * config.inner.grad_accum * config.inner.batch_size \
         * config.data.seq_len
-    say(f"{args.replicas} replicas, {args.rounds} rounds x H={config.inner.steps} inner steps, "
-        f"{tokens / 1e6:.2f}M tokens per method, model {config_path}, {args.seeds} seed(s)")
-    runs: dict[str, list[tuple[list[tuple[int, float]], int, int, float | None]]] = {}
-    for method in args.methods or suite_methods:
+    if all("+speeds" in m for m in methods):
+        say(f"{args.rounds} rounds x H={config.inner.steps} inner steps for a replica of speed 1 (one F times slower: "
+            f"H/F), model {config_path}, {args.seeds} seed(s)")
+    else:
+        say(f"{args.replicas} replicas, {args.rounds} rounds x H={config.inner.steps} inner steps, "
+            f"{tokens / 1e6:.2f}M tokens per method, model {config_path}, {args.seeds} seed(s)")
+    runs: dict[str, list[Run]] = {}
+    for method in methods:
         for seed in range(args.seeds):
             started = time.perf_counter()
             run = run_ddp(setup, seed) if method == "ddp" else run_outer(setup, method, seed)
@@ -245,8 +346,9 @@ def main() -> None:
     if args.json:
         print(json.dumps([{"method": m, "final_eval_loss": round(results[m][0][-1][1], 4),
                            "seeds": [round(curve[-1][1], 4) for curve, *_ in seeded], "rounds": args.rounds,
-                           "replicas": args.replicas, "all_reduce_bytes_per_replica": results[m][1]}
-                          for m, seeded in runs.items()], indent=1))
+                           "replicas": len(pace.speeds) if pace else args.replicas,
+                           "all_reduce_bytes_per_replica": results[m][1], **pace_json(pace)}
+                          for m, seeded in runs.items() for pace in [results[m][4]]], indent=1))
         return
 
     steps = [s for s, _ in next(iter(results.values()))[0]]
@@ -267,16 +369,50 @@ def main() -> None:
     rows = [(m, f"{final[m]:.3f}", f"{100 * (final[m] / reference - 1):+.1f}%" if reference else "-",
              human_bytes(traffic), human_bytes(boundary) if boundary else "-",
              f"{outside:.3f}" if outside is not None else "-")
-            for m, (_, traffic, boundary, outside) in results.items()]
+            for m, (_, traffic, boundary, outside, _) in results.items()]
     print(format_table(("method", "final eval loss", f"vs {against}", "all-reduce bytes per replica",
                         "stage-boundary bytes per group", "update off span(U)"), rows))
-    overlapped = [m for m in final if "+overlap" in m and m.split("+")[0] in final]
+    overlapped = [m for m in final if "+overlap" in m and "+speeds" not in m and m.split("+")[0] in final]
     if overlapped:
         print()
         print("Overlap against the same algorithm without it")
         print(format_table(("method", "final eval loss", "no overlap", "difference"), [
             (m, f"{final[m]:.3f}", f"{final[m.split('+')[0]]:.3f}",
              f"{100 * (final[m] / final[m.split('+')[0]] - 1):+.2f}%") for m in overlapped]))
+    paced = {m: result[4] for m, result in results.items() if result[4] is not None}
+    if paced:
+        print()
+        print("Replicas of unequal speed, equal wall time (the same rounds); slow: slower than the fastest")
+        print(format_table(("method", "steps/round", "final eval loss", "vs fastest alone", "tokens",
+                            "slow tokens", "slow weight", "clipped by replica"), [
+            (m, "/".join(str(s // args.rounds) for s in pace.steps), f"{final[m]:.3f}", versus(final, m),
+             f"{sum(pace.tokens) / 1e6:.2f}M", f"{100 * pace.slow_tokens_share():.0f}%",
+             f"{100 * pace.slow_weight_share():.0f}%", "/".join(f"{100 * c:.0f}%" for c in pace.clipped))
+            for m, pace in paced.items()]))
+
+
+def versus(final: dict[str, float], method: str) -> str:
+    """The final eval loss against the fastest replica alone (``+speeds:1``) with the same algorithm and
+    settings, where it ran."""
+
+    def split(m: str) -> tuple[tuple[str, tuple[str, ...]], list[float]]:
+        name, _, settings = m.partition(":")
+        words = [w for w in settings.split(",") if w and w != "unweighted"]  # one replica: nothing to weigh
+        return (name, tuple(w for w in words if not is_number(w))), [float(w) for w in words if is_number(w)]
+
+    key = split(method)[0]
+    alone = next((final[m] for m in final if "+speeds" in m and split(m) == (key, [1.0])), None)
+    return f"{100 * (final[method] / alone - 1):+.1f}%" if alone else "-"
+
+
+def pace_json(pace: Pace | None) -> dict:
+    if pace is None:
+        return {}
+    return {"speeds": pace.speeds, "weighted": pace.weighted, "steps_per_replica": pace.steps,
+            "tokens_per_replica": pace.tokens, "tokens": sum(pace.tokens),
+            "slow_tokens_share": round(pace.slow_tokens_share(), 4),
+            "slow_weight_share": round(pace.slow_weight_share(), 4),
+            "clipped_share_per_replica": [round(c, 4) for c in pace.clipped]}
 
 
 if __name__ == "__main__":

@@ -55,6 +55,18 @@ def test_quality_benchmark_runs_heterogeneous_replicas():
 
 
 @pytest.mark.timeout(260)
+def test_quality_benchmark_runs_slow_replicas_for_the_same_rounds():
+    out = run("benchmarks/quality.py", "--suite", "pace", "--rounds", "1", "--set", "inner.steps=3", "--json",
+              "--methods", "sparseloco+speeds:1,3", "sparseloco+speeds:1,3,unweighted")
+    weighted, unweighted = json.loads(out)
+    for figures in (weighted, unweighted):  # H = 3: the replica 3x slower trains one step
+        assert figures["replicas"] == 2 and figures["steps_per_replica"] == [3, 1]
+        assert figures["tokens_per_replica"] == [3 * 8 * 128, 8 * 128] and figures["slow_tokens_share"] == 0.25
+    assert weighted["slow_weight_share"] == 0.25 and unweighted["slow_weight_share"] == 0.5
+    assert weighted["final_eval_loss"] != unweighted["final_eval_loss"]
+
+
+@pytest.mark.timeout(260)
 def test_pipeline_benchmark_reports_the_boundary_ratio_as_json():
     figures = json.loads(run("benchmarks/pipeline.py", "--json"))
     assert {"boundary_bytes_per_token", "dense_bf16_bytes_per_token", "ratio", "stage_param_bytes",
