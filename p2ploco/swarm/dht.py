@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from hivemind.dht.node import DHTNode
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto import dht_pb2
+from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -43,6 +44,7 @@ async def start_dht_node(
     identity: Identity | None = None,
     client_mode: bool = False,
     run_id: str | None = None,
+    dht_mode: str | None = None,
 ) -> tuple[DHTNode, bytes]:
     """Start a p2p daemon and a DHT node in the running loop; bootstrap from ``initial_peers`` if any. Records are
     signed with ``identity``'s key, the one behind the peer id (a client that publishes nothing may go without:
@@ -69,6 +71,7 @@ async def start_dht_node(
             # relays) and announces the circuit address; a public peer's AutoNAT keeps it from doing so.
             use_relay=True,
             use_auto_relay=True,
+            **({"dht_mode": dht_mode} if dht_mode is not None else {}),
         ), owner
     except P2PDaemonError as e:
         text = str(e)
@@ -89,15 +92,17 @@ async def start_dht_node(
             identity.release()
 
 
-async def stop_serving(node: DHTNode) -> None:
-    """Turn a running DHT node into a client, as hivemind's ``client_mode`` starts one: its handlers go, and its
-    requests carry an empty node info, so that no peer adds it to its routing table and dials it for records
-    (it cannot be dialled: ``swarm/reachability.py``)."""
+async def start_serving(node: DHTNode) -> None:
+    """Turn a DHT node started as a client into a server, as hivemind's ``DHTProtocol.create`` makes one: it serves
+    the DHT's requests, and its requests carry its node id, so that peers add it to their routing tables from now
+    on. A node starts as a client until it knows that it can be dialled (``swarm/reachability.py``): the other way
+    round, peers that already listed it would go on handing it out, and hivemind's own store refuses a traversal
+    that returns the node itself."""
     protocol = node.protocol
-    if not protocol.client_mode:
-        await protocol.remove_p2p_handlers(protocol.p2p)
-        protocol.client_mode = True
-        protocol.node_info = dht_pb2.NodeInfo()
+    if protocol.client_mode:
+        await protocol.add_p2p_handlers(protocol.p2p, AuthRPCWrapper(protocol, AuthRole.SERVICER, protocol.authorizer))
+        protocol.client_mode = False
+        protocol.node_info = dht_pb2.NodeInfo(node_id=node.node_id.to_bytes())
 
 
 async def visible_maddrs(node: DHTNode) -> list[str]:

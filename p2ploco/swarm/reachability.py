@@ -22,8 +22,8 @@ The asked peer opens a plain TCP connection to the address it sees the request c
 listens on, and says which ports answered. It dials nothing else, so the probe cannot be turned against a third
 party. A port that answers means ``public``; none, ``relayed`` if the daemon holds a relay address, else
 ``client``. A first peer with nobody to ask is ``public`` (peers join through it); so is a peer that no one
-answered, with a warning. ``--reachability`` forces the answer. A peer found not to be public stops serving
-the DHT (``dht.stop_serving``), as a DHT client does.
+answered, with a warning. ``--reachability`` forces the answer. A peer starts as a DHT client and serves the
+DHT once it is found to be public (``dht.start_serving``): nobody lists in a routing table a peer it cannot dial.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.communicator import SwarmCommunicator
 from p2ploco.swarm.deadlines import TransferDeadline
-from p2ploco.swarm.dht import start_dht_node, stop_serving, visible_maddrs
+from p2ploco.swarm.dht import start_dht_node, start_serving, visible_maddrs
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.reachability import DialBack, Reachability, detect
@@ -66,9 +66,11 @@ class Swarm:
         loop = EventLoopThread()
 
         async def start() -> Swarm:
-            forced_client = config.reachability == Reachability.CLIENT
+            # A DHT client until it is known to be dialable (``dht.start_serving``); the daemon's own routing serves
+            # unless the peer is known to sit behind a NAT.
             node, owner = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity,
-                                               client_mode=forced_client, run_id=run_id)
+                                               client_mode=config.reachability != Reachability.PUBLIC, run_id=run_id,
+                                               dht_mode="client" if config.reachability == "client" else "server")
             p2p, me_id = node.protocol.p2p, str(node.peer_id)
             addresses = await visible_maddrs(node)
             me = PeerRecord(peer_id=me_id, round=0, state=PeerState.JOINING, fingerprint=config_fingerprint,
@@ -83,9 +85,8 @@ class Swarm:
                 reachability = await detect(p2p, helpers, addresses)
             else:
                 reachability = Reachability(config.reachability)
-            if reachability.dials_out:
-                await stop_serving(node)  # nobody could dial it for records
-            else:
+            if not reachability.dials_out:  # others can dial it: it serves the DHT and the dial-back probe
+                await start_serving(node)
                 await DialBack(p2p).start()
             logger.info(f"reachability: {reachability}")
             directory.update_soon(reachability=reachability)  # stored with the first publish, below
