@@ -9,15 +9,33 @@ follow it). A setting is an algorithm and a rate: uniform (`100`: every host at 
 mixed (`1000,20`: host 0 at 1 Gbit/s, the rest at 20 Mbit/s; the last rate repeats). Nothing leaves the
 machine: the namespaces reach only each other.
 
+`--nat N` puts the last N hosts each behind a router of its own: a namespace between the host (10.78.<i>.2) and
+the bridge (the router's 10.77.0.<i+1>), which masquerades what the host sends out and lets in only the replies
+(iptables, or nft: a home router without port forwarding). A NATed host reaches the bootstrap peer and the public
+hosts; nobody can dial it, not even another NATed host. Its cap stays on its own link (host to router). A
+connection dialled at a router's own address is refused (a reset); `--nat-inbound drop` drops it unanswered
+instead, as a "stealth" router does.
+`--slow F0 F1 ...` stretches host i's inner steps to F_i times their compute time (the fault
+``inner.step=slow:F`` in its node's P2PLOCO_FAULTS); `--reachability M0 M1 ...` passes ``--reachability M_i``
+to host i's node (the default, detection, is left alone otherwise). `--subnet` moves the bridge: libp2p's
+AutoNAT, relay addresses and hole punching leave private addresses such as 10.77.0.x aside, so a public-looking
+/24 (nothing leaves the namespaces) shows what they do on the Internet.
+
 Per setting, from the nodes' round records, a table with a row per round: bytes per node (sent +
 received), comm, round and inner seconds (means over the nodes), compute utilisation (inner seconds over
 the wall seconds since the node's previous record), the time the slowest host needs to move its larger
-direction at its cap, and whether every node applied the same parameters. The summary lines (and `--json`)
+direction at its cap, how many hosts' work the applied aggregate holds (records' ``contributed_tokens``), and
+whether every node applied the same parameters. Then a row per host: NAT or public, its cap and slowdown, its
+reachability as its node saw it (``reachability`` of its records), the rounds it applied, the tokens it trained
+(``tokens``) and how many of them ended up in aggregates it applied (``contributed_tokens`` of its applied
+rounds), that share, and the rounds its work was applied in (applied with ``contributed_tokens`` > 0; `--json`:
+``per_host``). The summary lines (and `--json`)
 leave out round 0, which includes start-up: means over rounds 1.., and medians over every node's rounds
 1 .. R-2 (the last round also evaluates and writes the exit checkpoint; `median_utilisation`,
 `median_round_minus_inner`). Settings run one after another; each gets fresh namespaces.
 
-Needs root (network namespaces and tc). Where they cannot be made it says so in one line and exits 0.
+Needs root (network namespaces and tc; with --nat, iptables or nft too). Where they cannot be made it says so in
+one line and exits 0.
 It always removes what it made (processes, namespaces, and with them the veths and the bridge), also on
 Ctrl-C, SIGTERM, a failed node or a crash of its own; namespaces left by a run that was SIGKILLed are
 removed by the next run.
@@ -27,6 +45,8 @@ removed by the next run.
         --set model.d_model=768 --set model.n_layer=3 --set model.n_head=12 --set inner.steps=3 \\
         --set inner.batch_size=2 --set data.seq_len=64              # the 21.4M setting of issue 12
     sudo python benchmarks/wan.py --rate 1000,20 --json             # mixed links; rows as one JSON list
+    sudo python benchmarks/wan.py --nat 2 --rounds 12               # h1 and h2 behind NATs of their own
+    sudo python benchmarks/wan.py --slow 1 3 10 --rounds 12         # h1 computes 3x, h2 10x slower
 """
 
 from __future__ import annotations
@@ -34,7 +54,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -43,7 +65,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,6 +79,8 @@ from p2ploco.model import Transformer
 PREFIX = "p2pwan-"  # namespaces are p2pwan-<pid of the run>-<role>
 SUBNET = "10.77.0"
 BRIDGE_ADDRESS = f"{SUBNET}.254"
+LAN_SUBNET = "10.78"  # a NATed host i: 10.78.<i>.2 behind its router's 10.78.<i>.1
+NAT_INBOUND = ("reject", "drop")  # what a NAT router does with a connection dialled at its own address
 POLL = 0.5  # seconds between looks at the nodes' records
 
 
@@ -72,17 +96,43 @@ def sh(*argv: str) -> None:
 @dataclass
 class Host:
     namespace: str
-    address: str
+    address: str  # where its node listens: its own address on the bridge, or its LAN address behind its router
     rate_mbit: float
+    router: str | None = None  # the namespace of its router, when it sits behind a NAT of its own
+    public_address: str = ""  # what the others see: its address, or its router's on the bridge
+
+    @property
+    def natted(self) -> bool:
+        return self.router is not None
 
 
 class Network:
-    """A bridge and ``len(rates)`` hosts, each with its own address and a link capped both ways at its rate."""
+    """A bridge and ``len(rates)`` hosts, each with its own address and a link capped both ways at its rate. The
+    last ``nat`` hosts sit each behind a masquerading router of its own (a namespace between the host and the
+    bridge, ``LAN_SUBNET.<i>.1`` on the host's side and ``SUBNET.<i+1>`` on the bridge): a home router without
+    port forwarding, which lets the host's connections out and their replies back in and stops every connection
+    that starts on the bridge's side (one dialled at the router itself is refused, or with ``nat_inbound="drop"``
+    dropped unanswered). The cap stays on the host's own link (host to router)."""
 
-    def __init__(self, rates: Sequence[float], tag: str):
+    def __init__(self, rates: Sequence[float], tag: str, nat: int = 0, subnet: str = SUBNET,
+                 nat_inbound: str = "reject"):
+        if not 0 <= nat <= len(rates):
+            raise ValueError(f"nat={nat}: at most one NATed host per host ({len(rates)})")
+        if nat_inbound not in NAT_INBOUND:
+            raise ValueError(f"nat_inbound={nat_inbound!r}: one of {', '.join(NAT_INBOUND)}")
         self.tag = tag
+        self.nat_inbound = nat_inbound
+        self.subnet = subnet  # the bridge's /24 (its first three numbers)
+        self.bridge_address = f"{subnet}.254"
         self.bridge = f"{PREFIX}{tag}-br"
-        self.hosts = [Host(f"{PREFIX}{tag}-h{i}", f"{SUBNET}.{i + 1}", rate) for i, rate in enumerate(rates)]
+        self.hosts = []
+        for i, rate in enumerate(rates):
+            if i >= len(rates) - nat:
+                self.hosts.append(Host(f"{PREFIX}{tag}-h{i}", f"{LAN_SUBNET}.{i}.2", rate, f"{PREFIX}{tag}-r{i}",
+                                       f"{subnet}.{i + 1}"))
+            else:
+                self.hosts.append(Host(f"{PREFIX}{tag}-h{i}", f"{subnet}.{i + 1}", rate,
+                                       public_address=f"{subnet}.{i + 1}"))
         self.made: list[str] = []
 
     def __enter__(self) -> Network:
@@ -99,24 +149,53 @@ class Network:
     def _make(self) -> None:
         self._namespace(self.bridge)
         sh("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", self.bridge, "addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", "br0")
+        sh("ip", "-n", self.bridge, "addr", "add", f"{self.bridge_address}/24", "dev", "br0")
         sh("ip", "-n", self.bridge, "link", "set", "br0", "up")
         for i, host in enumerate(self.hosts):
             self._namespace(host.namespace)
-            # Made in this namespace under names unique to the run, then moved and renamed: eth0 on the host's
-            # side, h<i> on the bridge's.
-            near, far = f"pw{os.getpid()}a{i}"[:15], f"pw{os.getpid()}b{i}"[:15]
-            sh("ip", "link", "add", near, "type", "veth", "peer", "name", far)
-            sh("ip", "link", "set", near, "netns", host.namespace)
-            sh("ip", "link", "set", far, "netns", self.bridge)
-            sh("ip", "-n", host.namespace, "link", "set", near, "name", "eth0")
-            sh("ip", "-n", self.bridge, "link", "set", far, "name", f"h{i}")
+            if not host.natted:
+                self._veth(i, "a", host.namespace, "eth0", self.bridge, f"h{i}")
+                sh("ip", "-n", self.bridge, "link", "set", f"h{i}", "master", "br0", "up")
+                self._address(host.namespace, "eth0", f"{host.address}/24")
+                self._cap(host, (host.namespace, "eth0"), (self.bridge, f"h{i}"))
+                continue
+            # host eth0 -- lan0 router wan0 -- h<i> on the bridge
+            assert host.router is not None
+            self._namespace(host.router)
+            self._veth(i, "r", host.router, "wan0", self.bridge, f"h{i}")
             sh("ip", "-n", self.bridge, "link", "set", f"h{i}", "master", "br0", "up")
-            sh("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
-            sh("ip", "-n", host.namespace, "link", "set", "eth0", "up")
-            for namespace, device in ((host.namespace, "eth0"), (self.bridge, f"h{i}")):  # upload, download
-                sh("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{host.rate_mbit}mbit",
-                   "burst", f"{burst_bytes(host.rate_mbit)}b", "latency", "100ms")
+            self._address(host.router, "wan0", f"{host.public_address}/24")
+            self._veth(i, "l", host.namespace, "eth0", host.router, "lan0")
+            self._address(host.router, "lan0", f"{LAN_SUBNET}.{i}.1/24")
+            self._address(host.namespace, "eth0", f"{host.address}/24")
+            sh("ip", "-n", host.namespace, "route", "add", "default", "via", f"{LAN_SUBNET}.{i}.1")
+            sh("ip", "netns", "exec", host.router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+            masquerade(host.router, wan="wan0", lan="lan0", drop_inbound=self.nat_inbound == "drop")
+            self._cap(host, (host.namespace, "eth0"), (host.router, "lan0"))
+
+    def _veth(self, i: int, kind: str, left_ns: str, left: str, right_ns: str, right: str) -> None:
+        """A veth pair made here under names unique to the run, then moved into its namespaces and renamed."""
+        near, far = f"pw{os.getpid()}{kind}{i}"[:15], f"pw{os.getpid()}{kind.upper()}{i}"[:15]
+        sh("ip", "link", "add", near, "type", "veth", "peer", "name", far)
+        sh("ip", "link", "set", near, "netns", left_ns)
+        sh("ip", "link", "set", far, "netns", right_ns)
+        sh("ip", "-n", left_ns, "link", "set", near, "name", left)
+        sh("ip", "-n", right_ns, "link", "set", far, "name", right)
+
+    @staticmethod
+    def _address(namespace: str, device: str, cidr: str) -> None:
+        sh("ip", "-n", namespace, "addr", "add", cidr, "dev", device)
+        sh("ip", "-n", namespace, "link", "set", device, "up")
+
+    @staticmethod
+    def _cap(host: Host, upload: tuple[str, str], download: tuple[str, str]) -> None:
+        """tbf at the host's rate on both ends of its own link: its upload leaves ``upload``, its download
+        ``download`` (namespace, device). An infinite rate leaves the link uncapped."""
+        if math.isinf(host.rate_mbit):
+            return
+        for namespace, device in (upload, download):
+            sh("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{host.rate_mbit}mbit",
+               "burst", f"{burst_bytes(host.rate_mbit)}b", "latency", "100ms")
 
     def _namespace(self, name: str) -> None:
         sh("ip", "netns", "add", name)
@@ -139,6 +218,38 @@ def burst_bytes(rate_mbit: float) -> int:
     return max(128 * 1024, int(rate_mbit * 1e6 / 8 / 100))
 
 
+def nat_tool() -> str | None:
+    """What sets up the routers' NAT and firewall: "iptables", else "nft", else None."""
+    return next((tool for tool in ("iptables", "nft") if shutil.which(tool)), None)
+
+
+def masquerade(router: str, wan: str, lan: str, drop_inbound: bool = False) -> None:
+    """In ``router``'s namespace: masquerade what leaves by ``wan``, and forward from ``wan`` to ``lan`` only the
+    replies to connections the LAN opened (a home router without port forwarding). A connection dialled at the
+    router's own address is refused (the kernel answers a reset), or with ``drop_inbound`` dropped unanswered, as a
+    "stealth" router does: then a TCP hole punch (both sides dial at once) can get through."""
+    if nat_tool() == "iptables":
+        iptables = ["ip", "netns", "exec", router, "iptables"]
+        sh(*iptables, "-t", "nat", "-A", "POSTROUTING", "-o", wan, "-j", "MASQUERADE")
+        sh(*iptables, "-A", "FORWARD", "-i", wan, "-o", lan, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+           "-j", "ACCEPT")
+        sh(*iptables, "-A", "FORWARD", "-i", wan, "-o", lan, "-j", "DROP")
+        if drop_inbound:
+            sh(*iptables, "-A", "INPUT", "-i", wan, "-m", "conntrack", "--ctstate", "NEW,INVALID", "-j", "DROP")
+        return
+    stealth = (f'  chain input {{ type filter hook input priority filter;\n'
+               f'    iifname "{wan}" ct state new,invalid drop; }}\n' if drop_inbound else '')
+    rules = (f'table ip p2pwan {{\n'
+             f'  chain postrouting {{ type nat hook postrouting priority srcnat; oifname "{wan}" masquerade; }}\n'
+             f'  chain forward {{ type filter hook forward priority filter;\n'
+             f'    iifname "{wan}" oifname "{lan}" ct state established,related accept;\n'
+             f'    iifname "{wan}" oifname "{lan}" drop; }}\n'
+             f'{stealth}'
+             f'}}\n')
+    subprocess.run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules, check=True, capture_output=True,
+                   text=True)
+
+
 def remove_stale_namespaces() -> list[str]:
     """Namespaces of earlier runs whose process is gone (it was SIGKILLed): removed, and their names returned."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
@@ -152,8 +263,9 @@ def remove_stale_namespaces() -> list[str]:
     return stale
 
 
-def check_namespaces() -> None:
-    """NoNamespaces, saying why, unless this process can make a namespace with a tbf qdisc."""
+def check_namespaces(nat: bool = False) -> None:
+    """NoNamespaces, saying why, unless this process can make a namespace with a tbf qdisc (and with ``nat``, a
+    host behind a masquerading router)."""
     if sys.platform != "linux":
         raise NoNamespaces("network namespaces need Linux")
     if os.geteuid() != 0:
@@ -161,8 +273,10 @@ def check_namespaces() -> None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise NoNamespaces(f"{' and '.join(missing)} not found (install iproute2)")
+    if nat and nat_tool() is None:
+        raise NoNamespaces("NATed hosts need iptables or nft (apt-get install iptables)")
     try:
-        with Network([10.0], f"{os.getpid()}-probe"):
+        with Network([10.0], f"{os.getpid()}-probe", nat=1 if nat else 0):
             pass
     except subprocess.CalledProcessError as e:
         raise NoNamespaces(f"`{' '.join(e.cmd)}` failed: {e.stderr.strip() or e.returncode}") from None
@@ -179,15 +293,42 @@ def parse_rates(text: str, hosts: int) -> list[float]:
     return rates + [rates[-1]] * (hosts - len(rates))
 
 
+def parse_slow(factors: Sequence[float], hosts: int) -> list[float]:
+    """Per-host compute slowdowns from ``--slow`` (host i gets factor i, the hosts after the last get 1)."""
+    if len(factors) > hosts or any(not 1 <= f <= 1000 for f in factors):
+        raise ConfigError(f"--slow {' '.join(f'{f:g}' for f in factors)}: each factor must be in [1, 1000], "
+                          f"at most one per host")
+    return [*factors, *[1.0] * (hosts - len(factors))]
+
+
 @dataclass
 class Setting:
     algorithm: str
     rate_text: str
     rates: list[float]
+    nat: int = 0  # the last this many hosts sit each behind a NAT of its own
+    slow: list[float] = field(default_factory=list)  # per host: its inner steps take this many times as long
+    reachability: list[str] = field(default_factory=list)  # per host: its node's --reachability (none: the default)
+    subnet: str = SUBNET  # the bridge's /24
+    nat_inbound: str = "reject"  # NAT routers refuse connections dialled at them, or drop them unanswered
 
     @property
     def label(self) -> str:
-        return f"{self.algorithm} at {self.rate_text} Mbit/s"
+        extra = [f"{self.nat} NATed"] if self.nat else []
+        if any(f != 1 for f in self.slow):
+            extra.append("slow " + ",".join(f"{f:g}" for f in self.slow))
+        return f"{self.algorithm} at {self.rate_text} Mbit/s" + (f" ({'; '.join(extra)})" if extra else "")
+
+    def slowdown(self, host: int) -> float:
+        return self.slow[host] if host < len(self.slow) else 1.0
+
+    def node_env(self, host: int) -> dict[str, str]:
+        """What the host's node gets in its environment: the fault that slows its inner steps, if any."""
+        factor = self.slowdown(host)
+        return {"P2PLOCO_FAULTS": f"inner.step=slow:{factor:g}"} if factor != 1 else {}
+
+    def node_args(self, host: int) -> list[str]:
+        return ["--reachability", self.reachability[host]] if host < len(self.reachability) else []
 
 
 class NodeFailed(Exception):
@@ -199,12 +340,16 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
     """Every node's round records for one setting, on fresh namespaces that are removed on return."""
     hosts = len(setting.rates)
     children: list[Child] = []
-    with Network(setting.rates, f"{os.getpid()}-{setting.algorithm}") as network:
+    with Network(setting.rates, f"{os.getpid()}-{setting.algorithm}", setting.nat, setting.subnet,
+                 setting.nat_inbound) as network:
         try:
-            print(f"[{setting.label}] {hosts} hosts in namespaces {PREFIX}{network.tag}-*, bridge {SUBNET}.0/24; "
-                  f"logs in {workdir}", flush=True)
+            natted = [f"h{i}" for i, host in enumerate(network.hosts) if host.natted]
+            behind = (f", {natted[0]} behind a NAT" if len(natted) == 1 else
+                      f", {natted[0]}..{natted[-1]} behind NATs" if natted else "")
+            print(f"[{setting.label}] {hosts} hosts in namespaces {PREFIX}{network.tag}-*, bridge {network.subnet}.0/24"
+                  f"{behind + f' ({LAN_SUBNET}.<i>.2)' if natted else ''}; logs in {workdir}", flush=True)
             bootstrap = Child("bootstrap", network.run_in(network.bridge, cli(
-                "dht", "--host-maddrs", f"/ip4/{BRIDGE_ADDRESS}/tcp/0")), workdir / "bootstrap.log")
+                "dht", "--host-maddrs", f"/ip4/{network.bridge_address}/tcp/0")), workdir / "bootstrap.log")
             children.append(bootstrap)
             address = bootstrap.wait_for_line(ADDRESS, timeout=60).group(1)
             sets = [f"swarm.min_peers={hosts}", f"outer.algorithm={setting.algorithm}", *overrides]
@@ -213,9 +358,9 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                            f"/ip4/{host.address}/tcp/0", "--log-dir", str(workdir / f"h{i}"), "--max-rounds",
                            str(rounds), "--identity", str(workdir / f"h{i}.key"),
                            *[item for s in sets for item in ("--set", s)],
-                           "--set", f"swarm.bandwidth_mbit={setting.rates[i]:g}")
+                           "--set", f"swarm.bandwidth_mbit={setting.rates[i]:g}", *setting.node_args(i))
                 children.append(Child(f"h{i}", network.run_in(host.namespace, argv), workdir / f"h{i}.log",
-                                      metrics_dir=workdir / f"h{i}"))
+                                      metrics_dir=workdir / f"h{i}", env=setting.node_env(i)))
             return watch(setting, children[1:], rounds, timeout)
         finally:
             stop_all(children)
@@ -307,7 +452,7 @@ def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple
                       f"{mean(r['comm_seconds'] for r in rows):.2f}", f"{mean(r['round_seconds'] for r in rows):.2f}",
                       f"{mean(r['inner_seconds'] for r in rows):.2f}",
                       f"{mean(r['compute_utilisation'] for r in rows):.2f}",
-                      f"{transfer_seconds(rows, setting.rates):.2f}",
+                      f"{transfer_seconds(rows, setting.rates):.2f}", contributors(rows, hosts),
                       "yes" if hashes_agree(rows, hosts) else "NO"))
     measured = per_round[1:] or per_round
     flat = [r for rows in measured for r in rows]
@@ -325,7 +470,7 @@ def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple
     }
     table.append(("mean 1..", human_bytes(row["bytes_per_round"]), f"{row['comm_seconds']:.2f}",
                   f"{row['round_seconds']:.2f}", f"{row['inner_seconds']:.2f}", f"{row['utilisation']:.2f}",
-                  f"{row['transfer_seconds']:.2f}", "yes" if row["hashes_equal"] else "NO"))
+                  f"{row['transfer_seconds']:.2f}", "", "yes" if row["hashes_equal"] else "NO"))
     # Medians over rounds 1 .. R-2 of every node: the last round also evaluates and writes the exit checkpoint.
     middle = [r for rows in (per_round[1:-1] or measured) for r in rows]
     medians = {key: round(statistics.median(r[key] for r in middle), 3)
@@ -334,8 +479,66 @@ def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple
     row["median_round_minus_inner"] = round(statistics.median(r["round_seconds"] - r["inner_seconds"]
                                                               for r in middle), 3)
     table.append(("median 1..R-2", "", f"{medians['comm_seconds']:.2f}", f"{medians['round_seconds']:.2f}",
-                  f"{medians['inner_seconds']:.2f}", f"{medians['compute_utilisation']:.2f}", "", ""))
-    return table, row
+                  f"{medians['inner_seconds']:.2f}", f"{medians['compute_utilisation']:.2f}", "", "", ""))
+    if setting.nat or any(f != 1 for f in setting.slow):
+        row["nat"], row["slow"] = setting.nat, [setting.slowdown(i) for i in range(hosts)]
+    host_table, row["per_host"] = host_summary(setting, records)
+    return table, host_table, row
+
+
+def worked(record: dict) -> bool:
+    """The node's own work is in the aggregate it applied this round."""
+    return bool(record["applied"]) and record.get("contributed_tokens", 0) > 0
+
+
+def contributors(rows: list[dict], hosts: int) -> str:
+    """How many hosts' work the round's applied aggregate holds ("?" for records without contributed_tokens)."""
+    if any("contributed_tokens" not in r for r in rows):
+        return "?"
+    return f"{sum(map(worked, rows))}/{hosts}"
+
+
+def spans(rounds: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    parts: list[list[int]] = []
+    for r in sorted(rounds):
+        if parts and r == parts[-1][1] + 1:
+            parts[-1][1] = r
+        else:
+            parts.append([r, r])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts) or "none"
+
+
+def host_summary(setting: Setting, records: list[list[dict]]) -> tuple[list[tuple], list[dict]]:
+    """A row per host over all its rounds: how others reach it, the tokens it trained and how many of them ended
+    up in aggregates that were applied (``contributed_tokens`` of its applied rounds), and the rounds its work
+    was applied in. Records without ``reachability`` or ``contributed_tokens`` (an older node) show "?"."""
+    hosts = len(records)
+    table, details = [], []
+    for i, got in enumerate(records):
+        natted = i >= hosts - setting.nat
+        seen = [r["reachability"] for r in got if r.get("reachability")]
+        reachability = list(dict.fromkeys(seen))  # distinct, in the order they appeared
+        known = bool(got) and all("contributed_tokens" in r for r in got)
+        work = [r["round"] for r in got if worked(r)]
+        tokens = sum(r.get("tokens", 0) for r in got)
+        contributed = sum(r.get("contributed_tokens", 0) for r in got if r["applied"])
+        detail = {
+            "host": i, "natted": natted, "rate_mbit": setting.rates[i], "slow": setting.slowdown(i),
+            "reachability": seen[-1] if seen else None, "reachabilities": reachability,
+            "rounds": len(got), "rounds_applied": sum(bool(r["applied"]) for r in got),
+            "tokens": tokens, "contributed_tokens": contributed if known else None,
+            "work_applied_rounds": work if known else None,
+            "work_applied_fraction": round(len(work) / len(got), 3) if known and got else None,
+            "token_fraction": round(contributed / tokens, 3) if known and tokens else None,
+        }
+        details.append(detail)
+        table.append((f"h{i}", "NAT" if natted else "public", f"{setting.rates[i]:g}", f"{setting.slowdown(i):g}",
+                      "/".join(reachability) or "?", f"{detail['rounds_applied']}/{len(got)}",
+                      f"{tokens:,}", f"{contributed:,}" if known else "?",
+                      f"{detail['token_fraction']:.2f}" if detail["token_fraction"] is not None else "?",
+                      f"{len(work)}/{len(got)}" if known else "?", spans(work) if known else "?"))
+    return table, details
 
 
 def count_params(config_path: str, overrides: list[str]) -> int:
@@ -364,16 +567,41 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds a setting may take at most")
     parser.add_argument("--workdir", type=Path, help="where logs go [a temporary folder]")
     parser.add_argument("--json", action="store_true", help="print the settings' rows as one JSON list")
+    parser.add_argument("--nat", type=int, default=0, metavar="N",
+                        help="the last N hosts sit each behind a masquerading router of its own (needs iptables or "
+                             "nft)")
+    parser.add_argument("--slow", type=float, nargs="+", default=[], metavar="FACTOR",
+                        help="per host: its inner steps take FACTOR times their compute time (host i gets the i-th "
+                             "factor, later hosts 1)")
+    parser.add_argument("--reachability", nargs="+", default=[], metavar="MODE",
+                        choices=["auto", "public", "relayed", "client"],
+                        help="per host: pass --reachability MODE to its node (later hosts: the node's default)")
+    parser.add_argument("--subnet", default=SUBNET, metavar="A.B.C",
+                        help=f"the bridge's /24 [{SUBNET}]; libp2p's AutoNAT, relay addresses and hole punching "
+                             f"ignore private addresses, so a public-looking one (e.g. 7.77.0: the namespaces reach "
+                             f"nothing outside) shows what they do on the Internet")
+    parser.add_argument("--nat-inbound", default="reject", choices=NAT_INBOUND,
+                        help="what the NAT routers do with a connection dialled at their own address: refuse it "
+                             "(a reset, the kernel's answer) or drop it unanswered (a 'stealth' router, through which "
+                             "a TCP hole punch can pass) [reject]")
     args = parser.parse_args()
+    if not re.fullmatch(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})", args.subnet) or args.subnet.startswith(LAN_SUBNET + "."):
+        raise SystemExit(f"error: --subnet takes the first three numbers of a /24 outside {LAN_SUBNET}.0.0/16")
     if not 2 <= args.hosts <= 200 or args.rounds < 1:
         raise SystemExit("error: --hosts must be in [2, 200] and --rounds at least 1")
+    if not 0 <= args.nat <= args.hosts:
+        raise SystemExit("error: --nat must be in [0, --hosts]")
+    if len(args.reachability) > args.hosts:
+        raise SystemExit("error: --reachability takes at most one mode per host")
     try:
-        settings = [Setting(a, text, parse_rates(text, args.hosts)) for a in args.algorithm for text in args.rate]
+        slow = parse_slow(args.slow, args.hosts)
+        settings = [Setting(a, text, parse_rates(text, args.hosts), args.nat, slow, args.reachability, args.subnet,
+                            args.nat_inbound) for a in args.algorithm for text in args.rate]
         params = count_params(args.config, args.overrides)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     try:
-        check_namespaces()
+        check_namespaces(nat=args.nat > 0)
     except NoNamespaces as e:
         print(f"wan.py: cannot emulate a WAN here: {e}; nothing measured")
         return 0
@@ -394,13 +622,18 @@ def main() -> int:
             print(f"[{setting.label}] failed: {e}", flush=True)
             failed.append(setting.label)
             continue
-        table, row = summarise(setting, records, params)
+        table, host_table, row = summarise(setting, records, params)
         rows.append(row)
         if not args.json:
             print(f"\n{setting.label}, {args.hosts} hosts, {params / 1e6:.1f}M parameters "
-                  f"(transfer s: the slowest host's larger direction at its cap)")
+                  f"(transfer s: the slowest host's larger direction at its cap; work from: hosts whose work the "
+                  f"applied aggregate holds)")
             print(format_table(("round", "bytes/node", "comm s", "round s", "inner s", "utilisation", "transfer s",
-                                "hashes equal"), table))
+                                "work from", "hashes equal"), table))
+            print("\nper host (applied: rounds the node applied; in aggregates: tokens of its applied work; "
+                  "share: of the tokens it trained)")
+            print(format_table(("host", "link", "Mbit/s", "slow", "reachability", "applied", "tokens trained",
+                                "in aggregates", "share", "work applied", "in rounds"), host_table))
             print()
     if args.json:
         print(json.dumps(rows))
