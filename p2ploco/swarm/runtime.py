@@ -81,7 +81,7 @@ class Swarm:
             live = (await directory.refresh()).values()
             if config.reachability == "auto":  # the bootstrap peers first, then public peers of the run
                 helpers = [Multiaddr(a)["p2p"] for a in initial_peers]
-                helpers += sorted(r.peer_id for r in live if not r.dials_out and r.peer_id not in helpers)
+                helpers += sorted(r.peer_id for r in live if not r.dials_out and r.peer_id not in [*helpers, me_id])
                 reachability = await detect(p2p, helpers, addresses)
             else:
                 reachability = Reachability(config.reachability)
