@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 MAX_SPEED_SPREAD = 16  # the fastest step a budget trusts is this many times faster than this peer's own
-FAST_COHORT = 1.5  # peers whose steps take at most this many times the fastest's train H steps: timing noise
+FAST_COHORT = 2.0  # peers whose steps take at most this many times the fastest's train H steps: timing noise
 STEP_MEMORY = 8  # recent steps whose median is this peer's step time
 
 

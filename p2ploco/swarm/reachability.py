@@ -70,6 +70,7 @@ class DialBackRequest(Message):
 
 
 class DialBackAnswer(Message):
+    dialled: bool  # False: it dialled nothing (asked a moment ago, or the request came through a relay)
     reached: list[Annotated[int, Field(ge=1, le=65535)]]
     seen_at: Annotated[str, Field(max_length=64)]  # the host the asker's request came from
 
@@ -92,13 +93,13 @@ class DialBack:
             host = observed_host(stream_info.addr)
             now = time.monotonic()
             self._last = {p: t for p, t in self._last.items() if now - t < MIN_INTERVAL}
-            if host is None or sender in self._last:  # relayed to us, or asked a moment ago: dial nothing
-                reached = []
-            else:
+            answer = {"dialled": False, "reached": [], "seen_at": host or ""}
+            if host is not None and sender not in self._last:  # not relayed to us, nor asked a moment ago
                 self._last[sender] = now
-                dialled = await asyncio.gather(*(dial(host, port) for port in sorted(set(request.ports))))
-                reached = [port for port, ok in zip(sorted(set(request.ports)), dialled) if ok]
-            await wire.write_message(writer, {"reached": reached, "seen_at": host or ""})
+                ports = sorted(set(request.ports))
+                opened = await asyncio.gather(*(dial(host, port) for port in ports))
+                answer.update(dialled=True, reached=[port for port, ok in zip(ports, opened) if ok])
+            await wire.write_message(writer, answer)
         except PayloadError as e:
             logger.info(f"bad dial-back request from {sender[-8:]}: {e}")
         except (TransportError, TimeoutError) as e:
@@ -157,6 +158,8 @@ async def detect(p2p: P2P, helpers: Sequence[str], addresses: Sequence[str]) -> 
         except (PayloadError, TransportError, TimeoutError) as e:
             asked += 1
             logger.info(f"could not ask {helper[-8:]} to dial this peer back ({e!r}); asking the next")
+            continue
+        if not answer.dialled:  # it would not dial (asked a moment ago, e.g. before a restart): no verdict
             continue
         if answer.reached:
             return Reachability.PUBLIC
