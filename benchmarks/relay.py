@@ -76,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wan  # noqa: E402  (benchmarks/wan.py: its Network, checks and clean-up)
 
 from p2ploco.metrics import format_table  # noqa: E402
+from p2ploco.swarm.wire import DAEMON_ERRORS  # noqa: E402
 
 MIB = 1 << 20
 HANDLER = "p2ploco-relay-bench/sink"
@@ -152,7 +153,7 @@ async def worker(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.5)
             try:
                 now = [str(m) for m in await p2p.get_visible_maddrs(latest=True)]
-            except Exception:  # noqa: BLE001
+            except DAEMON_ERRORS:  # the daemon is busy or going away: look again next time
                 continue
             if sorted(now) != sorted(shown):
                 emit(event="maddrs", maddrs=now, seconds=time.monotonic() - started)
@@ -169,7 +170,7 @@ async def worker(args: argparse.Namespace) -> None:
                     await asyncio.wait_for(
                         p2p._client.connect(peer_id, [wire_multiaddr(a, Multiaddr) for a in addresses]), 30)
                     break
-                except Exception as e:  # noqa: BLE001
+                except DAEMON_ERRORS as e:
                     if attempt == 3 or not ("connection failed" in str(e) or "dial backoff" in str(e)):
                         raise
                     await asyncio.sleep(5)
