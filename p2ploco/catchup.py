@@ -1,6 +1,6 @@
 """Catching up: a node whose state is not the swarm's fetches the swarm's before it trains the next round.
 
-The swarm's state of each slice is the one most peers' signed records vouch for (``records.state_rank``); a
+The swarm's state of each slice is the one most peers' signed records vouch for (``consensus.ranked_states``); a
 node behind it (joining, restarted, or left out of a round) fetches it from the peers that hold it
 (``Swarm.fetch_state``: checked range by range against a manifest) and hands it to its round schedule, which
 decides what becomes of a round in flight (``RoundSchedule.adopt``).
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from p2ploco.config import Config
 from p2ploco.errors import SwarmError
 from p2ploco.schedules import RoundSchedule
-from p2ploco.swarm.records import PeerState, SwarmState
+from p2ploco.swarm.consensus import SwarmState
+from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.worker import Worker
 
@@ -47,7 +48,7 @@ class CatchUp:
                  doubtful: bool, first: bool) -> tuple[int, Membership, bool]:
         """If the swarm is ahead of us, or holds another state of some slice at our round, fetch the state of
         every slice this peer holds and contribute from the next round. After an unsettled round, first let
-        the others finish it and compare states at the next round (the swarm's state wins: ``records.state_rank``,
+        the others finish it and compare states at the next round (the swarm's state wins: ``swarm/consensus.py``,
         in which a ``doubtful`` state, one this peer holds for not having applied a round the others may have, has
         no say), then fetch at once. A peer that is otherwise behind (joining, restarted) first waits (bounded) for
         the others to finish the round they are in, so that it starts the next one with them rather than late.

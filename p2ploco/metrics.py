@@ -41,6 +41,10 @@ class RoundRecord:
     boundary_bytes_sent: int = 0  # a stage's activations and gradients sent to its group's other stages
     boundary_bytes_received: int = 0
     boundary_seconds: float = 0.0  # of inner_seconds, a stage's time sending to or waiting on its group's stages
+    # this node's record traffic with the DHT since its previous round record: the serialized records it stored
+    # and those its lookups returned (``PeerDirectory.dht_bytes``; not hivemind's routing or replication)
+    dht_bytes_sent: int = 0
+    dht_bytes_received: int = 0
     dropped_peers: list[str] = field(default_factory=list)  # left out of the aggregate (bad or missing data)
     clipped_peers: list[str] = field(default_factory=list)  # whose contribution to this node's span was scaled down
     update_norm: float = 0.0  # L2 norm of the change the round made to the global params (0 if not applied)

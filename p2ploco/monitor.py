@@ -20,7 +20,8 @@ from hivemind.utils import get_dht_time
 
 from p2ploco.errors import SwarmError
 from p2ploco.metrics import format_table, human_bytes
-from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, RecordSchema, parse_records, peers_key
+from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, parse_records, peers_key
+from p2ploco.swarm.schema import RecordSchema
 
 T = TypeVar("T")
 LOOKUP_PATIENCE = 3.0  # a client that just joined may need a few lookups before the DHT answers in full

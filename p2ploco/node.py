@@ -263,7 +263,9 @@ class Node:
                 **fields: Any) -> RoundRecord:
         worker = role.worker
         utilisation = RoundRecord.utilisation(float(fields.get("inner_seconds", 0.0)), self.records, started)
+        dht_sent, dht_received = swarm.take_dht_bytes()
         return RoundRecord(round=round_index, **{"peers": 1, "eval_loss": None, **fields},
+                           dht_bytes_sent=dht_sent, dht_bytes_received=dht_received,
                            compute_utilisation=utilisation,
                            params_sha256=worker.params_sha256, slice_sha256=dict(worker.slice_sha256),
                            round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id,

@@ -241,7 +241,8 @@ def never_join(start: int) -> None:
 def forge_leaving_records(start: int) -> None:
     from hivemind.utils import get_dht_time
 
-    from p2ploco.swarm.records import PeerDirectory, PeerState
+    from p2ploco.swarm.directory import PeerDirectory
+    from p2ploco.swarm.records import PeerState
 
     honest = PeerDirectory.publish
 

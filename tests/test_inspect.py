@@ -22,7 +22,8 @@ from p2ploco.monitor import COLUMNS, Survey, peer_rows, peers_rich
 from p2ploco.swarm.dht import start_dht_node
 from p2ploco.swarm.identity import Identity, peer_id_of
 from p2ploco.swarm.loop import EventLoopThread
-from p2ploco.swarm.records import PeerRecord, peers_key, record_validator
+from p2ploco.swarm.records import PeerRecord, peers_key
+from p2ploco.swarm.schema import record_validator
 
 JOINED = re.compile(r"peer (\w+) joined run")
 NOBODY = "12D3KooWJFBvJXaPgQ1XAX5u5MCmZYfgVUgvyeTA2BwcCGJhu78u"  # a well-formed peer id nobody runs

@@ -8,22 +8,26 @@ import time
 import pytest
 import torch
 from helpers import join_swarms
+from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from p2ploco import faults
 from p2ploco.config import SwarmConfig
 from p2ploco.errors import SwarmError
 from p2ploco.metrics import state_sha256
 from p2ploco.swarm import state as state_module
-from p2ploco.swarm.records import (
-    PeerRecord,
-    PeerState,
+from p2ploco.swarm.consensus import (
     SwarmState,
     contested,
+    plurality,
     ranked_states,
+    ranking,
     round_state,
     settled,
     swarm_state,
+    tally,
 )
+from p2ploco.swarm.directory import PeerDirectory, payload_bytes
+from p2ploco.swarm.records import PeerRecord, PeerState
 from p2ploco.swarm.rounds import Member, admit
 from p2ploco.swarm.state import Snapshot
 
@@ -115,6 +119,54 @@ def test_a_peer_that_missed_its_last_round_has_no_say_on_the_swarms_state():
     # Nobody settled: the greater hash, the same for both.
     unsure = {"a": a.model_copy(update={"unsettled": True}), "b": b}
     assert round_state(unsure, unsure["a"], 5)[1] == round_state(unsure, b, 5)[1] == {S: "zzz"}
+
+
+def test_one_vote_rule_ranks_by_standing_then_ballots_then_value():
+    """The rule ``round_state``, ``rounds.admit`` and ``commit.decide`` share: voters in good standing first, then
+    every ballot, then the greater value; a commit's strict majority counts its abstainers."""
+    ballots = [("a", True), ("z", False), ("z", False), ("m", True)]
+    assert ranking(tally(ballots)) == ["m", "a", "z"]  # one standing ballot beats two others; "m" > "a"
+    assert plurality(ballots) == "m"
+    assert plurality([]) is None
+    assert plurality([("x", True), ("x", True), ("y", True)], electorate=3) == "x"
+    assert plurality([("x", True), ("x", True), ("y", True)], electorate=4) is None  # 2 of 4 is no majority
+    assert plurality([("x", True), ("y", True)]) == "y"  # a tie goes to the greater value, on every peer
+    # Catching up across rounds: among equal tallies a vouched state of the earlier round, a lone claim's later one.
+    order = ranking(tally([((6, "b"), True), ((6, "b"), True), ((5, "a"), True), ((5, "a"), True), ((9, "c"), True),
+                           ((8, "d"), True)]), order=lambda s, t: (-s[0] if t.total >= 2 else s[0], s[1]))
+    assert order == [(5, "a"), (6, "b"), (9, "c"), (8, "d")]
+
+
+class _FakeNode:
+    """Stores and lookups of one DHT key, in memory."""
+
+    def __init__(self):
+        self.stored = {}
+
+    async def store(self, key, subkey, value, expiration_time):
+        self.stored.setdefault(key, {})[subkey] = ValueWithExpiration(value, expiration_time)
+        return True
+
+    async def get(self, key, latest=False):
+        return ValueWithExpiration(dict(self.stored.get(key, {})), get_dht_time() + 10)
+
+
+def test_the_directory_counts_the_record_bytes_it_stores_and_reads():
+    node = _FakeNode()
+    me = record("m", 3, "x")
+    directory = PeerDirectory(node, "p2ploco/run/peers", b"owner", me, 1.0, 10.0, run_id="run")
+
+    async def heartbeat():
+        assert directory.dht_bytes == (0, 0)
+        await directory.publish(list_run=True)
+        sent = payload_bytes(b"owner", me.to_value()) + payload_bytes("run", {"version": me.version})
+        assert directory.dht_bytes == (sent, 0)
+        await directory.refresh()
+        assert directory.dht_bytes == (sent, payload_bytes(b"owner", me.to_value()))
+        await directory.publish()
+        assert directory.dht_bytes[0] == sent + payload_bytes(b"owner", me.to_value())
+
+    asyncio.run(heartbeat())
 
 
 def test_a_record_stuck_in_the_past_does_not_hold_the_others_up():

@@ -35,6 +35,8 @@ def test_demo_three_nodes_train_together_with_identical_params(tmp_path):
         for r in records:  # SparseLoCo at 1/64: traffic far below a dense fp32 all-reduce
             assert 0 < 50 * (r["bytes_sent"] + r["bytes_received"]) <= r["dense_fp32_bytes"]
             assert 0 < r["bits_per_param"] <= 0.25 and abs(r["density"] - 1 / 64) < 0.01
+            assert r["dht_bytes_sent"] > 0  # its record, stored at least as it moved to the round
+        assert sum(r["dht_bytes_received"] for r in records) > 0
     for round_index in range(3):
         assert len({records[round_index]["params_sha256"] for records in runs}) == 1
     assert len({records[0]["peer_id"] for records in runs}) == 3

@@ -16,8 +16,8 @@ it is alive, and votes "missing".
   all): they run the butterfly again with the same pseudo-gradients and a fresh group id. A member that
   only missed a span (a broken stream) is in the redo: one broken stream costs a redo, never the round;
 - otherwise commit, for every slice, the digest held by a strict majority of its counted holders (a
-  single liar that votes "missing" costs a redo, never the round), or abort if some slice has none:
-  nobody applies anything this round.
+  single liar that votes "missing" costs a redo, never the round; ``consensus.plurality`` with the holders as
+  its electorate), or abort if some slice has none: nobody applies anything this round.
 
 A member applies the aggregate only if the decision names the digest it holds of each of its slices.
 The coordinator judges every vote against its own record of the group it formed (or of the redo it
@@ -44,7 +44,6 @@ import enum
 import logging
 import secrets
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +55,7 @@ from p2ploco import faults
 from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
+from p2ploco.swarm.consensus import Ballot, plurality
 from p2ploco.swarm.messages import Digest, Digests, Message, PeerIds, Reason, decode, status_of
 from p2ploco.swarm.rounds import Group, GroupBook
 
@@ -219,15 +219,15 @@ def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers
 
     counted = {peer: v for peer, v in votes.items() if not out(peer)}
     left_out = _why_left_out(group, votes, out)
-    held: dict[str, Counter] = {}  # slice -> digests its counted holders hold
+    held: dict[str, list[Ballot[str]]] = {}  # slice -> the digests its counted holders hold, all in good standing
     for peer, (vote, digests) in counted.items():
         for slice_name in group.slices_of(peer):
             if vote == Vote.HOLDS:
-                held.setdefault(slice_name, Counter())[digests[slice_name]] += 1
+                held.setdefault(slice_name, []).append((digests[slice_name], True))
     holders = {name: sum(name in group.slices_of(peer) for peer in counted) for name in held}
     if counted and all(vote == Vote.HOLDS for vote, _ in counted.values()) and all(
-            len(digests) == 1 for digests in held.values()):
-        return Decision(Outcome.COMMIT, {name: next(iter(digests)) for name, digests in held.items()},
+            len({digest for digest, _ in ballots}) == 1 for ballots in held.values()):
+        return Decision(Outcome.COMMIT, {name: ballots[0][0] for name, ballots in held.items()},
                         reason=f"committed without {left_out}" if left_out else "")
     if group.attempt == 0 and len(counted) >= 2:
         survivors = tuple(sorted(group.whole_pipelines(set(counted))))
@@ -238,11 +238,8 @@ def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers
                       + (f", without {left_out}" if len(survivors) < len(group.peers) else ""))
             logger.info(f"round {group.round_index}: {reason}")  # every member logs it at WARNING
             return Decision(Outcome.REDO, redo=group.among(secrets.token_hex(8), survivors, me), reason=reason)
-    majority = {}
-    for name, digests in held.items():
-        digest, count = max(digests.items(), key=lambda item: (item[1], item[0]))
-        if 2 * count > holders[name]:
-            majority[name] = digest
+    majority = {name: digest for name, ballots in held.items()
+                if (digest := plurality(ballots, electorate=holders[name])) is not None}
     counted_slices = {name for peer in counted for name in group.slices_of(peer)}
     if majority and set(majority) == counted_slices:
         reason = "a majority of each slice's holders hold the same aggregate; committed for them, the others catch up"

@@ -14,7 +14,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from p2ploco.errors import SwarmError
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.identity import Identity
-from p2ploco.swarm.records import record_validator
+from p2ploco.swarm.schema import record_validator
 
 EXAMPLE = "/ip4/203.0.113.7/tcp/31337/p2p/Qm..."
 

@@ -45,7 +45,7 @@ round without it are alive (``working_on``) applies nothing rather than its own 
 
 A round covers named parameter slices (one per pipeline stage; the whole model when it is not cut):
 a full replica holds them all, a stage peer one. The state a round starts from is, for every slice,
-the hash most active peers of that round hold (``records.round_state``); its digest names the
+the hash most active peers of that round hold (``consensus.round_state``); its digest names the
 formation, so peers that start from different states never share a group. Each joiner says which
 slices it holds (with its exchange fingerprint and hash for each) and, for a stage peer, its pipeline
 group. When the coordinator closes the formation it refuses
@@ -84,6 +84,8 @@ from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
+from p2ploco.swarm.consensus import Ballot, contested, plurality, round_state
+from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.messages import (
     MAX_PEERS,
     MAX_REASON,
@@ -100,7 +102,7 @@ from p2ploco.swarm.messages import (
     decode,
     status_of,
 )
-from p2ploco.swarm.records import PeerDirectory, PeerState, contested, round_state
+from p2ploco.swarm.records import PeerState
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +204,7 @@ class Member:
     dial_out: bool = False
 
 
-# round, all-reduce name, config fingerprint, digest of the state the round starts from (``records.round_state``)
+# round, all-reduce name, config fingerprint, digest of the state the round starts from (``consensus.round_state``)
 FormationKey = tuple[int, str, str, str]
 
 
@@ -611,19 +613,19 @@ class Matchmaker:
 
 def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | None = None
           ) -> tuple[dict[str, Member], dict[str, str]]:
-    """The members a closing formation keeps, and the others with the reason: for every slice, the state the
-    records at this round rank first (``recorded``: slice -> hash, by ``records.state_rank``, the one rule of the
-    swarm's state: a member left out of the last round, which publishes its state as unsettled, never outvotes
-    those that applied it) wins, or, if no member holds that one, the (fingerprint, hash) most members hold (ties
-    to the greater value); a member that holds another one catches up instead. Then a pipeline group whose kept
-    members do not bring all ``stages`` slices is left out whole."""
+    """The members a closing formation keeps, and the others with the reason: for every slice, the (fingerprint,
+    hash) its members vote for (``consensus.plurality``), where a member is in good standing if it holds the hash
+    the records at this round chose (``recorded``: slice -> hash, ``consensus.round_state``: a member left out of
+    the last round, which publishes its state as unsettled, never outvotes those that applied it). So the records'
+    choice wins if some member holds it, and otherwise the value most members hold (ties to the greater); a member
+    that holds another one catches up instead. Then a pipeline group whose kept members do not bring all
+    ``stages`` slices is left out whole."""
     recorded = recorded or {}
-    votes: dict[str, Counter] = {}
+    ballots: dict[str, list[Ballot[tuple[str, str]]]] = {}
     for member in members.values():
         for name, held in member.slices:
-            votes.setdefault(name, Counter())[held] += 1
-    chosen = {name: max(counts, key=lambda held: (held[1] == recorded.get(name), counts[held], held))
-              for name, counts in votes.items()}
+            ballots.setdefault(name, []).append((held, held[1] == recorded.get(name)))
+    chosen = {name: plurality(votes) for name, votes in ballots.items()}
     refused = {peer: f"it holds another state of {next(n for n, held in m.slices if chosen[n] != held)} than the "
                      f"others: it catches up" for peer, m in members.items()
                if any(chosen[name] != held for name, held in m.slices)}
@@ -652,7 +654,7 @@ class JoinRequest(Message):
     round: Round
     name: Name
     config: Digest  # the joiner's config fingerprint
-    state: Digest  # the digest of the state the joiner starts the round from (``records.round_state``)
+    state: Digest  # the digest of the state the joiner starts the round from (``consensus.round_state``)
     slices: Annotated[dict[SliceName, Annotated[list[Digest], Field(min_length=2, max_length=2)]],
                       Field(min_length=1, max_length=MAX_SLICES)]  # slice -> [exchange fingerprint, hash]
     pipeline: Name

@@ -21,22 +21,15 @@ from p2ploco.swarm.allreduce import ButterflyAllReduce
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.communicator import SwarmCommunicator
+from p2ploco.swarm.consensus import SwarmState, ranked_states, settled
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.dht import start_dht_node, start_serving, visible_maddrs
+from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
+from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, Reachability, detect
-from p2ploco.swarm.records import (
-    MAX_ADDRESSES,
-    PeerDirectory,
-    PeerRecord,
-    PeerState,
-    SwarmState,
-    human_name,
-    peers_key,
-    ranked_states,
-    settled,
-)
+from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, peers_key
 from p2ploco.swarm.rounds import GroupBook, Matchmaker
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, serves
 
@@ -54,6 +47,7 @@ class Swarm:
         self.loop, self.node, self.directory, self.communicator = loop, node, directory, communicator
         self.state_server, self.config, self.identity, self.bans = state_server, config, identity, bans
         self._probes: dict[tuple[str, int, str, str], tuple[bool, float]] = {}  # claim -> (served, when asked)
+        self._dht_bytes_taken = (0, 0)  # ``directory.dht_bytes`` at the last ``take_dht_bytes``
 
     @classmethod
     def join(cls, run_id: str, config: SwarmConfig, config_fingerprint: str, initial_peers: Sequence[str] = (),
@@ -132,6 +126,13 @@ class Swarm:
         known yet). Read between inner steps: no lookup."""
         return [r.step_seconds for p, r in self.directory.live.items()
                 if r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)]
+
+    def take_dht_bytes(self) -> tuple[int, int]:
+        """Bytes of peer records this peer stored in and read from the DHT (sent, received) since the last call
+        (``PeerDirectory.dht_bytes``: application payload, not hivemind's routing)."""
+        now = self.directory.dht_bytes
+        (sent, received), self._dht_bytes_taken = self._dht_bytes_taken, now
+        return now[0] - sent, now[1] - received
 
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)

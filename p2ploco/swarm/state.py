@@ -7,7 +7,7 @@ of the snapshots of its two latest rounds, one per slice it holds, so a stage pe
 slice, from any holder: a full replica or the same stage of another group.
 
 Nothing a donor says is taken on its word. The state to fetch is the one the swarm vouches for
-(``records.ranked_states``: by the number of peers whose signed records hold it, never by how far ahead a
+(``consensus.ranked_states``: by the number of peers whose signed records hold it, never by how far ahead a
 claim is), and its hash covers the parameters and the shared outer state alike (``metrics.state_sha256``).
 Each donor first describes the blob: its size and a manifest, the sha256 of every ``RANGE_BYTES`` of it.
 The manifest most donors describe is fetched first, in ranges from all of its donors at once (two streams per
@@ -49,9 +49,9 @@ from p2ploco import faults
 from p2ploco.errors import PayloadError, SwarmError, TransportError
 from p2ploco.metrics import state_sha256
 from p2ploco.swarm import wire
+from p2ploco.swarm.consensus import SwarmState
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.messages import MAX_ROUND, Digest, Message, Round, SliceName, decode, status_of
-from p2ploco.swarm.records import SwarmState
 
 logger = logging.getLogger(__name__)
 

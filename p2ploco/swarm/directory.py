@@ -1,0 +1,204 @@
+"""This node's view of the swarm: its own record, kept in the DHT on a heartbeat, and everyone else's.
+
+A record that is not renewed expires, and with it the peer's place in the swarm; a crashed peer stops renewing
+it long before it lapses (``fresh``). The heartbeat stores this node's record and looks up everyone's; a change
+(a new round, a new state) is stored at once in the background, so that the others see it within a store's
+time without the caller waiting for it. The directory also counts the bytes of the values it stores and reads
+(``dht_bytes``), so that a round record can say what coordination cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from hivemind.dht.node import DHTNode
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from p2ploco.swarm.records import RUNS_KEY, PeerRecord, PeerState, parse_records
+from p2ploco.swarm.wire import DAEMON_ERRORS
+
+logger = logging.getLogger(__name__)
+
+STALE_HEARTBEATS = 3  # a record not renewed for this many heartbeats (or half its ttl) belongs to a dead peer
+
+
+def payload_bytes(subkey: object, value: object) -> int:
+    """The size of one (subkey, value) entry as hivemind serializes it (msgpack)."""
+    return len(MSGPackSerializer.dumps(subkey)) + len(MSGPackSerializer.dumps(value))
+
+
+class PeerDirectory:
+    """This node's record (published on a heartbeat, and in the background when it changes) and the last view
+    of everyone's (refreshed on the heartbeat)."""
+
+    def __init__(self, node: DHTNode, key: str, owner: bytes, me: PeerRecord, interval: float, ttl: float,
+                 run_id: str | None = None):
+        self.node, self.key, self.owner, self.me, self.interval, self.ttl = node, key, owner, me, interval, ttl
+        self.run_id = run_id  # listed under RUNS_KEY while this peer trains it
+        self.live: dict[str, PeerRecord] = {}
+        self.refreshed_at = -math.inf  # local time of the last lookup of everyone's records
+        self.moved_at = -math.inf  # local time this node's record last changed round or state
+        self.watchers: set[asyncio.Event] = set()  # set after every lookup, for whoever waits on the view
+        self._expires: dict[str, float] = {}  # DHT time at which each record in `live` lapses
+        self._refreshed: dict[str, float] = {}  # local time at which each record was last seen renewed
+        self._tasks: list[asyncio.Task] = []
+        self._started = time.monotonic()
+        self._changes = 0  # updates of this node's record so far
+        self._attempted = 0  # updates that a finished store (successful or not) has carried
+        self._stored = asyncio.Condition()
+        self._dirty = asyncio.Event()
+        self._bytes_sent = self._bytes_received = 0
+        self.live_fields: Callable[[], dict[str, Any]] = dict  # fields that change between updates
+
+    @property
+    def dht_bytes(self) -> tuple[int, int]:
+        """Bytes this directory has stored in and read from the DHT so far (sent, received), never decreasing.
+
+        Application-level payload: the serialized (subkey, value) entries it asks the DHT to store, once per store
+        however many replicas hivemind writes, and those each lookup returns (signatures stripped). Not hivemind's
+        own traffic: routing, the lookups' hops, replication and the p2p daemon's framing are left out."""
+        return self._bytes_sent, self._bytes_received
+
+    async def publish(self, list_run: bool = False) -> None:
+        """Store this node's record now (and, on the heartbeat, list its run: that listing only has to outlive
+        the record's ttl, so state changes do not store it again)."""
+        for name, value in self.live_fields().items():
+            setattr(self.me, name, value)
+        self.me.uptime = round(time.monotonic() - self._started, 1)
+        changes = self._changes
+        expires = get_dht_time() + self.ttl
+        entries: list[tuple[str, object, dict[str, Any]]] = [(self.key, self.owner, self.me.to_value())]
+        if list_run and self.run_id is not None:
+            entries.append((RUNS_KEY, self.run_id, {"version": self.me.version}))
+        self._bytes_sent += sum(payload_bytes(subkey, value) for _, subkey, value in entries)
+        try:
+            ok, *_ = await asyncio.gather(*(self.node.store(key, subkey=subkey, value=value, expiration_time=expires)
+                                            for key, subkey, value in entries))
+        finally:
+            async with self._stored:
+                self._attempted = max(self._attempted, changes)
+                self._stored.notify_all()
+        if not ok:
+            logger.debug("peer record was not stored by any DHT peer")
+
+    def update_soon(self, **changes: object) -> int:
+        """Change this node's record now and publish it in the background (a burst of changes costs one store);
+        returns the change's number, for ``flush``."""
+        for name, value in changes.items():
+            setattr(self.me, name, value)
+        if {"round", "slices"} & set(changes):
+            self.moved_at = time.monotonic()
+        self._changes += 1
+        self._dirty.set()
+        return self._changes
+
+    async def flush(self, change: int | None = None, timeout: float = 10.0) -> bool:
+        """Wait until a store has carried ``change`` (default: every change so far), for at most ``timeout``
+        seconds; False if it has not by then (the DHT is slow or unreachable: the heartbeat keeps trying)."""
+        change = self._changes if change is None else change
+        async with self._stored:
+            try:
+                await asyncio.wait_for(self._stored.wait_for(lambda: self._attempted >= change), timeout)
+            except TimeoutError:
+                return False
+        return True
+
+    async def refresh(self) -> dict[str, PeerRecord]:
+        """The live records of the run, this node's own included. A lookup may miss records (a DHT peer
+        that stalls, a partial answer): records seen before are kept until they lapse, so a peer only
+        ever leaves the view by expiring or by a newer record of its own."""
+        now = get_dht_time()
+        live = {p: r for p, r in self.live.items() if self._expires.get(p, 0.0) > now}
+        try:
+            found = await self.node.get(self.key, latest=True)
+        except DAEMON_ERRORS as e:  # the daemon or a link failed mid-lookup
+            logger.info(f"peer lookup failed, keeping the last view: {e!r}")
+            found = None
+        entries = getattr(found, "value", None)
+        if isinstance(entries, dict):
+            self._bytes_received += sum(payload_bytes(subkey, getattr(item, "value", None))
+                                        for subkey, item in entries.items())
+        for peer_id, (record, expires) in parse_records(entries, now).items():
+            if expires > self._expires.get(peer_id, 0.0):
+                self._refreshed[peer_id] = time.monotonic()
+            live[peer_id], self._expires[peer_id] = record, expires
+        live[self.me.peer_id] = self.me
+        self.live, self.refreshed_at = live, time.monotonic()
+        for watcher in self.watchers:
+            watcher.set()
+        return live
+
+    def rates(self, peers: Iterable[str]) -> list[float]:
+        """The link rates (Mbit/s, 0: not stated) that ``peers`` state in their records, as last seen."""
+        return [self.live[p].bandwidth_mbit for p in peers if p in self.live]
+
+    async def view(self) -> dict[str, PeerRecord]:
+        """The live records as the heartbeat last saw them if it looked since this node moved to its current
+        round (the others publish theirs as they move, too); otherwise a fresh lookup."""
+        return self.live if self.refreshed_at > self.moved_at else await self.refresh()
+
+    def of_run(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` has a live record of this run's config, as last seen (this peer's own included)."""
+        record = self.live.get(peer_id)
+        return (record is not None and record.fingerprint == self.me.fingerprint and record.state != PeerState.LEAVING
+                and self.fresh(peer_id))
+
+    def dials_out(self, peer_id: str) -> bool:
+        """Whether ``peer_id``'s record (this peer's own included) says it cannot be dialled in rounds, as last seen."""
+        record = self.me if peer_id == self.me.peer_id else self.live.get(peer_id)
+        return record is not None and record.dials_out
+
+    def fresh(self, peer_id: str) -> bool:
+        """Whether ``peer_id``'s record was renewed lately: a crashed peer stops renewing it long before it lapses."""
+        stale_after = max(STALE_HEARTBEATS * self.interval, self.ttl / 2)
+        return peer_id == self.me.peer_id or time.monotonic() - self._refreshed.get(peer_id, 0.0) < stale_after
+
+    async def update(self, **changes: object) -> None:
+        """Change this node's record and wait until it is stored (where it must be, e.g. before leaving)."""
+        await self.flush(self.update_soon(**changes), timeout=math.inf)
+
+    def start_heartbeat(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._heartbeat()), loop.create_task(self._publish_changes())]
+
+    async def _heartbeat(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await asyncio.gather(self.publish(list_run=True), self.refresh())
+            except DAEMON_ERRORS as e:  # a DHT hiccup must not end the heartbeat
+                logger.warning(f"heartbeat failed: {e!r}")
+            except Exception:  # nor a bug: the peer would vanish from the swarm while still training
+                logger.exception("heartbeat failed unexpectedly")
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def _publish_changes(self) -> None:
+        """Store the record whenever it changed: state changes reach the others within a store's time, without
+        the caller waiting for it."""
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            try:
+                await self.publish()
+            except DAEMON_ERRORS as e:  # the heartbeat stores it again soon
+                logger.warning(f"publishing this peer's record failed: {e!r}")
+            except Exception:  # a bug: keep publishing, and say where it is
+                logger.exception("publishing this peer's record failed unexpectedly")
+
+    async def wait_for_peers(self, count: int, timeout: float, stop: threading.Event) -> int:
+        """Wait until ``count`` peers of our config (this one included) are present and have published the
+        state they start from, or the run is already under way (someone trains), or ``stop`` is set; return how
+        many are present."""
+        deadline = time.monotonic() + timeout
+        while True:
+            peers = [r for r in (await self.refresh()).values()
+                     if r.fingerprint == self.me.fingerprint and r.state != PeerState.LEAVING and r.slices]
+            if len(peers) >= count or any(r.active for r in peers) or time.monotonic() >= deadline or stop.is_set():
+                return len(peers)
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
