@@ -114,6 +114,10 @@ class SparseLoCoConfig(OverlapConfig):
     topk: int = 64  # values kept per full chunk_size^2 tile (64 of 4096 = 1/64 density)
     # mean: per coordinate over the replicas that selected it (reference code); sum: divide by all replicas.
     aggregate: Literal["mean", "sum"] = "mean"
+    # What each span's reducer sends back. resparsified: the Top-k of the mean in 2 bits, what it leaves kept in
+    # the reducer's own error feedback (per-peer traffic flat in the swarm's size); exact: the contributions
+    # relayed or their union with float32 values (grows linearly with the swarm).
+    result: Literal["resparsified", "exact"] = "resparsified"
 
 
 @dataclass

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import run_outer_replicas
 
+from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.quantize import quantize
 from p2ploco.compression.topk import compress
@@ -137,9 +138,67 @@ def reference_sparse_aggregate(deltas, errors, config: SparseLoCoConfig):
     return aggregates
 
 
+def tiles_of(grid, tensor: torch.Tensor):
+    """The chunks of ``tensor`` as views of its tiles, in chunk order, written out."""
+    matrix = tensor.view(grid.rows, grid.cols)
+    return [matrix[a:a + grid.tile_rows, b:b + grid.tile_cols] for a in range(0, grid.rows, grid.tile_rows)
+            for b in range(0, grid.cols, grid.tile_cols)]
+
+
+def reference_resparsified(aggregates, reducer_errors, spans, config: SparseLoCoConfig):
+    """What every replica applies with resparsified results: reducer j of the chunks in ``spans[j]`` (chunks of
+    every tensor in one numbering) adds the mean to its buffer ``reducer_errors[j]`` (decayed), keeps the Top-k
+    of every chunk in 2 bits (one decode table per tensor within the span), and keeps the rest in its buffer."""
+    out = [torch.zeros_like(a) for a in aggregates]
+    first_chunk = 0
+    for i, mean in enumerate(aggregates):
+        grid = chunk_grid(tuple(mean.shape), config.chunk_size, config.topk)
+        for j, span in enumerate(spans):
+            chunks = [c for c in range(grid.chunks) if first_chunk + c in span]
+            if not chunks:
+                continue
+            blocks = [tiles_of(grid, reducer_errors[j][i])[c] for c in chunks]
+            for c, block in zip(chunks, blocks):
+                block.mul_(config.error_decay).add_(tiles_of(grid, mean)[c])
+            chosen = [torch.topk(block.reshape(-1).abs(), grid.k).indices.sort().values for block in blocks]
+            codes, shift, table = reference_quantize(torch.stack([b.reshape(-1)[ix] for b, ix in zip(blocks, chosen)]))
+            for c, block, ix, code_row in zip(chunks, blocks, chosen, codes):
+                sent = torch.zeros(block.numel())
+                sent[ix] = table[code_row.long()] + shift
+                tiles_of(grid, out[i])[c].copy_(sent.view(block.shape))
+                block.sub_(sent.view(block.shape))
+        first_chunk += grid.chunks
+    return out
+
+
+@pytest.mark.parametrize("aggregate", ["mean", "sum"])
+def test_resparsified_results_equal_a_written_out_reference(aggregate):
+    """Each reducer compresses its span's mean again with its own error feedback; every replica applies the
+    same bits, and each reducer's buffer keeps exactly what its results left out."""
+    config = SparseLoCoConfig(aggregate=aggregate, result="resparsified")
+    replicas = 3
+    initial, locals_per_round, algorithms, _ = run_sparseloco(replicas, 3, config)
+    (layout,) = algorithms[0].layouts.values()
+    spans = SparseExchange(layout, [], aggregate).partition(replicas)  # how the chunks are cut: geometry
+    params = [p.clone() for p in initial]
+    errors = [[torch.zeros_like(p) for p in initial] for _ in range(replicas)]
+    reducer_errors = [[torch.zeros_like(p) for p in initial] for _ in range(replicas)]
+    for local_params in locals_per_round:
+        deltas = [[p - local_params[r][i] for i, p in enumerate(params)] for r in range(replicas)]
+        means = reference_sparse_aggregate(deltas, errors, config)
+        applied = reference_resparsified(means, reducer_errors, spans, config)
+        params = [p - a * config.lr for p, a in zip(params, applied)]
+    for rank, algorithm in enumerate(algorithms):
+        assert all(torch.equal(got, want) for got, want in zip(algorithm.params, params))
+        assert all(torch.equal(got, want) for got, want in zip(algorithm.errors, errors[rank]))
+        state = algorithm.local_state()
+        assert all(torch.equal(state[f"reducer_error.{i}"], want) for i, want in enumerate(reducer_errors[rank]))
+    assert any(bool(e.abs().sum() > 0) for e in reducer_errors[0])  # the reducers did leave values out
+
+
 @pytest.mark.parametrize("aggregate", ["mean", "sum"])
 def test_all_reduce_equals_the_papers_algorithm(aggregate):
-    config = SparseLoCoConfig(aggregate=aggregate)
+    config = SparseLoCoConfig(aggregate=aggregate, result="exact")
     initial, locals_per_round, algorithms, stats = run_sparseloco(3, 3, config)
     expected_params, expected_errors = reference_sparseloco(initial, locals_per_round, config)
     for rank, algorithm in enumerate(algorithms):  # exactly, and so every replica holds the same bits

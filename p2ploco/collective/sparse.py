@@ -13,6 +13,15 @@ compressed tensors, and the reducer takes its own span's aggregate as it combine
 encoded only when some recipient's relay could be larger (a relay's size is known without building it;
 the union's has a lower bound). The aggregate stays sparse (positions and values per span): its digest
 hashes that, and the outer step applies it at the coordinates it holds.
+
+Both exact results grow with the group: a span's union holds up to n contributions' positions, so every
+peer downloads (and every reducer uploads) about n contributions' worth per round. With ``resparsified``
+results (``outer.sparseloco.result``, the default) the reducer compresses its span's mean as a sender
+compresses its pseudo-gradient, with an error-feedback buffer of its own for the span: e = beta * e + mean,
+Top-k of every chunk in 2 bits, e keeps what was not sent. Every member (the reducer too) decodes the same
+bytes, so all stay bit-identical, and a result is the size of one contribution whatever n: per-peer traffic
+is about two contributions each way. The reducer's new buffer rows are staged here and kept by the outer
+algorithm only if the round is applied; a redo's spans supersede an earlier attempt's.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from p2ploco.collective import robust
 from p2ploco.collective.exchange import Exchange, Span, supersede
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.sparse_format import SparseLayout, SparseValues
-from p2ploco.compression.topk import CompressedTensor
+from p2ploco.compression.topk import CompressedTensor, compress_
 from p2ploco.errors import PayloadError
 
 SPAN_HEADER = struct.Struct("<3q")  # span start, span stop, positions: hashed before each span's aggregate
@@ -40,6 +49,25 @@ class _Parsed:
     payload: bytes
     values: SparseValues
     norm: float  # of the values: what clipping compares
+
+
+@dataclass
+class ReducerRows:
+    """A reducer's error-feedback rows for the chunks [first, first + len(rows)) of one tensor of the slice."""
+
+    tensor: int  # in the slice's layout
+    first: int
+    rows: torch.Tensor  # (chunks, chunk_numel) float32
+
+
+@dataclass
+class _Resparsified:
+    """A span's mean compressed by its reducer: the one result every member receives."""
+
+    span: Span
+    result: bytes
+    values: SparseValues  # what every member decodes from ``result``
+    feedback: list[ReducerRows]  # the reducer's buffer rows for the span once the round is applied
 
 
 class _Aggregate:
@@ -69,19 +97,30 @@ class _Aggregate:
 
 class SparseExchange(Exchange):
     def __init__(self, layout: SparseLayout, compressed: Sequence[CompressedTensor], mode: str,
-                 clip_factor: float = 0.0):
-        """``clip_factor``: bound on each contribution's norm, in multiples of the span's median (0: no clipping)."""
+                 clip_factor: float = 0.0, reducer_feedback: Sequence[torch.Tensor] | None = None,
+                 decay: float = 1.0):
+        """``clip_factor``: bound on each contribution's norm, in multiples of the span's median (0: no clipping).
+        ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one (chunks, chunk_numel) CPU
+        float32 tensor per tensor of the layout (read, never written here), for resparsified results decayed by
+        ``decay`` each time; None: exact results."""
         self.layout, self.compressed, self.mode, self.clip_factor = layout, list(compressed), mode, clip_factor
+        self.reducer_feedback, self.decay = reducer_feedback, decay
         self.num_units = layout.num_chunks
         self._encoded: dict[Span, bytes] = {}
-        self._combined: dict[Span, _Aggregate] = {}  # spans this replica reduced
+        self._combined: dict[Span, _Aggregate | _Resparsified] = {}  # spans this replica reduced
         self._received: dict[Span, tuple[SparseValues, bytes]] = {}  # every span's aggregate taken, and its digest
+        self._reduced: dict[Span, list[ReducerRows]] = {}  # staged buffer rows of the spans whose result we took
+
+    @property
+    def resparsified(self) -> bool:
+        return self.reducer_feedback is not None
 
     def unit_at(self, element: int) -> int:
         return int(np.searchsorted(self.layout.chunk_element_ends, element, side="right"))
 
     def fingerprint(self) -> str:
-        return f"sparse/{self.layout.digest.hex()}/{self.mode}/clip{self.clip_factor:g}/digest2"
+        result = "resparsified" if self.resparsified else "exact"
+        return f"sparse/{self.layout.digest.hex()}/{self.mode}/clip{self.clip_factor:g}/digest2/{result}"
 
     def numel(self, span: Span) -> int:
         return self.layout.numel(span)
@@ -90,6 +129,8 @@ class SparseExchange(Exchange):
         return self.layout.max_contribution_bytes(span)
 
     def max_result_bytes(self, span: Span, group_size: int) -> int:
+        if self.resparsified:
+            return self.layout.max_contribution_bytes(span)
         relay = fmt.HEADER.size + fmt.U16.size + (group_size - 1) * (fmt.U32.size + self.max_payload_bytes(span))
         return max(relay, self.layout.max_union_bytes(span))
 
@@ -106,11 +147,30 @@ class SparseExchange(Exchange):
         return _Parsed(payload, values, robust.norm(values.values))
 
     def combine(self, span: Span, contributions: Sequence[_Parsed], scales: Sequence[float] | None = None
-                ) -> _Aggregate:
+                ) -> _Aggregate | _Resparsified:
         values = self._aggregate(span, [c.values for c in contributions], [c.norm for c in contributions], scales)
-        combined = _Aggregate(self.layout, span, [c.payload for c in contributions], values)
+        combined = (self._resparsify(span, values) if self.resparsified
+                    else _Aggregate(self.layout, span, [c.payload for c in contributions], values))
         self._combined[span] = combined
         return combined
+
+    def _resparsify(self, span: Span, mean: SparseValues) -> _Resparsified:
+        """The reducer's result for ``span``: e = decay * e + mean over the span's rows of its buffer, then Top-k
+        of every chunk in 2 bits, exactly as a sender compresses (``compression/topk.py``); e keeps the rest."""
+        parts, feedback = [], []
+        for s in self.layout.slices(span):
+            rows = self.reducer_feedback[s.tensor][s.first : s.stop].clone()
+            if self.decay != 1.0:  # x * 1.0 == x: a pass saved
+                rows.mul_(self.decay)
+            lo, hi = np.searchsorted(mean.positions, [s.offset, s.offset + s.chunks * s.grid.chunk_numel])
+            flat = rows.view(-1)
+            at = torch.from_numpy(mean.positions[lo:hi] - s.offset)
+            flat[at] = flat[at] + torch.from_numpy(mean.values[lo:hi])  # positions are unique: no accumulation order
+            sent, _ = compress_(rows, s.grid)
+            parts.append(sent)
+            feedback.append(ReducerRows(s.tensor, s.first, rows))
+        return _Resparsified(span, fmt.encode_resparsified(self.layout, span, parts),
+                             fmt.resparsified_values(self.layout, span, parts), feedback)
 
     def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:
         return robust.clipped([c.norm for c in contributions], self.clip_factor)
@@ -123,15 +183,21 @@ class SparseExchange(Exchange):
         bounded = [SparseValues(c.positions, v) for c, v in zip(contributions, values)]
         return fmt.aggregate(self.numel(span), bounded, self.mode)
 
-    def result_for(self, aggregate: _Aggregate, omit: int | None) -> bytes:
+    def result_for(self, aggregate: _Aggregate | _Resparsified, omit: int | None) -> bytes:
+        if isinstance(aggregate, _Resparsified):  # one result for everyone: nobody's own is left out
+            return aggregate.result
         if aggregate.union_may_win and len(aggregate.union) < aggregate.relay_bytes(omit):
             return aggregate.union
         return fmt.encode_relay(self.layout, [p for i, p in enumerate(aggregate.payloads) if i != omit])
 
     def receive(self, span: Span, result: bytes, own: int | None, scales: Sequence[float] | None = None) -> None:
         combined = self._combined.get(span)
-        if combined is not None and result == self.result_for(combined, own):  # the aggregate we made
+        ours = combined is not None and result == self.result_for(combined, own)
+        if ours:  # the aggregate we made
             values = combined.values
+        elif self.resparsified:
+            values = fmt.decode_resparsified(self.layout, span, result)
+            robust.norm(values.values)  # refuse an absurd one, as a union below
         elif fmt.read_kind(self.layout, result) == fmt.RELAY:
             payloads = fmt.decode_relay(self.layout, result, self.max_payload_bytes(span))
             contributions = [fmt.decode_contribution(self.layout, span, p) for p in payloads]
@@ -148,6 +214,14 @@ class SparseExchange(Exchange):
         if len(span):  # an empty span holds nothing (a group larger than the units makes some)
             supersede(self._received, span)
             self._received[span] = values, self._span_digest(span, values)
+            supersede(self._reduced, span)
+            if ours and isinstance(combined, _Resparsified):
+                self._reduced[span] = combined.feedback
+
+    def reduced(self) -> list[ReducerRows]:
+        """The reducer's new buffer rows for the spans this replica reduced in the attempt whose aggregate it took:
+        what the outer algorithm keeps if the round is applied."""
+        return [rows for span in sorted(self._reduced, key=lambda span: span.start) for rows in self._reduced[span]]
 
     def _span_digest(self, span: Span, values: SparseValues) -> bytes:
         """sha256 of one span's sparse aggregate: bounds, count, positions (u32 where they fit), float32 values.

@@ -11,6 +11,9 @@ the tensor shapes, chunking and k, so a payload meant for another model or setti
   lengths, the payloads. The recipient's own contribution is left out; it re-inserts its own.
 - union (kind 2), a reducer's result as the aggregate itself: ``u16`` count per chunk, Rice-coded
   positions, float32 values. Exact, so it needs no error compensation.
+- resparsified (kind 3), a reducer's result as the Top-k of its span's mean, in the contribution's format
+  (side info per tensor touched, indices, 2-bit codes): the size of one contribution whatever the number
+  of peers. What it leaves out stays in the reducer's error feedback (``collective/sparse.py``).
 
 Every length is implied by the layout or checked against it: decoding rejects truncated or
 over-long payloads, out-of-range indices, and non-finite values with a PayloadError.
@@ -39,7 +42,8 @@ from p2ploco.compression.topk import CompressedTensor
 from p2ploco.errors import PayloadError
 
 MAGIC, VERSION = b"SL", 1
-CONTRIBUTION, RELAY, UNION = 0, 1, 2
+CONTRIBUTION, RELAY, UNION, RESPARSIFIED = 0, 1, 2, 3
+_KIND_NAMES = {CONTRIBUTION: "contribution", RELAY: "relay", UNION: "union", RESPARSIFIED: "resparsified result"}
 HEADER = struct.Struct("<2sBB4s")
 SIDE = struct.Struct("<5f")  # shift, then the decode table
 U16, U32 = struct.Struct("<H"), struct.Struct("<I")
@@ -139,7 +143,7 @@ def read_kind(layout: SparseLayout, payload: bytes) -> int:
         raise PayloadError(f"not a SparseLoCo v{VERSION} payload (magic {magic!r}, version {version})")
     if digest != layout.digest:
         raise PayloadError("sparse payload is for another model or chunking (layout digest differs)")
-    if kind not in (CONTRIBUTION, RELAY, UNION):
+    if kind not in (CONTRIBUTION, RELAY, UNION, RESPARSIFIED):
         raise PayloadError(f"unknown sparse payload kind {kind}")
     return kind
 
@@ -168,20 +172,37 @@ def _gaps(positions: np.ndarray) -> np.ndarray:
     return positions - previous - 1
 
 
+def _rows(compressed: CompressedTensor, s: TensorSlice) -> CompressedTensor:
+    """The chunks of ``compressed`` (a whole tensor's) that ``s`` covers."""
+    return CompressedTensor(compressed.grid, compressed.indices[s.first : s.stop], compressed.codes[s.first : s.stop],
+                            compressed.shift, compressed.table)
+
+
 def encode_contribution(layout: SparseLayout, span: range, compressed: Sequence[CompressedTensor]) -> bytes:
+    """One replica's chunks of ``span``, from its compressed tensors (whole tensors)."""
+    slices = layout.slices(span)
+    return _encode(layout, CONTRIBUTION, slices, [_rows(compressed[s.tensor], s) for s in slices])
+
+
+def encode_resparsified(layout: SparseLayout, span: range, parts: Sequence[CompressedTensor]) -> bytes:
+    """A reducer's Top-k of ``span``'s mean: ``parts`` holds the chunks of each tensor slice of the span, compressed."""
+    return _encode(layout, RESPARSIFIED, layout.slices(span), parts)
+
+
+def _encode(layout: SparseLayout, kind: int, slices: Sequence[TensorSlice], parts: Sequence[CompressedTensor]
+            ) -> bytes:
     side, gaps, widths, codes = [], [], [], []
-    for s in layout.slices(span):
-        c = compressed[s.tensor]
+    for s, c in zip(slices, parts, strict=True):
         side.append(SIDE.pack(float(c.shift), *map(float, c.table)))
         if s.sends_indices:
-            block = _gaps(c.indices[s.first : s.stop]).reshape(-1)
+            block = _gaps(c.indices).reshape(-1)
             gaps.append(block)
             widths.append(np.full(len(block), s.rice_width, dtype=np.int64))
-        codes.append(c.codes[s.first : s.stop].reshape(-1))
+        codes.append(c.codes.reshape(-1))
     unary, remainders = rice_encode(np.concatenate(gaps or [np.zeros(0, np.int64)]),
                                     np.concatenate(widths or [np.zeros(0, np.int64)]))
     packed = pack_2bit(np.concatenate(codes or [np.zeros(0, np.uint8)]))
-    return b"".join([_header(layout, CONTRIBUTION), *side, U32.pack(len(unary)), unary, remainders, packed])
+    return b"".join([_header(layout, kind), *side, U32.pack(len(unary)), unary, remainders, packed])
 
 
 def _checked_side(side: np.ndarray) -> tuple[np.float32, np.ndarray]:
@@ -203,8 +224,16 @@ def _span_values(s: TensorSlice, side: np.ndarray, local: np.ndarray, codes: np.
 
 
 def decode_contribution(layout: SparseLayout, span: range, payload: bytes) -> SparseValues:
-    if read_kind(layout, payload) != CONTRIBUTION:
-        raise PayloadError("expected a contribution payload")
+    return _decode(layout, span, payload, CONTRIBUTION)
+
+
+def decode_resparsified(layout: SparseLayout, span: range, payload: bytes) -> SparseValues:
+    return _decode(layout, span, payload, RESPARSIFIED)
+
+
+def _decode(layout: SparseLayout, span: range, payload: bytes, kind: int) -> SparseValues:
+    if read_kind(layout, payload) != kind:
+        raise PayloadError(f"expected a {_KIND_NAMES[kind]} payload")
     slices = layout.slices(span)
     reader = _Reader(payload, HEADER.size)
     sides = [np.array(SIDE.unpack(reader.take(SIDE.size, "side info")), dtype=np.float32) for _ in slices]
@@ -240,11 +269,21 @@ def contribution_values(layout: SparseLayout, span: range, compressed: Sequence[
     """What ``decode_contribution`` returns for the contribution ``encode_contribution`` makes of ``compressed``,
     read from the compressed tensors instead of decoded from the bytes: the same positions, the same float32
     values, the same side-info check. A replica takes its own contribution this way."""
+    slices = layout.slices(span)
+    return _values(slices, [_rows(compressed[s.tensor], s) for s in slices])
+
+
+def resparsified_values(layout: SparseLayout, span: range, parts: Sequence[CompressedTensor]) -> SparseValues:
+    """What ``decode_resparsified`` returns for ``encode_resparsified(layout, span, parts)``: how a reducer takes
+    its own result."""
+    return _values(layout.slices(span), parts)
+
+
+def _values(slices: Sequence[TensorSlice], parts: Sequence[CompressedTensor]) -> SparseValues:
     positions, values = [], []
-    for s in layout.slices(span):
-        c = compressed[s.tensor]
+    for s, c in zip(slices, parts, strict=True):
         side = np.array([c.shift, *c.table], dtype=np.float32)
-        where, what = _span_values(s, side, c.indices[s.first : s.stop], c.codes[s.first : s.stop].reshape(-1))
+        where, what = _span_values(s, side, c.indices, c.codes.reshape(-1))
         positions.append(where)
         values.append(what)
     return _joined(positions, values)

@@ -65,7 +65,7 @@ def compress(tensor: torch.Tensor, grid: ChunkGrid) -> tuple[CompressedTensor, t
 
 def _select(chunked: torch.Tensor, grid: ChunkGrid) -> tuple[torch.Tensor, torch.Tensor, Quantized]:
     if grid.k == grid.chunk_numel:
-        indices = torch.arange(grid.k, device=chunked.device).expand(grid.chunks, grid.k)
+        indices = torch.arange(grid.k, device=chunked.device).expand(chunked.shape[0], grid.k)
     else:
         indices = top_positions(chunked, grid.k)
     selected = torch.gather(chunked, 1, indices)

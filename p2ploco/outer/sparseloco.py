@@ -5,6 +5,11 @@ A round that does not commit gives the buffer back exactly what it sent, so noth
 A replica that catches up from the swarm starts with an empty buffer: what it held was measured
 against parameters the swarm has left behind.
 
+With resparsified results (``outer.sparseloco.result``, the default) a replica also keeps a buffer as the
+reducer of spans: each reducer compresses its span's mean again with it (``collective/sparse.py``), so that a
+result is one contribution's size whatever the swarm's size. Its rows for a span change only when a round
+this replica reduced is applied; it is checkpointed and reset as the sender's buffer.
+
 The buffers live on the training device, in chunk order ((chunks, chunk_numel) per tensor): the
 pseudo-gradient is added to them through a tiled view of it, Top-k reads their rows as they are, and
 what is sent is subtracted in place at the selected positions. Checkpoints hold them in the parameters'
@@ -50,6 +55,9 @@ class SparseLoCo(OuterAlgorithm):
         self.layouts = {name: SparseLayout([self.grids[i] for i in positions])
                         for name, positions in self.slices.items()}
         self.feedback = [torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32, device=device) for g in self.grids]
+        # As a reducer: on the CPU, where reducers combine (None: exact results, no buffer).
+        self.reducer_feedback = ([torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32) for g in self.grids]
+                                 if config.result == "resparsified" else None)
         self.density = sum(g.k * g.chunks for g in self.grids) / sum(g.numel for g in self.grids)
 
     @property
@@ -61,14 +69,31 @@ class SparseLoCo(OuterAlgorithm):
                    start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> SparseRound:
         compressed, taken = self.compress(local_params, start if start is not None else self.params)
         # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
-        #    selected it (or sum / replicas), each contribution clipped to clip_factor x the median norm.
+        #    selected it (or sum / replicas), each contribution clipped to clip_factor x the median norm;
+        #    with resparsified results, each reducer sends back the Top-k of its span's mean (step 2 again, with
+        #    its own buffer).
+        feedback = self.reducer_feedback
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
-                                                        self.config.aggregate, self.clip_factor)
+                                                        self.config.aggregate, self.clip_factor,
+                                                        None if feedback is None else [feedback[i] for i in positions],
+                                                        self.config.error_decay)
                                    for name, positions in self.slices.items()}, self.weigh(tokens))
         return SparseRound(round_index, exchange, taken=taken)
 
     def prepare(self, outer_round: OuterRound) -> OuterStep | None:
         return self._step(self.per_param(outer_round.exchange, SparseExchange.updates), outer_round.round_index)
+
+    def take(self, outer_round: OuterRound, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
+        super().take(outer_round, step, follow)
+        if step is None or self.reducer_feedback is None:
+            return
+        assert isinstance(outer_round, SparseRound)
+        # 6. Applied: the reducer's buffer keeps what its results left out of the spans it reduced.
+        for name, part in outer_round.exchange.parts.items():
+            positions = self.slices[name]
+            for reduced in part.reduced():
+                self.reducer_feedback[positions[reduced.tensor]][reduced.first : reduced.first + len(reduced.rows)] = (
+                    reduced.rows)
 
     def give_back(self, outer_round: OuterRound) -> None:
         """Not applied anywhere: the buffers keep what was sent, for the next round (a round is finished before
@@ -119,20 +144,31 @@ class SparseLoCo(OuterAlgorithm):
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """The error-feedback buffers in the parameters' shapes, as checkpoints hold them (copies)."""
-        return {f"error.{i}": error for i, error in enumerate(self.errors)}
+        return {f"error.{i}": error for i, error in enumerate(self.errors)} | self._reducer_state()
+
+    def _reducer_state(self) -> dict[str, torch.Tensor]:
+        if self.reducer_feedback is None:
+            return {}
+        return {f"reducer_error.{i}": grid.from_chunks(buffer)
+                for i, (grid, buffer) in enumerate(zip(self.grids, self.reducer_feedback))}
 
     def local_state_with(self, in_flight: OuterRound | None) -> dict[str, torch.Tensor]:
         if in_flight is None:
             return self.local_state()
         buffers = [buffer.clone().scatter_(1, sent.indices, sent.values)
                    for buffer, sent in zip(self.feedback, in_flight.taken)]
-        return {f"error.{i}": grid.from_chunks(buffer) for i, (grid, buffer) in enumerate(zip(self.grids, buffers))}
+        return ({f"error.{i}": grid.from_chunks(buffer) for i, (grid, buffer) in enumerate(zip(self.grids, buffers))}
+                | self._reducer_state())
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        check_state({f"error.{i}": torch.empty(grid.shape, device="meta") for i, grid in enumerate(self.grids)}, state)
-        for i, (buffer, grid) in enumerate(zip(self.feedback, self.grids)):
-            buffer.view(grid.tile_shape).copy_(grid.tiles(state[f"error.{i}"]))
+        check_state({key: torch.empty(grid.shape, device="meta") for i, grid in enumerate(self.grids)
+                     for key in [f"error.{i}"] + ([f"reducer_error.{i}"] if self.reducer_feedback is not None else [])},
+                    state)
+        for i, grid in enumerate(self.grids):
+            self.feedback[i].view(grid.tile_shape).copy_(grid.tiles(state[f"error.{i}"]))
+            if self.reducer_feedback is not None:
+                self.reducer_feedback[i].view(grid.tile_shape).copy_(grid.tiles(state[f"reducer_error.{i}"]))
 
     def reset_local_state(self) -> None:
-        for buffer in self.feedback:
+        for buffer in self.feedback + (self.reducer_feedback or []):
             buffer.zero_()
