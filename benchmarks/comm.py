@@ -23,14 +23,29 @@ Codec speed is in GB/s of fp32 pseudo-gradient (4 bytes per parameter of the who
   results (relays decoded and aggregated, or unions decoded), the aggregate's digest, and the
   aggregate per tensor as the outer step applies it. The other reducers' work is done beforehand.
 
+Scaling (issue 22): per-peer bytes per round of SparseLoCo at N = 2 ... 1024 for today's butterfly with exact
+results (``outer.sparseloco.result=exact``: the contributions relayed or their union) and for resparsified results
+(the default: each reducer sends back the Top-k of its span's mean), next to what one peer sends in a dense fp32
+butterfly of the same parameters. Resparsified sizes are real encodings at every N: peer j contributes replica
+j mod R's compressed pseudo-gradient (R = ``--replicas``, each compressed for real), each span's result is its
+reducer's real resparsified encoding of the mean of those contributions. A result holds k values per chunk
+whatever the values, so its size does not depend on how many distinct replicas went into the mean. Exact
+results are encoded for real up to ``--real-up-to`` peers (distinct replicas; a union's size does depend on how
+many). Beyond that they follow the scaling model of docs/design.md ("Hundreds of peers"): the bytes a peer
+receives grow with n - 1, so they are extrapolated linearly in n - 1 from the largest measured n, and the
+row says so.
+
     python benchmarks/comm.py                  # ~150M shapes, N = 2, 4, 8, densities 1/64 and 1/32
     python benchmarks/comm.py --config configs/tiny.yaml --peers 2 4
+    python benchmarks/comm.py --scale-only --scale-peers 2 8 32 128 1024 --json   # the scaling rows alone
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -41,6 +56,7 @@ from p2ploco.collective.fp4 import E3M0Mean
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.groupwise import GroupLayout, quantize
+from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import CompressedTensor
 from p2ploco.config import LoCoConfig, SparseLoCoConfig, load_config
 from p2ploco.metrics import format_table
@@ -96,11 +112,12 @@ def synchronize(device: torch.device) -> None:
 
 
 def compress_replicas(shapes: list[tuple[int, ...]], topk: int, replicas: int, device: torch.device,
+                      result_topk: int = SparseLoCoConfig.result_topk,
                       ) -> tuple[SparseLoCo, list[list[CompressedTensor]], list[float]]:
     """Each replica's compressed pseudo-gradient (one SparseLoCo, its error feedback emptied in between) and
     the seconds each compress took, after one warm-up."""
     zeros = [torch.zeros(s) for s in shapes]
-    outer = SparseLoCo(zeros, SparseLoCoConfig(topk=topk), device)
+    outer = SparseLoCo(zeros, SparseLoCoConfig(topk=topk, result_topk=result_topk), device)
     generator = torch.Generator(device=device).manual_seed(0)
     compressed, seconds = [], []
     for replica in range(replicas + 1):
@@ -164,6 +181,83 @@ def butterfly_bytes(exchanges: list[Exchange]) -> tuple[list[int], list[int]]:
     return sent, received
 
 
+@dataclass
+class ScaleRow:
+    peers: int
+    design: str  # "butterfly": exact results; "resparsified": the default
+    bytes_sent_per_peer: float
+    bytes_received_per_peer: float
+    dense_fp32_bytes_per_peer: float  # one peer's send in a dense fp32 butterfly of the same parameters
+    extrapolated: bool  # from the scaling model rather than encoded
+
+
+def resparsified_bytes(layout: SparseLayout, result_layout: SparseLayout, replicas: list[list[CompressedTensor]],
+                       n: int) -> tuple[float, float]:
+    """Mean sent and received bytes per peer of a butterfly among ``n`` peers with resparsified results (chunked as
+    ``result_layout``), peer j contributing ``replicas[j % len(replicas)]``: every contribution to every span and
+    every result encoded."""
+    spans = SparseExchange(layout, [], "mean").partition(n)
+    distinct = len(replicas)
+    to_span = np.zeros((distinct, n))  # bytes of replica r's contribution to span i
+    result = np.zeros(n)
+    for i, span in enumerate(spans):
+        reducer = SparseExchange(layout, replicas[i % distinct], "mean", reducer_feedback=no_feedback(layout),
+                                 result_layout=result_layout)
+        payloads = [SparseExchange(layout, c, "mean").encode(span) for c in replicas]
+        to_span[:, i] = [len(p) for p in payloads]
+        combined = reducer.combine(span, [reducer.parse(span, p) for p in payloads])
+        result[i] = len(reducer.result_for(combined, None))
+    own = np.array([to_span[j % distinct] for j in range(n)])  # (peers, spans)
+    sent = own.sum(axis=1) - own.diagonal() + (n - 1) * result
+    received = (result.sum() - result) + (own.sum(axis=0) - own.diagonal())
+    return float(sent.mean()), float(received.mean())
+
+
+def no_feedback(layout: SparseLayout) -> list[torch.Tensor]:
+    """Empty reducer buffers, as in a first round (a result's size does not depend on them)."""
+    return [torch.zeros(g.chunks, g.chunk_numel) for g in layout.grids]
+
+
+def scale_rows(layout: SparseLayout, result_layout: SparseLayout, replicas: list[list[CompressedTensor]],
+               peers: list[int], real_up_to: int, distinct: int) -> list[ScaleRow]:
+    """Per-peer bytes per round of the exact butterfly and of resparsified results, for each group size."""
+    rows, measured = [], None
+    for n in peers:
+        spans = SparseExchange(layout, [], "mean").partition(n)
+        dense = sum(dense_fp32_bytes(SparseExchange(layout, [], "mean"), spans, i) / 2 for i in range(n)) / n
+        if n <= min(real_up_to, len(replicas)):
+            sent, received = butterfly_bytes([SparseExchange(layout, c, "mean") for c in replicas[:n]])
+            measured = n, sum(sent) / n, sum(received) / n
+            rows.append(ScaleRow(n, "butterfly", measured[1], measured[2], dense, False))
+        elif measured is not None:
+            base, base_sent, base_received = measured
+            factor = (n - 1) / (base - 1)
+            rows.append(ScaleRow(n, "butterfly", base_sent * factor, base_received * factor, dense, True))
+        sent, received = resparsified_bytes(layout, result_layout, replicas[:distinct], n)
+        rows.append(ScaleRow(n, "resparsified", sent, received, dense, False))
+    return rows
+
+
+def scale_table(rows: list[ScaleRow]) -> str:
+    by_peers: dict[int, dict[str, ScaleRow]] = {}
+    for row in rows:
+        by_peers.setdefault(row.peers, {})[row.design] = row
+    reference = 8 if 8 in by_peers else rows[0].peers  # the issue's yardstick: N = 1024 against N = 8
+    smallest = {design: by_peers[reference][design] for design in ("butterfly", "resparsified")}
+    table = []
+    for n, designs in by_peers.items():
+        for design, row in designs.items():
+            total = row.bytes_sent_per_peer + row.bytes_received_per_peer
+            first = smallest[design]
+            table.append((n, design + (" (model)" if row.extrapolated else ""),
+                          f"{row.bytes_sent_per_peer / 1e6:.2f} / {row.bytes_received_per_peer / 1e6:.2f}",
+                          f"{row.dense_fp32_bytes_per_peer / 1e6:.1f}",
+                          f"{2 * row.dense_fp32_bytes_per_peer / total:.0f}x",
+                          f"{total / (first.bytes_sent_per_peer + first.bytes_received_per_peer):.2f}"))
+    return format_table(("peers", "design", "MB sent / received", "dense fp32 MB sent", "vs dense fp32",
+                         f"vs N={reference}"), table)
+
+
 def loco_rows(shapes: list[tuple[int, ...]], peers: list[int], config: LoCoConfig) -> list[tuple]:
     """LoCo's bytes per peer per round for each group size in ``peers``, against the dense fp32 butterfly."""
     layout = GroupLayout(shapes, config.group_size)
@@ -192,13 +286,42 @@ def main() -> None:
     parser.add_argument("--topk", type=int, nargs="+", default=[64, 128], help="values kept per 64x64 chunk")
     parser.add_argument("--fragments", type=int, nargs="+", default=[1, 2, 4],
                         help="Streaming DiLoCo fragment counts for the peak table")
+    parser.add_argument("--scale-peers", type=int, nargs="+", default=[2, 8, 32, 128, 1024],
+                        help="group sizes of the scaling table")
+    parser.add_argument("--real-up-to", type=int, default=128,
+                        help="largest group whose exact butterfly is encoded for real (one compressed replica each)")
+    parser.add_argument("--replicas", type=int, default=8,
+                        help="distinct compressed replicas the resparsified rows cycle through")
+    parser.add_argument("--result-topk", type=int, default=SparseLoCoConfig.result_topk,
+                        help="values per 64x64 chunk of a resparsified result (outer.sparseloco.result_topk)")
+    parser.add_argument("--scale-only", action="store_true", help="print the scaling table alone")
+    parser.add_argument("--json", action="store_true",
+                        help="print the scaling rows as JSON, one object per (peers, design), and nothing else")
     args = parser.parse_args()
 
     shapes = model_shapes(args.config)
     params = sum(int(np.prod(s)) for s in shapes)
+    log = (lambda *a, **k: None) if args.json else print  # noqa: E731 (the JSON alone on stdout)
+    log(f"parameter set: {args.config}, {params / 1e6:.1f}M parameters in {len(shapes)} tensors; "
+        f"{torch.get_num_threads()} CPU threads")
+    topk = args.topk[0]
+    exact_replicas = min(args.real_up_to, max(n for n in args.scale_peers))
+    outer, replicas, _ = compress_replicas(shapes, topk, max(exact_replicas, args.replicas), torch.device("cpu"),
+                                           args.result_topk)
+    rows = scale_rows(outer.layouts["stage0"], outer.result_layouts["stage0"], replicas, args.scale_peers,
+                      args.real_up_to, args.replicas)
+    del replicas
+    if args.json:
+        for row in rows:
+            print(json.dumps(asdict(row)))
+        return
+    print()
+    print(f"Scaling, density 1/{4096 // topk}, results 1/{4096 // args.result_topk}: bytes per peer per round, exact "
+          f"butterfly vs resparsified results (model: extrapolated from the largest encoded N)")
+    print(scale_table(rows))
+    if args.scale_only:
+        return
     gigabytes = 4 * params / 1e9  # the fp32 pseudo-gradient
-    print(f"parameter set: {args.config}, {params / 1e6:.1f}M parameters in {len(shapes)} tensors; "
-          f"{torch.get_num_threads()} CPU threads")
     rows, speed = [], []
     for topk in args.topk:
         density = f"1/{4096 // topk}"

@@ -13,6 +13,7 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py --suite overlap --seeds 2   # DiLoCo and SparseLoCo: no overlap, naive, eager
     python benchmarks/quality.py --suite streaming        # Streaming DiLoCo (P = 2, 4) next to the others
     python benchmarks/quality.py --suite pace --rounds 20 --seeds 2   # slow replicas next to fast ones
+    python benchmarks/quality.py --suite scale --replicas 16   # exact vs resparsified SparseLoCo results
 
 Methods: ``ddp``; ``diloco`` / ``sparseloco`` / ``loco`` / ``streaming`` (every replica full), each with
 optional outer settings after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
@@ -93,6 +94,12 @@ SUITES = {
              [f"{algorithm}+speeds:{speeds}{settings}" for algorithm, settings in (("sparseloco", ""),
                                                                                   ("diloco", ",momentum=0.5"))
               for speeds in ("1", "1,1", "1,1,1", "1,3,10", "1,3,10,unweighted", "1,1,3,10")], []),
+    # Per-peer traffic flat in the swarm's size (run with --replicas 16): SparseLoCo's exact results (the all-peer
+    # average) against resparsified ones (the default, result_topk=256, what a result leaves out dropped), with
+    # fewer values per result, and with error feedback at the reducer instead of dropping.
+    "scale": ("configs/tiny.yaml",
+              ["sparseloco:result=exact", "sparseloco", "sparseloco:result_topk=192", "sparseloco:result_topk=128",
+               "sparseloco:result_topk=128,result_error_decay=1"], []),
 }
 
 

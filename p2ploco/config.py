@@ -114,10 +114,13 @@ class SparseLoCoConfig(OverlapConfig):
     topk: int = 64  # values kept per full chunk_size^2 tile (64 of 4096 = 1/64 density)
     # mean: per coordinate over the replicas that selected it (reference code); sum: divide by all replicas.
     aggregate: Literal["mean", "sum"] = "mean"
-    # What each span's reducer sends back. resparsified: the Top-k of the mean in 2 bits, what it leaves kept in
-    # the reducer's own error feedback (per-peer traffic flat in the swarm's size); exact: the contributions
-    # relayed or their union with float32 values (grows linearly with the swarm).
+    # What each span's reducer sends back. resparsified: the Top-k of the mean in 2 bits (per-peer traffic flat in
+    # the swarm's size); exact: the contributions relayed or their union with float32 values (grows linearly).
     result: Literal["resparsified", "exact"] = "resparsified"
+    result_topk: int = 256  # values a resparsified result keeps per full chunk_size^2 tile
+    # > 0: the reducer keeps what a result leaves out, e = result_error_decay * e + mean (0: dropped; the next
+    # pseudo-gradients bring it again, as the global params did not move that way)
+    result_error_decay: float = 0.0
 
 
 @dataclass
@@ -340,6 +343,11 @@ def validate(config: Config) -> None:
         (1 <= o.sparseloco.topk <= o.sparseloco.chunk_size ** 2,
          f"outer.sparseloco.topk ({o.sparseloco.topk}) must be in [1, chunk_size^2="
          f"{o.sparseloco.chunk_size ** 2}]"),
+        (1 <= o.sparseloco.result_topk <= o.sparseloco.chunk_size ** 2,
+         f"outer.sparseloco.result_topk ({o.sparseloco.result_topk}) must be in [1, chunk_size^2="
+         f"{o.sparseloco.chunk_size ** 2}]"),
+        (0 <= o.sparseloco.result_error_decay <= 1,
+         f"outer.sparseloco.result_error_decay ({o.sparseloco.result_error_decay}) must be in [0, 1]"),
         (o.loco.bits in (2, 4, 8), f"outer.loco.bits ({o.loco.bits}) must be 2, 4 or 8"),
         (1 <= o.loco.group_size <= MAX_GROUP_SIZE,
          f"outer.loco.group_size ({o.loco.group_size}) must be in [1, {MAX_GROUP_SIZE}] (values per scale)"),

@@ -147,19 +147,20 @@ def tiles_of(grid, tensor: torch.Tensor):
 
 def reference_resparsified(aggregates, reducer_errors, spans, config: SparseLoCoConfig):
     """What every replica applies with resparsified results: reducer j of the chunks in ``spans[j]`` (chunks of
-    every tensor in one numbering) adds the mean to its buffer ``reducer_errors[j]`` (decayed), keeps the Top-k
-    of every chunk in 2 bits (one decode table per tensor within the span), and keeps the rest in its buffer."""
+    every tensor in one numbering) adds the mean to its buffer ``reducer_errors[j]`` (decayed; decay 0: the buffer
+    is only scratch), keeps the Top-k (``result_topk``) of every chunk in 2 bits (one decode table per tensor
+    within the span), and keeps the rest in its buffer."""
     out = [torch.zeros_like(a) for a in aggregates]
     first_chunk = 0
     for i, mean in enumerate(aggregates):
-        grid = chunk_grid(tuple(mean.shape), config.chunk_size, config.topk)
+        grid = chunk_grid(tuple(mean.shape), config.chunk_size, config.result_topk)
         for j, span in enumerate(spans):
             chunks = [c for c in range(grid.chunks) if first_chunk + c in span]
             if not chunks:
                 continue
             blocks = [tiles_of(grid, reducer_errors[j][i])[c] for c in chunks]
             for c, block in zip(chunks, blocks):
-                block.mul_(config.error_decay).add_(tiles_of(grid, mean)[c])
+                block.mul_(config.result_error_decay).add_(tiles_of(grid, mean)[c])
             chosen = [torch.topk(block.reshape(-1).abs(), grid.k).indices.sort().values for block in blocks]
             codes, shift, table = reference_quantize(torch.stack([b.reshape(-1)[ix] for b, ix in zip(blocks, chosen)]))
             for c, block, ix, code_row in zip(chunks, blocks, chosen, codes):
@@ -171,11 +172,11 @@ def reference_resparsified(aggregates, reducer_errors, spans, config: SparseLoCo
     return out
 
 
-@pytest.mark.parametrize("aggregate", ["mean", "sum"])
-def test_resparsified_results_equal_a_written_out_reference(aggregate):
+@pytest.mark.parametrize("aggregate, decay", [("mean", 0.0), ("sum", 0.0), ("mean", 0.9)])
+def test_resparsified_results_equal_a_written_out_reference(aggregate, decay):
     """Each reducer compresses its span's mean again with its own error feedback; every replica applies the
     same bits, and each reducer's buffer keeps exactly what its results left out."""
-    config = SparseLoCoConfig(aggregate=aggregate, result="resparsified")
+    config = SparseLoCoConfig(aggregate=aggregate, result="resparsified", result_topk=96, result_error_decay=decay)
     replicas = 3
     initial, locals_per_round, algorithms, _ = run_sparseloco(replicas, 3, config)
     (layout,) = algorithms[0].layouts.values()
@@ -192,8 +193,11 @@ def test_resparsified_results_equal_a_written_out_reference(aggregate):
         assert all(torch.equal(got, want) for got, want in zip(algorithm.params, params))
         assert all(torch.equal(got, want) for got, want in zip(algorithm.errors, errors[rank]))
         state = algorithm.local_state()
-        assert all(torch.equal(state[f"reducer_error.{i}"], want) for i, want in enumerate(reducer_errors[rank]))
-    assert any(bool(e.abs().sum() > 0) for e in reducer_errors[0])  # the reducers did leave values out
+        if decay > 0:  # the reducer keeps what its results left out
+            assert all(torch.equal(state[f"reducer_error.{i}"], want) for i, want in enumerate(reducer_errors[rank]))
+        else:  # dropped: no buffer at all
+            assert not any(key.startswith("reducer_error") for key in state)
+    assert any(bool(e.abs().sum() > 0) for e in reducer_errors[0])  # the results did leave values out
 
 
 @pytest.mark.parametrize("aggregate", ["mean", "sum"])

@@ -17,11 +17,14 @@ hashes that, and the outer step applies it at the coordinates it holds.
 Both exact results grow with the group: a span's union holds up to n contributions' positions, so every
 peer downloads (and every reducer uploads) about n contributions' worth per round. With ``resparsified``
 results (``outer.sparseloco.result``, the default) the reducer compresses its span's mean as a sender
-compresses its pseudo-gradient, with an error-feedback buffer of its own for the span: e = beta * e + mean,
-Top-k of every chunk in 2 bits, e keeps what was not sent. Every member (the reducer too) decodes the same
-bytes, so all stay bit-identical, and a result is the size of one contribution whatever n: per-peer traffic
-is about two contributions each way. The reducer's new buffer rows are staged here and kept by the outer
-algorithm only if the round is applied; a redo's spans supersede an earlier attempt's.
+compresses its pseudo-gradient: Top-k of every chunk (``result_topk``) in 2 bits. Every member (the reducer
+too) decodes the same bytes, so all stay bit-identical, and a result has a fixed size whatever n: per-peer
+traffic is about one contribution and one result each way. What a result leaves out is dropped by default:
+the global parameters did not move that way, so the next pseudo-gradients bring it again. With
+``result_error_decay`` > 0 the reducer keeps it instead in an error-feedback buffer of its own for the span
+(e = decay * e + mean, e keeps what was not sent, as LoCo's reducer); measured worse (docs/design.md,
+"Hundreds of peers"), as the senders bring it again too. The reducer's new buffer rows are staged here and
+kept by the outer algorithm only if the round is applied; a redo's spans supersede an earlier attempt's.
 """
 
 from __future__ import annotations
@@ -97,14 +100,17 @@ class _Aggregate:
 
 class SparseExchange(Exchange):
     def __init__(self, layout: SparseLayout, compressed: Sequence[CompressedTensor], mode: str,
-                 clip_factor: float = 0.0, reducer_feedback: Sequence[torch.Tensor] | None = None,
-                 decay: float = 1.0):
+                 clip_factor: float = 0.0, result_layout: SparseLayout | None = None,
+                 reducer_feedback: Sequence[torch.Tensor] | None = None, decay: float = 0.0):
         """``clip_factor``: bound on each contribution's norm, in multiples of the span's median (0: no clipping).
-        ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one (chunks, chunk_numel) CPU
-        float32 tensor per tensor of the layout (read, never written here), for resparsified results decayed by
-        ``decay`` each time; None: exact results."""
+        ``result_layout``: resparsified results, chunked as this layout (the contributions' chunks, its own k);
+        None: exact results. ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one
+        (chunks, chunk_numel) CPU float32 tensor per tensor of the layout (read, never written here), decayed by
+        ``decay`` each time; None: what a result leaves out is dropped."""
         self.layout, self.compressed, self.mode, self.clip_factor = layout, list(compressed), mode, clip_factor
-        self.reducer_feedback, self.decay = reducer_feedback, decay
+        self.result_layout, self.reducer_feedback, self.decay = result_layout, reducer_feedback, decay
+        if result_layout is not None and result_layout.num_chunks != layout.num_chunks:
+            raise ValueError("a result layout must chunk the tensors as the contributions' layout does")
         self.num_units = layout.num_chunks
         self._encoded: dict[Span, bytes] = {}
         self._combined: dict[Span, _Aggregate | _Resparsified] = {}  # spans this replica reduced
@@ -113,13 +119,13 @@ class SparseExchange(Exchange):
 
     @property
     def resparsified(self) -> bool:
-        return self.reducer_feedback is not None
+        return self.result_layout is not None
 
     def unit_at(self, element: int) -> int:
         return int(np.searchsorted(self.layout.chunk_element_ends, element, side="right"))
 
     def fingerprint(self) -> str:
-        result = "resparsified" if self.resparsified else "exact"
+        result = f"resparsified{self.result_layout.digest.hex()}" if self.resparsified else "exact"
         return f"sparse/{self.layout.digest.hex()}/{self.mode}/clip{self.clip_factor:g}/digest2/{result}"
 
     def numel(self, span: Span) -> int:
@@ -130,7 +136,7 @@ class SparseExchange(Exchange):
 
     def max_result_bytes(self, span: Span, group_size: int) -> int:
         if self.resparsified:
-            return self.layout.max_contribution_bytes(span)
+            return self.result_layout.max_contribution_bytes(span)
         relay = fmt.HEADER.size + fmt.U16.size + (group_size - 1) * (fmt.U32.size + self.max_payload_bytes(span))
         return max(relay, self.layout.max_union_bytes(span))
 
@@ -158,19 +164,23 @@ class SparseExchange(Exchange):
         """The reducer's result for ``span``: e = decay * e + mean over the span's rows of its buffer, then Top-k
         of every chunk in 2 bits, exactly as a sender compresses (``compression/topk.py``); e keeps the rest."""
         parts, feedback = [], []
-        for s in self.layout.slices(span):
-            rows = self.reducer_feedback[s.tensor][s.first : s.stop].clone()
-            if self.decay != 1.0:  # x * 1.0 == x: a pass saved
-                rows.mul_(self.decay)
+        for s in self.result_layout.slices(span):
+            if self.reducer_feedback is None:
+                rows = torch.zeros(s.chunks, s.grid.chunk_numel)
+            else:
+                rows = self.reducer_feedback[s.tensor][s.first : s.stop].clone()
+                if self.decay != 1.0:  # x * 1.0 == x: a pass saved
+                    rows.mul_(self.decay)
             lo, hi = np.searchsorted(mean.positions, [s.offset, s.offset + s.chunks * s.grid.chunk_numel])
             flat = rows.view(-1)
             at = torch.from_numpy(mean.positions[lo:hi] - s.offset)
             flat[at] = flat[at] + torch.from_numpy(mean.values[lo:hi])  # positions are unique: no accumulation order
             sent, _ = compress_(rows, s.grid)
             parts.append(sent)
-            feedback.append(ReducerRows(s.tensor, s.first, rows))
-        return _Resparsified(span, fmt.encode_resparsified(self.layout, span, parts),
-                             fmt.resparsified_values(self.layout, span, parts), feedback)
+            if self.reducer_feedback is not None:
+                feedback.append(ReducerRows(s.tensor, s.first, rows))
+        return _Resparsified(span, fmt.encode_resparsified(self.result_layout, span, parts),
+                             fmt.resparsified_values(self.result_layout, span, parts), feedback)
 
     def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:
         return robust.clipped([c.norm for c in contributions], self.clip_factor)
@@ -196,7 +206,7 @@ class SparseExchange(Exchange):
         if ours:  # the aggregate we made
             values = combined.values
         elif self.resparsified:
-            values = fmt.decode_resparsified(self.layout, span, result)
+            values = fmt.decode_resparsified(self.result_layout, span, result)
             robust.norm(values.values)  # refuse an absurd one, as a union below
         elif fmt.read_kind(self.layout, result) == fmt.RELAY:
             payloads = fmt.decode_relay(self.layout, result, self.max_payload_bytes(span))
@@ -215,7 +225,7 @@ class SparseExchange(Exchange):
             supersede(self._received, span)
             self._received[span] = values, self._span_digest(span, values)
             supersede(self._reduced, span)
-            if ours and isinstance(combined, _Resparsified):
+            if ours and isinstance(combined, _Resparsified) and combined.feedback:
                 self._reduced[span] = combined.feedback
 
     def reduced(self) -> list[ReducerRows]:

@@ -5,10 +5,10 @@ A round that does not commit gives the buffer back exactly what it sent, so noth
 A replica that catches up from the swarm starts with an empty buffer: what it held was measured
 against parameters the swarm has left behind.
 
-With resparsified results (``outer.sparseloco.result``, the default) a replica also keeps a buffer as the
-reducer of spans: each reducer compresses its span's mean again with it (``collective/sparse.py``), so that a
-result is one contribution's size whatever the swarm's size. Its rows for a span change only when a round
-this replica reduced is applied; it is checkpointed and reset as the sender's buffer.
+With resparsified results (``outer.sparseloco.result``, the default) each reducer compresses its span's mean
+again (``collective/sparse.py``), so that a result has a fixed size whatever the swarm's size. With
+``result_error_decay`` > 0 a replica also keeps a buffer as the reducer of spans: its rows for a span change only
+when a round this replica reduced is applied; it is checkpointed and reset as the sender's buffer.
 
 The buffers live on the training device, in chunk order ((chunks, chunk_numel) per tensor): the
 pseudo-gradient is added to them through a tiled view of it, Top-k reads their rows as they are, and
@@ -54,10 +54,13 @@ class SparseLoCo(OuterAlgorithm):
         self.grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.topk) for p in self.params]
         self.layouts = {name: SparseLayout([self.grids[i] for i in positions])
                         for name, positions in self.slices.items()}
+        result_grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.result_topk) for p in self.params]
+        self.result_layouts = ({name: SparseLayout([result_grids[i] for i in positions])
+                                for name, positions in self.slices.items()} if config.result == "resparsified" else {})
         self.feedback = [torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32, device=device) for g in self.grids]
-        # As a reducer: on the CPU, where reducers combine (None: exact results, no buffer).
+        # As a reducer: on the CPU, where reducers combine (None: no buffer, what a result leaves out is dropped).
         self.reducer_feedback = ([torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32) for g in self.grids]
-                                 if config.result == "resparsified" else None)
+                                 if config.result == "resparsified" and config.result_error_decay > 0 else None)
         self.density = sum(g.k * g.chunks for g in self.grids) / sum(g.numel for g in self.grids)
 
     @property
@@ -70,13 +73,13 @@ class SparseLoCo(OuterAlgorithm):
         compressed, taken = self.compress(local_params, start if start is not None else self.params)
         # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
         #    selected it (or sum / replicas), each contribution clipped to clip_factor x the median norm;
-        #    with resparsified results, each reducer sends back the Top-k of its span's mean (step 2 again, with
-        #    its own buffer).
+        #    with resparsified results, each reducer sends back the Top-k of its span's mean (step 2 again).
         feedback = self.reducer_feedback
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
                                                         self.config.aggregate, self.clip_factor,
+                                                        self.result_layouts.get(name),
                                                         None if feedback is None else [feedback[i] for i in positions],
-                                                        self.config.error_decay)
+                                                        self.config.result_error_decay)
                                    for name, positions in self.slices.items()}, self.weigh(tokens))
         return SparseRound(round_index, exchange, taken=taken)
 
