@@ -95,11 +95,12 @@ SUITES = {
                                                                                   ("diloco", ",momentum=0.5"))
               for speeds in ("1", "1,1", "1,1,1", "1,3,10", "1,3,10,unweighted", "1,1,3,10")], []),
     # Per-peer traffic flat in the swarm's size (run with --replicas 16): SparseLoCo's exact results (the all-peer
-    # average) against resparsified ones (the default, result_topk=256, what a result leaves out dropped), with
-    # fewer values per result, and with error feedback at the reducer instead of dropping.
+    # average) against resparsified ones (the default: 128 values per chunk, the reducer keeping what a result
+    # leaves out at decay 0.5), with what is left out dropped (decay 0) or kept whole (decay 1), and with twice
+    # the values per result, dropped.
     "scale": ("configs/tiny.yaml",
-              ["sparseloco:result=exact", "sparseloco", "sparseloco:result_topk=192", "sparseloco:result_topk=128",
-               "sparseloco:result_topk=128,result_error_decay=1"], []),
+              ["sparseloco:result=exact", "sparseloco", "sparseloco:result_error_decay=0",
+               "sparseloco:result_error_decay=1", "sparseloco:result_topk=256,result_error_decay=0"], []),
 }
 
 

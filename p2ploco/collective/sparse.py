@@ -19,12 +19,12 @@ peer downloads (and every reducer uploads) about n contributions' worth per roun
 results (``outer.sparseloco.result``, the default) the reducer compresses its span's mean as a sender
 compresses its pseudo-gradient: Top-k of every chunk (``result_topk``) in 2 bits. Every member (the reducer
 too) decodes the same bytes, so all stay bit-identical, and a result has a fixed size whatever n: per-peer
-traffic is about one contribution and one result each way. What a result leaves out is dropped by default:
-the global parameters did not move that way, so the next pseudo-gradients bring it again. With
-``result_error_decay`` > 0 the reducer keeps it instead in an error-feedback buffer of its own for the span
-(e = decay * e + mean, e keeps what was not sent, as LoCo's reducer); measured worse (docs/design.md,
-"Hundreds of peers"), as the senders bring it again too. The reducer's new buffer rows are staged here and
-kept by the outer algorithm only if the round is applied; a redo's spans supersede an earlier attempt's.
+traffic is about one contribution and one result each way. What a result leaves out goes to an
+error-feedback buffer of the reducer's own for the span (e = decay * e + mean, e keeps what was not sent, as
+LoCo's reducer), at ``result_error_decay`` 0.5: kept whole (1) it is counted twice, as the global parameters did
+not move that way and the senders' next pseudo-gradients bring it again; dropped (0) loses too much at 128
+values per chunk (docs/design.md, "Hundreds of peers"). The reducer's new buffer rows are staged here and kept
+by the outer algorithm only if the round is applied; a redo's spans supersede an earlier attempt's.
 """
 
 from __future__ import annotations

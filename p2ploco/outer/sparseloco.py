@@ -6,9 +6,9 @@ A replica that catches up from the swarm starts with an empty buffer: what it he
 against parameters the swarm has left behind.
 
 With resparsified results (``outer.sparseloco.result``, the default) each reducer compresses its span's mean
-again (``collective/sparse.py``), so that a result has a fixed size whatever the swarm's size. With
-``result_error_decay`` > 0 a replica also keeps a buffer as the reducer of spans: its rows for a span change only
-when a round this replica reduced is applied; it is checkpointed and reset as the sender's buffer.
+again (``collective/sparse.py``), so that a result has a fixed size whatever the swarm's size, and (with
+``result_error_decay`` > 0, the default) a replica keeps a buffer as the reducer of spans too: its rows for a span
+change only when a round this replica reduced is applied; it is checkpointed and reset as the sender's buffer.
 
 The buffers live on the training device, in chunk order ((chunks, chunk_numel) per tensor): the
 pseudo-gradient is added to them through a tiled view of it, Top-k reads their rows as they are, and
