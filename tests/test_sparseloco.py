@@ -7,11 +7,13 @@ import pytest
 import torch
 from helpers import run_outer_replicas
 
+from p2ploco.collective.exchange import reduce_span
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.quantize import quantize
 from p2ploco.compression.topk import compress
 from p2ploco.config import OuterConfig, SparseLoCoConfig
+from p2ploco.outer.sparseloco import SparseLoCo
 
 SHAPES = [(128, 192), (257, 64), (192,), (96, 100)]
 
@@ -258,3 +260,25 @@ def test_compression_on_cuda_is_deterministic_and_decodes_on_cpu_to_the_same_bit
     rebuilt = np.zeros(grid.numel, dtype=np.float32)
     rebuilt[values.positions] = values.values
     assert np.array_equal(rebuilt, grid.to_chunks(decoded).reshape(-1).cpu().numpy())
+
+
+def test_a_member_whose_contribution_is_left_out_applies_the_same_resparsified_aggregate():
+    """Every member takes the same result bytes whether or not its own contribution is in them: a member whose
+    contributions every reducer refused ends with the aggregate of the others, bit for bit, as they do."""
+    config = SparseLoCoConfig(result="resparsified")
+    generator = torch.Generator().manual_seed(7)
+    params = [torch.randn(s, generator=generator) for s in SHAPES]
+    replicas = [SparseLoCo(params, config, torch.device("cpu")) for _ in range(3)]
+    exchanges = [replica.contribute([p + 0.05 * torch.randn(p.shape, generator=generator) for p in params], 0)
+                 .exchange.parts["stage0"] for replica in replicas]
+    names = ["a", "b", "c"]
+    for reducer, span in enumerate(exchanges[0].partition(3)):
+        payloads = [e.encode(span) for e in exchanges]
+        payloads[2] = payloads[2][:-1]  # c's contribution is truncated: refused
+        reduction = reduce_span(exchanges[reducer], span, list(zip(names, payloads)))
+        assert reduction.included == ["a", "b"] and "c" in reduction.rejected
+        for name, exchange in zip(names, exchanges):
+            exchange.receive(span, reduction.result_for(exchanges[reducer], name), reduction.own_position(name))
+    assert len({e.aggregate_digest() for e in exchanges}) == 1  # one aggregate, c's included
+    assert np.array_equal(exchanges[0].output, exchanges[2].output)
+    assert np.count_nonzero(exchanges[2].output) > 0
