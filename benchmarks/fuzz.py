@@ -77,6 +77,11 @@ REPLICAS = [_replica(seed) for seed in range(3)]
 CONTRIBUTION = REPLICAS[1].encode(SPAN)
 _AGGREGATE = REPLICAS[0].combine(SPAN, [REPLICAS[0].parse(SPAN, r.encode(SPAN)) for r in REPLICAS])
 RELAY, UNION = REPLICAS[0].result_for(_AGGREGATE, 0), _AGGREGATE.union
+_RESULT_LAYOUT = SparseLayout([chunk_grid(s, 64, 128) for s in [(128, 96), (96,), (40, 30)]])
+RESPARSIFIED_REPLICA = SparseExchange(LAYOUT, REPLICAS[0].compressed, "mean", clip_factor=2.0,
+                                      result_layout=_RESULT_LAYOUT)
+RESPARSIFIED = RESPARSIFIED_REPLICA.result_for(
+    RESPARSIFIED_REPLICA.combine(SPAN, [RESPARSIFIED_REPLICA.parse(SPAN, r.encode(SPAN)) for r in REPLICAS]), 0)
 DENSE = DenseMean([torch.randn(50)], clip_factor=2.0)
 GROUPS = GroupLayout([(40, 30), (30,), (7, 3)], 64)  # tails of 48, 30 and 21 values
 LOWBIT = LowBitMean(GROUPS, 4, quantize(torch.randn(GROUPS.numel), GROUPS.lengths, 4), torch.zeros(GROUPS.numel), 0.8,
@@ -269,6 +274,10 @@ def sparse_result(data: bytes) -> None:
     REPLICAS[0].receive(SPAN, data, 0)
 
 
+def resparsified_result(data: bytes) -> None:
+    RESPARSIFIED_REPLICA.receive(SPAN, data, 0)
+
+
 def dense_contribution(data: bytes) -> None:
     DENSE.parse(range(5, 45), data)
     DENSE.receive(range(5, 45), data, None)
@@ -350,6 +359,7 @@ def targets() -> list[Target]:
         Target("sparse contribution", sparse_contribution, payloads(CONTRIBUTION)),
         Target("sparse relay result", sparse_result, payloads(RELAY)),
         Target("sparse union result", sparse_result, payloads(UNION)),
+        Target("sparse resparsified result", resparsified_result, payloads(RESPARSIFIED)),
         Target("dense payload", dense_contribution, payloads(DENSE_PAYLOAD)),
         Target("low-bit contribution", lowbit_contribution,
                payloads(LOWBIT_CONTRIBUTION) | edited(LOWBIT_CONTRIBUTION)),
