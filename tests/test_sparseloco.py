@@ -282,3 +282,23 @@ def test_a_member_whose_contribution_is_left_out_applies_the_same_resparsified_a
     assert len({e.aggregate_digest() for e in exchanges}) == 1  # one aggregate, c's included
     assert np.array_equal(exchanges[0].output, exchanges[2].output)
     assert np.count_nonzero(exchanges[2].output) > 0
+
+
+def test_checkpointed_buffers_load_across_result_settings():
+    """The reducer buffer round-trips through local state; a checkpoint without one (exact results) loads with an
+    empty one, and one with a reducer buffer loads where none is kept; a misshapen buffer is refused."""
+    params = [torch.zeros(s) for s in SHAPES]
+    kept, exact = (SparseLoCo(params, SparseLoCoConfig(result=result), torch.device("cpu"))
+                   for result in ("resparsified", "exact"))
+    for buffer in kept.feedback + kept.reducer_feedback:
+        buffer.normal_()
+    state = kept.local_state()
+    again = SparseLoCo(params, SparseLoCoConfig(), torch.device("cpu"))
+    again.load_local_state(state)
+    assert all(torch.equal(a, b) for a, b in zip(again.reducer_feedback, kept.reducer_feedback))
+    exact.load_local_state(state)
+    assert all(torch.equal(a, b) for a, b in zip(exact.errors, kept.errors))
+    again.load_local_state(exact.local_state())
+    assert all(not buffer.any() for buffer in again.reducer_feedback)
+    with pytest.raises(ValueError):
+        again.load_local_state(state | {"reducer_error.0": torch.zeros(3)})

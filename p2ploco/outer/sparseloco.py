@@ -164,12 +164,19 @@ class SparseLoCo(OuterAlgorithm):
                 | self._reducer_state())
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        check_state({key: torch.empty(grid.shape, device="meta") for i, grid in enumerate(self.grids)
-                     for key in [f"error.{i}"] + ([f"reducer_error.{i}"] if self.reducer_feedback is not None else [])},
-                    state)
+        """The buffers of a checkpoint. A reducer buffer is only a residual: a checkpoint without one (written with
+        exact results, or before reducers kept one) starts it empty, and one this setting keeps no buffer for
+        is ignored."""
+        reducers = {k: v for k, v in state.items() if k.startswith("reducer_error.")}
+        check_state({f"error.{i}": torch.empty(grid.shape, device="meta") for i, grid in enumerate(self.grids)},
+                    {k: v for k, v in state.items() if k not in reducers})
+        if reducers and self.reducer_feedback is not None:
+            check_state({f"reducer_error.{i}": torch.empty(grid.shape, device="meta")
+                         for i, grid in enumerate(self.grids)}, reducers)
+        self.reset_local_state()
         for i, grid in enumerate(self.grids):
             self.feedback[i].view(grid.tile_shape).copy_(grid.tiles(state[f"error.{i}"]))
-            if self.reducer_feedback is not None:
+            if reducers and self.reducer_feedback is not None:
                 self.reducer_feedback[i].view(grid.tile_shape).copy_(grid.tiles(state[f"reducer_error.{i}"]))
 
     def reset_local_state(self) -> None:
