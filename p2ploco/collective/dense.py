@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class DenseMean(Exchange):
         self.output = torch.full_like(self.values, float("nan"))  # NaN marks spans not yet received
         self.num_units = self.values.numel()
         self._digests: dict[Span, bytes] = {}  # sha256 of every span's result as received
+        self._taking = threading.Lock()  # spans are received in parallel (executor threads)
 
     def fingerprint(self) -> str:
         return f"dense-mean/{self.wire_dtype}/{self.num_units}/clip{self.clip_factor:g}/digest2"
@@ -95,8 +97,10 @@ class DenseMean(Exchange):
         robust.norm(values.numpy())  # a mean of bounded contributions is bounded too: refuse an absurd one
         self.output[span.start : span.stop] = values
         if len(span):  # an empty span holds nothing (a group larger than the units makes some)
-            supersede(self._digests, span)
-            self._digests[span] = hashlib.sha256(result).digest()
+            digest = hashlib.sha256(result).digest()
+            with self._taking:
+                supersede(self._digests, span)
+                self._digests[span] = digest
 
     def aggregate_digest(self) -> str:
         """sha256 of the spans' result bytes (every recipient of a span gets the same), in span order: hashed

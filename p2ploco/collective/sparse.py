@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -116,6 +117,7 @@ class SparseExchange(Exchange):
         self._combined: dict[Span, _Aggregate | _Resparsified] = {}  # spans this replica reduced
         self._received: dict[Span, tuple[SparseValues, bytes]] = {}  # every span's aggregate taken, and its digest
         self._reduced: dict[Span, list[ReducerRows]] = {}  # staged buffer rows of the spans whose result we took
+        self._taking = threading.Lock()  # spans are received in parallel (executor threads)
 
     @property
     def resparsified(self) -> bool:
@@ -222,11 +224,13 @@ class SparseExchange(Exchange):
             values = fmt.decode_union(self.layout, span, result)
             robust.norm(values.values)  # a mean of bounded contributions is bounded too: refuse an absurd one
         if len(span):  # an empty span holds nothing (a group larger than the units makes some)
-            supersede(self._received, span)
-            self._received[span] = values, self._span_digest(span, values)
-            supersede(self._reduced, span)
-            if ours and isinstance(combined, _Resparsified) and combined.feedback:
-                self._reduced[span] = combined.feedback
+            digest = self._span_digest(span, values)
+            with self._taking:
+                supersede(self._received, span)
+                self._received[span] = values, digest
+                supersede(self._reduced, span)
+                if ours and isinstance(combined, _Resparsified) and combined.feedback:
+                    self._reduced[span] = combined.feedback
 
     def reduced(self) -> list[ReducerRows]:
         """The reducer's new buffer rows for the spans this replica reduced in the attempt whose aggregate it took:
