@@ -286,8 +286,9 @@ def main() -> None:
     parser.add_argument("--topk", type=int, nargs="+", default=[64, 128], help="values kept per 64x64 chunk")
     parser.add_argument("--fragments", type=int, nargs="+", default=[1, 2, 4],
                         help="Streaming DiLoCo fragment counts for the peak table")
-    parser.add_argument("--scale-peers", type=int, nargs="+", default=[2, 8, 32, 128, 1024],
-                        help="group sizes of the scaling table")
+    parser.add_argument("--scale-peers", type=int, nargs="+",
+                        help="group sizes of the scaling table (default with --scale-only or --json: 2 8 32 128 1024; "
+                             "otherwise no scaling table: it takes minutes at 150M)")
     parser.add_argument("--real-up-to", type=int, default=128,
                         help="largest group whose exact butterfly is encoded for real (one compressed replica each)")
     parser.add_argument("--replicas", type=int, default=8,
@@ -304,6 +305,16 @@ def main() -> None:
     log = (lambda *a, **k: None) if args.json else print  # noqa: E731 (the JSON alone on stdout)
     log(f"parameter set: {args.config}, {params / 1e6:.1f}M parameters in {len(shapes)} tensors; "
         f"{torch.get_num_threads()} CPU threads")
+    if args.scale_peers is None and (args.scale_only or args.json):
+        args.scale_peers = [2, 8, 32, 128, 1024]
+    if args.scale_peers:
+        scaling(args, shapes)
+    if not args.scale_only and not args.json:
+        tables(args, shapes, params)
+
+
+def scaling(args: argparse.Namespace, shapes: list[tuple[int, ...]]) -> None:
+    """The scaling table (or its JSON rows) for ``--scale-peers``."""
     topk = args.topk[0]
     exact_replicas = min(args.real_up_to, max(n for n in args.scale_peers))
     outer, replicas, _ = compress_replicas(shapes, topk, max(exact_replicas, args.replicas), torch.device("cpu"),
@@ -319,8 +330,10 @@ def main() -> None:
     print(f"Scaling, density 1/{4096 // topk}, results 1/{4096 // args.result_topk}: bytes per peer per round, exact "
           f"butterfly vs resparsified results (model: extrapolated from the largest encoded N)")
     print(scale_table(rows))
-    if args.scale_only:
-        return
+
+
+def tables(args: argparse.Namespace, shapes: list[tuple[int, ...]], params: int) -> None:
+    """Bytes, LoCo, peak bandwidth and codec speed tables for ``--peers`` and ``--topk``."""
     gigabytes = 4 * params / 1e9  # the fp32 pseudo-gradient
     rows, speed = [], []
     for topk in args.topk:

@@ -27,6 +27,20 @@ def test_comm_benchmark_prints_bytes_and_speed():
     assert len(two) == 1 and float(two[0][6]) > 1.5  # round / peak: two fragments halve the peak (tiny: 2 layers)
 
 
+def test_comm_benchmark_sizes_exact_and_resparsified_results_per_peer():
+    out = run("benchmarks/comm.py", "--config", "configs/tiny.yaml", "--json", "--scale-peers", "2", "8", "32",
+              "--real-up-to", "8", "--replicas", "2")
+    rows = {(row["peers"], row["design"]): row for row in map(json.loads, out.splitlines())}
+    assert set(rows) == {(n, d) for n in (2, 8, 32) for d in ("butterfly", "resparsified")}
+    assert rows[(32, "butterfly")]["extrapolated"] and not rows[(32, "resparsified")]["extrapolated"]
+    exact = [rows[(n, "butterfly")]["bytes_received_per_peer"] for n in (2, 8, 32)]
+    bounded = [rows[(n, "resparsified")]["bytes_received_per_peer"] for n in (2, 8, 32)]
+    assert exact[2] > 10 * exact[0]  # every other peer's selection reaches every peer
+    assert bounded[2] < 2 * bounded[1] < 4 * bounded[0]  # a result's size does not grow with the group
+    assert all(rows[(n, "resparsified")]["dense_fp32_bytes_per_peer"] > 50 * rows[(n, "resparsified")][
+        "bytes_sent_per_peer"] for n in (2, 8, 32))
+
+
 @pytest.mark.timeout(260)
 def test_quality_benchmark_compares_the_methods():
     out = run("benchmarks/quality.py", "--rounds", "2", "--replicas", "2", "--set", "inner.steps=2")
