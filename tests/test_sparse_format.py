@@ -171,3 +171,12 @@ def test_malformed_results_are_refused(layout):
         with pytest.raises(PayloadError):
             receiver.receive(whole, result, 0)
         assert name  # every case raised
+
+
+def test_an_empty_span_encodes_and_decodes_to_nothing_in_every_result_kind():
+    """A group larger than the units cuts empty spans: their union (and resparsified) results must round-trip."""
+    layout = SparseLayout([chunk_grid((64, 64), 64, 64)])
+    empty = range(1, 1)
+    nothing = fmt.SparseValues(np.zeros(0, np.int64), np.zeros(0, np.float32))
+    assert len(fmt.decode_union(layout, empty, fmt.encode_union(layout, empty, nothing)).positions) == 0
+    assert len(fmt.decode_resparsified(layout, empty, fmt.encode_resparsified(layout, empty, [])).positions) == 0

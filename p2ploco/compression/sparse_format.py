@@ -374,8 +374,9 @@ def encode_union(layout: SparseLayout, span: range, union: SparseValues) -> byte
         counts.append(per_chunk)
         gaps.append(inner - previous - 1)
         widths.append(_rice_widths(n, per_chunk)[chunk])
-    unary, remainders = rice_encode(np.concatenate(gaps), np.concatenate(widths))
-    count_bytes = np.concatenate(counts).astype("<u2").tobytes()
+    none = [np.zeros(0, np.int64)]  # an empty span (a group larger than the units makes some) touches no tensor
+    unary, remainders = rice_encode(np.concatenate(gaps or none), np.concatenate(widths or none))
+    count_bytes = np.concatenate(counts or none).astype("<u2").tobytes()
     return b"".join([_header(layout, UNION), count_bytes, U32.pack(len(unary)), unary, remainders,
                      union.values.astype("<f4").tobytes()])
 
