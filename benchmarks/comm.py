@@ -222,9 +222,10 @@ def scale_rows(layout: SparseLayout, result_layout: SparseLayout, replicas: list
                peers: list[int], real_up_to: int, distinct: int) -> list[ScaleRow]:
     """Per-peer bytes per round of the exact butterfly and of resparsified results, for each group size."""
     rows, measured = [], None
+    geometry = SparseExchange(layout, [], "mean")  # spans and element counts only
     for n in peers:
-        spans = SparseExchange(layout, [], "mean").partition(n)
-        dense = sum(dense_fp32_bytes(SparseExchange(layout, [], "mean"), spans, i) / 2 for i in range(n)) / n
+        spans = geometry.partition(n)
+        dense = sum(dense_fp32_bytes(geometry, spans, i) / 2 for i in range(n)) / n
         if n <= min(real_up_to, len(replicas)):
             sent, received = butterfly_bytes([SparseExchange(layout, c, "mean") for c in replicas[:n]])
             measured = n, sum(sent) / n, sum(received) / n

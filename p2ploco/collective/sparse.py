@@ -68,7 +68,6 @@ class ReducerRows:
 class _Resparsified:
     """A span's mean compressed by its reducer: the one result every member receives."""
 
-    span: Span
     result: bytes
     values: SparseValues  # what every member decodes from ``result``
     feedback: list[ReducerRows]  # the reducer's buffer rows for the span once the round is applied
@@ -181,7 +180,7 @@ class SparseExchange(Exchange):
             parts.append(sent)
             if self.reducer_feedback is not None:
                 feedback.append(ReducerRows(s.tensor, s.first, rows))
-        return _Resparsified(span, fmt.encode_resparsified(self.result_layout, span, parts),
+        return _Resparsified(fmt.encode_resparsified(self.result_layout, span, parts),
                              fmt.resparsified_values(self.result_layout, span, parts), feedback)
 
     def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:

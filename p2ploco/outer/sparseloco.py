@@ -54,9 +54,11 @@ class SparseLoCo(OuterAlgorithm):
         self.grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.topk) for p in self.params]
         self.layouts = {name: SparseLayout([self.grids[i] for i in positions])
                         for name, positions in self.slices.items()}
-        result_grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.result_topk) for p in self.params]
-        self.result_layouts = ({name: SparseLayout([result_grids[i] for i in positions])
-                                for name, positions in self.slices.items()} if config.result == "resparsified" else {})
+        self.result_layouts: dict[str, SparseLayout] = {}  # per slice, how results are chunked (none: exact results)
+        if config.result == "resparsified":
+            result_grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.result_topk) for p in self.params]
+            self.result_layouts = {name: SparseLayout([result_grids[i] for i in positions])
+                                   for name, positions in self.slices.items()}
         self.feedback = [torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32, device=device) for g in self.grids]
         # As a reducer: on the CPU, where reducers combine (None: no buffer, what a result leaves out is dropped).
         self.reducer_feedback = ([torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32) for g in self.grids]
