@@ -39,17 +39,23 @@ probe at start is skipped).
 
 Caveats: every process of a setting shares this machine's cores (2 on the development machine: 16 nodes get an
 eighth of a core each), so round time here is bound by compute and by the start-up of N processes, not by the
-network; loopback has no bandwidth limit to speak of. Read the bytes columns for how traffic scales with N, and
-wan.py (capped links, one namespace per host) for what they cost in time. Run one swarm at a time (the repository's
-test suite and other benchmarks start swarms too): ``flock /tmp/p2ploco-swarm.lock python benchmarks/scale.py``.
-Every child is reaped on return, on a failed node, on a timeout (``--timeout`` seconds per setting), on Ctrl-C and
-on SIGTERM; a setting that fails or runs out of time still gets its row, with the rounds it completed.
+network; loopback has no bandwidth limit to speak of. What a node does on a clock (its heartbeat stores its record
+every ``swarm.heartbeat_interval``) then costs more per round at larger N only because the rounds last longer;
+``--cpus-per-node F`` (as root, cgroup v1 cpu controller) gives every setting's swarm N x F cores, so that every
+node has the same share of a CPU whatever N, as on volunteers' own machines, and rounds last about as long at
+every N (``--cpus-per-node 0.125`` gives 16 nodes the 2 cores of the development machine). Read the bytes
+columns for how traffic scales with N, and wan.py (capped links, one namespace per host) for what they cost in
+time. Run one swarm at a time (the repository's test suite and other benchmarks start swarms too):
+``flock /tmp/p2ploco-swarm.lock python benchmarks/scale.py``. Every child is reaped on return, on a failed node,
+on a timeout (``--timeout`` seconds per setting), on Ctrl-C and on SIGTERM; a setting that fails or runs out of
+time still gets its row, with the rounds it completed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -74,6 +80,8 @@ SETTINGS = [  # every node, before the user's --set (see the module docstring)
     "swarm.matchmaking_timeout=120", "swarm.allreduce_timeout=120", "swarm.peer_ttl=60", "swarm.startup_timeout=600",
 ]
 POLL = 1.0  # seconds between looks at the nodes' records
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller, for --cpus-per-node
+CFS_PERIOD_US = 100_000
 DHT_FIELDS = ("dht_bytes_sent", "dht_bytes_received")
 
 
@@ -91,11 +99,38 @@ def overrides_for(design: str, user: list[str]) -> list[str]:
     return [*SETTINGS, "outer.algorithm=sparseloco", f"outer.sparseloco.result={DESIGNS[design]}", *user]
 
 
+class CpuShare:
+    """A cgroup (v1 cpu controller) whose processes share ``cores`` cores at most; removed on ``close``."""
+
+    def __init__(self, name: str, cores: float):
+        self.path = CPU_CGROUPS / name
+        try:
+            self.path.mkdir(exist_ok=True)
+            (self.path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(max(1000, round(cores * CFS_PERIOD_US))))
+        except OSError as e:
+            raise SystemExit(f"error: --cpus-per-node needs root and cgroup v1's cpu controller at {CPU_CGROUPS} "
+                             f"({e.strerror}): run as root, or leave the option out") from None
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """``argv`` started inside this cgroup (it and every process it starts, its p2p daemon included)."""
+        return ["sh", "-c", f'echo $$ > {self.path / "cgroup.procs"} && exec "$@"', "sh", *argv]
+
+    def close(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError as e:  # a straggler still in it: the empty group is harmless, say so
+            print(f"scale.py: could not remove {self.path} ({e.strerror})", file=sys.stderr)
+
+
 def run_setting(peers: int, design: str, config: str, user: list[str], rounds: int, workdir: Path, timeout: float,
-                progress: TextIO) -> Outcome:
-    """Start a bootstrap peer and ``peers`` nodes on loopback, watch them train ``rounds`` rounds, and stop every
-    child (whatever happens, Ctrl-C included). Returns their records, complete or not."""
+                progress: TextIO, cpus_per_node: float = 0.0) -> Outcome:
+    """Start a bootstrap peer and ``peers`` nodes on loopback (within ``peers`` x ``cpus_per_node`` cores, if
+    given), watch them train ``rounds`` rounds, and stop every child (whatever happens, Ctrl-C included). Returns
+    their records, complete or not."""
     label = f"{design} N={peers}"
+    share = CpuShare(f"p2ploco-scale-{os.getpid()}", peers * cpus_per_node) if cpus_per_node else None
+    wrap = share.wrap if share else list
     children: list[Child] = []
     nodes: list[Child] = []
     started = time.monotonic()
@@ -109,7 +144,7 @@ def run_setting(peers: int, design: str, config: str, user: list[str], rounds: i
             argv = cli("node", "start", "--config", config, "--initial-peers", address, "--host-maddrs", LOOPBACK,
                        "--log-dir", str(workdir / name), "--max-rounds", str(rounds), "--reachability", "public",
                        "--identity", str(workdir / f"{name}.key"), *[a for s in sets for a in ("--set", s)])
-            child = Child(name, argv, workdir / f"{name}.log", metrics_dir=workdir / name)
+            child = Child(name, wrap(argv), workdir / f"{name}.log", metrics_dir=workdir / name)
             children.append(child)
             nodes.append(child)
         error = watch(label, nodes, rounds, started + timeout, progress)
@@ -117,6 +152,8 @@ def run_setting(peers: int, design: str, config: str, user: list[str], rounds: i
         error = str(e)
     finally:
         wan.stop_all(children)  # SIGTERM to all, then reap each (SIGKILL to its process group if it lingers)
+        if share:
+            share.close()
     records = [read_records(node.metrics_dir / "metrics.jsonl") for node in nodes]
     return Outcome(peers, design, records, time.monotonic() - started, error, workdir)
 
@@ -226,11 +263,14 @@ def main() -> int:
                         help="config override for every node, after the script's own (repeatable)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a setting may take at most [1800]")
     parser.add_argument("--workdir", type=Path, help="where logs and records go [a temporary folder]")
+    parser.add_argument("--cpus-per-node", type=float, default=0.0, metavar="F",
+                        help="give each setting's nodes N x F cores in all (root, cgroup v1), so that a node's share "
+                             "of a CPU is the same at every N [off: they share the machine]")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per (peers, design) on stdout (progress goes to stderr)")
     args = parser.parse_args()
-    if any(not 2 <= n <= 64 for n in args.peers) or args.rounds < 1:
-        raise SystemExit("error: --peers must be in [2, 64] and --rounds at least 1")
+    if any(not 2 <= n <= 64 for n in args.peers) or args.rounds < 1 or not 0 <= args.cpus_per_node <= 64:
+        raise SystemExit("error: --peers must be in [2, 64], --rounds at least 1 and --cpus-per-node in [0, 64]")
     try:
         for design in args.designs:
             load_config(args.config, overrides_for(design, args.overrides))
@@ -242,7 +282,8 @@ def main() -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="p2ploco-scale-"))
     print(f"scale: {params / 1e6:.2f}M parameters ({Path(args.config).name}"
           f"{' ' + ' '.join(args.overrides) if args.overrides else ''}), {args.rounds} rounds per setting, "
-          f"N = {' '.join(map(str, args.peers))}, designs {' '.join(args.designs)}; logs in {workdir}",
+          f"N = {' '.join(map(str, args.peers))}, designs {' '.join(args.designs)}"
+          f"{f', {args.cpus_per_node:g} cores per node' if args.cpus_per_node else ''}; logs in {workdir}",
           file=progress, flush=True)
     rows: list[dict] = []
     try:
@@ -251,7 +292,7 @@ def main() -> int:
                 where = workdir / f"{design}-{n}"
                 where.mkdir(parents=True, exist_ok=True)
                 outcome = run_setting(n, design, args.config, args.overrides, args.rounds, where, args.timeout,
-                                      progress)
+                                      progress, args.cpus_per_node)
                 row = summarise(outcome, args.rounds)
                 rows.append(row)
                 print(f"[{design} N={n}] done in {row['wall_seconds']:.0f} s: {row['rounds_completed']}/{args.rounds}"

@@ -26,7 +26,7 @@ from p2ploco.swarm.consensus import (
     swarm_state,
     tally,
 )
-from p2ploco.swarm.directory import PeerDirectory, payload_bytes
+from p2ploco.swarm.directory import LOOKUPS_PER_ROUND, PeerDirectory, payload_bytes
 from p2ploco.swarm.records import PeerRecord, PeerState
 from p2ploco.swarm.rounds import Member, admit
 from p2ploco.swarm.state import Snapshot
@@ -167,6 +167,59 @@ def test_the_directory_counts_the_record_bytes_it_stores_and_reads():
         assert directory.dht_bytes[0] == sent + payload_bytes(b"owner", me.to_value())
 
     asyncio.run(heartbeat())
+
+
+@pytest.mark.parametrize("peers", [4, 16, 64])
+def test_a_peer_that_follows_its_group_reads_about_as_many_records_per_round_whatever_the_swarm_size(peers):
+    node = _FakeNode()
+    me, others = record("m", 0, "x"), [record(f"p{i}", 0, "x") for i in range(peers - 1)]
+    for r in [me, *others]:  # N records under the run's key, this peer's own included
+        node.stored.setdefault("run/peers", {})[r.peer_id] = ValueWithExpiration(r.to_value(), get_dht_time() + 60)
+    directory = PeerDirectory(node, "run/peers", b"owner", me, 1.0, 10.0)
+    one_record = payload_bytes(others[0].peer_id, others[0].to_value())
+
+    async def rounds() -> list[int]:
+        await directory.view()  # a peer that follows no group looks
+        assert directory.watching and set(directory.live) == {r.peer_id for r in others} | {"m"}
+        directory.follow(r.peer_id for r in others)
+        assert not directory.watching  # the heartbeat only stores ...
+        directory.watchers.add(asyncio.Event())
+        assert directory.watching  # ... unless a formation this peer coordinates waits on its lookups
+        directory.watchers.clear()
+        read = []
+        for round_index in range(1, 33):
+            directory.update_soon(round=round_index)
+            before = directory.dht_bytes[1]
+            view = await directory.view()
+            assert set(view) == {r.peer_id for r in others} | {"m"}
+            read.append(directory.dht_bytes[1] - before)
+        return read
+
+    read = asyncio.run(rounds())
+    # Every round one record's worth is read on average when 4 peers each look every round, 16 peers every 4th,
+    # 64 peers every 16th: LOOKUPS_PER_ROUND records per round whatever N, and every peer still looks now and then.
+    assert sum(read) / len(read) == pytest.approx(LOOKUPS_PER_ROUND * one_record, rel=0.05)
+    assert sum(1 for b in read if b) == len(read) * LOOKUPS_PER_ROUND // peers
+    directory.follow(())
+    assert directory.watching
+
+
+def test_the_followed_group_stays_in_view_when_its_records_lapse_and_the_others_leave_it():
+    node = _FakeNode()
+    for peer in ("a", "b"):
+        node.stored.setdefault("run/peers", {})[peer] = ValueWithExpiration(record(peer, 1, "x").to_value(),
+                                                                            get_dht_time() + 0.2)
+    directory = PeerDirectory(node, "run/peers", b"owner", record("m", 1, "x"), 1.0, 10.0)
+
+    async def lapse() -> set[str]:
+        await directory.refresh()
+        assert set(directory.live) == {"a", "b", "m"}
+        directory.follow(["a", "m"])
+        assert directory.followed == {"a"}  # never itself
+        await asyncio.sleep(0.3)
+        return set(await directory.refresh())
+
+    assert asyncio.run(lapse()) == {"a", "m"}
 
 
 def test_a_record_stuck_in_the_past_does_not_hold_the_others_up():

@@ -1,15 +1,27 @@
 """This node's view of the swarm: its own record, kept in the DHT on a heartbeat, and everyone else's.
 
 A record that is not renewed expires, and with it the peer's place in the swarm; a crashed peer stops renewing
-it long before it lapses (``fresh``). The heartbeat stores this node's record and looks up everyone's; a change
-(a new round, a new state) is stored at once in the background, so that the others see it within a store's
-time without the caller waiting for it. The directory also counts the bytes of the values it stores and reads
-(``dht_bytes``), so that a round record can say what coordination cost.
+it long before it lapses (``fresh``). The heartbeat stores this node's record; a change (a new round, a new
+state) is stored at once in the background, so that the others see it within a store's time without the caller
+waiting for it.
+
+Reading is what grows with the swarm: one lookup returns all N records (~1.3 KB each, half of it the owner's
+key and signature), so a peer that looked on every heartbeat would read O(N) per heartbeat, O(N^2) for the
+swarm. A peer that applied its last round with a group *follows* that group: the group is its view of the
+swarm (its members' records as last seen stand for them; a member that has left costs at most one failed dial),
+and it looks up the records only on its turn, once every ceil(N / LOOKUPS_PER_ROUND) rounds, so that it reads
+about LOOKUPS_PER_ROUND records per round whatever N, and a peer that has parted from the swarm (a minority
+that formed a group of its own) still finds out within that many rounds (``catchup.py``). Whoever needs the
+whole swarm looks every heartbeat: a peer that follows no group (it joins, catches up, was left out or alone),
+and a coordinator while it forms a group (``rounds.py``; it is one peer per round). A peer the round names
+that this view does not know (a joiner) is looked up on demand. The directory counts the bytes of the values
+it stores and reads (``dht_bytes``), so that a round record can say what coordination cost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import threading
@@ -26,6 +38,7 @@ from p2ploco.swarm.wire import DAEMON_ERRORS
 logger = logging.getLogger(__name__)
 
 STALE_HEARTBEATS = 3  # a record not renewed for this many heartbeats (or half its ttl) belongs to a dead peer
+LOOKUPS_PER_ROUND = 4  # records a peer that follows its group reads per round, on average, whatever N
 
 
 def payload_bytes(subkey: object, value: object) -> int:
@@ -55,6 +68,7 @@ class PeerDirectory:
         self._dirty = asyncio.Event()
         self._bytes_sent = self._bytes_received = 0
         self.live_fields: Callable[[], dict[str, Any]] = dict  # fields that change between updates
+        self.followed: frozenset[str] = frozenset()  # the others of the group this peer applied its last round with
 
     @property
     def dht_bytes(self) -> tuple[int, int]:
@@ -114,7 +128,7 @@ class PeerDirectory:
         that stalls, a partial answer): records seen before are kept until they lapse, so a peer only
         ever leaves the view by expiring or by a newer record of its own."""
         now = get_dht_time()
-        live = {p: r for p, r in self.live.items() if self._expires.get(p, 0.0) > now}
+        live = self._unexpired(now)
         try:
             found = await self.node.get(self.key, latest=True)
         except DAEMON_ERRORS as e:  # the daemon or a link failed mid-lookup
@@ -134,14 +148,45 @@ class PeerDirectory:
             watcher.set()
         return live
 
+    def _unexpired(self, now: float) -> dict[str, PeerRecord]:
+        """The records in view that have not lapsed, and those of the followed group as last seen."""
+        return {p: r for p, r in self.live.items()
+                if self._expires.get(p, 0.0) > now or p in self.followed or p == self.me.peer_id}
+
+    def follow(self, peers: Iterable[str]) -> None:
+        """This peer applied its last round with ``peers`` (none: it did not, or applied it alone): they are its
+        view of the swarm until the next round says otherwise (module docstring)."""
+        self.followed = frozenset(peers) - {self.me.peer_id}
+
+    @property
+    def watching(self) -> bool:
+        """Whether the heartbeat looks up everyone's records: this peer follows no group, or a formation it
+        coordinates waits on the lookups."""
+        return not self.followed or bool(self.watchers)
+
+    def _turn_to_look(self) -> bool:
+        """Whether a peer that follows its group looks up the records in its current round: once every
+        ceil(N / LOOKUPS_PER_ROUND) rounds, at a phase its id sets, so that the members take turns."""
+        period = math.ceil((len(self.followed) + 1) / LOOKUPS_PER_ROUND)
+        phase = int.from_bytes(hashlib.sha256(self.me.peer_id.encode()).digest()[:4], "big")
+        return (self.me.round + phase) % period == 0
+
     def rates(self, peers: Iterable[str]) -> list[float]:
         """The link rates (Mbit/s, 0: not stated) that ``peers`` state in their records, as last seen."""
         return [self.live[p].bandwidth_mbit for p in peers if p in self.live]
 
     async def view(self) -> dict[str, PeerRecord]:
-        """The live records as the heartbeat last saw them if it looked since this node moved to its current
-        round (the others publish theirs as they move, too); otherwise a fresh lookup."""
-        return self.live if self.refreshed_at > self.moved_at else await self.refresh()
+        """The records as last seen if they will do: looked up since this node moved to its current round (the
+        others publish theirs as they move, too), or this node follows its group and it is not its turn to look
+        (module docstring); otherwise a fresh lookup."""
+        if self.refreshed_at > self.moved_at or (self.followed and not self._turn_to_look()):
+            return self.live
+        return await self.refresh()
+
+    def current(self, peer_id: str) -> bool:
+        """Whether this node may go by ``peer_id``'s record as last seen: renewed lately (``fresh``), or of a
+        member of the group it follows."""
+        return peer_id in self.followed or self.fresh(peer_id)
 
     def of_run(self, peer_id: str) -> bool:
         """Whether ``peer_id`` has a live record of this run's config, as last seen (this peer's own included)."""
@@ -170,8 +215,9 @@ class PeerDirectory:
     async def _heartbeat(self) -> None:
         while True:
             started = time.monotonic()
+            self.live = self._unexpired(get_dht_time())  # the lapsed records of peers not followed leave the view
             try:
-                await asyncio.gather(self.publish(list_run=True), self.refresh())
+                await asyncio.gather(self.publish(list_run=True), *([self.refresh()] if self.watching else []))
             except DAEMON_ERRORS as e:  # a DHT hiccup must not end the heartbeat
                 logger.warning(f"heartbeat failed: {e!r}")
             except Exception:  # nor a bug: the peer would vanish from the swarm while still training

@@ -399,15 +399,19 @@ class Matchmaker:
 
     async def _check_plausible(self, group: Group) -> None:
         """PayloadError unless every member of ``group`` is a live peer this peer knows, itself included. A
-        member may have published its record a moment ago: one more look before refusing."""
+        member this view lacks (a joiner) is looked up, and may have published its record a moment ago: one more
+        look before refusing."""
         if self.me not in group.peers:
             raise PayloadError("group without this peer")
-        for attempt in range(2):
-            unknown = set(group.peers) - set(await self.directory.refresh())
-            if not unknown:
-                return
-            if attempt == 0:
-                await asyncio.sleep(self.directory.interval)
+        known = set(self.directory.live)
+        if not set(group.peers) <= known:
+            known = set(await self.directory.refresh())
+        if not set(group.peers) <= known:
+            await asyncio.sleep(self.directory.interval)
+            known = set(await self.directory.refresh())
+        unknown = set(group.peers) - known
+        if not unknown:
+            return
         raise PayloadError(f"group of {len(group.peers)} names {len(unknown)} peer(s) this peer does not know")
 
     async def _ask(self, coordinator: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -122,10 +122,10 @@ class Swarm:
         return Reachability(self.directory.me.reachability)
 
     def step_seconds(self) -> list[float]:
-        """The inner-step times the live peers of this run's config publish, as the heartbeat last saw them (0: not
-        known yet). Read between inner steps: no lookup."""
+        """The inner-step times the live peers of this run's config publish, as last seen (0: not known yet; the
+        followed group's as of this peer's last lookup). Read between inner steps: no lookup."""
         return [r.step_seconds for p, r in self.directory.live.items()
-                if r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)]
+                if r.fingerprint == self.directory.me.fingerprint and self.directory.current(p)]
 
     def take_dht_bytes(self) -> tuple[int, int]:
         """Bytes of peer records this peer stored in and read from the DHT (sent, received) since the last call
