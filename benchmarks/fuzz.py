@@ -60,6 +60,8 @@ from p2ploco.swarm.state import Snapshot, StateRequest, parse_description
 
 ME, OTHER = "12D3KooWMe", "12D3KooWOther"
 GROUP = Group("g", 3, "params", (ME, OTHER), OTHER)
+FOLLOWED = Group("f", 2, "params", (ME, OTHER), OTHER, holdings=((ME, ("stage0",)), (OTHER, ("stage0",))),
+                 tokens=((ME, 10240), (OTHER, 10240)))  # the group a join answer may be relative to
 
 # ---- fixtures: one valid instance of everything, to mutate --------------------------------------------------
 
@@ -119,11 +121,14 @@ SIGNED = VALIDATOR.sign_value(DHTRecord(RECORD_KEY, MSGPackSerializer.dumps(OWNE
                                         get_dht_time() + 10))
 HEADERS = {
     "join": {"round": 3, "name": "params", "config": "c", "state": "s", "slices": {"stage0": ["e", "h"]},
-             "pipeline": "g0", "unreachable": [OTHER], "tokens": 10240, "dial_out": False},
+             "pipeline": "g0", "unreachable": [OTHER], "tokens": 10240, "dial_out": False, "follows": "f"},
     "group": {"status": JoinStatus.GROUP, "group_id": "g", "peers": [ME, OTHER],
               "holdings": {ME: ["stage0"], OTHER: ["stage0", "stage1"]}, "pipelines": {ME: "g0"},
               "left_out": {"12D3KooWLeftOut": "it did not join within 20 s"}, "tokens": {ME: 10240, OTHER: 2048},
               "dial_out": [OTHER]},
+    "relative group": {"status": JoinStatus.GROUP, "group_id": "g", "base": "f", "removed": [],
+                       "changed": {OTHER: {"holdings": ["stage0", "stage1"], "pipeline": "", "tokens": 2048,
+                                           "dial_out": True}}, "left_out": {}},
     "vote": {"group_id": "g", "vote": "holds", "digests": {"stage0": "d"}, "drops": [OTHER]},
     "decision": {"outcome": "redo", "digests": {}, "group_id": "h", "peers": [ME], "reason": "a span is missing"},
     "reply": {"status": "ok", "included": [ME, OTHER]},
@@ -310,7 +315,7 @@ def sliced_result(data: bytes) -> None:
 def join_answer(header: dict[str, Any]) -> None:
     answer = decode(JoinAnswer, header)
     if answer.status == JoinStatus.GROUP:
-        parse_group(answer, 3, "params", OTHER)
+        parse_group(answer.on(FOLLOWED), 3, "params", OTHER)
 
 
 def stage_message(parts: tuple[dict[str, Any], bytes]) -> None:
@@ -352,6 +357,7 @@ def targets() -> list[Target]:
         Target("wire frame", read_frame, frames()),
         Target("join request", parse_join, headers("join")),
         Target("join answer", join_answer, headers("group")),
+        Target("relative join answer", join_answer, headers("relative group")),
         Target("vote", parse_vote, headers("vote")),
         Target("decision", lambda h: parse_decision(h, GROUP, OTHER), headers("decision")),
         Target("reducer reply", lambda h: parse_reply(h, GROUP, ME), headers("reply")),
@@ -382,6 +388,7 @@ def targets() -> list[Target]:
 MESSAGES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "join": parse_join,
     "group": lambda h: join_answer(h),
+    "relative group": lambda h: join_answer(h),
     "vote": parse_vote,
     "decision": lambda h: parse_decision(h, GROUP, OTHER),
     "reply": lambda h: parse_reply(h, GROUP, ME),

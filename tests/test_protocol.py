@@ -4,12 +4,13 @@ coordinator, bans, and the parsers of every message (a malformed one is a Payloa
 import asyncio
 import hashlib
 
+import msgpack
 import pytest
 
 from p2ploco.errors import PayloadError
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import Outcome, Vote, _Ballot, decide, parse_decision, parse_vote
-from p2ploco.swarm.messages import decode
+from p2ploco.swarm.messages import MAX_PEERS, decode
 from p2ploco.swarm.rounds import (
     KEEP_PER_PEER,
     Group,
@@ -18,6 +19,7 @@ from p2ploco.swarm.rounds import (
     Member,
     admit,
     best_coordinator,
+    group_answer,
     parse_group,
     parse_join,
     rendezvous,
@@ -147,7 +149,7 @@ def test_bans_are_local_and_bounded():
 
 
 JOIN = {"round": 1, "name": "p", "config": "c", "state": "s", "slices": {S: ["fp", "h"]}, "pipeline": "",
-        "unreachable": [], "tokens": 10240, "dial_out": False}
+        "unreachable": [], "tokens": 10240, "dial_out": False, "follows": ""}
 
 
 @pytest.mark.parametrize("request_, message", [
@@ -171,6 +173,25 @@ def test_malformed_join_requests_are_payload_errors(request_, message):
         parse_join(request_)
 
 
+def test_a_group_answered_relative_to_the_group_the_joiner_follows_is_small_and_the_same_group():
+    peers = [f"12D3KooW{i:044d}" for i in range(MAX_PEERS)]  # 52 characters, as a libp2p peer id
+    last = Group("last", 4, "params", tuple(peers[:-1]), peers[0], 0, tuple((p, (S,)) for p in peers[:-1]),
+                 tokens=tuple((p, 10240) for p in peers[:-1]))
+    members = peers[1:]  # the first has left, the last has joined, one trained fewer tokens
+    now = Group("now", 5, "params", tuple(members), peers[1], 0, tuple((p, (S,)) for p in members),
+                tokens=tuple((p, 5120 if p == peers[7] else 10240) for p in members), dial_out=(peers[-1],))
+    full, relative = group_answer(now), group_answer(now, last)
+    assert len(msgpack.packb(full)) > 150_000 and len(msgpack.packb(relative)) < 500  # O(N) against O(changes)
+    as_given = parse_group(decode(JoinAnswer, relative).on(last), 5, "params", peers[1])
+    assert as_given == parse_group(decode(JoinAnswer, full).on(None), 5, "params", peers[1])
+    assert as_given.tokens_of()[peers[7]] == 5120 and as_given.reducers(S) == tuple(members[:-1])
+    # Relative to a group this joiner does not follow, it is refused: the coordinator went by another one.
+    with pytest.raises(PayloadError, match="relative to another group"):
+        decode(JoinAnswer, relative).on(now)
+    with pytest.raises(PayloadError, match="relative to another group"):
+        decode(JoinAnswer, relative).on(None)
+
+
 def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends():
     answer = {"status": "group", "group_id": "g", "peers": [A, B], "holdings": {A: [S], B: [S]}, "pipelines": {},
               "left_out": {C: "it did not join within 20 s"}, "tokens": {A: 3000, B: 1000}, "dial_out": [B]}
@@ -184,6 +205,11 @@ def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends(
                 {**answer, "tokens": {A: 3000}}, {**answer, "tokens": {A: 3000, B: 0}},  # a member without weight
                 {**answer, "dial_out": [C]},  # a non-member behind a NAT
                 {"status": "redirect"}):
+        with pytest.raises(PayloadError, match="^JoinAnswer: "):
+            decode(JoinAnswer, bad)
+    relative = {"status": "group", "group_id": "h", "base": "g", "changed": {}, "removed": [], "left_out": {}}
+    for bad in ({**relative, "peers": [A]}, {**relative, "status": "late"},  # a relative answer lists no member
+                {**relative, "changed": {C: {"holdings": [], "pipeline": "", "tokens": 1, "dial_out": False}}}):
         with pytest.raises(PayloadError, match="^JoinAnswer: "):
             decode(JoinAnswer, bad)
     vote = {"group_id": "g", "vote": "holds", "digests": {S: "d"}, "drops": [B]}

@@ -62,11 +62,11 @@ class SwarmCommunicator(Communicator):
                                                  exchange.tokens)
         grouped.set()  # the join no longer reads this peer's record: it may announce its next round
         if group is None:  # late, refused, or leaving: nothing to apply
-            directory.follow(())
+            self.matchmaker.follow(None)
             return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started,
                                   failures=failures)
         if len(group.peers) == 1:
-            directory.follow(())
+            self.matchmaker.follow(None)
             return await self._alone(exchange, round_index, started, failures)
 
         stats = AllReduceStats(list(group.peers), failures=failures, tokens=exchange.tokens)
@@ -97,8 +97,7 @@ class SwarmCommunicator(Communicator):
             stats.excluded = not stats.committed and decision.outcome in (Outcome.COMMIT, Outcome.REDO)
             stats.dropped = sorted(set(stats.dropped) | (formed - set(group.peers)))  # incl. those a redo left out
             stats.seconds = time.perf_counter() - started
-            # The group that applied the round together is this peer's view of the swarm until the next one.
-            directory.follow(group.peers if stats.committed else ())
+            self.matchmaker.follow(group if stats.committed else None)
             return stats
 
     async def _alone(self, exchange: Exchange, round_index: int, started: float, failures: list[Failure]

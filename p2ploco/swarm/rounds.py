@@ -57,11 +57,16 @@ its holders.
 A join request, a wire message (``swarm/wire.py``) with no payload::
 
     {v, round, name, config, state, slices: {slice: [exchange fingerprint, hash]}, pipeline,
-     unreachable: [peer ids the joiner could not reach], tokens, dial_out}
+     unreachable: [peer ids the joiner could not reach], tokens, dial_out, follows: group id}
 
 answered ``{v, status: group, group_id, peers, holdings: {peer: [slices]}, pipelines: {peer: group},
 left_out: {peer: reason}, tokens: {peer: tokens}, dial_out: [peers]}``, ``{v, status: redirect, to}``, or
-``{v, status: late|banned|leaving, reason}``.
+``{v, status: late|banned|leaving, reason}``. A group lists every member, N entries in each of N answers: O(N^2)
+bytes at one coordinator a round (~190 KB an answer at N = 1024). So a joiner names the group it follows (the one
+it applied its last round with, ``follow``), and where the coordinator follows that group too it answers with the
+difference: ``{v, status: group, group_id, base: that group's id, changed: {peer: {holdings, pipeline, tokens,
+dial_out}}, removed: [peers], left_out}``, the entries of the members that joined or changed and the ids of those
+that left, a few hundred bytes a round whatever N (``JoinAnswer.on``).
 """
 
 from __future__ import annotations
@@ -202,6 +207,7 @@ class Member:
     pipeline: str = ""
     tokens: int = 1
     dial_out: bool = False
+    follows: str = ""  # the id of the group it applied its last round with ("" if none): answered relative to it
 
 
 # round, all-reduce name, config fingerprint, digest of the state the round starts from (``consensus.round_state``)
@@ -276,6 +282,7 @@ class Matchmaker:
         self._missed: Counter[str] = Counter()  # rounds each peer was waited for in vain here, in a row
         self._missed_round: dict[str, int] = {}  # the last round counted for each: a round counts once
         self._asked: dict[int, set[str]] = {}  # round -> the peers that asked to join some formation of it here
+        self.following: Group | None = None  # the group this peer applied its last round with
         self.leaving = asyncio.Event()
 
     async def start(self) -> None:
@@ -290,6 +297,12 @@ class Matchmaker:
         if not self.leaving.is_set() and not self.dial_out:
             live.add(self.me)
         return live - exclude
+
+    def follow(self, group: Group | None) -> None:
+        """This peer applied its last round with ``group`` (None: it did not, or alone): its view of the swarm
+        (``PeerDirectory.follow``), and the base its joins are answered relative to."""
+        self.following = group if group is not None and len(group.peers) > 1 else None
+        self.directory.follow(self.following.peers if self.following else ())
 
     async def withdraw(self) -> None:
         """This peer is leaving: stop joining groups, and finish coordinating what it already started."""
@@ -318,9 +331,11 @@ class Matchmaker:
             # Records at this round disagree: a peer left out of the last round shows its old state until it
             # catches up, and the records of those that applied it may not be in this view yet. One fresh look.
             state, _ = round_state(await self.directory.refresh(), me, round_index, banned)
+        base = self.following  # as named in the request: it may change while the join waits (an overlapped round)
         request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state,
                    "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
-                   "unreachable": [], "tokens": max(1, tokens), "dial_out": self.dial_out}
+                   "unreachable": [], "tokens": max(1, tokens), "dial_out": self.dial_out,
+                   "follows": base.group_id if base else ""}
         deadline = time.monotonic() + self.timeout + 5.0  # the coordinator may wait `timeout` for others
         unreachable: dict[str, str] = {}  # coordinators tried in vain, and why
         hints: set[str] = set()
@@ -339,7 +354,7 @@ class Matchmaker:
                 answer = decode(JoinAnswer, response)
                 status = answer.status
                 if status == JoinStatus.GROUP:
-                    group = parse_group(answer, round_index, name, coordinator)
+                    group = parse_group(answer.on(base), round_index, name, coordinator)
                     if set(group.slices_of(self.me)) != set(slices):
                         raise PayloadError("group that says this peer holds other slices")
                     await self._check_plausible(group)
@@ -490,7 +505,8 @@ class Matchmaker:
             return {"status": JoinStatus.REDIRECT, "to": outcome}
         if sender in formation.refused:
             return {"status": JoinStatus.LEFT_OUT, "reason": formation.refused[sender]}
-        return group_answer(outcome)
+        following = self.following
+        return group_answer(outcome, following if following and following.group_id == member.follows else None)
 
     async def _refusal(self, sender: str, key: FormationKey) -> str | None:
         """Why a join from ``sender`` for ``key`` is refused, if it is: a peer joins only rounds of this run's config,
@@ -665,6 +681,16 @@ class JoinRequest(Message):
     unreachable: PeerIds
     tokens: Tokens  # what the joiner trained for its contribution: its weight in the round's mean
     dial_out: bool  # others cannot dial the joiner (it is behind NAT): it reduces no span
+    follows: Digest  # the group the joiner applied its last round with ("" if none): answer relative to it
+
+
+class MemberEntry(Message):
+    """One member's entry in a group answer given relative to another group."""
+
+    holdings: Annotated[list[SliceName], Field(min_length=1, max_length=MAX_SLICES)]
+    pipeline: Name
+    tokens: Tokens
+    dial_out: bool
 
 
 class JoinAnswer(Message):
@@ -679,12 +705,18 @@ class JoinAnswer(Message):
     left_out: Annotated[dict[PeerId, Reason], Field(max_length=MAX_LEFT_OUT)] = {}
     tokens: Annotated[dict[PeerId, Tokens], Field(max_length=MAX_PEERS)] = {}
     dial_out: PeerIds = []
+    base: Digest = ""  # a group given relative to the group of this id (``on``): its members' changes follow
+    changed: Annotated[dict[PeerId, MemberEntry], Field(max_length=MAX_PEERS)] = {}
+    removed: PeerIds = []
 
     @model_validator(mode="after")
     def _complete(self) -> JoinAnswer:
         if self.status == JoinStatus.REDIRECT and not self.to:
             raise ValueError("a redirect names no peer")
-        if self.status == JoinStatus.GROUP:
+        if self.base and (self.status != JoinStatus.GROUP or self.peers or self.holdings or self.pipelines
+                          or self.tokens or self.dial_out):
+            raise ValueError("an answer relative to another group that is no group, or lists members in full")
+        if self.status == JoinStatus.GROUP and not self.base:
             if not self.group_id or not self.peers:
                 raise ValueError("a group without id or members")
             if set(self.holdings) != set(self.peers):
@@ -696,17 +728,47 @@ class JoinAnswer(Message):
                                  "members")
         return self
 
+    def on(self, base: Group | None) -> JoinAnswer:
+        """This answer with every member listed: as it is, or applied to ``base``, the group the joiner named
+        (PayloadError if it is relative to another one, or makes a group that does not hold together)."""
+        if not self.base:
+            return self
+        if base is None or self.base != base.group_id:
+            raise PayloadError("a group relative to another group than the one this peer follows")
+        entries = {peer: entry for peer, entry in _entries(base).items() if peer not in self.removed}
+        entries.update((peer, entry.model_dump()) for peer, entry in self.changed.items())
+        peers = sorted(entries)
+        return decode(JoinAnswer, {
+            "status": JoinStatus.GROUP.value, "group_id": self.group_id, "peers": peers,
+            "holdings": {p: entries[p]["holdings"] for p in peers}, "left_out": dict(self.left_out),
+            "pipelines": {p: entries[p]["pipeline"] for p in peers if entries[p]["pipeline"]},
+            "tokens": {p: entries[p]["tokens"] for p in peers},
+            "dial_out": [p for p in peers if entries[p]["dial_out"]]})
+
+
+def _entries(group: Group) -> dict[str, dict[str, Any]]:
+    """Each member's entry in ``group``: what a group answer says of it."""
+    holdings, pipelines, tokens = dict(group.holdings), dict(group.pipelines), dict(group.tokens)
+    return {peer: {"holdings": list(holdings[peer]), "pipeline": pipelines.get(peer, ""), "tokens": tokens[peer],
+                   "dial_out": peer in group.dial_out} for peer in group.peers}
+
 
 def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]:
     """A join request's formation key, the peers the joiner could not reach, and what the joiner holds;
     PayloadError if malformed."""
     join = decode(JoinRequest, request)
     member = Member(tuple(sorted((k, (v[0], v[1])) for k, v in join.slices.items())), join.pipeline, join.tokens,
-                    join.dial_out)
+                    join.dial_out, join.follows)
     return (join.round, join.name, join.config, join.state), set(join.unreachable), member
 
 
-def group_answer(group: Group) -> dict[str, Any]:
+def group_answer(group: Group, base: Group | None = None) -> dict[str, Any]:
+    """The answer that gives a joiner ``group``: in full, or relative to ``base``, the group the joiner follows."""
+    if base is not None:
+        entries, before = _entries(group), _entries(base)
+        return {"status": JoinStatus.GROUP, "group_id": group.group_id, "base": base.group_id,
+                "changed": {peer: entry for peer, entry in entries.items() if before.get(peer) != entry},
+                "removed": sorted(set(before) - set(entries)), "left_out": dict(group.left_out)}
     return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers),
             "holdings": {peer: list(slices) for peer, slices in group.holdings}, "pipelines": dict(group.pipelines),
             "left_out": dict(group.left_out), "tokens": dict(group.tokens), "dial_out": list(group.dial_out)}
