@@ -27,6 +27,14 @@ def test_comm_benchmark_prints_bytes_and_speed():
     assert len(two) == 1 and float(two[0][6]) > 1.5  # round / peak: two fragments halve the peak (tiny: 2 layers)
 
 
+@pytest.mark.timeout(120)
+def test_streams_benchmark_times_many_streams_against_one_between_real_daemons():
+    out = run("benchmarks/streams.py", "--megabytes", "0.02", "--peers", "2", "9", "--repeats", "1")
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+\d+\s", line)]
+    assert [(row[0], row[1], row[2]) for row in rows] == [("2", "1", "20000"), ("9", "8", "2500")]
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows)
+
+
 def test_comm_benchmark_sizes_exact_and_resparsified_results_per_peer():
     out = run("benchmarks/comm.py", "--config", "configs/tiny.yaml", "--json", "--scale-peers", "2", "8", "32",
               "--real-up-to", "8", "--replicas", "2")
