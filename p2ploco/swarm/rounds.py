@@ -18,10 +18,10 @@ a crashed peer is not waited for) has joined, or
 list. For the first third of that wait it also waits for peers still moving to round r (records at r - 1,
 or at r with another state: they catch up), since a round's all-reduce may come early in it (Streaming
 DiLoCo's first fragment syncs a step or two into the round). Neither side polls the DHT for it: a joiner
-uses the view its heartbeat holds (if taken since it moved to the round), the coordinator looks up the
-records once as the first peer joins and then re-judges on events (a join, a heartbeat's lookup, a probe,
-the end of that grace), so the last join closes the group at once (it looks again only before closing
-without a peer that its view shows at an earlier round).
+uses the view it holds (``PeerDirectory.view``: taken since it moved to the round, or that of the group it
+follows), the coordinator looks up the records once as the first peer joins and then re-judges on events (a
+join, a heartbeat's lookup, a probe, the end of that grace), so the last join closes the group at once (it
+looks again only before closing without a peer that its view shows at an earlier round).
 A late peer is told so: it applies nothing this round and catches up from the swarm after. A member that
 asks again (its answer was lost on a broken stream, and it asks the same coordinator once more before
 any other) gets the group it is in. A peer this coordinator has banned (``swarm/bans.py``) is told so
