@@ -681,7 +681,7 @@ class JoinRequest(Message):
     unreachable: PeerIds
     tokens: Tokens  # what the joiner trained for its contribution: its weight in the round's mean
     dial_out: bool  # others cannot dial the joiner (it is behind NAT): it reduces no span
-    follows: Digest  # the group the joiner applied its last round with ("" if none): answer relative to it
+    follows: Digest = ""  # the group the joiner applied its last round with: answered relative to it (none: in full)
 
 
 class MemberEntry(Message):
