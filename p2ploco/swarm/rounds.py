@@ -62,7 +62,7 @@ A join request, a wire message (``swarm/wire.py``) with no payload::
 answered ``{v, status: group, group_id, peers, holdings: {peer: [slices]}, pipelines: {peer: group},
 left_out: {peer: reason}, tokens: {peer: tokens}, dial_out: [peers]}``, ``{v, status: redirect, to}``, or
 ``{v, status: late|banned|leaving, reason}``. A group lists every member, N entries in each of N answers: O(N^2)
-bytes at one coordinator a round (~190 KB an answer at N = 1024). So a joiner names the group it follows (the one
+bytes at one coordinator a round (177 KB an answer at N = 1024). So a joiner names the group it follows (the one
 it applied its last round with, ``follow``), and where the coordinator follows that group too it answers with the
 difference: ``{v, status: group, group_id, base: that group's id, changed: {peer: {holdings, pipeline, tokens,
 dial_out}}, removed: [peers], left_out}``, the entries of the members that joined or changed and the ids of those
