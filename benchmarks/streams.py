@@ -7,8 +7,8 @@ streams of total/K bytes each way against one stream of all of it, so that the d
 cost: the daemon's per-stream work (a unix-socket connection from the process to its daemon, a libp2p stream
 negotiated over the open connection), not the bytes. Loopback has no latency: a real link adds one round trip
 per stream, paid concurrently. At most ``--concurrency`` streams are open at once: between two daemons every stream
-shares one libp2p connection, and with 256 at once (go-yamux's accept backlog) some of 1023 are reset, where a real
-peer's N - 1 streams go to N - 1 peers, a connection each.
+shares one libp2p connection, and with 256 at once some of 1023 are reset (go-yamux's accept backlog is 256: the
+likely cause), where a real peer's N - 1 streams go to N - 1 peers, a connection each.
 
     python benchmarks/streams.py                         # 150M shapes: 7.9 MB each way, N = 2 .. 1024
     python benchmarks/streams.py --megabytes 0.05 --peers 16 64
