@@ -1,0 +1,1 @@
+"""Taking a trained model out of p2ploco: checkpoints to formats other tools load (``hf.py``)."""
