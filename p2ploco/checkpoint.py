@@ -123,8 +123,9 @@ def exists(directory: Path) -> bool:
     return (directory / POINTER).exists()
 
 
-def load(directory: Path, run_id: str, fingerprint: str) -> Checkpoint:
-    """The checkpoint in ``directory``, fully verified; CheckpointError (one line) otherwise."""
+def load(directory: Path, run_id: str | None, fingerprint: str | None) -> Checkpoint:
+    """The checkpoint in ``directory``, fully verified; CheckpointError (one line) otherwise. ``run_id`` and
+    ``fingerprint`` None: of whichever run wrote it (a reader such as ``p2ploco export``, not a node resuming)."""
     if not exists(directory):
         raise CheckpointError(f"no checkpoint in {directory}: pass the --log-dir (and --identity) of the run "
                               f"to resume, or start without --resume")
@@ -132,7 +133,7 @@ def load(directory: Path, run_id: str, fingerprint: str) -> Checkpoint:
     if pointer.get("format") != FORMAT:
         raise CheckpointError(f"{directory / POINTER} has format {pointer.get('format')!r}; this p2ploco reads "
                               f"format {FORMAT}")
-    if pointer.get("run_id") != run_id or pointer.get("fingerprint") != fingerprint:
+    if run_id is not None and (pointer.get("run_id") != run_id or pointer.get("fingerprint") != fingerprint):
         raise CheckpointError(f"the checkpoint in {directory} is from run {pointer.get('run_id')!r} with config "
                               f"{pointer.get('fingerprint')}, not run {run_id!r} with {fingerprint}: use that run's "
                               f"config and --run-id, or start without --resume")

@@ -376,6 +376,27 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool) ->
 
 
 @main.command()
+@click.argument("checkpoints", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory to write the exported model to (created if missing).")
+@click.option("--format", "form", type=click.Choice(["hf"]), default="hf", show_default=True,
+              help="hf: transformers' LlamaForCausalLM with its tokenizer.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Data type of the exported weights.")
+@reports_errors
+def export(checkpoints: tuple[Path, ...], out: Path, form: str, dtype: str) -> None:
+    """Export the model of a run's checkpoint: a full replica's CHECKPOINT folder (runs/RUN/PEER/checkpoint), or
+    one per stage of a pipeline group, all of one round."""
+    import torch
+
+    from p2ploco.export.hf import export as export_hf
+
+    config, round_index = export_hf(list(checkpoints), out, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    click.echo(f"exported {config.run_id} at round {round_index} ({form}, {dtype}) to {out}: load it with "
+               f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+
+
+@main.command()
 @click.option("--replicas", type=click.IntRange(0, 16),
               help="Full replicas to start [3; 1 with a pipeline config].")
 @click.option("--groups", type=click.IntRange(0, 8),

@@ -1,11 +1,20 @@
 """Export to Hugging Face: transformers' LlamaForCausalLM computes what p2ploco's model computes."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from p2ploco.config import ModelConfig
+from p2ploco import checkpoint
+from p2ploco.build import run_subspace
+from p2ploco.config import ModelConfig, load_config
+from p2ploco.data.tokenizer import ByteTokenizer, train_bpe
 from p2ploco.export.hf import hf_config, hf_state_dict
+from p2ploco.export.tokenizer import write
 from p2ploco.model import Transformer
+from p2ploco.sample import generate
 
 transformers = pytest.importorskip("transformers")  # the test extra installs it; the default install does not
 
@@ -37,8 +46,6 @@ TEXTS = ["Hello, world!", "  two spaces, a tab\tand a newline\n", "ünïcödé �
 
 
 def test_auto_tokenizer_round_trips_text_for_the_byte_level_and_a_bpe_tokenizer(tmp_path):
-    from p2ploco.data.tokenizer import ByteTokenizer, train_bpe
-    from p2ploco.export.tokenizer import write
 
     corpus = ["the quick brown fox jumps over the lazy dog " * 20, "pack my box with five dozen liquor jugs " * 20]
     bpe = train_bpe(iter(corpus), 300, tmp_path / "bpe.json")
@@ -55,3 +62,65 @@ def test_auto_tokenizer_round_trips_text_for_the_byte_level_and_a_bpe_tokenizer(
                 assert ids == list(text.encode())
             else:
                 assert ids == list(tokenizer.encode_batch([text.encode()])[0])
+
+
+def run_dir(tmp_path, name, config, params, round_index=5):
+    """A node's --log-dir as a node leaves it: config.json and a checkpoint of ``params``."""
+
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    checkpoint.save(folder / "checkpoint", checkpoint.Checkpoint(round_index, params, {}, {}), config.run_id, "f")
+    return folder / "checkpoint"
+
+
+def p2ploco(*args):
+
+    return subprocess.run([sys.executable, "-m", "p2ploco.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits_and_greedy_tokens(tmp_path):
+
+
+    config = load_config("configs/tiny.yaml", ["model.n_layer=4", "model.tie_embeddings=false", "pipeline.stages=2"])
+    table = run_subspace(config, torch.device("cpu")).table  # compressed stage boundaries: h0 = E[tok] + F[tok]
+    model = Transformer(config.model, config.training.seed, token_table=table).eval()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    whole = run_dir(tmp_path, "replica", config, params)
+    stages = [run_dir(tmp_path, f"stage{s}", config, {n: p for n, p in params.items() if keep(n)})
+              for s, keep in enumerate([lambda n: not n.startswith(("blocks.2", "blocks.3", "norm", "lm_head")),
+                                        lambda n: n.startswith(("blocks.2", "blocks.3", "norm", "lm_head"))])]
+    idx = torch.randint(0, config.model.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx)
+    prompt = list(b"The quick brown fox")
+    for name, sources in (("whole", [whole]), ("stages", stages)):
+        result = p2ploco("export", *map(str, sources), "--out", str(tmp_path / name), "--dtype", "fp32")
+        assert result.returncode == 0, result.stderr
+        llama = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        assert type(llama).__name__ == "LlamaForCausalLM"
+        with torch.no_grad():
+            theirs = llama(idx).logits
+        assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
+        greedy = llama.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
+        assert greedy[0, len(prompt):].tolist() == generate(model, prompt, 20)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{tmp}/nothing"], "is not a checkpoint (no checkpoint.json)"),
+    (["{tmp}/stage0/checkpoint"], "the checkpoints hold no layers 2-3 of the model"),
+    (["{tmp}/stage0/checkpoint", "{tmp}/late/checkpoint"], "the checkpoints are of different rounds (5, 6)"),
+    (["{tmp}/stage0/checkpoint", "--format", "gguf"], "Invalid value for '--format'"),
+])
+def test_export_refuses_what_is_not_one_whole_model_in_one_line(tmp_path, args, message):
+
+    config = load_config("configs/tiny.yaml", ["model.n_layer=4", "model.tie_embeddings=false", "pipeline.stages=2"])
+    params = {name: p.detach() for name, p in Transformer(config.model, config.training.seed).named_parameters()}
+    first = {n: p for n, p in params.items() if not n.startswith(("blocks.2", "blocks.3", "norm", "lm_head"))}
+    run_dir(tmp_path, "stage0", config, first)
+    run_dir(tmp_path, "late", config, {n: p for n, p in params.items() if n not in first}, round_index=6)
+    (tmp_path / "nothing").mkdir()
+    result = p2ploco("export", *[a.format(tmp=tmp_path) for a in args], "--out", str(tmp_path / "out"))
+    assert result.returncode != 0 and message in result.stderr
+    assert sum(line.lower().startswith("error") for line in result.stderr.splitlines()) == 1  # one line says it

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from p2ploco.config import Config
 from p2ploco.data.documents import Sources
-from p2ploco.data.prepared import open_prepared
+from p2ploco.data.prepared import open_prepared, read_manifest
 from p2ploco.data.split import Split, plan_split
 from p2ploco.data.streams import MemorySink, TokenStream
 from p2ploco.data.tokenize import tokenize_corpus
-from p2ploco.data.tokenizer import load_tokenizer, token_dtype
+from p2ploco.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer, load_tokenizer, token_dtype
 from p2ploco.errors import ConfigError
 
 
@@ -56,6 +56,16 @@ def load_training_data(config: Config) -> TrainingData:
                             f"tokenizer:{tokenizer.digest}" if tokenizer.digest else "")
     _check_size(config, data)
     return data
+
+
+def run_tokenizer(config: Config) -> Tokenizer:
+    """The tokenizer a run trains with: its prepared corpus's (byte-level, or the folder's tokenizer.json), or
+    ``data.tokenizer`` (byte-level when unset)."""
+    if config.data.prepared:
+        folder = Path(config.data.prepared).expanduser()
+        kind = read_manifest(folder).tokenizer.kind
+        return ByteTokenizer() if kind == "byte" else HuggingFaceTokenizer(folder / "tokenizer.json")
+    return load_tokenizer(config.data.tokenizer)
 
 
 def _load_prepared(config: Config) -> TrainingData:

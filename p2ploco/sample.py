@@ -1,0 +1,30 @@
+"""Text from a trained model: autoregressive sampling with p2ploco's own model (no KV cache: each new token runs
+the whole window again, which is fine for the short samples a person reads)."""
+
+from __future__ import annotations
+
+import torch
+
+from p2ploco.model import Transformer
+
+
+@torch.no_grad()
+def generate(model: Transformer, ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             generator: torch.Generator | None = None, stop: int | None = None) -> list[int]:
+    """``ids`` continued by up to ``max_new_tokens`` tokens: the most likely one at ``temperature`` 0 (greedy),
+    else drawn from softmax(logits / temperature); ends early at ``stop``. The window is the model's last
+    ``max_seq_len`` tokens."""
+    device = next(model.parameters()).device
+    out = list(ids)
+    for _ in range(max_new_tokens):
+        window = torch.tensor([out[-model.config.max_seq_len:]], device=device)
+        logits = model(window)[0, -1].float()
+        if temperature <= 0:
+            token = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1).cpu()
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        out.append(token)
+        if token == stop:
+            break
+    return out[len(ids):]
