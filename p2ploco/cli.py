@@ -397,6 +397,26 @@ def export(checkpoints: tuple[Path, ...], out: Path, form: str, dtype: str) -> N
 
 
 @main.command()
+@click.argument("checkpoints", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--prompt", default="", help="Text the sample continues [none: from a document's start].")
+@click.option("--max-new-tokens", default=100, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--temperature", default=0.8, show_default=True, type=click.FloatRange(min=0.0),
+              help="0: the most likely token each time (greedy).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the draws.")
+@reports_errors
+def sample(checkpoints: tuple[Path, ...], prompt: str, max_new_tokens: int, temperature: float, seed: int) -> None:
+    """Generate text with the model of a run's checkpoint (as ``export`` takes it), with p2ploco's own model."""
+    import torch
+
+    from p2ploco.sample import continue_text
+    from p2ploco.trained import TrainedModel
+
+    trained = TrainedModel.read(list(checkpoints))
+    click.echo(prompt + continue_text(trained.model(), trained.tokenizer(), prompt, max_new_tokens, temperature,
+                                      torch.Generator().manual_seed(seed)))
+
+
+@main.command()
 @click.option("--replicas", type=click.IntRange(0, 16),
               help="Full replicas to start [3; 1 with a pipeline config].")
 @click.option("--groups", type=click.IntRange(0, 8),

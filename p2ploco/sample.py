@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from p2ploco.data.tokenizer import Tokenizer
 from p2ploco.model import Transformer
 
 
@@ -28,3 +29,12 @@ def generate(model: Transformer, ids: list[int], max_new_tokens: int, temperatur
         if token == stop:
             break
     return out[len(ids):]
+
+
+def continue_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
+                  temperature: float, generator: torch.Generator | None = None) -> str:
+    """The text the model writes after ``prompt`` (after a document's start when it is empty), up to the end of
+    its document or ``max_new_tokens`` tokens."""
+    ids = [tokenizer.eot, *(int(i) for i in tokenizer.encode_batch([prompt.encode()])[0])]
+    new = generate(model, ids, max_new_tokens, temperature, generator, stop=tokenizer.eot)
+    return tokenizer.decode([i for i in new if i != tokenizer.eot])

@@ -124,3 +124,16 @@ def test_export_refuses_what_is_not_one_whole_model_in_one_line(tmp_path, args, 
     result = p2ploco("export", *[a.format(tmp=tmp_path) for a in args], "--out", str(tmp_path / "out"))
     assert result.returncode != 0 and message in result.stderr
     assert sum(line.lower().startswith("error") for line in result.stderr.splitlines()) == 1  # one line says it
+
+
+def test_sample_continues_a_prompt_with_our_own_model_the_same_way_for_the_same_seed(tmp_path):
+    config = load_config("configs/tiny.yaml")
+    model = Transformer(config.model, config.training.seed).eval()
+    folder = run_dir(tmp_path, "replica", config, {name: p.detach() for name, p in model.named_parameters()})
+    drawn = [p2ploco("sample", str(folder), "--prompt", "Once", "--max-new-tokens", "12", "--seed", str(seed))
+             for seed in (1, 1, 2)]
+    assert all(r.returncode == 0 for r in drawn), drawn[0].stderr
+    assert drawn[0].stdout == drawn[1].stdout != drawn[2].stdout and drawn[0].stdout.startswith("Once")
+    greedy = p2ploco("sample", str(folder), "--prompt", "Once", "--max-new-tokens", "12", "--temperature", "0")
+    expected = bytes(i for i in generate(model, [256, *b"Once"], 12, stop=256) if i < 256)
+    assert greedy.stdout == "Once" + expected.decode("utf-8", errors="replace") + "\n"

@@ -22,13 +22,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from p2ploco import checkpoint
-from p2ploco.build import run_subspace
-from p2ploco.config import Config, ModelConfig, load_config
-from p2ploco.data.load import run_tokenizer
-from p2ploco.errors import CheckpointError, ConfigError
+from p2ploco.config import Config, ModelConfig
 from p2ploco.export.tokenizer import write as write_tokenizer
-from p2ploco.model import Transformer, ffn_width
+from p2ploco.model import ffn_width
+from p2ploco.trained import TrainedModel
 
 RENAMES = {  # ours (after "blocks.<i>.") -> HF's (after "model.layers.<i>.")
     "attn_norm.weight": "input_layernorm.weight",
@@ -84,55 +81,12 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def read_run(directories: list[Path]) -> tuple[Config, dict[str, torch.Tensor], int]:
-    """The config, the whole model's global parameters and the round of the checkpoints in ``directories``: one
-    full replica's, or one per stage of a pipeline group, all of one round of one run. CheckpointError (one line)
-    if a directory is no checkpoint of a run, or they do not make one whole model."""
-    configs, params, rounds = [], {}, set()
-    for directory in directories:
-        if not checkpoint.exists(directory):
-            raise CheckpointError(f"{directory} is not a checkpoint (no {checkpoint.POINTER}): pass the checkpoint "
-                                  f"folder of a run's --log-dir, e.g. runs/RUN/PEER/checkpoint")
-        config_file = directory.parent / "config.json"
-        if not config_file.is_file():
-            raise CheckpointError(f"no config.json next to {directory}: the checkpoint must sit in the --log-dir "
-                                  f"its node wrote")
-        try:
-            configs.append(load_config(config_file))
-        except ConfigError as e:
-            raise CheckpointError(f"{config_file}: {e}") from None
-        saved = checkpoint.load(directory, None, None)
-        rounds.add(saved.round)
-        params.update(saved.params)
-    config = configs[0]
-    if any(c.model != config.model or c.training.seed != config.training.seed for c in configs):
-        raise CheckpointError("the checkpoints are of different models: pass the stages of one pipeline group")
-    if len(rounds) > 1:
-        raise CheckpointError(f"the checkpoints are of different rounds ({', '.join(map(str, sorted(rounds)))}): "
-                              f"pass the stages' checkpoints of one round")
-    with torch.device("meta"):
-        expected = {name for name, _ in Transformer(config.model, config.training.seed).named_parameters()}
-    missing = sorted(expected - set(params), key=_layer_order)
-    if missing:
-        layers = sorted({int(name.split(".")[1]) for name in missing if name.startswith("blocks.")})
-        what = f"layers {layers[0]}-{layers[-1]}" if layers else ", ".join(missing)
-        raise CheckpointError(f"the checkpoints hold no {what} of the model: pass every stage's checkpoint of the "
-                              f"pipeline group")
-    return config, {name: params[name] for name in sorted(expected, key=_layer_order)}, rounds.pop()
-
-
-def _layer_order(name: str) -> tuple[int, str]:
-    parts = name.split(".")
-    return (int(parts[1]), name) if parts[0] == "blocks" else (-1 if parts[0] == "embed" else 1 << 30, name)
-
-
 def export(directories: list[Path], out: Path, dtype: torch.dtype) -> tuple[Config, int]:
-    """Write the model of ``directories`` (``read_run``) to ``out`` as transformers' LlamaForCausalLM: config.json,
-    generation_config.json, model.safetensors and the tokenizer. Returns the run's config and the round."""
-    config, params, round_index = read_run(directories)
-    subspace = run_subspace(config, torch.device("cpu"))
-    tensors = hf_state_dict(params, config.model, subspace.table if subspace else None)
-    tokenizer = run_tokenizer(config)
+    """Write the model of ``directories`` (``TrainedModel.read``) to ``out`` as transformers' LlamaForCausalLM:
+    config.json, generation_config.json, model.safetensors and the tokenizer. Returns the run's config and round."""
+    trained = TrainedModel.read(directories)
+    config, subspace, tokenizer = trained.config, trained.subspace(), trained.tokenizer()
+    tensors = hf_state_dict(trained.params, config.model, subspace.table if subspace else None)
     out.mkdir(parents=True, exist_ok=True)
     save_file({name: t.to(dtype) for name, t in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
@@ -141,4 +95,4 @@ def export(directories: list[Path], out: Path, dtype: torch.dtype) -> tuple[Conf
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": tokenizer.eot, "max_length": config.model.max_seq_len}, indent=2))
     write_tokenizer(tokenizer, out, config.model.max_seq_len)
-    return config, round_index
+    return config, trained.round
