@@ -10,6 +10,7 @@ from p2ploco.launch import LocalSwarm
 from p2ploco.metrics import format_table, human_bytes
 
 POLL_SECONDS = 0.5  # how often the demo looks at the nodes' metrics files to print progress
+SAMPLE_TOKENS = 80  # tokens of the sample that ends the demo
 
 
 def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path, workdir: Path,
@@ -53,7 +54,27 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
         holders = sum(any(slice_name in r["slice_sha256"] for r in rs) for rs in records.values())
         which = f"all {holders} nodes" if len(agreement) == 1 else f"all {holders} holders of {slice_name}"
         out(f"identical global parameters on {which} after every round: {'yes' if agree else 'NO'}")
-    return not failed and all(agreement.values()) and all(len(r) == rounds for r in records.values())
+    ok = not failed and all(agreement.values()) and all(len(r) == rounds for r in records.values())
+    if ok:
+        # A replica's final checkpoint, or the stages' of the first pipeline group: the model the swarm trained.
+        sources = [workdir / "node0"] if replicas else [workdir / f"g0s{s}" for s in range(stages)]
+        out(_sample(sources))
+    return ok
+
+
+def _sample(log_dirs: list[Path]) -> str:
+    """A short sample from the final checkpoint, and the command that draws more."""
+    import torch
+
+    from p2ploco.sample import continue_text
+    from p2ploco.trained import TrainedModel
+
+    folders = [folder / "checkpoint" for folder in log_dirs]
+    trained = TrainedModel.read(folders)
+    text = continue_text(trained.model(), trained.tokenizer(), "", SAMPLE_TOKENS, 0.8, torch.Generator().manual_seed(0))
+    shown = "\n".join("  | " + line for line in text.splitlines() or [""])
+    return (f"sample from the final checkpoint (more: p2ploco sample {' '.join(map(str, folders))} --prompt TEXT; "
+            f"for transformers: p2ploco export ... --out DIR):\n{shown}")
 
 
 def _round_line(round_index: int, records: list[dict]) -> str:

@@ -27,6 +27,11 @@ def test_demo_three_nodes_train_together_with_identical_params(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "identical global parameters on all 3 nodes after every round: yes" in result.stdout
     assert re.search(r"round\s+2 \| peers 3 \|", result.stdout)
+    # It ends with a sample from the final checkpoint: a heading that says how to draw more, then the text.
+    lines = result.stdout.rstrip("\n").splitlines()
+    heading = next(i for i, line in enumerate(lines) if line.startswith("sample from the final checkpoint"))
+    assert f"p2ploco sample {tmp_path / 'node0' / 'checkpoint'}" in lines[heading]
+    assert heading < len(lines) - 1 and all(line.startswith("  | ") for line in lines[heading + 1:])
     runs = [read_records(tmp_path / f"node{i}" / "metrics.jsonl") for i in range(3)]
     for records in runs:
         assert [r["round"] for r in records] == [0, 1, 2]
