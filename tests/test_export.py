@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 
 from p2ploco import checkpoint
 from p2ploco.build import run_subspace
@@ -15,8 +16,6 @@ from p2ploco.export.hf import hf_config, hf_state_dict
 from p2ploco.export.tokenizer import write
 from p2ploco.model import Transformer
 from p2ploco.sample import generate
-
-transformers = pytest.importorskip("transformers")  # the test extra installs it; the default install does not
 
 
 def hf_model(model: Transformer, config: ModelConfig, token_table=None):
