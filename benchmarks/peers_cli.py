@@ -1,58 +1,113 @@
-"""How long `p2ploco peers` and `p2ploco status` take against a running swarm on loopback.
+"""How long `p2ploco peers --json` takes against a live swarm, and where the time goes.
 
-Starts a bootstrap peer and N training nodes (configs/tiny.yaml), waits until they train, then runs
-each command several times as a user would (a fresh process: Python start-up, p2p daemon, DHT
-bootstrap, lookups, shutdown) and prints the wall times.
+Starts a bootstrap peer and ``--nodes`` tiny nodes on loopback (they train until the script ends), waits until
+every node has a record, then times ``p2ploco peers --initial-peers BOOTSTRAP --json`` ``--calls`` times as a
+person runs it (a new process each time) and prints the median. ``--phases`` also times, in one process, the
+steps of one look: Python imports, the client's p2p daemon and DHT node start, finding the run, the survey,
+and the shutdown.
 
-    python benchmarks/peers_cli.py                 # 3 nodes, 5 runs per command
-    python benchmarks/peers_cli.py --nodes 5 --repeats 3
+    flock /tmp/p2ploco-swarm.lock python benchmarks/peers_cli.py
+    python benchmarks/peers_cli.py --nodes 3 --calls 5 --phases
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
-from p2ploco.metrics import format_table
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli  # noqa: E402
+from p2ploco.metrics import format_table  # noqa: E402
+
+PHASES = r"""
+import time
+started = time.perf_counter()
+marks = {{}}
+from p2ploco.cli import CLIENT_HOST_MADDRS
+from p2ploco.monitor import find_run, survey
+from p2ploco.swarm.dht import start_dht_node
+from p2ploco.swarm.loop import EventLoopThread, finishes_within
+marks["imports"] = time.perf_counter()
+loop = EventLoopThread()
+node, _ = loop.run(start_dht_node(({address!r},), CLIENT_HOST_MADDRS, client_mode=True))
+marks["daemon and DHT node start"] = time.perf_counter()
+run = loop.run(find_run(node, None))
+marks["find the run"] = time.perf_counter()
+peers = loop.run(survey(node, run), 60)
+marks["survey (records lookup)"] = time.perf_counter()
+loop.run(finishes_within(node.shutdown(), 5), 10)
+loop.stop()
+marks["shutdown"] = time.perf_counter()
+last = started
+for name, at in marks.items():
+    print(f"{{name}}\t{{at - last:.3f}}")
+    last = at
+"""
 
 
-def main() -> None:
+def wait_for_records(address: str, nodes: int, timeout: float) -> None:
+    """Until ``peers --json`` lists ``nodes`` training peers (SystemExit after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = subprocess.run(cli("peers", "--initial-peers", address, "--json"), capture_output=True, text=True,
+                                timeout=120)
+        if result.returncode == 0:
+            listed = json.loads(result.stdout)
+            if sum(p.get("role") != "bootstrap" for p in listed.get("peers", [])) >= nodes:
+                return
+        time.sleep(1.0)
+    raise SystemExit(f"error: the {nodes} nodes did not all publish a record within {timeout:.0f} s")
+
+
+def time_calls(address: str, calls: int) -> list[float]:
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        result = subprocess.run(cli("peers", "--initial-peers", address, "--json"), capture_output=True, text=True,
+                                timeout=120)
+        times.append(time.perf_counter() - started)
+        if result.returncode != 0:
+            raise SystemExit(f"error: peers failed: {result.stderr.strip()}")
+    return times
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--nodes", type=int, default=3, help="live tiny nodes [3]")
+    parser.add_argument("--calls", type=int, default=5, help="timed calls; the median is reported [5]")
+    parser.add_argument("--phases", action="store_true", help="also time the steps of one look")
     args = parser.parse_args()
-
-    rows = []
-    with tempfile.TemporaryDirectory() as folder, LocalSwarm(Path(folder)) as swarm:
-        nodes = [swarm.start_node(f"n{i}", TINY_CONFIG, "--set", f"swarm.min_peers={args.nodes}")
-                 for i in range(args.nodes)]
-        for node in nodes:
-            node.wait_for_line(re.compile(r"round\s+1 \|"), 180)
-        for command in (["peers", "--json"], ["peers"], ["status", "--json"]):
-            seconds, listed = [], set()
-            for _ in range(args.repeats):
-                started = time.perf_counter()
-                result = subprocess.run(cli(*command, "--initial-peers", swarm.bootstrap_address),
-                                        capture_output=True, text=True, timeout=120)
-                seconds.append(time.perf_counter() - started)
-                if result.returncode != 0:
-                    raise SystemExit(f"p2ploco {' '.join(command)} failed: {result.stderr.strip()}")
-                if command == ["peers", "--json"]:
-                    listed.add(sum(p["role"] != "bootstrap" for p in json.loads(result.stdout)["peers"]))
-            rows.append((f"p2ploco {' '.join(command)}", args.nodes, f"{min(seconds):.2f}",
-                         f"{statistics.median(seconds):.2f}", f"{max(seconds):.2f}",
-                         ", ".join(map(str, sorted(listed))) or "-"))
-    print(f"\nInspection commands against a running swarm of {args.nodes} tiny nodes on loopback "
-          f"({args.repeats} runs each; wall time of a fresh process)")
-    print(format_table(("command", "nodes", "min s", "median s", "max s", "peers listed"), rows))
+    if not 1 <= args.nodes <= 16 or args.calls < 1:
+        raise SystemExit("error: --nodes must be in [1, 16] and --calls at least 1")
+    workdir = Path(tempfile.mkdtemp(prefix="p2ploco-peers-cli-"))
+    with LocalSwarm(workdir) as swarm:
+        for i in range(args.nodes):
+            swarm.start_node(f"n{i}", TINY_CONFIG, "--set", "training.rounds=0", "--set", "training.threads=1")
+        wait_for_records(swarm.bootstrap_address, args.nodes, 180)
+        times = time_calls(swarm.bootstrap_address, args.calls)
+        rows = [("peers --json (new process)", f"{statistics.median(times):.2f}", f"{min(times):.2f}",
+                 f"{max(times):.2f}")]
+        print(f"p2ploco peers against {args.nodes} live nodes on loopback, {args.calls} calls")
+        print(format_table(("path", "median s", "min s", "max s"), rows))
+        if args.phases:
+            result = subprocess.run([sys.executable, "-c", PHASES.format(address=swarm.bootstrap_address)],
+                                    capture_output=True, text=True, timeout=120)
+            phases = [line.split("\t") for line in result.stdout.splitlines() if "\t" in line]
+            print("\none look, step by step")
+            print(format_table(("step", "s"), phases))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("peers_cli.py: interrupted", file=sys.stderr)
+        sys.exit(130)
