@@ -201,8 +201,7 @@ def resparsified_bytes(layout: SparseLayout, result_layout: SparseLayout, replic
     to_span = np.zeros((distinct, n))  # bytes of replica r's contribution to span i
     result = np.zeros(n)
     for i, span in enumerate(spans):
-        reducer = SparseExchange(layout, replicas[i % distinct], "mean", reducer_feedback=no_feedback(layout),
-                                 result_layout=result_layout)
+        reducer = SparseExchange(layout, replicas[i % distinct], "mean", result_layout=result_layout)
         payloads = [SparseExchange(layout, c, "mean").encode(span) for c in replicas]
         to_span[:, i] = [len(p) for p in payloads]
         combined = reducer.combine(span, [reducer.parse(span, p) for p in payloads])
@@ -211,11 +210,6 @@ def resparsified_bytes(layout: SparseLayout, result_layout: SparseLayout, replic
     sent = own.sum(axis=1) - own.diagonal() + (n - 1) * result
     received = (result.sum() - result) + (own.sum(axis=0) - own.diagonal())
     return float(sent.mean()), float(received.mean())
-
-
-def no_feedback(layout: SparseLayout) -> list[torch.Tensor]:
-    """Empty reducer buffers, as in a first round (a result's size does not depend on them)."""
-    return [torch.zeros(g.chunks, g.chunk_numel) for g in layout.grids]
 
 
 def scale_rows(layout: SparseLayout, result_layout: SparseLayout, replicas: list[list[CompressedTensor]],

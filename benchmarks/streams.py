@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hivemind.p2p import P2P  # noqa: E402
 
+from p2ploco.launch import LOOPBACK  # noqa: E402
 from p2ploco.metrics import format_table  # noqa: E402
 from p2ploco.swarm import wire  # noqa: E402
 
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 HANDLER = "p2ploco/bench/echo"
 HEADER = ("peers", "streams", "bytes per stream", "K streams s", "1 stream s", "per stream ms", "streams' share")
 
@@ -60,8 +60,8 @@ async def exchange(p2p: P2P, server: str, streams: int, size: int, concurrency: 
 
 
 async def measure(peers: list[int], total: int, repeats: int, concurrency: int) -> list[tuple]:
-    server = await P2P.create(host_maddrs=LOOPBACK)
-    client = await P2P.create(host_maddrs=LOOPBACK, initial_peers=await server.get_visible_maddrs())
+    server = await P2P.create(host_maddrs=[LOOPBACK])
+    client = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=await server.get_visible_maddrs())
     try:
         await server.add_binary_stream_handler(HANDLER, serve)
         target = server.peer_id.to_base58()

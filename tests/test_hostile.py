@@ -166,7 +166,11 @@ def test_a_coordinator_that_answers_redo_forever_costs_only_the_rounds_it_coordi
     assert_agreement(honest)
     for name, records in honest.items():
         assert [r["round"] for r in records] == list(range(rounds))  # nobody exited (run_swarm checks exit 0)
-        assert [r["round"] for r in records if not r["applied"]] == sorted(lost), name
+        assert [r["round"] for r in records[attack_from:] if not r["applied"]] == sorted(lost), name
+        # Before the attack the swarm is honest; on a busy machine its first round may fail as in the other tests.
+        unapplied = [{k: r[k] for k in ("round", "peers", "attempts", "failures", "dropped_peers")}
+                     for r in records[:attack_from] if not r["applied"]]
+        assert len(unapplied) <= 1, unapplied
         assert all(r["attempts"] == 2 for r in records if r["round"] in lost)  # one redo, then no more
         assert "a second redo of one round" in (tmp_path / f"{name}.log").read_text()
 
