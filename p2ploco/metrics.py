@@ -8,8 +8,10 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -126,6 +128,8 @@ def read_records(path: Path) -> list[dict]:
 
 def params_sha256(names: Sequence[str], tensors: Iterable[torch.Tensor]) -> str:
     """Digest of parameters by name, shape and float32 bits: equal exactly when the parameters are."""
+    import torch  # here, not at the top: `p2ploco peers --from` formats with this module and must start fast
+
     digest = hashlib.sha256()
     for name, tensor in sorted(zip(names, tensors), key=lambda item: item[0]):
         values = tensor.detach().to("cpu", torch.float32).contiguous()

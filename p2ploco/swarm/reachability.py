@@ -29,7 +29,6 @@ DHT once it is found to be public (``dht.start_serving``): nobody lists in a rou
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from pydantic import Field
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.messages import Message, decode
+from p2ploco.swarm.records import Reachability
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +51,6 @@ ASK_TIMEOUT = 2 * DIAL_TIMEOUT + 5.0
 MAX_PORTS = 4  # ports one request may ask to be dialled at
 MIN_INTERVAL = 10.0  # seconds between two probes for the same peer: a peer cannot keep this one dialling
 ASK_AT_MOST = 4  # peers asked before giving up (a stock hivemind bootstrap peer does not serve the probe)
-
-
-class Reachability(enum.StrEnum):
-    PUBLIC = "public"  # others can dial it
-    RELAYED = "relayed"  # only through a circuit relay
-    CLIENT = "client"  # it can only dial out
-
-    @property
-    def dials_out(self) -> bool:
-        """Whether, in rounds, this peer only opens streams: it reduces no span, coordinates nothing, donates no
-        state. A relayed peer too: a round's traffic would go through its relay's link."""
-        return self is not Reachability.PUBLIC
 
 
 class DialBackRequest(Message):

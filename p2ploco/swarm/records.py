@@ -16,7 +16,20 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from p2ploco.swarm.messages import MAX_ROUND, MAX_SLICES, status_of
-from p2ploco.swarm.reachability import Reachability
+
+
+class Reachability(enum.StrEnum):
+    """Whether other peers can dial a peer (found out as it starts: swarm/reachability.py)."""
+
+    PUBLIC = "public"  # others can dial it
+    RELAYED = "relayed"  # only through a circuit relay
+    CLIENT = "client"  # it can only dial out
+
+    @property
+    def dials_out(self) -> bool:
+        """Whether, in rounds, this peer only opens streams: it reduces no span, coordinates nothing, donates no
+        state. A relayed peer too: a round's traffic would go through its relay's link."""
+        return self is not Reachability.PUBLIC
 
 
 class PeerState(enum.StrEnum):
