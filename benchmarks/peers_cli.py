@@ -1,10 +1,14 @@
-"""How long `p2ploco peers --json` takes against a live swarm, and where the time goes.
+"""How long `p2ploco peers --json` takes against a live swarm, both ways, and where the time goes.
 
-Starts a bootstrap peer and ``--nodes`` tiny nodes on loopback (they train until the script ends), waits until
-every node has a record, then times ``p2ploco peers --initial-peers BOOTSTRAP --json`` ``--calls`` times as a
-person runs it (a new process each time) and prints the median. ``--phases`` also times, in one process, the
-steps of one look: Python imports, the client's p2p daemon and DHT node start, finding the run, the survey,
-and the shutdown.
+Starts a bootstrap peer and ``--nodes`` tiny nodes on loopback (they train until the script ends; the first
+serves its status with ``--status-port 0``), waits until every node has a record, then times ``--calls`` calls
+of each path as a person runs them (a new process each time) and prints the medians:
+
+- ``p2ploco peers --initial-peers BOOTSTRAP --json``: through the DHT, as a client;
+- ``p2ploco peers --from HOST:PORT --json``: from the node's status endpoint (``swarm/status.py``).
+
+Both must list the same peers. ``--phases`` also times, in one process, the steps of one look through the DHT:
+Python imports, the client's p2p daemon and DHT node start, finding the run, the survey, and the shutdown.
 
     flock /tmp/p2ploco-swarm.lock python benchmarks/peers_cli.py
     python benchmarks/peers_cli.py --nodes 3 --calls 5 --phases
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -31,7 +36,7 @@ import time
 started = time.perf_counter()
 marks = {{}}
 from p2ploco.cli import CLIENT_HOST_MADDRS
-from p2ploco.monitor import find_run, survey
+from p2ploco.swarm.survey import find_run, survey
 from p2ploco.swarm.dht import start_dht_node
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
 marks["imports"] = time.perf_counter()
@@ -66,16 +71,18 @@ def wait_for_records(address: str, nodes: int, timeout: float) -> None:
     raise SystemExit(f"error: the {nodes} nodes did not all publish a record within {timeout:.0f} s")
 
 
-def time_calls(address: str, calls: int) -> list[float]:
-    times = []
+def time_calls(where: list[str], calls: int) -> tuple[list[float], set[str]]:
+    """Seconds of each of ``calls`` calls of ``peers --json`` with the options ``where``, and the peer ids the
+    last call listed."""
+    times, listed = [], set()
     for _ in range(calls):
         started = time.perf_counter()
-        result = subprocess.run(cli("peers", "--initial-peers", address, "--json"), capture_output=True, text=True,
-                                timeout=120)
+        result = subprocess.run(cli("peers", *where, "--json"), capture_output=True, text=True, timeout=120)
         times.append(time.perf_counter() - started)
         if result.returncode != 0:
-            raise SystemExit(f"error: peers failed: {result.stderr.strip()}")
-    return times
+            raise SystemExit(f"error: peers {' '.join(where)} failed: {result.stderr.strip()}")
+        listed = {p["peer_id"] for p in json.loads(result.stdout)["peers"]}
+    return times, listed
 
 
 def main() -> int:
@@ -88,14 +95,22 @@ def main() -> int:
         raise SystemExit("error: --nodes must be in [1, 16] and --calls at least 1")
     workdir = Path(tempfile.mkdtemp(prefix="p2ploco-peers-cli-"))
     with LocalSwarm(workdir) as swarm:
-        for i in range(args.nodes):
-            swarm.start_node(f"n{i}", TINY_CONFIG, "--set", "training.rounds=0", "--set", "training.threads=1")
+        nodes = [swarm.start_node(f"n{i}", TINY_CONFIG, "--set", "training.rounds=0", "--set", "training.threads=1",
+                                  *(["--status-port", "0"] if i == 0 else [])) for i in range(args.nodes)]
+        status_address = nodes[0].wait_for_line(re.compile(r"status served at http://(\S+)/peers"), 120).group(1)
         wait_for_records(swarm.bootstrap_address, args.nodes, 180)
-        times = time_calls(swarm.bootstrap_address, args.calls)
-        rows = [("peers --json (new process)", f"{statistics.median(times):.2f}", f"{min(times):.2f}",
-                 f"{max(times):.2f}")]
-        print(f"p2ploco peers against {args.nodes} live nodes on loopback, {args.calls} calls")
+        paths = {"DHT: --initial-peers BOOTSTRAP": ["--initial-peers", swarm.bootstrap_address],
+                 "status endpoint: --from HOST:PORT": ["--from", status_address]}
+        rows, listings = [], []
+        for path, where in paths.items():
+            times, listed = time_calls(where, args.calls)
+            listings.append(listed)
+            rows.append((path, f"{statistics.median(times):.2f}", f"{min(times):.2f}", f"{max(times):.2f}"))
+        print(f"p2ploco peers --json against {args.nodes} live nodes on loopback, {args.calls} calls each "
+              f"(a new process each)")
         print(format_table(("path", "median s", "min s", "max s"), rows))
+        if listings[0] != listings[1]:
+            raise SystemExit(f"error: the two paths listed different peers: {sorted(listings[0] ^ listings[1])}")
         if args.phases:
             result = subprocess.run([sys.executable, "-c", PHASES.format(address=swarm.bootstrap_address)],
                                     capture_output=True, text=True, timeout=120)

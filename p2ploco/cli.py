@@ -23,9 +23,8 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 import click  # noqa: E402
 
 from p2ploco import __version__  # noqa: E402
-from p2ploco.errors import ConfigError, P2PLocoError  # noqa: E402
+from p2ploco.errors import ConfigError, P2PLocoError, SwarmError  # noqa: E402
 from p2ploco.swarm import DEFAULT_HOST_MADDRS  # noqa: E402
-from p2ploco.swarm.wire import DAEMON_ERRORS  # noqa: E402
 
 
 def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -99,6 +98,7 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
     from p2ploco.swarm.bootstrap import start_bootstrap
     from p2ploco.swarm.loop import EventLoopThread, finishes_within
     from p2ploco.swarm.runtime import FAREWELL_TIMEOUT
+    from p2ploco.swarm.wire import DAEMON_ERRORS
 
     loop = EventLoopThread()
     try:
@@ -145,6 +145,11 @@ def node() -> None:
               help="Train the whole model, or one stage of a pipeline group (needs pipeline.stages >= 2).")
 @click.option("--group", "pipeline_group", help="With --role stage: join this pipeline group [any with a free slot].")
 @click.option("--stage", type=click.IntRange(min=0), help="With --role stage: hold this stage [any free one].")
+@click.option("--status-port", type=click.IntRange(0, 65535),
+              help="Serve the run's status over HTTP on this port (0: any free one), read by `p2ploco peers --from "
+                   "HOST:PORT` [off].")
+@click.option("--status-host", default="127.0.0.1", show_default=True,
+              help="Address the status port listens on; 0.0.0.0 lets other machines read it.")
 @click.option("--reachability", type=click.Choice(["auto", "public", "relayed", "client"]),
               help="Whether other peers can dial this one [auto: a peer dials it back at start]; client: it is "
                    "behind a NAT and only dials out (sets swarm.reachability).")
@@ -152,7 +157,8 @@ def node() -> None:
 def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...],
                announce_maddrs: tuple[str, ...], identity: str | None, run_id: str | None, max_rounds: int | None,
                log_dir: str | None, overrides: tuple[str, ...], resume: bool, name: str, role: str,
-               pipeline_group: str | None, stage: int | None, reachability: str | None) -> None:
+               pipeline_group: str | None, stage: int | None, status_port: int | None, status_host: str,
+               reachability: str | None) -> None:
     """Join (or start) a swarm and train."""
     from p2ploco.config import load_config
     from p2ploco.node import Node, SwarmOptions
@@ -172,7 +178,8 @@ def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tu
         raise ConfigError("--group must be a name of 1 to 64 characters")
     options = SwarmOptions(initial_peers, host_maddrs, announce_maddrs, identity, name)
     node = Node(config, options, Path(log_dir) if log_dir else None, config_path, resume=resume, out=click.echo,
-                role=RoleOptions(role, pipeline_group, stage))
+                role=RoleOptions(role, pipeline_group, stage),
+                status_address=None if status_port is None else (status_host, status_port))
     stop_gracefully(node.stop)
     node.run()
 
@@ -282,8 +289,12 @@ def data_train_tokenizer(paths: tuple[str, ...], vocab_size: int, out: str) -> N
 
 CLIENT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)  # a client only dials out: nothing needs to reach it
 inspect_options = [
-    click.option("--initial-peers", multiple=True, required=True,
-                 help="Multiaddr of any peer of the swarm, e.g. its bootstrap peer (repeatable)."),
+    click.option("--initial-peers", multiple=True,
+                 help="Look through the DHT: the multiaddr of any peer of the swarm, e.g. its bootstrap peer "
+                      "(repeatable)."),
+    click.option("--from", "status_from", metavar="HOST:PORT",
+                 help="Ask the node serving its status at HOST:PORT (its --status-port): a fraction of a second, "
+                      "where the DHT takes seconds."),
     click.option("--run-id", help="The run to look at [the only run in the swarm]."),
     click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table."),
 ]
@@ -295,12 +306,33 @@ def with_inspect_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-def look_at_swarm(initial_peers: tuple[str, ...], run_id: str | None,
+def look_at_swarm(initial_peers: tuple[str, ...], status_from: str | None, run_id: str | None,
                   show: Callable[[Callable[[], Any]], None]) -> None:
-    """Join the DHT as a client, find the run, and hand ``show`` a function that surveys it afresh."""
-    from p2ploco.monitor import find_run, survey
+    """Hand ``show`` a function that surveys the run afresh: from the node serving its status at ``status_from``,
+    or else from the DHT, joined as a client through ``initial_peers``."""
+    if bool(initial_peers) == bool(status_from):
+        raise ConfigError("give --from HOST:PORT (a node's --status-port, fast) or --initial-peers MULTIADDR (any "
+                          "peer of the swarm), not both" if initial_peers else
+                          "say where the swarm is: --from HOST:PORT (a node's --status-port, fast) or "
+                          "--initial-peers MULTIADDR (any peer of the swarm)")
+    if status_from is not None:
+        from p2ploco.monitor import read_status
+
+        def look() -> Any:
+            found = read_status(status_from)
+            if run_id is not None and found.run_id != run_id:
+                raise SwarmError(f"the node at {status_from} trains run '{found.run_id}', not '{run_id}'")
+            return found
+
+        try:
+            show(look)
+        except KeyboardInterrupt:
+            pass
+        return
+
     from p2ploco.swarm.dht import start_dht_node
     from p2ploco.swarm.loop import EventLoopThread, finishes_within
+    from p2ploco.swarm.survey import find_run, survey
 
     logging.getLogger("hivemind").setLevel(logging.CRITICAL)  # a client's daemon chatter is noise to its user
     loop = EventLoopThread()
@@ -323,7 +355,8 @@ def look_at_swarm(initial_peers: tuple[str, ...], run_id: str | None,
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2),
               help="Seconds between refreshes with --watch.")
 @reports_errors
-def peers(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, watch: bool, interval: float) -> None:
+def peers(initial_peers: tuple[str, ...], status_from: str | None, run_id: str | None, as_json: bool, watch: bool,
+          interval: float) -> None:
     """List the live peers of a run: role, state, round, loss, throughput, traffic. A narrow terminal shows the
     columns that fit; --json and piped output always have them all."""
     import json
@@ -356,13 +389,13 @@ def peers(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool, wat
             sys.stdout.flush()
             time.sleep(interval)
 
-    look_at_swarm(initial_peers, run_id, show)
+    look_at_swarm(initial_peers, status_from, run_id, show)
 
 
 @main.command()
 @with_inspect_options
 @reports_errors
-def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool) -> None:
+def status(initial_peers: tuple[str, ...], status_from: str | None, run_id: str | None, as_json: bool) -> None:
     """The run at a glance: round, peers by role, total throughput, last round's time and bytes, eval trend."""
     import json
 
@@ -372,7 +405,7 @@ def status(initial_peers: tuple[str, ...], run_id: str | None, as_json: bool) ->
         survey = look()
         click.echo(json.dumps(status_json(survey)) if as_json else status_text(survey))
 
-    look_at_swarm(initial_peers, run_id, show)
+    look_at_swarm(initial_peers, status_from, run_id, show)
 
 
 @main.command()

@@ -1,30 +1,34 @@
-"""Looking at a swarm from outside: a DHT client reads the peers' signed records and shows them.
+"""Looking at a swarm from outside: its peers' records, as a table, JSON, or a summary of the run.
 
-``p2ploco peers`` lists the live peers of a run; ``p2ploco status`` sums the run up. The client joins
-the DHT in client mode (it serves and stores nothing) with the same record validator as the nodes,
-so records with a bad signature or schema are dropped before they are read.
+``p2ploco peers`` lists the live peers of a run; ``p2ploco status`` sums the run up. Both read a ``Survey``
+of the run, one of two ways:
+
+- from the DHT (``swarm/survey.py``): the client joins in client mode (it serves and stores nothing) with the
+  same record validator as the nodes, so records with a bad signature or schema are dropped before they are
+  read. Starting a p2p daemon and looking up takes seconds (``benchmarks/peers_cli.py``).
+- from a node's status endpoint (``--from HOST:PORT``, ``swarm/status.py``): one HTTP request to a node that
+  already holds the records. This module and what it imports load neither hivemind nor torch, so that path
+  answers in a fraction of a second. The node is trusted to report what it sees; each record is still checked
+  against the record schema, so a broken or hostile endpoint gets a one-line error, not a traceback.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import statistics
-import time
+import urllib.error
+import urllib.request
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-from hivemind.dht.node import DHTNode
-from hivemind.utils import get_dht_time
+from typing import Any
 
 from p2ploco.errors import SwarmError
 from p2ploco.metrics import format_table, human_bytes
-from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, parse_records, peers_key
-from p2ploco.swarm.schema import RecordSchema
+from p2ploco.swarm.records import PeerRecord
 
-T = TypeVar("T")
-LOOKUP_PATIENCE = 3.0  # a client that just joined may need a few lookups before the DHT answers in full
+STATUS_PATH = "/peers"  # what a node's status endpoint serves: ``peers_json`` of its survey
+STATUS_TIMEOUT = 5.0
+MAX_STATUS_BYTES = 16 << 20  # a survey of thousands of peers fits well within this
 
 
 @dataclass
@@ -39,53 +43,48 @@ class Survey:
     def trainers(self) -> list[PeerRecord]:
         return [p for p in self.peers if p.role != "bootstrap"]
 
-
-async def _patiently(look: Callable[[], Awaitable[T]], enough: Callable[[T], bool]) -> T:
-    """``look`` again every 0.3 s until its answer is ``enough`` or LOOKUP_PATIENCE has passed; the last answer."""
-    deadline = time.monotonic() + LOOKUP_PATIENCE
-    while not enough(answer := await look()) and time.monotonic() < deadline:
-        await asyncio.sleep(0.3)
-    return answer
-
-
-async def _runs(node: DHTNode) -> list[str]:
-    found = await node.get(RUNS_KEY, latest=True)
-    value = getattr(found, "value", None)
-    return sorted(k for k in value if isinstance(k, str)) if isinstance(value, dict) else []
-
-
-async def find_run(node: DHTNode, run_id: str | None) -> str:
-    """The run to look at: ``run_id`` if someone trains it, or the only run being trained. Its records are
-    schema-checked by ``node`` from here on."""
-    runs = await _patiently(lambda: _runs(node), lambda runs: bool(runs) and (run_id is None or run_id in runs))
-    if run_id is not None and run_id not in runs:
-        if runs:
-            raise SwarmError(f"no run '{run_id}' in this swarm; runs training now: {', '.join(runs)}")
-        raise SwarmError(f"no peers yet: nothing is training in this swarm (looked for run '{run_id}')")
-    if run_id is None:
-        if not runs:
-            raise SwarmError("no peers yet: nothing is training in this swarm; is this the bootstrap address "
-                             "your nodes use?")
-        if len(runs) > 1:
-            raise SwarmError(f"several runs train in this swarm ({', '.join(runs)}): pass --run-id")
-        run_id = runs[0]
-    node.protocol.record_validator.extend([RecordSchema([peers_key(run_id)])])
-    return run_id
+    @classmethod
+    def from_json(cls, document: object) -> Survey:
+        """The survey in ``peers_json``'s form; ValueError says what does not fit it."""
+        if not isinstance(document, dict) or not isinstance(document.get("run_id"), str) \
+                or not isinstance(document.get("peers"), list):
+            raise ValueError("not an object with a run_id and a list of peers")
+        peers, expires_in = [], {}
+        for item in document["peers"]:
+            record = PeerRecord.parse(item)
+            expires = item.get("expires_in") if isinstance(item, dict) else None
+            if record is None or not isinstance(expires, int | float) or isinstance(expires, bool):
+                raise ValueError(f"peer {len(peers)} is not a valid peer record with expires_in")
+            peers.append(record)
+            expires_in[record.peer_id] = float(expires)
+        return cls(document["run_id"], peers, expires_in)
 
 
-async def survey(node: DHTNode, run_id: str) -> Survey:
-    """The live records of ``run_id`` and of the bootstrap peers, as the DHT holds them now."""
-    async def look() -> tuple[dict[str, tuple[PeerRecord, float]], float]:
-        now = get_dht_time()
-        found = await asyncio.gather(node.get(peers_key(run_id), latest=True), node.get(BOOTSTRAP_KEY, latest=True))
-        records = {}
-        for item in found:
-            records.update(parse_records(getattr(item, "value", None), now))
-        return records, now
-
-    records, now = await _patiently(look, lambda answer: any(r.role != "bootstrap" for r, _ in answer[0].values()))
-    peers = sorted((r for r, _ in records.values()), key=lambda r: (r.role != "bootstrap", r.name, r.peer_id))
-    return Survey(run_id, peers, {p: round(e - now, 1) for p, (_, e) in records.items()})
+def read_status(address: str) -> Survey:
+    """The survey a node serves at ``address`` (HOST:PORT, its ``--status-port``)."""
+    host, _, port = address.rpartition(":")
+    if not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SwarmError(f"--from {address}: give the HOST:PORT of a node's --status-port, e.g. 127.0.0.1:8765")
+    url = f"http://{address}{STATUS_PATH}"
+    # A node is dialled directly, never through an HTTP proxy that the environment names.
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with direct.open(url, timeout=STATUS_TIMEOUT) as answer:
+            body = answer.read(MAX_STATUS_BYTES + 1)
+    except urllib.error.HTTPError as e:
+        raise SwarmError(f"{url} answered {e.code} {e.reason}: is this a p2ploco node's --status-port?") from None
+    except (urllib.error.URLError, OSError) as e:
+        why = getattr(e, "reason", None) or e
+        raise SwarmError(f"cannot read {url} ({why}): is a node started with --status-port "
+                         f"{address.rpartition(':')[2]} running there?") from None
+    except ValueError as e:  # a host urllib cannot parse
+        raise SwarmError(f"--from {address}: not a HOST:PORT address ({e})") from None
+    if len(body) > MAX_STATUS_BYTES:
+        raise SwarmError(f"{url} answered more than {MAX_STATUS_BYTES >> 20} MiB: not a p2ploco status")
+    try:
+        return Survey.from_json(json.loads(body))
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SwarmError(f"{url} did not answer with a p2ploco status ({e})") from None
 
 
 def _duration(seconds: float) -> str:

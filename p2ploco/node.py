@@ -11,6 +11,7 @@ write the record. Checkpoints are written every ``training.checkpoint_every`` ro
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from p2ploco.config import Config
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
 from p2ploco.errors import ConfigError, PipelineError
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
+from p2ploco.monitor import STATUS_PATH
 from p2ploco.roles import REPLICA, STAGE, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.rundir import RunDirectory
 from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
@@ -78,8 +80,11 @@ def resolve_device(name: str) -> torch.device:
 
 class Node:
     def __init__(self, config: Config, options: SwarmOptions, log_dir: Path | None, config_path: str,
-                 resume: bool = False, out: Callable[[str], None] = print, role: RoleOptions | None = None):
+                 resume: bool = False, out: Callable[[str], None] = print, role: RoleOptions | None = None,
+                 status_address: tuple[str, int] | None = None):
+        """``status_address``: (host, port) to serve the run's status on (``swarm/status.py``); None: not served."""
         self.config, self.options, self.config_path, self.out = config, options, config_path, out
+        self.status_address = status_address
         self.log_dir, self.resume, self.role_options = log_dir, resume, role or RoleOptions()
         self.records: list[RoundRecord] = []
         self.stopping = threading.Event()
@@ -111,6 +116,8 @@ class Node:
         try:
             swarm.report(device=describe_device(device))
             self._announce(swarm)
+            if self.status_address is not None:
+                self._serve_status(swarm, *self.status_address)
             files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, fingerprint, self.resume,
                                  lambda line: self.out(f"[{me}] {line}"))
             role, round_index, membership = self._take_role(swarm, device, data, files)
@@ -280,6 +287,15 @@ class Node:
         if c.inner.fixed_steps or not role.trains_alone or c.outer.algorithm == "streaming":
             return None
         return WallClockBudget(c.inner.steps, role.worker.inner.step_times, swarm.step_seconds, c.inner.round_seconds)
+
+    def _serve_status(self, swarm: Swarm, host: str, port: int) -> None:
+        try:
+            address = swarm.serve_status(host, port)
+        except OSError as e:
+            raise ConfigError(f"--status-port {port}: cannot listen on {host}:{port} ({os.strerror(e.errno) if e.errno else e}); pick "
+                              f"another port, or 0 for any free one") from None
+        self.out(f"[{swarm.peer_id[-8:]}] status served at http://{address}{STATUS_PATH}; read it with "
+                 f"`p2ploco peers --from {address}`")
 
     def _announce(self, swarm: Swarm) -> None:
         addresses = swarm.addresses()

@@ -5,8 +5,12 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
+import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
@@ -26,6 +30,7 @@ from p2ploco.swarm.records import PeerRecord, peers_key
 from p2ploco.swarm.schema import record_validator
 
 JOINED = re.compile(r"peer (\w+) joined run")
+STATUS_AT = re.compile(r"status served at http://(\S+)/peers")
 NOBODY = "12D3KooWJFBvJXaPgQ1XAX5u5MCmZYfgVUgvyeTA2BwcCGJhu78u"  # a well-formed peer id nobody runs
 
 
@@ -192,11 +197,13 @@ def swarm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("inspect")
     with LocalSwarm(folder) as local:
         nodes = {name: local.start_node(name, TINY_CONFIG, "--set", "swarm.min_peers=3", "--set", "inner.steps=5",
-                                        "--set", "swarm.heartbeat_interval=0.5") for name in "abc"}
+                                        "--set", "swarm.heartbeat_interval=0.5",
+                                        *(["--status-port", "0"] if name == "a" else [])) for name in "abc"}
         ids = {name: node.wait_for_line(JOINED, 60).group(1) for name, node in nodes.items()}
+        status_address = nodes["a"].wait_for_line(STATUS_AT, 60).group(1)
         for node in nodes.values():
             node.wait_for_line(re.compile(r"round\s+1 \|"), 120)
-        yield local, ids
+        yield local, ids, status_address
 
 
 def listing(swarm_address: str, *extra: str) -> dict:
@@ -206,7 +213,7 @@ def listing(swarm_address: str, *extra: str) -> dict:
 
 
 def test_peers_lists_exactly_the_running_nodes_with_their_rounds(swarm):
-    local, ids = swarm
+    local, ids, _ = swarm
 
     def last_finished() -> dict[str, int]:
         return {name: max(r["round"] for r in local.records(name)) for name in ids}
@@ -224,7 +231,7 @@ def test_peers_lists_exactly_the_running_nodes_with_their_rounds(swarm):
 
 
 def test_a_forged_record_is_never_listed(swarm):
-    local, ids = swarm
+    local, ids, _ = swarm
     victim = RSASignatureValidator(RSAPrivateKey()).local_public_key
     loop = EventLoopThread()
     forger = None
@@ -245,7 +252,7 @@ def test_a_forged_record_is_never_listed(swarm):
 
 
 def test_status_sums_up_the_run(swarm):
-    local, _ = swarm
+    local, _, _ = swarm
     result = run_cli("status", "--initial-peers", local.bootstrap_address, "--json")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
@@ -259,14 +266,138 @@ def test_status_sums_up_the_run(swarm):
 
 
 def test_an_unknown_run_is_named_in_one_line(swarm):
-    local, _ = swarm
+    local, _, _ = swarm
     result = run_cli("peers", "--initial-peers", local.bootstrap_address, "--run-id", "nope")
     assert result.returncode == 1
     assert result.stderr.strip() == "error: no run 'nope' in this swarm; runs training now: tiny"
 
 
+def test_a_nodes_status_port_lists_the_peers_the_dht_lists_without_hivemind_or_torch(swarm):
+    local, ids, status_address = swarm
+    through_dht = {p["peer_id"] for p in listing(local.bootstrap_address)["peers"]}
+    from_node = run_cli("peers", "--from", status_address, "--json")
+    assert from_node.returncode == 0, from_node.stderr
+    served = json.loads(from_node.stdout)
+    assert served["run_id"] == "tiny" and {p["peer_id"] for p in served["peers"]} == through_dht
+    assert set(ids.values()) < through_dht  # and the bootstrap peer
+    status = run_cli("status", "--from", status_address, "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)["peers"] == 3, status.stderr
+    table = run_cli("peers", "--from", status_address)
+    assert table.returncode == 0 and table.stdout.startswith("run 'tiny': 3 training peer(s), 1 bootstrap"), table
+    other_run = run_cli("peers", "--from", status_address, "--run-id", "other")
+    assert other_run.stderr.strip() == f"error: the node at {status_address} trains run 'tiny', not 'other'"
+    # What makes the path fast: the command loads neither hivemind nor torch (seconds of imports).
+    loaded = subprocess.run([sys.executable, "-c", (
+        "import sys\nfrom p2ploco.cli import main\n"
+        f"try:\n    main(['peers', '--from', {status_address!r}, '--json'])\nexcept SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'hivemind', 'torch'}))")],
+        capture_output=True, text=True, timeout=60)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.splitlines()[-1] == "[]", loaded.stdout
+
+
+def ask(address: str, request: bytes) -> bytes:
+    """What the server at ``address`` answers to the raw bytes ``request`` (then end of input)."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(request)
+        connection.shutdown(socket.SHUT_WR)
+        answer = b""
+        while piece := connection.recv(65536):
+            answer += piece
+    return answer
+
+
+def test_the_status_port_refuses_broken_requests_and_keeps_serving_and_training(swarm):
+    local, _, status_address = swarm
+    host, port = status_address.rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)), timeout=30)  # sends nothing: must hold up nobody
+    try:
+        answers = {
+            "garbage": ask(status_address, b"\x00\xff\xfe not http\r\n\r\n"),
+            "unfinished": ask(status_address, b"GET /peers HTTP/1.1\r\nHost: x"),
+            "a head too long": ask(status_address, b"GET /peers HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n"),
+            "another path": ask(status_address, b"GET /../../etc/passwd HTTP/1.1\r\n\r\n"),
+            "a write": ask(status_address, b"POST /peers HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"),
+        }
+        expected = {"garbage": 400, "unfinished": 400, "a head too long": 400, "another path": 404, "a write": 405}
+        for what, code in expected.items():
+            assert answers[what].startswith(f"HTTP/1.1 {code} ".encode()), (what, answers[what][:80])
+        rounds_before = max(r["round"] for r in local.records("a"))
+        good = ask(status_address, b"GET /peers HTTP/1.1\r\nHost: x\r\n\r\n")
+    finally:
+        silent.close()
+    head, body = good.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 ") and json.loads(body)["run_id"] == "tiny"
+    local.nodes["a"].wait_for_line(re.compile(rf"round\s+{rounds_before + 1} \|"), 60)  # it trains on
+
+
+class Answers(BaseHTTPRequestHandler):
+    """A server that is not a p2ploco node: ``/peers`` gives the body its class holds."""
+
+    body = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/peers" else 404)
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"<html>hello</html>", "did not answer with a p2ploco status (Expecting value"),
+    (json.dumps({"run_id": "r", "peers": [{"peer_id": "x"}]}).encode(),
+     "did not answer with a p2ploco status (peer 0 is not a valid peer record with expires_in)"),
+    (json.dumps({"run_id": "r", "peers": [{**valid_value(), "expires_in": "soon"}]}).encode(),
+     "did not answer with a p2ploco status (peer 0 is not a valid peer record with expires_in)"),
+])
+def test_a_status_address_that_is_not_a_p2ploco_node_is_named_in_one_line(body, why):
+    server = HTTPServer(("127.0.0.1", 0), type("Served", (Answers,), {"body": body}))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = run_cli("peers", "--from", f"127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert why in result.stderr
+
+
+def test_where_to_look_is_checked_in_one_line():
+    with socket.socket() as taken:  # bound, not listening: nothing answers there
+        taken.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{taken.getsockname()[1]}"
+        cases = {
+            ("peers",): "say where the swarm is: --from HOST:PORT",
+            ("peers", "--from", closed, "--initial-peers", f"/ip4/127.0.0.1/tcp/9/p2p/{NOBODY}"): "not both",
+            ("status", "--from", "localhost"): "--from localhost: give the HOST:PORT of a node's --status-port",
+            ("peers", "--from", "127.0.0.1:99999"): "--from 127.0.0.1:99999: give the HOST:PORT",
+            ("peers", "--from", closed): f"cannot read http://{closed}/peers (",
+        }
+        for args, why in cases.items():
+            result = run_cli(*args)
+            assert result.returncode in (1, 2) and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+            assert result.stderr.startswith("error: ") and why in result.stderr, (args, result.stderr)
+
+
+def test_a_status_port_that_is_taken_stops_the_node_in_one_line(tmp_path):
+    with socket.socket() as taken, LocalSwarm(tmp_path) as local:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        node = local.start_node("a", TINY_CONFIG, "--status-port", str(port))
+        assert node.process.wait(120) == 2
+    errors = [line for line in (tmp_path / "a.log").read_text().splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: --status-port {port}: cannot listen on 127.0.0.1:{port} (Address already in use); "
+                      f"pick another port, or 0 for any free one"], errors
+
+
 def test_a_stopped_node_disappears_when_its_record_lapses(swarm):
-    local, ids = swarm
+    local, ids, _ = swarm
     before = {p["peer_id"]: p for p in listing(local.bootstrap_address)["peers"]}
     gone = ids["c"]
     local.nodes["c"].process.send_signal(signal.SIGKILL)  # no farewell: only expiry can remove it

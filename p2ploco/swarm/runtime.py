@@ -28,10 +28,11 @@ from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.names import human_name
-from p2ploco.swarm.reachability import DialBack, Reachability, detect
-from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, peers_key
+from p2ploco.swarm.reachability import DialBack, detect
+from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachability, peers_key
 from p2ploco.swarm.rounds import GroupBook, Matchmaker
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, serves
+from p2ploco.swarm.status import StatusServer
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Swarm:
         self.state_server, self.config, self.identity, self.bans = state_server, config, identity, bans
         self._probes: dict[tuple[str, int, str, str], tuple[bool, float]] = {}  # claim -> (served, when asked)
         self._dht_bytes_taken = (0, 0)  # ``directory.dht_bytes`` at the last ``take_dht_bytes``
+        self.status_server: StatusServer | None = None
 
     @classmethod
     def join(cls, run_id: str, config: SwarmConfig, config_fingerprint: str, initial_peers: Sequence[str] = (),
@@ -232,6 +234,11 @@ class Swarm:
 
         return self.loop.run(look(), CALL_TIMEOUT)
 
+    def serve_status(self, host: str, port: int) -> str:
+        """Serve the run's survey over HTTP (``swarm/status.py``); the HOST:PORT it is served at."""
+        self.status_server = StatusServer(self.node, self.directory.run_id, self.config.heartbeat_interval)
+        return self.loop.run(self.status_server.start(host, port), CALL_TIMEOUT)
+
     def request_leave(self) -> None:
         """Start leaving now (safe from a signal handler): stop joining groups, tell the others."""
         async def withdraw() -> None:
@@ -250,6 +257,8 @@ class Swarm:
             except wire.DAEMON_ERRORS as e:
                 logger.info(f"could not announce leaving: {e!r}")
             await finishes_within(self.communicator.matchmaker.withdraw(), FAREWELL_TIMEOUT)
+            if self.status_server is not None:
+                await self.status_server.stop()
             await finishes_within(self.node.shutdown(), FAREWELL_TIMEOUT)
 
         try:
