@@ -147,8 +147,12 @@ def test_a_reducer_answering_with_a_deeply_nested_status_costs_one_round_and_is_
     assert_agreement(honest)
     for name, records in honest.items():
         assert [r["round"] for r in records] == list(range(rounds))  # nobody exited (run_swarm checks exit 0)
-        assert sum(not r["applied"] for r in records) <= 1, [(r["round"], r["applied"]) for r in records]
-        assert all(r["applied"] for r in records[attack_from + 1:])
+        # The attack starts by the hostile node's own round counter, which may lag the round whose spans it serves:
+        # it may start a round late. Only the round it is caught in may be lost.
+        caught = [r["round"] for r in records if hostile in r["dropped_peers"]]
+        assert caught and caught[0] >= attack_from, caught
+        assert all(r["applied"] for r in records if r["round"] != caught[0]), [(r["round"], r["applied"])
+                                                                               for r in records]
         log = (tmp_path / f"{name}.log").read_text()
         assert "nests deeper than 8 levels" in log and f"{hostile[-8:]} sent malformed data" in log
 
