@@ -169,6 +169,9 @@ def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tu
     config = load_config(config_path, list(overrides) + extra)
     if len(name) > 64:
         raise ConfigError(f"--name is {len(name)} characters long; use at most 64")
+    if status_port is None and click.get_current_context().get_parameter_source("status_host") \
+            != click.core.ParameterSource.DEFAULT:
+        raise ConfigError("--status-host goes with --status-port PORT (0: any free port)")
     if role == "replica" and (pipeline_group is not None or stage is not None):
         raise ConfigError("--group and --stage go with --role stage")
     if stage is not None and stage >= config.pipeline.stages:

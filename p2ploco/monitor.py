@@ -14,10 +14,10 @@ of the run, one of two ways:
 
 from __future__ import annotations
 
+import http.client
 import json
 import statistics
-import urllib.error
-import urllib.request
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -46,9 +46,11 @@ class Survey:
     @classmethod
     def from_json(cls, document: object) -> Survey:
         """The survey in ``peers_json``'s form; ValueError says what does not fit it."""
-        if not isinstance(document, dict) or not isinstance(document.get("run_id"), str) \
-                or not isinstance(document.get("peers"), list):
+        if not isinstance(document, dict) or not isinstance(document.get("peers"), list):
             raise ValueError("not an object with a run_id and a list of peers")
+        run_id = document.get("run_id")
+        if not isinstance(run_id, str) or not 0 < len(run_id) <= 64 or "/" in run_id or not run_id.isprintable():
+            raise ValueError("its run_id is not a run's name")
         peers, expires_in = [], {}
         for item in document["peers"]:
             record = PeerRecord.parse(item)
@@ -57,34 +59,54 @@ class Survey:
                 raise ValueError(f"peer {len(peers)} is not a valid peer record with expires_in")
             peers.append(record)
             expires_in[record.peer_id] = float(expires)
-        return cls(document["run_id"], peers, expires_in)
+        return cls(run_id, peers, expires_in)
+
+
+def _host_and_port(address: str) -> tuple[str, int]:
+    """The host (an IPv6 one without its brackets) and port of ``address``, HOST:PORT."""
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not host.isascii() or not host.isprintable() or any(c in host for c in " /?#@[]") \
+            or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise SwarmError(f"--from {address}: give the HOST:PORT of a node's --status-port, e.g. 127.0.0.1:8765")
+    return host, int(port)
 
 
 def read_status(address: str) -> Survey:
-    """The survey a node serves at ``address`` (HOST:PORT, its ``--status-port``)."""
-    host, _, port = address.rpartition(":")
-    if not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SwarmError(f"--from {address}: give the HOST:PORT of a node's --status-port, e.g. 127.0.0.1:8765")
+    """The survey a node serves at ``address`` (HOST:PORT, its ``--status-port``), read within STATUS_TIMEOUT.
+    http.client, not urllib: a node is dialled directly, never through a proxy the environment names, and a
+    redirect is not followed."""
+    host, port = _host_and_port(address)
     url = f"http://{address}{STATUS_PATH}"
-    # A node is dialled directly, never through an HTTP proxy that the environment names.
-    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + STATUS_TIMEOUT
+    connection = None
     try:
-        with direct.open(url, timeout=STATUS_TIMEOUT) as answer:
-            body = answer.read(MAX_STATUS_BYTES + 1)
-    except urllib.error.HTTPError as e:
-        raise SwarmError(f"{url} answered {e.code} {e.reason}: is this a p2ploco node's --status-port?") from None
-    except (urllib.error.URLError, OSError) as e:
-        why = getattr(e, "reason", None) or e
-        raise SwarmError(f"cannot read {url} ({why}): is a node started with --status-port "
-                         f"{address.rpartition(':')[2]} running there?") from None
-    except ValueError as e:  # a host urllib cannot parse
-        raise SwarmError(f"--from {address}: not a HOST:PORT address ({e})") from None
+        connection = http.client.HTTPConnection(host, port, timeout=STATUS_TIMEOUT)
+        connection.request("GET", STATUS_PATH)
+        answer = connection.getresponse()
+        if answer.status != 200:
+            raise SwarmError(f"{url} answered {answer.status} {answer.reason}: is this a p2ploco node's "
+                             f"--status-port?")
+        body = b""
+        while (piece := answer.read1(1 << 16)) and len(body) <= MAX_STATUS_BYTES:
+            body += piece
+            if time.monotonic() > deadline:
+                raise SwarmError(f"{url} did not send its status within {STATUS_TIMEOUT:.0f} s")
+    except http.client.HTTPException as e:  # not HTTP, or not a host http.client can dial
+        raise SwarmError(f"{url} did not answer in HTTP ({type(e).__name__}): is this a p2ploco node's "
+                         f"--status-port?") from None
+    except OSError as e:  # refused, unreachable, unknown host, timed out
+        raise SwarmError(f"cannot read {url} ({e.strerror or e}): is a node started with --status-port {port} "
+                         f"running there?") from None
+    finally:
+        if connection is not None:
+            connection.close()
     if len(body) > MAX_STATUS_BYTES:
         raise SwarmError(f"{url} answered more than {MAX_STATUS_BYTES >> 20} MiB: not a p2ploco status")
     try:
         return Survey.from_json(json.loads(body))
-    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise SwarmError(f"{url} did not answer with a p2ploco status ({e})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SwarmError(f"{url} did not answer with a p2ploco status ({str(e)[:200]})") from None
 
 
 def _duration(seconds: float) -> str:
@@ -101,6 +123,12 @@ COLUMNS = ("name", "peer", "role", "group", "stage", "state", "reach", "round", 
            "recv", "ratio", "uptime", "device", "address")
 
 
+def _shown(text: str) -> str:
+    """``text`` with what a terminal would act on (escape sequences, line breaks) as "?": a record's strings are
+    anyone's."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def peer_rows(s: Survey) -> list[tuple[str, ...]]:
     rows = []
     for p in s.peers:
@@ -113,7 +141,7 @@ def peer_rows(s: Survey) -> list[tuple[str, ...]]:
                      human_bytes(p.bytes_sent) if trains else "-", human_bytes(p.bytes_received) if trains else "-",
                      f"{p.compression:.0f}x" if p.compression else "-", _duration(p.uptime), p.device or "-",
                      p.addresses[0] if p.addresses else "-"))
-    return rows
+    return [tuple(map(_shown, row)) for row in rows]
 
 
 def peers_text(s: Survey) -> str:
@@ -131,18 +159,19 @@ def peers_rich(s: Survey, width: int) -> Any:
     """The same table for a terminal of ``width`` columns, with rich: as many columns as fit, the most
     telling first (--json and piped output always have them all)."""
     from rich import box
+    from rich.markup import escape
     from rich.table import Table
 
     rows = peer_rows(s)
     # a cell's text, a space of padding on each side, and one for the column separator
-    needed = {c: max(len(c), *(len(row[i]) for row in rows)) + 3 for i, c in enumerate(COLUMNS)}
+    needed = {c: max([len(c), *(len(row[i]) for row in rows)]) + 3 for i, c in enumerate(COLUMNS)}
     fitting, used = set(), 1
     for column in PRIORITY:
         if used + needed[column] <= width:
             fitting.add(column)
             used += needed[column]
     shown = [i for i, c in enumerate(COLUMNS) if c in fitting]
-    table = Table(title=f"run [bold]{s.run_id}[/]: {len(s.trainers)} training peer(s)", title_justify="left",
+    table = Table(title=f"run [bold]{escape(s.run_id)}[/]: {len(s.trainers)} training peer(s)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     styles = {"training": "green", "averaging": "cyan", "joining": "yellow", "standby": "yellow", "leaving": "red",
               "serving": "dim"}
@@ -150,7 +179,7 @@ def peers_rich(s: Survey, width: int) -> Any:
         left = COLUMNS[i] in ("name", "peer", "role", "group", "state", "reach", "device", "address")
         table.add_column(COLUMNS[i], no_wrap=True, justify="left" if left else "right")
     for record, row in zip(s.peers, rows):
-        table.add_row(*(row[i] for i in shown), style=styles.get(record.state))
+        table.add_row(*(escape(row[i]) for i in shown), style=styles.get(record.state))
     return table
 
 

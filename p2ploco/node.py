@@ -115,9 +115,9 @@ class Node:
         files: RunDirectory | None = None
         try:
             swarm.report(device=describe_device(device))
-            self._announce(swarm)
             if self.status_address is not None:
                 self._serve_status(swarm, *self.status_address)
+            self._announce(swarm)
             files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, fingerprint, self.resume,
                                  lambda line: self.out(f"[{me}] {line}"))
             role, round_index, membership = self._take_role(swarm, device, data, files)
@@ -291,11 +291,15 @@ class Node:
     def _serve_status(self, swarm: Swarm, host: str, port: int) -> None:
         try:
             address = swarm.serve_status(host, port)
-        except OSError as e:
-            raise ConfigError(f"--status-port {port}: cannot listen on {host}:{port} ({os.strerror(e.errno) if e.errno else e}); pick "
-                              f"another port, or 0 for any free one") from None
+        except OSError as e:  # the port is taken, or the host is not one of this machine's addresses
+            # asyncio words a bind error at length; a resolver error (negative errno) has its own text
+            why = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)
+            raise ConfigError(f"--status-host {host} --status-port {port}: cannot listen there ({why}); "
+                              f"pick another port (0: any free one) or host") from None
+        port_only = address.rpartition(":")[2]
+        where = f"THIS_MACHINE:{port_only}" if host in ("0.0.0.0", "::", "") else address  # any of its addresses
         self.out(f"[{swarm.peer_id[-8:]}] status served at http://{address}{STATUS_PATH}; read it with "
-                 f"`p2ploco peers --from {address}`")
+                 f"`p2ploco peers --from {where}`")
 
     def _announce(self, swarm: Swarm) -> None:
         addresses = swarm.addresses()

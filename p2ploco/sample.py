@@ -23,7 +23,8 @@ def generate(model: Transformer, ids: list[int], max_new_tokens: int, temperatur
         if temperature <= 0:
             token = int(logits.argmax())
         else:
-            probs = torch.softmax(logits / temperature, dim=-1).cpu()
+            # less the largest logit first: a tiny temperature gives -inf (probability 0), never inf - inf (NaN)
+            probs = torch.softmax((logits - logits.max()) / temperature, dim=-1).cpu()
             token = int(torch.multinomial(probs, 1, generator=generator))
         out.append(token)
         if token == stop:

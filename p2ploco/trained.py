@@ -50,6 +50,10 @@ class TrainedModel:
             rounds.add(saved.round)
             params.update(saved.params)
         config = configs[0]
+        runs = sorted({c.run_id for c in configs})
+        if len(runs) > 1:
+            raise CheckpointError(f"the checkpoints are of different runs ({', '.join(runs)}): pass the stages of "
+                                  f"one pipeline group")
         if any(c.model != config.model or c.training.seed != config.training.seed for c in configs):
             raise CheckpointError("the checkpoints are of different models: pass the stages of one pipeline group")
         if len(rounds) > 1:
@@ -60,7 +64,7 @@ class TrainedModel:
         missing = [name for name in expected if name not in params]
         if missing:
             layers = sorted({int(name.split(".")[1]) for name in missing if name.startswith("blocks.")})
-            what = f"layers {layers[0]}-{layers[-1]}" if layers else ", ".join(missing)
+            what = f"layer(s) {_ranges(layers)}" if layers else ", ".join(missing)
             raise CheckpointError(f"the checkpoints hold no {what} of the model: pass every stage's checkpoint of "
                                   f"the pipeline group")
         return cls(config, {name: params[name] for name in expected}, rounds.pop())
@@ -81,3 +85,14 @@ class TrainedModel:
 
     def tokenizer(self) -> Tokenizer:
         return run_tokenizer(self.config)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """Sorted ``numbers`` as runs: [0, 1, 4, 5, 7] -> "0-1, 4-5, 7"."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and runs[-1][-1] == n - 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 import transformers
+from tokenizers import processors
 
 from p2ploco import checkpoint
 from p2ploco.build import run_subspace
@@ -45,7 +46,6 @@ TEXTS = ["Hello, world!", "  two spaces, a tab\tand a newline\n", "ünïcödé �
 
 
 def test_auto_tokenizer_round_trips_text_for_the_byte_level_and_a_bpe_tokenizer(tmp_path):
-
     corpus = ["the quick brown fox jumps over the lazy dog " * 20, "pack my box with five dozen liquor jugs " * 20]
     bpe = train_bpe(iter(corpus), 300, tmp_path / "bpe.json")
     for name, tokenizer in (("bytes", ByteTokenizer()), ("bpe", bpe)):
@@ -61,12 +61,16 @@ def test_auto_tokenizer_round_trips_text_for_the_byte_level_and_a_bpe_tokenizer(
                 assert ids == list(text.encode())
             else:
                 assert ids == list(tokenizer.encode_batch([text.encode()])[0])
+    # A tokenizer.json that adds a token after each text: p2ploco never adds it, so the export must not either.
+    bpe.tokenizer.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
+                                                                 special_tokens=[("<|endoftext|>", bpe.eot)])
+    write(bpe, tmp_path / "bpe", 64)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "bpe")
+    assert auto.encode(TEXTS[0]) == list(bpe.encode_batch([TEXTS[0].encode()])[0])
 
 
 def run_dir(tmp_path, name, config, params, round_index=5):
     """A node's --log-dir as a node leaves it: config.json and a checkpoint of ``params``."""
-
-
     folder = tmp_path / name
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config.to_dict()))
@@ -75,13 +79,10 @@ def run_dir(tmp_path, name, config, params, round_index=5):
 
 
 def p2ploco(*args):
-
     return subprocess.run([sys.executable, "-m", "p2ploco.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits_and_greedy_tokens(tmp_path):
-
-
     config = load_config("configs/tiny.yaml", ["model.n_layer=4", "model.tie_embeddings=false", "pipeline.stages=2"])
     table = run_subspace(config, torch.device("cpu")).table  # compressed stage boundaries: h0 = E[tok] + F[tok]
     model = Transformer(config.model, config.training.seed, token_table=table).eval()
@@ -102,18 +103,18 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits_and_g
         with torch.no_grad():
             theirs = llama(idx).logits
         assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
+        print(f"\nexported from {name}: max |logit difference| {(ours - theirs).abs().max():.2e} (fp32)")
         greedy = llama.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
         assert greedy[0, len(prompt):].tolist() == generate(model, prompt, 20)
 
 
 @pytest.mark.parametrize("args, message", [
     (["{tmp}/nothing"], "is not a checkpoint (no checkpoint.json)"),
-    (["{tmp}/stage0/checkpoint"], "the checkpoints hold no layers 2-3 of the model"),
+    (["{tmp}/stage0/checkpoint"], "the checkpoints hold no layer(s) 2-3 of the model"),
     (["{tmp}/stage0/checkpoint", "{tmp}/late/checkpoint"], "the checkpoints are of different rounds (5, 6)"),
     (["{tmp}/stage0/checkpoint", "--format", "gguf"], "Invalid value for '--format'"),
 ])
 def test_export_refuses_what_is_not_one_whole_model_in_one_line(tmp_path, args, message):
-
     config = load_config("configs/tiny.yaml", ["model.n_layer=4", "model.tie_embeddings=false", "pipeline.stages=2"])
     params = {name: p.detach() for name, p in Transformer(config.model, config.training.seed).named_parameters()}
     first = {n: p for n, p in params.items() if not n.startswith(("blocks.2", "blocks.3", "norm", "lm_head"))}

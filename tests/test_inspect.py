@@ -353,6 +353,8 @@ class Answers(BaseHTTPRequestHandler):
      "did not answer with a p2ploco status (peer 0 is not a valid peer record with expires_in)"),
     (json.dumps({"run_id": "r", "peers": [{**valid_value(), "expires_in": "soon"}]}).encode(),
      "did not answer with a p2ploco status (peer 0 is not a valid peer record with expires_in)"),
+    (json.dumps({"run_id": "\x1b[2J", "peers": []}).encode(), "did not answer with a p2ploco status (its run_id"),
+    (b"[" * 100000, "did not answer with a p2ploco status ("),  # nested past Python's recursion limit
 ])
 def test_a_status_address_that_is_not_a_p2ploco_node_is_named_in_one_line(body, why):
     server = HTTPServer(("127.0.0.1", 0), type("Served", (Answers,), {"body": body}))
@@ -378,6 +380,8 @@ def test_where_to_look_is_checked_in_one_line():
             ("peers", "--from", "127.0.0.1:99999"): "--from 127.0.0.1:99999: give the HOST:PORT",
             ("peers", "--from", closed): f"cannot read http://{closed}/peers (",
         }
+        cases[("node", "start", "--config", str(TINY_CONFIG), "--status-host", "0.0.0.0")] = \
+            "--status-host goes with --status-port PORT"
         for args, why in cases.items():
             result = run_cli(*args)
             assert result.returncode in (1, 2) and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
@@ -392,8 +396,8 @@ def test_a_status_port_that_is_taken_stops_the_node_in_one_line(tmp_path):
         node = local.start_node("a", TINY_CONFIG, "--status-port", str(port))
         assert node.process.wait(120) == 2
     errors = [line for line in (tmp_path / "a.log").read_text().splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: --status-port {port}: cannot listen on 127.0.0.1:{port} (Address already in use); "
-                      f"pick another port, or 0 for any free one"], errors
+    assert errors == [f"error: --status-host 127.0.0.1 --status-port {port}: cannot listen there (Address already "
+                      f"in use); pick another port (0: any free one) or host"], errors
 
 
 def test_a_stopped_node_disappears_when_its_record_lapses(swarm):

@@ -34,7 +34,11 @@ def write(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
     # p2ploco's byte-level tokenizer reads "<|endoftext|>" in text as its 13 bytes (only document ends are 256);
     # a BPE tokenizer of ``p2ploco data`` reads it as the special token, as transformers does by default.
     if isinstance(tokenizer, HuggingFaceTokenizer):
-        rust, eot, split_special = tokenizer.tokenizer, tokenizer.tokenizer.id_to_token(tokenizer.eot), False
+        # A copy without post-processing: p2ploco encodes without added tokens (a BOS, say), and transformers
+        # applies a tokenizer.json's post-processor by default: the exported model would see tokens it never saw.
+        rust = RustTokenizer.from_str(tokenizer.tokenizer.to_str())
+        rust.post_processor = None
+        eot, split_special = rust.id_to_token(tokenizer.eot), False
     elif isinstance(tokenizer, ByteTokenizer):
         rust, eot, split_special = byte_level(), EOT_NAMES[0], True
     else:

@@ -250,6 +250,8 @@ class Swarm:
     def leave(self) -> None:
         """Tell the swarm this peer is leaving, then stop the DHT node and its daemon."""
         async def stop() -> None:
+            if self.status_server is not None:  # first: its requests look the DHT up
+                await self.status_server.stop()
             # Either step may hang if the daemon is already gone (e.g. SIGTERM to the whole process group).
             try:
                 if not await finishes_within(self.directory.update(state=PeerState.LEAVING), FAREWELL_TIMEOUT):
@@ -257,8 +259,6 @@ class Swarm:
             except wire.DAEMON_ERRORS as e:
                 logger.info(f"could not announce leaving: {e!r}")
             await finishes_within(self.communicator.matchmaker.withdraw(), FAREWELL_TIMEOUT)
-            if self.status_server is not None:
-                await self.status_server.stop()
             await finishes_within(self.node.shutdown(), FAREWELL_TIMEOUT)
 
         try:
