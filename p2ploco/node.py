@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import threading
 import time
 from collections import Counter
@@ -37,6 +38,7 @@ from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.records import EVAL_HISTORY, PeerState
 from p2ploco.swarm.runtime import Swarm
+from p2ploco.swarm.status import WILDCARDS, listen
 
 
 @dataclass
@@ -107,16 +109,27 @@ class Node:
         # Data problems end the start-up here, with one line, before any peer has seen this node.
         data = load_training_data(c)
         fingerprint = c.swarm_fingerprint(data.fingerprint)
+        status = self._listen_for_status(*self.status_address) if self.status_address is not None else None
         # The p2p daemon is a child process: start it before CUDA is initialised in this one.
-        swarm = self.swarm = Swarm.join(c.run_id, c.swarm, fingerprint, **asdict(self.options),
-                                        role=self.role_options.kind, stages=c.pipeline.stages)
+        try:
+            swarm = self.swarm = Swarm.join(c.run_id, c.swarm, fingerprint, **asdict(self.options),
+                                            role=self.role_options.kind, stages=c.pipeline.stages)
+        except BaseException:
+            if status is not None:
+                status[0].close()
+            raise
         started = time.perf_counter()
         me = swarm.peer_id[-8:]
         files: RunDirectory | None = None
         try:
             swarm.report(device=describe_device(device))
-            if self.status_address is not None:
-                self._serve_status(swarm, *self.status_address)
+            if status is not None:
+                listening, address = status
+                swarm.serve_status(listening)
+                where = f"THIS_MACHINE:{address.rpartition(':')[2]}" if self.status_address[0] in WILDCARDS \
+                    else address
+                self.out(f"[{me}] status served at http://{address}{STATUS_PATH}; read it with "
+                         f"`p2ploco peers --from {where}`")
             self._announce(swarm)
             files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, fingerprint, self.resume,
                                  lambda line: self.out(f"[{me}] {line}"))
@@ -288,18 +301,14 @@ class Node:
             return None
         return WallClockBudget(c.inner.steps, role.worker.inner.step_times, swarm.step_seconds, c.inner.round_seconds)
 
-    def _serve_status(self, swarm: Swarm, host: str, port: int) -> None:
+    @staticmethod
+    def _listen_for_status(host: str, port: int) -> tuple[socket.socket, str]:
         try:
-            address = swarm.serve_status(host, port)
+            return listen(host, port)
         except OSError as e:  # the port is taken, or the host is not one of this machine's addresses
-            # asyncio words a bind error at length; a resolver error (negative errno) has its own text
-            why = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)
-            raise ConfigError(f"--status-host {host} --status-port {port}: cannot listen there ({why}); "
-                              f"pick another port (0: any free one) or host") from None
-        port_only = address.rpartition(":")[2]
-        where = f"THIS_MACHINE:{port_only}" if host in ("0.0.0.0", "::", "") else address  # any of its addresses
-        self.out(f"[{swarm.peer_id[-8:]}] status served at http://{address}{STATUS_PATH}; read it with "
-                 f"`p2ploco peers --from {where}`")
+            why = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)  # not Python's long form
+            raise ConfigError(f"--status-host {host} --status-port {port}: cannot listen there ({why}); pick another "
+                              f"port (0: any free one) or host") from None
 
     def _announce(self, swarm: Swarm) -> None:
         addresses = swarm.addresses()

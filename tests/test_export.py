@@ -1,16 +1,17 @@
 """Export to Hugging Face: transformers' LlamaForCausalLM computes what p2ploco's model computes."""
 
 import json
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
+from click.testing import CliRunner
 from tokenizers import processors
 
 from p2ploco import checkpoint
 from p2ploco.build import run_subspace
+from p2ploco.cli import main
 from p2ploco.config import ModelConfig, load_config
 from p2ploco.data.tokenizer import ByteTokenizer, train_bpe
 from p2ploco.export.hf import hf_config, hf_state_dict
@@ -78,8 +79,13 @@ def run_dir(tmp_path, name, config, params, round_index=5):
     return folder / "checkpoint"
 
 
-def p2ploco(*args):
-    return subprocess.run([sys.executable, "-m", "p2ploco.cli", *args], capture_output=True, text=True, timeout=120)
+def p2ploco(*args: str) -> SimpleNamespace:
+    """The CLI run in this process, which has torch and transformers loaded already (a new process spends seconds
+    importing them): its exit code and output. An exception other than the CLI's exit is raised here."""
+    result = CliRunner().invoke(main, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
 def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits_and_greedy_tokens(tmp_path):

@@ -388,16 +388,17 @@ def test_where_to_look_is_checked_in_one_line():
             assert result.stderr.startswith("error: ") and why in result.stderr, (args, result.stderr)
 
 
-def test_a_status_port_that_is_taken_stops_the_node_in_one_line(tmp_path):
-    with socket.socket() as taken, LocalSwarm(tmp_path) as local:
+def test_a_status_port_that_is_taken_stops_the_node_in_one_line_before_it_joins(tmp_path):
+    with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        node = local.start_node("a", TINY_CONFIG, "--status-port", str(port))
-        assert node.process.wait(120) == 2
-    errors = [line for line in (tmp_path / "a.log").read_text().splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: --status-host 127.0.0.1 --status-port {port}: cannot listen there (Address already "
-                      f"in use); pick another port (0: any free one) or host"], errors
+        result = run_cli("node", "start", "--config", str(TINY_CONFIG), "--status-port", str(port), "--log-dir",
+                         str(tmp_path / "a"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: --status-host 127.0.0.1 --status-port {port}: cannot listen there "
+                                     f"(Address already in use); pick another port (0: any free one) or host")
+    assert "joined run" not in result.stdout  # no peer has seen it
 
 
 def test_a_stopped_node_disappears_when_its_record_lapses(swarm):

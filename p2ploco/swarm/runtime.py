@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -234,10 +235,10 @@ class Swarm:
 
         return self.loop.run(look(), CALL_TIMEOUT)
 
-    def serve_status(self, host: str, port: int) -> str:
-        """Serve the run's survey over HTTP (``swarm/status.py``); the HOST:PORT it is served at."""
+    def serve_status(self, listening: socket.socket) -> None:
+        """Serve the run's survey over HTTP on ``listening`` (``swarm/status.py``)."""
         self.status_server = StatusServer(self.node, self.directory.run_id, self.config.heartbeat_interval)
-        return self.loop.run(self.status_server.start(host, port), CALL_TIMEOUT)
+        self.loop.run(self.status_server.start(listening), CALL_TIMEOUT)
 
     def request_leave(self) -> None:
         """Start leaving now (safe from a signal handler): stop joining groups, tell the others."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 
 from hivemind.dht.node import DHTNode
@@ -36,6 +37,18 @@ LOOKUP_TIMEOUT = 10.0  # for one survey of the DHT
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
+WILDCARDS = ("0.0.0.0", "::")  # hosts that mean "every address of this machine"
+
+
+def listen(host: str, port: int) -> tuple[socket.socket, str]:
+    """A socket listening on ``host:port`` (port 0: one the OS picks), and that address as HOST:PORT. Bound before
+    the node joins its swarm, so that a port that is taken stops the node before any peer has seen it."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listening = socket.create_server(address, family=family)
+    bound_host, bound_port = listening.getsockname()[:2]
+    return listening, f"[{bound_host}]:{bound_port}" if family == socket.AF_INET6 else f"{bound_host}:{bound_port}"
+
+
 class StatusServer:
     """Serves ``GET /peers`` (and ``HEAD``) on the node's event loop."""
 
@@ -47,11 +60,9 @@ class StatusServer:
         self._connections: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int) -> str:
-        """Listen on ``host:port`` (port 0: one the OS picks); the address it listens on, as HOST:PORT."""
-        self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_HEAD)
-        bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
-        return f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
+    async def start(self, listening: socket.socket) -> None:
+        """Serve on ``listening`` (from ``listen``)."""
+        self._server = await asyncio.start_server(self._serve, sock=listening, limit=MAX_HEAD)
 
     async def stop(self) -> None:
         """Stop listening and drop the connections still open, so that no handler outlives the loop."""
