@@ -199,8 +199,8 @@ def swarm(tmp_path_factory):
         nodes = {name: local.start_node(name, TINY_CONFIG, "--set", "swarm.min_peers=3", "--set", "inner.steps=5",
                                         "--set", "swarm.heartbeat_interval=0.5",
                                         *(["--status-port", "0"] if name == "a" else [])) for name in "abc"}
+        status_address = nodes["a"].wait_for_line(STATUS_AT, 60).group(1)  # printed before it joins
         ids = {name: node.wait_for_line(JOINED, 60).group(1) for name, node in nodes.items()}
-        status_address = nodes["a"].wait_for_line(STATUS_AT, 60).group(1)
         for node in nodes.values():
             node.wait_for_line(re.compile(r"round\s+1 \|"), 120)
         yield local, ids, status_address
