@@ -99,6 +99,7 @@ def test_pipeline_benchmark_reports_the_boundary_ratio_as_json():
     assert figures["stage_param_bytes"] < 0.6 * figures["full_param_bytes"]
 
 
+@pytest.mark.slow  # a group next to a replica is in the default run through test_pipeline_swarm.py
 @pytest.mark.timeout(260)
 def test_pipeline_swarm_benchmark_measures_a_real_group_next_to_a_replica():
     figures = json.loads(run("benchmarks/pipeline_swarm.py", "--rounds", "2", "--json").splitlines()[-1])
@@ -118,6 +119,7 @@ def test_catchup_benchmark_fetches_from_real_donors():
     assert row.split()[1:5] == ["0.5M", "1.8", "MB", "2"]
 
 
+@pytest.mark.slow  # nodes on a prepared corpus are in the default run through test_data_nodes.py
 @pytest.mark.timeout(260)
 def test_data_benchmark_prepares_and_measures_nodes():
     out = run("benchmarks/data.py", "--size-mb", "20", "--small-mb", "2", "--bpe-mb", "1", "--rounds", "1")

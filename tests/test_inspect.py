@@ -191,6 +191,74 @@ def test_clear_errors_without_a_swarm(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+class Answers(BaseHTTPRequestHandler):
+    """A server that is not a p2ploco node: ``/peers`` gives the body its class holds."""
+
+    body = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/peers" else 404)
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"<html>hello</html>", "did not answer with a p2ploco status (Expecting value"),
+    (json.dumps({"run_id": "r", "peers": [{"peer_id": "x"}]}).encode(),
+     "did not answer with a p2ploco status (peer 0 is not a valid peer record with expires_in)"),
+    (json.dumps({"run_id": "r", "peers": [{**valid_value(), "expires_in": "soon"}]}).encode(),
+     "did not answer with a p2ploco status (peer 0 is not a valid peer record with expires_in)"),
+    (json.dumps({"run_id": "\x1b[2J", "peers": []}).encode(), "did not answer with a p2ploco status (its run_id"),
+    (b"[" * 100000, "did not answer with a p2ploco status ("),  # nested past Python's recursion limit
+])
+def test_a_status_address_that_is_not_a_p2ploco_node_is_named_in_one_line(body, why):
+    server = HTTPServer(("127.0.0.1", 0), type("Served", (Answers,), {"body": body}))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = run_cli("peers", "--from", f"127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert why in result.stderr
+
+
+def test_where_to_look_is_checked_in_one_line():
+    with socket.socket() as taken:  # bound, not listening: nothing answers there
+        taken.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{taken.getsockname()[1]}"
+        cases = {
+            ("peers",): "say where the swarm is: --from HOST:PORT",
+            ("peers", "--from", closed, "--initial-peers", f"/ip4/127.0.0.1/tcp/9/p2p/{NOBODY}"): "not both",
+            ("status", "--from", "localhost"): "--from localhost: give the HOST:PORT of a node's --status-port",
+            ("peers", "--from", "127.0.0.1:99999"): "--from 127.0.0.1:99999: give the HOST:PORT",
+            ("peers", "--from", closed): f"cannot read http://{closed}/peers (",
+        }
+        cases[("node", "start", "--config", str(TINY_CONFIG), "--status-host", "0.0.0.0")] = \
+            "--status-host goes with --status-port PORT"
+        for args, why in cases.items():
+            result = run_cli(*args)
+            assert result.returncode in (1, 2) and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+            assert result.stderr.startswith("error: ") and why in result.stderr, (args, result.stderr)
+
+
+def test_a_status_port_that_is_taken_stops_the_node_in_one_line_before_it_joins(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("node", "start", "--config", str(TINY_CONFIG), "--status-port", str(port), "--log-dir",
+                         str(tmp_path / "a"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: --status-host 127.0.0.1 --status-port {port}: cannot listen there "
+                                     f"(Address already in use); pick another port (0: any free one) or host")
+    assert "joined run" not in result.stdout  # no peer has seen it
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     """A bootstrap peer and three training nodes, and the peer id of each node."""
@@ -331,74 +399,6 @@ def test_the_status_port_refuses_broken_requests_and_keeps_serving_and_training(
     head, body = good.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 200 ") and json.loads(body)["run_id"] == "tiny"
     local.nodes["a"].wait_for_line(re.compile(rf"round\s+{rounds_before + 1} \|"), 60)  # it trains on
-
-
-class Answers(BaseHTTPRequestHandler):
-    """A server that is not a p2ploco node: ``/peers`` gives the body its class holds."""
-
-    body = b""
-
-    def do_GET(self) -> None:
-        self.send_response(200 if self.path == "/peers" else 404)
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.mark.parametrize("body, why", [
-    (b"<html>hello</html>", "did not answer with a p2ploco status (Expecting value"),
-    (json.dumps({"run_id": "r", "peers": [{"peer_id": "x"}]}).encode(),
-     "did not answer with a p2ploco status (peer 0 is not a valid peer record with expires_in)"),
-    (json.dumps({"run_id": "r", "peers": [{**valid_value(), "expires_in": "soon"}]}).encode(),
-     "did not answer with a p2ploco status (peer 0 is not a valid peer record with expires_in)"),
-    (json.dumps({"run_id": "\x1b[2J", "peers": []}).encode(), "did not answer with a p2ploco status (its run_id"),
-    (b"[" * 100000, "did not answer with a p2ploco status ("),  # nested past Python's recursion limit
-])
-def test_a_status_address_that_is_not_a_p2ploco_node_is_named_in_one_line(body, why):
-    server = HTTPServer(("127.0.0.1", 0), type("Served", (Answers,), {"body": body}))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        result = run_cli("peers", "--from", f"127.0.0.1:{server.server_port}")
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert why in result.stderr
-
-
-def test_where_to_look_is_checked_in_one_line():
-    with socket.socket() as taken:  # bound, not listening: nothing answers there
-        taken.bind(("127.0.0.1", 0))
-        closed = f"127.0.0.1:{taken.getsockname()[1]}"
-        cases = {
-            ("peers",): "say where the swarm is: --from HOST:PORT",
-            ("peers", "--from", closed, "--initial-peers", f"/ip4/127.0.0.1/tcp/9/p2p/{NOBODY}"): "not both",
-            ("status", "--from", "localhost"): "--from localhost: give the HOST:PORT of a node's --status-port",
-            ("peers", "--from", "127.0.0.1:99999"): "--from 127.0.0.1:99999: give the HOST:PORT",
-            ("peers", "--from", closed): f"cannot read http://{closed}/peers (",
-        }
-        cases[("node", "start", "--config", str(TINY_CONFIG), "--status-host", "0.0.0.0")] = \
-            "--status-host goes with --status-port PORT"
-        for args, why in cases.items():
-            result = run_cli(*args)
-            assert result.returncode in (1, 2) and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
-            assert result.stderr.startswith("error: ") and why in result.stderr, (args, result.stderr)
-
-
-def test_a_status_port_that_is_taken_stops_the_node_in_one_line_before_it_joins(tmp_path):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        result = run_cli("node", "start", "--config", str(TINY_CONFIG), "--status-port", str(port), "--log-dir",
-                         str(tmp_path / "a"))
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: --status-host 127.0.0.1 --status-port {port}: cannot listen there "
-                                     f"(Address already in use); pick another port (0: any free one) or host")
-    assert "joined run" not in result.stdout  # no peer has seen it
 
 
 def test_a_stopped_node_disappears_when_its_record_lapses(swarm):
