@@ -88,11 +88,13 @@ def export(directories: list[Path], out: Path, dtype: torch.dtype) -> tuple[Conf
     config, subspace, tokenizer = trained.config, trained.subspace(), trained.tokenizer()
     tensors = hf_state_dict(trained.params, config.model, subspace.table if subspace else None)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({name: t.to(dtype) for name, t in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps({**hf_config(config.model, dtype), "eos_token_id": tokenizer.eot},
                                                 indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": tokenizer.eot, "max_length": config.model.max_seq_len}, indent=2))
+    # no max_length: transformers warns whenever a caller's max_new_tokens meets one; the config's
+    # max_position_embeddings already says how long a window the model knows
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eot}, indent=2))
+    weights = out / "model.safetensors"
+    save_file({name: t.to(dtype) for name, t in tensors.items()}, str(weights), metadata={"format": "pt"})
+    weights.chmod((out / "config.json").stat().st_mode & 0o777)  # safetensors writes 0600; the rest follow umask
     write_tokenizer(tokenizer, out, config.model.max_seq_len)
     return config, trained.round
