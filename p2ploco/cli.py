@@ -313,11 +313,11 @@ def look_at_swarm(initial_peers: tuple[str, ...], status_from: str | None, run_i
                   show: Callable[[Callable[[], Any]], None]) -> None:
     """Hand ``show`` a function that surveys the run afresh: from the node serving its status at ``status_from``,
     or else from the DHT, joined as a client through ``initial_peers``."""
-    if bool(initial_peers) == bool(status_from):
-        raise ConfigError("give --from HOST:PORT (a node's --status-port, fast) or --initial-peers MULTIADDR (any "
-                          "peer of the swarm), not both" if initial_peers else
-                          "say where the swarm is: --from HOST:PORT (a node's --status-port, fast) or "
-                          "--initial-peers MULTIADDR (any peer of the swarm)")
+    choice = "--from HOST:PORT (a node's --status-port, fast) or --initial-peers MULTIADDR (any peer of the swarm)"
+    if initial_peers and status_from:
+        raise ConfigError(f"give {choice}, not both")
+    if not initial_peers and not status_from:
+        raise ConfigError(f"say where the swarm is: {choice}")
     if status_from is not None:
         from p2ploco.monitor import read_status
 
