@@ -105,11 +105,13 @@ class LocalSwarm:
         self.bootstrap_address = self._start_bootstrap(bootstrap)
 
     def _start_bootstrap(self, kind: str) -> str:
+        env = None
         if kind == "hivemind":
             argv = [str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"]
+            env = {"HIVEMIND_LOGLEVEL": "INFO"}  # it logs its addresses at INFO; this process may have set WARNING
         else:
             argv = cli("dht", "--host-maddrs", LOOPBACK)
-        child = Child("bootstrap", argv, self.workdir / "bootstrap.log")
+        child = Child("bootstrap", argv, self.workdir / "bootstrap.log", env=env)
         self.children.append(child)
         return child.wait_for_line(ADDRESS, timeout=60).group(1)
 
