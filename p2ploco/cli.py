@@ -338,6 +338,8 @@ def look_at_swarm(initial_peers: tuple[str, ...], status_from: str | None, run_i
     from p2ploco.swarm.survey import find_run, survey
 
     logging.getLogger("hivemind").setLevel(logging.CRITICAL)  # a client's daemon chatter is noise to its user
+    # so is asyncio's note that the daemon exited after the loop closed (seen on a busy machine, after the error)
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
     loop = EventLoopThread()
     node = None
     try:
