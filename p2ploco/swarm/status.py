@@ -35,8 +35,6 @@ REQUEST_TIMEOUT = 5.0  # to send them
 MAX_CONNECTIONS = 32  # served at once; more are answered 503 at once
 LOOKUP_TIMEOUT = 10.0  # for one survey of the DHT
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
-
-
 WILDCARDS = ("0.0.0.0", "::")  # hosts that mean "every address of this machine"
 
 
