@@ -444,14 +444,9 @@ def export(checkpoints: tuple[Path, ...], out: Path, form: str, dtype: str) -> N
 @reports_errors
 def sample(checkpoints: tuple[Path, ...], prompt: str, max_new_tokens: int, temperature: float, seed: int) -> None:
     """Generate text with the model of a run's checkpoint (as ``export`` takes it), with p2ploco's own model."""
-    import torch
+    from p2ploco.sample import sample_checkpoints
 
-    from p2ploco.sample import continue_text
-    from p2ploco.trained import TrainedModel
-
-    trained = TrainedModel.read(list(checkpoints))
-    click.echo(prompt + continue_text(trained.model(), trained.tokenizer(), prompt, max_new_tokens, temperature,
-                                      torch.Generator().manual_seed(seed)))
+    click.echo(prompt + sample_checkpoints(list(checkpoints), prompt, max_new_tokens, temperature, seed))
 
 
 @main.command()

@@ -64,14 +64,10 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
 
 def _sample(log_dirs: list[Path]) -> str:
     """A short sample from the final checkpoint, and the command that draws more."""
-    import torch
-
-    from p2ploco.sample import continue_text
-    from p2ploco.trained import TrainedModel
+    from p2ploco.sample import sample_checkpoints
 
     folders = [folder / "checkpoint" for folder in log_dirs]
-    trained = TrainedModel.read(folders)
-    text = continue_text(trained.model(), trained.tokenizer(), "", SAMPLE_TOKENS, 0.8, torch.Generator().manual_seed(0))
+    text = sample_checkpoints(folders, "", SAMPLE_TOKENS)
     shown = "\n".join("  | " + line for line in text.splitlines() or [""])
     return (f"sample from the final checkpoint (more: p2ploco sample {' '.join(map(str, folders))} --prompt TEXT; "
             f"for transformers: p2ploco export ... --out DIR):\n{shown}")

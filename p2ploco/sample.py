@@ -3,10 +3,13 @@ the whole window again, which is fine for the short samples a person reads)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from p2ploco.data.tokenizer import Tokenizer
 from p2ploco.model import Transformer
+from p2ploco.trained import TrainedModel
 
 
 @torch.no_grad()
@@ -39,3 +42,12 @@ def continue_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new
     ids = [tokenizer.eot, *(int(i) for i in tokenizer.encode_batch([prompt.encode()])[0])]
     new = generate(model, ids, max_new_tokens, temperature, generator, stop=tokenizer.eot)
     return tokenizer.decode([i for i in new if i != tokenizer.eot])
+
+
+def sample_checkpoints(directories: list[Path], prompt: str, max_new_tokens: int, temperature: float = 0.8,
+                       seed: int = 0) -> str:
+    """What the model of the checkpoints in ``directories`` (``TrainedModel.read``) writes after ``prompt``, with
+    draws seeded by ``seed``: ``p2ploco sample``, and the demo's last lines."""
+    trained = TrainedModel.read(directories)
+    return continue_text(trained.model(), trained.tokenizer(), prompt, max_new_tokens, temperature,
+                         torch.Generator().manual_seed(seed))

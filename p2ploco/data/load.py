@@ -18,7 +18,7 @@ from p2ploco.data.prepared import open_prepared, read_manifest
 from p2ploco.data.split import Split, plan_split
 from p2ploco.data.streams import MemorySink, TokenStream
 from p2ploco.data.tokenize import tokenize_corpus
-from p2ploco.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer, load_tokenizer, token_dtype
+from p2ploco.data.tokenizer import Tokenizer, load_tokenizer, token_dtype
 from p2ploco.errors import ConfigError
 
 
@@ -63,8 +63,8 @@ def run_tokenizer(config: Config) -> Tokenizer:
     ``data.tokenizer`` (byte-level when unset)."""
     if config.data.prepared:
         folder = Path(config.data.prepared).expanduser()
-        kind = read_manifest(folder).tokenizer.kind
-        return ByteTokenizer() if kind == "byte" else HuggingFaceTokenizer(folder / "tokenizer.json")
+        byte_level = read_manifest(folder).tokenizer.kind == "byte"
+        return load_tokenizer("" if byte_level else str(folder / "tokenizer.json"))
     return load_tokenizer(config.data.tokenizer)
 
 
