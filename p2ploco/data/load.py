@@ -14,7 +14,7 @@ from pathlib import Path
 
 from p2ploco.config import Config
 from p2ploco.data.documents import Sources
-from p2ploco.data.prepared import open_prepared, read_manifest
+from p2ploco.data.prepared import open_prepared, read_manifest, tokenizer_path
 from p2ploco.data.split import Split, plan_split
 from p2ploco.data.streams import MemorySink, TokenStream
 from p2ploco.data.tokenize import tokenize_corpus
@@ -63,8 +63,7 @@ def run_tokenizer(config: Config) -> Tokenizer:
     ``data.tokenizer`` (byte-level when unset)."""
     if config.data.prepared:
         folder = Path(config.data.prepared).expanduser()
-        byte_level = read_manifest(folder).tokenizer.kind == "byte"
-        return load_tokenizer("" if byte_level else str(folder / "tokenizer.json"))
+        return load_tokenizer(tokenizer_path(folder, read_manifest(folder)))
     return load_tokenizer(config.data.tokenizer)
 
 
@@ -72,7 +71,7 @@ def _load_prepared(config: Config) -> TrainingData:
     folder = Path(config.data.prepared).expanduser()
     manifest, train, held_out = open_prepared(folder)
     t = manifest.tokenizer
-    name = "byte-level" if t.kind == "byte" else f"{folder / 'tokenizer.json'}"
+    name = tokenizer_path(folder, manifest) or "byte-level"
     if config.data.tokenizer:
         chosen = load_tokenizer(config.data.tokenizer)
         if chosen.digest != t.sha256:

@@ -192,6 +192,12 @@ def read_manifest(folder: Path) -> Manifest:
     return manifest
 
 
+def tokenizer_path(folder: Path, manifest: Manifest) -> str:
+    """The tokenizer ``folder`` was prepared with, as ``data.tokenizer`` names one: the folder's copy of its
+    tokenizer.json, or "" for byte-level."""
+    return "" if manifest.tokenizer.kind == "byte" else str(folder / TOKENIZER_FILE)
+
+
 def open_prepared(folder: Path) -> tuple[Manifest, TokenStream, TokenStream]:
     """The manifest and the train and eval streams (memory-mapped) of a prepared folder, once every shard's
     size and sha256 were checked (read in chunks, not mapped: memory stays flat)."""
