@@ -65,7 +65,7 @@ def hf_state_dict(params: dict[str, torch.Tensor], config: ModelConfig,
     return {name: tensor.detach().contiguous() for name, tensor in out.items()}
 
 
-def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config(config: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None) -> dict[str, Any]:
     """``config.json`` of the exported model: LlamaForCausalLM, no custom code. The rotary base is given both
     as transformers 5 reads it (``rope_parameters``) and as older readers and converters do (``rope_theta``)."""
     return {
@@ -76,7 +76,7 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "tie_word_embeddings": config.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "initializer_range": config.init_std, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
+        "initializer_range": config.init_std, "use_cache": True, "bos_token_id": None, "eos_token_id": eos_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -88,8 +88,7 @@ def export(directories: list[Path], out: Path, dtype: torch.dtype) -> tuple[Conf
     config, subspace, tokenizer = trained.config, trained.subspace(), trained.tokenizer()
     tensors = hf_state_dict(trained.params, config.model, subspace.table if subspace else None)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**hf_config(config.model, dtype), "eos_token_id": tokenizer.eot},
-                                                indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(config.model, dtype, tokenizer.eot), indent=2))
     # no max_length: transformers warns whenever a caller's max_new_tokens meets one; the config's
     # max_position_embeddings already says how long a window the model knows
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eot}, indent=2))
