@@ -114,6 +114,8 @@ def main() -> int:
         if args.phases:
             result = subprocess.run([sys.executable, "-c", PHASES.format(address=swarm.bootstrap_address)],
                                     capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise SystemExit(f"error: timing the steps of one look failed: {result.stderr.strip()[-500:]}")
             phases = [line.split("\t") for line in result.stdout.splitlines() if "\t" in line]
             print("\none look, step by step")
             print(format_table(("step", "s"), phases))
