@@ -54,6 +54,7 @@ from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import Exchange, dense_fp32_bytes, reduce_span
 from p2ploco.collective.fp4 import E3M0Mean
 from p2ploco.collective.lowbit import LowBitMean
+from p2ploco.collective.robust import Policy
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
@@ -63,6 +64,8 @@ from p2ploco.metrics import format_table
 from p2ploco.model import Transformer
 from p2ploco.outer.sparseloco import SparseLoCo
 from p2ploco.slices import group_by_slice
+
+DEFENDED = Policy(clip_factor=2.0, drop_opposed=True)  # the default config's: what a reducer and a member check
 
 
 def model_shapes(config_path: str) -> list[tuple[int, ...]]:
@@ -150,15 +153,15 @@ def receive_seconds(exchanges: list[SparseExchange]) -> float:
     results = []
     for r, span in enumerate(spans[1:], start=1):  # the other reducers' work, not timed
         reduction = reduce_span(exchanges[r], span, list(zip(names, (p[r] for p in payloads))))
-        results.append((span, reduction.result_for(exchanges[r], names[0]), reduction.own_position(names[0])))
+        results.append((span, reduction.result_for(exchanges[r], names[0]), reduction.receipt_for(names[0])))
     me = exchanges[0]
     started = time.perf_counter()
     reduction = reduce_span(me, spans[0], list(zip(names, (p[0] for p in payloads))))
     for peer in names[1:]:
         reduction.result_for(me, peer)
-    me.receive(spans[0], reduction.result_for(me, names[0]), 0)
-    for span, result, own in results:
-        me.receive(span, result, own)
+    me.receive(spans[0], reduction.result_for(me, names[0]), reduction.receipt_for(names[0]))
+    for span, result, receipt in results:
+        me.receive(span, result, receipt)
     me.aggregate_digest()
     me.updates()
     return time.perf_counter() - started
@@ -170,7 +173,7 @@ def butterfly_bytes(exchanges: list[Exchange]) -> tuple[list[int], list[int]]:
     sent, received = [0] * n, [0] * n
     for reducer, span in enumerate(exchanges[0].partition(n)):
         payloads = [e.encode(span) for e in exchanges]
-        aggregate = exchanges[reducer].combine(span, [exchanges[reducer].parse(span, p) for p in payloads])
+        aggregate = exchanges[reducer].combine(span, [exchanges[reducer].parse(span, p) for p in payloads], [1.0] * n)
         for peer in range(n):
             if peer != reducer:
                 result = exchanges[reducer].result_for(aggregate, peer)
@@ -204,7 +207,7 @@ def resparsified_bytes(layout: SparseLayout, result_layout: SparseLayout, replic
         reducer = SparseExchange(layout, replicas[i % distinct], "mean", result_layout=result_layout)
         payloads = [SparseExchange(layout, c, "mean").encode(span) for c in replicas]
         to_span[:, i] = [len(p) for p in payloads]
-        combined = reducer.combine(span, [reducer.parse(span, p) for p in payloads])
+        combined = reducer.combine(span, [reducer.parse(span, p) for p in payloads], [1.0] * len(payloads))
         result[i] = len(reducer.result_for(combined, None))
     own = np.array([to_span[j % distinct] for j in range(n)])  # (peers, spans)
     sent = own.sum(axis=1) - own.diagonal() + (n - 1) * result
@@ -339,7 +342,7 @@ def tables(args: argparse.Namespace, shapes: list[tuple[int, ...]], params: int)
         if torch.cuda.is_available():
             gpu_seconds = float(np.median(compress_replicas(shapes, topk, 3, torch.device("cuda"))[2]))
         for n in args.peers:
-            exchanges = [SparseExchange(layout, c, "mean", clip_factor=2.0) for c in replicas[:n]]
+            exchanges = [SparseExchange(layout, c, "mean", DEFENDED) for c in replicas[:n]]
             encoding = float(np.median([encode_seconds(SparseExchange(layout, c, "mean"), n) for c in replicas[:n]]))
             receiving = receive_seconds(exchanges)
             upload = 8 * sum(len(exchanges[0].encode(span)) for span in exchanges[0].partition(n)) / params

@@ -37,9 +37,10 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.exchange import Exchange, SpanReduction, reduce_span
 from p2ploco.collective.fp4 import E3M0Mean
 from p2ploco.collective.lowbit import LowBitMean
-from p2ploco.collective.sliced import SlicedExchange
+from p2ploco.collective.robust import Policy
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.groupwise import GroupLayout, quantize
@@ -59,7 +60,7 @@ from p2ploco.swarm.schema import RecordSchema, record_validator
 from p2ploco.swarm.state import Snapshot, StateRequest, parse_description
 
 ME, OTHER = "12D3KooWMe", "12D3KooWOther"
-GROUP = Group("g", 3, "params", (ME, OTHER), OTHER)
+GROUP = Group("g", 3, "params", (ME, OTHER), OTHER, tokens=((ME, 10240), (OTHER, 10240)))
 FOLLOWED = Group("f", 2, "params", (ME, OTHER), OTHER, holdings=((ME, ("stage0",)), (OTHER, ("stage0",))),
                  tokens=((ME, 10240), (OTHER, 10240)))  # the group a join answer may be relative to
 
@@ -72,40 +73,43 @@ SPAN = range(1, LAYOUT.num_chunks)
 def _replica(seed: int) -> SparseExchange:
     generator = torch.Generator().manual_seed(seed)
     compressed = [compress(torch.randn(g.shape, generator=generator), g)[0] for g in LAYOUT.grids]
-    return SparseExchange(LAYOUT, compressed, "mean", clip_factor=2.0)
+    return SparseExchange(LAYOUT, compressed, "mean", DEFENDED)
 
 
+def _reduced(exchange: Exchange, span: range, others: list[Exchange] = ()) -> SpanReduction:
+    """The reduction ``exchange`` makes of ``span`` from its own contribution (``"me"``) and the ``others``'."""
+    return reduce_span(exchange, span, [("me", exchange.encode(span))]
+                       + [(f"p{i}", other.encode(span)) for i, other in enumerate(others)])
+
+
+DEFENDED = Policy(clip_factor=2.0, drop_opposed=True)  # the default config's
 REPLICAS = [_replica(seed) for seed in range(3)]
 CONTRIBUTION = REPLICAS[1].encode(SPAN)
-_AGGREGATE = REPLICAS[0].combine(SPAN, [REPLICAS[0].parse(SPAN, r.encode(SPAN)) for r in REPLICAS])
-RELAY, UNION = REPLICAS[0].result_for(_AGGREGATE, 0), _AGGREGATE.union
+_REDUCTION = _reduced(REPLICAS[0], SPAN, REPLICAS[1:])
+RECEIPT = _REDUCTION.receipt_for("me")  # what a reducer's answer says of every result below
+RELAY, UNION = _REDUCTION.result_for(REPLICAS[0], "me"), _REDUCTION.aggregate.union
 _RESULT_LAYOUT = SparseLayout([chunk_grid(s, 64, 128) for s in [(128, 96), (96,), (40, 30)]])
-RESPARSIFIED_REPLICA = SparseExchange(LAYOUT, REPLICAS[0].compressed, "mean", clip_factor=2.0,
-                                      result_layout=_RESULT_LAYOUT)
-RESPARSIFIED = RESPARSIFIED_REPLICA.result_for(
-    RESPARSIFIED_REPLICA.combine(SPAN, [RESPARSIFIED_REPLICA.parse(SPAN, r.encode(SPAN)) for r in REPLICAS]), 0)
-DENSE = DenseMean([torch.randn(50)], clip_factor=2.0)
+RESPARSIFIED_REPLICA = SparseExchange(LAYOUT, REPLICAS[0].compressed, "mean", DEFENDED, result_layout=_RESULT_LAYOUT)
+_RESPARSIFIED_REDUCTION = _reduced(RESPARSIFIED_REPLICA, SPAN, REPLICAS[1:])
+RESPARSIFIED = _RESPARSIFIED_REDUCTION.result_for(RESPARSIFIED_REPLICA, "me")
+DENSE = DenseMean([torch.randn(50)], policy=DEFENDED)
+DENSE_RECEIPT = _reduced(DENSE, range(5, 45)).receipt_for("me")
 GROUPS = GroupLayout([(40, 30), (30,), (7, 3)], 64)  # tails of 48, 30 and 21 values
 LOWBIT = LowBitMean(GROUPS, 4, quantize(torch.randn(GROUPS.numel), GROUPS.lengths, 4), torch.zeros(GROUPS.numel), 0.8,
-                    clip_factor=2.0)
+                    DEFENDED)
 LOWBIT_SPAN = range(3, GROUPS.num_groups)
 LOWBIT_CONTRIBUTION = LOWBIT.encode(LOWBIT_SPAN)
-LOWBIT_RESULT = LOWBIT.combine(LOWBIT_SPAN, [LOWBIT.parse(LOWBIT_SPAN, LOWBIT_CONTRIBUTION)])
+_LOWBIT_REDUCTION = _reduced(LOWBIT, LOWBIT_SPAN)
+LOWBIT_RESULT = _LOWBIT_REDUCTION.result_for(LOWBIT, "me")
 DENSE_PAYLOAD = DENSE.encode(range(5, 45))
-E3M0 = E3M0Mean([torch.randn(40, 30), torch.randn(77)], clip_factor=2.0)  # an odd count: a padded last byte
+E3M0 = E3M0Mean([torch.randn(40, 30), torch.randn(77)], DEFENDED)  # an odd count: a padded last byte
 E3M0_SPAN = range(2, E3M0.num_units)
 E3M0_CONTRIBUTION = E3M0.encode(E3M0_SPAN)
-E3M0_RESULT = E3M0.combine(E3M0_SPAN, [E3M0.parse(E3M0_SPAN, E3M0_CONTRIBUTION)])
+_E3M0_REDUCTION = _reduced(E3M0, E3M0_SPAN)
+E3M0_RESULT = _E3M0_REDUCTION.result_for(E3M0, "me")
 _PARAMS = {"w": torch.randn(8, 4), "b": torch.randn(4)}
 BLOB = Snapshot(7, "stage0", _PARAMS, {"momentum.w": torch.zeros(4)}, "").blob()
 STATE = SwarmState(7, "stage0", "p", ("12D3KooWOther",))
-SLICED = [SlicedExchange({"stage0": SparseExchange(LAYOUT, r.compressed, "mean", clip_factor=2.0),
-                          "stage1": DenseMean([torch.randn(30)], clip_factor=2.0)}) for r in REPLICAS]
-SLICED_SPAN = range(2, SLICED[0].num_units - 5)  # across the border of the two slices
-SLICED_CONTRIBUTION = SLICED[1].encode(SLICED_SPAN)
-_SLICED_AGGREGATE = SLICED[0].combine(SLICED_SPAN, [SLICED[0].parse(SLICED_SPAN, e.encode(SLICED_SPAN))
-                                                    for e in SLICED])
-SLICED_RESULT = SLICED[0].result_for(_SLICED_AGGREGATE, 0)
 STAGE_SERVER = StageLinkServer(None, "fuzz", timeout=1.0)
 STAGE_SERVER.join(StageLinks("g0", 1, (OTHER, ME)), 1, Schedule(2, 2, 16, 8, 257, torch.bfloat16, torch.uint16))
 STAGE_PAYLOAD = (torch.zeros(2, 17, dtype=torch.int32).numpy().astype(np.uint16).tobytes()
@@ -131,7 +135,7 @@ HEADERS = {
                                            "dial_out": True}}, "left_out": {}},
     "vote": {"group_id": "g", "vote": "holds", "digests": {"stage0": "d"}, "drops": [OTHER]},
     "decision": {"outcome": "redo", "digests": {}, "group_id": "h", "peers": [ME], "reason": "a span is missing"},
-    "reply": {"status": "ok", "included": [ME, OTHER]},
+    "reply": {"status": "ok", "included": [ME, OTHER], "norms": [1.5, 2.0], "opposed": []},
     "state": {"status": "ok", "round": 7, "slice": "stage0", "total": 100, "state_sha256": "p"},
     "stage": {"kind": "activations", "group": "g0", "epoch": 1, "step": 3, "micro": 1,
               "shapes": [[2, 17], [2, 16, 8]], "dtypes": ["uint16", "bfloat16"]},
@@ -276,16 +280,16 @@ def sparse_contribution(data: bytes) -> None:
 
 
 def sparse_result(data: bytes) -> None:
-    REPLICAS[0].receive(SPAN, data, 0)
+    REPLICAS[0].receive(SPAN, data, RECEIPT)
 
 
 def resparsified_result(data: bytes) -> None:
-    RESPARSIFIED_REPLICA.receive(SPAN, data, 0)
+    RESPARSIFIED_REPLICA.receive(SPAN, data, _RESPARSIFIED_REDUCTION.receipt_for("me"))
 
 
 def dense_contribution(data: bytes) -> None:
     DENSE.parse(range(5, 45), data)
-    DENSE.receive(range(5, 45), data, None)
+    DENSE.receive(range(5, 45), data, DENSE_RECEIPT)
 
 
 def lowbit_contribution(data: bytes) -> None:
@@ -293,7 +297,7 @@ def lowbit_contribution(data: bytes) -> None:
 
 
 def lowbit_result(data: bytes) -> None:
-    LOWBIT.receive(LOWBIT_SPAN, data, None)
+    LOWBIT.receive(LOWBIT_SPAN, data, _LOWBIT_REDUCTION.receipt_for("me"))
 
 
 def e3m0_contribution(data: bytes) -> None:
@@ -301,15 +305,7 @@ def e3m0_contribution(data: bytes) -> None:
 
 
 def e3m0_result(data: bytes) -> None:
-    E3M0.receive(E3M0_SPAN, data, None)
-
-
-def sliced_contribution(data: bytes) -> None:
-    SLICED[0].parse(SLICED_SPAN, data)
-
-
-def sliced_result(data: bytes) -> None:
-    SLICED[0].receive(SLICED_SPAN, data, 0)
+    E3M0.receive(E3M0_SPAN, data, _E3M0_REDUCTION.receipt_for("me"))
 
 
 def join_answer(header: dict[str, Any]) -> None:
@@ -372,8 +368,6 @@ def targets() -> list[Target]:
         Target("low-bit result", lowbit_result, payloads(LOWBIT_RESULT) | edited(LOWBIT_RESULT)),
         Target("E3M0 contribution", e3m0_contribution, payloads(E3M0_CONTRIBUTION) | edited(E3M0_CONTRIBUTION)),
         Target("E3M0 result", e3m0_result, payloads(E3M0_RESULT) | edited(E3M0_RESULT)),
-        Target("sliced contribution", sliced_contribution, payloads(SLICED_CONTRIBUTION)),
-        Target("sliced result", sliced_result, payloads(SLICED_RESULT)),
         Target("stage message", stage_message, st.tuples(headers("stage"), payloads(STAGE_PAYLOAD))),
         Target("peer record", record_value, values | headers_from(RECORD)),
         Target("signed DHT record", signed_record, st.tuples(payloads(MSGPackSerializer.dumps(OWNER)),

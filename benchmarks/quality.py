@@ -14,6 +14,7 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py --suite streaming        # Streaming DiLoCo (P = 2, 4) next to the others
     python benchmarks/quality.py --suite pace --rounds 20 --seeds 2   # slow replicas next to fast ones
     python benchmarks/quality.py --suite scale --replicas 16   # exact vs resparsified SparseLoCo results
+    python benchmarks/quality.py --suite byzantine --replicas 8 --rounds 30 --seeds 2   # sign-flipping replicas
 
 Methods: ``ddp``; ``diloco`` / ``sparseloco`` / ``loco`` / ``streaming`` (every replica full), each with
 optional outer settings after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
@@ -31,7 +32,14 @@ weighs the tokens it trained, as in a swarm; the word ``unweighted`` weighs ever
 (for comparison). It combines with overlap (``diloco+overlap+speeds:eager,1,3``) and outer settings
 (``sparseloco+speeds:1,3,10,topk=128``). The pace table shows the tokens trained in all, the slow replicas' share
 of them (factor above the smallest) and of the weight in each mean, and how often each replica's contribution to a
-span was clipped (``outer.clip_factor`` x the median norm of the span's contributions).
+span was clipped (``outer.clip_factor`` x the median norm per token of the span's contributions, times its tokens).
+
+``flipped=K`` makes the last K replicas hostile: each sends its own pseudo-gradient sign-flipped and scaled by 1.9,
+inside the clip bound, claiming a full round's tokens (the largest weight allowed); ``defence=off`` runs it without
+the direction rule (``outer.drop_opposed=false``: clipping alone, as before it); ``replicas=R`` runs R replicas
+whatever ``--replicas`` says (the honest ones alone). The byzantine table compares each attacked run with the
+honest replicas alone, and shows how often the reducers left out (``opposed``) an honest and a hostile
+replica's contribution to a span.
 
 The eval loss is that of the global parameters (projected onto span(U) when replica 0 is a compressed
 group). With ``--seeds N`` every method runs N times (model init and data order seeded apart): the tables
@@ -45,13 +53,19 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 
+import numpy as np
 import torch
 
 from p2ploco.budget import FixedSteps
 from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
 from p2ploco.collective.inprocess import InProcessGroup
-from p2ploco.collective.robust import token_scales
+from p2ploco.collective.robust import weights
+from p2ploco.collective.sliced import SlicedExchange, as_sliced
+from p2ploco.collective.sparse import SparseExchange
+from p2ploco.compression.topk import CompressedTensor
 from p2ploco.config import Config, load_config, with_overrides
 from p2ploco.data import ShardSampler, eval_batches, load_training_data
 from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate, squared_norm
@@ -101,7 +115,15 @@ SUITES = {
     "scale": ("configs/tiny.yaml",
               ["sparseloco:result=exact", "sparseloco", "sparseloco:result_error_decay=0",
                "sparseloco:result_error_decay=1", "sparseloco:result_topk=256,result_error_decay=0"], []),
+    # k of 8 replicas sign-flipped inside the clip bound, claiming a full round's tokens (run with --replicas 8):
+    # the honest 8 - k alone, then attacked with clipping only (the defence before issue 31), then with the
+    # direction rule (collective/robust.py).
+    "byzantine": ("configs/tiny.yaml",
+                  [method for k in (1, 2) for method in (f"sparseloco:replicas={8 - k}",
+                                                         f"sparseloco:flipped={k},defence=off",
+                                                         f"sparseloco:flipped={k}")], []),
 }
+HOSTILE_SCALE = -1.9  # a hostile replica's contribution: its own, sign-flipped, at 1.9 x its length (clip: 2 x)
 
 
 def steps_at(speed: float, steps: int) -> int:
@@ -120,6 +142,7 @@ class Method:
     landing: Landing
     speeds: list[float] | None = None
     weighted: bool = True
+    flipped: int = 0  # the last this many replicas are hostile (``SignFlipped``)
 
 
 @dataclass(frozen=True)
@@ -139,10 +162,43 @@ class Pace:
         return sum(t for t, slow in zip(self.tokens, self.slow()) if slow) / sum(self.tokens)
 
     def slow_weight_share(self) -> float:
-        """The slow replicas' share of the weight in every round's mean (``robust.token_scales``; every round
-        trains the same steps)."""
-        scales = token_scales(self.tokens) if self.weighted else [1.0] * len(self.tokens)
+        """The slow replicas' share of the weight in every round's mean (``robust.weights``; every round trains the
+        same steps)."""
+        scales = weights([1.0] * len(self.tokens), self.tokens, 0.0)[0] if self.weighted else [1.0] * len(self.tokens)
         return sum(s for s, slow in zip(scales, self.slow()) if slow) / len(scales)
+
+
+@dataclass(frozen=True)
+class Byzantine:
+    """How often the reducers left out an honest and a hostile replica's contribution to a span (``opposed``)."""
+
+    replicas: int
+    flipped: int
+    defended: bool
+    honest_left_out: float  # share of the honest replicas' contributions to spans
+    hostile_left_out: float
+
+
+class SignFlipped(Communicator):
+    """A hostile replica: its contribution is its own pseudo-gradient sign-flipped and scaled (``HOSTILE_SCALE``),
+    well-formed and inside the clip bound, and claims a full round's tokens, the largest weight allowed. Its own
+    state (error feedback) is what an honest replica's would be: it attacks every round alike."""
+
+    def __init__(self, inner: Communicator, round_tokens: int):
+        self.inner, self.round_tokens = inner, round_tokens
+
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+        sliced = as_sliced(exchange, name)
+        for part in sliced.parts.values():
+            if isinstance(part, SparseExchange):
+                factor = np.float32(HOSTILE_SCALE)
+                part.compressed = [CompressedTensor(c.grid, c.indices, c.codes, np.float32(c.shift * factor),
+                                                    (c.table * factor).astype(np.float32)) for c in part.compressed]
+            elif isinstance(part, DenseMean):
+                part.values.mul_(HOSTILE_SCALE)
+            else:
+                raise SystemExit(f"flipped=K: a hostile {type(part).__name__} is not written (sparseloco, diloco)")
+        return self.inner.all_reduce(SlicedExchange(sliced.parts, self.round_tokens), round_index, name)
 
 
 class Setup:
@@ -161,6 +217,8 @@ class Setup:
         words = [setting for setting in settings.split(",") if setting]
         pairs = dict(word.split("=", 1) for word in words if "=" in word)
         words = [word for word in words if "=" not in word]
+        flipped = int(pairs.pop("flipped", "0"))
+        defended = pairs.pop("defence", "on") != "off"
         speeds, weighted = None, True
         if "speeds" in modifiers:
             speeds = [float(word) for word in words if is_number(word)]
@@ -171,10 +229,14 @@ class Setup:
         overlap = "overlap" in modifiers
         if not overlap and words:
             raise SystemExit(f"method {method!r}: unexpected {', '.join(words)}")
-        replicas = len(speeds) if speeds else self.replicas
+        replicas = len(speeds) if speeds else int(pairs.pop("replicas", self.replicas))
+        if not 0 <= flipped < replicas:
+            raise SystemExit(f"method {method!r}: flipped={flipped} of {replicas} replicas")
         c = self.config
         # the cosine spans the whole run, as in DDP
         overrides = [f"inner.total_steps={self.rounds * c.inner.steps}", f"training.rounds={self.rounds}"]
+        if not defended:
+            overrides.append("outer.drop_opposed=false")
         if seed:
             overrides += [f"training.seed={seed}", f"run_id={c.run_id}-seed{seed}"]
         landing = Landing(after=1, wait=True)
@@ -196,7 +258,7 @@ class Setup:
         else:
             overrides += [f"outer.algorithm={algorithm}", "pipeline.compression=none"]
         overrides += [f"outer.{algorithm}.{key}={value}" for key, value in pairs.items()]
-        return Method(with_overrides(c, overrides), kinds, landing, speeds, weighted)
+        return Method(with_overrides(c, overrides), kinds, landing, speeds, weighted, flipped)
 
 
 def is_number(word: str) -> bool:
@@ -243,18 +305,22 @@ def off_span_share(swarm: InProcessSwarm, config: Config, initial: dict[str, tor
     return (outside / total) ** 0.5
 
 
-Run = tuple[list[tuple[int, float]], int, int, float | None, Pace | None]
+Run = tuple[list[tuple[int, float]], int, int, float | None, Pace | None, Byzantine | None]
 
 
 def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
     """An outer method: the eval-loss curve (at outer rounds), all-reduce bytes per replica, the
-    stage-boundary bytes per pipeline group (0 without groups), the off-span share of the global update, and
-    what replicas of unequal speed trained (None without ``+speeds``)."""
+    stage-boundary bytes per pipeline group (0 without groups), the off-span share of the global update, what
+    replicas of unequal speed trained (None without ``+speeds``), and what the reducers left out of hostile
+    replicas' and honest ones' contributions (None without ``flipped=K``)."""
     plan = setup.method_config(method, seed)
     config = plan.config
     budgets = [FixedSteps(steps_at(speed, config.inner.steps)) for speed in plan.speeds] if plan.speeds else None
+    replicas = len(plan.kinds)
+    hostile = {i: partial(SignFlipped, round_tokens=config.round_tokens)
+               for i in range(replicas - plan.flipped, replicas)}
     swarm = build_swarm(config, plan.kinds, setup.data.train, landing=plan.landing, budgets=budgets,
-                        weighted=plan.weighted)
+                        weighted=plan.weighted, adversaries=hostile)
     initial = global_params(swarm)
     curve: list[tuple[int, float]] = []
 
@@ -271,7 +337,14 @@ def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
         spans = setup.rounds * len(swarm.replicas)
         pace = Pace(plan.speeds, swarm.steps, swarm.tokens, plan.weighted,
                     [swarm.clipped[f"replica-{i}"] / spans for i in range(len(swarm.replicas))])
-    return curve, all_reduce, boundary, off_span_share(swarm, config, initial), pace
+    byzantine = None
+    if plan.flipped:  # full replicas: each contributes to one span of every reducer a round
+        spans = setup.rounds * replicas  # one span of every reducer, its own included, each round
+        left_out = [swarm.opposed[f"replica-{i}"] for i in range(replicas)]
+        byzantine = Byzantine(replicas, plan.flipped, config.outer.drop_opposed,
+                              sum(left_out[: replicas - plan.flipped]) / (spans * (replicas - plan.flipped)),
+                              sum(left_out[replicas - plan.flipped:]) / (spans * plan.flipped))
+    return curve, all_reduce, boundary, off_span_share(swarm, config, initial), pace, byzantine
 
 
 def run_ddp(setup: Setup, seed: int = 0) -> Run:
@@ -309,7 +382,7 @@ def run_ddp(setup: Setup, seed: int = 0) -> Run:
                 curve.append((step + 1, evaluate(model, setup.eval, CPU)))
 
     run_in_threads(setup.replicas, replica)
-    return curve, sum(traffic) // setup.replicas, 0, None, None
+    return curve, sum(traffic) // setup.replicas, 0, None, None, None
 
 
 def main() -> None:
@@ -355,7 +428,8 @@ def main() -> None:
         print(json.dumps([{"method": m, "final_eval_loss": round(results[m][0][-1][1], 4),
                            "seeds": [round(curve[-1][1], 4) for curve, *_ in seeded], "rounds": args.rounds,
                            "replicas": len(pace.speeds) if pace else args.replicas,
-                           "all_reduce_bytes_per_replica": results[m][1], **pace_json(pace)}
+                           "all_reduce_bytes_per_replica": results[m][1], **pace_json(pace),
+                           **byzantine_json(results[m][5], honest_alone(results, m))}
                           for m, seeded in runs.items() for pace in [results[m][4]]], indent=1))
         return
 
@@ -377,7 +451,7 @@ def main() -> None:
     rows = [(m, f"{final[m]:.3f}", f"{100 * (final[m] / reference - 1):+.1f}%" if reference else "-",
              human_bytes(traffic), human_bytes(boundary) if boundary else "-",
              f"{outside:.3f}" if outside is not None else "-")
-            for m, (_, traffic, boundary, outside, _) in results.items()]
+            for m, (_, traffic, boundary, outside, *_) in results.items()]
     print(format_table(("method", "final eval loss", f"vs {against}", "all-reduce bytes per replica",
                         "stage-boundary bytes per group", "update off span(U)"), rows))
     overlapped = [m for m in final if "+overlap" in m and "+speeds" not in m and m.split("+")[0] in final]
@@ -397,6 +471,19 @@ def main() -> None:
              f"{sum(pace.tokens) / 1e6:.2f}M", f"{100 * pace.slow_tokens_share():.0f}%",
              f"{100 * pace.slow_weight_share():.0f}%", "/".join(f"{100 * c:.0f}%" for c in pace.clipped))
             for m, pace in paced.items()]))
+    attacked = {m: result[5] for m, result in results.items() if result[5] is not None}
+    if attacked:
+        print()
+        print(f"Sign-flipping replicas inside the clip bound, claiming a full round's tokens ({HOSTILE_SCALE} x their "
+              f"own pseudo-gradient), against the honest replicas alone; left out: a reducer's direction rule")
+        rows = []
+        for m, byzantine in attacked.items():
+            alone = honest_alone(results, m)
+            rows.append((m, byzantine.flipped, "on" if byzantine.defended else "off", f"{final[m]:.3f}",
+                         f"{alone:.3f}" if alone else "-", f"{100 * (final[m] / alone - 1):+.1f}%" if alone else "-",
+                         f"{100 * byzantine.honest_left_out:.1f}%", f"{100 * byzantine.hostile_left_out:.1f}%"))
+        print(format_table(("method", "hostile", "defence", "final eval loss", "honest alone", "vs honest alone",
+                            "honest spans left out", "hostile spans left out"), rows))
 
 
 def versus(final: dict[str, float], method: str) -> str:
@@ -411,6 +498,32 @@ def versus(final: dict[str, float], method: str) -> str:
     key = split(method)[0]
     alone = next((final[m] for m in final if "+speeds" in m and split(m) == (key, [1.0])), None)
     return f"{100 * (final[method] / alone - 1):+.1f}%" if alone else "-"
+
+
+def honest_alone(results: dict[str, Run], method: str) -> float | None:
+    """The final eval loss of an attacked method's honest replicas alone (``replicas=N - K`` with the same algorithm
+    and other settings), where it ran."""
+    byzantine = results[method][5]
+    if byzantine is None:
+        return None
+
+    def settings(m: str) -> tuple[str, list[str]]:
+        name, _, words = m.partition(":")
+        plan = ("flipped=", "defence=", "replicas=")
+        return name, sorted(w for w in words.split(",") if w and not w.startswith(plan))
+
+    wanted = f"replicas={byzantine.replicas - byzantine.flipped}"
+    return next((result[0][-1][1] for other, result in results.items()
+                 if result[5] is None and settings(other) == settings(method) and wanted in other.split(":")[-1]), None)
+
+
+def byzantine_json(byzantine: Byzantine | None, alone: float | None) -> dict:
+    if byzantine is None:
+        return {}
+    return {"flipped": byzantine.flipped, "defended": byzantine.defended,
+            "honest_left_out_share": round(byzantine.honest_left_out, 4),
+            "hostile_left_out_share": round(byzantine.hostile_left_out, 4),
+            "honest_alone_final_eval_loss": None if alone is None else round(alone, 4)}
 
 
 def pace_json(pace: Pace | None) -> dict:

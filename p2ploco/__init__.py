@@ -7,4 +7,4 @@ __version__ = "0.1.0"
 # out and why; votes report only peers rejected as malformed; records carry "unsettled".
 # 3: contributions are weighted by the tokens they were trained on (joins and groups carry them); peers behind a
 # NAT say so (joins, groups, records) and reduce no span.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4

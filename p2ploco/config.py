@@ -162,9 +162,12 @@ class OuterConfig:
     """The outer algorithm applied to the replicas' pseudo-gradients; each has its own section."""
 
     algorithm: Literal["sparseloco", "diloco", "loco", "streaming"] = "sparseloco"
-    # Each contribution to a span is scaled down to at most clip_factor x the median norm of the span's
-    # contributions before they are combined (a defence against poisoned updates); 0 turns clipping off.
+    # Each contribution to a span is scaled down to at most clip_factor x the median norm per token of the span's
+    # contributions, times its tokens, before they are combined (a defence against poisoned updates); 0: no clipping.
     clip_factor: float = 2.0
+    # A contribution that points against the others of its span (among three or more) is left out of it, and its
+    # sender banned by the reducers that catch it repeatedly (collective/robust.py, docs/design.md "Threat model").
+    drop_opposed: bool = True
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
     loco: LoCoConfig = field(default_factory=LoCoConfig)
@@ -245,13 +248,20 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def round_tokens(self) -> int:
+        """What a round can hold: H inner steps of the run's batch. No contribution weighs more (a peer's claim of
+        its tokens is capped by it, ``collective/robust.py``), so every peer of a run must share it."""
+        i = self.inner
+        return i.steps * i.batch_size * i.grad_accum * self.data.seq_len
+
     def swarm_fingerprint(self, data: str = "") -> str:
-        """Digest of what every peer of a round must share for identical global parameters (and the protocol
-        version their messages speak); ``data`` is ``TrainingData.fingerprint`` (a prepared corpus's digest, a
-        non-default tokenizer's, or "")."""
+        """Digest of what every peer of a round must share for identical global parameters and weights (and the
+        protocol version their messages speak); ``data`` is ``TrainingData.fingerprint`` (a prepared corpus's
+        digest, a non-default tokenizer's, or "")."""
         shared = {"model": dataclasses.asdict(self.model), "outer": dataclasses.asdict(self.outer),
                   "pipeline": dataclasses.asdict(self.pipeline), "seed": self.training.seed,
-                  "protocol": PROTOCOL_VERSION}
+                  "round_tokens": self.round_tokens, "protocol": PROTOCOL_VERSION}
         if data:
             shared["data"] = data
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]

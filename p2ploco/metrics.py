@@ -49,6 +49,8 @@ class RoundRecord:
     dht_bytes_received: int = 0
     dropped_peers: list[str] = field(default_factory=list)  # left out of the aggregate (bad or missing data)
     clipped_peers: list[str] = field(default_factory=list)  # whose contribution to this node's span was scaled down
+    # whose contribution to this node's span it left out: it pointed against the others' (collective/robust.py)
+    opposed_peers: list[str] = field(default_factory=list)
     update_norm: float = 0.0  # L2 norm of the change the round made to the global params (0 if not applied)
     applied: bool = True  # False: the round did not commit here (late, aborted, dropped); params unchanged
     excluded: bool = False  # True: others applied this round without this node (late or dropped): it catches up

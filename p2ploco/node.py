@@ -113,7 +113,8 @@ class Node:
         # The p2p daemon is a child process: start it before CUDA is initialised in this one.
         try:
             swarm = self.swarm = Swarm.join(c.run_id, c.swarm, fingerprint, **asdict(self.options),
-                                            role=self.role_options.kind, stages=c.pipeline.stages)
+                                            role=self.role_options.kind, stages=c.pipeline.stages,
+                                            round_tokens=c.round_tokens)
         except BaseException:
             if status is not None:
                 status[0].close()
@@ -274,7 +275,7 @@ class Node:
             bits_per_param=8 * comm.contribution_bytes / comm.params if comm.params else 0.0,
             tokens=inner_stats.tokens, inner_steps=inner_stats.steps, contributed_tokens=comm.tokens,
             inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
-            dropped_peers=comm.dropped, clipped_peers=comm.clipped,
+            dropped_peers=comm.dropped, clipped_peers=comm.clipped, opposed_peers=comm.opposed,
             update_norm=worker.outer.take_update_norm(),
             applied=comm.committed, excluded=comm.excluded, fragment_bytes=syncs, peak_sync_bytes=max(syncs),
             attempts=comm.attempts, failures=dict(Counter(str(failure) for failure in comm.failures)))
@@ -324,6 +325,7 @@ def progress_line(peer_id: str, r: RoundRecord) -> str:
     notes = "" if r.applied else " | NOT APPLIED"
     notes += f" | dropped {len(r.dropped_peers)}" if r.dropped_peers else ""
     notes += f" | clipped {len(r.clipped_peers)}" if r.clipped_peers else ""
+    notes += f" | left out {len(r.opposed_peers)} opposed" if r.opposed_peers else ""
     notes += " | redone" if r.attempts > 1 else ""
     traffic = r.bytes_sent + r.bytes_received
     saving = f", {r.dense_fp32_bytes / traffic:.0f}x under dense fp32" if traffic else ""

@@ -33,12 +33,16 @@ def sampler(config: Config) -> ShardSampler:
 def run_outer_replicas(outer: OuterConfig, shapes, replicas: int, rounds: int, noise: float, seed: int = 0,
                        slices: dict[str, list[int]] | None = None):
     """K replicas of one outer algorithm in threads over the in-process communicator; in each round every
-    replica's local params are the initial ones plus Gaussian noise of scale ``noise``. ``slices``: the
-    parameters as named slices (default: one)."""
+    replica's local params are the initial ones moved by ``noise`` times a Gaussian direction all replicas of the
+    round share plus one of their own, as honest replicas' progress does (the outer algorithms' defences leave
+    such contributions untouched). ``slices``: the parameters as named slices (default: one)."""
     generator = torch.Generator().manual_seed(seed)
     initial = [torch.randn(s, generator=generator) for s in shapes]
-    locals_per_round = [[[p + noise * torch.randn(p.shape, generator=generator) for p in initial]
-                         for _ in range(replicas)] for _ in range(rounds)]
+    locals_per_round = []
+    for _ in range(rounds):  # round by round, so that a longer run begins with a shorter one's rounds
+        shared = [torch.randn(p.shape, generator=generator) for p in initial]
+        locals_per_round.append([[p + noise * (direction + torch.randn(p.shape, generator=generator))
+                                  for p, direction in zip(initial, shared)] for _ in range(replicas)])
     group = InProcessGroup(replicas, timeout=60)
     algorithms = [build_outer(outer, initial, slices=slices) for _ in range(replicas)]
     stats = [[] for _ in range(replicas)]

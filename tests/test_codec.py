@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from p2ploco.collective.dense import DenseMean
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_alone, reduce_span
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_span
 from p2ploco.collective.inprocess import InProcessGroup
+from p2ploco.collective.sliced import reduce_alone
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.bitcodes import rice_decode, rice_encode
@@ -117,9 +118,9 @@ def test_the_reducer_decodes_each_contribution_once_and_never_its_own(layout, mo
     reducer = exchanges[1]
     reduction = reduce_span(reducer, whole, list(zip("abc", payloads)))
     assert len(decoded) == 2  # the others' contributions; its own is read from its compressed tensors
-    reducer.receive(whole, reduction.result_for(reducer, "b"), 1)
+    reducer.receive(whole, reduction.result_for(reducer, "b"), reduction.receipt_for("b"))
     assert len(decoded) == 2  # its own span's aggregate as it combined it: nothing decoded again
-    exchanges[0].receive(whole, reduction.result_for(reducer, "a"), 0)
+    exchanges[0].receive(whole, reduction.result_for(reducer, "a"), reduction.receipt_for("a"))
     assert len(decoded) == 4  # a relay recipient decodes the two contributions it lacks, once each
     assert np.array_equal(exchanges[0].output, reducer.output)
     assert exchanges[0].aggregate_digest() == reducer.aggregate_digest()
@@ -129,13 +130,15 @@ def test_the_union_is_built_only_when_it_may_be_smaller(layout, monkeypatch):
     whole = range(layout.num_chunks)
     built = counting(monkeypatch, "encode_union")
     independent = [SparseExchange(layout, replica(layout, seed), "mean") for seed in range(3)]
-    aggregate = independent[0].combine(whole, [independent[0].parse(whole, e.encode(whole)) for e in independent])
+    aggregate = independent[0].combine(whole, [independent[0].parse(whole, e.encode(whole)) for e in independent],
+                                       [1.0] * 3)
     assert not aggregate.union_may_win and built == []
     assert fmt.read_kind(layout, independent[0].result_for(aggregate, 0)) == fmt.RELAY
     generator = torch.Generator().manual_seed(9)
     tensors = [torch.randn(g.shape, generator=generator) for g in layout.grids]
     identical = [SparseExchange(layout, replica(layout, seed, tensors), "mean") for seed in range(6)]
-    aggregate = identical[0].combine(whole, [identical[0].parse(whole, e.encode(whole)) for e in identical])
+    aggregate = identical[0].combine(whole, [identical[0].parse(whole, e.encode(whole)) for e in identical],
+                                     [1.0] * 6)
     assert aggregate.union_may_win and len(built) == 1
     assert fmt.read_kind(layout, identical[0].result_for(aggregate, 0)) == fmt.UNION
     assert len(built) == 1  # built once, for every recipient
@@ -148,10 +151,12 @@ def test_relay_and_union_recipients_hold_the_same_digest(layout):
     exchanges = [SparseExchange(layout, replica(layout, seed, tensors if seed else None), "mean")
                  for seed in range(4)]
     whole = range(layout.num_chunks)
-    aggregate = exchanges[0].combine(whole, [exchanges[0].parse(whole, e.encode(whole)) for e in exchanges])
+    reduction = reduce_span(exchanges[0], whole, [(str(i), e.encode(whole)) for i, e in enumerate(exchanges)])
+    aggregate = reduction.aggregate
     by_relay, by_union = exchanges[1], exchanges[2]
-    by_relay.receive(whole, fmt.encode_relay(layout, [p for i, p in enumerate(aggregate.payloads) if i != 1]), 1)
-    by_union.receive(whole, aggregate.union, 2)
+    by_relay.receive(whole, fmt.encode_relay(layout, [p for i, p in enumerate(aggregate.payloads) if i != 1]),
+                     reduction.receipt_for("1"))
+    by_union.receive(whole, aggregate.union, reduction.receipt_for("2"))
     assert by_relay.aggregate_digest() == by_union.aggregate_digest()
     other = SparseExchange(layout, replica(layout, 0), "mean")
     reduce_alone(other)
@@ -183,7 +188,7 @@ def test_dense_digests_agree_on_the_same_results_and_differ_otherwise():
                   for i, span in enumerate(spans)]
     for j, exchange in enumerate(exchanges):
         for span, reduction in zip(spans, reductions):
-            exchange.receive(span, reduction.result_for(exchange, str(j)), j)
+            exchange.receive(span, reduction.result_for(exchange, str(j)), reduction.receipt_for(str(j)))
     assert exchanges[0].aggregate_digest() == exchanges[1].aggregate_digest()
     alone = DenseMean([tensors[0]])
     reduce_alone(alone)
@@ -256,7 +261,7 @@ def receive_round(exchanges: list[Exchange], parts: int) -> None:
     for reducer, span in zip(members, members[0].partition(parts)):
         reduction = reduce_span(reducer, span, [(str(i), e.encode(span)) for i, e in enumerate(members)])
         for i, exchange in enumerate(members):
-            exchange.receive(span, reduction.result_for(reducer, str(i)), reduction.own_position(str(i)))
+            exchange.receive(span, reduction.result_for(reducer, str(i)), reduction.receipt_for(str(i)))
 
 
 @pytest.mark.parametrize("kind", ["sparse", "dense"])

@@ -85,9 +85,13 @@ def test_bad_config_files(tmp_path):
 def test_fingerprint_covers_what_peers_must_share():
     base = Config()
     other_outer = load_config(None, ["outer.sparseloco.lr=0.5"])
-    other_inner = load_config(None, ["inner.lr=1e-3", "inner.batch_size=4"])
+    other_inner = load_config(None, ["inner.lr=1e-3", "inner.warmup_steps=7", "inner.fixed_steps=true"])
+    other_batch = load_config(None, ["inner.batch_size=4"])
     assert base.swarm_fingerprint() != other_outer.swarm_fingerprint()
-    assert base.swarm_fingerprint() == other_inner.swarm_fingerprint()  # inner settings may differ per peer
+    assert base.swarm_fingerprint() == other_inner.swarm_fingerprint()  # how a peer trains may differ per peer
+    # what a round can hold may not: it caps every contribution's weight (Config.round_tokens)
+    assert base.swarm_fingerprint() != other_batch.swarm_fingerprint()
+    assert other_batch.round_tokens * 2 == base.round_tokens
 
 
 def test_peers_that_speak_another_protocol_version_have_another_fingerprint(monkeypatch):

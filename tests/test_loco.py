@@ -14,9 +14,11 @@ from helpers import CPU, TOKENS, run_outer_replicas, sampler, small_config
 
 from p2ploco import checkpoint
 from p2ploco.build import build_replica
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_alone, reduce_span
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_span
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.lowbit import HEADER, LowBitMean
+from p2ploco.collective.robust import UNBOUNDED, Policy
+from p2ploco.collective.sliced import reduce_alone
 from p2ploco.compression.groupwise import GroupLayout, compensate, quantize
 from p2ploco.config import LoCoConfig, OuterConfig
 from p2ploco.data import ShardSampler
@@ -161,10 +163,9 @@ def test_a_grid_of_extreme_scales_round_trips_exactly():
     assert float(tiny.scales[0]) == 0.0 and not tiny.codes.any()
 
 
-def exchange_of(values: torch.Tensor, bits: int = 4, clip_factor: float = 0.0) -> LowBitMean:
+def exchange_of(values: torch.Tensor, bits: int = 4, policy: Policy = UNBOUNDED) -> LowBitMean:
     layout = GroupLayout(SHAPES, 16)
-    return LowBitMean(layout, bits, quantize(values, layout.lengths, bits), torch.zeros(layout.numel), 0.8,
-                      clip_factor)
+    return LowBitMean(layout, bits, quantize(values, layout.lengths, bits), torch.zeros(layout.numel), 0.8, policy)
 
 
 SPAN = range(30, 37)  # groups of 16, the tensor's 1-value tail, and the next tensor's: an odd count of values
@@ -225,32 +226,33 @@ def test_malformed_contributions_and_results_are_refused():
     values = torch.randn(GroupLayout(SHAPES, 16).numel, generator=torch.Generator().manual_seed(3))
     exchange = exchange_of(values)
     good = exchange.encode(SPAN)
-    result = exchange.combine(SPAN, [exchange.parse(SPAN, good)])
+    reduction = reduce_span(exchange, SPAN, [("me", good)])
+    result, receipt = reduction.result_for(exchange, "me"), reduction.receipt_for("me")
     for bad, why in malformed(good, result):
         with pytest.raises(PayloadError, match=why):
             exchange.parse(SPAN, bad)
     for bad, why in malformed(result, good):  # the same checks on a result, which must say it is one
         with pytest.raises(PayloadError, match=why):
-            exchange.receive(SPAN, bad, None)
+            exchange.receive(SPAN, bad, receipt)
     huge = with_scale(result, 0, 0x7F000000)  # 1.7e38: a norm no mean of bounded contributions has
     with pytest.raises(PayloadError, match="absurdly large"):
-        exchange.receive(SPAN, huge, None)
+        exchange.receive(SPAN, huge, receipt)
     assert torch.isnan(exchange.output).all()  # nothing malformed was stored
-    exchange.receive(SPAN, result, None)
+    exchange.receive(SPAN, result, receipt)
 
 
 def test_a_reducer_drops_a_malformed_sender_and_clips_a_huge_one():
     layout = GroupLayout(SHAPES, 16)
     generator = torch.Generator().manual_seed(4)
-    honest = [exchange_of(torch.randn(layout.numel, generator=generator), clip_factor=2.0) for _ in range(3)]
-    hostile = exchange_of(torch.randn(layout.numel, generator=generator) * 1e6, clip_factor=2.0)
+    honest = [exchange_of(torch.randn(layout.numel, generator=generator), policy=Policy(2.0)) for _ in range(3)]
+    hostile = exchange_of(torch.randn(layout.numel, generator=generator) * 1e6, policy=Policy(2.0))
     whole = range(layout.num_groups)
     contributions = [(f"p{i}", e.encode(whole)) for i, e in enumerate(honest)]
     contributions += [("huge", hostile.encode(whole)), ("garbage", b"LQ" + b"\0" * 40)]
     reduction = reduce_span(honest[0], whole, contributions)
     assert reduction.included == ["p0", "p1", "p2", "huge"] and list(reduction.rejected) == ["garbage"]
     assert reduction.clipped == ["huge"]
-    honest[0].receive(whole, reduction.result_for(honest[0], "p0"), 0)
+    honest[0].receive(whole, reduction.result_for(honest[0], "p0"), reduction.receipt_for("p0"))
     mean = torch.cat([t.reshape(-1) for t in honest[0].mean()])
     typical = max(float(e.sent.decode().norm()) for e in honest)
     assert float(mean.norm()) < 2 * typical  # the 1e6 contribution counted as at most twice the median

@@ -34,7 +34,8 @@ REPLICAS, ROUNDS = 3, 4
 def overlap_config(algorithm: str, *overrides: str):
     return load_config("configs/tiny.yaml", [
         "model.d_model=32", "model.n_head=2", "model.n_layer=1", "model.max_seq_len=16", "data.seq_len=16",
-        "inner.steps=2", "inner.batch_size=2", "outer.clip_factor=0", f"outer.algorithm={algorithm}",
+        "inner.steps=2", "inner.batch_size=2", "outer.clip_factor=0", "outer.drop_opposed=false",
+        f"outer.algorithm={algorithm}",
         f"outer.{algorithm}.overlap=true", "outer.sparseloco.topk=8", "outer.sparseloco.chunk_size=16",
         # the schedules written out here aggregate exactly (resparsified results: tests/test_sparseloco.py)
         "outer.sparseloco.result=exact", *overrides])

@@ -4,10 +4,10 @@ import torch
 
 from p2ploco.budget import FixedSteps, StepTimes, WallClockBudget
 from p2ploco.collective.dense import DenseMean
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_alone
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
 from p2ploco.collective.inprocess import InProcessGroup
-from p2ploco.collective.robust import token_scales
-from p2ploco.collective.sliced import SlicedExchange
+from p2ploco.collective.robust import weights
+from p2ploco.collective.sliced import SlicedExchange, reduce_alone
 from p2ploco.config import DiLoCoConfig
 from p2ploco.outer.diloco import DiLoCo
 from p2ploco.pipeline.inprocess import run_in_threads
@@ -38,9 +38,13 @@ def test_contributions_weigh_the_tokens_they_were_trained_on():
     assert not torch.equal(weighted, all_reduce([a, b, c], [1, 1, 1]))
 
 
-def test_a_claim_of_absurd_tokens_weighs_at_most_four_times_the_median():
-    assert token_scales([1000, 1000, 10**12]) == token_scales([1000, 1000, 4000]) == [0.5, 0.5, 2.0]
-    assert token_scales([5, 5]) == [1.0, 1.0] and token_scales([]) == []
+def test_weights_are_the_tokens_share_and_a_claim_weighs_at_most_a_full_round():
+    assert weights([1.0, 1.0, 1.0], [1000, 1000, 4000], 0.0)[0] == [0.5, 0.5, 2.0]
+    assert weights([1.0, 1.0], [5, 5], 2.0)[0] == [1.0, 1.0] and weights([], [], 2.0) == ([], [])
+    # A peer that owes a missed round's tokens claims them with the next contribution, up to a round's worth.
+    outer = DiLoCo([torch.zeros(3)], DiLoCoConfig(), round_tokens=4000)
+    outer.unapplied_tokens = 10**12
+    assert outer.weigh(1000) == 4000
 
 
 class NotApplied(Communicator):

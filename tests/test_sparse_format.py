@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from p2ploco.collective.exchange import reduce_span
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.bitcodes import rice_decode, rice_encode
@@ -71,12 +72,12 @@ def test_rice_coder_round_trip():
 
 
 def receive_all(layout, compressed_list, results_for):
-    """Every replica receives every span's result; returns their outputs."""
+    """Every replica receives every span's result (with its receipt); returns their outputs."""
     outputs = []
     for rank, compressed in enumerate(compressed_list):
         exchange = SparseExchange(layout, compressed, "mean")
-        for span, (result, own) in results_for(rank).items():
-            exchange.receive(span, result, own)
+        for span, (result, receipt) in results_for(rank).items():
+            exchange.receive(span, result, receipt)
         outputs.append(exchange.output)
     return outputs
 
@@ -86,10 +87,13 @@ def test_relay_and_union_results_give_the_same_bits(layout, replicas, identical)
     compressed_list = [compressed_replica(0 if identical else seed, layout)[0] for seed in range(replicas)]
     exchanges = [SparseExchange(layout, c, "mean") for c in compressed_list]
     whole = range(layout.num_chunks)
-    aggregate = exchanges[0].combine(whole, [exchanges[0].parse(whole, e.encode(whole)) for e in exchanges])
+    reduction = reduce_span(exchanges[0], whole, [(str(i), e.encode(whole)) for i, e in enumerate(exchanges)])
+    aggregate = reduction.aggregate
     relay_outputs = receive_all(layout, compressed_list, lambda rank: {
-        whole: (fmt.encode_relay(layout, [p for i, p in enumerate(aggregate.payloads) if i != rank]), rank)})
-    union_outputs = receive_all(layout, compressed_list, lambda rank: {whole: (aggregate.union, rank)})
+        whole: (fmt.encode_relay(layout, [p for i, p in enumerate(aggregate.payloads) if i != rank]),
+                reduction.receipt_for(str(rank)))})
+    union_outputs = receive_all(layout, compressed_list,
+                                lambda rank: {whole: (aggregate.union, reduction.receipt_for(str(rank)))})
     for out in relay_outputs + union_outputs:
         assert np.array_equal(out, relay_outputs[0])
     chosen = fmt.read_kind(layout, exchanges[0].result_for(aggregate, 0))
@@ -155,7 +159,8 @@ def test_malformed_results_are_refused(layout):
     compressed_list = [compressed_replica(seed, layout)[0] for seed in range(3)]
     exchanges = [SparseExchange(layout, c, "mean") for c in compressed_list]
     whole = range(layout.num_chunks)
-    aggregate = exchanges[0].combine(whole, [exchanges[0].parse(whole, e.encode(whole)) for e in exchanges])
+    reduction = reduce_span(exchanges[0], whole, [(str(i), e.encode(whole)) for i, e in enumerate(exchanges)])
+    aggregate = reduction.aggregate
     relay = fmt.encode_relay(layout, aggregate.payloads[1:])
     receiver = exchanges[0]
     cases = {
@@ -169,7 +174,7 @@ def test_malformed_results_are_refused(layout):
     }
     for name, result in cases.items():
         with pytest.raises(PayloadError):
-            receiver.receive(whole, result, 0)
+            receiver.receive(whole, result, reduction.receipt_for("0"))
         assert name  # every case raised
 
 

@@ -278,7 +278,7 @@ def test_a_member_whose_contribution_is_left_out_applies_the_same_resparsified_a
         reduction = reduce_span(exchanges[reducer], span, list(zip(names, payloads)))
         assert reduction.included == ["a", "b"] and "c" in reduction.rejected
         for name, exchange in zip(names, exchanges):
-            exchange.receive(span, reduction.result_for(exchanges[reducer], name), reduction.own_position(name))
+            exchange.receive(span, reduction.result_for(exchanges[reducer], name), reduction.receipt_for(name))
     assert len({e.aggregate_digest() for e in exchanges}) == 1  # one aggregate, c's included
     assert np.array_equal(exchanges[0].output, exchanges[2].output)
     assert np.count_nonzero(exchanges[2].output) > 0

@@ -16,7 +16,7 @@ from helpers import CPU, TOKENS, small_config
 
 from p2ploco import checkpoint
 from p2ploco.build import build_replica
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
+from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_span
 from p2ploco.collective.fp4 import GROUP_SIZE, HEADER, E3M0Mean
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.compression import e3m0
@@ -82,8 +82,8 @@ def test_extreme_scales_round_trip_and_tiny_groups_become_zeros():
     assert np.array_equal(again, nibbles) and torch.equal(again_scales, scales)
 
 
-def exchange_of(values: torch.Tensor, clip_factor: float = 0.0) -> E3M0Mean:
-    return E3M0Mean([values], clip_factor)
+def exchange_of(values: torch.Tensor) -> E3M0Mean:
+    return E3M0Mean([values])
 
 
 def malformed(good: bytes, count: int) -> list[tuple[bytes, str]]:
@@ -130,12 +130,13 @@ def test_malformed_contributions_and_results_are_refused():
         low[i] = (min(nibbles[0] & 7, 6) | nibbles[0] & 8) << 4 | (min(nibbles[1] & 7, 6) | nibbles[1] & 8)
     with pytest.raises(PayloadError, match="do not fit its scale"):
         exchange.parse(whole, bytes(low))
-    result = exchange.combine(whole, [exchange.parse(whole, good)])
-    exchange.receive(whole, result, 0)
+    reduction = reduce_span(exchange, whole, [("me", good)])
+    result, receipt = reduction.result_for(exchange, "me"), reduction.receipt_for("me")
+    exchange.receive(whole, result, receipt)
     with pytest.raises(PayloadError):
-        exchange.receive(whole, good, 0)  # a contribution where a result is due
+        exchange.receive(whole, good, receipt)  # a contribution where a result is due
     with pytest.raises(PayloadError):
-        exchange.receive(whole, result[:-1], 0)
+        exchange.receive(whole, result[:-1], receipt)
 
 
 def test_the_reducer_averages_in_float32_and_everyone_decodes_the_same_bytes():
@@ -143,12 +144,13 @@ def test_the_reducer_averages_in_float32_and_everyone_decodes_the_same_bytes():
     exchanges = [exchange_of(torch.randn(500, generator=generator)) for _ in range(3)]
     span = range(exchanges[0].num_units)
     parsed = [exchanges[0].parse(span, e.encode(span)) for e in exchanges]
-    result = exchanges[1].combine(span, parsed)
+    reduction = reduce_span(exchanges[1], span, [(str(i), e.encode(span)) for i, e in enumerate(exchanges)])
+    result = reduction.result_for(exchanges[1], "1")
     mean = (torch.from_numpy(parsed[0].values) + torch.from_numpy(parsed[1].values)
             + torch.from_numpy(parsed[2].values)) / 3
     nibbles, scales = e3m0.quantize(mean, exchanges[0].layout.lengths)
-    for e in exchanges:
-        e.receive(span, result, None)
+    for i, e in enumerate(exchanges):
+        e.receive(span, result, reduction.receipt_for(str(i)))
         assert torch.equal(e.mean()[0], e3m0.decode(nibbles, scales, e.layout.lengths))
     assert len({e.aggregate_digest() for e in exchanges}) == 1
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from p2ploco.collective import robust
-from p2ploco.collective.exchange import Exchange, Span, supersede
+from p2ploco.collective.exchange import Exchange, Receipt, Span, supersede
 from p2ploco.errors import PayloadError
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -30,15 +30,19 @@ class _Parsed:
     values: torch.Tensor  # float32
     norm: float  # of the values: what clipping compares
 
+    @property
+    def vector(self) -> robust.Vector:
+        return robust.Vector(self.values.numpy())
+
 
 class DenseMean(Exchange):
     """Units are single elements of the flattened tensors. Values travel as ``wire_dtype``; the reducer
-    bounds each contribution's norm by ``clip_factor`` times the span's median (``collective/robust.py``;
-    0: no clipping), sums them in float32, in the group's order, divides by the count and sends the mean
-    as ``wire_dtype``."""
+    weighs and bounds each contribution as ``policy`` says (``collective/robust.py``), sums them in float32, in the
+    group's order, divides by the count and sends the mean as ``wire_dtype``."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], wire_dtype: str = "float32", clip_factor: float = 0.0):
-        self.clip_factor = clip_factor
+    def __init__(self, tensors: Sequence[torch.Tensor], wire_dtype: str = "float32",
+                 policy: robust.Policy = robust.UNBOUNDED):
+        self.policy = policy
         self.shapes = [t.shape for t in tensors]
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.itemsize = torch.empty(0, dtype=self.wire_dtype).element_size()
@@ -49,7 +53,7 @@ class DenseMean(Exchange):
         self._taking = threading.Lock()  # spans are received in parallel (executor threads)
 
     def fingerprint(self) -> str:
-        return f"dense-mean/{self.wire_dtype}/{self.num_units}/clip{self.clip_factor:g}/digest2"
+        return f"dense-mean/{self.wire_dtype}/{self.num_units}/{self.policy.fingerprint()}/digest3"
 
     def unit_at(self, element: int) -> int:
         return element
@@ -78,33 +82,29 @@ class DenseMean(Exchange):
             raise PayloadError("dense payload holds NaN or Inf values")
         return values
 
-    def combine(self, span: Span, contributions: Sequence[_Parsed], scales: Sequence[float] | None = None) -> bytes:
-        bounded = robust.clip([c.values.numpy() for c in contributions], [c.norm for c in contributions],
-                              self.clip_factor, scales)
+    def combine(self, span: Span, contributions: Sequence[_Parsed], factors: Sequence[float]) -> bytes:
+        bounded = [robust.scaled(c.values.numpy(), f) for c, f in zip(contributions, factors, strict=True)]
         total = torch.from_numpy(bounded[0]).clone()
         for values in bounded[1:]:
             total.add_(torch.from_numpy(values))
         return tensor_to_bytes(total.div_(len(contributions)).to(self.wire_dtype))
 
-    def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:
-        return robust.clipped([c.norm for c in contributions], self.clip_factor)
-
     def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
         return aggregate  # every recipient gets the same mean
 
-    def receive(self, span: Span, result: bytes, own: int | None, scales: Sequence[float] | None = None) -> None:
+    def receive(self, span: Span, result: bytes, receipt: Receipt) -> None:
         values = self._decode(span, result)
-        robust.norm(values.numpy())  # a mean of bounded contributions is bounded too: refuse an absurd one
+        self.check(span, robust.Vector(values.numpy()), receipt)
         self.output[span.start : span.stop] = values
         if len(span):  # an empty span holds nothing (a group larger than the units makes some)
-            digest = hashlib.sha256(result).digest()
+            digest = hashlib.sha256(receipt.digest() + result).digest()
             with self._taking:
                 supersede(self._digests, span)
                 self._digests[span] = digest
 
     def aggregate_digest(self) -> str:
-        """sha256 of the spans' result bytes (every recipient of a span gets the same), in span order: hashed
-        as they arrive, in parallel, and in the wire dtype, rather than the whole float32 output at the end."""
+        """sha256 of the spans' receipts and result bytes (every recipient of a span gets the same), in span order:
+        hashed as they arrive, in parallel, and in the wire dtype, rather than the whole float32 output at the end."""
         digest = hashlib.sha256()
         for span in sorted(self._digests, key=lambda s: s.start):
             digest.update(f"{span.start}:{span.stop}:".encode() + self._digests[span])

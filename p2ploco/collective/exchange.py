@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from p2ploco.collective import robust
 from p2ploco.errors import PayloadError
+
+if TYPE_CHECKING:  # a round's slices, each an exchange: only named here
+    from p2ploco.collective.sliced import SlicedExchange
 
 Span = range  # a contiguous run of units; the i-th span of a group is reduced by its i-th peer
 PIECE_BYTES = 4 << 20  # a span is reduced, and travels, in pieces of at most this much payload
@@ -84,15 +90,17 @@ class Exchange(ABC):
     def parse(self, span: Span, payload: bytes) -> Any:
         """Check and decode a contribution from any replica; raise PayloadError if it is malformed."""
 
-    @abstractmethod
-    def combine(self, span: Span, contributions: Sequence[Any], scales: Sequence[float] | None = None) -> Any:
-        """The aggregate of parsed contributions, given in the group's canonical order, each one bounded
-        first (``collective/robust.py``) so that no single contribution can poison it, then weighted by its
-        factor in ``scales`` (``robust.token_scales``: the tokens its peer trained)."""
+    policy: robust.Policy  # how a reducer bounds the contributions (part of the fingerprint)
 
-    def clipped(self, contributions: Sequence[Any]) -> list[int]:
-        """Positions of the parsed contributions that ``combine`` scales down (reported, not acted on)."""
-        return []
+    @abstractmethod
+    def combine(self, span: Span, contributions: Sequence[Any], factors: Sequence[float]) -> Any:
+        """The aggregate of parsed contributions, given in the group's canonical order, each one multiplied by its
+        float32 factor first (``robust.weights``: its weight in the mean times its clipping scale). A result that
+        is quantized again is kept within ``limit`` of them (``robust.bounded``)."""
+
+    def limit(self, factors: Sequence[float], norms: Sequence[float]) -> float:
+        """The longest the aggregate of contributions of ``norms`` with these ``factors`` can be (a mean's bound)."""
+        return robust.mean_limit(factors, norms)
 
     @abstractmethod
     def result_for(self, aggregate: Any, omit: int | None) -> bytes:
@@ -100,13 +108,49 @@ class Exchange(ABC):
         among them). A result may leave out what the recipient already holds, such as its own payload."""
 
     @abstractmethod
-    def receive(self, span: Span, result: bytes, own: int | None, scales: Sequence[float] | None = None) -> None:
-        """Take a span's aggregate from ``result_for(..., omit=own)``; raise PayloadError if it is malformed.
-        ``scales``: the included contributions' weight factors, for a result that relays them to be combined."""
+    def receive(self, span: Span, result: bytes, receipt: Receipt) -> None:
+        """Take a span's aggregate from ``result_for(..., omit=receipt.own)``; raise PayloadError if it is malformed,
+        longer than the contributions the reducer's ``receipt`` names allow, or points against this replica's own
+        contribution (``check``)."""
+
+    def check(self, span: Span, values: robust.Vector, receipt: Receipt) -> None:
+        """PayloadError unless a reducer's result (``values``) is what its ``receipt`` allows: the norm it names for
+        this replica's own contribution is the true one, the result is no longer than the combined contributions
+        allow, and (``Policy.drop_opposed``) it does not point against this replica's own contribution (unless the
+        reducer left that out)."""
+        factors, _ = robust.weights(receipt.norms, receipt.tokens, self.policy.clip_factor)
+        robust.check_result(values.values, self.limit(factors, receipt.norms))
+        if receipt.own is None:
+            return
+        own = self.parse(span, self.encode(span))  # as any reducer decodes it
+        if receipt.norms[receipt.own] != own.norm:
+            raise PayloadError(f"a receipt that names norm {receipt.norms[receipt.own]:.6g} for this peer's "
+                               f"contribution, which has norm {own.norm:.6g}")
+        if self.policy.drop_opposed:
+            robust.check_direction(own.vector, values)
 
     @abstractmethod
     def aggregate_digest(self) -> str:
         """Hash of the whole received aggregate: equal on every replica that received the same one."""
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What a reducer's answer says of a span's aggregate besides its bytes, the same to every member: the norms of
+    the contributions it combined and their tokens (canonical order), and how many it left out as pointing against
+    the others. A recipient checks the result against them (``Exchange.check``), and their digest is part of the
+    aggregate's, so all members that commit a round held the same receipt. ``own``: the recipient's position among
+    the combined contributions (None: not among them)."""
+
+    norms: tuple[float, ...]
+    tokens: tuple[int, ...]
+    own: int | None
+    opposed: int = 0
+
+    def digest(self) -> bytes:
+        """The receipt as every member must hold it (``own`` aside): count, norms (float64), tokens, opposed."""
+        return (struct.pack("<QQ", len(self.norms), self.opposed) + np.asarray(self.norms, "<f8").tobytes()
+                + np.asarray(self.tokens, "<u8").tobytes())
 
 
 def supersede(received: dict[Span, Any], span: Span) -> None:
@@ -120,12 +164,17 @@ def supersede(received: dict[Span, Any], span: Span) -> None:
 class SpanReduction:
     aggregate: Any  # the exchange's combined value; result_for turns it into bytes for a recipient
     included: list[str]  # senders whose contribution is in the aggregate, in canonical order
-    rejected: dict[str, str] = field(default_factory=dict)  # sender -> why it was dropped
+    norms: list[float]  # of the included contributions
+    tokens: list[int]  # the included contributions' weights (tokens their senders trained)
+    rejected: dict[str, str] = field(default_factory=dict)  # sender -> why it was dropped as malformed
     clipped: list[str] = field(default_factory=list)  # senders whose contribution was scaled down
-    scales: list[float] = field(default_factory=list)  # the included contributions' token-weight factors
+    opposed: list[str] = field(default_factory=list)  # senders left out: their contribution pointed against the rest
 
     def own_position(self, recipient: str) -> int | None:
         return self.included.index(recipient) if recipient in self.included else None
+
+    def receipt_for(self, recipient: str) -> Receipt:
+        return Receipt(tuple(self.norms), tuple(self.tokens), self.own_position(recipient), len(self.opposed))
 
     def result_for(self, exchange: Exchange, recipient: str) -> bytes:
         return exchange.result_for(self.aggregate, self.own_position(recipient))
@@ -133,38 +182,30 @@ class SpanReduction:
 
 def reduce_span(exchange: Exchange, span: Span, contributions: Sequence[tuple[str, bytes]],
                 tokens: Mapping[str, int] | None = None) -> SpanReduction:
-    """What the reducer of ``span`` does: parse every sender's payload, drop the malformed, combine the rest,
-    weighted by the tokens each sender trained (``tokens``: sender -> tokens; none: equal weights).
+    """What the reducer of ``span`` does (``collective/robust.py``): parse every sender's payload and drop the
+    malformed; leave out those that point against the others (``Policy.drop_opposed``); combine the rest, each
+    weighted by the tokens its sender trained (``tokens``: sender -> tokens; none: equal weights) and clipped to the
+    bound per token.
 
     ``contributions`` come in the group's canonical order, which fixes the order of the sum.
     """
-    parsed, included, rejected = [], [], {}
+    parsed, senders, rejected = [], [], {}
     for sender, payload in contributions:
         try:
             parsed.append(exchange.parse(span, payload))
-            included.append(sender)
+            senders.append(sender)
         except PayloadError as e:
             rejected[sender] = str(e)
     if not parsed:
         raise PayloadError(f"no valid contribution for span {span.start}:{span.stop}: {rejected}")
-    clipped = [included[i] for i in exchange.clipped(parsed)]
-    scales = scales_of(included, tokens)
-    return SpanReduction(exchange.combine(span, parsed, scales), included, rejected, clipped, scales)
-
-
-def scales_of(included: Sequence[str], tokens: Mapping[str, int] | None) -> list[float]:
-    """The weight factor of each of the ``included`` senders' contributions (``robust.token_scales``)."""
-    return robust.token_scales([tokens[p] for p in included]) if tokens else [1.0] * len(included)
-
-
-def reduce_alone(exchange: Exchange) -> int:
-    """A replica with no partner: its aggregate is its own contribution, through the same codec.
-    Returns the size of that contribution."""
-    whole = range(exchange.num_units)
-    payload = exchange.encode(whole)
-    reduction = reduce_span(exchange, whole, [("self", payload)])
-    exchange.receive(whole, reduction.result_for(exchange, "self"), 0, reduction.scales)
-    return len(payload)
+    norms = [p.norm for p in parsed]
+    against = set(robust.opposed([p.vector for p in parsed], norms)) if exchange.policy.drop_opposed else set()
+    kept = [i for i in range(len(parsed)) if i not in against]
+    weights = [tokens[senders[i]] if tokens else 1 for i in kept]
+    factors, clipped = robust.weights([norms[i] for i in kept], weights, exchange.policy.clip_factor)
+    return SpanReduction(exchange.combine(span, [parsed[i] for i in kept], factors), [senders[i] for i in kept],
+                         [norms[i] for i in kept], weights, rejected, [senders[kept[i]] for i in clipped],
+                         [senders[i] for i in sorted(against)])
 
 
 class Failure(enum.StrEnum):
@@ -178,6 +219,7 @@ class Failure(enum.StrEnum):
     MALFORMED = "malformed"  # a peer sent what breaks the protocol (it is banned)
     REJECTED = "rejected"  # a reducer refused this peer's contribution as malformed: it was out of the round
     MISSED = "missed"  # a reducer went on without this peer's contribution (its link failed, or it was too late)
+    OPPOSED = "opposed"  # a reducer left this peer's contribution out: it pointed against the others'
     LATE = "late"  # the group had started without this peer
     LEFT_OUT = "left out"  # the coordinator left this peer out: another state than the others', or a pipeline
     # group that did not bring every stage
@@ -200,6 +242,7 @@ class AllReduceStats:
     committed: bool = True  # False: the round's aggregate must not be applied (late, aborted, dropped)
     excluded: bool = False  # this peer was left out (late or dropped) while others went on: it must catch up
     clipped: list[str] = field(default_factory=list)  # peers whose contribution to this peer's span was scaled down
+    opposed: list[str] = field(default_factory=list)  # peers this peer left out of its span: against the others'
     # bytes (sent + received) of each all-reduce the round was made of (Streaming DiLoCo: one per fragment);
     # empty: the round was one all-reduce
     sync_bytes: list[int] = field(default_factory=list)
@@ -235,12 +278,13 @@ class PendingAllReduce:
 
 class Communicator(ABC):
     @abstractmethod
-    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange | SlicedExchange, round_index: int, name: str) -> AllReduceStats:
         """Every replica of the round calls this with its own exchange; on return the exchange holds
         the same aggregate on every replica that took part. ``name`` tells apart the all-reduces of one
         round (parameter groups, fragments, stages)."""
 
-    def start_all_reduce(self, exchange: Exchange, round_index: int, name: str) -> PendingAllReduce:
+    def start_all_reduce(self, exchange: Exchange | SlicedExchange, round_index: int, name: str
+                         ) -> PendingAllReduce:
         """``all_reduce`` without waiting for it: the caller trains on and collects the result later. Here in
         a thread of its own (its group is known only when it ends); a transport that runs on an event loop
         schedules it there instead."""

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from p2ploco.collective import robust
 from p2ploco.collective.exchange import Span
 from p2ploco.collective.grouped import CONTRIBUTION, RESULT, GroupedMean, Parsed
 from p2ploco.compression import e3m0
@@ -39,32 +40,44 @@ MAGIC = b"F4"
 VERSION = 1
 HEADER = struct.Struct("<2sBBII")
 GROUP_SIZE = 128  # values per float32 scale: 0.25 extra bits per value
+E3M0_LENGTHENING = 4 / 3 * (1 + 2**-20)  # the most E3M0 lengthens a vector (float32 rounding of its scale aside)
 FLOAT32_INF = 0x7F800000  # bits of +inf: a non-negative finite float32 lies below it
 MIN_SCALE_BITS = int(np.array(e3m0.MIN_SCALE, dtype=np.float32).view(np.int32))
 
 
 class E3M0Mean(GroupedMean):
-    def __init__(self, tensors: Sequence[torch.Tensor], clip_factor: float = 0.0):
-        """``tensors``: this replica's pseudo-gradient of the slice (float32, CPU); ``clip_factor``: bound on each
-        contribution's norm, in multiples of the span's median (0: no clipping)."""
-        super().__init__(GroupLayout([t.shape for t in tensors], GROUP_SIZE), clip_factor)
+    def __init__(self, tensors: Sequence[torch.Tensor], policy: robust.Policy = robust.UNBOUNDED):
+        """``tensors``: this replica's pseudo-gradient of the slice (float32, CPU); ``policy``: how reducers bound
+        contributions (``collective/robust.py``)."""
+        super().__init__(GroupLayout([t.shape for t in tensors], GROUP_SIZE), policy)
         flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
         self.nibbles, self.scales = e3m0.quantize(flat, self.layout.lengths)
 
     def fingerprint(self) -> str:
-        return f"e3m0/{self.layout.digest}/clip{self.clip_factor:g}"
+        return f"e3m0/{self.layout.digest}/{self.policy.fingerprint()}/receipts"
 
     def max_payload_bytes(self, span: Span) -> int:
         return HEADER.size + 4 * len(span) + (self.numel(span) + 1) // 2
+
+    def limit(self, factors: Sequence[float], norms: Sequence[float]) -> float:
+        """A mean's bound, lengthened by what E3M0 may add: a value rounds to the nearer power of two of its group's
+        scale, at most 4/3 of itself (0.75 x 2^e rounds up to 2^e)."""
+        return robust.mean_limit(factors, norms) * E3M0_LENGTHENING
 
     def encode(self, span: Span) -> bytes:
         elements = self.layout.element_range(span)
         return self._encode(CONTRIBUTION, span, self.nibbles[elements.start : elements.stop],
                             self.scales[span.start : span.stop])
 
-    def combine(self, span: Span, contributions: Sequence[Parsed], scales: Sequence[float] | None = None) -> bytes:
-        nibbles, group_scales = e3m0.quantize(self.bounded_mean(contributions, scales),
-                                              self.layout.lengths[span.start : span.stop])
+    def combine(self, span: Span, contributions: Sequence[Parsed], factors: Sequence[float]) -> bytes:
+        mean = self.bounded_mean(contributions, factors)
+        lengths = self.layout.lengths[span.start : span.stop]
+
+        def quantize(scale: float) -> tuple[np.ndarray, tuple[np.ndarray, torch.Tensor]]:
+            nibbles, group_scales = e3m0.quantize(mean if scale == 1.0 else mean * scale, lengths)
+            return e3m0.decode(nibbles, group_scales, lengths).numpy(), (nibbles, group_scales)
+
+        nibbles, group_scales = robust.within(self.limit(factors, [c.norm for c in contributions]), quantize)
         return self._encode(RESULT, span, nibbles, group_scales)
 
     def _encode(self, kind: int, span: Span, nibbles: np.ndarray, scales: torch.Tensor) -> bytes:

@@ -1,14 +1,17 @@
 """What the exchanges of group-quantized values share (LoCo's ``lowbit.py``, Streaming DiLoCo's ``fp4.py``).
 
 Units are whole quantization groups (``compression/groupwise.py``'s layout). A reducer decodes every
-contribution, bounds it (``collective/robust.py``), sums them in float32 in the group's order, divides by
-their number and quantizes that mean again (each subclass its own way); every member, the reducer too,
-gets the same result bytes and decodes them into the same float32 aggregate.
+contribution, weighs and bounds it (``collective/robust.py``), sums them in float32 in the group's order, divides
+by their number and quantizes that mean again (each subclass its own way), scaled down where the quantized result
+would be longer than the contributions allow (``robust.within``: rounding can lengthen it, and so can LoCo's
+compensation buffer); every member, the reducer too, gets the same result bytes and decodes them into the same
+float32 aggregate.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 
 from p2ploco.collective import robust
-from p2ploco.collective.exchange import Exchange, Span
+from p2ploco.collective.exchange import Exchange, Receipt, Span, supersede
 from p2ploco.compression.groupwise import GroupLayout
 
 CONTRIBUTION, RESULT = 1, 2  # the kinds of payload: a sender's contribution, a reducer's result
@@ -28,12 +31,18 @@ class Parsed:
     values: np.ndarray  # float32, decoded
     norm: float  # of the values: what clipping compares
 
+    @property
+    def vector(self) -> robust.Vector:
+        return robust.Vector(self.values)
+
 
 class GroupedMean(Exchange):
-    def __init__(self, layout: GroupLayout, clip_factor: float):
-        self.layout, self.clip_factor = layout, clip_factor
+    def __init__(self, layout: GroupLayout, policy: robust.Policy):
+        self.layout, self.policy = layout, policy
         self.num_units = layout.num_groups
         self.output = torch.full((layout.numel,), float("nan"))  # NaN marks spans not yet received
+        self._receipts: dict[Span, bytes] = {}  # every span received -> its receipt's digest
+        self._taking = threading.Lock()  # spans are received in parallel (executor threads)
 
     @abstractmethod
     def decode(self, kind: int, span: Span, payload: bytes) -> np.ndarray:
@@ -52,29 +61,32 @@ class GroupedMean(Exchange):
         values = self.decode(CONTRIBUTION, span, payload)
         return Parsed(values, robust.norm(values))
 
-    def bounded_mean(self, contributions: Sequence[Parsed], scales: Sequence[float] | None = None) -> torch.Tensor:
-        """The float32 mean of the contributions, each clipped and weighted first, summed in their order."""
-        bounded = robust.clip([c.values for c in contributions], [c.norm for c in contributions], self.clip_factor,
-                              scales)
+    def bounded_mean(self, contributions: Sequence[Parsed], factors: Sequence[float]) -> torch.Tensor:
+        """The float32 mean of the contributions, each times its factor first, summed in their order."""
+        bounded = [robust.scaled(c.values, f) for c, f in zip(contributions, factors, strict=True)]
         total = torch.from_numpy(bounded[0]).clone()
         for values in bounded[1:]:
             total.add_(torch.from_numpy(values))
         return total.div_(len(contributions))
 
-    def clipped(self, contributions: Sequence[Parsed]) -> list[int]:
-        return robust.clipped([c.norm for c in contributions], self.clip_factor)
-
     def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
         return aggregate  # every recipient gets the same quantized mean
 
-    def receive(self, span: Span, result: bytes, own: int | None, scales: Sequence[float] | None = None) -> None:
+    def receive(self, span: Span, result: bytes, receipt: Receipt) -> None:
         values = self.decode(RESULT, span, result)
-        robust.norm(values)  # a mean of bounded contributions is bounded too: refuse an absurd one
+        self.check(span, robust.Vector(values), receipt)
         elements = self.layout.element_range(span)
         self.output[elements.start : elements.stop] = torch.from_numpy(values)
+        with self._taking:
+            supersede(self._receipts, span)
+            self._receipts[span] = receipt.digest()
 
     def aggregate_digest(self) -> str:
-        return hashlib.sha256(self.output.numpy().tobytes()).hexdigest()
+        """sha256 of the received aggregate and every span's receipt, in span order."""
+        digest = hashlib.sha256(self.output.numpy().tobytes())
+        for span in sorted(self._receipts, key=lambda span: span.start):
+            digest.update(self._receipts[span])
+        return digest.hexdigest()
 
     def mean(self) -> list[torch.Tensor]:
         """The aggregate, shaped like the input tensors (float32, CPU)."""

@@ -49,6 +49,7 @@ class InProcessGroup:
             sent, received, contributed, dense, params = ([0] * size for _ in range(5))
             peers: list[set[str]] = [set() for _ in range(size)]
             clipped: list[set[str]] = [set() for _ in range(size)]  # senders clipped in the spans a rank reduced
+            opposed: list[set[str]] = [set() for _ in range(size)]  # senders it left out: against the others
             dropped: set[str] = set()
             for slice_name in dict.fromkeys(s for plan in plans for s in plan):  # in order of first appearance
                 holders = [rank for rank in range(size) if slice_name in plans[rank]]
@@ -61,10 +62,10 @@ class InProcessGroup:
                                             {names[r]: self._tokens[r] for r in holders})
                     dropped.update(reduction.rejected)
                     clipped[reducer].update(reduction.clipped)
+                    opposed[reducer].update(reduction.opposed)
                     for rank, payload in zip(holders, payloads):
                         result = reduction.result_for(reducing, names[rank])
-                        plans[rank][slice_name].receive(span, result, reduction.own_position(names[rank]),
-                                                        reduction.scales)
+                        plans[rank][slice_name].receive(span, result, reduction.receipt_for(names[rank]))
                         contributed[rank] += len(payload)
                         if rank != reducer:
                             sent[rank] += len(payload)
@@ -80,7 +81,7 @@ class InProcessGroup:
             self._stats = [
                 AllReduceStats(sorted(peers[rank]), sent[rank], received[rank], dense[rank], contributed[rank],
                                params[rank], sorted(dropped), seconds,
-                               clipped=sorted(clipped[rank]), tokens=self._tokens[rank])
+                               clipped=sorted(clipped[rank]), opposed=sorted(opposed[rank]), tokens=self._tokens[rank])
                 for rank in range(size)
             ]
             self._error = None

@@ -28,6 +28,7 @@ first code in the high bits, the last byte padded with zero bits. Everything is 
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from p2ploco.collective import robust
 from p2ploco.collective.exchange import Span
 from p2ploco.collective.grouped import CONTRIBUTION, RESULT, GroupedMean, Parsed
 from p2ploco.compression.groupwise import SCALE_SPARE_BITS, GroupLayout, Quantized, compensate, max_code
@@ -57,32 +59,46 @@ class ReducerUpdate:
 
 class LowBitMean(GroupedMean):
     def __init__(self, layout: GroupLayout, bits: int, sent: Quantized, reducer_error: torch.Tensor, beta: float,
-                 clip_factor: float = 0.0):
+                 policy: robust.Policy = robust.UNBOUNDED):
         """``sent``: this replica's quantized contribution over the whole slice; ``reducer_error``: its
-        compensation buffer for the slice as a reducer (read, never written here); ``clip_factor``: bound on
-        each contribution's norm, in multiples of the span's median (0: no clipping)."""
-        super().__init__(layout, clip_factor)
+        compensation buffer for the slice as a reducer (read, never written here); ``policy``: how reducers bound
+        contributions (``collective/robust.py``)."""
+        super().__init__(layout, policy)
         self.bits, self.sent, self.beta, self.reducer_error = bits, sent, beta, reducer_error
         self.q = max_code(bits)
         self.reduced: ReducerUpdate | None = None
 
     def fingerprint(self) -> str:
-        return f"lowbit/{self.bits}/{self.layout.digest}/clip{self.clip_factor:g}"
+        return f"lowbit/{self.bits}/{self.layout.digest}/{self.policy.fingerprint()}/receipts"
 
     def max_payload_bytes(self, span: Span) -> int:
         return HEADER.size + 4 * len(span) + (self.numel(span) * self.bits + 7) // 8
+
+    def limit(self, factors: Sequence[float], norms: Sequence[float]) -> float:
+        """A mean's bound, lengthened by what quantizing it may add: a value moves by at most half its group's scale
+        (at most its largest magnitude over q, rounded up to 16 significant bits), so a group of L values by at most
+        sqrt(L) / (2q) of its norm."""
+        spread = math.sqrt(self.layout.group_size) / (2 * self.q) * (1 + 2**-14)
+        return robust.mean_limit(factors, norms) * (1 + spread)
 
     def encode(self, span: Span) -> bytes:
         elements = self.layout.element_range(span)
         return self._encode(CONTRIBUTION, span, self.sent.codes[elements.start : elements.stop],
                             self.sent.scales[span.start : span.stop])
 
-    def combine(self, span: Span, contributions: Sequence[Parsed], scales: Sequence[float] | None = None) -> bytes:
-        mean = self.bounded_mean(contributions, scales)
-        # LoCo at the reducer: its own buffer for this span compensates the re-quantization of the mean.
+    def combine(self, span: Span, contributions: Sequence[Parsed], factors: Sequence[float]) -> bytes:
+        mean = self.bounded_mean(contributions, factors)
+        # LoCo at the reducer: its own buffer for this span compensates the re-quantization of the mean (and keeps
+        # what the bound on the result leaves out, as it keeps what quantization drops).
         elements = self.layout.element_range(span)
-        quantized, error = compensate(mean, self.reducer_error[elements.start : elements.stop], self.beta,
-                                      self.layout.lengths[span.start : span.stop], self.bits)
+        buffer = self.reducer_error[elements.start : elements.stop]
+        lengths = self.layout.lengths[span.start : span.stop]
+
+        def quantize(scale: float) -> tuple[np.ndarray, tuple[Quantized, torch.Tensor]]:
+            quantized, error = compensate(mean, buffer, self.beta, lengths, self.bits, scale)
+            return quantized.decode().numpy(), (quantized, error)
+
+        quantized, error = robust.within(self.limit(factors, [c.norm for c in contributions]), quantize)
         self.reduced = ReducerUpdate(elements, error)
         return self._encode(RESULT, span, quantized.codes, quantized.scales)
 

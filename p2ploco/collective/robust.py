@@ -1,48 +1,90 @@
-"""Bounding every contribution before a reducer combines them, so one hostile or broken peer cannot
-poison the aggregate (templar's defence for SparseLoCo: median-norm clipping).
+"""What one contribution, or a minority of them, can do to a span's aggregate, and what a reducer's answer may be.
 
-The reducer of a span measures each contribution to it (the L2 norm of the values it carries over
-the span) and scales down every contribution whose norm exceeds ``factor`` times the median norm of
-the span's contributions. A peer that sends a well-formed update scaled by 1e6 thus moves the
-global parameters no further than an honest peer with ``factor`` times the typical norm would.
+A reducer combines the contributions to its span in four steps, the same on every peer (the reducer for its span,
+and a recipient of a relayed result, which recombines the contributions itself):
 
-Every peer must compute the same bits: the reducer for its span, and any recipient of a relayed
-result, which recombines the contributions itself. So the arithmetic is fixed, in this order:
+1. **Direction** (``opposed``). With three or more contributions, one that points against the others is left out:
+   its *agreement*, the sum of its cosines with each other contribution, is negative. Honest pseudo-gradients
+   share the descent direction (measured on tiny.yaml, 8 replicas: the cosine of a contribution with the sum of the
+   others' was at least 0.04 for SparseLoCo and 0.38 for DiLoCo over 1,920 spans), while a sign-flipped one has
+   a negative agreement as long as fewer than half of the others are flipped with it. At most a minority,
+   ``(n - 1) // 2``, the least agreeing first, is left out, so that a majority always decides. Every contribution
+   counts once whatever its weight or norm (unit vectors): a key has one say. ``Policy.drop_opposed`` turns it on.
+2. **Weight** (``weights``). Each kept contribution weighs the tokens its peer trained, as the group lists them,
+   capped by what a round can hold (``inner.steps`` of the run's batch, at the join: ``swarm/rounds.py``), so that
+   one key weighs at most one full peer: its factor in the mean is ``m * w_i / sum(w)`` over the m kept.
+3. **Norm per token** (``weights``). A contribution may have at most ``clip_factor`` times the lower median norm
+   per token of the kept contributions, times its own tokens: a fast peer is not clipped for having trained more
+   than a slow one, and a contribution that claims a full round's tokens may be as long as a full round's. It is
+   measured against the most tokens of the span (``norm * top / tokens``), so that with equal tokens the bound is
+   exactly ``clip_factor`` times the lower median norm and an honest uniform round keeps every bit. Above the bound
+   a contribution is multiplied by ``bound / norm``; that, times its weight factor, is rounded once to float32.
+4. **The result's bound** (``mean_limit``, ``selector_limit``). No aggregate of the kept, weighted, clipped
+   contributions can be longer than their factors times their norms allow: ``sum(f_i * c_i) / m`` for a mean, and
+   ``sqrt(sum((f_i * c_i)^2))`` for SparseLoCo's per-coordinate mean over the contributions that selected a
+   coordinate (a convex combination of them at every coordinate). A reducer's answer names the norms it combined
+   (``exchange.Answer``), every member checks its own and the result against the bound (``check_result``), and
+   the digest every member votes on covers the norms, so all members that commit held the same ones. A reducer
+   whose result is longer, or points against the recipient's own contribution (``check_direction``), is refused as
+   malformed: the recipient rejects and bans it, and accuses it in its vote.
 
-- norm: the float32 values widened to float64 (their squares are exact there), the squares summed
-  by numpy's pairwise summation, whose order depends only on the length (numpy is pinned), and a
-  float64 square root;
-- median: the lower median (the ceil(n/2)-th smallest norm), so that in a group of two the larger
-  contribution is bounded by the smaller one, whichever peer sent it;
-- bound: ``factor * median`` in float64; scale: ``bound / norm`` rounded once to float32; every value
-  of a clipped contribution is multiplied by that scale in float32.
+The arithmetic is fixed so that every peer computes the same bits: float32 values widened to float64 (products of
+two float32 values are exact there), sums in numpy's pairwise order, which depends only on the length (numpy is
+pinned), and the float64 results compared or rounded once.
 
-A contribution within the bound is left untouched, so an honest round's aggregate keeps every bit.
-
-Contributions are weighted by the tokens their peers trained (``token_scales``): a peer that fits a third of the
-steps into the round's time budget moves the mean a third as far. The weights are the group's (the coordinator
-lists every member's tokens), so every reducer and recipient uses the same ones; each is clamped to
-``MAX_WEIGHT_SPREAD`` times the group's lower median first, so a peer that claims absurd tokens weighs no more
-than that. A contribution's factor ``n * w_i / sum(w)`` is computed in float64 and, times its clipping scale,
-rounded once to float32; equal weights give factors of exactly 1.0, and such a round's aggregate is the plain
-mean to the bit.
 A contribution whose norm reaches ``MAX_NORM`` is refused outright (PayloadError, its sender is dropped):
-nothing trained in float32 produces it, and scaling it down would take factors near float32's
-subnormal range, where the scaled values lose their precision. With every contribution below
-``MAX_NORM``, a float32 sum of a group's clipped contributions cannot overflow.
+nothing trained in float32 produces it, and scaling it down would take factors near float32's subnormal range,
+where the scaled values lose their precision. With every contribution below ``MAX_NORM``, a float32 sum of a
+group's clipped contributions cannot overflow.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from p2ploco.errors import PayloadError
 
 MAX_NORM = 2.0**64
-MAX_WEIGHT_SPREAD = 4  # a contribution weighs at most this many times the group's lower-median tokens
+# A result may be this much longer than its bound: the float32 sums of a mean round, and a wire dtype's rounding
+# (bfloat16: 2^-8 per value) adds to that. A hostile reducer gains this much at most.
+RESULT_TOLERANCE = 1 / 64
+# A result whose cosine with the recipient's own contribution is below minus this points against it. An honest
+# result is the mean of contributions that agree with each other, this one's included: measured at least 0 on
+# tiny.yaml for every algorithm (docs/design.md, "Threat model"), against -0.1 and less for a sign-flipped one.
+DIRECTION_TOLERANCE = 0.02
+MAX_RESCALES = 4  # attempts of ``within`` to bring a quantized result under its bound
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a reducer bounds contributions: ``clip_factor`` times the lower median norm per token (0: no clipping),
+    and whether the direction counts (``drop_opposed``): a reducer leaves out contributions that point against the
+    others, and a member refuses a result that points against its own contribution. Every member of a round must
+    share it (it is part of the exchange's fingerprint)."""
+
+    clip_factor: float = 0.0
+    drop_opposed: bool = False
+
+    def fingerprint(self) -> str:
+        return f"clip{self.clip_factor:g}" + ("/opposed" if self.drop_opposed else "")
+
+
+UNBOUNDED = Policy()  # no clipping, nothing left out: the plain (weighted) mean
+
+
+@dataclass(frozen=True)
+class Vector:
+    """A contribution's values over a span: dense (``positions`` None: every element of the span, in order) or
+    sparse (float32 ``values`` at the sorted, unique int64 ``positions``)."""
+
+    values: np.ndarray
+    positions: np.ndarray | None = None
 
 
 def norm(values: np.ndarray) -> float:
@@ -54,41 +96,121 @@ def norm(values: np.ndarray) -> float:
     return result
 
 
-def bound(norms: Sequence[float], factor: float) -> float | None:
-    """The largest norm a contribution may keep: ``factor`` times the lower median of ``norms``. None when
-    nothing is clipped (clipping off, or a zero median that would erase every contribution)."""
-    if factor <= 0 or not norms:
-        return None
-    median = sorted(norms)[(len(norms) - 1) // 2]
-    return factor * median if median > 0 else None
+def opposed(vectors: Sequence[Vector], norms: Sequence[float]) -> list[int]:
+    """Positions of the contributions that point against the others, in order: those whose agreement (the sum of
+    their cosines with every other contribution) is negative, at most ``(n - 1) // 2`` of them, the least agreeing
+    first. None among fewer than three contributions: two that disagree cannot tell which one is wrong."""
+    n = len(vectors)
+    if n < 3:
+        return []
+    agreement = agreements(vectors, norms)
+    against = sorted((a, i) for i, a in enumerate(agreement) if a < 0)
+    return sorted(i for _, i in against[: (n - 1) // 2])
 
 
-def token_scales(tokens: Sequence[int]) -> list[float]:
-    """Each contribution's factor in the tokens-weighted mean of contributions that trained ``tokens``:
-    ``n * w_i / sum(w)`` of the weights clamped to [1, MAX_WEIGHT_SPREAD x lower median]. All 1.0 when the
-    weights are equal (or none are given)."""
-    if len(set(tokens)) <= 1:
-        return [1.0] * len(tokens)
-    cap = MAX_WEIGHT_SPREAD * max(1, sorted(tokens)[(len(tokens) - 1) // 2])
-    weights = [min(max(1, t), cap) for t in tokens]
-    total = sum(weights)
-    return [len(weights) * w / total for w in weights]
+def agreements(vectors: Sequence[Vector], norms: Sequence[float]) -> list[float]:
+    """For each contribution, the sum of its cosines with every other one (0 for a zero contribution): its unit
+    vector's dot product with the sum of all unit vectors, less its own square."""
+    scale = [1.0 / c if c > 0 else 0.0 for c in norms]
+    if all(v.positions is None for v in vectors):
+        total = np.zeros(len(vectors[0].values), dtype=np.float64)
+        for v, s in zip(vectors, scale):
+            total += v.values.astype(np.float64) * s
+        units = [v.values.astype(np.float64) * s for v, s in zip(vectors, scale)]
+        return [float(np.sum(u * total)) - float(np.sum(u * u)) for u in units]
+    positions = np.concatenate([v.positions for v in vectors])
+    units = [v.values.astype(np.float64) * s for v, s in zip(vectors, scale)]
+    coordinates, at = np.unique(positions, return_inverse=True)
+    total = np.bincount(at, weights=np.concatenate(units), minlength=len(coordinates))  # summed in order
+    bounds = np.cumsum([0] + [len(v.positions) for v in vectors])
+    return [float(np.sum(u * total[at[bounds[i] : bounds[i + 1]]])) - float(np.sum(u * u))
+            for i, u in enumerate(units)]
 
 
-def clip(values: Sequence[np.ndarray], norms: Sequence[float], factor: float,
-         scales: Sequence[float] | None = None) -> list[np.ndarray]:
-    """The contributions, each one above the bound scaled down to it, and each times its token weight's factor
-    (``token_scales``; none: all 1). One above the bound and weighted 1.0 is returned as it is."""
-    limit = bound(norms, factor)
-    scales = scales if scales is not None else [1.0] * len(values)
-    out = []
-    for v, n, s in zip(values, norms, scales, strict=True):
-        factor_here = s * (limit / n) if limit is not None and n > limit else s
-        out.append(v if factor_here == 1.0 else v * np.float32(factor_here))
-    return out
+def weights(norms: Sequence[float], tokens: Sequence[int], clip_factor: float) -> tuple[list[float], list[int]]:
+    """Each contribution's factor in the mean, rounded to float32 (its weight factor ``n * w_i / sum(w)`` times its
+    clipping scale), and the positions of those clipped to ``clip_factor`` times the lower median norm per token.
+    Factors are exactly 1.0 for contributions of equal tokens within the bound: such a round is the plain mean."""
+    n = len(norms)
+    if not n:
+        return [], []
+    total = sum(tokens)
+    scales = [1.0] * n if len(set(tokens)) <= 1 else [n * t / total for t in tokens]
+    top = max(tokens)
+    bound = None
+    if clip_factor > 0:
+        per_token = sorted(c * (top / t) for c, t in zip(norms, tokens))  # as if trained on the most tokens
+        median = per_token[(n - 1) // 2]
+        bound = clip_factor * median if median > 0 else None  # a zero median would erase every contribution
+    factors, clipped = [], []
+    for i, (c, t, s) in enumerate(zip(norms, tokens, scales, strict=True)):
+        limit = None if bound is None else bound * (t / top)
+        if limit is not None and c > limit:
+            clipped.append(i)
+            s *= limit / c
+        factors.append(float(np.float32(s)))
+    return factors, clipped
 
 
-def clipped(norms: Sequence[float], factor: float) -> list[int]:
-    """Positions of the contributions that ``clip`` scales down."""
-    limit = bound(norms, factor)
-    return [] if limit is None else [i for i, n in enumerate(norms) if n > limit]
+def scaled(values: np.ndarray, factor: float) -> np.ndarray:
+    """``values`` times a float32 ``factor`` (the very array when it is 1.0: an honest uniform round keeps its bits)."""
+    return values if factor == 1.0 else values * np.float32(factor)
+
+
+def mean_limit(factors: Sequence[float], norms: Sequence[float]) -> float:
+    """The longest a mean of contributions of these norms, weighted and clipped by these factors, can be."""
+    return sum(f * c for f, c in zip(factors, norms, strict=True)) / max(1, len(norms))
+
+
+def selector_limit(factors: Sequence[float], norms: Sequence[float]) -> float:
+    """The longest a per-coordinate mean over the contributions that selected each coordinate can be: at every
+    coordinate a convex combination of theirs, so its square is at most the sum of their squares."""
+    return math.sqrt(sum((f * c) ** 2 for f, c in zip(factors, norms, strict=True)))
+
+
+def within(limit: float, quantize: Callable[[float], tuple[np.ndarray, T]]) -> T:
+    """What ``quantize(scale)`` makes (``(decoded values, result)``) at the largest scale, 1 at most, whose decoded
+    values are no longer than ``limit``: a reducer that quantizes its span's mean again must not answer more than its
+    contributions allow, and rounding (E3M0's nearer power of two lengthens a value by up to 4/3, a group scale rounded
+    up) or a reducer's own error buffer (LoCo's, SparseLoCo's) can lengthen a result. Each retry scales by the excess
+    (quantization is nearly linear in its input's scale), so one or two are enough; zero as a last resort."""
+    scale = 1.0
+    for _ in range(MAX_RESCALES):
+        decoded, result = quantize(scale)
+        length = norm(decoded)
+        if length <= limit:
+            return result
+        scale *= limit / length * (1 - 2**-10)
+    return quantize(0.0)[1]
+
+
+def check_result(values: np.ndarray, limit: float) -> float:
+    """The norm of a reducer's result; PayloadError if it is longer than the contributions it names allow."""
+    length = norm(values)
+    if length > limit * (1 + RESULT_TOLERANCE):
+        raise PayloadError(f"an aggregate of norm {length:.4g} where the contributions it names allow at most "
+                           f"{limit:.4g}")
+    return length
+
+
+def cosine(a: Vector, b: Vector) -> float:
+    """The cosine of two vectors over one span (0 if either is zero)."""
+    if a.positions is None and b.positions is None:
+        dot = float(np.sum(a.values.astype(np.float64) * b.values.astype(np.float64)))
+    else:
+        common, at_a, at_b = np.intersect1d(positions_of(a), positions_of(b), assume_unique=True,
+                                            return_indices=True)
+        dot = float(np.sum(a.values[at_a].astype(np.float64) * b.values[at_b].astype(np.float64)))
+    lengths = norm(a.values) * norm(b.values)
+    return dot / lengths if lengths > 0 else 0.0
+
+
+def positions_of(v: Vector) -> np.ndarray:
+    return v.positions if v.positions is not None else np.arange(len(v.values))
+
+
+def check_direction(own: Vector, result: Vector) -> None:
+    """PayloadError if a reducer's result points against the recipient's own contribution to the span."""
+    c = cosine(own, result)
+    if c < -DIRECTION_TOLERANCE:
+        raise PayloadError(f"an aggregate that points against this peer's own contribution (cosine {c:.3f})")

@@ -5,8 +5,8 @@ sender's contribution and answers each recipient with whichever result encoding 
 included contributions relayed (without the recipient's own, which it re-inserts) or their union
 with the aggregated float32 values. Both are exact and both end in the same bits: the aggregate is
 computed by the same function, over the same contributions, in the same order. Before they are
-combined, contributions above ``clip_factor`` times the span's median norm are scaled down to it
-(``collective/robust.py``); a recipient of a relayed result clips them exactly as the reducer did.
+combined, contributions are weighed and bounded as ``policy`` says (``collective/robust.py``); a recipient of a
+relayed result weighs them exactly as the reducer did, from the norms its receipt names (each of which it checks).
 
 Every contribution is decoded once per peer, and a peer's own never: it reads its own values from its
 compressed tensors, and the reducer takes its own span's aggregate as it combined it. The union is
@@ -39,10 +39,10 @@ import numpy as np
 import torch
 
 from p2ploco.collective import robust
-from p2ploco.collective.exchange import Exchange, Span, supersede
+from p2ploco.collective.exchange import Exchange, Receipt, Span, supersede
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.sparse_format import SparseLayout, SparseValues
-from p2ploco.compression.topk import CompressedTensor, compress_
+from p2ploco.compression.topk import CompressedTensor, choose, take_
 from p2ploco.errors import PayloadError
 
 SPAN_HEADER = struct.Struct("<3q")  # span start, span stop, positions: hashed before each span's aggregate
@@ -53,6 +53,10 @@ class _Parsed:
     payload: bytes
     values: SparseValues
     norm: float  # of the values: what clipping compares
+
+    @property
+    def vector(self) -> robust.Vector:
+        return robust.Vector(self.values.values, self.values.positions)
 
 
 @dataclass
@@ -100,14 +104,14 @@ class _Aggregate:
 
 class SparseExchange(Exchange):
     def __init__(self, layout: SparseLayout, compressed: Sequence[CompressedTensor], mode: str,
-                 clip_factor: float = 0.0, result_layout: SparseLayout | None = None,
+                 policy: robust.Policy = robust.UNBOUNDED, result_layout: SparseLayout | None = None,
                  reducer_feedback: Sequence[torch.Tensor] | None = None, decay: float = 0.0):
-        """``clip_factor``: bound on each contribution's norm, in multiples of the span's median (0: no clipping).
-        ``result_layout``: resparsified results, chunked as this layout (the contributions' chunks, its own k);
+        """``policy``: how reducers weigh and bound contributions (``collective/robust.py``). ``result_layout``:
+        resparsified results, chunked as this layout (the contributions' chunks, its own k);
         None: exact results. ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one
         (chunks, chunk_numel) CPU float32 tensor per tensor of the layout (read, never written here), decayed by
         ``decay`` each time; None: what a result leaves out is dropped."""
-        self.layout, self.compressed, self.mode, self.clip_factor = layout, list(compressed), mode, clip_factor
+        self.layout, self.compressed, self.mode, self.policy = layout, list(compressed), mode, policy
         self.result_layout, self.reducer_feedback, self.decay = result_layout, reducer_feedback, decay
         if result_layout is not None and result_layout.num_chunks != layout.num_chunks:
             raise ValueError("a result layout must chunk the tensors as the contributions' layout does")
@@ -127,7 +131,7 @@ class SparseExchange(Exchange):
 
     def fingerprint(self) -> str:
         result = f"resparsified{self.result_layout.digest.hex()}" if self.resparsified else "exact"
-        return f"sparse/{self.layout.digest.hex()}/{self.mode}/clip{self.clip_factor:g}/digest2/{result}"
+        return f"sparse/{self.layout.digest.hex()}/{self.mode}/{self.policy.fingerprint()}/digest3/{result}"
 
     def numel(self, span: Span) -> int:
         return self.layout.numel(span)
@@ -153,18 +157,23 @@ class SparseExchange(Exchange):
             values = fmt.decode_contribution(self.layout, span, payload)
         return _Parsed(payload, values, robust.norm(values.values))
 
-    def combine(self, span: Span, contributions: Sequence[_Parsed], scales: Sequence[float] | None = None
+    def combine(self, span: Span, contributions: Sequence[_Parsed], factors: Sequence[float]
                 ) -> _Aggregate | _Resparsified:
-        values = self._aggregate(span, [c.values for c in contributions], [c.norm for c in contributions], scales)
-        combined = (self._resparsify(span, values) if self.resparsified
-                    else _Aggregate(self.layout, span, [c.payload for c in contributions], values))
+        values = self._aggregate(span, [c.values for c in contributions], factors)
+        combined = (self._resparsify(span, values, self.limit(factors, [c.norm for c in contributions]))
+                    if self.resparsified else _Aggregate(self.layout, span, [c.payload for c in contributions], values))
         self._combined[span] = combined
         return combined
 
-    def _resparsify(self, span: Span, mean: SparseValues) -> _Resparsified:
+    def limit(self, factors: Sequence[float], norms: Sequence[float]) -> float:
+        """A per-coordinate mean over the selectors (``mean``) is bounded as such; ``sum`` divides by all."""
+        return robust.selector_limit(factors, norms) if self.mode == "mean" else robust.mean_limit(factors, norms)
+
+    def _resparsify(self, span: Span, mean: SparseValues, limit: float) -> _Resparsified:
         """The reducer's result for ``span``: e = decay * e + mean over the span's rows of its buffer, then Top-k
-        of every chunk in 2 bits, exactly as a sender compresses (``compression/topk.py``); e keeps the rest."""
-        parts, feedback = [], []
+        of every chunk in 2 bits, exactly as a sender compresses (``compression/topk.py``), scaled down if the
+        buffer made it longer than ``limit``, what the contributions allow (``robust.within``); e keeps the rest."""
+        buffers, choices = [], []
         for s in self.result_layout.slices(span):
             if self.reducer_feedback is None:
                 rows = torch.zeros(s.chunks, s.grid.chunk_numel)
@@ -176,22 +185,26 @@ class SparseExchange(Exchange):
             flat = rows.view(-1)
             at = torch.from_numpy(mean.positions[lo:hi] - s.offset)
             flat[at] = flat[at] + torch.from_numpy(mean.values[lo:hi])  # positions are unique: no accumulation order
-            sent, _ = compress_(rows, s.grid)
-            parts.append(sent)
-            if self.reducer_feedback is not None:
-                feedback.append(ReducerRows(s.tensor, s.first, rows))
+            buffers.append((s, rows))
+            choices.append(choose(rows, s.grid))
+
+        def quantize(scale: float) -> tuple[np.ndarray, float]:
+            decoded = [choice.scaled(scale).decode().reshape(-1).numpy() for choice in choices]
+            return np.concatenate(decoded) if decoded else np.zeros(0, np.float32), scale
+
+        scale = robust.within(limit, quantize)
+        parts = [take_(rows, choice, scale) for (_, rows), choice in zip(buffers, choices)]
+        feedback = ([ReducerRows(s.tensor, s.first, rows) for s, rows in buffers]
+                    if self.reducer_feedback is not None else [])
         return _Resparsified(fmt.encode_resparsified(self.result_layout, span, parts),
                              fmt.resparsified_values(self.result_layout, span, parts), feedback)
 
-    def clipped(self, contributions: Sequence[_Parsed]) -> list[int]:
-        return robust.clipped([c.norm for c in contributions], self.clip_factor)
-
-    def _aggregate(self, span: Span, contributions: Sequence[SparseValues], norms: Sequence[float],
-                   scales: Sequence[float] | None = None) -> SparseValues:
-        """The span's aggregate of bounded, weighted contributions: one function for the reducer and every
+    def _aggregate(self, span: Span, contributions: Sequence[SparseValues], factors: Sequence[float]
+                   ) -> SparseValues:
+        """The span's aggregate of contributions, each times its factor: one function for the reducer and every
         recipient."""
-        values = robust.clip([c.values for c in contributions], norms, self.clip_factor, scales)
-        bounded = [SparseValues(c.positions, v) for c, v in zip(contributions, values)]
+        bounded = [SparseValues(c.positions, robust.scaled(c.values, f))
+                   for c, f in zip(contributions, factors, strict=True)]
         return fmt.aggregate(self.numel(span), bounded, self.mode)
 
     def result_for(self, aggregate: _Aggregate | _Resparsified, omit: int | None) -> bytes:
@@ -201,29 +214,21 @@ class SparseExchange(Exchange):
             return aggregate.union
         return fmt.encode_relay(self.layout, [p for i, p in enumerate(aggregate.payloads) if i != omit])
 
-    def receive(self, span: Span, result: bytes, own: int | None, scales: Sequence[float] | None = None) -> None:
+    def receive(self, span: Span, result: bytes, receipt: Receipt) -> None:
         combined = self._combined.get(span)
-        ours = combined is not None and result == self.result_for(combined, own)
+        ours = combined is not None and result == self.result_for(combined, receipt.own)
         if ours:  # the aggregate we made
             values = combined.values
-        elif self.resparsified:
-            values = fmt.decode_resparsified(self.result_layout, span, result)
-            robust.norm(values.values)  # refuse an absurd one, as a union below
-        elif fmt.read_kind(self.layout, result) == fmt.RELAY:
-            payloads = fmt.decode_relay(self.layout, result, self.max_payload_bytes(span))
-            contributions = [fmt.decode_contribution(self.layout, span, p) for p in payloads]
-            if own is not None:
-                contributions.insert(own, fmt.contribution_values(self.layout, span, self.compressed))
-            scales = scales if scales is not None else [1.0] * len(contributions)
-            if len(scales) != len(contributions):
-                raise PayloadError(f"a relayed result of {len(contributions)} contributions where the reducer's "
-                                   f"answer named {len(scales)}")
-            values = self._aggregate(span, contributions, [robust.norm(c.values) for c in contributions], scales)
         else:
-            values = fmt.decode_union(self.layout, span, result)
-            robust.norm(values.values)  # a mean of bounded contributions is bounded too: refuse an absurd one
+            if self.resparsified:
+                values = fmt.decode_resparsified(self.result_layout, span, result)
+            elif fmt.read_kind(self.layout, result) == fmt.RELAY:
+                values = self._recombine(span, result, receipt)
+            else:
+                values = fmt.decode_union(self.layout, span, result)
+            self.check(span, robust.Vector(values.values, values.positions), receipt)
         if len(span):  # an empty span holds nothing (a group larger than the units makes some)
-            digest = self._span_digest(span, values)
+            digest = self._span_digest(span, values, receipt)
             with self._taking:
                 supersede(self._received, span)
                 self._received[span] = values, digest
@@ -231,15 +236,30 @@ class SparseExchange(Exchange):
                 if ours and isinstance(combined, _Resparsified) and combined.feedback:
                     self._reduced[span] = combined.feedback
 
+    def _recombine(self, span: Span, result: bytes, receipt: Receipt) -> SparseValues:
+        """A relayed result's aggregate, combined here as its reducer did: the relayed contributions (and this
+        replica's own) must have the norms the receipt names, and are weighed from them."""
+        payloads = fmt.decode_relay(self.layout, result, self.max_payload_bytes(span))
+        contributions = [fmt.decode_contribution(self.layout, span, p) for p in payloads]
+        if receipt.own is not None:
+            contributions.insert(receipt.own, fmt.contribution_values(self.layout, span, self.compressed))
+        norms = tuple(robust.norm(c.values) for c in contributions)
+        if norms != receipt.norms:
+            raise PayloadError(f"a relayed result of {len(contributions)} contributions whose norms are not the "
+                               f"{len(receipt.norms)} its receipt names")
+        factors, _ = robust.weights(receipt.norms, receipt.tokens, self.policy.clip_factor)
+        return self._aggregate(span, contributions, factors)
+
     def reduced(self) -> list[ReducerRows]:
         """The reducer's new buffer rows for the spans this replica reduced in the attempt whose aggregate it took:
         what the outer algorithm keeps if the round is applied."""
         return [rows for span in sorted(self._reduced, key=lambda span: span.start) for rows in self._reduced[span]]
 
-    def _span_digest(self, span: Span, values: SparseValues) -> bytes:
-        """sha256 of one span's sparse aggregate: bounds, count, positions (u32 where they fit), float32 values.
-        Computed as each span arrives (spans arrive in parallel), not over the whole aggregate at the end."""
-        digest = hashlib.sha256(SPAN_HEADER.pack(span.start, span.stop, len(values.positions)))
+    def _span_digest(self, span: Span, values: SparseValues, receipt: Receipt) -> bytes:
+        """sha256 of one span's sparse aggregate and receipt: bounds, count, the receipt, positions (u32 where they
+        fit), float32 values. Computed as each span arrives (spans arrive in parallel), not over the whole aggregate
+        at the end."""
+        digest = hashlib.sha256(SPAN_HEADER.pack(span.start, span.stop, len(values.positions)) + receipt.digest())
         digest.update(values.positions.astype("<u8" if self.numel(span) >= 1 << 32 else "<u4"))
         digest.update(values.values.astype("<f4", copy=False))
         return digest.digest()

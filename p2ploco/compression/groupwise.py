@@ -100,10 +100,12 @@ def quantize(values: torch.Tensor, lengths: torch.Tensor, bits: int) -> Quantize
 
 
 def compensate(values: torch.Tensor, error: torch.Tensor, beta: float, lengths: torch.Tensor,
-               bits: int) -> tuple[Quantized, torch.Tensor]:
+               bits: int, scale: float = 1.0) -> tuple[Quantized, torch.Tensor]:
     """LoCo at one hop: the quantized ``values + error`` and the error buffer that follows it (a new tensor;
-    ``error`` is left as it is, so that a round that is not applied can keep the old one)."""
+    ``error`` is left as it is, so that a round that is not applied can keep the old one). ``scale`` < 1 quantizes
+    a shorter ``values + error`` (a reducer's result bound, ``robust.within``): what it leaves out is dropped like
+    what quantization drops."""
     compensated = values + error  # g~ = g + e
-    quantized = quantize(compensated, lengths, bits)  # q = Q(g~)
+    quantized = quantize(compensated if scale == 1.0 else compensated * scale, lengths, bits)  # q = Q(g~)
     dropped = compensated - quantized.decode()  # what this hop does not transmit
     return quantized, error * beta + dropped * (1 - beta)  # e <- beta * e + (1 - beta) * (g~ - deQ(q))

@@ -46,12 +46,39 @@ class Taken:
     values: torch.Tensor  # the buffer's values there before they were sent
 
 
+@dataclass
+class Choice:
+    """What Top-k chose of a buffer and how it quantizes it, before anything is taken out of the buffer."""
+
+    grid: ChunkGrid
+    indices: torch.Tensor  # (chunks, k) int64, on the buffer's device
+    selected: torch.Tensor  # the buffer's values there
+    quantized: Quantized
+
+    def scaled(self, scale: float) -> Quantized:
+        """The quantized values times ``scale`` (the decode table and shift scaled: the codes stay)."""
+        q = self.quantized
+        return q if scale == 1.0 else Quantized(q.codes, q.shift * scale, q.table * scale)
+
+
 def compress_(buffer: torch.Tensor, grid: ChunkGrid) -> tuple[CompressedTensor, Taken]:
     """Top-k by magnitude of every row of a chunk-order float32 ``buffer`` (chunks, chunk_numel), 2-bit values;
     the decoded values (exactly what every receiver reconstructs) are subtracted from the buffer in place."""
-    indices, selected, quantized = _select(buffer, grid)
-    buffer.scatter_(1, indices, selected - quantized.decode())
-    return _compressed(grid, indices, quantized), Taken(indices, selected)
+    choice = choose(buffer, grid)
+    return take_(buffer, choice), Taken(choice.indices, choice.selected)
+
+
+def choose(buffer: torch.Tensor, grid: ChunkGrid) -> Choice:
+    """``compress_``'s selection and quantization of ``buffer``, which is left as it is."""
+    return Choice(grid, *_select(buffer, grid))
+
+
+def take_(buffer: torch.Tensor, choice: Choice, scale: float = 1.0) -> CompressedTensor:
+    """Send what ``choice`` chose of ``buffer``, its values times ``scale``: subtracted from the buffer in place as
+    every receiver decodes them."""
+    quantized = choice.scaled(scale)
+    buffer.scatter_(1, choice.indices, choice.selected - quantized.decode())
+    return _compressed(choice.grid, choice.indices, quantized)
 
 
 def compress(tensor: torch.Tensor, grid: ChunkGrid) -> tuple[CompressedTensor, torch.Tensor]:

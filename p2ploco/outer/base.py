@@ -25,6 +25,7 @@ from typing import TypeVar
 import torch
 
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, PendingAllReduce
+from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import TrainingError
 
@@ -102,8 +103,12 @@ class OuterAlgorithm(ABC):
     density: float = 1.0  # share of coordinates one replica sends per round
     shared_kinds: tuple[str, ...] = ()  # list attributes of per-parameter shared state
 
-    def __init__(self, global_params: Sequence[torch.Tensor], slices: Mapping[str, Sequence[int]] | None = None):
-        """``slices``: slice name -> positions in ``global_params``; by default one slice of everything."""
+    def __init__(self, global_params: Sequence[torch.Tensor], slices: Mapping[str, Sequence[int]] | None = None,
+                 policy: Policy = UNBOUNDED, round_tokens: int | None = None):
+        """``slices``: slice name -> positions in ``global_params``; by default one slice of everything. ``policy``:
+        how reducers weigh and bound contributions (``collective/robust.py``); ``round_tokens``: the most tokens a
+        contribution may weigh, a full round's (None: uncapped)."""
+        self.policy, self.round_tokens = policy, round_tokens
         self.params = [p.detach().to(CPU, torch.float32).clone() for p in global_params]
         self.slices = {name: list(positions) for name, positions in (slices or whole(len(self.params))).items()}
         if sorted(i for positions in self.slices.values() for i in positions) != list(range(len(self.params))):
@@ -140,9 +145,11 @@ class OuterAlgorithm(ABC):
 
     def weigh(self, tokens: int) -> int:
         """The weight of a contribution trained on ``tokens``: those, and the tokens of earlier work that is in it
-        because no aggregate applied it yet (given back by ``take`` if this round is not applied either)."""
+        because no aggregate applied it yet (given back by ``take`` if this round is not applied either), at most a
+        full round's (``round_tokens``: no contribution weighs more than one full peer's, and coordinators refuse
+        more)."""
         weight, self.unapplied_tokens = max(1, tokens) + self.unapplied_tokens, 0
-        return weight
+        return weight if self.round_tokens is None else min(weight, self.round_tokens)
 
     def carried(self, deltas: list[torch.Tensor]) -> list[torch.Tensor]:
         """``deltas`` plus the pseudo-gradient of rounds not applied (an algorithm without error feedback keeps it

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.config import DiLoCoConfig
 from p2ploco.device import to_host
@@ -17,9 +18,10 @@ class DiLoCo(OuterAlgorithm):
     shared_kinds = ("momentum",)
 
     def __init__(self, global_params: Sequence[torch.Tensor], config: DiLoCoConfig,
-                 slices: Mapping[str, Sequence[int]] | None = None, clip_factor: float = 0.0):
-        super().__init__(global_params, slices)
-        self.config, self.clip_factor = config, clip_factor
+                 slices: Mapping[str, Sequence[int]] | None = None, policy: Policy = UNBOUNDED,
+                 round_tokens: int | None = None):
+        super().__init__(global_params, slices, policy, round_tokens)
+        self.config = config
         self.momentum = [torch.zeros_like(p) for p in self.params]
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
@@ -29,7 +31,7 @@ class DiLoCo(OuterAlgorithm):
         deltas = self.carried(to_host(pseudo_gradients(start if start is not None else self.params, local_params)))
         # 2. Its mean over the replicas of this round, every slice among its holders, weighted by tokens trained.
         return OuterRound(round_index, SlicedExchange({
-            name: DenseMean([deltas[i] for i in positions], self.config.wire_dtype, self.clip_factor)
+            name: DenseMean([deltas[i] for i in positions], self.config.wire_dtype, self.policy)
             for name, positions in self.slices.items()}, self.weigh(tokens)), sent=deltas)
 
     def prepare(self, outer_round: OuterRound) -> OuterStep | None:

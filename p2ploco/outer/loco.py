@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2ploco.collective.lowbit import LowBitMean
+from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.compression.groupwise import GroupLayout, compensate
 from p2ploco.config import LoCoConfig
@@ -39,9 +40,10 @@ class LoCo(OuterAlgorithm):
     shared_kinds = ("momentum",)
 
     def __init__(self, global_params: Sequence[torch.Tensor], config: LoCoConfig, device: torch.device,
-                 slices: Mapping[str, Sequence[int]] | None = None, clip_factor: float = 0.0):
-        super().__init__(global_params, slices)
-        self.config, self.device, self.clip_factor = config, device, clip_factor
+                 slices: Mapping[str, Sequence[int]] | None = None, policy: Policy = UNBOUNDED,
+                 round_tokens: int | None = None):
+        super().__init__(global_params, slices, policy, round_tokens)
+        self.config, self.device = config, device
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.layouts = {name: GroupLayout([self.params[i].shape for i in positions], config.group_size)
                         for name, positions in self.slices.items()}
@@ -68,7 +70,7 @@ class LoCo(OuterAlgorithm):
             flat = torch.cat([deltas[i].reshape(-1) for i in positions])
             quantized, errors[name] = compensate(flat, self.errors[name], c.beta, layout.lengths, c.bits)
             exchanges[name] = LowBitMean(layout, c.bits, quantized, self.reducer_errors[name], c.beta,
-                                         self.clip_factor)
+                                         self.policy)
 
         # 3. All-reduce of every slice among its holders (``OuterRound.start``): each span's reducer bounds the
         #    contributions, averages them in float32 and re-quantizes the mean with its own buffer; everybody

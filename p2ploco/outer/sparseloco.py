@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
@@ -48,9 +49,10 @@ class SparseRound(OuterRound):
 
 class SparseLoCo(OuterAlgorithm):
     def __init__(self, global_params: Sequence[torch.Tensor], config: SparseLoCoConfig, device: torch.device,
-                 slices: Mapping[str, Sequence[int]] | None = None, clip_factor: float = 0.0):
-        super().__init__(global_params, slices)
-        self.config, self.device, self.clip_factor = config, device, clip_factor
+                 slices: Mapping[str, Sequence[int]] | None = None, policy: Policy = UNBOUNDED,
+                 round_tokens: int | None = None):
+        super().__init__(global_params, slices, policy, round_tokens)
+        self.config, self.device = config, device
         self.grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.topk) for p in self.params]
         self.layouts = {name: SparseLayout([self.grids[i] for i in positions])
                         for name, positions in self.slices.items()}
@@ -74,11 +76,12 @@ class SparseLoCo(OuterAlgorithm):
                    start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> SparseRound:
         compressed, taken = self.compress(local_params, start if start is not None else self.params)
         # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
-        #    selected it (or sum / replicas), each contribution clipped to clip_factor x the median norm;
+        #    selected it (or sum / replicas), each contribution weighted by its tokens and clipped to clip_factor x
+        #    the median norm per token, those pointing against the others left out (collective/robust.py);
         #    with resparsified results, each reducer sends back the Top-k of its span's mean (step 2 again).
         feedback = self.reducer_feedback
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
-                                                        self.config.aggregate, self.clip_factor,
+                                                        self.config.aggregate, self.policy,
                                                         self.result_layouts.get(name),
                                                         None if feedback is None else [feedback[i] for i in positions],
                                                         self.config.result_error_decay)

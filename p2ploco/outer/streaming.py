@@ -32,6 +32,7 @@ import torch
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import Exchange
 from p2ploco.collective.fp4 import E3M0Mean
+from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.config import StreamingConfig
 from p2ploco.device import to_host
@@ -43,10 +44,11 @@ class StreamingDiLoCo(OuterAlgorithm):
     shared_kinds = ("momentum",)
 
     def __init__(self, global_params: Sequence[torch.Tensor], config: StreamingConfig, inner_steps: int,
-                 slices: Mapping[str, Sequence[int]] | None = None, clip_factor: float = 0.0):
+                 slices: Mapping[str, Sequence[int]] | None = None, policy: Policy = UNBOUNDED,
+                 round_tokens: int | None = None):
         """``slices``: the fragments, in order (one slice: a single fragment); ``inner_steps``: H, the period."""
-        super().__init__(global_params, slices)
-        self.config, self.clip_factor = config, clip_factor
+        super().__init__(global_params, slices, policy, round_tokens)
+        self.config = config
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.fragments = list(self.slices)
         width = inner_steps // len(self.fragments)
@@ -74,8 +76,8 @@ class StreamingDiLoCo(OuterAlgorithm):
 
     def _exchange(self, deltas: list[torch.Tensor]) -> Exchange:
         if self.config.bits == 32:
-            return DenseMean(deltas, "float32", self.clip_factor)
-        return E3M0Mean(deltas, self.clip_factor)
+            return DenseMean(deltas, "float32", self.policy)
+        return E3M0Mean(deltas, self.policy)
 
     def prepare(self, outer_round: OuterRound) -> OuterStep | None:
         """Nesterov momentum on the fragments the round synced, nothing else."""

@@ -5,14 +5,16 @@ its holders) and, within a group, the in-process stage transport.
 
 Replicas of unequal speed are simulated by count, not by time (runs repeat exactly): ``budgets[i]`` is replica
 i's round budget (``budget.FixedSteps(n)``: n inner steps a round, as a replica that fits n of the fast ones' H
-steps into the round's time), and its contribution is weighted by the tokens it trained, as in a swarm.
+steps into the round's time), and its contribution is weighted by the tokens it trained, as in a swarm. A hostile
+replica is an honest one whose communicator an ``adversaries`` entry wraps (``benchmarks/quality.py`` flips its
+contributions).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -39,11 +41,13 @@ class InProcessSwarm:
     workers of a group]. Each worker runs its run's round schedule (``schedules[i]`` for ``workers[i]``); an eager
     overlapped round lands at a fixed inner step of the next round (``landing``), so that runs repeat exactly.
     ``budgets[i]``: how many inner steps replica i trains a round (None: H; every stage of a group gets the
-    same); ``weighted=False`` weighs every contribution the same whatever it trained (for comparison)."""
+    same); ``weighted=False`` weighs every contribution the same whatever it trained (for comparison);
+    ``adversaries[i]`` wraps replica i's communicator (what it sends is then whatever the wrapper makes of it)."""
 
     def __init__(self, config: Config, replicas: list[list[Worker]], pipes: list[InProcessPipe],
                  transports: list[StageTransport], landing: Landing,
-                 budgets: Sequence[RoundBudget | None] | None = None, weighted: bool = True):
+                 budgets: Sequence[RoundBudget | None] | None = None, weighted: bool = True,
+                 adversaries: Mapping[int, Callable[[Communicator], Communicator]] | None = None):
         self.replicas, self.pipes, self.transports = replicas, pipes, transports
         self.workers = [worker for replica in replicas for worker in replica]
         self.schedules: list[RoundSchedule] = [build_schedule(config, worker, landing) for worker in self.workers]
@@ -51,12 +55,14 @@ class InProcessSwarm:
         if len(self.budgets) != len(replicas):
             raise ValueError(f"{len(self.budgets)} budgets for {len(replicas)} replicas")
         self.weighted = weighted
+        self.adversaries = dict(adversaries or {})
         self.all_reduce_bytes = [0] * len(replicas)  # sent + received by each replica's workers in all rounds
         self.tokens = [0] * len(replicas)  # tokens each replica trained in all rounds (a group's, once)
         self.steps = [0] * len(replicas)  # inner steps each replica trained in all rounds
         # per sender (``replica-{rank}``, rank in ``workers``): the spans, over all rounds, whose reducer clipped
         # its contribution (``outer.clip_factor`` x the median norm)
         self.clipped: Counter[str] = Counter()
+        self.opposed: Counter[str] = Counter()  # likewise, the spans whose reducer left its contribution out
         self._replica_of = [i for i, replica in enumerate(replicas) for _ in replica]
         self._first = {self.workers.index(replica[0]) for replica in replicas}  # ranks that count a replica's work
 
@@ -72,6 +78,8 @@ class InProcessSwarm:
                 comm: Communicator = group.communicator(rank)
                 if not self.weighted:
                     comm = EqualWeights(comm)
+                if self._replica_of[rank] in self.adversaries:
+                    comm = self.adversaries[self._replica_of[rank]](comm)
                 hooks = RoundHooks(budget=self.budgets[self._replica_of[rank]])
 
                 def count(stats: AllReduceStats | None) -> None:
@@ -79,6 +87,7 @@ class InProcessSwarm:
                         with lock:
                             self.all_reduce_bytes[self._replica_of[rank]] += stats.bytes_sent + stats.bytes_received
                             self.clipped.update(stats.clipped)
+                            self.opposed.update(stats.opposed)
 
                 for r in range(rounds):
                     outcome = self.schedules[rank].run(r, comm, hooks)
@@ -114,11 +123,12 @@ class EqualWeights(Communicator):
 
 def build_swarm(config: Config, kinds: Sequence[str], tokens: TokenStream | np.ndarray,
                 device: torch.device = CPU, landing: Landing = AFTER_ONE_STEP,
-                budgets: Sequence[RoundBudget | None] | None = None, weighted: bool = True) -> InProcessSwarm:
+                budgets: Sequence[RoundBudget | None] | None = None, weighted: bool = True,
+                adversaries: Mapping[int, Callable[[Communicator], Communicator]] | None = None) -> InProcessSwarm:
     """Replica i is a full replica or a pipeline group (``kinds[i]``) and draws its batches from a sampler
     seeded by ``replica-i`` (a group's first stage draws for the group). ``landing``: when an eager overlapped
     round lands (by default after the first inner step of the next round: an all-reduce that takes one).
-    ``budgets``, ``weighted``: see ``InProcessSwarm``."""
+    ``budgets``, ``weighted``, ``adversaries``: see ``InProcessSwarm``."""
     c = config
     replicas: list[list[Worker]] = []
     pipes: list[InProcessPipe] = []
@@ -136,7 +146,7 @@ def build_swarm(config: Config, kinds: Sequence[str], tokens: TokenStream | np.n
             transports += group
         else:
             raise ValueError(f"replica kind {kind!r}: expected {FULL} or {GROUP}")
-    return InProcessSwarm(c, replicas, pipes, transports, landing, budgets, weighted)
+    return InProcessSwarm(c, replicas, pipes, transports, landing, budgets, weighted, adversaries)
 
 
 def run_in_threads(count: int, work: Callable[[int], None]) -> None:

@@ -87,6 +87,6 @@ def summed(syncs: list[AllReduceStats]) -> AllReduceStats:
         sum(s.dense_fp32_bytes for s in syncs), sum(s.contribution_bytes for s in syncs),
         sum(s.params for s in syncs), sorted({p for s in syncs for p in s.dropped}), sum(s.seconds for s in syncs),
         committed=all(s.committed for s in syncs), excluded=any(s.excluded for s in syncs),
-        clipped=sorted({p for s in syncs for p in s.clipped}),
+        clipped=sorted({p for s in syncs for p in s.clipped}), opposed=sorted({p for s in syncs for p in s.opposed}),
         sync_bytes=[s.bytes_sent + s.bytes_received for s in syncs], attempts=max(s.attempts for s in syncs),
         failures=[failure for s in syncs for failure in s.failures])

@@ -35,14 +35,24 @@ own (its own senders, norms and clipping bound), so a piece is what the rules ab
 pieces of one span share one transfer deadline, so a silent sender costs one deadline, not one per
 piece.
 
+A reducer's result is checked, not trusted (``collective/robust.py``). Its answer names the norm of every
+contribution it combined and whom it left out as pointing against the others; a member checks that the norm
+named for its own is the true one, that the result is no longer than those contributions allow and does not
+point against its own contribution (``Exchange.check``), and votes on a digest that covers the named norms, so
+the members that commit held the same ones. A result that fails is refused like a malformed one: the reducer is
+rejected from this member's spans, banned here, and accused in its vote (two accusers and the reducer's vote no
+longer counts: the round is redone without it). A sender that a reducer leaves out as pointing against the others
+is struck; ``STRIKES`` such rounds within ``STRIKE_ROUNDS`` earn it a ban here (``swarm/bans.py``).
+
 A contribution to a piece, a wire message (``swarm/wire.py``) on a stream of its own, whose payload is
 the slice's encoding of the piece::
 
     {v, group_id, round, slice, span: [piece start, piece stop]} + contribution
 
-answered ``{v, status: ok, included: [peer ids in the aggregate]}`` + result, ``{v, status: rejected,
-reason}`` (malformed: out of the round), or ``{v, status: missed, reason}`` (not in the aggregate through no
-fault of the sender's). The sender closes the stream once it has read the answer (``wire.hang_up``).
+answered ``{v, status: ok, included: [peer ids in the aggregate], norms: [their contributions' norms], opposed:
+[peer ids left out as pointing against the others]}`` + result, ``{v, status: rejected, reason}`` (malformed: out
+of the round), or ``{v, status: missed, reason}`` (not in the aggregate through no fault of the sender's). The
+sender closes the stream once it has read the answer (``wire.hang_up``).
 """
 
 from __future__ import annotations
@@ -56,26 +66,37 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from hivemind.p2p import P2P
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from p2ploco import faults
 from p2ploco.collective.exchange import (
     AllReduceStats,
     Exchange,
     Failure,
+    Receipt,
     Span,
     SpanReduction,
     dense_fp32_bytes,
     pieces,
     reduce_span,
-    scales_of,
 )
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.deadlines import TransferDeadline
-from p2ploco.swarm.messages import Digest, Message, PeerIds, Reason, Round, SliceName, decode, status_of
+from p2ploco.swarm.messages import (
+    MAX_PEERS,
+    Digest,
+    Message,
+    Norm,
+    PeerIds,
+    Reason,
+    Round,
+    SliceName,
+    decode,
+    status_of,
+)
 from p2ploco.swarm.rounds import Group
 
 logger = logging.getLogger(__name__)
@@ -210,7 +231,7 @@ class ButterflyAllReduce:
         loop = asyncio.get_running_loop()
         self.current_round = group.round_index
         stats.peers = list(group.peers)
-        stats.contribution_bytes, stats.params, stats.clipped = 0, 0, []
+        stats.contribution_bytes, stats.params, stats.clipped, stats.opposed = 0, 0, [], []
         sessions: list[_ReducerSession] = []
         senders: list[asyncio.Task] = []
         dropped: set[str] = set()
@@ -252,9 +273,10 @@ class ButterflyAllReduce:
                 reduction = await self._reduce(session, own)
                 reductions.append(reduction)
                 stats.clipped = sorted(set(stats.clipped) | set(reduction.clipped))
+                stats.opposed = sorted(set(stats.opposed) | set(reduction.opposed))
                 result = reduction.result_for(session.exchange, self.me)
                 await loop.run_in_executor(None, session.exchange.receive, session.span, result,
-                                           reduction.own_position(self.me), reduction.scales)
+                                           reduction.receipt_for(self.me))
             # Every contribution is delivered (or fails) before we report, even after a reducer refused us.
             errors = [e for e in await asyncio.gather(*senders, return_exceptions=True) if e is not None]
             for session in sessions:  # results handed to every sender
@@ -302,10 +324,16 @@ class ButterflyAllReduce:
         for sender, reason in reduction.rejected.items():
             logger.warning(f"round {session.group.round_index}: dropped {sender[-8:]} from the round: {reason}")
             if sender != self.me:
-                self.bans.ban(sender, session.group.round_index, reason)
+                self.bans.ban(sender, session.group.round_index, f"malformed contribution: {reason}")
+        round_index, where = session.group.round_index, f"{session.span.start}:{session.span.stop}"
         for sender in reduction.clipped:
-            logger.warning(f"round {session.group.round_index}: clipped the contribution of {sender[-8:]} to the "
-                           f"span's bound (outer.clip_factor x the median norm)")
+            logger.warning(f"round {round_index}: clipped the contribution of {sender[-8:]} to span {where} to the "
+                           f"span's bound (outer.clip_factor x the median norm per token, times its tokens)")
+        for sender in reduction.opposed:
+            reason = f"its contribution to span {where} pointed against the others'"
+            logger.warning(f"round {round_index}: left out the contribution of {sender[-8:]}: {reason}")
+            if sender != self.me:
+                self.bans.strike(sender, round_index, reason)
         await faults.hit_async("allreduce.reduce", session.group.round_index)
         session.result.set_result(reduction)
         return reduction
@@ -346,9 +374,12 @@ class ButterflyAllReduce:
             # takes another.
             reply, result = await asyncio.wait_for(
                 wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * route.transfer)
-            included = parse_reply(reply, group, self.me)
-            await loop.run_in_executor(None, exchange.receive, span, result, included.index(self.me),
-                                       scales_of(included, group.tokens_of()))
+            receipt, included = parse_reply(reply, group, self.me)
+            if receipt.own is None:
+                stats.failures.append(Failure.OPPOSED)
+                logger.warning(f"round {group.round_index}: reducer {peer[-8:]} left this peer's contribution to span "
+                               f"{span.start}:{span.stop} out: it points against the others'")
+            await loop.run_in_executor(None, exchange.receive, span, result, receipt)
             stats.bytes_received += len(result)
             dropped.update(set(group.holders(route.slice)) - set(included))
         except TransportError as e:  # the reducer crashed, or the link to it broke: it will not send us its part
@@ -400,7 +431,8 @@ class ButterflyAllReduce:
                 (ReduceStatus.REJECTED, reduction.rejected[sender]) if sender in reduction.rejected else None)
             if refusal is not None:
                 raise _Refused(*refusal)
-            reply = {"status": ReduceStatus.OK, "included": reduction.included}
+            reply = {"status": ReduceStatus.OK, "included": reduction.included, "norms": reduction.norms,
+                     "opposed": reduction.opposed}
             result = reduction.result_for(session.exchange, sender)
             await asyncio.wait_for(wire.write_message(writer, reply, result), session.transfer)
             session.bytes_out += len(result)
@@ -466,21 +498,36 @@ class ReduceAnswer(Message):
     status: status_of(ReduceStatus)
     reason: Reason = ""
     included: PeerIds = []  # with ok: the members whose contributions make up the aggregate that follows
+    norms: Annotated[list[Norm], Field(max_length=MAX_PEERS)] = []  # of the included contributions, in order
+    opposed: PeerIds = []  # with ok: members whose contributions it left out as pointing against the others
+
+    @model_validator(mode="after")
+    def _aligned(self) -> ReduceAnswer:
+        if len(self.norms) != len(self.included):
+            raise ValueError("norms that do not name one norm per included contribution")
+        return self
 
 
-def parse_reply(reply: dict[str, Any], group: Group, me: str) -> list[str]:
-    """The members whose contributions make up the aggregate that follows a reducer's answer; DroppedFromRound if
-    the reducer rejected ours as malformed, AllReduceError if it went on without it, PayloadError if the answer
-    is malformed."""
+def parse_reply(reply: dict[str, Any], group: Group, me: str) -> tuple[Receipt, list[str]]:
+    """What a reducer's answer says of the aggregate that follows it, and the members whose contributions make it
+    up; DroppedFromRound if the reducer rejected ours as malformed, AllReduceError if it went on without it,
+    PayloadError if the answer is malformed: it leaves this peer out, names non-members, or leaves out as many
+    contributions as it keeps (at most a minority may point against the others)."""
     answer = decode(ReduceAnswer, reply)
     if answer.status == ReduceStatus.REJECTED:
         raise DroppedFromRound(f"a reducer rejected this peer's contribution: {answer.reason[:200]}", Failure.REJECTED)
     if answer.status == ReduceStatus.MISSED:
         raise AllReduceError(f"a reducer went on without this peer's contribution: {answer.reason[:200]}",
                              Failure.MISSED)
-    if me not in answer.included or not set(answer.included) <= set(group.peers):
+    included, opposed = set(answer.included), set(answer.opposed)
+    if me not in included | opposed or not included | opposed <= set(group.peers) or included & opposed:
         raise PayloadError("the aggregate leaves this peer out, or names non-members")
-    return answer.included
+    if len(opposed) > (len(included) + len(opposed) - 1) // 2:
+        raise PayloadError(f"an aggregate that leaves out {len(opposed)} contributions as pointing against the "
+                           f"others and keeps {len(included)}: only a minority may be left out")
+    tokens = group.tokens_of()
+    own = answer.included.index(me) if me in included else None
+    return Receipt(tuple(answer.norms), tuple(tokens[p] for p in answer.included), own, len(opposed)), answer.included
 
 
 class _Refused(Exception):

@@ -1,11 +1,15 @@
-"""Peers this node has caught sending malformed data, left out of its rounds for a while.
+"""Peers this node has caught sending malformed data, or repeatedly what honest peers send rarely, left out of
+its rounds for a while.
 
 A ban is local (each node bans what it saw itself, so no peer can get another banned by accusing it)
 and bounded (``swarm.ban_rounds`` rounds, then the peer is welcome again: a buggy peer that was
 fixed and restarted comes back). While a peer is banned here, this node as coordinator answers its
 joins "banned" and does not wait for it, and as a reducer drops its contributions at once. So a
 peer that sends garbage every round costs the others at most the round in which it was first caught.
-Only malformed content earns a ban; a stream cut short or a timeout (a crash, a slow link) does not.
+Malformed content earns a ban at once; a stream cut short or a timeout (a crash, a slow link) never does. A
+contribution that points against the others' (``collective/robust.py``) is left out of the aggregate and earns a
+*strike*: an honest peer's does so rarely (noisy data), a sign-flipping peer's every round, so ``STRIKES`` rounds
+with a strike within the last ``STRIKE_ROUNDS`` earn a ban.
 """
 
 from __future__ import annotations
@@ -14,19 +18,33 @@ import logging
 
 logger = logging.getLogger(__name__)
 
+STRIKES = 3  # rounds in which a peer was caught at what honest peers do rarely, that earn it a ban ...
+STRIKE_ROUNDS = 10  # ... within this many rounds
+
 
 class Bans:
     def __init__(self, rounds: int):
         self.rounds = rounds
         self._until: dict[str, int] = {}  # peer -> the first round it may take part in again
+        self._strikes: dict[str, list[int]] = {}  # peer -> the recent rounds in which it was struck
 
     def ban(self, peer: str, round_index: int, reason: str) -> None:
         until = round_index + 1 + self.rounds
         if self._until.get(peer, -1) < until:
             if not self.banned(peer, round_index):
-                logger.warning(f"round {round_index}: {peer[-8:]} sent malformed data ({reason}); leaving it out "
-                               f"of this node's rounds until round {until}")
+                logger.warning(f"round {round_index}: leaving {peer[-8:]} out of this node's rounds until round "
+                               f"{until}: {reason}")
             self._until[peer] = until
+
+    def strike(self, peer: str, round_index: int, reason: str) -> None:
+        """``peer`` was caught in ``round_index`` at what an honest peer does rarely (``reason``); a ban at the
+        ``STRIKES``-th round with a strike within ``STRIKE_ROUNDS``. A round counts once, however many spans."""
+        recent = [r for r in self._strikes.get(peer, []) if r > round_index - STRIKE_ROUNDS and r != round_index]
+        self._strikes[peer] = recent + [round_index]
+        self._strikes = {p: rounds for p, rounds in self._strikes.items() if max(rounds) > round_index - STRIKE_ROUNDS}
+        if len(self._strikes[peer]) >= STRIKES:
+            self.ban(peer, round_index, f"{reason}, and so in {STRIKES} of the last {STRIKE_ROUNDS} rounds")
+            del self._strikes[peer]
 
     def banned(self, peer: str, round_index: int) -> bool:
         return self._until.get(peer, -1) > round_index

@@ -15,9 +15,8 @@ from p2ploco.collective.exchange import (
     Exchange,
     Failure,
     PendingAllReduce,
-    reduce_alone,
 )
-from p2ploco.collective.sliced import SlicedExchange, as_sliced
+from p2ploco.collective.sliced import SlicedExchange, as_sliced, reduce_alone
 from p2ploco.errors import PayloadError, TrainingError
 from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedFromRound
 from p2ploco.swarm.commit import Outcome, RoundCommit, Vote
@@ -100,7 +99,7 @@ class SwarmCommunicator(Communicator):
             self.matchmaker.follow(group if stats.committed else None)
             return stats
 
-    async def _alone(self, exchange: Exchange, round_index: int, started: float, failures: list[Failure]
+    async def _alone(self, exchange: SlicedExchange, round_index: int, started: float, failures: list[Failure]
                      ) -> AllReduceStats:
         """A group of one: its own update, through the same codec, if nobody else could apply this round without it
         (``Matchmaker.working_on``); else nothing (a solitary commit would split this peer from the others: it
@@ -118,6 +117,5 @@ class SwarmCommunicator(Communicator):
         except PayloadError as e:
             raise TrainingError(f"this peer's own update is unusable ({e}): training diverged; "
                                 f"lower the inner or outer learning rate") from None
-        whole = range(exchange.num_units)
-        return AllReduceStats([self.matchmaker.me], contribution_bytes=uploaded, params=exchange.numel(whole),
+        return AllReduceStats([self.matchmaker.me], contribution_bytes=uploaded, params=exchange.numel(),
                               seconds=time.perf_counter() - started, failures=failures, tokens=exchange.tokens)

@@ -25,13 +25,15 @@ MAX_PEERS = 1024  # members of one group; peers one message may list
 MAX_SLICES = 64  # named slices (pipeline stages, fragments) one message may list
 MAX_ROUND = 1 << 48  # rounds, at one a second, for nine million years
 MAX_REASON = 1000  # characters of a reason kept (longer ones are cut, not refused)
+MAX_TOKENS = 1 << 48  # tokens one contribution may claim on the wire (a run caps them at its round's, far lower)
 
 PeerId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PEER_ID)]
 SliceName = Annotated[str, StringConstraints(min_length=1, max_length=32)]
 Digest = Annotated[str, StringConstraints(max_length=128)]  # a hash, a fingerprint or a group id
 Name = Annotated[str, StringConstraints(max_length=64)]  # an all-reduce's or a pipeline group's name
 Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]
-Tokens = Annotated[int, Field(ge=1, le=1 << 48)]  # tokens a contribution was trained on: its weight
+Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]  # tokens a contribution was trained on: its weight
+Norm = Annotated[float, Field(ge=0.0, lt=2.0**64, allow_inf_nan=False)]  # of a contribution (collective/robust.py)
 Reason = Annotated[str, AfterValidator(lambda text: text[:MAX_REASON])]
 Digests = Annotated[dict[SliceName, Digest], Field(max_length=MAX_SLICES)]  # slice -> hash
 

@@ -30,9 +30,11 @@ group it is given against its own view (every member a known live peer, itself i
 implausible one, trying the next coordinator. The coordinator needs no pseudo-gradient of its own: it
 serves joins from its event loop while it trains.
 
-A joiner says how many tokens its contribution was trained on (its weight in the round's mean, ``budget.py``) and
-whether others can dial it (``swarm/reachability.py``); the group lists both for every member, so every reducer
-weighs a member alike, and the members that only dial out reduce no span. Only a peer that can be dialled
+A joiner says how many tokens its contribution was trained on (its weight in the round's mean, ``budget.py``), at
+most what a round can hold (``Config.round_tokens``: a coordinator refuses more, and a member refuses a group that
+gives anyone more, so that one key weighs at most one full peer), and whether others can dial it
+(``swarm/reachability.py``); the group lists both for every member, so every reducer weighs a member alike, and the
+members that only dial out reduce no span. Only a peer that can be dialled
 coordinates, and a slice that no dialable member holds cannot be reduced: its holders are left out.
 
 A group smaller than the peers that joined or were expected is the coordinator's decision, never an
@@ -271,11 +273,12 @@ class GroupBook:
 
 class Matchmaker:
     def __init__(self, p2p: P2P, directory: PeerDirectory, run_id: str, timeout: float, bans: Bans, stages: int,
-                 book: GroupBook, dial_out: bool = False):
-        """``stages``: slices of a pipeline group, all of which it must bring to a round; ``dial_out``: this peer
-        cannot be dialled (``swarm/reachability.py``): it never coordinates, and reduces no span."""
+                 book: GroupBook, round_tokens: int, dial_out: bool = False):
+        """``stages``: slices of a pipeline group, all of which it must bring to a round; ``round_tokens``: the most
+        tokens a member's contribution may weigh (``Config.round_tokens``); ``dial_out``: this peer cannot be dialled
+        (``swarm/reachability.py``): it never coordinates, and reduces no span."""
         self.p2p, self.directory, self.timeout, self.bans = p2p, directory, timeout, bans
-        self.stages, self.book, self.dial_out = stages, book, dial_out
+        self.stages, self.book, self.round_tokens, self.dial_out = stages, book, round_tokens, dial_out
         self.me = directory.me.peer_id
         self.handler_name = f"p2ploco/{run_id}/join"
         self._forming: dict[FormationKey, _Formation] = {}
@@ -357,6 +360,9 @@ class Matchmaker:
                     group = parse_group(answer.on(base), round_index, name, coordinator)
                     if set(group.slices_of(self.me)) != set(slices):
                         raise PayloadError("group that says this peer holds other slices")
+                    if any(t > self.round_tokens for _, t in group.tokens):
+                        raise PayloadError(f"group that gives a member more tokens than a round holds "
+                                           f"({self.round_tokens})")
                     await self._check_plausible(group)
                     if group.left_out:
                         failures.append(Failure.SMALLER_GROUP)
@@ -466,8 +472,11 @@ class Matchmaker:
         key, unreachable, member = parse_join(request)
         round_index = key[0]
         if self.bans.banned(sender, round_index):
-            return {"status": JoinStatus.BANNED, "reason": f"coordinator {self.me[-8:]} has banned this peer for "
-                                                           f"sending malformed data"}
+            return {"status": JoinStatus.BANNED, "reason": f"coordinator {self.me[-8:]} has banned this peer for what "
+                                                           f"it sent (its log says what)"}
+        if member.tokens > self.round_tokens:  # no honest peer claims more: its weight is capped as it contributes
+            return {"status": JoinStatus.LEFT_OUT, "reason": f"this peer claims {member.tokens} tokens, more than a "
+                                                             f"round holds ({self.round_tokens})"}
         self._missed.pop(sender, None)  # it asks: late perhaps, but no straggler
         self._missed_round.pop(sender, None)
         # Kept around this peer's own round, never the sender's: a join for a made-up far round must neither grow

@@ -28,6 +28,7 @@ from p2ploco.swarm.dht import start_dht_node, start_serving, visible_maddrs
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
+from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, detect
 from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachability, peers_key
@@ -56,9 +57,10 @@ class Swarm:
     def join(cls, run_id: str, config: SwarmConfig, config_fingerprint: str, initial_peers: Sequence[str] = (),
              host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS, announce_maddrs: Sequence[str] = (),
              identity_path: str | None = None, name: str = "", device: str = "", role: str = "replica",
-             stages: int = 1) -> Swarm:
+             stages: int = 1, round_tokens: int = MAX_TOKENS) -> Swarm:
         """Start the p2p daemon and DHT node, publish this peer's record and serve rounds and state. ``stages``:
-        how many slices a pipeline group of this run brings to a round."""
+        how many slices a pipeline group of this run brings to a round; ``round_tokens``: the most tokens one
+        contribution may weigh (``Config.round_tokens``)."""
         identity = Identity.claim(identity_path) if identity_path is not None else Identity.fresh()
         loop = EventLoopThread()
 
@@ -90,7 +92,7 @@ class Swarm:
             bans = Bans(config.ban_rounds)
             book = GroupBook()
             matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout, bans, stages, book,
-                                    reachability.dials_out)
+                                    round_tokens, reachability.dials_out)
             deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
                                          config.max_transfer_timeout)
             butterfly = ButterflyAllReduce(p2p, me_id, run_id, deadlines, bans, directory.rates)
@@ -102,7 +104,8 @@ class Swarm:
             if foreign:  # ignored, never a reason not to start: anyone can publish a record under the run's key
                 logger.warning(f"run '{run_id}' has peers of another config (fingerprint {', '.join(sorted(foreign))}, "
                                f"yours {config_fingerprint}); this peer ignores them. To train with them, use the "
-                               f"same model, outer and seed settings, tokenizer and prepared corpus, and the same "
+                               f"same model, outer and seed settings, batch and inner steps, tokenizer and prepared "
+                               f"corpus, and the same "
                                f"p2ploco protocol version (yours is {PROTOCOL_VERSION}); `p2ploco peers` lists them")
             await directory.publish()
             directory.start_heartbeat()
