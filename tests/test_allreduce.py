@@ -16,6 +16,7 @@ from p2ploco.collective import exchange as exchange_module
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
 from p2ploco.collective.exchange import partition, pieces
 from p2ploco.collective.inprocess import InProcessGroup
+from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
@@ -24,11 +25,13 @@ from p2ploco.config import SwarmConfig
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import ReduceStatus
+from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.rounds import Group, best_coordinator
 from p2ploco.swarm.runtime import Swarm
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10, ban_rounds=0)
+DEFENDED = Policy(clip_factor=2.0, drop_opposed=True)  # the default config's
 SHAPES = [(64, 33), (33,), (7, 5)]
 rounds = itertools.count()
 
@@ -50,6 +53,12 @@ def trio():
 def random_tensors(seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def agreeing_tensors(seed: int, count: int = 3) -> list[list[torch.Tensor]]:
+    """``count`` peers' tensors that share a direction, as honest pseudo-gradients do."""
+    shared = random_tensors(seed)
+    return [[a + b for a, b in zip(shared, random_tensors(seed + 1 + i))] for i in range(count)]
 
 
 def all_reduce(swarms, exchanges):
@@ -149,22 +158,61 @@ def test_pieces_cover_a_span_in_order_and_fit_the_piece_size(monkeypatch):
     assert pieces(dense, range(0, 200)) == [range(0, 200)]
 
 
-@pytest.mark.parametrize("clip_factor", [0.0, 1.5])
-def test_spans_reduced_in_pieces_give_the_in_process_aggregate_bit_for_bit(trio, monkeypatch, clip_factor):
+@pytest.mark.parametrize("policy", [UNBOUNDED, Policy(clip_factor=1.5, drop_opposed=True)])
+def test_spans_reduced_in_pieces_give_the_in_process_aggregate_bit_for_bit(trio, monkeypatch, policy):
     monkeypatch.setattr(exchange_module, "PIECE_BYTES", 1000)  # each peer's span of 2,180 values: 3 pieces
-    inputs = [random_tensors(20 + seed) for seed in range(3)]
+    inputs = agreeing_tensors(20)
     inputs[2] = [t * 50 for t in inputs[2]]  # one contribution far larger than the others: clipped, piece by piece
-    exchanges = [DenseMean(t, clip_factor=clip_factor) for t in inputs]
+    exchanges = [DenseMean(t, policy=policy) for t in inputs]
     assert all(len(pieces(exchanges[0], span)) == 3 for span in exchanges[0].partition(3))
     stats = all_reduce(trio, exchanges)
     group = InProcessGroup(3)
-    local = [DenseMean(t, clip_factor=clip_factor) for t in inputs]
+    local = [DenseMean(t, policy=policy) for t in inputs]
     with ThreadPoolExecutor(3) as pool:
         list(pool.map(lambda rank: group.communicator(rank).all_reduce(local[rank], 0, "params"), range(3)))
     for exchange in exchanges:
         assert all(torch.equal(a, b) for a, b in zip(exchange.mean(), local[0].mean()))
     assert all(s.dropped == [] and s.bytes_sent + s.bytes_received == s.dense_fp32_bytes for s in stats)
-    assert bool(clip_factor) == any(s.clipped == [trio[2].peer_id] for s in stats)
+    assert bool(policy.clip_factor) == any(s.clipped == [trio[2].peer_id] for s in stats)
+    assert all(s.opposed == [] for s in stats)
+
+
+class ScalingReducer(DenseMean):
+    """A hostile reducer: it answers every member with its span's mean times ``factor`` (well-formed, finite)."""
+
+    factor = 1e4
+
+    def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
+        return (np.frombuffer(aggregate, dtype=np.float32) * np.float32(self.factor)).tobytes()
+
+
+def test_a_reducer_whose_result_is_longer_than_what_it_combined_is_refused_and_the_round_redone_without_it(trio):
+    inputs = agreeing_tensors(30)
+    exchanges = [DenseMean(t, policy=DEFENDED) for t in inputs[:2]] + [ScalingReducer(inputs[2], policy=DEFENDED)]
+    stats = all_reduce(trio, exchanges)
+    honest, hostile = [trio[0].peer_id, trio[1].peer_id], trio[2].peer_id
+    for s, exchange in zip(stats[:2], exchanges[:2]):
+        # both honest members refused the x1e4 span, accused its reducer, and redid the round without it
+        assert s.committed and s.attempts == 2 and s.peers == honest and hostile in s.dropped
+        assert all(torch.equal(a, (b + c) / 2) for a, b, c in zip(exchange.mean(), *inputs[:2]))
+    assert not stats[2].committed
+    expected = in_process_mean(inputs)  # what an honest third reducer would have given, for scale
+    assert all(float(a.norm()) < 2 * float(b.norm()) + 1 for a, b in zip(exchanges[0].mean(), expected))
+
+
+def test_a_join_that_claims_more_tokens_than_a_round_holds_is_left_out(trio):
+    coordinator, joiner = trio[0].communicator.matchmaker, trio[1]
+    round_index = next(rounds)
+    request = {"round": round_index, "name": "params", "config": "cfg", "state": "start-state", "pipeline": "",
+               "unreachable": [], "tokens": 5001, "dial_out": False, "slices": {"params": ["fp", "start-state"]}}
+    coordinator.round_tokens = 5000
+    try:
+        answer, _ = joiner.loop.run(wire.call(joiner.communicator.butterfly.p2p, coordinator.me,
+                                              coordinator.handler_name, request), 15)
+    finally:
+        coordinator.round_tokens = MAX_TOKENS
+    assert answer == {"v": wire.PROTOCOL_VERSION, "status": "left out",
+                      "reason": "this peer claims 5001 tokens, more than a round holds (5000)"}
 
 
 def test_sparse_all_reduce_over_hivemind_equals_the_in_process_one(trio):

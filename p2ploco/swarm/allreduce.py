@@ -226,8 +226,8 @@ class ButterflyAllReduce:
     async def run(self, group: Group, exchange: SlicedExchange, stats: AllReduceStats, malformed: set[str]) -> None:
         """All-reduce every slice of ``exchange`` among its holders in ``group``; on return it holds the aggregate
         of every span. Traffic and failures are added to ``stats`` as they happen, so a failed attempt is counted
-        too; the peers this one rejected from its own spans for malformed data are added to ``malformed``, also
-        when the all-reduce fails here (the vote reports them)."""
+        too; the peers this one rejected from its own spans for malformed data, or whose result it refused, are added
+        to ``malformed``, also when the all-reduce fails here (the vote reports them)."""
         loop = asyncio.get_running_loop()
         self.current_round = group.round_index
         stats.peers = list(group.peers)
@@ -262,7 +262,8 @@ class ButterflyAllReduce:
             for peer, span in zip(reducers, spans):
                 if peer != self.me:
                     route = _Route(group, slice_name, part, transfer)
-                    senders += [asyncio.create_task(self._contribute(ours, peer, route, piece, stats, dropped))
+                    senders += [asyncio.create_task(self._contribute(ours, peer, route, piece, stats, dropped,
+                                                                     malformed))
                                 for piece in pieces(part, span)]
         reductions: list[SpanReduction] = []
         errors: list[BaseException] = []
@@ -339,12 +340,12 @@ class ButterflyAllReduce:
         return reduction
 
     async def _contribute(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span,
-                          stats: AllReduceStats, dropped: set[str]) -> None:
+                          stats: AllReduceStats, dropped: set[str], malformed: set[str]) -> None:
         """Send our contribution to the piece ``span`` to its reducer ``peer`` (after our earlier pieces to it) and
         take back the piece's aggregate. ``ours``: the pieces we reduce of the same slice, which ``peer`` owes
         contributions to."""
         try:
-            await self._send_piece(ours, peer, route, span, stats, dropped)
+            await self._send_piece(ours, peer, route, span, stats, dropped, malformed)
         except DroppedFromRound:  # refused, not gone: our other pieces still go out, so it waits for none in vain
             raise
         except AllReduceError as e:  # unreachable, broken or out of time: the next pieces would fare no better
@@ -353,7 +354,7 @@ class ButterflyAllReduce:
             raise
 
     async def _send_piece(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span,
-                          stats: AllReduceStats, dropped: set[str]) -> None:
+                          stats: AllReduceStats, dropped: set[str], malformed: set[str]) -> None:
         group, exchange = route.group, route.exchange
         loop = asyncio.get_running_loop()
         payload = await loop.run_in_executor(None, exchange.encode, span)
@@ -388,11 +389,12 @@ class ButterflyAllReduce:
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", wire.failure_of(e)) from None
         except TimeoutError:  # slow is not dead: its own contributions may still come
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]} in time", Failure.TIMEOUT) from None
-        except PayloadError as e:  # its answer or aggregate is malformed: it is out of our spans too (our vote
-            # reports it), and banned here
+        except PayloadError as e:  # its answer or aggregate is malformed (or exceeds what it combined): it is out of
+            # our spans too where its contribution is not in yet, banned here, and our vote accuses it
             reason = f"malformed answer to our contribution: {e}"
             for piece in ours:
                 piece.reject(peer, reason)
+            malformed.add(peer)
             self.bans.ban(peer, group.round_index, reason)
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", Failure.MALFORMED) from None
         finally:
