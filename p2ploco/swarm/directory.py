@@ -11,17 +11,17 @@ swarm. A peer that applied its last round with a group *follows* that group: the
 swarm (its members' records as last seen stand for them; a member that has left costs at most one failed dial),
 and it looks up the records only on its turn, once every ceil(n / LOOKUPS_PER_ROUND) rounds, so that it reads
 about LOOKUPS_PER_ROUND records per round whatever N, and a peer that has parted from the swarm (a minority
-that formed a group of its own) still finds out within that many rounds (``catchup.py``). Only a group it has
-reasons to believe is followed that long: n counts the members that *vouched* for themselves in the round (they
-delivered this peer a contribution or an aggregate, with a daemon of their own), not those the coordinator merely
-named (a hostile coordinator's group of record-only Sybils would otherwise put off the next look for as many
-rounds as it names Sybils, and decide the follower's rounds meanwhile); and a group formed by a coordinator, or
-naming a member, whose record the last lookup did not return is followed for one round only, until the next
-look. Whoever needs the
-whole swarm looks every heartbeat: a peer that follows no group (it joins, catches up, was left out or alone),
-and a coordinator while it forms a group (``rounds.py``; it is one peer per round). A peer the round names
-that this view does not know (a joiner) is looked up on demand. The directory counts the bytes of the values
-it stores and reads (``dht_bytes``), so that a round record can say what coordination cost.
+that formed a group of its own) still finds out within that many rounds (``catchup.py``). n counts the members
+that *vouched* for the group in the round: they delivered this peer a contribution or an aggregate, with a
+daemon of their own. The members a coordinator merely named do not count: a hostile coordinator's group of its
+victim, itself and record-only Sybils would otherwise put off the victim's next look for as many rounds as it
+names Sybils, and decide its rounds meanwhile (it is the one candidate in that view). A group formed by a
+coordinator, or naming a member, whose record the last lookup did not return is followed for one round only,
+until the next lookup (``doubted``). Whoever needs the whole swarm looks every heartbeat: a peer that follows no
+group (it joins, catches up, was left out or alone), and a coordinator while it forms a group (``rounds.py``; it
+is one peer per round). A peer the round names that this view does not know (a joiner) is looked up on demand.
+The directory counts the bytes of the values it stores and reads (``dht_bytes``), so that a round record can say
+what coordination cost.
 """
 
 from __future__ import annotations
@@ -182,8 +182,8 @@ class PeerDirectory:
 
     def _turn_to_look(self) -> bool:
         """Whether a peer that follows its group looks up the records in its current round: once every
-        ceil(n / LOOKUPS_PER_ROUND) rounds, n the members that vouched for themselves and this peer, at a phase
-        its id sets, so that the members take turns."""
+        ceil(n / LOOKUPS_PER_ROUND) rounds, n the members that vouched for its group and itself, at a phase its id
+        sets, so that the members take turns."""
         period = math.ceil((len(self.vouched) + 1) / LOOKUPS_PER_ROUND)
         phase = int.from_bytes(hashlib.sha256(self.me.peer_id.encode()).digest()[:4], "big")
         return (self.me.round + phase) % period == 0
