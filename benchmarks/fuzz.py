@@ -125,12 +125,13 @@ SIGNED = VALIDATOR.sign_value(DHTRecord(RECORD_KEY, MSGPackSerializer.dumps(OWNE
                                         get_dht_time() + 10))
 HEADERS = {
     "join": {"round": 3, "name": "params", "config": "c", "state": "s", "slices": {"stage0": ["e", "h"]},
-             "pipeline": "g0", "unreachable": [OTHER], "tokens": 10240, "dial_out": False, "follows": "f"},
+             "pipeline": "g0", "unreachable": [OTHER], "tokens": 10240, "dial_out": False,
+             "follows": FOLLOWED.digest},
     "group": {"status": JoinStatus.GROUP, "group_id": "g", "peers": [ME, OTHER],
               "holdings": {ME: ["stage0"], OTHER: ["stage0", "stage1"]}, "pipelines": {ME: "g0"},
               "left_out": {"12D3KooWLeftOut": "it did not join within 20 s"}, "tokens": {ME: 10240, OTHER: 2048},
               "dial_out": [OTHER]},
-    "relative group": {"status": JoinStatus.GROUP, "group_id": "g", "base": "f", "removed": [],
+    "relative group": {"status": JoinStatus.GROUP, "group_id": "g", "base": FOLLOWED.digest, "removed": [],
                        "changed": {OTHER: {"holdings": ["stage0", "stage1"], "pipeline": "", "tokens": 2048,
                                            "dial_out": True}}, "left_out": {}},
     "vote": {"group_id": "g", "vote": "holds", "digests": {"stage0": "d"}, "drops": [OTHER]},

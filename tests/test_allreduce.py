@@ -14,9 +14,10 @@ from hivemind.p2p import P2P, PeerID
 
 from p2ploco.collective import exchange as exchange_module
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
-from p2ploco.collective.exchange import partition, pieces
+from p2ploco.collective.exchange import AllReduceStats, partition, pieces
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.robust import UNBOUNDED, Policy
+from p2ploco.collective.sliced import as_sliced
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
@@ -401,3 +402,29 @@ def test_joins_from_outside_the_run_are_refused_and_do_not_disturb_its_rounds(tr
         stats = [f.result(timeout=60) for f in [pool.submit(s.communicator.all_reduce, e, round_index, "params")
                                                 for s, e in zip(trio, exchanges)]]
     assert all(len(s.peers) == 3 and s.committed for s in stats)
+
+
+def test_only_the_members_that_delivered_vouch_for_the_group_a_peer_follows(trio):
+    """A peer goes without a lookup for as many rounds as members vouch for the group it follows. After an honest
+    round every other member does; a member a coordinator names that has no daemon (a record-only Sybil, here
+    behind a "NAT" so that it reduces no span and the round still holds) delivers nothing and vouches for nothing."""
+    ids = {s.peer_id for s in trio}
+    stats = all_reduce(trio, [DenseMean(random_tensors(90 + i)) for i in range(3)])
+    assert all(s.committed for s in stats)
+    assert [s.communicator.matchmaker.directory.vouched for s in trio] == [ids - {s.peer_id} for s in trio]
+    sybil = "12D3KooWSybilWithARecordAndNoDaemonXXXXXXXXXXXXXXXX"
+    peers = tuple(sorted([*ids, sybil]))
+    padded = Group("padded", next(rounds), "params", peers, trio[0].peer_id,
+                   holdings=tuple((p, ("params",)) for p in peers), tokens=tuple((p, 1000) for p in peers),
+                   dial_out=(sybil,))
+
+    def run(swarm: Swarm, seed: int) -> set[str]:
+        delivered: set[str] = set()
+        exchange = as_sliced(DenseMean(random_tensors(seed)), "params")
+        swarm.loop.run(swarm.communicator.butterfly.run(padded, exchange, AllReduceStats(list(peers)), set(),
+                                                        delivered), 60)
+        return delivered
+
+    with ThreadPoolExecutor(3) as pool:
+        delivered = list(pool.map(run, trio, range(95, 98)))
+    assert delivered == [ids - {s.peer_id} for s in trio]

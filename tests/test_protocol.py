@@ -167,6 +167,8 @@ JOIN = {"round": 1, "name": "p", "config": "c", "state": "s", "slices": {S: ["fp
     ({**JOIN, "tokens": 0}, "JoinRequest: tokens: Input should be greater than or equal to 1"),
     ({**JOIN, "tokens": 1 << 60}, "JoinRequest: tokens: Input should be less than or equal to"),
     ({**JOIN, "dial_out": "yes"}, "JoinRequest: dial_out: Input should be a valid boolean"),
+    ({**JOIN, "follows": "f" * 129}, "JoinRequest: follows: String should have at most 128 characters"),
+    ({**JOIN, "follows": b"f"}, "JoinRequest: follows: Input should be a valid string"),
 ])
 def test_malformed_join_requests_are_payload_errors(request_, message):
     with pytest.raises(PayloadError, match=message):
@@ -180,7 +182,7 @@ def test_a_group_answered_relative_to_the_group_the_joiner_follows_is_small_and_
     members = peers[1:]  # the first has left, the last has joined, one trained fewer tokens
     now = Group("now", 5, "params", tuple(members), peers[1], 0, tuple((p, (S,)) for p in members),
                 tokens=tuple((p, 5120 if p == peers[7] else 10240) for p in members), dial_out=(peers[-1],))
-    full, relative = group_answer(now), group_answer(now, last)
+    full, relative = group_answer(now), group_answer(now, last, last.digest)
     assert len(msgpack.packb(full)) > 150_000 and len(msgpack.packb(relative)) < 500  # O(N) against O(changes)
     as_given = parse_group(decode(JoinAnswer, relative).on(last), 5, "params", peers[1])
     assert as_given == parse_group(decode(JoinAnswer, full).on(None), 5, "params", peers[1])
@@ -190,6 +192,33 @@ def test_a_group_answered_relative_to_the_group_the_joiner_follows_is_small_and_
         decode(JoinAnswer, relative).on(now)
     with pytest.raises(PayloadError, match="relative to another group"):
         decode(JoinAnswer, relative).on(None)
+
+
+def test_a_joiner_that_follows_another_version_of_the_coordinators_group_is_answered_in_full():
+    """A hostile coordinator gave this joiner a version of group "last" in which C's contribution weighs 2**40
+    tokens, and the other members the honest one. Named by its id, the next (honest) coordinator answered relative
+    to its own version, left C's unchanged entry out, and the joiner kept the hostile weight. Named by its digest,
+    the versions differ: the answer lists every member, and the joiner ends with the honest coordinator's tokens."""
+    members = (A, B, C, D)
+
+    def version(tokens_of_c):
+        return Group("last", 4, "params", members, D, 0, tuple((p, (S,)) for p in members),
+                     tokens=tuple((p, tokens_of_c if p == C else 10240) for p in members))
+
+    hostile, honest = version(1 << 40), version(10240)
+    now = Group("now", 5, "params", members, A, 0, tuple((p, (S,)) for p in members),
+                tokens=tuple((p, 10240) for p in members))
+    assert hostile.digest != honest.digest and honest.digest == version(10240).digest
+    _, _, joiner = parse_join({**JOIN, "follows": hostile.digest})
+    answer = decode(JoinAnswer, group_answer(now, honest, joiner.follows))
+    assert not answer.base and answer.peers == list(members)
+    assert parse_group(answer.on(hostile), 5, "params", A).tokens_of()[C] == 10240
+    # The answer relative to the honest version leaves C out as unchanged; on the hostile version it is refused.
+    relative = decode(JoinAnswer, group_answer(now, honest, honest.digest))
+    assert relative.base == honest.digest and C not in relative.changed
+    assert parse_group(relative.on(honest), 5, "params", A) == parse_group(answer.on(None), 5, "params", A)
+    with pytest.raises(PayloadError, match="relative to another group \\(or version of it\\)"):
+        relative.on(hostile)
 
 
 def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends():

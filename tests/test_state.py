@@ -181,7 +181,7 @@ def test_a_peer_that_follows_its_group_reads_about_as_many_records_per_round_wha
     async def rounds() -> list[int]:
         await directory.view()  # a peer that follows no group looks
         assert directory.watching and set(directory.live) == {r.peer_id for r in others} | {"m"}
-        directory.follow(r.peer_id for r in others)
+        directory.follow([r.peer_id for r in others], vouched=[r.peer_id for r in others], coordinator="p0")
         assert not directory.watching  # the heartbeat only stores ...
         directory.watchers.add(asyncio.Event())
         assert directory.watching  # ... unless a formation this peer coordinates waits on its lookups
@@ -202,6 +202,66 @@ def test_a_peer_that_follows_its_group_reads_about_as_many_records_per_round_wha
     assert sum(1 for b in read if b) == len(read) * LOOKUPS_PER_ROUND // peers
     directory.follow(())
     assert directory.watching
+
+
+def _follower(peers: int) -> tuple[PeerDirectory, list[str]]:
+    """A directory whose lookups return ``peers`` records of round 0 (its own included), and the others' ids."""
+    node = _FakeNode()
+    others = [f"p{i:02d}" for i in range(peers - 1)]
+    for peer in [*others, "m"]:
+        node.stored.setdefault("run/peers", {})[peer] = ValueWithExpiration(record(peer, 0, "x").to_value(),
+                                                                            get_dht_time() + 60)
+    return PeerDirectory(node, "run/peers", b"owner", record("m", 0, "x"), 1.0, 10.0), others
+
+
+async def _rounds_looked(directory: PeerDirectory, rounds: range) -> list[int]:
+    """The rounds in ``rounds`` at which the directory's view is a fresh lookup."""
+    looked = []
+    for round_index in rounds:
+        directory.update_soon(round=round_index)
+        before = directory.refreshed_at
+        await directory.view()
+        if directory.refreshed_at != before:
+            looked.append(round_index)
+    return looked
+
+
+def test_a_group_padded_with_members_that_delivered_nothing_is_followed_one_round_at_a_time():
+    """A hostile coordinator names, beside its victim and itself, 15 Sybils that have records and no daemon: only a
+    member that delivered this peer a contribution or an aggregate counts towards how long it goes without a
+    lookup, so it looks every round (and meets the honest coordinators again) instead of every 4th."""
+    directory, others = _follower(16)
+
+    async def rounds() -> tuple[list[int], list[int]]:
+        await directory.refresh()
+        directory.follow(others, vouched=others, coordinator=others[0])  # an honest round: everyone delivered
+        honest = await _rounds_looked(directory, range(1, 17))
+        directory.follow(others, vouched=others[:1], coordinator=others[0])  # only the coordinator delivered
+        return honest, await _rounds_looked(directory, range(17, 25))
+
+    honest, padded = asyncio.run(rounds())
+    assert len(honest) == 4 and padded == list(range(17, 25))
+    assert directory.vouched == {others[0]}
+
+
+def test_a_group_whose_coordinator_the_last_lookup_did_not_return_is_followed_one_round_before_a_lookup():
+    """Every member delivered, but the coordinator (reached through a redirect to a peer outside this view) or a
+    member is not in the last lookup: the next round looks, and then the group is followed as usual."""
+    directory, others = _follower(16)
+
+    async def rounds() -> tuple[list[int], list[int]]:
+        await directory.refresh()
+        directory.follow(others, vouched=others, coordinator="stranger")
+        assert directory.doubted
+        stranger = await _rounds_looked(directory, range(1, 17))
+        directory.follow([*others, "ghost"], vouched=others, coordinator=others[0])  # a member the lookup lacks
+        return stranger, await _rounds_looked(directory, range(17, 33))
+
+    stranger, ghost = asyncio.run(rounds())
+    for looked, first in ((stranger, 1), (ghost, 17)):  # at once, then on its turns: every 4th round
+        assert looked[0] == first and len(looked) in (4, 5)
+        assert [later - earlier for earlier, later in zip(looked[-4:], looked[-3:])] == [4, 4, 4]
+    assert not directory.doubted
 
 
 def test_the_followed_group_stays_in_view_when_its_records_lapse_and_the_others_leave_it():

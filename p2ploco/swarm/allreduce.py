@@ -223,17 +223,22 @@ class ButterflyAllReduce:
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
 
-    async def run(self, group: Group, exchange: SlicedExchange, stats: AllReduceStats, malformed: set[str]) -> None:
+    async def run(self, group: Group, exchange: SlicedExchange, stats: AllReduceStats, malformed: set[str],
+                  delivered: set[str]) -> None:
         """All-reduce every slice of ``exchange`` among its holders in ``group``; on return it holds the aggregate
         of every span. Traffic and failures are added to ``stats`` as they happen, so a failed attempt is counted
         too; the peers this one rejected from its own spans for malformed data, or whose result it refused, are added
-        to ``malformed``, also when the all-reduce fails here (the vote reports them)."""
+        to ``malformed``, also when the all-reduce fails here (the vote reports them). The members whose
+        contributions are in this peer's aggregates, and the reducers that sent it theirs, are added to
+        ``delivered``: they took part with a daemon of their own (a member the coordinator named that has none
+        delivers nothing)."""
         loop = asyncio.get_running_loop()
         self.current_round = group.round_index
         stats.peers = list(group.peers)
         stats.contribution_bytes, stats.params, stats.clipped, stats.opposed = 0, 0, [], []
         sessions: list[_ReducerSession] = []
         senders: list[asyncio.Task] = []
+        reducers_of_senders: list[str] = []  # the reducer each sender task sends to
         dropped: set[str] = set()
         # Every link carries about one whole contribution each way and phase (ours out to the reducers, the others'
         # in to our spans; then the results), and the slices move at once, so their sizes add up. Pieces interleave
@@ -262,9 +267,10 @@ class ButterflyAllReduce:
             for peer, span in zip(reducers, spans):
                 if peer != self.me:
                     route = _Route(group, slice_name, part, transfer)
-                    senders += [asyncio.create_task(self._contribute(ours, peer, route, piece, stats, dropped,
-                                                                     malformed))
-                                for piece in pieces(part, span)]
+                    for piece in pieces(part, span):
+                        senders.append(asyncio.create_task(self._contribute(ours, peer, route, piece, stats, dropped,
+                                                                            malformed)))
+                        reducers_of_senders.append(peer)
         reductions: list[SpanReduction] = []
         errors: list[BaseException] = []
         try:
@@ -279,7 +285,10 @@ class ButterflyAllReduce:
                 await loop.run_in_executor(None, session.exchange.receive, session.span, result,
                                            reduction.receipt_for(self.me))
             # Every contribution is delivered (or fails) before we report, even after a reducer refused us.
-            errors = [e for e in await asyncio.gather(*senders, return_exceptions=True) if e is not None]
+            outcomes = await asyncio.gather(*senders, return_exceptions=True)
+            errors = [e for e in outcomes if e is not None]
+            failed = {peer for peer, outcome in zip(reducers_of_senders, outcomes) if outcome is not None}
+            delivered.update(set(reducers_of_senders) - failed)
             for session in sessions:  # results handed to every sender
                 await _bounded(session.served.wait(), session.transfer)
         except PayloadError as e:  # our own span could not be reduced (no valid contribution), or not received
@@ -299,6 +308,7 @@ class ButterflyAllReduce:
         for reduction in reductions:
             malformed.update(reduction.rejected)
             dropped.update(reduction.rejected)
+            delivered.update(set(reduction.included) | set(reduction.opposed) - {self.me})
         stats.dropped = sorted(dropped)
         for error in errors:
             if not isinstance(error, AllReduceError):

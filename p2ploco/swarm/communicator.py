@@ -72,9 +72,9 @@ class SwarmCommunicator(Communicator):
         formed = set(group.peers)
         while True:
             await faults.hit_async("matchmaking.grouped", round_index)
-            vote, malformed = Vote.HOLDS, set()
+            vote, malformed, delivered = Vote.HOLDS, set(), set()
             try:
-                await self.butterfly.run(group, exchange, stats, malformed)
+                await self.butterfly.run(group, exchange, stats, malformed, delivered)
             except AllReduceError as e:
                 vote = Vote.DROPPED if isinstance(e, DroppedFromRound) else Vote.MISSING
                 logger.warning(f"round {round_index}: all-reduce among {len(group.peers)} peers failed here ({e})")
@@ -96,7 +96,7 @@ class SwarmCommunicator(Communicator):
             stats.excluded = not stats.committed and decision.outcome in (Outcome.COMMIT, Outcome.REDO)
             stats.dropped = sorted(set(stats.dropped) | (formed - set(group.peers)))  # incl. those a redo left out
             stats.seconds = time.perf_counter() - started
-            self.matchmaker.follow(group if stats.committed else None)
+            self.matchmaker.follow(group if stats.committed else None, delivered)
             return stats
 
     async def _alone(self, exchange: SlicedExchange, round_index: int, started: float, failures: list[Failure]

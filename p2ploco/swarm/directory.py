@@ -9,13 +9,19 @@ Reading is what grows with the swarm: one lookup returns all N records (~1.3 KB 
 key and signature), so a peer that looked on every heartbeat would read O(N) per heartbeat, O(N^2) for the
 swarm. A peer that applied its last round with a group *follows* that group: the group is its view of the
 swarm (its members' records as last seen stand for them; a member that has left costs at most one failed dial),
-and it looks up the records only on its turn, once every ceil(N / LOOKUPS_PER_ROUND) rounds, so that it reads
+and it looks up the records only on its turn, once every ceil(n / LOOKUPS_PER_ROUND) rounds, so that it reads
 about LOOKUPS_PER_ROUND records per round whatever N, and a peer that has parted from the swarm (a minority
-that formed a group of its own) still finds out within that many rounds (``catchup.py``). Whoever needs the
-whole swarm looks every heartbeat: a peer that follows no group (it joins, catches up, was left out or alone),
-and a coordinator while it forms a group (``rounds.py``; it is one peer per round). A peer the round names
-that this view does not know (a joiner) is looked up on demand. The directory counts the bytes of the values
-it stores and reads (``dht_bytes``), so that a round record can say what coordination cost.
+that formed a group of its own) still finds out within that many rounds (``catchup.py``). n counts the members
+that *vouched* for the group in the round: they delivered this peer a contribution or an aggregate, with a
+daemon of their own. The members a coordinator merely named do not count: a hostile coordinator's group of its
+victim, itself and record-only Sybils would otherwise put off the victim's next look for as many rounds as it
+names Sybils, and decide its rounds meanwhile (it is the one candidate in that view). A group formed by a
+coordinator, or naming a member, whose record the last lookup did not return is followed for one round only,
+until the next lookup (``doubted``). Whoever needs the whole swarm looks every heartbeat: a peer that follows no
+group (it joins, catches up, was left out or alone), and a coordinator while it forms a group (``rounds.py``; it
+is one peer per round). A peer the round names that this view does not know (a joiner) is looked up on demand.
+The directory counts the bytes of the values it stores and reads (``dht_bytes``), so that a round record can say
+what coordination cost.
 """
 
 from __future__ import annotations
@@ -69,6 +75,9 @@ class PeerDirectory:
         self._bytes_sent = self._bytes_received = 0
         self.live_fields: Callable[[], dict[str, Any]] = dict  # fields that change between updates
         self.followed: frozenset[str] = frozenset()  # the others of the group this peer applied its last round with
+        self.vouched: frozenset[str] = frozenset()  # those of them that took part in it with this peer
+        self.seen: frozenset[str] = frozenset()  # the peers whose records the last lookup returned
+        self.doubted = False  # the followed group names a peer the last lookup did not return: look next round
 
     @property
     def dht_bytes(self) -> tuple[int, int]:
@@ -138,12 +147,14 @@ class PeerDirectory:
         if isinstance(entries, dict):
             self._bytes_received += sum(payload_bytes(subkey, getattr(item, "value", None))
                                         for subkey, item in entries.items())
-        for peer_id, (record, expires) in parse_records(entries, now).items():
+        found_records = parse_records(entries, now)
+        for peer_id, (record, expires) in found_records.items():
             if expires > self._expires.get(peer_id, 0.0):
                 self._refreshed[peer_id] = time.monotonic()
             live[peer_id], self._expires[peer_id] = record, expires
         live[self.me.peer_id] = self.me
         self.live, self.refreshed_at = live, time.monotonic()
+        self.seen, self.doubted = frozenset(found_records) | {self.me.peer_id}, False
         for watcher in self.watchers:
             watcher.set()
         return live
@@ -153,10 +164,15 @@ class PeerDirectory:
         return {p: r for p, r in self.live.items()
                 if self._expires.get(p, 0.0) > now or p in self.followed or p == self.me.peer_id}
 
-    def follow(self, peers: Iterable[str]) -> None:
-        """This peer applied its last round with ``peers`` (none: it did not, or applied it alone): they are its
-        view of the swarm until the next round says otherwise (module docstring)."""
+    def follow(self, peers: Iterable[str], vouched: Iterable[str] = (), coordinator: str = "") -> None:
+        """This peer applied its last round with ``peers`` (none: it did not, or applied it alone), formed by
+        ``coordinator``: they are its view of the swarm until the next round says otherwise. Of them, ``vouched``
+        took part with it (they delivered it a contribution or an aggregate) and set how long it goes without a
+        lookup; if the coordinator or a member was not in the last lookup, it looks again next round (module
+        docstring)."""
         self.followed = frozenset(peers) - {self.me.peer_id}
+        self.vouched = frozenset(vouched) & self.followed
+        self.doubted = bool(self.followed) and not self.followed | ({coordinator} - {""}) <= self.seen
 
     @property
     def watching(self) -> bool:
@@ -166,8 +182,9 @@ class PeerDirectory:
 
     def _turn_to_look(self) -> bool:
         """Whether a peer that follows its group looks up the records in its current round: once every
-        ceil(N / LOOKUPS_PER_ROUND) rounds, at a phase its id sets, so that the members take turns."""
-        period = math.ceil((len(self.followed) + 1) / LOOKUPS_PER_ROUND)
+        ceil(n / LOOKUPS_PER_ROUND) rounds, n the members that vouched for its group and itself, at a phase its id
+        sets, so that the members take turns."""
+        period = math.ceil((len(self.vouched) + 1) / LOOKUPS_PER_ROUND)
         phase = int.from_bytes(hashlib.sha256(self.me.peer_id.encode()).digest()[:4], "big")
         return (self.me.round + phase) % period == 0
 
@@ -176,10 +193,10 @@ class PeerDirectory:
         return [self.live[p].bandwidth_mbit for p in peers if p in self.live]
 
     async def view(self) -> dict[str, PeerRecord]:
-        """The records as last seen if they will do: looked up since this node moved to its current round (the
-        others publish theirs as they move, too), or this node follows its group and it is not its turn to look
-        (module docstring); otherwise a fresh lookup."""
-        if self.refreshed_at > self.moved_at or (self.followed and not self._turn_to_look()):
+        """The records as last seen if they will do: unless this node doubts the group it follows, looked up
+        since this node moved to its current round (the others publish theirs as they move, too), or this node
+        follows its group and it is not its turn to look (module docstring); otherwise a fresh lookup."""
+        if not self.doubted and (self.refreshed_at > self.moved_at or (self.followed and not self._turn_to_look())):
             return self.live
         return await self.refresh()
 

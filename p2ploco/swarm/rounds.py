@@ -59,16 +59,17 @@ its holders.
 A join request, a wire message (``swarm/wire.py``) with no payload::
 
     {v, round, name, config, state, slices: {slice: [exchange fingerprint, hash]}, pipeline,
-     unreachable: [peer ids the joiner could not reach], tokens, dial_out, follows: group id}
+     unreachable: [peer ids the joiner could not reach], tokens, dial_out, follows: group digest}
 
 answered ``{v, status: group, group_id, peers, holdings: {peer: [slices]}, pipelines: {peer: group},
 left_out: {peer: reason}, tokens: {peer: tokens}, dial_out: [peers]}``, ``{v, status: redirect, to}``, or
 ``{v, status: late|banned|leaving, reason}``. A group lists every member, N entries in each of N answers: O(N^2)
 bytes at one coordinator a round (177 KB an answer at N = 1024). So a joiner names the group it follows (the one
-it applied its last round with, ``follow``), and where the coordinator follows that group too it answers with the
-difference: ``{v, status: group, group_id, base: that group's id, changed: {peer: {holdings, pipeline, tokens,
-dial_out}}, removed: [peers], left_out}``, the entries of the members that joined or changed and the ids of those
-that left, a few hundred bytes a round whatever N (``JoinAnswer.on``).
+it applied its last round with, ``follow``) by its digest (``Group.digest``: its id and every member's entry), and
+where the coordinator follows that very version of it too it answers with the difference: ``{v, status: group,
+group_id, base: that group's digest, changed: {peer: {holdings, pipeline, tokens, dial_out}}, removed: [peers],
+left_out}``, the entries of the members that joined or changed and the ids of those that left, a few hundred bytes
+a round whatever N (``JoinAnswer.on``).
 """
 
 from __future__ import annotations
@@ -76,11 +77,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import hashlib
+import json
 import logging
 import secrets
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Annotated, Any
 
 from hivemind.p2p import P2P
@@ -164,6 +168,15 @@ class Group:
     tokens: tuple[tuple[str, int], ...] = ()  # (peer, tokens its contribution carries: its weight), in peer order
     dial_out: tuple[str, ...] = ()  # members that can only dial out: they reduce no span
 
+    @cached_property
+    def digest(self) -> str:
+        """What a join names the group it follows by, and an answer relative to that group its base: a hash of the
+        id and of every member's entry (holdings, pipeline group, tokens, dial-out). A hostile coordinator may hand
+        its members versions of one group id that differ in some entry; named by its id alone, the next honest
+        coordinator answered relative to its own version, left the entries it did not change out, and the joiner
+        kept the hostile ones."""
+        return hashlib.sha256(json.dumps([self.group_id, _entries(self)], sort_keys=True).encode()).hexdigest()
+
     def without(self) -> str:
         """Who the coordinator left out and why, as a member logs it ("" if nobody)."""
         return ", ".join(f"{peer[-8:]} ({why})" for peer, why in self.left_out)
@@ -209,7 +222,7 @@ class Member:
     pipeline: str = ""
     tokens: int = 1
     dial_out: bool = False
-    follows: str = ""  # the id of the group it applied its last round with ("" if none): answered relative to it
+    follows: str = ""  # the digest of the group it applied its last round with ("" if none): answered relative to it
 
 
 # round, all-reduce name, config fingerprint, digest of the state the round starts from (``consensus.round_state``)
@@ -301,11 +314,15 @@ class Matchmaker:
             live.add(self.me)
         return live - exclude
 
-    def follow(self, group: Group | None) -> None:
-        """This peer applied its last round with ``group`` (None: it did not, or alone): its view of the swarm
-        (``PeerDirectory.follow``), and the base its joins are answered relative to."""
+    def follow(self, group: Group | None, vouched: Iterable[str] = ()) -> None:
+        """This peer applied its last round with ``group`` (None: it did not, or alone), and ``vouched`` members
+        delivered it a contribution or an aggregate: its view of the swarm (``PeerDirectory.follow``), and the
+        base its joins are answered relative to."""
         self.following = group if group is not None and len(group.peers) > 1 else None
-        self.directory.follow(self.following.peers if self.following else ())
+        if self.following is None:
+            self.directory.follow(())
+        else:
+            self.directory.follow(self.following.peers, vouched, self.following.coordinator)
 
     async def withdraw(self) -> None:
         """This peer is leaving: stop joining groups, and finish coordinating what it already started."""
@@ -338,7 +355,7 @@ class Matchmaker:
         request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state,
                    "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
                    "unreachable": [], "tokens": max(1, tokens), "dial_out": self.dial_out,
-                   "follows": base.group_id if base else ""}
+                   "follows": base.digest if base else ""}
         deadline = time.monotonic() + self.timeout + 5.0  # the coordinator may wait `timeout` for others
         unreachable: dict[str, str] = {}  # coordinators tried in vain, and why
         hints: set[str] = set()
@@ -514,8 +531,7 @@ class Matchmaker:
             return {"status": JoinStatus.REDIRECT, "to": outcome}
         if sender in formation.refused:
             return {"status": JoinStatus.LEFT_OUT, "reason": formation.refused[sender]}
-        following = self.following
-        return group_answer(outcome, following if following and following.group_id == member.follows else None)
+        return group_answer(outcome, self.following, member.follows)
 
     async def _refusal(self, sender: str, key: FormationKey) -> str | None:
         """Why a join from ``sender`` for ``key`` is refused, if it is: a peer joins only rounds of this run's config,
@@ -690,7 +706,7 @@ class JoinRequest(Message):
     unreachable: PeerIds
     tokens: Tokens  # what the joiner trained for its contribution: its weight in the round's mean
     dial_out: bool  # others cannot dial the joiner (it is behind NAT): it reduces no span
-    follows: Digest = ""  # the group the joiner applied its last round with: answered relative to it (none: in full)
+    follows: Digest = ""  # Group.digest of the group the joiner applied its last round with ("": answered in full)
 
 
 class MemberEntry(Message):
@@ -714,7 +730,7 @@ class JoinAnswer(Message):
     left_out: Annotated[dict[PeerId, Reason], Field(max_length=MAX_LEFT_OUT)] = {}
     tokens: Annotated[dict[PeerId, Tokens], Field(max_length=MAX_PEERS)] = {}
     dial_out: PeerIds = []
-    base: Digest = ""  # a group given relative to the group of this id (``on``): its members' changes follow
+    base: Digest = ""  # a group given relative to the group of this digest (``on``): its members' changes follow
     changed: Annotated[dict[PeerId, MemberEntry], Field(max_length=MAX_PEERS)] = {}
     removed: PeerIds = []
 
@@ -742,8 +758,8 @@ class JoinAnswer(Message):
         (PayloadError if it is relative to another one, or makes a group that does not hold together)."""
         if not self.base:
             return self
-        if base is None or self.base != base.group_id:
-            raise PayloadError("a group relative to another group than the one this peer follows")
+        if base is None or self.base != base.digest:
+            raise PayloadError("a group relative to another group (or version of it) than the one this peer follows")
         entries = {peer: entry for peer, entry in _entries(base).items() if peer not in self.removed}
         entries.update((peer, entry.model_dump()) for peer, entry in self.changed.items())
         peers = sorted(entries)
@@ -771,11 +787,12 @@ def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]
     return (join.round, join.name, join.config, join.state), set(join.unreachable), member
 
 
-def group_answer(group: Group, base: Group | None = None) -> dict[str, Any]:
-    """The answer that gives a joiner ``group``: in full, or relative to ``base``, the group the joiner follows."""
-    if base is not None:
+def group_answer(group: Group, base: Group | None = None, follows: str = "") -> dict[str, Any]:
+    """The answer that gives a joiner ``group``: relative to ``base`` (the group this coordinator follows) if the
+    joiner follows that very version of it (``follows``: its ``Group.digest``), else in full."""
+    if base is not None and base.digest == follows:
         entries, before = _entries(group), _entries(base)
-        return {"status": JoinStatus.GROUP, "group_id": group.group_id, "base": base.group_id,
+        return {"status": JoinStatus.GROUP, "group_id": group.group_id, "base": base.digest,
                 "changed": {peer: entry for peer, entry in entries.items() if before.get(peer) != entry},
                 "removed": sorted(set(before) - set(entries)), "left_out": dict(group.left_out)}
     return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers),
