@@ -308,7 +308,7 @@ class ButterflyAllReduce:
         for reduction in reductions:
             malformed.update(reduction.rejected)
             dropped.update(reduction.rejected)
-            delivered.update(set(reduction.included) | set(reduction.opposed) - {self.me})
+            delivered.update((set(reduction.included) | set(reduction.opposed)) - {self.me})
         stats.dropped = sorted(dropped)
         for error in errors:
             if not isinstance(error, AllReduceError):
