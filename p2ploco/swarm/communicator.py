@@ -1,5 +1,9 @@
 """The production Communicator: a group from the round's coordinator, a butterfly all-reduce over
-hivemind, and a vote on the outcome, so that every survivor applies the same aggregate or none."""
+hivemind, and a vote on the outcome, so that every survivor applies the same aggregate or none.
+
+It also remembers who took part in this peer's recent rounds (``partners``): the members whose contributions were
+in an aggregate it applied, in its last ``PARTNER_ROUNDS`` all-reduces. Unlike a record, which anyone can publish,
+that takes training with the swarm; the round budget goes by their step times (``budget.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Iterable
 
 from p2ploco import faults
 from p2ploco.collective.exchange import (
@@ -23,15 +28,20 @@ from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedF
 from p2ploco.swarm.commit import Outcome, RoundCommit, Vote
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerState
-from p2ploco.swarm.rounds import Matchmaker
+from p2ploco.swarm.rounds import Group, Matchmaker
 
 logger = logging.getLogger(__name__)
+
+PARTNER_ROUNDS = 4  # all-reduces whose partners this peer remembers (a round it misses still counts one)
 
 
 class SwarmCommunicator(Communicator):
     def __init__(self, loop: EventLoopThread, matchmaker: Matchmaker, butterfly: ButterflyAllReduce,
                  commit: RoundCommit):
         self.loop, self.matchmaker, self.butterfly, self.commit = loop, matchmaker, butterfly, commit
+        self._recent: tuple[frozenset[str], ...] = ()  # each recent all-reduce's partners, oldest first
+        # Replaced whole, never changed in place: the training thread reads it while the event loop writes it.
+        self.partners: frozenset[str] = frozenset()
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
         return self.loop.run(self._all_reduce(as_sliced(exchange, name), round_index, name, threading.Event()))
@@ -62,11 +72,11 @@ class SwarmCommunicator(Communicator):
                                                  exchange.tokens)
         grouped.set()  # the join no longer reads this peer's record: it may announce its next round
         if group is None:  # late, refused, or leaving: nothing to apply
-            self.matchmaker.follow(None)
+            self._applied_with(None)
             return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started,
                                   failures=failures)
         if len(group.peers) == 1:
-            self.matchmaker.follow(None)
+            self._applied_with(None)
             return await self._alone(exchange, round_index, started, failures)
 
         stats = AllReduceStats(list(group.peers), failures=failures, tokens=exchange.tokens)
@@ -97,8 +107,16 @@ class SwarmCommunicator(Communicator):
             stats.excluded = not stats.committed and decision.outcome in (Outcome.COMMIT, Outcome.REDO)
             stats.dropped = sorted(set(stats.dropped) | (formed - set(group.peers)))  # incl. those a redo left out
             stats.seconds = time.perf_counter() - started
-            self.matchmaker.follow(group if stats.committed else None)
+            self._applied_with(group if stats.committed else None, stats.dropped)
             return stats
+
+    def _applied_with(self, group: Group | None, dropped: Iterable[str] = ()) -> None:
+        """This peer applied the round's aggregate with ``group``, without the contributions of ``dropped`` (None: it
+        applied none, or its own alone): the group it follows (``Matchmaker.follow``), and its partners."""
+        self.matchmaker.follow(group)
+        partners = set(group.peers) - set(dropped) - {self.matchmaker.me} if group is not None else set()
+        self._recent = (*self._recent, frozenset(partners))[-PARTNER_ROUNDS:]
+        self.partners = frozenset().union(*self._recent)
 
     async def _alone(self, exchange: Exchange, round_index: int, started: float, failures: list[Failure]
                      ) -> AllReduceStats:
