@@ -38,7 +38,8 @@ def run_swarm(workdir: Path, honest: str, behaviour: str, rounds: int, peer_ids:
             return ["--identity", str(workdir / f"{name}.key")] if peer_ids else []
 
         nodes = {name: swarm.start_node(name, TINY_CONFIG, *common, *identity(name)) for name in honest}
-        nodes["x"] = swarm.start_node("x", TINY_CONFIG, *common, *identity("x"), program=[*HOSTILE, behaviour, "--"] if behaviour else ())
+        nodes["x"] = swarm.start_node("x", TINY_CONFIG, *common, *identity("x"),
+                                      program=[*HOSTILE, behaviour, "--"] if behaviour else ())
         hostile_id = nodes["x"].wait_for_line(re.compile(r"peer (\w+) joined run"), 60).group(1)
         assert [nodes[name].process.wait(240) for name in honest] == [0] * len(honest)  # nobody exits early
         nodes["x"].process.wait(60)
@@ -351,7 +352,7 @@ def test_a_member_claiming_an_absurdly_fast_step_does_not_shorten_the_others_rou
     assert statistics.mean(inner_steps(attacked)) >= 0.9 * statistics.mean(inner_steps(reference)), (
         inner_steps(attacked), inner_steps(reference))
     assert statistics.median(inner_steps(attacked)) == steps, inner_steps(attacked)
-    assert final_eval_loss(attacked) <= 1.03 * final_eval_loss(reference)
+    assert final_eval_loss(attacked) == pytest.approx(final_eval_loss(reference), rel=0.03)
     report("fast-step claim: mean inner steps per attacked round, final eval loss (attacked, reference)",
            {"steps attacked": statistics.mean(inner_steps(attacked)),
             "steps reference": statistics.mean(inner_steps(reference)),
