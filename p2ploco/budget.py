@@ -11,11 +11,22 @@ A step runs while it would end no later than half a step past the budget. The bu
 where a peer sets it (all peers of a run should set the same), else the time the fastest peers need for H steps:
 each peer publishes the median of its recent inner steps, the peers within ``FAST_COHORT`` of the fastest (this one's
 own included) train H steps, and a slower peer's budget is H times the median step of those. (On a busy machine step
-times wander by tens of percent: a budget from the single fastest step would cut the fast peers' rounds too.) A peer
-whose record claims an absurdly fast step could
-shorten everyone's rounds; the budget is never below H steps of this peer's own, divided by ``MAX_SPEED_SPREAD``,
-so a lie costs the others more frequent rounds at most, never a stall. ``inner.fixed_steps`` trains H steps every
-round regardless (pipeline stages and Streaming DiLoCo fragments always do: their steps are scheduled by count).
+times wander by tens of percent: a budget from the single fastest step would cut the fast peers' rounds too.)
+
+A step time is a claim in a record, and a record is free to publish: one claiming 1e-300 s, of a peer that never
+joined a round, used to cut every peer's round to one step of H. So the budget goes by the peers that took part in
+this peer's recent rounds (``Swarm.step_seconds``: those whose contributions were in an aggregate it applied in its
+last few all-reduces; a peer with none, a joiner, goes by every live record of the run until it applies a round
+again), never by a banned peer, and of their step times it believes none faster than half the group's lower median
+(its own and theirs: the peers up to that median then stay in the fast cohort and train H steps), nor
+``MAX_SPEED_SPREAD`` times faster than its own. A claim faster than that is left out, as if its peer were absent.
+Moving the lower median takes claims from half the group or more; short of that, the most a member can do is claim
+a step at the bound, which gives the peers slower than the median a budget of no less than H times half the median
+step. The cost: an honest fast minority more than twice as fast as the group's lower median counts as only that
+fast, so the group's rounds last about H steps of its median peers, and the fast minority waits for them.
+
+``inner.fixed_steps`` trains H steps every round regardless (pipeline stages and Streaming DiLoCo fragments always
+do: their steps are scheduled by count).
 """
 
 from __future__ import annotations
@@ -25,8 +36,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-MAX_SPEED_SPREAD = 16  # the fastest step a budget trusts is this many times faster than this peer's own
-FAST_COHORT = 2.0  # peers whose steps take at most this many times the fastest's train H steps: timing noise
+MAX_SPEED_SPREAD = 16  # the fastest step a budget believes is this many times faster than this peer's own
+FAST_COHORT = 2.0  # peers whose steps take at most this many times the fastest's train H steps: timing noise; and
+# the fastest step a budget believes is this many times faster than its group's lower median
 STEP_MEMORY = 8  # recent steps whose median is this peer's step time
 
 
@@ -66,8 +78,9 @@ class WallClockBudget:
 
     def __init__(self, steps: int, own: StepTimes, swarm_step_seconds: Callable[[], Iterable[float]],
                  round_seconds: float = 0.0):
-        """``swarm_step_seconds``: the step times the live peers of this run publish (0: not yet known);
-        ``round_seconds``: a budget set in the config (0: derived from the swarm)."""
+        """``swarm_step_seconds``: the step times of the peers this one goes by, its own left out
+        (``Swarm.step_seconds``; 0: not yet known); ``round_seconds``: a budget set in the config (0: derived from
+        the swarm)."""
         self.steps, self.own, self.round_seconds = steps, own, round_seconds
         self.swarm_step_seconds = swarm_step_seconds
 
@@ -78,11 +91,15 @@ class WallClockBudget:
         own = self.own.median
         if own <= 0:
             return None
-        known = [own, *(s for s in self.swarm_step_seconds() if s > 0)]
-        fastest = max(min(known), own / MAX_SPEED_SPREAD)
+        claims = [s for s in self.swarm_step_seconds() if s > 0]
+        # Claims faster than this are not believed: the group's lower-median peer stays in the fast cohort (only
+        # half the group or more can move that median), and no claim is absurdly faster than this peer's own.
+        fastest_believed = max(statistics.median_low([own, *claims]) / FAST_COHORT, own / MAX_SPEED_SPREAD)
+        known = [own, *(s for s in claims if s >= fastest_believed)]
+        fastest = min(known)
         if own <= FAST_COHORT * fastest:
             return None
-        return self.steps * statistics.median(max(s, fastest) for s in known if s <= FAST_COHORT * fastest)
+        return self.steps * statistics.median(s for s in known if s <= FAST_COHORT * fastest)
 
     def allows(self, steps_done: int, seconds: float) -> bool:
         if steps_done >= self.steps:

@@ -28,6 +28,8 @@ Behaviours (each starts at round FROM and lasts until the node exits):
 - ``poison-state@FROM``   the node's record claims the round after its own, holding a state of its own making
                           (every parameter 0.5), and it serves that state to peers catching up: two such nodes
                           (two keys of one attacker) agree on it
+- ``fast-step@FROM``      the node's record claims inner steps of 1e-300 s (it trains and takes part in rounds
+                          honestly): on its word every other peer's round budget shrank to one inner step
 
 Everything else is the real node: the same processes, daemons and protocol as ``p2ploco node start``.
 """
@@ -314,6 +316,20 @@ def claim_a_poisoned_next_round(start: int) -> None:
     Swarm.publish_state, Swarm.set_progress = publish_state, set_progress
 
 
+def claim_a_fast_step(start: int) -> None:
+    from p2ploco.swarm.records import PeerRecord
+
+    honest = PeerRecord.to_value
+
+    def to_value(self: PeerRecord) -> dict[str, Any]:
+        value = honest(self)
+        if self.round >= start:
+            value["step_seconds"] = 1e-300
+        return value
+
+    PeerRecord.to_value = to_value
+
+
 # behaviour name -> how to patch it in, given the value after ":" (if any) and the round or step after "@"
 BEHAVIOURS: dict[str, Callable[[str, int], None]] = {
     "scale": lambda value, start: scale_contributions(float(value), start),
@@ -329,6 +345,7 @@ BEHAVIOURS: dict[str, Callable[[str, int], None]] = {
     "huge-activations": lambda _, start: send_huge_activations(start),
     "odd-sums": lambda _, start: send_odd_sums(start),
     "poison-state": lambda _, start: claim_a_poisoned_next_round(start),
+    "fast-step": lambda _, start: claim_a_fast_step(start),
 }
 
 

@@ -12,6 +12,7 @@ import torch
 from helpers import LOOPBACK, join_swarms
 from hivemind.p2p import P2P, PeerID
 
+from p2ploco.budget import StepTimes, WallClockBudget
 from p2ploco.collective import exchange as exchange_module
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
 from p2ploco.collective.exchange import AllReduceStats, partition, pieces
@@ -66,6 +67,10 @@ def all_reduce(swarms, exchanges):
     round_index = next(rounds)
     for s in swarms:
         s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+    return all_reduce_at(swarms, exchanges, round_index)
+
+
+def all_reduce_at(swarms, exchanges, round_index):
     with ThreadPoolExecutor(len(swarms)) as pool:
         futures = [pool.submit(s.communicator.all_reduce, e, round_index, "params") for s, e in zip(swarms, exchanges)]
         return [f.result(timeout=60) for f in futures]
@@ -283,6 +288,7 @@ def test_a_peer_with_another_config_is_warned_and_never_counts_the_others(trio, 
     try:
         assert "run 'test' has peers of another config (fingerprint cfg, yours other-cfg)" in caplog.text
         assert other.swarm_state(0, {"params": "mine"}) == {}
+        assert set(other.directory.live) > {other.peer_id} and other.step_seconds() == []  # nor goes by their pace
     finally:
         other.leave()
 
@@ -428,3 +434,44 @@ def test_only_the_members_that_delivered_vouch_for_the_group_a_peer_follows(trio
     with ThreadPoolExecutor(3) as pool:
         delivered = list(pool.map(run, trio, range(95, 98)))
     assert delivered == [ids - {s.peer_id} for s in trio]
+
+
+def test_the_round_budget_goes_by_the_step_times_of_recent_partners_not_of_any_record(trio):
+    """A record is free to publish: one that claimed inner steps of 1e-300 s, never joining a round, cut every
+    peer's round budget to one step of H. A peer's budget goes by the peers whose contributions were in its recent
+    rounds (a joiner, with none yet, by every live record of the run), never a banned one, and believes no claim
+    much faster than its group's lower median (``budget.py``)."""
+    me, others = trio[0], {s.peer_id for s in trio[1:]}
+    own = StepTimes()
+    own.add(0.12)
+    budget = WallClockBudget(10, own, me.step_seconds)
+    next(rounds)
+    round_index = next(rounds)  # >= 1: the liar's record at round 0 is no peer the round waits for
+    liar = Swarm.join("test", CONFIG, "cfg", initial_peers=trio[0].addresses(), host_maddrs=LOOPBACK)
+    try:
+        liar.report(step_seconds=1e-300)
+        for s in trio:
+            s.report(step_seconds=0.1)
+            s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        assert liar.flush() and all(s.flush() for s in trio)
+        stats = all_reduce_at(trio, [DenseMean(random_tensors(90 + i)) for i in range(3)], round_index)
+        assert all(len(s.peers) == 3 and s.committed for s in stats)
+        for s in (me, liar):
+            s.loop.run(s.directory.refresh(), 10)
+        assert liar.peer_id in me.directory.live and me.communicator.partners == others
+        assert me.step_seconds() == [0.1, 0.1] and budget.seconds() is None  # H steps
+        assert sorted(liar.step_seconds()) == [0.1, 0.1, 0.1]  # a joiner goes by every record of the run
+
+        # A partner's absurd claim is left out too, and a banned partner's step is not read.
+        round_index = next(rounds)
+        for s in (*trio, liar):
+            s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        assert all(s.flush() for s in (*trio, liar))
+        stats = all_reduce_at([*trio, liar], [DenseMean(random_tensors(95 + i)) for i in range(4)], round_index)
+        assert all(len(s.peers) == 4 and s.committed for s in stats)
+        assert me.communicator.partners == others | {liar.peer_id}
+        assert sorted(me.step_seconds()) == [1e-300, 0.1, 0.1] and budget.seconds() is None
+        me.bans.ban(liar.peer_id, round_index, "a test")
+        assert me.step_seconds() == [0.1, 0.1]
+    finally:
+        liar.leave()

@@ -29,7 +29,8 @@ APPLIED = re.compile(r"round\s+\d+ \| peers \d+ \|(?!.*NOT APPLIED)")
 def run_swarm(workdir: Path, honest: str, behaviour: str, rounds: int, peer_ids: dict[str, str] | None = None
               ) -> tuple[dict[str, list[dict]], str]:
     """``honest`` nodes and one hostile node ``x`` train ``rounds`` rounds; their records and x's peer id.
-    ``peer_ids``: nodes run with the identities ``ground`` wrote for them."""
+    ``behaviour`` "": x is an honest node too (a reference run). ``peer_ids``: nodes run with the identities
+    ``ground`` wrote for them."""
     with LocalSwarm(workdir) as swarm:
         common = [*FAST, "--max-rounds", str(rounds), "--set", f"swarm.min_peers={len(honest) + 1}"]
 
@@ -37,7 +38,8 @@ def run_swarm(workdir: Path, honest: str, behaviour: str, rounds: int, peer_ids:
             return ["--identity", str(workdir / f"{name}.key")] if peer_ids else []
 
         nodes = {name: swarm.start_node(name, TINY_CONFIG, *common, *identity(name)) for name in honest}
-        nodes["x"] = swarm.start_node("x", TINY_CONFIG, *common, *identity("x"), program=[*HOSTILE, behaviour, "--"])
+        nodes["x"] = swarm.start_node("x", TINY_CONFIG, *common, *identity("x"),
+                                      program=[*HOSTILE, behaviour, "--"] if behaviour else ())
         hostile_id = nodes["x"].wait_for_line(re.compile(r"peer (\w+) joined run"), 60).group(1)
         assert [nodes[name].process.wait(240) for name in honest] == [0] * len(honest)  # nobody exits early
         nodes["x"].process.wait(60)
@@ -321,3 +323,37 @@ def test_two_keys_claiming_the_next_round_with_a_state_of_their_own_move_nobody(
         log = (tmp_path / f"{name}.log").read_text()
         assert "caught up" not in log and "fetching the state" not in log, name
         assert [r["round"] for r in records] == list(range(rounds)) and all(r["applied"] for r in records)
+
+
+@pytest.mark.slow  # two swarms of 10 rounds; the rule is in the default run (test_allreduce.py, real daemons)
+@pytest.mark.timeout(600)
+def test_a_member_claiming_an_absurdly_fast_step_does_not_shorten_the_others_rounds(tmp_path):
+    """x takes part in every round, but its record claims inner steps of 1e-300 s: every honest peer's round budget
+    used to shrink to one inner step of H (the budget trusted a step 16x faster than its own). Now a claim faster
+    than half the group's lower median is not believed: the honest peers train as they do with x honest."""
+    attack_from, rounds, steps = 2, 10, 5
+    attacked, _ = run_swarm(tmp_path / "attacked", "abc", f"fast-step@{attack_from}", rounds)
+    reference, _ = run_swarm(tmp_path / "reference", "abc", "", rounds)
+    for runs in (attacked, reference):
+        honest = {name: runs[name] for name in "abc"}
+        assert_agreement(honest)
+        for records in honest.values():
+            assert [r["round"] for r in records] == list(range(rounds))  # nobody exited (run_swarm checks exit 0)
+            assert sum(not r["applied"] for r in records) <= 1, [(r["round"], r["applied"]) for r in records]
+
+    def inner_steps(runs: dict[str, list[dict]]) -> list[int]:
+        return [r["inner_steps"] for name in "abc" for r in runs[name] if r["round"] >= attack_from]
+
+    def final_eval_loss(runs: dict[str, list[dict]]) -> float:
+        return statistics.mean(runs[name][-1]["eval_loss"] for name in "abc")
+
+    # On a busy machine an honest peer's steps may look 2x slower than the fastest peer's for a while, and it
+    # trains fewer steps: the same in both swarms. Before the fix the attacked peers trained 1 step of 5.
+    assert statistics.mean(inner_steps(attacked)) >= 0.9 * statistics.mean(inner_steps(reference)), (
+        inner_steps(attacked), inner_steps(reference))
+    assert statistics.median(inner_steps(attacked)) == steps, inner_steps(attacked)
+    assert final_eval_loss(attacked) == pytest.approx(final_eval_loss(reference), rel=0.03)
+    report("fast-step claim: mean inner steps per attacked round, final eval loss (attacked, reference)",
+           {"steps attacked": statistics.mean(inner_steps(attacked)),
+            "steps reference": statistics.mean(inner_steps(reference)),
+            "eval attacked": final_eval_loss(attacked), "eval reference": final_eval_loss(reference)})

@@ -1,5 +1,6 @@
 """Peers of unequal speed: the round's time budget, tokens-weighted aggregates, and work that a missed round keeps."""
 
+import pytest
 import torch
 
 from p2ploco.budget import FixedSteps, StepTimes, WallClockBudget
@@ -90,6 +91,26 @@ def test_the_budget_fits_a_slow_peers_steps_into_the_fast_peers_round():
     assert WallClockBudget(10, slow, lambda: swarm, round_seconds=0.6).seconds() == 0.6
     assert WallClockBudget(10, times(), lambda: swarm).seconds() is None  # no step of its own yet: H
     assert not WallClockBudget(3, fast, lambda: swarm).allows(3, 0.0)  # never more than H
-    # A record claiming an absurdly fast step shortens the round at most MAX_SPEED_SPREAD times.
-    assert WallClockBudget(10, slow, lambda: [1e-9]).seconds() == 10 * 0.3 / 16
     assert [FixedSteps(2).allows(h, 0.0) for h in range(3)] == [True, True, False]
+
+
+def test_a_members_absurdly_fast_claim_is_not_believed_and_any_claim_moves_the_budget_at_most_to_its_bound():
+    group = [0.1, 0.11]  # the others of a group with this peer: steps of 0.1-0.12 s, timing noise
+    own = times(0.12)
+    assert WallClockBudget(10, own, lambda: group).seconds() is None  # within 2x of the fastest: H steps
+    # 1e-300 s used to cut the round to 10 * 0.12 / 16 s, one step; a claim faster than half the group's lower
+    # median (0.1 s, among this peer's 0.12 and the others' with the claim) is left out, as if its peer were absent.
+    for absurd in (1e-300, 1e-9, 0.049):
+        assert WallClockBudget(10, own, lambda absurd=absurd: [*group, absurd]).seconds() is None
+    # A claim at the edge is believed: the peers up to the lower median still train H steps, a slower one gets
+    # H times the median of the fast cohort (the claim and the steps up to twice it), never below H * 0.05 s.
+    assert WallClockBudget(10, times(0.1), lambda: [0.11, 0.12, 0.05]).seconds() is None
+    assert WallClockBudget(10, own, lambda: [*group, 0.05]).seconds() == pytest.approx(10 * (0.05 + 0.1) / 2)
+    assert WallClockBudget(10, own, lambda: [*group, 0.055]).seconds() == pytest.approx(10 * 0.1)
+    assert WallClockBudget(10, own, lambda: [*group, 0.06]).seconds() is None  # 0.12 is within 2x of it
+    # Claims move the lower median only as half the group or more: two of six can not, the other of two can,
+    # and then the budget is at least H steps of this peer's own over MAX_SPEED_SPREAD (1e-9: 16x is believed).
+    assert WallClockBudget(10, own, lambda: [*group, 0.1, 1e-9, 1e-9]).seconds() is None
+    assert WallClockBudget(10, own, lambda: [0.02]).seconds() == 10 * 0.02
+    assert WallClockBudget(10, own, lambda: [0.0075]).seconds() == 10 * 0.0075
+    assert WallClockBudget(10, own, lambda: [1e-9]).seconds() is None

@@ -1,5 +1,11 @@
 """The production Communicator: a group from the round's coordinator, a butterfly all-reduce over
-hivemind, and a vote on the outcome, so that every survivor applies the same aggregate or none."""
+hivemind, and a vote on the outcome, so that every survivor applies the same aggregate or none.
+
+It also remembers who took part in this peer's recent rounds (``partners``): the members that delivered it something
+of their own (a contribution in its aggregates, or an aggregate) in a round it applied, in its last
+``PARTNER_ROUNDS`` all-reduces. Unlike a record, which anyone can publish, that takes training with the swarm; the
+round budget goes by their step times (``budget.py``), and the group this peer follows is vouched for by them
+(``swarm/directory.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Iterable
 
 from p2ploco import faults
 from p2ploco.collective.exchange import (
@@ -22,15 +29,20 @@ from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedF
 from p2ploco.swarm.commit import Outcome, RoundCommit, Vote
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerState
-from p2ploco.swarm.rounds import Matchmaker
+from p2ploco.swarm.rounds import Group, Matchmaker
 
 logger = logging.getLogger(__name__)
+
+PARTNER_ROUNDS = 4  # all-reduces whose partners this peer remembers (a round it misses still counts one)
 
 
 class SwarmCommunicator(Communicator):
     def __init__(self, loop: EventLoopThread, matchmaker: Matchmaker, butterfly: ButterflyAllReduce,
                  commit: RoundCommit):
         self.loop, self.matchmaker, self.butterfly, self.commit = loop, matchmaker, butterfly, commit
+        self._recent: tuple[frozenset[str], ...] = ()  # each recent all-reduce's partners, oldest first
+        # Replaced whole, never changed in place: the training thread reads it while the event loop writes it.
+        self.partners: frozenset[str] = frozenset()
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
         return self.loop.run(self._all_reduce(as_sliced(exchange, name), round_index, name, threading.Event()))
@@ -61,11 +73,11 @@ class SwarmCommunicator(Communicator):
                                                  exchange.tokens)
         grouped.set()  # the join no longer reads this peer's record: it may announce its next round
         if group is None:  # late, refused, or leaving: nothing to apply
-            self.matchmaker.follow(None)
+            self._applied_with(None)
             return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started,
                                   failures=failures)
         if len(group.peers) == 1:
-            self.matchmaker.follow(None)
+            self._applied_with(None)
             return await self._alone(exchange, round_index, started, failures)
 
         stats = AllReduceStats(list(group.peers), failures=failures, tokens=exchange.tokens)
@@ -96,8 +108,17 @@ class SwarmCommunicator(Communicator):
             stats.excluded = not stats.committed and decision.outcome in (Outcome.COMMIT, Outcome.REDO)
             stats.dropped = sorted(set(stats.dropped) | (formed - set(group.peers)))  # incl. those a redo left out
             stats.seconds = time.perf_counter() - started
-            self.matchmaker.follow(group if stats.committed else None, delivered)
+            self._applied_with(group if stats.committed else None, delivered)
             return stats
+
+    def _applied_with(self, group: Group | None, delivered: Iterable[str] = ()) -> None:
+        """This peer applied the round's aggregate with ``group`` (None: it applied none, or its own alone), whose
+        ``delivered`` members delivered it something of their own (a contribution in its aggregates, or an
+        aggregate): the group it follows, vouched for by them (``Matchmaker.follow``), and its partners."""
+        self.matchmaker.follow(group, delivered)
+        partners = frozenset(delivered) if group is not None else frozenset()
+        self._recent = (*self._recent, partners)[-PARTNER_ROUNDS:]
+        self.partners = frozenset().union(*self._recent)
 
     async def _alone(self, exchange: SlicedExchange, round_index: int, started: float, failures: list[Failure]
                      ) -> AllReduceStats:

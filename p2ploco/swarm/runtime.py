@@ -128,10 +128,14 @@ class Swarm:
         return Reachability(self.directory.me.reachability)
 
     def step_seconds(self) -> list[float]:
-        """The inner-step times the live peers of this run's config publish, as last seen (0: not known yet; the
-        followed group's as of this peer's last lookup). Read between inner steps: no lookup."""
-        return [r.step_seconds for p, r in self.directory.live.items()
-                if r.fingerprint == self.directory.me.fingerprint and self.directory.current(p)]
+        """The inner-step times the round budget goes by (``budget.py``; 0: not known yet), as last seen: those the
+        partners of this peer's recent rounds publish (``SwarmCommunicator.partners``), or, while it has none (it
+        joins, or applied none of its last rounds), those of every live peer of this run's config; never a banned
+        peer's, nor its own. Read between inner steps: no lookup."""
+        directory, partners = self.directory, self.communicator.partners
+        return [r.step_seconds for p, r in directory.live.items()
+                if p != self.peer_id and (p in partners or not partners) and r.fingerprint == directory.me.fingerprint
+                and directory.current(p) and not self.bans.banned(p, directory.me.round)]
 
     def take_dht_bytes(self) -> tuple[int, int]:
         """Bytes of peer records this peer stored in and read from the DHT (sent, received) since the last call
