@@ -45,7 +45,7 @@ STATUS_PATH = "/peers"  # what a node's status endpoint serves: ``status_answer`
 STATUS_FORMAT = 1  # of the status document (above)
 STATUS_TIMEOUT = 5.0  # for a whole request: connecting, sending it, and receiving the answer
 # What a node's status answer holds at most, and what a client reads: about 3,500 honest records (about 1.2 KB of
-# JSON each), more than a DHT lookup returns of them; records padded out to 24 KB each are left out first.
+# JSON each); records padded out to 24 KB each are left out first.
 MAX_STATUS_BYTES = 4 << 20
 MAX_ANSWER_HEAD = 64 << 10  # bytes of status line and headers a client reads before the body
 

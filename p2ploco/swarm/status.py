@@ -7,10 +7,11 @@ a p2p daemon, bootstrapping, then looking up. A node already holds a DHT node in
 - The survey is looked up afresh, at most once per heartbeat interval. The node's own view follows its group and
   may be stale by design (``swarm/directory.py``), so it is not served. A flood of requests costs the DHT
   nothing more than one lookup per interval.
-- The survey is parsed and serialized in a thread, one record at a time, so that the event loop that runs the
-  node's rounds only waits for the DHT lookup itself (json.dumps holds the GIL for all it serializes in one call:
-  1,800 padded records serialized in one call stalled the loop for 0.5 s even from a thread). Its answer is at
-  most ``monitor.MAX_STATUS_BYTES`` however the records are padded (the largest are left out, and counted).
+- The survey is parsed and serialized in a thread, one record at a time: of a survey, the event loop that runs
+  the node's rounds runs only the DHT lookup (hivemind's, which checks each record as the node's own lookups do).
+  One record at a time, because json.dumps holds the GIL for all it serializes in one call: 1,800 padded records
+  serialized in one call stalled the loop for up to 0.5 s even from a thread. The answer is at most
+  ``monitor.MAX_STATUS_BYTES`` however the records are padded (the largest are left out, and counted).
 - The endpoint serves what the DHT already publishes to anyone (signed peer records) and takes no input but its
   path. It listens on loopback unless ``--status-host`` says otherwise. A request that breaks HTTP gets ``400``.
   Nothing a client sends reaches training.
@@ -68,6 +69,13 @@ def listen(host: str, port: int) -> tuple[socket.socket, str]:
     listening = socket.create_server(address, family=family)
     bound_host, bound_port = listening.getsockname()[:2]
     return listening, f"[{bound_host}]:{bound_port}" if family == socket.AF_INET6 else f"{bound_host}:{bound_port}"
+
+
+def answer_head(status: int, body: bytes) -> bytes:
+    """The status line and headers of an answer with ``body``; the connection closes after it."""
+    return (f"HTTP/1.1 {status} {REASONS[status]}\r\nContent-Type: "
+            f"{'application/json' if status == 200 else 'text/plain'}\r\nContent-Length: {len(body)}\r\n"
+            f"Cache-Control: no-store\r\nConnection: close\r\n\r\n").encode()
 
 
 def source_of(writer: asyncio.StreamWriter) -> str | None:
@@ -159,7 +167,7 @@ class StatusServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         source = source_of(writer)
         if not self._admit(source):  # every slot waits on the node: the client may try again in a moment
-            writer.write(self._head(503, BUSY) + BUSY)  # a few bytes: the socket's buffer takes them at once
+            writer.write(answer_head(503, BUSY) + BUSY)  # a few bytes: the socket's buffer takes them at once
             writer.close()
             return
         connection = self._connections[writer] = Connection(writer, source)
@@ -171,7 +179,7 @@ class StatusServer:
             # In pieces of the one answer all requests share: one piece at a time is buffered for a slow reader.
             sent = memoryview(body if send_body else b"")
             async with asyncio.timeout(WRITE_TIMEOUT):
-                writer.write(self._head(status, body))
+                writer.write(answer_head(status, body))
                 for start in range(0, len(sent), WRITE_PIECE):
                     await writer.drain()
                     writer.write(sent[start:start + WRITE_PIECE])
@@ -181,12 +189,6 @@ class StatusServer:
             writer.transport.abort()  # close() would keep the unsent answer buffered for as long as it stalls
         finally:
             self._connections.pop(writer, None)
-
-    @staticmethod
-    def _head(status: int, body: bytes) -> bytes:
-        return (f"HTTP/1.1 {status} {REASONS[status]}\r\nContent-Type: "
-                f"{'application/json' if status == 200 else 'text/plain'}\r\nContent-Length: {len(body)}\r\n"
-                f"Cache-Control: no-store\r\nConnection: close\r\n\r\n").encode()
 
     async def _answer(self, reader: asyncio.StreamReader, connection: Connection) -> tuple[int, bytes, bool]:
         """(HTTP status, body, whether to send the body) for the request ``reader`` carries."""
