@@ -5,7 +5,10 @@ DHT record, a state blob) and runs the very function a node runs on it. Inputs a
 hypothesis: arbitrary bytes and msgpack values, and valid messages mutated (bytes flipped, cut short,
 extended, fields replaced), which get past the first checks and reach the deep ones. Structured cases
 take a valid header of every message kind, put a value of a wrong kind, a huge integer or a list nested
-up to 1100 levels deep in one or two of its fields, and read it off a stream as a node does. A target
+up to 1100 levels deep in one or two of its fields, and read it off a stream as a node does. The status answer a
+node's endpoint serves (``swarm/status.py``) is fuzzed as the client reads it (``monitor.parse_answer``): the
+real answer mutated, its JSON document or its record with fields replaced by any JSON value (huge integers such
+as 10**400, lists nested up to 3000 deep), or any bytes; only SwarmError may come out. A target
 passes a case if it returns or raises a P2PLocoError (PayloadError: "this peer sent garbage"); anything else
 (IndexError, struct.error, a numpy or safetensors error, ...) would be a crash or a catch-all's job,
 and is counted and shown.
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import re
 import time
 import traceback
 from collections import Counter
@@ -47,6 +52,7 @@ from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.errors import P2PLocoError
+from p2ploco.monitor import Survey, parse_answer, status_answer
 from p2ploco.pipeline.links import Schedule, StageLinks, StageLinkServer
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import Contribution, parse_reply
@@ -58,6 +64,7 @@ from p2ploco.swarm.records import PeerRecord, peers_key
 from p2ploco.swarm.rounds import Group, JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.swarm.schema import RecordSchema, record_validator
 from p2ploco.swarm.state import Snapshot, StateRequest, parse_description
+from p2ploco.swarm.status import answer_head
 
 ME, OTHER = "12D3KooWMe", "12D3KooWOther"
 GROUP = Group("g", 3, "params", (ME, OTHER), OTHER, tokens=((ME, 10240), (OTHER, 10240)))
@@ -120,6 +127,8 @@ VALIDATOR, OWNER = record_validator(IDENTITY.key, "fuzz")
 RECORD = PeerRecord(peer_id=peer_id_of(OWNER), round=3, state="training", fingerprint="f" * 16, params_sha256="a" * 64,
                     name="swift-otter", addresses=["/ip4/1.2.3.4/tcp/1"], eval_history=[[1, 4.5]]).to_value()
 SCHEMA = RecordSchema([peers_key("fuzz")])
+STATUS_BODY = status_answer(Survey("fuzz", [PeerRecord.parse(RECORD)], {RECORD["peer_id"]: 9.5}))
+STATUS_ANSWER = answer_head(200, STATUS_BODY) + STATUS_BODY  # what a node's status endpoint serves
 RECORD_KEY = DHTID.generate(source=peers_key("fuzz")).to_bytes()
 SIGNED = VALIDATOR.sign_value(DHTRecord(RECORD_KEY, MSGPackSerializer.dumps(OWNER), MSGPackSerializer.dumps(RECORD),
                                         get_dht_time() + 10))
@@ -240,6 +249,36 @@ def structured(name: str) -> st.SearchStrategy[bytes]:
                                                                                                  **changes}))
 
 
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.sampled_from([10**400, -(10**400), 2**64])
+    | st.floats() | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=20,
+)
+
+
+def _as_json(document: Any) -> bytes:
+    """``document`` as JSON, a Nested value as a list nested that deep (json.dumps would refuse the depth)."""
+    text = json.dumps(document, default=lambda nested: f"\0nested{nested.depth}")
+    return re.sub(r'"\\u0000nested(\d+)"', lambda m: "[" * int(m[1]) + "]" * int(m[1]), text).encode()
+
+
+def status_documents() -> st.SearchStrategy[bytes]:
+    """The status answer a node serves, its document (or the document's record) with one or two fields set to any
+    JSON value or a deep list, as an answer."""
+    document = json.loads(STATUS_BODY)
+    odd = json_values | st.integers(1, 3000).map(Nested)
+
+    def answer(args: tuple[dict[str, Any], dict[str, Any]]) -> bytes:
+        changes, record_changes = args
+        body = _as_json({**document, **changes, "peers": [{**document["peers"][0], **record_changes}]}
+                        if record_changes else {**document, **changes})
+        return answer_head(200, body) + body
+
+    return st.tuples(st.dictionaries(st.sampled_from(sorted(document)), odd, max_size=2),
+                     st.dictionaries(st.sampled_from(sorted(document["peers"][0])), odd, max_size=2)).map(answer)
+
+
 def through_wire(parse: Callable[[dict[str, Any]], Any]) -> Callable[[bytes], None]:
     """What a node does with a header off a stream: the wire's checks, then the message's decoder."""
     def run(data: bytes) -> None:
@@ -320,6 +359,10 @@ def stage_message(parts: tuple[dict[str, Any], bytes]) -> None:
     STAGE_SERVER.accept(OTHER, header, payload)
 
 
+def status_read(data: bytes) -> None:
+    parse_answer("http://127.0.0.1:8765/peers", data)
+
+
 def state_blob(data: bytes) -> None:
     Snapshot.from_blob(7, "stage0", data)
 
@@ -376,6 +419,7 @@ def targets() -> list[Target]:
         Target("DHT record schema", record_schema, st.tuples(payloads(MSGPackSerializer.dumps(OWNER)),
                                                              payloads(record_bytes))),
         Target("state blob", state_blob, payloads(BLOB)),
+        Target("status answer", status_read, mutated(STATUS_ANSWER) | status_documents() | st.binary(max_size=300)),
         *(Target(f"{name} (structured)", through_wire(parse), structured(name)) for name, parse in MESSAGES.items()),
     ]
 

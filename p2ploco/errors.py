@@ -33,3 +33,18 @@ class CheckpointError(P2PLocoError):
 
 class PipelineError(P2PLocoError):
     """A pipeline group could not finish a step: a stage did not answer in time or sent a malformed message."""
+
+
+MAX_SHOWN = 1000  # characters of someone else's text that one log line or terminal cell shows
+
+
+def shown(text: str, limit: int = MAX_SHOWN) -> str:
+    """``text`` that someone else wrote (a peer's name or reason, a run id from the DHT, a server's answer), as it
+    may reach a log or a terminal: every character that is not printable (control characters, among them the ESC
+    of ANSI sequences and the line breaks that would forge a log line; bidirectional overrides; unassigned code
+    points) written as its Python escape (``\\x1b``, ``\\n``, ``\\u202e``), and the whole cut to ``limit``
+    characters. Shown text is shown unchanged, so showing twice does no harm. Rich markup is escaped where rich
+    renders (``monitor.peers_rich``), not here: a log or a plain terminal does not interpret it."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

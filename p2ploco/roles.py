@@ -27,6 +27,7 @@ from hivemind.utils import get_dht_time
 from p2ploco.build import build_replica, build_stage
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler, TrainingData
+from p2ploco.errors import shown
 from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch
 from p2ploco.pipeline.links import RemoteTransport, Schedule, StageLinks, StageLinkServer
 from p2ploco.pipeline.schedule import PipelineStage
@@ -128,7 +129,7 @@ class StageRole(Role):
         slot = choose_slot(claims, me, self.config.pipeline.stages, self.options.group, self.options.stage)
         if slot == self.slot:
             return False
-        logger.info(f"stage slot {slot[0]}/{slot[1]} (was {self.slot})")
+        logger.info(f"stage slot {shown(slot[0])}/{slot[1]} (was {self.slot})")  # a tuple shows its strings escaped
         self.slot, self.links = slot, None
         self.swarm.report(group=slot[0], stage=slot[1], since=get_dht_time(), schedule=self.schedule)
         if self.gradients is not None and self.gradients.stage == slot[1]:
@@ -151,10 +152,10 @@ class StageRole(Role):
         group, stage = self.slot
         peers, mates = self._group()
         if peers is None:
-            self.waiting_for = f"group {group} to have all {self.config.pipeline.stages} stages"
+            self.waiting_for = f"group {shown(group)} to have all {self.config.pipeline.stages} stages"
             return False
         if any(schedule != self.schedule for schedule, _, _ in mates.values()):
-            self.waiting_for = (f"group {group}'s stages to share inner settings (inner.* and data.seq_len must "
+            self.waiting_for = (f"group {shown(group)}'s stages to share inner settings (inner.* and data.seq_len must "
                                 f"match on every stage)")
             return False
         links = StageLinks(group, formation_epoch(group, peers), peers)
@@ -177,7 +178,7 @@ class StageRole(Role):
             if all(round_of == round_index and state in IN_ROUND for _, round_of, state in mates.values()):
                 return True
             stopping.wait(min(self.config.swarm.heartbeat_interval, ASSEMBLY_POLL))
-        self.waiting_for = f"every stage of group {group} to be in round {round_index}"
+        self.waiting_for = f"every stage of group {shown(group)} to be in round {round_index}"
         return False
 
     def record_fields(self) -> dict[str, Any]:
@@ -194,5 +195,5 @@ class StageRole(Role):
         return {"slot": list(self.slot)}
 
     def describe(self) -> str:
-        return (f"stage {self.slot[1]} of pipeline group {self.slot[0]}, "
+        return (f"stage {self.slot[1]} of pipeline group {shown(self.slot[0])}, "
                 f"{sum(p.numel() for p in self.worker.model.parameters()) / 1e6:.2f}M params")

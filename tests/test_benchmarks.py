@@ -132,6 +132,7 @@ def test_data_benchmark_prepares_and_measures_nodes():
 def test_fuzzing_every_decoder_raises_only_project_errors():
     out = run("benchmarks/fuzz.py", "--cases", "1500")
     assert "sparse relay result" in out and "state blob" in out and "signed DHT record" in out
+    assert "status answer" in out
     assert out.rstrip().endswith("0 non-project exceptions")
 
 

@@ -205,13 +205,18 @@ class Answers(BaseHTTPRequestHandler):
         pass
 
 
+def served(**changes) -> bytes:
+    """A status document (format 1) with one valid peer, and ``changes``."""
+    return json.dumps({"format": 1, "run_id": "r", "truncated": 0, "peers": [{**valid_value(), "expires_in": 9.5}],
+                       **changes}).encode()
+
+
 @pytest.mark.parametrize("body, why", [
     (b"<html>hello</html>", "did not answer with a p2ploco status (Expecting value"),
-    (json.dumps({"run_id": "r", "peers": [{"peer_id": "x"}]}).encode(),
-     "did not answer with a p2ploco status (peer 0 is not a valid peer record with expires_in)"),
-    (json.dumps({"run_id": "r", "peers": [{**valid_value(), "expires_in": "soon"}]}).encode(),
-     "did not answer with a p2ploco status (peer 0 is not a valid peer record with expires_in)"),
-    (json.dumps({"run_id": "\x1b[2J", "peers": []}).encode(), "did not answer with a p2ploco status (its run_id"),
+    (served(peers=[{"peer_id": "x", "expires_in": 1}]), "(StatusDocument: peers.0.round: Field required)"),
+    (served(peers=[{**valid_value(), "expires_in": 10**400}]), "(StatusDocument: peers.0.expires_in: "),
+    (served(run_id="\x1b[2J"), "(StatusDocument: run_id: Value error, not a run's name)"),
+    (b"[]", "(StatusDocument: the message: Input should be a valid dictionary"),
     (b"[" * 100000, "did not answer with a p2ploco status ("),  # nested past Python's recursion limit
 ])
 def test_a_status_address_that_is_not_a_p2ploco_node_is_named_in_one_line(body, why):

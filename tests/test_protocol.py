@@ -3,6 +3,7 @@ coordinator, bans, and the parsers of every message (a malformed one is a Payloa
 
 import asyncio
 import hashlib
+import logging
 
 import msgpack
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from p2ploco.errors import PayloadError
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import Outcome, Vote, _Ballot, decide, parse_decision, parse_vote
-from p2ploco.swarm.messages import MAX_PEERS, decode
+from p2ploco.swarm.messages import MAX_PEERS, MAX_REASON, decode
 from p2ploco.swarm.rounds import (
     KEEP_PER_PEER,
     Group,
@@ -273,3 +274,22 @@ def test_junk_groups_of_one_peer_never_push_another_peers_group_out_of_the_book(
     assert book.get(real.group_id) == real and book.closed((5, "params", "cfg", "s")) == real
     assert book.get("junk0") is None and book.get("junk999") is not None
     assert len(book.formations()) <= 1 + KEEP_PER_PEER
+
+
+def test_a_peers_text_reaches_the_log_escaped_bounded_and_in_one_line(caplog):
+    """A coordinator's reason and the keys of a malformed message are anyone's: what a node logs of them can neither
+    drive a terminal (ANSI escapes), nor forge a log line (line breaks), nor run on for pages."""
+    hostile = "\x1b[2J\x1b[31mevery peer is banned\n12:00:00 WARNING p2ploco: a forged line\u202e" + "x" * 5000
+    decision = parse_decision({"outcome": "abort", "digests": {}, "reason": hostile}, GROUP, A)
+    assert decision.reason.startswith("\\x1b[2J\\x1b[31mevery peer is banned\\n12:00:00 WARNING p2ploco: a forged "
+                                      "line\\u202exxx")
+    assert decision.reason.isprintable() and len(decision.reason) == MAX_REASON
+    with pytest.raises(PayloadError) as malformed:
+        parse_vote({"group_id": "g", "vote": "holds", "digests": {"\x1b[2J\n": 3}, "drops": []})
+    with caplog.at_level(logging.WARNING, logger="p2ploco.swarm.bans"):
+        Bans(rounds=3).ban(B, 10, str(malformed.value))
+    logged = caplog.records[-1].getMessage()
+    assert "(VoteRequest: digests.\\x1b[2J\\n: Input should be a valid string)" in logged and logged.isprintable()
+    # a peer id is base58 text, whose tail a node logs: one with a terminal's escape in it is no peer id
+    with pytest.raises(PayloadError, match="^VoteRequest: drops.0: String should match pattern"):
+        parse_vote({"group_id": "g", "vote": "holds", "digests": {}, "drops": ["\x1b[2J"]})

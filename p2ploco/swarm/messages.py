@@ -8,7 +8,9 @@ looked up, so that no value, however deep or odd, is ever formatted or hashed. `
 into one PayloadError that names the message and the field, never the value; no other exception can come out of
 it. (A header is a msgpack map no deeper than ``wire.MAX_DEPTH``: the wire refuses deeper ones before any of
 this runs.) Checks that need context (a group that must name this peer, a span that must be this reducer's)
-stay with the code that has the context.
+stay with the code that has the context. A peer's text (a reason) is for people only: it is decoded as
+``errors.shown`` writes it, escaped and bounded, so that no log line or terminal that shows it acts on it; a peer
+id is letters and digits, as base58 is, so that its tail in a log line is too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, StringConstraints, ValidationError
 
-from p2ploco.errors import PayloadError
+from p2ploco.errors import PayloadError, shown
 
 MAX_PEER_ID = 128  # a base58 peer id is ~52 characters
 MAX_PEERS = 1024  # members of one group; peers one message may list
@@ -27,14 +29,14 @@ MAX_ROUND = 1 << 48  # rounds, at one a second, for nine million years
 MAX_REASON = 1000  # characters of a reason kept (longer ones are cut, not refused)
 MAX_TOKENS = 1 << 48  # tokens one contribution may claim on the wire (a run caps them at its round's, far lower)
 
-PeerId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PEER_ID)]
+PeerId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PEER_ID, pattern="^[0-9A-Za-z]+$")]
 SliceName = Annotated[str, StringConstraints(min_length=1, max_length=32)]
 Digest = Annotated[str, StringConstraints(max_length=128)]  # a hash, a fingerprint or a group id
 Name = Annotated[str, StringConstraints(max_length=64)]  # an all-reduce's or a pipeline group's name
 Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]
 Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]  # tokens a contribution was trained on: its weight
 Norm = Annotated[float, Field(ge=0.0, lt=2.0**64, allow_inf_nan=False)]  # of a contribution (collective/robust.py)
-Reason = Annotated[str, AfterValidator(lambda text: text[:MAX_REASON])]
+Reason = Annotated[str, AfterValidator(lambda text: shown(text, MAX_REASON))]  # escaped, cut (not refused)
 Digests = Annotated[dict[SliceName, Digest], Field(max_length=MAX_SLICES)]  # slice -> hash
 
 
@@ -75,5 +77,5 @@ def decode(model: type[M], header: Any) -> M:
         return model.model_validate(header)
     except ValidationError as e:
         error = e.errors(include_url=False, include_context=False, include_input=False)[0]
-        where = ".".join(str(part)[:32] for part in error["loc"]) or "the message"
-        raise PayloadError(f"{model.__name__}: {where}: {error['msg']}") from None
+        where = ".".join(shown(str(part), 32) for part in error["loc"]) or "the message"  # a key may be the peer's
+        raise PayloadError(f"{model.__name__}: {where}: {shown(error['msg'], 200)}") from None

@@ -17,6 +17,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2ploco import PROTOCOL_VERSION, __version__
 from p2ploco.config import SwarmConfig
+from p2ploco.errors import shown
 from p2ploco.swarm import DEFAULT_HOST_MADDRS, wire
 from p2ploco.swarm.allreduce import ButterflyAllReduce
 from p2ploco.swarm.bans import Bans
@@ -35,6 +36,7 @@ from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachabi
 from p2ploco.swarm.rounds import GroupBook, Matchmaker
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, serves
 from p2ploco.swarm.status import StatusServer
+from p2ploco.swarm.survey import survey
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +104,11 @@ class Swarm:
                 await service.start()
             foreign = {r.fingerprint for r in live if r.state != PeerState.LEAVING} - {config_fingerprint}
             if foreign:  # ignored, never a reason not to start: anyone can publish a record under the run's key
-                logger.warning(f"run '{run_id}' has peers of another config (fingerprint {', '.join(sorted(foreign))}, "
-                               f"yours {config_fingerprint}); this peer ignores them. To train with them, use the "
-                               f"same model, outer and seed settings, batch and inner steps, tokenizer and prepared "
-                               f"corpus, and the same "
-                               f"p2ploco protocol version (yours is {PROTOCOL_VERSION}); `p2ploco peers` lists them")
+                logger.warning(f"run '{run_id}' has peers of another config (fingerprint "
+                               f"{', '.join(sorted(map(shown, foreign)))}, yours {config_fingerprint}); this peer "
+                               f"ignores them. To train with them, use the same model, outer and seed settings, "
+                               f"batch and inner steps, tokenizer and prepared corpus, and the same p2ploco protocol "
+                               f"version (yours is {PROTOCOL_VERSION}); `p2ploco peers` lists them")
             await directory.publish()
             directory.start_heartbeat()
             communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
@@ -202,7 +204,7 @@ class Swarm:
             served = await serves(self.node.protocol.p2p, self.state_server.handler_name, claim.holders[0], claim,
                                   PROBE_TIMEOUT)
             if not served:
-                logger.info(f"{key[0][-8:]} claims {claim.slice} of round {key[1]} but does not serve it; not "
+                logger.info(f"{key[0][-8:]} claims {shown(claim.slice)} of round {key[1]} but does not serve it; not "
                             f"following it")
             self._probes[key] = (served, now)
         return self._probes[key][0]
@@ -244,7 +246,8 @@ class Swarm:
 
     def serve_status(self, listening: socket.socket) -> None:
         """Serve the run's survey over HTTP on ``listening`` (``swarm/status.py``)."""
-        self.status_server = StatusServer(self.node, self.directory.run_id, self.config.heartbeat_interval)
+        self.status_server = StatusServer(partial(survey, self.node, self.directory.run_id),
+                                          self.config.heartbeat_interval)
         self.loop.run(self.status_server.start(listening), CALL_TIMEOUT)
 
     def request_leave(self) -> None:

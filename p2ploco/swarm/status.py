@@ -2,38 +2,62 @@
 
 ``p2ploco peers`` over the DHT takes seconds (``benchmarks/peers_cli.py``): importing hivemind and torch, starting
 a p2p daemon, bootstrapping, then looking up. A node already holds a DHT node in its run. With ``--status-port``
-(off by default) it answers ``GET /peers`` with the survey of its run, as ``p2ploco peers --json`` prints it.
+(off by default) it answers ``GET /peers`` with the survey of its run (``monitor.status_answer``).
 
 - The survey is looked up afresh, at most once per heartbeat interval. The node's own view follows its group and
   may be stale by design (``swarm/directory.py``), so it is not served. A flood of requests costs the DHT
   nothing more than one lookup per interval.
+- The survey is parsed and serialized in a thread, one record at a time: of a survey, the event loop that runs
+  the node's rounds runs only the DHT lookup (hivemind's, which checks each record as the node's own lookups do).
+  One record at a time, because json.dumps holds the GIL for all it serializes in one call: 1,800 padded records
+  serialized in one call stalled the loop for up to 0.5 s even from a thread. The answer is at most
+  ``monitor.MAX_STATUS_BYTES`` however the records are padded (the largest are left out, and counted).
 - The endpoint serves what the DHT already publishes to anyone (signed peer records) and takes no input but its
-  path. It listens on loopback unless ``--status-host`` says otherwise.
-- A request is bounded: its head is at most MAX_HEAD bytes, sent within REQUEST_TIMEOUT, on one of at most
-  MAX_CONNECTIONS connections. A request that breaks HTTP gets ``400``. Nothing a client sends reaches training.
+  path. It listens on loopback unless ``--status-host`` says otherwise. A request that breaks HTTP gets ``400``.
+  Nothing a client sends reaches training.
 - A lookup that fails is remembered as one that succeeded is: requests get ``503`` until the next interval.
+
+What one client can cost (a slot, for a bounded time; never everyone's service):
+
+- A connection holds one of MAX_CONNECTIONS slots for at most HEAD_TIMEOUT to send its request head (in all, not
+  per read: a head sent a byte at a time is cut off like a silent one), then, once the survey is at hand, at most
+  WRITE_TIMEOUT to take the answer. The answer is written in pieces of WRITE_PIECE, so a client that stops
+  reading holds one piece of memory, not a copy of the answer.
+- A remote address holds at most MAX_PER_ADDRESS slots (IPv6: its /64, which one host usually has). Loopback
+  clients share all MAX_CONNECTIONS: every local process connects from 127.0.0.1, so a cap per address there
+  would be one small cap for all of this machine's users.
+- At a limit, a new connection takes the slot of the oldest connection that is waiting on its client (sending
+  its head or taking its answer): of its own address at the address limit, of anyone at the total limit. Only
+  when every slot waits on the node (for a survey being looked up) is it answered ``503`` at once. So sockets
+  that sit idle, from one source or many, never deny a client that sends its request when it connects: it
+  pushes the oldest idle one out. What still denies service is a flood of new connections that pushes a client
+  out before its head arrives: MAX_CONNECTIONS new connections (MAX_PER_ADDRESS from its own remote address)
+  within the moment between its connect and its request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import ipaddress
 import logging
 import socket
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from hivemind.dht.node import DHTNode
-
-from p2ploco.monitor import STATUS_PATH, peers_json
+from p2ploco.monitor import STATUS_PATH, Survey, status_answer
 from p2ploco.swarm.loop import finishes_within
-from p2ploco.swarm.survey import survey
 
 logger = logging.getLogger(__name__)
 
 MAX_HEAD = 8192  # bytes of request line and headers
-REQUEST_TIMEOUT = 5.0  # to send them
-MAX_CONNECTIONS = 32  # served at once; more are answered 503 at once
+HEAD_TIMEOUT = 2.0  # to send them, in all (a request is one short packet)
+WRITE_TIMEOUT = 5.0  # to take the answer, in all
+WRITE_PIECE = 1 << 16  # bytes of the answer handed to the socket at a time
+MAX_CONNECTIONS = 32  # served at once
+MAX_PER_ADDRESS = 4  # of those, held by one remote address (loopback: all)
 LOOKUP_TIMEOUT = 10.0  # for one survey of the DHT
+BUSY = b"busy: every slot waits on a survey; try again in a moment\n"
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 WILDCARDS = ("0.0.0.0", "::")  # hosts that mean "every address of this machine"
 
@@ -47,15 +71,47 @@ def listen(host: str, port: int) -> tuple[socket.socket, str]:
     return listening, f"[{bound_host}]:{bound_port}" if family == socket.AF_INET6 else f"{bound_host}:{bound_port}"
 
 
-class StatusServer:
-    """Serves ``GET /peers`` (and ``HEAD``) on the node's event loop."""
+def answer_head(status: int, body: bytes) -> bytes:
+    """The status line and headers of an answer with ``body``; the connection closes after it."""
+    return (f"HTTP/1.1 {status} {REASONS[status]}\r\nContent-Type: "
+            f"{'application/json' if status == 200 else 'text/plain'}\r\nContent-Length: {len(body)}\r\n"
+            f"Cache-Control: no-store\r\nConnection: close\r\n\r\n").encode()
 
-    def __init__(self, node: DHTNode, run_id: str, refresh_interval: float):
-        self.node, self.run_id, self.refresh_interval = node, run_id, refresh_interval
-        # the last lookup: its monotonic time and the JSON it gave (None: it failed; 503 until the next one)
+
+def source_of(writer: asyncio.StreamWriter) -> str | None:
+    """Whose slots a connection counts against: its remote address (an IPv6 one's /64), or None for loopback and
+    a socket already gone, which count against the total only."""
+    peer = writer.get_extra_info("peername")
+    try:
+        address = ipaddress.ip_address(peer[0])
+    except (TypeError, ValueError):  # not an IP socket, or no peer any more
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:  # a dual-stack listener's
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return None
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+@dataclass(eq=False)
+class Connection:
+    writer: asyncio.StreamWriter
+    source: str | None  # ``source_of`` it
+    on_client: bool = True  # waiting on its client (for its head, or to take its answer): a newcomer may push it out
+
+
+class StatusServer:
+    """Serves ``GET /peers`` (and ``HEAD``) on the node's event loop: the survey ``look`` gives, at most once per
+    ``refresh_interval``."""
+
+    def __init__(self, look: Callable[[], Awaitable[Survey]], refresh_interval: float):
+        self.look, self.refresh_interval = look, refresh_interval
+        # the last lookup: its monotonic time and the answer it gave (None: it failed; 503 until the next one)
         self._looked: tuple[float, bytes | None] | None = None
         self._lookup = asyncio.Lock()  # concurrent requests wait for one lookup
-        self._connections: set[asyncio.StreamWriter] = set()
+        self._connections: dict[asyncio.StreamWriter, Connection] = {}  # oldest first
         self._server: asyncio.Server | None = None
 
     async def start(self, listening: socket.socket) -> None:
@@ -69,15 +125,33 @@ class StatusServer:
         self._server.close()
         for writer in list(self._connections):
             writer.transport.abort()
-        await finishes_within(self._server.wait_closed(), REQUEST_TIMEOUT)
+        await finishes_within(self._server.wait_closed(), HEAD_TIMEOUT)
+
+    def _admit(self, source: str | None) -> bool:
+        """Whether a new connection from ``source`` gets a slot: at a limit, the oldest connection waiting on its
+        client gives up its own (of the same source at the per-address limit), or none is given."""
+        if source is not None:
+            same = [c for c in self._connections.values() if c.source == source]
+            if len(same) >= MAX_PER_ADDRESS and not self._push_out(same):
+                return False
+        return len(self._connections) < MAX_CONNECTIONS or self._push_out(list(self._connections.values()))
+
+    def _push_out(self, connections: list[Connection]) -> bool:
+        """Close the oldest of ``connections`` that waits on its client; False if none does."""
+        oldest = next((c for c in connections if c.on_client), None)
+        if oldest is None:
+            return False
+        del self._connections[oldest.writer]
+        oldest.writer.transport.abort()  # its handler's read or write fails at once, and it ends
+        return True
 
     async def _body(self) -> bytes | None:
-        """The survey's JSON, looked up afresh if the last lookup is older than the refresh interval; None if that
+        """The survey's answer, looked up afresh if the last lookup is older than the refresh interval; None if that
         lookup failed."""
         async with self._lookup:
             if self._looked is None or time.monotonic() - self._looked[0] >= self.refresh_interval:
                 # not wait_for: a hivemind call into a daemon that hangs may not honour a cancellation
-                looking = asyncio.ensure_future(survey(self.node, self.run_id))
+                looking = asyncio.ensure_future(self.look())
                 done, _ = await asyncio.wait({looking}, timeout=LOOKUP_TIMEOUT)
                 self._looked = (time.monotonic(), None)
                 if not done:
@@ -85,30 +159,41 @@ class StatusServer:
                     logger.warning(f"status endpoint: the DHT did not answer within {LOOKUP_TIMEOUT:.0f} s")
                 elif looking.exception() is not None:  # a bug must not take the node down: say where it is
                     logger.error("status endpoint: the survey failed", exc_info=looking.exception())
-                else:
-                    self._looked = (time.monotonic(), json.dumps(peers_json(looking.result())).encode())
+                else:  # off the loop (above): it is as long as the records are padded
+                    answer = await asyncio.get_running_loop().run_in_executor(None, status_answer, looking.result())
+                    self._looked = (time.monotonic(), answer)
             return self._looked[1]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._connections.add(writer)
-        try:
-            busy = len(self._connections) > MAX_CONNECTIONS
-            status, body, send_body = (503, b"busy\n", True) if busy else await self._answer(reader)
-            head = (f"HTTP/1.1 {status} {REASONS[status]}\r\nContent-Type: "
-                    f"{'application/json' if status == 200 else 'text/plain'}\r\nContent-Length: {len(body)}\r\n"
-                    f"Cache-Control: no-store\r\nConnection: close\r\n\r\n")
-            writer.write(head.encode() + (body if send_body else b""))
-            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT)
+        source = source_of(writer)
+        if not self._admit(source):  # every slot waits on the node: the client may try again in a moment
+            writer.write(answer_head(503, BUSY) + BUSY)  # a few bytes: the socket's buffer takes them at once
             writer.close()
-        except (TimeoutError, ConnectionError):  # the client left or stopped reading: nothing is owed
+            return
+        connection = self._connections[writer] = Connection(writer, source)
+        try:
+            status, body, send_body = await self._answer(reader, connection)
+            if writer not in self._connections:  # pushed out while it sent its head
+                return
+            connection.on_client = True
+            # In pieces of the one answer all requests share: one piece at a time is buffered for a slow reader.
+            sent = memoryview(body if send_body else b"")
+            async with asyncio.timeout(WRITE_TIMEOUT):
+                writer.write(answer_head(status, body))
+                for start in range(0, len(sent), WRITE_PIECE):
+                    await writer.drain()
+                    writer.write(sent[start:start + WRITE_PIECE])
+                await writer.drain()
+            writer.close()
+        except (TimeoutError, ConnectionError):  # the client left, stopped reading, or was pushed out
             writer.transport.abort()  # close() would keep the unsent answer buffered for as long as it stalls
         finally:
-            self._connections.discard(writer)
+            self._connections.pop(writer, None)
 
-    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+    async def _answer(self, reader: asyncio.StreamReader, connection: Connection) -> tuple[int, bytes, bool]:
         """(HTTP status, body, whether to send the body) for the request ``reader`` carries."""
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             return 400, b"send one HTTP/1.x request: GET /peers\n", True
         parts = head.split(b"\r\n", 1)[0].split(b" ")
@@ -119,6 +204,7 @@ class StatusServer:
             return 404, f"this node serves {STATUS_PATH} only\n".encode(), method != b"HEAD"
         if method not in (b"GET", b"HEAD"):
             return 405, b"GET or HEAD only\n", True
+        connection.on_client = False  # from here it waits on the node: nobody may push it out
         body = await self._body()
         if body is None:
             return 503, b"the node could not survey its run just now; try again in a moment\n", True

@@ -11,7 +11,7 @@ from typing import TypeVar
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
-from p2ploco.errors import SwarmError
+from p2ploco.errors import SwarmError, shown
 from p2ploco.monitor import Survey
 from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, parse_records, peers_key
 from p2ploco.swarm.schema import RecordSchema
@@ -40,28 +40,35 @@ async def find_run(node: DHTNode, run_id: str | None) -> str:
     runs = await _patiently(lambda: _runs(node), lambda runs: bool(runs) and (run_id is None or run_id in runs))
     if run_id is not None and run_id not in runs:
         if runs:
-            raise SwarmError(f"no run '{run_id}' in this swarm; runs training now: {', '.join(runs)}")
-        raise SwarmError(f"no peers yet: nothing is training in this swarm (looked for run '{run_id}')")
+            raise SwarmError(f"no run '{shown(run_id)}' in this swarm; runs training now: "
+                             f"{', '.join(map(shown, runs))}")
+        raise SwarmError(f"no peers yet: nothing is training in this swarm (looked for run '{shown(run_id)}')")
     if run_id is None:
         if not runs:
             raise SwarmError("no peers yet: nothing is training in this swarm; is this the bootstrap address "
                              "your nodes use?")
         if len(runs) > 1:
-            raise SwarmError(f"several runs train in this swarm ({', '.join(runs)}): pass --run-id")
+            raise SwarmError(f"several runs train in this swarm ({', '.join(map(shown, runs))}): pass --run-id")
         run_id = runs[0]
     node.protocol.record_validator.extend([RecordSchema([peers_key(run_id)])])
     return run_id
 
 
+def _parsed(values: list[object], now: float) -> dict[str, tuple[PeerRecord, float]]:
+    records = {}
+    for value in values:
+        records.update(parse_records(value, now))
+    return records
+
+
 async def survey(node: DHTNode, run_id: str) -> Survey:
-    """The live records of ``run_id`` and of the bootstrap peers, as the DHT holds them now."""
+    """The live records of ``run_id`` and of the bootstrap peers, as the DHT holds them now. They are parsed in a
+    thread: a lookup holds up to about 2,000 records, and a node's event loop runs its rounds meanwhile."""
     async def look() -> tuple[dict[str, tuple[PeerRecord, float]], float]:
         now = get_dht_time()
         found = await asyncio.gather(node.get(peers_key(run_id), latest=True), node.get(BOOTSTRAP_KEY, latest=True))
-        records = {}
-        for item in found:
-            records.update(parse_records(getattr(item, "value", None), now))
-        return records, now
+        values = [getattr(item, "value", None) for item in found]
+        return await asyncio.get_running_loop().run_in_executor(None, _parsed, values, now), now
 
     records, now = await _patiently(look, lambda answer: any(r.role != "bootstrap" for r, _ in answer[0].values()))
     peers = sorted((r for r, _ in records.values()), key=lambda r: (r.role != "bootstrap", r.name, r.peer_id))
