@@ -6,6 +6,10 @@ Behaviours (each starts at round FROM and lasts until the node exits):
 
 - ``scale:FACTOR@FROM``   every contribution is the honest one with all values multiplied by FACTOR
                           (well-formed: it passes every format check)
+- ``flip:FACTOR@FROM``    every contribution is the honest one times FACTOR (negative: sign-flipped; -1.9 stays
+                          inside the clip bound), and claims a full round's tokens, the largest weight allowed
+- ``scale-result:FACTOR@FROM`` as a reducer, answers every member with its span's result times FACTOR (well-formed,
+                          finite)
 - ``lie-round:ROUND@FROM`` the node's DHT record claims it works on ROUND (it otherwise trains honestly
                           and serves only the states it really has)
 - ``bad-header@FROM``     every contribution to another reducer starts with a msgpack list, not a map
@@ -63,6 +67,37 @@ def scale_contributions(factor: float, start: int) -> None:
         return await honest(self, exchange, round_index, name, *args)
 
     SwarmCommunicator._all_reduce = _all_reduce
+
+
+def flip_contributions(factor: float, start: int) -> None:
+    from p2ploco.swarm.communicator import SwarmCommunicator
+
+    scale_contributions(factor, start)
+    scaled = SwarmCommunicator._all_reduce
+
+    async def _all_reduce(self: SwarmCommunicator, exchange: Any, round_index: int, name: str, *args: Any) -> Any:
+        if round_index >= start:
+            exchange.tokens = self.matchmaker.round_tokens  # the most a coordinator accepts
+        return await scaled(self, exchange, round_index, name, *args)
+
+    SwarmCommunicator._all_reduce = _all_reduce
+
+
+def scale_results(factor: float, start: int) -> None:
+    from p2ploco.collective import sparse
+    from p2ploco.swarm.allreduce import ButterflyAllReduce
+
+    honest_run, honest_take = ButterflyAllReduce.run, sparse.take_
+    attacking = [False]
+
+    async def run(self: ButterflyAllReduce, group: Any, *args: Any) -> Any:
+        attacking[0] = group.round_index >= start
+        return await honest_run(self, group, *args)
+
+    def take_(buffer: Any, choice: Any, scale: float = 1.0) -> Any:  # what a reducer sends of its span's result
+        return honest_take(buffer, choice, scale * factor if attacking[0] else scale)
+
+    ButterflyAllReduce.run, sparse.take_ = run, take_
 
 
 def lie_about_the_round(claimed: int, start: int) -> None:
@@ -333,6 +368,8 @@ def claim_a_fast_step(start: int) -> None:
 # behaviour name -> how to patch it in, given the value after ":" (if any) and the round or step after "@"
 BEHAVIOURS: dict[str, Callable[[str, int], None]] = {
     "scale": lambda value, start: scale_contributions(float(value), start),
+    "flip": lambda value, start: flip_contributions(float(value), start),
+    "scale-result": lambda value, start: scale_results(float(value), start),
     "lie-round": lambda value, start: lie_about_the_round(int(value), start),
     "bad-header": lambda _, start: send_bad_headers(start),
     "deep-status": lambda _, start: answer_with_deep_status(start),

@@ -15,7 +15,7 @@ from hivemind.p2p import P2P, PeerID
 from p2ploco.budget import StepTimes, WallClockBudget
 from p2ploco.collective import exchange as exchange_module
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
-from p2ploco.collective.exchange import AllReduceStats, partition, pieces
+from p2ploco.collective.exchange import AllReduceStats, Failure, partition, pieces
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import as_sliced
@@ -204,6 +204,18 @@ def test_a_reducer_whose_result_is_longer_than_what_it_combined_is_refused_and_t
     assert not stats[2].committed
     expected = in_process_mean(inputs)  # what an honest third reducer would have given, for scale
     assert all(float(a.norm()) < 2 * float(b.norm()) + 1 for a, b in zip(exchanges[0].mean(), expected))
+
+
+def test_a_sign_flipped_contribution_is_left_out_by_every_reducer_over_hivemind(trio):
+    inputs = agreeing_tensors(40)
+    inputs[2] = [t * -1.9 for t in inputs[2]]  # inside the clip bound, against the others
+    exchanges = [DenseMean(t, policy=DEFENDED) for t in inputs]
+    stats = all_reduce(trio, exchanges)
+    flipped = trio[2].peer_id
+    assert all(s.committed and s.attempts == 1 and s.opposed == [flipped] for s in stats)  # every reducer
+    assert stats[2].failures.count(Failure.OPPOSED) == 2  # told so by the other two
+    for exchange in exchanges:  # the honest two's mean, on every member, the flipped one included
+        assert all(torch.equal(a, (b + c) / 2) for a, b, c in zip(exchange.mean(), *inputs[:2]))
 
 
 def test_a_join_that_claims_more_tokens_than_a_round_holds_is_left_out(trio):

@@ -289,7 +289,8 @@ def test_a_peers_text_reaches_the_log_escaped_bounded_and_in_one_line(caplog):
     with caplog.at_level(logging.WARNING, logger="p2ploco.swarm.bans"):
         Bans(rounds=3).ban(B, 10, str(malformed.value))
     logged = caplog.records[-1].getMessage()
-    assert "(VoteRequest: digests.\\x1b[2J\\n: Input should be a valid string)" in logged and logged.isprintable()
+    assert logged.endswith(": VoteRequest: digests.\\x1b[2J\\n: Input should be a valid string")
+    assert logged.isprintable()
     # a peer id is base58 text, whose tail a node logs: one with a terminal's escape in it is no peer id
     with pytest.raises(PayloadError, match="^VoteRequest: drops.0: String should match pattern"):
         parse_vote({"group_id": "g", "vote": "holds", "digests": {}, "drops": ["\x1b[2J"]})
