@@ -109,8 +109,8 @@ class Admission:
         if host is None:
             return "its request came through a relay"
         if not may_dial(host, self.local):
-            return (f"it came from {host}, which this peer does not dial: "
-                    f"{'not a unicast address' if self.local else 'not a global one, and this peer is on the Internet'}")
+            why = "not a unicast address" if self.local else "not a global one, and this peer is on the Internet"
+            return f"it came from {host}, which this peer does not dial: {why}"
         if sender in self._last:
             return f"it asked less than {MIN_INTERVAL:g} s ago"
         if len(self._recent) >= self.limit:
