@@ -27,9 +27,9 @@ A, B, C, D, E = (f"12D3KooW{name * 44}" for name in "ABCDE")  # peer ids; logs s
     ([], [A, B], [], False, None),
     ([A, B], [C], [], True, "the helpers disagree"),  # one liar among three is outvoted, either way
     ([C], [A, B], [], False, "the helpers disagree"),
-    ([], [C], [], True, "no two helpers settle it"),  # a lone "not reached" decides nothing
-    ([C], [], [], True, "no two helpers settle it"),
-    ([C], [A], [], True, "no two helpers settle it"),
+    ([], [C], [], True, "no two helpers agree"),  # a lone "not reached" decides nothing
+    ([C], [], [], True, "no two helpers agree"),
+    ([C], [A], [], True, "no two helpers agree"),
     ([], [A], [A], False, "the bootstrap peers you named decide"),  # where no two settle it, the named ones do
     ([C], [A], [A], False, "the bootstrap peers you named decide"),
     ([A], [C], [A], True, "the bootstrap peers you named decide"),
@@ -198,8 +198,8 @@ def test_a_helper_that_says_nobody_was_reached_is_outvoted_by_two_honest_ones(he
     assert verdict is Reachability.PUBLIC
     [warning] = warnings(caplog)
     honest = ", ".join(sorted(ids[h][-8:] for h in ("h1", "h2")))
-    assert f"the helpers disagree (helpers that reached a port: {honest}; that reached none: {ids['denier'][-8:]}): " \
-           f"the majority decides" in warning
+    assert f"reachability: the helpers disagree ({honest} reached a port; {ids['denier'][-8:]} reached none): the " \
+           f"majority decides; taking this peer for public" in warning
 
 
 @pytest.mark.timeout(120)
@@ -209,7 +209,9 @@ def test_a_lone_helper_that_says_nobody_was_reached_decides_nothing(helpers, ask
     with caplog.at_level(logging.WARNING, logger=reachability.__name__):
         assert loop.run(detect(p2p, [], [ids["denier"]], addresses), 60) is Reachability.PUBLIC
     [warning] = warnings(caplog)
-    assert "no two helpers settle it" in warning and "taking this peer for public" in warning
+    assert warning == f"reachability: no two helpers agree ({ids['denier'][-8:]} reached none), nor do the " \
+                      f"bootstrap peers you named; taking this peer for public (pass --reachability client if it is " \
+                      f"behind a NAT)"
 
 
 @pytest.mark.timeout(120)
@@ -221,14 +223,16 @@ def test_a_peer_behind_a_nat_stays_a_client_whatever_one_liar_and_a_hanging_help
     monkeypatch.setattr(reachability, "ASK_TIMEOUT", 2.0)  # how long the hanging helper holds the probe up
     loop, ids, _ = helpers
     p2p, _ = askers()
+    closed = closed_port()
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger=reachability.__name__):
-        verdict = loop.run(detect(p2p, [ids["h1"]], [ids["hanger"], ids["claimer"], ids["h2"]], closed_port()), 60)
+        verdict = loop.run(detect(p2p, [ids["h1"]], [ids["hanger"], ids["claimer"], ids["h2"]], closed), 60)
     assert verdict is Reachability.CLIENT
     assert time.monotonic() - started < 2.0 + 2  # the hang held it up for ASK_TIMEOUT, no longer
     [warning] = warnings(caplog)
-    assert f"that reached none: {', '.join(sorted(ids[h][-8:] for h in ('h1', 'h2')))}): the majority decides" \
-           in warning and "it is behind a NAT or firewall" in warning
+    honest = ", ".join(sorted(ids[h][-8:] for h in ("h1", "h2")))
+    assert f"({ids['claimer'][-8:]} reached a port; {honest} reached none): the majority decides; this peer could " \
+           f"not be dialled back at 127.0.0.1 (ports {closed[0].rpartition('/')[2]}): it is behind a NAT" in warning
 
 
 @pytest.mark.timeout(120)

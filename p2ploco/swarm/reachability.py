@@ -226,19 +226,17 @@ def judge(reached: Collection[str], unreached: Collection[str], named: Collectio
     """Whether this peer can be dialled, from the helpers that reached one of its ports and those that dialled and
     reached none (``named``: the bootstrap peers the user named), and why, where the answers alone did not settle
     it or some disagreed (None where they agree)."""
-    def ids(helpers: Collection[str]) -> str:
-        return ", ".join(sorted(h[-8:] for h in helpers)) or "none"
-
     if not reached and not unreached:
         return True, "no helper answered the dial-back probe"
-    said = f"helpers that reached a port: {ids(reached)}; that reached none: {ids(unreached)}"
+    said = "; ".join(f"{', '.join(sorted(h[-8:] for h in helpers))} reached {what}"
+                     for helpers, what in ((reached, "a port"), (unreached, "none")) if helpers)
     for voices, against, public in ((reached, unreached, True), (unreached, reached, False)):
         if len(voices) >= 2 and len(voices) > len(against):
             return public, f"the helpers disagree ({said}): the majority decides" if against else None
     named_reached, named_unreached = set(reached) & set(named), set(unreached) & set(named)
     if bool(named_reached) != bool(named_unreached):
-        return bool(named_reached), f"no two helpers settle it ({said}): the bootstrap peers you named decide"
-    return True, f"no two helpers settle it ({said}), nor do the bootstrap peers you named"
+        return bool(named_reached), f"no two helpers agree ({said}): the bootstrap peers you named decide"
+    return True, f"no two helpers agree ({said}), nor do the bootstrap peers you named"
 
 
 async def detect(p2p: P2P, bootstrap: Sequence[str], others: Sequence[str], addresses: Sequence[str]
