@@ -22,11 +22,11 @@ answered. It dials nothing else, so the probe cannot be turned against a third p
 lie, so a verdict takes two voices: ``public`` needs two distinct helpers that reached a port, ``client`` (or
 ``relayed``, where the daemon holds a relay address) two that dialled and reached none, and more voices for it
 than against (``judge``). A helper that refuses, hangs, serves no probe (a stock hivemind peer) or answers
-garbage gives no voice. Up to ``ANSWERS_WANTED`` helpers are asked at once: the bootstrap peers the user named
-first, then public peers of the run in random order (an attacker can grind keys to sort first by peer id, never
-to be drawn first). Where no two voices settle it (the answers tie, or fewer than two agree), the bootstrap
-peers the user named decide if those that answered agree (the user already trusts them with the peer's whole view
-of the swarm); otherwise the peer is ``public``, as a first peer with nobody to ask is. Either way it says so in
+garbage gives no voice, and makes way for the next helper. ``ANSWERS_WANTED`` helpers are asked at once, at most
+``ASK_AT_MOST`` in all: the bootstrap peers the user named first, then public peers of the run in random order
+(an attacker can grind keys to sort first by peer id, never to be drawn first). Where no two voices settle it (the
+answers tie, or fewer than two agree), the bootstrap peers the user named decide if those that answered agree
+(the user trusts them already: the peer joins the swarm through them); otherwise the peer is ``public``, as a first peer with nobody to ask is. Either way it says so in
 one WARNING line. ``--reachability`` forces the answer and skips the probe. A peer starts as a DHT client and
 serves the DHT once it is found to be public (``dht.start_serving``): nobody lists in a routing table a peer it
 cannot dial.
