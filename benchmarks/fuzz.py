@@ -60,6 +60,7 @@ from p2ploco.swarm.commit import parse_decision, parse_vote
 from p2ploco.swarm.consensus import SwarmState
 from p2ploco.swarm.identity import Identity, peer_id_of
 from p2ploco.swarm.messages import decode
+from p2ploco.swarm.reachability import DialBackRequest, parse_dial_back
 from p2ploco.swarm.records import PeerRecord, peers_key
 from p2ploco.swarm.rounds import Group, JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.swarm.schema import RecordSchema, record_validator
@@ -151,6 +152,8 @@ HEADERS = {
               "shapes": [[2, 17], [2, 16, 8]], "dtypes": ["uint16", "bfloat16"]},
     "contribution": {"group_id": "g", "round": 3, "slice": "stage0", "span": [0, 40]},
     "state request": {"round": 7, "slice": "stage0", "offset": 0, "length": 1 << 20},
+    "dial-back request": {"ports": [4001, 4002]},
+    "dial-back answer": {"dialled": True, "reached": [4001], "seen_at": "203.0.113.9"},
 }
 
 
@@ -402,6 +405,7 @@ def targets() -> list[Target]:
         Target("decision", lambda h: parse_decision(h, GROUP, OTHER), headers("decision")),
         Target("reducer reply", lambda h: parse_reply(h, GROUP, ME), headers("reply")),
         Target("state answer", lambda h: parse_description(h, b"\0" * 32, STATE), headers("state")),
+        *(Target(name, MESSAGES[name], headers(name)) for name in ("dial-back request", "dial-back answer")),
         Target("sparse contribution", sparse_contribution, payloads(CONTRIBUTION)),
         Target("sparse relay result", sparse_result, payloads(RELAY)),
         Target("sparse union result", sparse_result, payloads(UNION)),
@@ -435,6 +439,8 @@ MESSAGES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "stage": lambda h: STAGE_SERVER.accept(OTHER, h, STAGE_PAYLOAD),
     "contribution": lambda h: decode(Contribution, h),
     "state request": lambda h: decode(StateRequest, h),
+    "dial-back request": lambda h: decode(DialBackRequest, h),
+    "dial-back answer": lambda h: parse_dial_back(h, [4001, 4002]),
 }
 
 

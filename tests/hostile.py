@@ -34,6 +34,8 @@ Behaviours (each starts at round FROM and lasts until the node exits):
                           (two keys of one attacker) agree on it
 - ``fast-step@FROM``      the node's record claims inner steps of 1e-300 s (it trains and takes part in rounds
                           honestly): on its word every other peer's round budget shrank to one inner step
+- ``deny-dialback@0``     answers every dial-back request "dialled, reached none" (peers ask as they start, before
+                          any round: FROM is not used), as if every joiner were behind a NAT
 
 Everything else is the real node: the same processes, daemons and protocol as ``p2ploco node start``.
 """
@@ -363,6 +365,25 @@ def claim_a_fast_step(start: int) -> None:
         return value
 
     PeerRecord.to_value = to_value
+def deny_dial_backs() -> None:
+    from p2ploco.errors import PayloadError, TransportError
+    from p2ploco.swarm import wire
+    from p2ploco.swarm.messages import decode
+    from p2ploco.swarm.reachability import ASK_TIMEOUT, DialBack, DialBackRequest, ip_host
+
+    async def serve(self: DialBack, stream_info: Any, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> None:
+        try:
+            header, _ = await wire.read_message(reader, max_payload=0)
+            decode(DialBackRequest, header)
+            await wire.write_message(writer, {"dialled": True, "reached": [],
+                                              "seen_at": ip_host(stream_info.addr) or ""})
+        except (PayloadError, TransportError):
+            pass
+        finally:
+            await wire.hang_up(reader, writer, ASK_TIMEOUT)
+
+    DialBack._serve = serve
 
 
 # behaviour name -> how to patch it in, given the value after ":" (if any) and the round or step after "@"
@@ -383,6 +404,7 @@ BEHAVIOURS: dict[str, Callable[[str, int], None]] = {
     "odd-sums": lambda _, start: send_odd_sums(start),
     "poison-state": lambda _, start: claim_a_poisoned_next_round(start),
     "fast-step": lambda _, start: claim_a_fast_step(start),
+    "deny-dialback": lambda _, start: deny_dial_backs(),
 }
 
 

@@ -415,3 +415,62 @@ def test_a_reducer_that_scales_its_spans_result_by_ten_thousand_costs_a_redo_and
         r["update_norm"] for name in "abc" for r in reference[name])
     report("x1e4 reducer: final eval loss (attacked, x absent)",
            {"attacked": attacked_loss, "reference": reference_loss})
+def join_after_a_helper(workdir: Path, behaviour: str | None, rounds: int) -> dict[str, list[dict]]:
+    """x starts first, through a stock hivemind bootstrap peer (which serves no dial-back probe); a and b start once
+    x's record is out, c once theirs are: a and b find only x to ask, c finds x, a and b. ``behaviour``: x's
+    (None: x is honest). The honest nodes' records, after ``rounds`` rounds with identities from ``ground``."""
+    joined = re.compile(r"peer (\w+) joined run")
+    with LocalSwarm(workdir, bootstrap="hivemind") as swarm:
+        common = [*FAST, "--max-rounds", str(rounds), "--set", "swarm.min_peers=4"]
+
+        def start(name: str, program: list[str] | tuple[()] = ()) -> None:
+            swarm.start_node(name, TINY_CONFIG, *common, "--identity", str(workdir / f"{name}.key"), program=program)
+
+        start("x", [*HOSTILE, behaviour, "--"] if behaviour else ())
+        swarm.nodes["x"].wait_for_line(joined, 60)
+        for name in "ab":
+            start(name)
+        for name in "ab":
+            swarm.nodes[name].wait_for_line(joined, 60)
+        start("c")
+        assert [swarm.nodes[name].process.wait(300) for name in "abc"] == [0, 0, 0]
+        swarm.nodes["x"].process.wait(60)
+        return {name: swarm.records(name) for name in "abc"}
+
+
+@pytest.mark.slow  # two swarms of four, ten rounds each; the rule is in the default run (test_reachability.py)
+@pytest.mark.timeout(900)
+def test_a_helper_that_finds_every_joiner_behind_a_nat_makes_no_joiner_a_client(tmp_path):
+    """x answers every dial-back request "dialled, reached none", and its key sorts first by peer id. A joiner used
+    to believe the first helper that dialled, after a stock bootstrap peer that serves no probe: every honest
+    joiner became a client, and x coordinated and reduced every round. Now one voice decides nothing (a and b:
+    public, as nobody else settles it) and two outvote it (c). The swarm trains as it does with x honest."""
+    rounds = 10
+    lying, clean = tmp_path / "lying", tmp_path / "clean"
+    lying.mkdir()
+    clean.mkdir()
+    peer_ids = ground(lying, "abc", lambda ids: ids["x"] == min(ids.values()))
+    for name in peer_ids:
+        (clean / f"{name}.key").write_bytes((lying / f"{name}.key").read_bytes())
+    runs = {"lying": join_after_a_helper(lying, "deny-dialback@0", rounds), "clean": join_after_a_helper(clean, None,
+                                                                                                        rounds)}
+    x = peer_ids["x"][-8:]
+    for name in "ab":  # they may find each other's record too (where one started before the other asked)
+        assert re.search(rf"reachability: no two helpers agree \((\w+ reached a port; )?{x} reached none\), nor do "
+                         rf"the bootstrap peers you named; taking this peer for public",
+                         (lying / f"{name}.log").read_text()), name
+    honest = ", ".join(sorted(peer_ids[name][-8:] for name in "ab"))
+    assert f"reachability: the helpers disagree ({honest} reached a port; {x} reached none): the majority decides" \
+           in (lying / "c.log").read_text()
+    for run in runs.values():
+        assert_agreement(run)
+        for records in run.values():
+            assert [r["round"] for r in records] == list(range(rounds))
+            assert {r["reachability"] for r in records} == {"public"}
+            assert sum(not r["applied"] for r in records) <= 1
+    for records in runs["lying"].values():  # it reduced spans: it sent more than its own contribution
+        assert any(r["bytes_sent"] > r["bits_per_param"] * r["dense_fp32_bytes"] / 64 + 1 for r in records)
+    final = {name: statistics.mean(records[-1]["eval_loss"] for records in run.values())
+             for name, run in runs.items()}
+    assert final["lying"] == pytest.approx(final["clean"], rel=0.03)
+    report("final eval loss of the honest nodes (x lying, x honest)", final)

@@ -24,8 +24,8 @@ async def start_bootstrap(initial_peers: Sequence[str], host_maddrs: Sequence[st
     """Start the DHT node and its record heartbeat; return the node and the addresses to join through."""
     identity = Identity.claim(identity_path) if identity_path is not None else Identity.fresh()
     node, owner = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity)
-    await DialBack(node.protocol.p2p).start()  # joining nodes ask it whether they can be dialled
     addresses = await visible_maddrs(node)
+    await DialBack(node.protocol.p2p, addresses).start()  # joining nodes ask it whether they can be dialled
     peer_id = str(node.peer_id)
     me = PeerRecord(peer_id=peer_id, round=0, state="serving", fingerprint="", version=__version__,
                     name=name or human_name(peer_id), role="bootstrap", addresses=addresses[:MAX_ADDRESSES])

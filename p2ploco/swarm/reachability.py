@@ -16,29 +16,47 @@ that cannot be dialled must never be any of those three; everything else it does
 A coordinator never waits on a dial it cannot make: it gives members that dial out no reducer span
 (``Group.reducers``), never picks one as coordinator, and a catching-up peer never asks one for the state.
 
-Detection (``detect``): the peer asks a peer it is connected to (its bootstrap peers first, then public peers of
-its run) to dial it back.
-The asked peer opens a plain TCP connection to the address it sees the request come from, at each port the asker
-listens on, and says which ports answered. It dials nothing else, so the probe cannot be turned against a third
-party. A port that answers means ``public``; none, ``relayed`` if the daemon holds a relay address, else
-``client``. A first peer with nobody to ask is ``public`` (peers join through it); so is a peer that no one
-answered, with a warning. ``--reachability`` forces the answer. A peer starts as a DHT client and serves the
-DHT once it is found to be public (``dht.start_serving``): nobody lists in a routing table a peer it cannot dial.
+Detection (``detect``): the peer asks other peers, its *helpers*, to dial it back. A helper opens a plain TCP
+connection to the address it sees the request come from, at each port the asker listens on, and says which ports
+answered. It dials nothing else, so the probe cannot be turned against a third party. Any peer can be a helper and
+lie, so a verdict takes two voices: ``public`` needs two distinct helpers that reached a port, ``client`` (or
+``relayed``, where the daemon holds a relay address) two that dialled and reached none, and more voices for it
+than against (``judge``). A helper that refuses, hangs, serves no probe (a stock hivemind peer) or answers
+garbage gives no voice, and makes way for the next helper. ``ANSWERS_WANTED`` helpers are asked at once, at most
+``ASK_AT_MOST`` in all: the bootstrap peers the user named first, then public peers of the run in random order
+(an attacker can grind keys to sort first by peer id, never to be drawn first). Where no two voices settle it (the
+answers tie, or fewer than two agree), the bootstrap peers the user named decide if those that answered agree
+(the user trusts them already: the peer joins the swarm through them); otherwise the peer is ``public``, as a first
+peer with nobody to ask is. It says so in one line: a WARNING where helpers disagree or none answered, INFO where
+the bootstrap peers alone answered, as in a swarm with one. ``--reachability`` forces the answer and skips the probe. A peer starts as a DHT client and
+serves the DHT once it is found to be public (``dht.start_serving``): nobody lists in a routing table a peer it
+cannot dial.
+
+Serving the probe (``DialBack``, on every public node and bootstrap peer): a helper dials back a global address
+always; a private, loopback, link-local or unique-local one only if it is itself on such a network (none of its
+own addresses is global: a LAN, a local swarm on loopback, namespaces on 10.x), so that a peer on the Internet
+cannot be aimed at its operator's LAN through a proxy that makes requests seem to come from inside; never a
+multicast, unspecified or reserved one (``Admission``). It dials one asker at most once per ``MIN_INTERVAL`` and
+all askers together at most ``DIALS_PER_INTERVAL`` times per ``MIN_INTERVAL``; a refused request is answered
+``dialled: false``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import ipaddress
 import logging
+import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Annotated, Any
 
 from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic import Field
 
-from p2ploco.errors import PayloadError, TransportError
+from p2ploco.errors import PayloadError, TransportError, shown
 from p2ploco.swarm import wire
 from p2ploco.swarm.messages import Message, decode
 from p2ploco.swarm.records import Reachability
@@ -49,26 +67,87 @@ HANDLER = "p2ploco/dialback"  # served by every public node and bootstrap peer, 
 DIAL_TIMEOUT = 3.0  # a TCP connect that has not completed by then counts as dropped by a NAT
 ASK_TIMEOUT = 2 * DIAL_TIMEOUT + 5.0
 MAX_PORTS = 4  # ports one request may ask to be dialled at
-MIN_INTERVAL = 10.0  # seconds between two probes for the same peer: a peer cannot keep this one dialling
-ASK_AT_MOST = 4  # peers asked before giving up (a stock hivemind bootstrap peer does not serve the probe)
+MIN_INTERVAL = 10.0  # seconds between two dial-backs for the same peer: a peer cannot keep this one dialling
+DIALS_PER_INTERVAL = 32  # dial-backs for all askers together per MIN_INTERVAL: fresh keys cannot either
+ANSWERS_WANTED = 8  # helpers asked at once, and voices counted: k keys decide only where they outvote the others
+ASK_AT_MOST = 16  # helpers asked in all (one that gives no voice makes way for the next)
+Port = Annotated[int, Field(ge=1, le=65535)]
 
 
 class DialBackRequest(Message):
-    ports: Annotated[list[Annotated[int, Field(ge=1, le=65535)]], Field(min_length=1, max_length=MAX_PORTS)]
+    ports: Annotated[list[Port], Field(min_length=1, max_length=MAX_PORTS)]
 
 
 class DialBackAnswer(Message):
-    dialled: bool  # False: it dialled nothing (asked a moment ago, or the request came through a relay)
-    reached: list[Annotated[int, Field(ge=1, le=65535)]]
+    dialled: bool  # False: it dialled nothing (module docstring: which requests a helper refuses)
+    reached: Annotated[list[Port], Field(max_length=MAX_PORTS)]
     seen_at: Annotated[str, Field(max_length=64)]  # the host the asker's request came from
 
 
-class DialBack:
-    """The service side: dial an asker back at the host its request came from."""
+def parse_dial_back(header: Any, ports: Sequence[int]) -> DialBackAnswer:
+    """A helper's answer to a request for ``ports``; PayloadError if malformed or if it names a port not asked."""
+    answer = decode(DialBackAnswer, header)
+    if not set(answer.reached) <= set(ports):
+        raise PayloadError("DialBackAnswer: reached: names a port that was not asked")
+    return answer
 
-    def __init__(self, p2p: P2P):
-        self.p2p = p2p
+
+class Admission:
+    """Which dial-back requests a helper serves (module docstring), given its own listening multiaddrs."""
+
+    def __init__(self, addresses: Sequence[str], limit: int = DIALS_PER_INTERVAL):
+        self.local = not any(on_the_internet(address) for address in addresses)  # it may dial private hosts
+        self.limit = limit
         self._last: dict[str, float] = {}  # peer -> when it was last dialled back
+        self._recent: collections.deque[float] = collections.deque()  # when each of the latest dial-backs began
+
+    def refusal(self, sender: str, host: str | None, now: float) -> str | None:
+        """Why ``sender``'s request, seen from ``host`` (None: through a relay), is refused; None: dial it back
+        (counted from ``now``)."""
+        self._last = {p: t for p, t in self._last.items() if now - t < MIN_INTERVAL}
+        while self._recent and now - self._recent[0] >= MIN_INTERVAL:
+            self._recent.popleft()
+        if host is None:
+            return "its request came through a relay"
+        if not may_dial(host, self.local):
+            why = "not a unicast address" if self.local else "not a global one, and this peer is on the Internet"
+            return f"it came from {host}, which this peer does not dial: {why}"
+        if sender in self._last:
+            return f"it asked less than {MIN_INTERVAL:g} s ago"
+        if len(self._recent) >= self.limit:
+            return f"{self.limit} peers were dialled back in the last {MIN_INTERVAL:g} s"
+        self._last[sender] = now
+        self._recent.append(now)
+        return None
+
+
+def may_dial(host: str, local: bool) -> bool:
+    """Whether a helper dials back an asker seen at ``host``: a global address always, any other unicast address
+    only where the helper is ``local`` itself (module docstring)."""
+    address = ipaddress.ip_address(host)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_multicast or address.is_unspecified or (address.version == 4 and address.is_reserved):
+        return False  # IPv4's 240.0.0.0/4 (with the broadcast address); IPv6's "reserved" takes in ::1
+    return address.is_global or local
+
+
+def on_the_internet(address: str) -> bool:
+    """Whether one of a peer's own multiaddrs is on the Internet: a global IP address, or a name (/dns4 ...). A
+    relay's circuit address says nothing about where the peer is."""
+    multiaddr = Multiaddr(address)
+    if "p2p-circuit" in {p.name for p in multiaddr.protocols()}:
+        return False
+    host = ip_host(multiaddr)
+    return host is None or ipaddress.ip_address(host).is_global
+
+
+class DialBack:
+    """The service side: dial an asker back at the host its request came from, if ``Admission`` lets it."""
+
+    def __init__(self, p2p: P2P, addresses: Sequence[str], limit: int = DIALS_PER_INTERVAL):
+        self.p2p = p2p
+        self.admission = Admission(addresses, limit)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(HANDLER, self._serve)
@@ -78,15 +157,15 @@ class DialBack:
         try:
             header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), ASK_TIMEOUT)
             request = decode(DialBackRequest, header)
-            host = observed_host(stream_info.addr)
-            now = time.monotonic()
-            self._last = {p: t for p, t in self._last.items() if now - t < MIN_INTERVAL}
+            host = ip_host(stream_info.addr)
             answer = {"dialled": False, "reached": [], "seen_at": host or ""}
-            if host is not None and sender not in self._last:  # not relayed to us, nor asked a moment ago
-                self._last[sender] = now
+            refusal = self.admission.refusal(sender, host, time.monotonic())
+            if refusal is None:
                 ports = sorted(set(request.ports))
                 opened = await asyncio.gather(*(dial(host, port) for port in ports))
                 answer.update(dialled=True, reached=[port for port, ok in zip(ports, opened) if ok])
+            else:
+                logger.debug(f"not dialling {sender[-8:]} back: {refusal}")
             await wire.write_message(writer, answer)
         except PayloadError as e:
             logger.info(f"bad dial-back request from {sender[-8:]}: {e}")
@@ -96,8 +175,8 @@ class DialBack:
             await wire.hang_up(reader, writer, ASK_TIMEOUT)
 
 
-def observed_host(address: Multiaddr) -> str | None:
-    """The IP address a stream came from (None for a relayed or non-IP one)."""
+def ip_host(address: Multiaddr) -> str | None:
+    """The IP address of a multiaddr (None for a relayed or non-IP one): for a stream, the host it came from."""
     protocols = {p.name for p in address.protocols()}
     if "p2p-circuit" in protocols:
         return None
@@ -127,34 +206,73 @@ def listening_ports(addresses: Sequence[str]) -> list[int]:
     return sorted(set(ports))[:MAX_PORTS]
 
 
-async def detect(p2p: P2P, helpers: Sequence[str], addresses: Sequence[str]) -> Reachability:
-    """This peer's reachability, by asking ``helpers`` (peer ids it is connected to, best first) to dial it back at
-    the ports of ``addresses`` (its listening multiaddrs)."""
+async def ask(p2p: P2P, helper: str, ports: list[int]) -> DialBackAnswer | None:
+    """``helper``'s answer to a request to dial this peer back at ``ports``, or None where it gives no voice: it
+    serves no probe (a stock hivemind peer) or is gone, would not dial, hung, or answered garbage."""
+    try:
+        header, _ = await asyncio.wait_for(wire.call(p2p, helper, HANDLER, {"ports": ports}), ASK_TIMEOUT)
+        answer = parse_dial_back(header, ports)
+    except wire.Unreachable:
+        return None
+    except PayloadError as e:
+        logger.info(f"{helper[-8:]} answered the dial-back probe with malformed data: {e}")
+        return None
+    except (TransportError, TimeoutError) as e:
+        logger.info(f"could not ask {helper[-8:]} to dial this peer back ({e!r})")
+        return None
+    return answer if answer.dialled else None
+
+
+def judge(reached: Collection[str], unreached: Collection[str], named: Collection[str]) -> tuple[bool, str | None]:
+    """Whether this peer can be dialled, from the helpers that reached one of its ports and those that dialled and
+    reached none (``named``: the bootstrap peers the user named), and why, where the answers alone did not settle
+    it or some disagreed (None where they agree)."""
+    if not reached and not unreached:
+        return True, "no helper answered the dial-back probe"
+    said = "; ".join(f"{', '.join(sorted(h[-8:] for h in helpers))} reached {what}"
+                     for helpers, what in ((reached, "a port"), (unreached, "none")) if helpers)
+    for voices, against, public in ((reached, unreached, True), (unreached, reached, False)):
+        if len(voices) >= 2 and len(voices) > len(against):
+            return public, f"the helpers disagree ({said}): the majority decides" if against else None
+    named_reached, named_unreached = set(reached) & set(named), set(unreached) & set(named)
+    if bool(named_reached) != bool(named_unreached):
+        return bool(named_reached), f"no two helpers agree ({said}): the bootstrap peers you named decide"
+    return True, f"no two helpers agree ({said}), nor do the bootstrap peers you named"
+
+
+async def detect(p2p: P2P, bootstrap: Sequence[str], others: Sequence[str], addresses: Sequence[str]
+                 ) -> Reachability:
+    """This peer's reachability, by asking helpers it is connected to (the ``bootstrap`` peers the user named, then
+    ``others``, in random order) to dial it back at the ports of ``addresses`` (its listening multiaddrs)."""
     ports = listening_ports(addresses)
     relayed = any("/p2p-circuit" in a for a in addresses)
-    if not helpers or not ports:
+    named = list(dict.fromkeys(bootstrap))
+    rest = [h for h in dict.fromkeys(others) if h not in named]
+    if not ports or not named + rest:  # a first peer with nobody to ask: peers join through it
         return Reachability.PUBLIC
-    asked = 0
-    for helper in helpers:
-        if asked == ASK_AT_MOST:
-            break
-        try:
-            header, _ = await asyncio.wait_for(wire.call(p2p, helper, HANDLER, {"ports": ports}), ASK_TIMEOUT)
-            answer = decode(DialBackAnswer, header)
-        except wire.Unreachable:  # it serves no probe (a stock hivemind peer), or is gone: not counted
-            continue
-        except (PayloadError, TransportError, TimeoutError) as e:
-            asked += 1
-            logger.info(f"could not ask {helper[-8:]} to dial this peer back ({e!r}); asking the next")
-            continue
-        if not answer.dialled:  # it would not dial (asked a moment ago, e.g. before a restart): no verdict
-            continue
-        if answer.reached:
-            return Reachability.PUBLIC
-        logger.warning(f"{helper[-8:]} could not dial this peer back at {answer.seen_at or 'its address'} "
-                       f"(ports {', '.join(map(str, ports))}): it is behind a NAT or firewall, and takes part "
-                       f"in rounds by dialling out{' (reachable through a relay)' if relayed else ''}")
-        return Reachability.RELAYED if relayed else Reachability.CLIENT
-    logger.warning("no peer answered the dial-back probe; assuming this peer can be dialled "
-                   "(pass --reachability client if it is behind a NAT)")
-    return Reachability.PUBLIC
+    secrets.SystemRandom().shuffle(rest)  # not by peer id, which keys can be ground to lead; nor seeded by the run
+    helpers = iter([*named, *rest][:ASK_AT_MOST])
+    answers: dict[str, DialBackAnswer] = {}
+
+    async def one_voice() -> None:  # helpers in turn, until one answers
+        for helper in helpers:
+            if (answer := await ask(p2p, helper, ports)) is not None:
+                answers[helper] = answer
+                return
+
+    await asyncio.gather(*(one_voice() for _ in range(ANSWERS_WANTED)))
+    reached = [h for h, answer in answers.items() if answer.reached]
+    public, doubt = judge(reached, [h for h in answers if h not in reached], named)
+    if public:
+        if doubt:  # a warning where helpers disagree; one voice (a local swarm's bootstrap peer) is the usual case
+            disputed = not answers or len(reached) < len(answers)  # nobody answered, or some reached no port
+            log = logger.warning if disputed else logger.info
+            log(f"reachability: {doubt}; taking this peer for public (pass --reachability client if it is behind a "
+                f"NAT)")
+        return Reachability.PUBLIC
+    seen = sorted({shown(answer.seen_at) for answer in answers.values() if not answer.reached and answer.seen_at})
+    logger.warning(f"reachability: {doubt + '; ' if doubt else ''}this peer could not be dialled back at "
+                   f"{', '.join(seen) or 'its address'} (ports {', '.join(map(str, ports))}): it is behind a NAT or "
+                   f"firewall, and takes part in rounds by dialling out"
+                   f"{' (reachable through a relay)' if relayed else ''}")
+    return Reachability.RELAYED if relayed else Reachability.CLIENT

@@ -80,15 +80,14 @@ class Swarm:
             directory = PeerDirectory(node, peers_key(run_id), owner, me, config.heartbeat_interval, config.peer_ttl,
                                       run_id=run_id)
             live = (await directory.refresh()).values()
-            if config.reachability == "auto":  # the bootstrap peers first, then public peers of the run
-                helpers = [Multiaddr(a)["p2p"] for a in initial_peers]
-                helpers += sorted(r.peer_id for r in live if not r.dials_out and r.peer_id not in [*helpers, me_id])
-                reachability = await detect(p2p, helpers, addresses)
+            if config.reachability == "auto":  # the bootstrap peers the user named, then public peers of the run
+                public = [r.peer_id for r in live if not r.dials_out and r.peer_id != me_id]
+                reachability = await detect(p2p, [Multiaddr(a)["p2p"] for a in initial_peers], public, addresses)
             else:
                 reachability = Reachability(config.reachability)
             if not reachability.dials_out:  # others can dial it: it serves the DHT and the dial-back probe
                 await start_serving(node)
-                await DialBack(p2p).start()
+                await DialBack(p2p, addresses).start()
             logger.info(f"reachability: {reachability}")
             directory.update_soon(reachability=reachability)  # stored with the first publish, below
             bans = Bans(config.ban_rounds)
