@@ -28,7 +28,8 @@ garbage gives no voice, and makes way for the next helper. ``ANSWERS_WANTED`` he
 answers tie, or fewer than two agree), the bootstrap peers the user named decide if those that answered agree
 (the user trusts them already: the peer joins the swarm through them); otherwise the peer is ``public``, as a first
 peer with nobody to ask is. It says so in one line: a WARNING where helpers disagree or none answered, INFO where
-the bootstrap peers alone answered, as in a swarm with one. ``--reachability`` forces the answer and skips the probe. A peer starts as a DHT client and
+the bootstrap peers alone answered, as in a swarm with one.
+``--reachability`` forces the answer and skips the probe. A peer starts as a DHT client and
 serves the DHT once it is found to be public (``dht.start_serving``): nobody lists in a routing table a peer it
 cannot dial.
 
