@@ -154,6 +154,7 @@ class Pace:
     tokens: list[int]
     weighted: bool
     clipped: list[float]  # per replica, the share of its contributions to a span that were clipped
+    left_out: list[float]  # ... and that were left out as pointing against the others (``opposed``)
 
     def slow(self) -> list[bool]:
         return [speed > min(self.speeds) for speed in self.speeds]
@@ -336,7 +337,8 @@ def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
     if plan.speeds:  # full replicas only: replica i is worker i, and reduces one span of each of its rounds
         spans = setup.rounds * len(swarm.replicas)
         pace = Pace(plan.speeds, swarm.steps, swarm.tokens, plan.weighted,
-                    [swarm.clipped[f"replica-{i}"] / spans for i in range(len(swarm.replicas))])
+                    [swarm.clipped[f"replica-{i}"] / spans for i in range(len(swarm.replicas))],
+                    [swarm.opposed[f"replica-{i}"] / spans for i in range(len(swarm.replicas))])
     byzantine = None
     if plan.flipped:  # full replicas: each contributes to one span of every reducer a round
         spans = setup.rounds * replicas  # one span of every reducer, its own included, each round
@@ -466,10 +468,11 @@ def main() -> None:
         print()
         print("Replicas of unequal speed, equal wall time (the same rounds); slow: slower than the fastest")
         print(format_table(("method", "steps/round", "final eval loss", "vs fastest alone", "tokens",
-                            "slow tokens", "slow weight", "clipped by replica"), [
+                            "slow tokens", "slow weight", "clipped by replica", "left out by replica"), [
             (m, "/".join(str(s // args.rounds) for s in pace.steps), f"{final[m]:.3f}", versus(final, m),
              f"{sum(pace.tokens) / 1e6:.2f}M", f"{100 * pace.slow_tokens_share():.0f}%",
-             f"{100 * pace.slow_weight_share():.0f}%", "/".join(f"{100 * c:.0f}%" for c in pace.clipped))
+             f"{100 * pace.slow_weight_share():.0f}%", "/".join(f"{100 * c:.0f}%" for c in pace.clipped),
+             "/".join(f"{100 * c:.0f}%" for c in pace.left_out))
             for m, pace in paced.items()]))
     attacked = {m: result[5] for m, result in results.items() if result[5] is not None}
     if attacked:
@@ -533,7 +536,8 @@ def pace_json(pace: Pace | None) -> dict:
             "tokens_per_replica": pace.tokens, "tokens": sum(pace.tokens),
             "slow_tokens_share": round(pace.slow_tokens_share(), 4),
             "slow_weight_share": round(pace.slow_weight_share(), 4),
-            "clipped_share_per_replica": [round(c, 4) for c in pace.clipped]}
+            "clipped_share_per_replica": [round(c, 4) for c in pace.clipped],
+            "left_out_share_per_replica": [round(c, 4) for c in pace.left_out]}
 
 
 if __name__ == "__main__":
