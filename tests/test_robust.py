@@ -87,7 +87,7 @@ def test_norms_weights_and_the_zero_median():
         robust.norm(np.full(4, 2.0**63, dtype=np.float32))
 
 
-def test_the_bound_is_per_token_so_a_fast_peer_is_not_clipped_for_having_trained_more():
+def test_the_bound_grows_with_the_tokens_trained_so_neither_a_fast_nor_a_slow_peer_is_clipped():
     # 10, 3 and 1 steps: norms that grow slower than the steps (noise adds up as a square root)
     norms, tokens = [5.0, 2.16, 1.0], [10, 3, 1]
     factors, clipped = robust.weights(norms, tokens, 2.0)
@@ -96,6 +96,11 @@ def test_the_bound_is_per_token_so_a_fast_peer_is_not_clipped_for_having_trained
     assert factors == [float(np.float32(3 * t / total)) for t in tokens]  # weighed by tokens, nothing clipped
     # Against the norm alone (the bound it replaced: 2 x the lower median, 2.16) the fast one was clipped.
     assert 5.0 > 2 * sorted(norms)[1]
+    # Two fast peers, a 3x and a 10x slower one, norms growing as the square root of the steps: nobody is clipped,
+    # where a bound linear in the tokens (norm per token) would clip the slowest (1.0 against 2 x 3.16 / 10).
+    norms, tokens = [math.sqrt(10), math.sqrt(10), math.sqrt(3), 1.0], [10, 10, 3, 1]
+    assert robust.weights(norms, tokens, 2.0)[1] == []
+    assert 1.0 > 2 * sorted(c * 10 / t for c, t in zip(norms, tokens))[1] / 10
     # A peer that claims a full round's tokens for a sign-flipped, scaled-up update is held to a full round's norm.
     factors, clipped = robust.weights([5.0, 5.0, 5.0, 400.0], [10, 10, 10, 10], 2.0)
     assert clipped == [3] and math.isclose(factors[3] * 400.0, 10.0, rel_tol=1e-6)

@@ -13,17 +13,19 @@ and a recipient of a relayed result, which recombines the contributions itself):
 2. **Weight** (``weights``). Each kept contribution weighs the tokens its peer trained, as the group lists them,
    capped by what a round can hold (``inner.steps`` of the run's batch, at the join: ``swarm/rounds.py``), so that
    one key weighs at most one full peer: its factor in the mean is ``m * w_i / sum(w)`` over the m kept.
-3. **Norm per token** (``weights``). A contribution may have at most ``clip_factor`` times the lower median norm
-   per token of the kept contributions, times its own tokens: a fast peer is not clipped for having trained more
-   than a slow one, and a contribution that claims a full round's tokens may be as long as a full round's. It is
-   measured against the most tokens of the span (``norm * top / tokens``), so that with equal tokens the bound is
-   exactly ``clip_factor`` times the lower median norm and an honest uniform round keeps every bit. Above the bound
-   a contribution is multiplied by ``bound / norm``; that, times its weight factor, is rounded once to float32.
+3. **Norm for the tokens trained** (``weights``). A pseudo-gradient grows about as the square root of the steps
+   behind it (the noise of H steps adds up so; measured on the pace suite, ``docs/design.md``), so a contribution
+   may have at most ``clip_factor`` times the lower median of the kept contributions' norms scaled to the most
+   tokens of the span (``norm * sqrt(top / tokens)``), times ``sqrt(tokens / top)`` of its own: a fast peer is not
+   clipped for having trained more than a slow one, nor a slow one for having trained less, and a contribution that
+   claims a full round's tokens may be as long as a full round's. With equal tokens the scale is exactly 1: the bound
+   is ``clip_factor`` times the lower median norm and an honest uniform round keeps every bit. Above the bound a
+   contribution is multiplied by ``bound / norm``; that, times its weight factor, is rounded once to float32.
 4. **The result's bound** (``mean_limit``, ``selector_limit``). No aggregate of the kept, weighted, clipped
    contributions can be longer than their factors times their norms allow: ``sum(f_i * c_i) / m`` for a mean, and
    ``sqrt(sum((f_i * c_i)^2))`` for SparseLoCo's per-coordinate mean over the contributions that selected a
    coordinate (a convex combination of them at every coordinate). A reducer's answer names the norms it combined
-   (``exchange.Answer``), every member checks its own and the result against the bound (``check_result``), and
+   (``exchange.Receipt``), every member checks its own and the result against the bound (``check_result``), and
    the digest every member votes on covers the norms, so all members that commit held the same ones. A reducer
    whose result is longer, or points against the recipient's own contribution (``check_direction``), is refused as
    malformed: the recipient rejects and bans it, and accuses it in its vote.
@@ -55,7 +57,7 @@ MAX_NORM = 2.0**64
 RESULT_TOLERANCE = 1 / 64
 # A result whose cosine with the recipient's own contribution is below minus this points against it. An honest
 # result is the mean of contributions that agree with each other, this one's included: measured at least 0 on
-# tiny.yaml for every algorithm (docs/design.md, "Threat model"), against -0.1 and less for a sign-flipped one.
+# tiny.yaml for SparseLoCo and DiLoCo (docs/design.md, "Robust aggregation"), against -0.1 and less flipped.
 DIRECTION_TOLERANCE = 0.02
 MAX_RESCALES = 4  # attempts of ``within`` to bring a quantized result under its bound
 T = TypeVar("T")
@@ -129,7 +131,8 @@ def agreements(vectors: Sequence[Vector], norms: Sequence[float]) -> list[float]
 
 def weights(norms: Sequence[float], tokens: Sequence[int], clip_factor: float) -> tuple[list[float], list[int]]:
     """Each contribution's factor in the mean, rounded to float32 (its weight factor ``n * w_i / sum(w)`` times its
-    clipping scale), and the positions of those clipped to ``clip_factor`` times the lower median norm per token.
+    clipping scale), and the positions of those clipped to ``clip_factor`` times the lower median norm for the
+    tokens trained (scaled by the square root of the tokens, module docstring).
     Factors are exactly 1.0 for contributions of equal tokens within the bound: such a round is the plain mean."""
     n = len(norms)
     if not n:
@@ -139,12 +142,12 @@ def weights(norms: Sequence[float], tokens: Sequence[int], clip_factor: float) -
     top = max(tokens)
     bound = None
     if clip_factor > 0:
-        per_token = sorted(c * (top / t) for c, t in zip(norms, tokens))  # as if trained on the most tokens
+        per_token = sorted(c * math.sqrt(top / t) for c, t in zip(norms, tokens))  # as if trained on the most tokens
         median = per_token[(n - 1) // 2]
         bound = clip_factor * median if median > 0 else None  # a zero median would erase every contribution
     factors, clipped = [], []
     for i, (c, t, s) in enumerate(zip(norms, tokens, scales, strict=True)):
-        limit = None if bound is None else bound * (t / top)
+        limit = None if bound is None else bound * math.sqrt(t / top)
         if limit is not None and c > limit:
             clipped.append(i)
             s *= limit / c
