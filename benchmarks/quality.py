@@ -32,7 +32,7 @@ weighs the tokens it trained, as in a swarm; the word ``unweighted`` weighs ever
 (for comparison). It combines with overlap (``diloco+overlap+speeds:eager,1,3``) and outer settings
 (``sparseloco+speeds:1,3,10,topk=128``). The pace table shows the tokens trained in all, the slow replicas' share
 of them (factor above the smallest) and of the weight in each mean, and how often each replica's contribution to a
-span was clipped (``outer.clip_factor`` x the median norm per token of the span's contributions, times its tokens).
+span was clipped (``outer.clip_factor`` x the median norm of the span's contributions, scaled to its tokens).
 
 ``flipped=K`` makes the last K replicas hostile: each sends its own pseudo-gradient sign-flipped and scaled by 1.9,
 inside the clip bound, claiming a full round's tokens (the largest weight allowed); ``defence=off`` runs it without

@@ -162,8 +162,9 @@ class OuterConfig:
     """The outer algorithm applied to the replicas' pseudo-gradients; each has its own section."""
 
     algorithm: Literal["sparseloco", "diloco", "loco", "streaming"] = "sparseloco"
-    # Each contribution to a span is scaled down to at most clip_factor x the median norm per token of the span's
-    # contributions, times its tokens, before they are combined (a defence against poisoned updates); 0: no clipping.
+    # Each contribution to a span is scaled down to at most clip_factor x the median norm of the span's
+    # contributions, scaled to the tokens it trained, before they are combined (a defence against poisoned updates);
+    # 0: no clipping.
     clip_factor: float = 2.0
     # A contribution that points against the others of its span (among three or more) is left out of it, and its
     # sender banned by the reducers that catch it repeatedly (collective/robust.py, docs/design.md "Threat model").

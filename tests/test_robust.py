@@ -1,6 +1,6 @@
 """What one contribution, or a minority, can do to a span's aggregate (``collective/robust.py``): written-out
 reference arithmetic, identical bits on every path, contributions that point against the others left out, clipping
-per token, and a reducer's result checked against what it combined."""
+for the tokens trained, and a reducer's result checked against what it combined."""
 
 import math
 from concurrent.futures import ThreadPoolExecutor

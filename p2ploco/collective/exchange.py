@@ -185,7 +185,7 @@ def reduce_span(exchange: Exchange, span: Span, contributions: Sequence[tuple[st
     """What the reducer of ``span`` does (``collective/robust.py``): parse every sender's payload and drop the
     malformed; leave out those that point against the others (``Policy.drop_opposed``); combine the rest, each
     weighted by the tokens its sender trained (``tokens``: sender -> tokens; none: equal weights) and clipped to the
-    bound per token.
+    bound for its tokens.
 
     ``contributions`` come in the group's canonical order, which fixes the order of the sum.
     """

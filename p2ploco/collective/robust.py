@@ -65,10 +65,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Policy:
-    """How a reducer bounds contributions: ``clip_factor`` times the lower median norm per token (0: no clipping),
-    and whether the direction counts (``drop_opposed``): a reducer leaves out contributions that point against the
-    others, and a member refuses a result that points against its own contribution. Every member of a round must
-    share it (it is part of the exchange's fingerprint)."""
+    """How a reducer bounds contributions: ``clip_factor`` times the lower median norm for the tokens trained (0: no
+    clipping), and whether the direction counts (``drop_opposed``): a reducer leaves out contributions that point
+    against the others, and a member refuses a result that points against its own contribution. Every member of a
+    round must share it (it is part of the exchange's fingerprint)."""
 
     clip_factor: float = 0.0
     drop_opposed: bool = False

@@ -77,7 +77,7 @@ class SparseLoCo(OuterAlgorithm):
         compressed, taken = self.compress(local_params, start if start is not None else self.params)
         # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
         #    selected it (or sum / replicas), each contribution weighted by its tokens and clipped to clip_factor x
-        #    the median norm per token, those pointing against the others left out (collective/robust.py);
+        #    the median norm for its tokens, those pointing against the others left out (collective/robust.py);
         #    with resparsified results, each reducer sends back the Top-k of its span's mean (step 2 again).
         feedback = self.reducer_feedback
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],

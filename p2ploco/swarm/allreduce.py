@@ -339,7 +339,7 @@ class ButterflyAllReduce:
         round_index, where = session.group.round_index, f"{session.span.start}:{session.span.stop}"
         for sender in reduction.clipped:
             logger.warning(f"round {round_index}: clipped the contribution of {sender[-8:]} to span {where} to the "
-                           f"span's bound (outer.clip_factor x the median norm per token, times its tokens)")
+                           f"span's bound (outer.clip_factor x the median norm, scaled to its tokens)")
         for sender in reduction.opposed:
             reason = f"its contribution to span {where} pointed against the others'"
             logger.warning(f"round {round_index}: left out the contribution of {sender[-8:]}: {reason}")
