@@ -146,7 +146,7 @@ HEADERS = {
                                            "dial_out": True}}, "left_out": {}},
     "vote": {"group_id": "g", "vote": "holds", "digests": {"stage0": "d"}, "drops": [OTHER]},
     "decision": {"outcome": "redo", "digests": {}, "group_id": "h", "peers": [ME], "reason": "a span is missing"},
-    "reply": {"status": "ok", "included": [ME, OTHER], "norms": [1.5, 2.0], "opposed": []},
+    "reply": {"status": "ok", "included": [0, 1], "norms": [1.5, 2.0], "opposed": []},
     "state": {"status": "ok", "round": 7, "slice": "stage0", "total": 100, "state_sha256": "p"},
     "stage": {"kind": "activations", "group": "g0", "epoch": 1, "step": 3, "micro": 1,
               "shapes": [[2, 17], [2, 16, 8]], "dtypes": ["uint16", "bfloat16"]},

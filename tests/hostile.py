@@ -365,6 +365,8 @@ def claim_a_fast_step(start: int) -> None:
         return value
 
     PeerRecord.to_value = to_value
+
+
 def deny_dial_backs() -> None:
     from p2ploco.errors import PayloadError, TransportError
     from p2ploco.swarm import wire

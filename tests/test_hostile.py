@@ -415,6 +415,8 @@ def test_a_reducer_that_scales_its_spans_result_by_ten_thousand_costs_a_redo_and
         r["update_norm"] for name in "abc" for r in reference[name])
     report("x1e4 reducer: final eval loss (attacked, x absent)",
            {"attacked": attacked_loss, "reference": reference_loss})
+
+
 def join_after_a_helper(workdir: Path, behaviour: str | None, rounds: int) -> dict[str, list[dict]]:
     """x starts first, through a stock hivemind bootstrap peer (which serves no dial-back probe); a and b start once
     x's record is out, c once theirs are: a and b find only x to ask, c finds x, a and b. ``behaviour``: x's

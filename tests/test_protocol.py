@@ -149,6 +149,22 @@ def test_bans_are_local_and_bounded():
     assert not Bans(rounds=0).banned(B, 10)
 
 
+def test_strikes_ban_a_peer_caught_in_three_of_ten_rounds_however_many_spans(caplog):
+    bans = Bans(rounds=3)
+    for round_index in (10, 10, 10, 14):  # several spans of one round count once
+        bans.strike(B, round_index, "its contribution pointed against the others'")
+    assert not bans.banned(B, 14)
+    bans.strike(B, 25, "its contribution pointed against the others'")  # 10 and 14 are too old to count
+    assert not bans.banned(B, 25)
+    with caplog.at_level(logging.WARNING, logger="p2ploco.swarm.bans"):
+        for round_index in (27, 30):
+            bans.strike(B, round_index, "its contribution pointed against the others'")
+    assert bans.banned(B, 30) and bans.active(33) == {B} and bans.active(34) == set()
+    assert caplog.records[-1].getMessage() == (f"round 30: leaving {B[-8:]} out of this node's rounds until round 34: "
+                                               f"its contribution pointed against the others', and so in 3 of the "
+                                               f"last 10 rounds")
+
+
 JOIN = {"round": 1, "name": "p", "config": "c", "state": "s", "slices": {S: ["fp", "h"]}, "pipeline": "",
         "unreachable": [], "tokens": 10240, "dial_out": False, "follows": ""}
 

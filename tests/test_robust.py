@@ -139,16 +139,28 @@ def test_a_minority_of_sign_flipped_contributions_is_left_out(flipped):
 
 
 def test_a_majority_is_never_left_out():
+    def left_out(inputs: list[torch.Tensor]) -> list[int]:
+        return robust.opposed([robust.Vector(t.numpy()) for t in inputs], [robust.norm(t.numpy()) for t in inputs])
+
     # four of seven point one way, three the other: the three are left out, never the four
-    inputs = honest_and_flipped(7, 3)
-    assert robust.opposed([robust.Vector(t.numpy()) for t in inputs],
-                          [robust.norm(t.numpy()) for t in inputs]) == [4, 5, 6]
-    # at most (n - 1) // 2 are left out, however many disagree: four flipped of seven leaves out three of them
-    left_out = robust.opposed([robust.Vector(t.numpy()) for t in honest_and_flipped(7, 4)],
-                              [robust.norm(t.numpy()) for t in honest_and_flipped(7, 4)])
-    assert len(left_out) <= 3
-    pair = honest_and_flipped(2, 1)
-    assert robust.opposed([robust.Vector(t.numpy()) for t in pair], [robust.norm(t.numpy()) for t in pair]) == []
+    assert left_out(honest_and_flipped(7, 3)) == [4, 5, 6]
+    # four flipped of seven are the majority: they decide, and the three others are left out (at most (n - 1) // 2)
+    assert left_out(honest_and_flipped(7, 4)) == [0, 1, 2]
+    assert left_out(honest_and_flipped(2, 1)) == []  # two cannot tell which one is wrong
+
+
+@pytest.mark.parametrize("colluders", [2, 3])
+def test_hostile_keys_sending_one_vector_between_them_are_left_out_and_no_honest_one(colluders):
+    """k keys agree perfectly with each other when they send one vector: a sum of cosines counted that k - 1 times
+    against the honest contributions' weak agreement (a pairwise cosine of ~0.06, as SparseLoCo's), kept the hostile
+    ones and left honest ones out. A median counts each key once."""
+    generator = torch.Generator().manual_seed(5)
+    common = torch.randn(20000, generator=generator)
+    honest = [common + 4 * torch.randn(20000, generator=generator) for _ in range(8 - colluders)]
+    for hostile in (-1.9 * honest[0], -common):  # copies of one flipped update; copies of the consensus, flipped
+        inputs = honest + [hostile.clone() for _ in range(colluders)]
+        norms = [robust.norm(t.numpy()) for t in inputs]
+        assert robust.opposed([robust.Vector(t.numpy()) for t in inputs], norms) == list(range(8 - colluders, 8))
 
 
 def test_agreement_is_the_same_for_a_sparse_vector_as_for_its_dense_copy():

@@ -282,41 +282,28 @@ def test_a_hostile_answer_is_one_printable_line(answer, why):
     assert message.isprintable() and len(message) < 400
 
 
-def test_a_survey_of_padded_records_is_capped_and_served_while_the_loop_turns():
+async def current_thread() -> threading.Thread:
+    return threading.current_thread()
+
+
+def test_a_survey_of_padded_records_is_capped_and_built_off_the_loop(monkeypatch):
     """1,800 records padded with control characters, as a DHT lookup may hold them (42 MB of JSON whole): the
-    answer stays under the cap, keeps every honest record, counts what it left out, and is built off the loop.
-    The loop's responsiveness is a coroutine's lateness, compared with the lateness of building the same answer on
-    the loop itself."""
+    answer stays under the cap, keeps every honest record, counts what it left out, and is built on a thread other
+    than the loop's (building it on the loop held the loop 165-680 ms here: docs/design.md, "Inspection")."""
     peers = HONEST[:10] + [padded(i) for i in range(1800)] + HONEST[10:]
+    built_on: list[threading.Thread] = []
 
-    async def lateness(stop: threading.Event) -> float:
-        """The most a 5 ms sleep on the loop overran, until ``stop``."""
-        worst = 0.0
-        while not stop.is_set():
-            started = time.monotonic()
-            await asyncio.sleep(0.005)
-            worst = max(worst, time.monotonic() - started - 0.005)
-        return worst
+    def recorded(survey: Survey) -> bytes:
+        built_on.append(threading.current_thread())
+        return status_answer(survey)
 
-    async def build_on_loop() -> None:
-        status_answer(survey_of(peers))
-
+    monkeypatch.setattr(status, "status_answer", recorded)
     with endpoint(peers) as (loop, _, address):
-        built = threading.Event()
-        ticking = asyncio.run_coroutine_threadsafe(lateness(built), loop.loop)
-        loop.run(build_on_loop(), 60)
-        built.set()
-        blocked = ticking.result(60)  # what building the answer on the loop would cost it
-        served = threading.Event()
-        ticking = asyncio.run_coroutine_threadsafe(lateness(served), loop.loop)
-        try:
-            body = fetch(address)  # the first request: the answer is built now, in a thread
-        finally:
-            served.set()
-        late = ticking.result(60)
-        survey = read_status(address)  # (after: its JSON decoding would hold this process's GIL)
+        loop_thread = loop.run(current_thread(), 10)
+        body = fetch(address)  # the first request: the answer is built now
+        survey = read_status(address)
+    assert len(built_on) == 1 and built_on[0] is not loop_thread
     assert len(body) <= MAX_STATUS_BYTES
     kept = json.loads(body)
     assert kept["truncated"] == len(peers) - len(kept["peers"]) > 0
     assert survey.truncated == kept["truncated"] and {h.peer_id for h in HONEST} <= {p.peer_id for p in survey.peers}
-    assert late < blocked / 3, (late, blocked)

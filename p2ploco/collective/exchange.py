@@ -96,7 +96,7 @@ class Exchange(ABC):
     def combine(self, span: Span, contributions: Sequence[Any], factors: Sequence[float]) -> Any:
         """The aggregate of parsed contributions, given in the group's canonical order, each one multiplied by its
         float32 factor first (``robust.weights``: its weight in the mean times its clipping scale). A result that
-        is quantized again is kept within ``limit`` of them (``robust.bounded``)."""
+        is quantized again is kept within ``limit`` of them (``robust.within``)."""
 
     def limit(self, factors: Sequence[float], norms: Sequence[float]) -> float:
         """The longest the aggregate of contributions of ``norms`` with these ``factors`` can be (a mean's bound)."""
@@ -117,7 +117,7 @@ class Exchange(ABC):
         """PayloadError unless a reducer's result (``values``) is what its ``receipt`` allows: the norm it names for
         this replica's own contribution is the true one, the result is no longer than the combined contributions
         allow, and (``Policy.drop_opposed``) it does not point against this replica's own contribution (unless the
-        reducer left that out)."""
+        reducer left that out, or the span had fewer than three contributions: two cannot tell which is wrong)."""
         factors, _ = robust.weights(receipt.norms, receipt.tokens, self.policy.clip_factor)
         robust.check_result(values.values, self.limit(factors, receipt.norms))
         if receipt.own is None:
@@ -126,7 +126,7 @@ class Exchange(ABC):
         if receipt.norms[receipt.own] != own.norm:
             raise PayloadError(f"a receipt that names norm {receipt.norms[receipt.own]:.6g} for this peer's "
                                f"contribution, which has norm {own.norm:.6g}")
-        if self.policy.drop_opposed:
+        if self.policy.drop_opposed and len(receipt.norms) + receipt.opposed >= 3:
             robust.check_direction(own.vector, values)
 
     @abstractmethod

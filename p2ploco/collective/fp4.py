@@ -78,7 +78,8 @@ class E3M0Mean(GroupedMean):
             return e3m0.decode(nibbles, group_scales, lengths).numpy(), (nibbles, group_scales)
 
         nibbles, group_scales = robust.within(self.limit(factors, [c.norm for c in contributions]), quantize)
-        return self._encode(RESULT, span, nibbles, group_scales)
+        self.combined[span] = self._encode(RESULT, span, nibbles, group_scales)
+        return self.combined[span]
 
     def _encode(self, kind: int, span: Span, nibbles: np.ndarray, scales: torch.Tensor) -> bytes:
         header = HEADER.pack(MAGIC, VERSION, kind, span.start, len(span))

@@ -100,7 +100,8 @@ class LowBitMean(GroupedMean):
 
         quantized, error = robust.within(self.limit(factors, [c.norm for c in contributions]), quantize)
         self.reduced = ReducerUpdate(elements, error)
-        return self._encode(RESULT, span, quantized.codes, quantized.scales)
+        self.combined[span] = self._encode(RESULT, span, quantized.codes, quantized.scales)
+        return self.combined[span]
 
     def _encode(self, kind: int, span: Span, codes: torch.Tensor, scales: torch.Tensor) -> bytes:
         header = HEADER.pack(MAGIC, VERSION, kind, self.bits, span.start, len(span))

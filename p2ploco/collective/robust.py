@@ -4,12 +4,14 @@ A reducer combines the contributions to its span in four steps, the same on ever
 and a recipient of a relayed result, which recombines the contributions itself):
 
 1. **Direction** (``opposed``). With three or more contributions, one that points against the others is left out:
-   its *agreement*, the sum of its cosines with each other contribution, is negative. Honest pseudo-gradients
-   share the descent direction (measured on tiny.yaml, 8 replicas: the cosine of a contribution with the sum of the
-   others' was at least 0.04 for SparseLoCo and 0.38 for DiLoCo over 1,920 spans), while a sign-flipped one has
-   a negative agreement as long as fewer than half of the others are flipped with it. At most a minority,
-   ``(n - 1) // 2``, the least agreeing first, is left out, so that a majority always decides. Every contribution
-   counts once whatever its weight or norm (unit vectors): a key has one say. ``Policy.drop_opposed`` turns it on.
+   its *agreement*, the median of its cosines with each other contribution, is negative. Honest
+   pseudo-gradients share the descent direction: on tiny.yaml, 8 replicas, 30 rounds, every pairwise cosine of two
+   honest contributions to a span was positive (1,920 spans; at least 0.002 for SparseLoCo, 0.15 for DiLoCo), so
+   an honest contribution's agreement is positive as long as at most half of the others oppose it, and a
+   sign-flipped one's negative as long as fewer than half agree with it, however the hostile ones agree among
+   themselves (a sum of cosines would let k copies of one vector outvote the honest ones' weak agreement). At most a
+   minority, ``(n - 1) // 2``, the least agreeing first, is left out, so that a majority always decides. Every
+   contribution counts once whatever its weight or norm: a key has one say. ``Policy.drop_opposed`` turns it on.
 2. **Weight** (``weights``). Each kept contribution weighs the tokens its peer trained, as the group lists them,
    capped by what a round can hold (``inner.steps`` of the run's batch, at the join: ``swarm/rounds.py``), so that
    one key weighs at most one full peer: its factor in the mean is ``m * w_i / sum(w)`` over the m kept.
@@ -53,14 +55,21 @@ from p2ploco.errors import PayloadError
 
 MAX_NORM = 2.0**64
 # A result may be this much longer than its bound: the float32 sums of a mean round, and a wire dtype's rounding
-# (bfloat16: 2^-8 per value) adds to that. A hostile reducer gains this much at most.
+# (bfloat16: 2^-8 per value) adds to that. A hostile reducer gains this much beyond the bound (which, for a result
+# that is quantized again, allows what its codec may lengthen: ``Exchange.limit``).
 RESULT_TOLERANCE = 1 / 64
 # A result whose cosine with the recipient's own contribution is below minus this points against it. An honest
 # result is the mean of contributions that agree with each other, this one's included: measured at least 0 on
 # tiny.yaml for SparseLoCo and DiLoCo (docs/design.md, "Robust aggregation"), against -0.1 and less flipped.
 DIRECTION_TOLERANCE = 0.02
 MAX_RESCALES = 4  # attempts of ``within`` to bring a quantized result under its bound
+GRAM_BLOCK = 1 << 16  # coordinates of dense contributions multiplied at once by ``gram``
 T = TypeVar("T")
+
+
+class OpposedResult(PayloadError):
+    """A reducer's result points against this peer's own contribution: what a hostile reducer's does every time, and
+    an honest one's might rarely (noise), so it is refused, and counted as a strike rather than banned at once."""
 
 
 @dataclass(frozen=True)
@@ -99,34 +108,55 @@ def norm(values: np.ndarray) -> float:
 
 
 def opposed(vectors: Sequence[Vector], norms: Sequence[float]) -> list[int]:
-    """Positions of the contributions that point against the others, in order: those whose agreement (the sum of
-    their cosines with every other contribution) is negative, at most ``(n - 1) // 2`` of them, the least agreeing
-    first. None among fewer than three contributions: two that disagree cannot tell which one is wrong."""
+    """Positions of the contributions that point against the others, in order: those whose agreement (the median
+    of their cosines with the other contributions, ``agreements``) is negative, at most ``(n - 1) // 2`` of
+    them, the least agreeing first. None among fewer than three contributions: two that disagree cannot tell which
+    one is wrong."""
     n = len(vectors)
     if n < 3:
         return []
-    agreement = agreements(vectors, norms)
-    against = sorted((a, i) for i, a in enumerate(agreement) if a < 0)
+    against = sorted((a, i) for i, a in enumerate(agreements(vectors, norms)) if a < 0)
     return sorted(i for _, i in against[: (n - 1) // 2])
 
 
 def agreements(vectors: Sequence[Vector], norms: Sequence[float]) -> list[float]:
-    """For each contribution, the sum of its cosines with every other one (0 for a zero contribution): its unit
-    vector's dot product with the sum of all unit vectors, less its own square."""
-    scale = [1.0 / c if c > 0 else 0.0 for c in norms]
+    """For each contribution, the median of its cosines with each other contribution (the upper one of an even count:
+    a contribution half the others oppose is kept; 0 with a zero contribution). A median, not a sum: k hostile keys
+    that send one vector between them agree perfectly with each other, and a sum of cosines would count that k - 1
+    times against the honest contributions' weak agreement (a pairwise cosine of 0.06 for SparseLoCo); a median
+    counts every other key once, by its sign."""
+    cosines = gram([v for v in vectors], [1.0 / c if c > 0 else 0.0 for c in norms])
+    n = len(vectors)
+    return [float(np.sort(np.delete(cosines[i], i))[(n - 1) // 2]) for i in range(n)]
+
+
+def gram(vectors: Sequence[Vector], scales: Sequence[float]) -> np.ndarray:
+    """The (n, n) matrix of dot products of the vectors, each times its scale, in float64. Dense vectors in blocks of
+    coordinates (the float64 copies stay small); sparse ones where their positions meet (each vector's positions are
+    unique and sorted, so equal positions pair up within one run of the sorted whole)."""
+    n = len(vectors)
+    out = np.zeros((n, n))
     if all(v.positions is None for v in vectors):
-        total = np.zeros(len(vectors[0].values), dtype=np.float64)
-        for v, s in zip(vectors, scale):
-            total += v.values.astype(np.float64) * s
-        units = [v.values.astype(np.float64) * s for v, s in zip(vectors, scale)]
-        return [float(np.sum(u * total)) - float(np.sum(u * u)) for u in units]
+        for start in range(0, len(vectors[0].values), GRAM_BLOCK):
+            block = np.stack([v.values[start : start + GRAM_BLOCK].astype(np.float64) * s
+                              for v, s in zip(vectors, scales)])
+            out += block @ block.T
+        return out
     positions = np.concatenate([v.positions for v in vectors])
-    units = [v.values.astype(np.float64) * s for v, s in zip(vectors, scale)]
-    coordinates, at = np.unique(positions, return_inverse=True)
-    total = np.bincount(at, weights=np.concatenate(units), minlength=len(coordinates))  # summed in order
-    bounds = np.cumsum([0] + [len(v.positions) for v in vectors])
-    return [float(np.sum(u * total[at[bounds[i] : bounds[i + 1]]])) - float(np.sum(u * u))
-            for i, u in enumerate(units)]
+    owner = np.concatenate([np.full(len(v.positions), i) for i, v in enumerate(vectors)])
+    values = np.concatenate([v.values.astype(np.float64) * s for v, s in zip(vectors, scales)])
+    order = np.argsort(positions, kind="stable")
+    positions, owner, values = positions[order], owner[order], values[order]
+    np.add.at(out, (np.arange(n), np.arange(n)), np.bincount(owner, weights=values * values, minlength=n))
+    for distance in range(1, n):  # pairs that share a position lie at most n - 1 apart in the sorted whole
+        same = positions[distance:] == positions[:-distance]
+        if not same.any():  # no run is longer than this distance: none is longer than the next either
+            break
+        pairs = owner[:-distance][same] * n + owner[distance:][same]
+        products = values[:-distance][same] * values[distance:][same]
+        half = np.bincount(pairs, weights=products, minlength=n * n).reshape(n, n)
+        out += half + half.T
+    return out
 
 
 def weights(norms: Sequence[float], tokens: Sequence[int], clip_factor: float) -> tuple[list[float], list[int]]:
@@ -213,7 +243,7 @@ def positions_of(v: Vector) -> np.ndarray:
 
 
 def check_direction(own: Vector, result: Vector) -> None:
-    """PayloadError if a reducer's result points against the recipient's own contribution to the span."""
+    """OpposedResult if a reducer's result points against the recipient's own contribution to the span."""
     c = cosine(own, result)
     if c < -DIRECTION_TOLERANCE:
-        raise PayloadError(f"an aggregate that points against this peer's own contribution (cosine {c:.3f})")
+        raise OpposedResult(f"an aggregate that points against this peer's own contribution (cosine {c:.3f})")

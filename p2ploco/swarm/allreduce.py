@@ -49,8 +49,9 @@ the slice's encoding of the piece::
 
     {v, group_id, round, slice, span: [piece start, piece stop]} + contribution
 
-answered ``{v, status: ok, included: [peer ids in the aggregate], norms: [their contributions' norms], opposed:
-[peer ids left out as pointing against the others]}`` + result, ``{v, status: rejected, reason}`` (malformed: out
+answered ``{v, status: ok, included: [members in the aggregate], norms: [their contributions' norms], opposed:
+[members left out as pointing against the others]}`` + result (members by their places in the group's sorted list:
+the answer stays ~12 B a member, 12 kB at 1,024), ``{v, status: rejected, reason}`` (malformed: out
 of the round), or ``{v, status: missed, reason}`` (not in the aggregate through no fault of the sender's). The
 sender closes the stream once it has read the answer (``wire.hang_up``).
 """
@@ -80,6 +81,7 @@ from p2ploco.collective.exchange import (
     pieces,
     reduce_span,
 )
+from p2ploco.collective.robust import OpposedResult
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
@@ -90,7 +92,7 @@ from p2ploco.swarm.messages import (
     Digest,
     Message,
     Norm,
-    PeerIds,
+    Positions,
     Reason,
     Round,
     SliceName,
@@ -392,13 +394,19 @@ class ButterflyAllReduce:
                                f"{span.start}:{span.stop} out: it points against the others'")
             await loop.run_in_executor(None, exchange.receive, span, result, receipt)
             stats.bytes_received += len(result)
-            dropped.update(set(group.holders(route.slice)) - set(included))
+            dropped.update(set(group.holders(route.slice)) - set(included) - {self.me})
         except TransportError as e:  # the reducer crashed, or the link to it broke: it will not send us its part
             for piece in ours:
                 piece.miss(peer, None, f"the link to it failed ({e})")
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", wire.failure_of(e)) from None
         except TimeoutError:  # slow is not dead: its own contributions may still come
             raise AllReduceError(f"no aggregate from reducer {peer[-8:]} in time", Failure.TIMEOUT) from None
+        except OpposedResult as e:  # what an honest result does rarely, a hostile one always: refused and accused (a
+            # reducer every member refuses is redone without), and struck rather than banned at once
+            malformed.add(peer)
+            self.bans.strike(peer, group.round_index, f"its result for span {span.start}:{span.stop} pointed against "
+                                                      f"this peer's own contribution")
+            raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", Failure.MALFORMED) from None
         except PayloadError as e:  # its answer or aggregate is malformed (or exceeds what it combined): it is out of
             # our spans too where its contribution is not in yet, banned here, and our vote accuses it
             reason = f"malformed answer to our contribution: {e}"
@@ -443,8 +451,9 @@ class ButterflyAllReduce:
                 (ReduceStatus.REJECTED, reduction.rejected[sender]) if sender in reduction.rejected else None)
             if refusal is not None:
                 raise _Refused(*refusal)
-            reply = {"status": ReduceStatus.OK, "included": reduction.included, "norms": reduction.norms,
-                     "opposed": reduction.opposed}
+            place = {peer: i for i, peer in enumerate(session.group.peers)}
+            reply = {"status": ReduceStatus.OK, "included": [place[p] for p in reduction.included],
+                     "norms": reduction.norms, "opposed": [place[p] for p in reduction.opposed]}
             result = reduction.result_for(session.exchange, sender)
             await asyncio.wait_for(wire.write_message(writer, reply, result), session.transfer)
             session.bytes_out += len(result)
@@ -509,9 +518,9 @@ class Contribution(Message):
 class ReduceAnswer(Message):
     status: status_of(ReduceStatus)
     reason: Reason = ""
-    included: PeerIds = []  # with ok: the members whose contributions make up the aggregate that follows
+    included: Positions = []  # with ok: the members whose contributions make up the aggregate that follows
     norms: Annotated[list[Norm], Field(max_length=MAX_PEERS)] = []  # of the included contributions, in order
-    opposed: PeerIds = []  # with ok: members whose contributions it left out as pointing against the others
+    opposed: Positions = []  # with ok: members whose contributions it left out as pointing against the others
 
     @model_validator(mode="after")
     def _aligned(self) -> ReduceAnswer:
@@ -531,15 +540,18 @@ def parse_reply(reply: dict[str, Any], group: Group, me: str) -> tuple[Receipt, 
     if answer.status == ReduceStatus.MISSED:
         raise AllReduceError(f"a reducer went on without this peer's contribution: {answer.reason[:200]}",
                              Failure.MISSED)
-    included, opposed = set(answer.included), set(answer.opposed)
-    if me not in included | opposed or not included | opposed <= set(group.peers) or included & opposed:
-        raise PayloadError("the aggregate leaves this peer out, or names non-members")
+    if any(i >= len(group.peers) for i in (*answer.included, *answer.opposed)):
+        raise PayloadError(f"an aggregate that names member places beyond the group's {len(group.peers)}")
+    members = [group.peers[i] for i in answer.included]
+    included, opposed = set(members), {group.peers[i] for i in answer.opposed}
+    if me not in included | opposed or included & opposed:
+        raise PayloadError("the aggregate leaves this peer out, or both keeps and leaves out a member")
     if len(opposed) > (len(included) + len(opposed) - 1) // 2:
         raise PayloadError(f"an aggregate that leaves out {len(opposed)} contributions as pointing against the "
                            f"others and keeps {len(included)}: only a minority may be left out")
     tokens = group.tokens_of()
-    own = answer.included.index(me) if me in included else None
-    return Receipt(tuple(answer.norms), tuple(tokens[p] for p in answer.included), own, len(opposed)), answer.included
+    own = members.index(me) if me in included else None
+    return Receipt(tuple(answer.norms), tuple(tokens[p] for p in members), own, len(opposed)), members
 
 
 class _Refused(Exception):

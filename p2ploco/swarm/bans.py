@@ -39,9 +39,8 @@ class Bans:
     def strike(self, peer: str, round_index: int, reason: str) -> None:
         """``peer`` was caught in ``round_index`` at what an honest peer does rarely (``reason``); a ban at the
         ``STRIKES``-th round with a strike within ``STRIKE_ROUNDS``. A round counts once, however many spans."""
-        recent = [r for r in self._strikes.get(peer, []) if r > round_index - STRIKE_ROUNDS and r != round_index]
-        self._strikes[peer] = recent + [round_index]
-        self._strikes = {p: rounds for p, rounds in self._strikes.items() if max(rounds) > round_index - STRIKE_ROUNDS}
+        recent = [r for r in self._strikes.get(peer, []) if round_index - STRIKE_ROUNDS < r != round_index]
+        self._strikes[peer] = [*recent, round_index]
         if len(self._strikes[peer]) >= STRIKES:
             self.ban(peer, round_index, f"{reason}, and so in {STRIKES} of the last {STRIKE_ROUNDS} rounds")
             del self._strikes[peer]
@@ -50,6 +49,7 @@ class Bans:
         return self._until.get(peer, -1) > round_index
 
     def active(self, round_index: int) -> set[str]:
-        """The peers banned in ``round_index`` (expired bans are forgotten)."""
+        """The peers banned in ``round_index`` (expired bans, and strikes too old to count, are forgotten)."""
         self._until = {p: until for p, until in self._until.items() if until > round_index}
+        self._strikes = {p: rounds for p, rounds in self._strikes.items() if rounds[-1] > round_index - STRIKE_ROUNDS}
         return set(self._until)

@@ -40,13 +40,16 @@ Reason = Annotated[str, AfterValidator(lambda text: shown(text, MAX_REASON))]  #
 Digests = Annotated[dict[SliceName, Digest], Field(max_length=MAX_SLICES)]  # slice -> hash
 
 
-def _sorted_distinct(peers: list[str]) -> list[str]:
-    if peers != sorted(set(peers)):
-        raise ValueError("not a sorted list of distinct peer ids")
-    return peers
+def _sorted_distinct(items: list[Any]) -> list[Any]:
+    if items != sorted(set(items)):
+        raise ValueError("not a sorted list of distinct items")
+    return items
 
 
 PeerIds = Annotated[list[PeerId], Field(max_length=MAX_PEERS), AfterValidator(_sorted_distinct)]
+# members named by their place in a group's sorted member list: 1-3 bytes each on the wire where an id takes ~54
+Positions = Annotated[list[Annotated[int, Field(ge=0, lt=MAX_PEERS)]], Field(max_length=MAX_PEERS),
+                      AfterValidator(_sorted_distinct)]
 
 E = TypeVar("E", bound=enum.Enum)
 M = TypeVar("M", bound="Message")
