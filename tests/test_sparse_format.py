@@ -172,10 +172,14 @@ def test_malformed_results_are_refused(layout):
         "union NaN value": aggregate.union[:-4] + struct.pack("<f", float("nan")),
         "union chunk overfull": corrupt(aggregate.union, fmt.HEADER.size, struct.pack("<H", 60000)),
     }
+    accepted = []
     for name, result in cases.items():
-        with pytest.raises(PayloadError):
+        try:
             receiver.receive(whole, result, reduction.receipt_for("0"))
-        assert name  # every case raised
+        except PayloadError:
+            continue
+        accepted.append(name)
+    assert accepted == []
 
 
 def test_an_empty_span_encodes_and_decodes_to_nothing_in_every_result_kind():
