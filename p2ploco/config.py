@@ -1,24 +1,24 @@
-"""Typed run configuration: dataclasses, YAML files, ``--set key=value`` overrides, validation.
+"""Typed run configuration: strict pydantic sections, YAML files, ``--set key=value`` overrides.
 
-Every key of every section can be set from YAML or from the command line; unknown keys, wrong
-types and impossible values are rejected with one line that names the key and the fix.
+Every key of every section can be set from YAML or from the command line. Each key's bound sits on its field
+(``bound``), each rule between keys on the smallest section that holds them, and whatever does not fit reaches
+the person as one line that names the key and the fix: an unknown key, a section set as a value or a value of
+the wrong type as the setting is read (``_settings``), a value out of bounds once the config is built (``_built``).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import difflib
 import hashlib
 import json
-import math
-import types
-import typing
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic.type_adapter import TypeAdapter
 
 from p2ploco import PROTOCOL_VERSION
 from p2ploco.errors import ConfigError
@@ -30,59 +30,140 @@ MAX_BAN_ROUNDS = 1000
 MAX_GROUP_SIZE = 1 << 20  # LoCo's quantization groups: one scale per at most this many values
 
 
-@dataclass
-class ModelConfig:
+class OutOfBounds(ValueError):
+    """A value of its field's type outside the field's bounds. ``line`` reads it once ``{key}`` (the dotted key) and
+    ``{value}`` (the value as the field holds it: 1 set for a number reads 1.0) are filled in."""
+
+    def __init__(self, line: str, value: Any):
+        super().__init__(line)
+        self.line, self.value = line, value
+
+
+def bound(holds: Callable[[Any], bool], line: str) -> AfterValidator:
+    """A field's bound: ``holds`` tells whether a value that has the field's type is within it. (A check on the
+    value as held, not ``Field(gt=...)``: pydantic's constraint errors carry the value as given, 1 where the line
+    must show 1.0.)"""
+    def check(value: Any) -> Any:
+        if not holds(value):
+            raise OutOfBounds(line, value)
+        return value
+
+    return AfterValidator(check)
+
+
+def _number_from_text(value: Any) -> Any:
+    """YAML 1.1 reads 3e-4 (an exponent without a dot) as a string."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _text_from_number(value: Any) -> Any:
+    """YAML reads a name such as 7 or 1.5 as a number."""
+    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
+# An integer set for a number is held as a float; no key of the config means anything with NaN or infinity.
+Number = Annotated[float, BeforeValidator(_number_from_text), Field(allow_inf_nan=False)]
+Text = Annotated[str, BeforeValidator(_text_from_number)]
+# one path may be given without the list around it
+Paths = Annotated[list[Text], BeforeValidator(lambda value: [value] if isinstance(value, str) else value)]
+
+LearningRate = Annotated[Number, bound(lambda lr: lr > 0, "{key} ({value}) must be > 0")]
+Momentum = Annotated[Number, bound(lambda m: 0 <= m < 1, "{key} ({value}) must be in [0, 1)")]  # of a moving average
+Fraction = Annotated[Number, bound(lambda f: 0 <= f <= 1, "{key} ({value}) must be in [0, 1]")]
+
+
+STRICT = ConfigDict(strict=True)  # an int is no float and no bool, a number is no bool, a string no number
+
+
+class Section(BaseModel):
+    """A part of the config, a value once built: strict types, no unknown keys."""
+
+    model_config = ConfigDict(**STRICT, extra="forbid", frozen=True)
+
+
+AtLeastOne = Annotated[int, bound(lambda n: n >= 1, "{key} must be at least 1")]
+ModelScale = Annotated[Number, bound(lambda x: x > 0,
+                                     "model.init_std, model.norm_eps and model.rope_theta must be > 0")]
+
+
+class ModelConfig(Section):
     """LLaMA-style decoder shape (see ``p2ploco.model``)."""
 
-    vocab_size: int = 257
-    n_layer: int = 2
+    vocab_size: Annotated[int, bound(lambda n: n >= 2, "{key} ({value}) must be at least 2 (and match the "
+                                                       "tokenizer)")] = 257
+    n_layer: AtLeastOne = 2
     n_head: int = 4
     d_model: int = 128
-    d_ff: int = 0  # SwiGLU hidden width; 0 means 8/3 * d_model rounded up to a multiple of 64
+    # SwiGLU hidden width; 0 means 8/3 * d_model rounded up to a multiple of 64
+    d_ff: Annotated[int, bound(lambda d: d >= 0, "{key} must be >= 0 (0 picks 8/3 * d_model)")] = 0
     max_seq_len: int = 256
     tie_embeddings: bool = True
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    rope_theta: ModelScale = 10000.0
+    norm_eps: ModelScale = 1e-5
+    init_std: ModelScale = 0.02
+
+    @model_validator(mode="after")
+    def _heads_split_the_width_evenly(self) -> ModelConfig:
+        if self.n_head < 1 or self.d_model % self.n_head:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError("model.d_model / model.n_head must be even for rotary embeddings")
+        return self
 
 
-@dataclass
-class DataConfig:
+class DataConfig(Section):
     """Where tokens come from: text read at start (``paths``; empty means the embedded standard-library
     corpus), or a corpus tokenized beforehand by ``p2ploco data prepare`` (``prepared``, memory-mapped)."""
 
-    paths: list[str] = field(default_factory=list)  # text files, JSONL files (a "text" per line), folders
-    prepared: str = ""  # a folder written by `p2ploco data prepare`; its manifest decides tokenizer and split
-    tokenizer: str = ""  # a Hugging Face tokenizer.json; empty means byte-level (256 bytes + end-of-text)
-    seq_len: int = 128
-    eval_percent: float = 2.0  # share held out for the eval loss: of the documents, or of blocks of text when few
-    eval_sequences: int = 32  # held-out windows scored after each round
+    paths: Paths = []  # text files, JSONL files (a "text" per line), folders
+    prepared: Text = ""  # a folder written by `p2ploco data prepare`; its manifest decides tokenizer and split
+    tokenizer: Text = ""  # a Hugging Face tokenizer.json; empty means byte-level (256 bytes + end-of-text)
+    seq_len: int = 128  # in [2, model.max_seq_len] (Config)
+    # share held out for the eval loss: of the documents, or of blocks of text when few
+    eval_percent: Annotated[Number, bound(lambda p: 0 < p < 50, "{key} ({value}) must be in (0, 50)")] = 2.0
+    # held-out windows scored after each round
+    eval_sequences: AtLeastOne = 32
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.paths and self.prepared:
+            raise ValueError("set data.paths (text read at start) or data.prepared (a prepared folder), not both")
+        return self
 
 
-@dataclass
-class InnerConfig:
+AT_LEAST_ONE_SAMPLE = "inner.batch_size and inner.grad_accum must be at least 1"
+NOT_NEGATIVE_DECAY = "inner.weight_decay and inner.grad_clip must be >= 0 (0 disables clipping)"
+NOT_NEGATIVE_STEPS = "inner.warmup_steps and inner.total_steps must be >= 0"
+
+
+class InnerConfig(Section):
     """The H local AdamW steps each replica runs between outer rounds."""
 
-    steps: int = 20  # H
-    batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 4e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    warmup_steps: int = 50
+    steps: Annotated[int, bound(lambda h: h >= 1, "{key} (H) must be at least 1")] = 20  # H
+    batch_size: Annotated[int, bound(lambda n: n >= 1, AT_LEAST_ONE_SAMPLE)] = 8
+    grad_accum: Annotated[int, bound(lambda n: n >= 1, AT_LEAST_ONE_SAMPLE)] = 1
+    lr: LearningRate = 4e-4
+    betas: Annotated[list[Number], bound(lambda b: len(b) == 2 and all(0 <= x < 1 for x in b),
+                                         "{key} ({value}) must be two numbers in [0, 1)")] = [0.9, 0.95]
+    weight_decay: Annotated[Number, bound(lambda x: x >= 0, NOT_NEGATIVE_DECAY)] = 0.1
+    grad_clip: Annotated[Number, bound(lambda x: x >= 0, NOT_NEGATIVE_DECAY)] = 1.0
+    warmup_steps: Annotated[int, bound(lambda n: n >= 0, NOT_NEGATIVE_STEPS)] = 50
     # Cosine horizon in inner steps; 0 means training.rounds * steps, or a constant lr
     # after warm-up when the run has no round limit.
-    total_steps: int = 0
-    min_lr_ratio: float = 0.1
+    total_steps: Annotated[int, bound(lambda n: n >= 0, NOT_NEGATIVE_STEPS)] = 0
+    min_lr_ratio: Annotated[Number, bound(lambda r: 0 <= r <= 1, "{key} must be in [0, 1]")] = 0.1
     # A round trains as many of its H steps as fit in the swarm's round budget (budget.py): this many seconds, or
     # (0) H times the fastest peer's step. fixed_steps: train H steps every round, however long they take.
-    round_seconds: float = 0.0
+    round_seconds: Number = 0.0
     fixed_steps: bool = False
 
 
-@dataclass
-class OverlapConfig:
+class OverlapConfig(Section):
     """Whether a round's all-reduce runs while the next round's inner steps do (docs/design.md, "Overlapped
     rounds"), and how the replica trains on meanwhile."""
 
@@ -93,24 +174,23 @@ class OverlapConfig:
     overlap_update: Literal["eager", "naive"] = "eager"
 
 
-@dataclass
 class DiLoCoConfig(OverlapConfig):
     """Dense mean of pseudo-gradients, outer SGD with Nesterov momentum (Douillard et al. 2023)."""
 
-    lr: float = 0.7
-    momentum: float = 0.9
+    lr: LearningRate = 0.7
+    momentum: Momentum = 0.9
     nesterov: bool = True
     # Element type of pseudo-gradients on the wire; the reducer sums in float32.
     wire_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
 
 
-@dataclass
 class SparseLoCoConfig(OverlapConfig):
     """Error feedback, chunked Top-k, 2-bit values (Sarfi et al. 2025)."""
 
-    lr: float = 1.0  # alpha: scales the pseudo-gradient into the error buffer and the aggregate into the params
-    error_decay: float = 0.95  # beta
-    chunk_size: int = 64  # 2-D tensors are cut into tiles of up to chunk_size x chunk_size
+    lr: LearningRate = 1.0  # alpha: scales the pseudo-gradient into the error buffer and the aggregate into the params
+    error_decay: Fraction = 0.95  # beta
+    # 2-D tensors are cut into tiles of up to chunk_size x chunk_size
+    chunk_size: Annotated[int, bound(lambda c: 2 <= c <= 128, "{key} must be in [2, 128]")] = 64
     topk: int = 64  # values kept per full chunk_size^2 tile (64 of 4096 = 1/64 density)
     # mean: per coordinate over the replicas that selected it (reference code); sum: divide by all replicas.
     aggregate: Literal["mean", "sum"] = "mean"
@@ -121,26 +201,37 @@ class SparseLoCoConfig(OverlapConfig):
     # The reducer keeps what a result leaves out, e = result_error_decay * e + mean. 0: dropped (the next
     # pseudo-gradients bring it again, as the global params did not move that way); 1: kept whole, and counted
     # twice with what the senders bring again (docs/design.md, "Hundreds of peers": 0.5 measured best).
-    result_error_decay: float = 0.5
+    result_error_decay: Fraction = 0.5
+
+    @model_validator(mode="after")
+    def _kept_values_fit_a_tile(self) -> SparseLoCoConfig:
+        tile = self.chunk_size ** 2
+        for name in ("topk", "result_topk"):
+            if not 1 <= getattr(self, name) <= tile:
+                raise ValueError(f"outer.sparseloco.{name} ({getattr(self, name)}) must be in [1, chunk_size^2={tile}]")
+        return self
 
 
-@dataclass
 class LoCoConfig(OverlapConfig):
     """Error-compensated low-bit pseudo-gradients (Xie et al. 2024) with DiLoCo's outer step.
 
     What quantization drops is kept in a buffer e, a moving average of past errors, and added back before
     the next quantization, by every hop that quantizes (the sender, and the reducer of each span)."""
 
-    bits: int = 4  # per value on the wire: 2, 4 or 8 (symmetric codes in [-(2^(bits-1) - 1), 2^(bits-1) - 1])
-    group_size: int = 128  # consecutive values of a tensor that share one float32 scale
-    beta: float = 0.8  # e <- beta * e + (1 - beta) * (what this quantization dropped)
-    reset_every: int = 1024  # rounds whose index is a multiple of this start with empty buffers
-    lr: float = 0.7  # outer SGD with Nesterov momentum on the aggregate, as DiLoCo
-    momentum: float = 0.9
+    # per value on the wire (symmetric codes in [-(2^(bits-1) - 1), 2^(bits-1) - 1])
+    bits: Annotated[int, bound(lambda b: b in (2, 4, 8), "{key} ({value}) must be 2, 4 or 8")] = 4
+    # consecutive values of a tensor that share one float32 scale
+    group_size: Annotated[int, bound(lambda g: 1 <= g <= MAX_GROUP_SIZE,
+                                     f"{{key}} ({{value}}) must be in [1, {MAX_GROUP_SIZE}] (values per scale)")] = 128
+    beta: Momentum = 0.8  # e <- beta * e + (1 - beta) * (what this quantization dropped)
+    # rounds whose index is a multiple of this start with empty buffers
+    reset_every: Annotated[int, bound(lambda n: n >= 1, "{key} ({value}) must be at least 1 (rounds between resets of "
+                                                        "the error buffers; a large value never resets them)")] = 1024
+    lr: LearningRate = 0.7  # outer SGD with Nesterov momentum on the aggregate, as DiLoCo
+    momentum: Momentum = 0.9
 
 
-@dataclass
-class StreamingConfig:
+class StreamingConfig(Section):
     """Streaming DiLoCo (Douillard et al. 2025): the model in fragments that sync at staggered inner steps, each
     fragment's all-reduce overlapped with inner steps, 4-bit exchanged values.
 
@@ -149,30 +240,32 @@ class StreamingConfig:
     step (p + 1)·H/P - delay and is applied after step (p + 1)·H/P; the local copy of the fragment then becomes
     alpha·local + (1 - alpha)·global."""
 
-    fragments: int = 2  # P
-    delay: int = 1  # tau: inner steps an all-reduce runs while training goes on; < inner.steps / fragments
-    alpha: float = 0.5  # share of the local fragment kept when the synced one arrives (0: take the global one)
-    lr: float = 0.7  # outer SGD with Nesterov momentum, per fragment
-    momentum: float = 0.9
-    bits: int = 4  # exchanged values: 4 (E3M0 floats, one float32 scale per 128) or 32 (float32)
+    fragments: int = 2  # P: in [1, model.n_layer], dividing inner.steps (Config)
+    delay: int = 1  # tau: inner steps an all-reduce runs while training goes on; < inner.steps / fragments (Config)
+    alpha: Fraction = 0.5  # share of the local fragment kept when the synced one arrives (0: take the global one)
+    lr: LearningRate = 0.7  # outer SGD with Nesterov momentum, per fragment
+    momentum: Momentum = 0.9
+    # exchanged values: 4 (E3M0 floats, one float32 scale per 128) or 32 (float32)
+    bits: Annotated[int, bound(lambda b: b in (4, 32), "{key} ({value}) must be 4 (E3M0) or 32 (float32)")] = 4
 
 
-@dataclass
-class OuterConfig:
+class OuterConfig(Section):
     """The outer algorithm applied to the replicas' pseudo-gradients; each has its own section."""
 
     algorithm: Literal["sparseloco", "diloco", "loco", "streaming"] = "sparseloco"
     # Each contribution to a span is scaled down to at most clip_factor x the median norm of the span's
     # contributions, scaled to the tokens it trained, before they are combined (a defence against poisoned updates);
     # 0: no clipping.
-    clip_factor: float = 2.0
+    clip_factor: Annotated[Number, bound(lambda f: f == 0 or 1 <= f <= 100,
+                                         "{key} ({value}) must be in [1, 100] (a multiple of the median norm), or 0 to "
+                                         "turn clipping off")] = 2.0
     # A contribution that points against the others of its span (among three or more) is left out of it, and its
     # sender banned by the reducers that catch it repeatedly (collective/robust.py, docs/design.md "Threat model").
     drop_opposed: bool = True
-    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
-    sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
-    loco: LoCoConfig = field(default_factory=LoCoConfig)
-    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    diloco: DiLoCoConfig = DiLoCoConfig()
+    sparseloco: SparseLoCoConfig = SparseLoCoConfig()
+    loco: LoCoConfig = LoCoConfig()
+    streaming: StreamingConfig = StreamingConfig()
 
     @property
     def overlap(self) -> Literal["eager", "naive"] | None:
@@ -182,20 +275,20 @@ class OuterConfig:
         return section.overlap_update if isinstance(section, OverlapConfig) and section.overlap else None
 
 
-@dataclass
-class PipelineConfig:
+class PipelineConfig(Section):
     """Pipeline groups of weak peers: the model cut into stages, and how stage boundaries are compressed.
 
     With ``stages > 1`` the parameters are exchanged as one named slice per stage (``stage0``, ...), so a
     group of stage peers can stand in for one replica next to full replicas (docs/pipeline.md).
     """
 
-    stages: int = 1  # S: consecutive slices of the layers; 1 means no pipeline groups
+    stages: int = 1  # S: consecutive slices of the layers, in [1, model.n_layer] (Config); 1 means no pipeline groups
     # Subspace compression of the activations crossing stage boundaries (Protocol Models):
     # selective: stage peers compress, full replicas train unconstrained (heterogeneous SparseLoCo);
     # uniform: every replica keeps its residual-writing weights in the subspace; none: boundaries send h.
     compression: Literal["selective", "uniform", "none"] = "selective"
-    rank: int = 16  # k: values per token that cross a boundary (d_model / rank is the ratio)
+    # k: values per token that cross a boundary (d_model / rank is the ratio), in [1, model.d_model) (Config)
+    rank: int = 16
     wire_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # element type of boundary messages
 
     @property
@@ -204,50 +297,127 @@ class PipelineConfig:
         return self.stages > 1 and self.compression != "none"
 
 
-@dataclass
-class SwarmConfig:
+WAITS = (f"swarm.matchmaking_timeout, allreduce_timeout, heartbeat_interval and peer_ttl must be in "
+         f"(0, {MAX_WAIT:.0f}] seconds and swarm.startup_timeout in (0, {MAX_STARTUP_WAIT:.0f}]: every wait is bounded")
+Wait = Annotated[Number, bound(lambda t: 0 < t <= MAX_WAIT, WAITS)]
+
+
+class SwarmConfig(Section):
     """Timeouts and sizes of the peer-to-peer rounds; every wait in a round is bounded."""
 
-    matchmaking_timeout: float = 20.0  # longest wait from the first ready peer to the round's start
-    allreduce_timeout: float = 60.0  # longest wait for any one transfer of an all-reduce, plus its bytes' time:
-    min_bandwidth_mbit: float = 10.0  # the slowest link a transfer's deadline allows for (swarm/deadlines.py)
-    bandwidth_mbit: float = 0.0  # this peer's link, published so others' deadlines fit it (0: not stated)
-    max_transfer_timeout: float = 900.0  # cap on any one transfer's deadline, however large its payload
-    heartbeat_interval: float = 2.0  # how often a node refreshes its record in the DHT
-    peer_ttl: float = 10.0  # a record not refreshed for this long marks its peer as gone
-    min_peers: int = 1  # peers (self included) to wait for before the first round
-    startup_timeout: float = 120.0  # longest wait for min_peers at start; then train anyway
-    ban_rounds: int = 10  # rounds a peer caught sending malformed data is left out of this node's rounds
+    matchmaking_timeout: Wait = 20.0  # longest wait from the first ready peer to the round's start
+    allreduce_timeout: Wait = 60.0  # longest wait for any one transfer of an all-reduce, plus its bytes' time:
+    min_bandwidth_mbit: Number = 10.0  # the slowest link a transfer's deadline allows for (swarm/deadlines.py)
+    bandwidth_mbit: Number = 0.0  # this peer's link, published so others' deadlines fit it (0: not stated)
+    # cap on any one transfer's deadline, however large its payload; in [allreduce_timeout, MAX_WAIT]
+    max_transfer_timeout: Number = 900.0
+    heartbeat_interval: Wait = 2.0  # how often a node refreshes its record in the DHT
+    peer_ttl: Wait = 10.0  # a record not refreshed for this long marks its peer as gone
+    min_peers: AtLeastOne = 1  # peers (self included) to wait for before the first round
+    # longest wait for min_peers at start; then train anyway
+    startup_timeout: Annotated[Number, bound(lambda t: 0 < t <= MAX_STARTUP_WAIT, WAITS)] = 120.0
+    # rounds a peer caught sending malformed data is left out of this node's rounds
+    ban_rounds: Annotated[int, bound(lambda n: 0 <= n <= MAX_BAN_ROUNDS,
+                                     f"{{key}} ({{value}}) must be in [0, {MAX_BAN_ROUNDS}] (0: a peer caught sending "
+                                     f"malformed data is dropped only from the round it was caught in)")] = 10
     # whether other peers can dial this one (swarm/reachability.py): auto asks a peer to dial it back at start;
     # public, relayed (only through a circuit relay) or client (it can only dial out) skip the probe
     reachability: Literal["auto", "public", "relayed", "client"] = "auto"
 
+    @model_validator(mode="after")
+    def _records_outlive_lookups(self) -> SwarmConfig:
+        if self.peer_ttl < max(3 * self.heartbeat_interval, MIN_PEER_TTL):
+            raise ValueError(f"swarm.peer_ttl ({self.peer_ttl}) must be at least 3 x swarm.heartbeat_interval "
+                             f"({self.heartbeat_interval}) and {MIN_PEER_TTL:.0f} s (a DHT lookup may take 3 s, and "
+                             f"records must outlive it)")
+        return self
 
-@dataclass
-class TrainingConfig:
+    @model_validator(mode="after")
+    def _links_are_plausible(self) -> SwarmConfig:  # one line for both: it shows both values
+        if not (0 < self.min_bandwidth_mbit <= 1e6 and 0 <= self.bandwidth_mbit <= 1e6):
+            raise ValueError(f"swarm.min_bandwidth_mbit ({self.min_bandwidth_mbit}) must be in (0, 1e6] and "
+                             f"swarm.bandwidth_mbit ({self.bandwidth_mbit}) in [0, 1e6] Mbit/s (0: not stated)")
+        return self
+
+    @model_validator(mode="after")
+    def _transfer_cap_above_transfer_wait(self) -> SwarmConfig:
+        if not self.allreduce_timeout <= self.max_transfer_timeout <= MAX_WAIT:
+            raise ValueError(f"swarm.max_transfer_timeout ({self.max_transfer_timeout}) must be in "
+                             f"[swarm.allreduce_timeout={self.allreduce_timeout}, {MAX_WAIT:.0f}] seconds")
+        return self
+
+
+THREADS_AND_EVALS = "training.threads must be >= 0 and training.eval_every >= 1"
+
+
+class TrainingConfig(Section):
     """How long to train, where, and how often to evaluate."""
 
-    rounds: int = 0  # 0 means until stopped
+    rounds: Annotated[int, bound(lambda n: n >= 0, "{key} must be >= 0 (0 trains until stopped)")] = 0
     seed: int = 0
-    device: str = "auto"  # auto, cpu, cuda, cuda:N
-    threads: int = 0  # torch CPU threads; 0 keeps torch's default
-    eval_every: int = 1  # rounds between eval-loss measurements
-    checkpoint_every: int = 10  # rounds between checkpoints (0: only on exit)
+    device: Annotated[Text, bound(lambda d: d in ("auto", "cpu") or d.startswith("cuda"),
+                                  "{key} ({value!r}) must be auto, cpu, cuda or cuda:N")] = "auto"
+    threads: Annotated[int, bound(lambda n: n >= 0, THREADS_AND_EVALS)] = 0  # torch CPU threads; 0: torch's default
+    eval_every: Annotated[int, bound(lambda n: n >= 1, THREADS_AND_EVALS)] = 1  # rounds between eval-loss measurements
+    # rounds between checkpoints (0: only on exit)
+    checkpoint_every: Annotated[int, bound(lambda n: n >= 0, "{key} must be >= 0 (0: only on exit)")] = 10
 
 
-@dataclass
-class Config:
-    run_id: str = "p2ploco"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    inner: InnerConfig = field(default_factory=InnerConfig)
-    outer: OuterConfig = field(default_factory=OuterConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    swarm: SwarmConfig = field(default_factory=SwarmConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
+class Config(Section):
+    """The run: one section per part of a node, and the rules between sections."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    run_id: Annotated[Text, bound(lambda r: bool(r.strip()) and "/" not in r,
+                                  "run_id must be a non-empty name without '/'")] = "p2ploco"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    inner: InnerConfig = InnerConfig()
+    outer: OuterConfig = OuterConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    swarm: SwarmConfig = SwarmConfig()
+    training: TrainingConfig = TrainingConfig()
+
+    @model_validator(mode="after")
+    def _windows_fit_the_model(self) -> Config:
+        if not 2 <= self.data.seq_len <= self.model.max_seq_len:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) must be in [2, model.max_seq_len="
+                             f"{self.model.max_seq_len}]")
+        return self
+
+    @model_validator(mode="after")
+    def _fragments_fit_model_and_round(self) -> Config:
+        if self.outer.algorithm != "streaming":
+            return self
+        s, steps, layers = self.outer.streaming, self.inner.steps, self.model.n_layer
+        if not 1 <= s.fragments <= layers:
+            raise ValueError(f"outer.streaming.fragments ({s.fragments}) must be in [1, model.n_layer={layers}]: every "
+                             f"fragment holds a block")
+        if steps % s.fragments:
+            raise ValueError(f"outer.streaming.fragments ({s.fragments}) must divide inner.steps ({steps}): fragments "
+                             f"sync at equal distances within a round")
+        if not 0 <= s.delay < steps // s.fragments:
+            raise ValueError(f"outer.streaming.delay ({s.delay}) must be in [0, inner.steps / fragments = "
+                             f"{steps // s.fragments}): a fragment's all-reduce must land before the next one starts")
+        if self.pipeline.stages != 1:
+            raise ValueError(f"outer.algorithm=streaming needs pipeline.stages=1 (got {self.pipeline.stages}): "
+                             f"fragments cut the whole model, stage peers hold a part of it")
+        return self
+
+    @model_validator(mode="after")
+    def _stages_fit_the_model(self) -> Config:
+        p, m = self.pipeline, self.model
+        if not 1 <= p.stages <= m.n_layer:
+            raise ValueError(f"pipeline.stages ({p.stages}) must be in [1, model.n_layer={m.n_layer}]: every stage "
+                             f"holds a layer")
+        if p.compressed and not 1 <= p.rank < m.d_model:
+            raise ValueError(f"pipeline.rank ({p.rank}) must be in [1, model.d_model={m.d_model}): it is the number of "
+                             f"values per token a compressed stage boundary sends")
+        if p.stages > 1 and self.outer.overlap is not None:
+            raise ValueError(f"outer.{self.outer.algorithm}.overlap needs pipeline.stages=1: pipeline groups run their "
+                             f"rounds without overlap")
+        if p.stages > 1 and m.tie_embeddings:
+            raise ValueError(f"pipeline.stages={p.stages} needs model.tie_embeddings: false (the embedding lives on "
+                             f"the first stage, the head on the last)")
+        return self
 
     @property
     def round_tokens(self) -> int:
@@ -260,167 +430,104 @@ class Config:
         """Digest of what every peer of a round must share for identical global parameters and weights (and the
         protocol version their messages speak); ``data`` is ``TrainingData.fingerprint`` (a prepared corpus's
         digest, a non-default tokenizer's, or "")."""
-        shared = {"model": dataclasses.asdict(self.model), "outer": dataclasses.asdict(self.outer),
-                  "pipeline": dataclasses.asdict(self.pipeline), "seed": self.training.seed,
+        shared = {"model": self.model.model_dump(), "outer": self.outer.model_dump(),
+                  "pipeline": self.pipeline.model_dump(), "seed": self.training.seed,
                   "round_tokens": self.round_tokens, "protocol": PROTOCOL_VERSION}
         if data:
             shared["data"] = data
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
+Setting = tuple[tuple[str, ...], Any]  # a key's path and the value set for it
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     """Build a validated Config from an optional YAML file and ``key=value`` overrides."""
-    config = Config()
-    if path is not None:
-        _apply_mapping(config, _read_yaml(Path(path)), source=str(path))
-    return with_overrides(config, overrides)
+    from_file = [] if path is None else [setting for key, value in _read_yaml(Path(path)).items()
+                                         for setting in _settings(str(key), value, source=str(path))]
+    return _built(Config(), from_file + _overrides(overrides))
 
 
-def with_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
+def with_overrides(config: Config, overrides: Sequence[str]) -> Config:
     """A validated copy of ``config`` with ``key=value`` overrides applied (as ``--set`` does)."""
-    config = copy.deepcopy(config)
+    return _built(config, _overrides(overrides))
+
+
+def _overrides(overrides: Sequence[str]) -> list[Setting]:
+    settings = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set inner.lr=3e-4")
-        set_key(config, key.strip(), _parse_scalar(raw), source="--set")
-    validate(config)
-    return config
+        settings += _settings(key.strip(), _parse_scalar(raw), source="--set")
+    return settings
 
 
-def set_key(config: Config, dotted_key: str, value: Any, source: str) -> None:
-    """Set one dotted key (``inner.lr``) with type checking; a mapping value sets a whole section."""
-    target: Any = config
-    parts = dotted_key.split(".")
-    for depth, name in enumerate(parts):
-        if not dataclasses.is_dataclass(target):
-            raise ConfigError(f"{source}: '{'.'.join(parts[:depth])}' is a value, not a section")
-        names = [f.name for f in dataclasses.fields(target)]
-        if name not in names:
-            prefix = ".".join(parts[:depth])
-            known = [f"{prefix}.{n}" if prefix else n for n in names]
+def _settings(dotted_key: str, value: Any, source: str) -> list[Setting]:
+    """What setting ``dotted_key`` (``inner.lr``) to ``value`` sets: that key, or each key of a mapping set for a
+    section. Refuses, naming ``source``, a key no section has, a section given a value, a value given keys, and a
+    value of the wrong type (its bounds are checked once the whole config is built)."""
+    path = tuple(dotted_key.split("."))
+    section: type[Section] | None = Config
+    for depth, name in enumerate(path):
+        if section is None:
+            raise ConfigError(f"{source}: '{'.'.join(path[:depth])}' is a value, not a section")
+        if name not in section.model_fields:
+            prefix = ".".join(path[:depth])
+            known = [f"{prefix}.{n}" if prefix else n for n in section.model_fields]
             raise ConfigError(f"{source}: unknown config key '{dotted_key}'{_suggest(dotted_key, known)}")
-        if depth == len(parts) - 1:
-            hint = typing.get_type_hints(type(target))[name]
-            if dataclasses.is_dataclass(hint):
-                if not isinstance(value, dict):
-                    raise ConfigError(f"{source}: '{dotted_key}' is a section, not a value: set its keys "
-                                      f"({dotted_key}.KEY=VALUE, or a mapping under {dotted_key}: in YAML)")
-                _apply_mapping(config, value, source, prefix=dotted_key)
-            else:
-                setattr(target, name, _coerce(value, hint, dotted_key, source))
-        else:
-            target = getattr(target, name)
+        field = section.model_fields[name]
+        section = _section_of(field.annotation)
+    if section is not None:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: '{dotted_key}' is a section, not a value: set its keys "
+                              f"({dotted_key}.KEY=VALUE, or a mapping under {dotted_key}: in YAML)")
+        return [setting for key, item in value.items() for setting in _settings(f"{dotted_key}.{key}", item, source)]
+    _check_type(field, value, f"{source}: {dotted_key}")
+    return [(path, value)]
 
 
-def validate(config: Config) -> None:
-    """Reject values that parse but cannot work, naming the key and the way out."""
-    m, d, i, o, s, t = config.model, config.data, config.inner, config.outer, config.swarm, config.training
-    p = config.pipeline
-    checks = [
-        (bool(config.run_id.strip()) and "/" not in config.run_id, "run_id must be a non-empty name without '/'"),
-        (m.vocab_size >= 2, f"model.vocab_size ({m.vocab_size}) must be at least 2 (and match the tokenizer)"),
-        (m.n_layer >= 1, "model.n_layer must be at least 1"),
-        (m.n_head >= 1 and m.d_model % m.n_head == 0,
-         f"model.d_model ({m.d_model}) must be divisible by model.n_head ({m.n_head})"),
-        (m.n_head >= 1 and (m.d_model // max(m.n_head, 1)) % 2 == 0,
-         "model.d_model / model.n_head must be even for rotary embeddings"),
-        (m.d_ff >= 0, "model.d_ff must be >= 0 (0 picks 8/3 * d_model)"),
-        (m.init_std > 0 and m.norm_eps > 0 and m.rope_theta > 0,
-         "model.init_std, model.norm_eps and model.rope_theta must be > 0"),
-        (2 <= d.seq_len <= m.max_seq_len,
-         f"data.seq_len ({d.seq_len}) must be in [2, model.max_seq_len={m.max_seq_len}]"),
-        (0 < d.eval_percent < 50, f"data.eval_percent ({d.eval_percent}) must be in (0, 50)"),
-        (not (d.paths and d.prepared), "set data.paths (text read at start) or data.prepared (a prepared folder), "
-                                       "not both"),
-        (d.eval_sequences >= 1, "data.eval_sequences must be at least 1"),
-        (i.steps >= 1, "inner.steps (H) must be at least 1"),
-        (i.batch_size >= 1 and i.grad_accum >= 1, "inner.batch_size and inner.grad_accum must be at least 1"),
-        (i.lr > 0, f"inner.lr ({i.lr}) must be > 0"),
-        (len(i.betas) == 2 and all(0 <= b < 1 for b in i.betas),
-         f"inner.betas ({i.betas}) must be two numbers in [0, 1)"),
-        (i.weight_decay >= 0 and i.grad_clip >= 0,
-         "inner.weight_decay and inner.grad_clip must be >= 0 (0 disables clipping)"),
-        (i.warmup_steps >= 0 and i.total_steps >= 0, "inner.warmup_steps and inner.total_steps must be >= 0"),
-        (0 <= i.min_lr_ratio <= 1, "inner.min_lr_ratio must be in [0, 1]"),
-        (o.diloco.lr > 0, f"outer.diloco.lr ({o.diloco.lr}) must be > 0"),
-        (0 <= o.diloco.momentum < 1, f"outer.diloco.momentum ({o.diloco.momentum}) must be in [0, 1)"),
-        (o.clip_factor == 0 or 1 <= o.clip_factor <= 100,
-         f"outer.clip_factor ({o.clip_factor}) must be in [1, 100] (a multiple of the median norm), or 0 to turn "
-         f"clipping off"),
-        (o.sparseloco.lr > 0, f"outer.sparseloco.lr ({o.sparseloco.lr}) must be > 0"),
-        (0 <= o.sparseloco.error_decay <= 1,
-         f"outer.sparseloco.error_decay ({o.sparseloco.error_decay}) must be in [0, 1]"),
-        (2 <= o.sparseloco.chunk_size <= 128, "outer.sparseloco.chunk_size must be in [2, 128]"),
-        (1 <= o.sparseloco.topk <= o.sparseloco.chunk_size ** 2,
-         f"outer.sparseloco.topk ({o.sparseloco.topk}) must be in [1, chunk_size^2="
-         f"{o.sparseloco.chunk_size ** 2}]"),
-        (1 <= o.sparseloco.result_topk <= o.sparseloco.chunk_size ** 2,
-         f"outer.sparseloco.result_topk ({o.sparseloco.result_topk}) must be in [1, chunk_size^2="
-         f"{o.sparseloco.chunk_size ** 2}]"),
-        (0 <= o.sparseloco.result_error_decay <= 1,
-         f"outer.sparseloco.result_error_decay ({o.sparseloco.result_error_decay}) must be in [0, 1]"),
-        (o.loco.bits in (2, 4, 8), f"outer.loco.bits ({o.loco.bits}) must be 2, 4 or 8"),
-        (1 <= o.loco.group_size <= MAX_GROUP_SIZE,
-         f"outer.loco.group_size ({o.loco.group_size}) must be in [1, {MAX_GROUP_SIZE}] (values per scale)"),
-        (0 <= o.loco.beta < 1, f"outer.loco.beta ({o.loco.beta}) must be in [0, 1)"),
-        (o.loco.reset_every >= 1,
-         f"outer.loco.reset_every ({o.loco.reset_every}) must be at least 1 (rounds between resets of the error "
-         f"buffers; a large value never resets them)"),
-        (o.loco.lr > 0, f"outer.loco.lr ({o.loco.lr}) must be > 0"),
-        (0 <= o.loco.momentum < 1, f"outer.loco.momentum ({o.loco.momentum}) must be in [0, 1)"),
-        (o.algorithm != "streaming" or 1 <= o.streaming.fragments <= m.n_layer,
-         f"outer.streaming.fragments ({o.streaming.fragments}) must be in [1, model.n_layer={m.n_layer}]: every "
-         f"fragment holds a block"),
-        (o.algorithm != "streaming" or i.steps % max(o.streaming.fragments, 1) == 0,
-         f"outer.streaming.fragments ({o.streaming.fragments}) must divide inner.steps ({i.steps}): fragments sync "
-         f"at equal distances within a round"),
-        (o.algorithm != "streaming" or 0 <= o.streaming.delay < i.steps // max(o.streaming.fragments, 1),
-         f"outer.streaming.delay ({o.streaming.delay}) must be in [0, inner.steps / fragments = "
-         f"{i.steps // max(o.streaming.fragments, 1)}): a fragment's all-reduce must land before the next one starts"),
-        (0 <= o.streaming.alpha <= 1, f"outer.streaming.alpha ({o.streaming.alpha}) must be in [0, 1]"),
-        (o.streaming.lr > 0, f"outer.streaming.lr ({o.streaming.lr}) must be > 0"),
-        (0 <= o.streaming.momentum < 1, f"outer.streaming.momentum ({o.streaming.momentum}) must be in [0, 1)"),
-        (o.streaming.bits in (4, 32), f"outer.streaming.bits ({o.streaming.bits}) must be 4 (E3M0) or 32 (float32)"),
-        (o.algorithm != "streaming" or p.stages == 1,
-         f"outer.algorithm=streaming needs pipeline.stages=1 (got {p.stages}): fragments cut the whole model, stage "
-         f"peers hold a part of it"),
-        (1 <= p.stages <= m.n_layer,
-         f"pipeline.stages ({p.stages}) must be in [1, model.n_layer={m.n_layer}]: every stage holds a layer"),
-        (not p.compressed or 1 <= p.rank < m.d_model,
-         f"pipeline.rank ({p.rank}) must be in [1, model.d_model={m.d_model}): it is the number of values per token "
-         f"a compressed stage boundary sends"),
-        (p.stages == 1 or o.overlap is None,
-         f"outer.{o.algorithm}.overlap needs pipeline.stages=1: pipeline groups run their rounds without overlap"),
-        (p.stages == 1 or not m.tie_embeddings,
-         f"pipeline.stages={p.stages} needs model.tie_embeddings: false (the embedding lives on the first stage, the "
-         f"head on the last)"),
-        (all(0 < t <= MAX_WAIT for t in (s.matchmaking_timeout, s.allreduce_timeout, s.heartbeat_interval,
-                                           s.peer_ttl)) and 0 < s.startup_timeout <= MAX_STARTUP_WAIT,
-         f"swarm.matchmaking_timeout, allreduce_timeout, heartbeat_interval and peer_ttl must be in (0, "
-         f"{MAX_WAIT:.0f}] seconds and swarm.startup_timeout in (0, {MAX_STARTUP_WAIT:.0f}]: every wait is bounded"),
-        (s.peer_ttl >= max(3 * s.heartbeat_interval, MIN_PEER_TTL),
-         f"swarm.peer_ttl ({s.peer_ttl}) must be at least 3 x swarm.heartbeat_interval ({s.heartbeat_interval}) "
-         f"and {MIN_PEER_TTL:.0f} s (a DHT lookup may take 3 s, and records must outlive it)"),
-        (s.min_peers >= 1, "swarm.min_peers must be at least 1"),
-        (0 < s.min_bandwidth_mbit <= 1e6 and 0 <= s.bandwidth_mbit <= 1e6,
-         f"swarm.min_bandwidth_mbit ({s.min_bandwidth_mbit}) must be in (0, 1e6] and swarm.bandwidth_mbit "
-         f"({s.bandwidth_mbit}) in [0, 1e6] Mbit/s (0: not stated)"),
-        (s.allreduce_timeout <= s.max_transfer_timeout <= MAX_WAIT,
-         f"swarm.max_transfer_timeout ({s.max_transfer_timeout}) must be in [swarm.allreduce_timeout="
-         f"{s.allreduce_timeout}, {MAX_WAIT:.0f}] seconds"),
-        (0 <= s.ban_rounds <= MAX_BAN_ROUNDS,
-         f"swarm.ban_rounds ({s.ban_rounds}) must be in [0, {MAX_BAN_ROUNDS}] (0: a peer caught sending malformed "
-         f"data is dropped only from the round it was caught in)"),
-        (t.rounds >= 0, "training.rounds must be >= 0 (0 trains until stopped)"),
-        (t.threads >= 0 and t.eval_every >= 1, "training.threads must be >= 0 and training.eval_every >= 1"),
-        (t.checkpoint_every >= 0, "training.checkpoint_every must be >= 0 (0: only on exit)"),
-        (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
-         f"training.device ({t.device!r}) must be auto, cpu, cuda or cuda:N"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+def _section_of(annotation: Any) -> type[Section] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
+
+
+WRONG_TYPE = {"float_type": "must be a number", "finite_number": "must be a finite number",
+              "int_type": "must be an integer", "bool_type": "must be true or false",
+              "string_type": "must be a string", "list_type": "must be a list, e.g. [a, b]"}
+
+
+def _check_type(field: FieldInfo, value: Any, where: str) -> None:
+    """ConfigError if ``value`` does not have ``field``'s type, naming the value (or the item of a list) that does
+    not; a value out of the field's bounds passes here."""
+    try:
+        TypeAdapter(field.rebuild_annotation(), config=STRICT).validate_python(value)
+    except ValidationError as e:
+        for error in e.errors():
+            if error["type"] == "literal_error":
+                raise ConfigError(f"{where} must be one of {', '.join(map(str, get_args(field.annotation)))}; "
+                                  f"got {error['input']!r}") from None
+            if error["type"] in WRONG_TYPE:
+                raise ConfigError(f"{where} {WRONG_TYPE[error['type']]}; got {error['input']!r}") from None
+
+
+def _built(base: Config, settings: list[Setting]) -> Config:
+    """``base`` with ``settings`` (each of its key's type) applied; ConfigError with one line for the first value
+    out of its bounds or rule between keys broken, in the order the sections are checked."""
+    tree = base.model_dump()
+    for path, value in settings:
+        node = tree
+        for name in path[:-1]:
+            node = node[name]
+        node[path[-1]] = value
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        error = e.errors()[0]
+        broken = error["ctx"]["error"]
+        if isinstance(broken, OutOfBounds):
+            key = ".".join(part for part in error["loc"] if isinstance(part, str))
+            raise ConfigError(broken.line.format(key=key, value=broken.value)) from None
+        raise ConfigError(str(broken)) from None  # a rule between keys, from a section's model validator
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -439,61 +546,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _apply_mapping(config: Config, mapping: dict[str, Any], source: str, prefix: str = "") -> None:
-    for key, value in mapping.items():
-        set_key(config, f"{prefix}.{key}" if prefix else str(key), value, source)
-
-
 def _parse_scalar(raw: str) -> Any:
     try:
         return yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
-
-
-def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            raise ConfigError(f"{source}: {key} must be one of {', '.join(map(str, choices))}; got {value!r}")
-        return value
-    if origin in (list, list):
-        (item_type,) = typing.get_args(hint)
-        if isinstance(value, str) and item_type is str:
-            value = [value]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{source}: {key} must be a list, e.g. [a, b]; got {value!r}")
-        return [_coerce(item, item_type, key, source) for item in value]
-    if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"{source}: {key} has an unsupported type")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{source}: {key} must be true or false; got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{source}: {key} must be an integer; got {value!r}")
-    if hint is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise ConfigError(f"{source}: {key} must be a number; got {value!r}")
-        if not math.isfinite(number):  # no key of the config means anything with NaN or infinity
-            raise ConfigError(f"{source}: {key} must be a finite number; got {value!r}")
-        return number
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{source}: {key} must be a string; got {value!r}")
-    raise ConfigError(f"{source}: {key} has an unsupported type {hint}")
 
 
 def _suggest(key: str, known: list[str]) -> str:

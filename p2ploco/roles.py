@@ -18,7 +18,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ class RoleOptions:
 
 def schedule_digest(config: Config) -> str:
     """What the stages of a pipeline group must share to step together: the inner settings and the window."""
-    shared = {"inner": asdict(config.inner), "seq_len": config.data.seq_len}
+    shared = {"inner": config.inner.model_dump(), "seq_len": config.data.seq_len}
     return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -24,7 +24,7 @@ class RunDirectory:
                                   f"or another --log-dir")
         self.run_id, self.fingerprint, self.resume = config.run_id, fingerprint, resume
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+        (path / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
         self.saver = checkpoint.BackgroundSaver(self.checkpoints, config.run_id, fingerprint)
         self.metrics = MetricsLog(path / "metrics.jsonl")
         self.board = TensorBoardLog(path / "tensorboard")

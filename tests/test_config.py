@@ -121,3 +121,15 @@ def test_pipeline_settings_are_part_of_the_fingerprint_and_rank_only_matters_whe
                                                        ["pipeline.rank=16"]).swarm_fingerprint()
     plain = load_config("configs/tiny-pipeline.yaml", ["pipeline.compression=none", "pipeline.rank=0"])
     assert not plain.pipeline.compressed  # an uncompressed boundary has no rank to check
+
+
+def test_a_value_is_checked_where_it_is_set_and_its_bounds_once_all_are(tmp_path):
+    """A wrong type is refused in the file that holds it, even if --set gives the key again; a value out of bounds
+    may be put right by a later setting, as bounds are checked once the whole config is built."""
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("inner:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"wrong.yaml: inner.lr must be a number; got 'fast'"):
+        load_config(wrong, ["inner.lr=1e-3"])
+    low = tmp_path / "low.yaml"
+    low.write_text("inner:\n  lr: -1\n")
+    assert load_config(low, ["inner.lr=1e-3"]).inner.lr == 1e-3

@@ -74,7 +74,7 @@ def run_dir(tmp_path, name, config, params, round_index=5):
     """A node's --log-dir as a node leaves it: config.json and a checkpoint of ``params``."""
     folder = tmp_path / name
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    (folder / "config.json").write_text(json.dumps(config.model_dump()))
     checkpoint.save(folder / "checkpoint", checkpoint.Checkpoint(round_index, params, {}, {}), config.run_id, "f")
     return folder / "checkpoint"
 
