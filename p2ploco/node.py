@@ -207,6 +207,10 @@ class Node:
             round_index, membership, doubtful = catch_up(schedule, round_index, membership, unsettled, doubtful,
                                                          first=not self.records)
             if c.training.rounds and round_index >= c.training.rounds:
+                if not self.records:
+                    self.out(f"[{me}] the run is at round {round_index}, past its last round "
+                             f"({c.training.rounds - 1}): nothing to train; training.rounds (--max-rounds) counts "
+                             f"from the run's start")
                 break
             announce = partial(publish_progress, swarm, role.worker, round_index, PeerState.TRAINING, doubtful)
             if not role.ready(round_index, announce, self.stopping):
