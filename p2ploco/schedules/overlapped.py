@@ -104,7 +104,7 @@ class Flight:
 
 
 @dataclass
-class Current:
+class RoundUnderWay:
     """The round the training thread runs, as its inner-step boundaries see it."""
 
     hooks: RoundHooks
@@ -133,7 +133,7 @@ class OverlappedRounds(RoundSchedule):
         self.adopted = 0
 
     def run(self, round_index: int, comm: Communicator, hooks: RoundHooks) -> RoundOutcome | None:
-        current = Current(hooks, list(self.worker.model.parameters()))
+        current = RoundUnderWay(hooks, list(self.worker.model.parameters()))
         self._between_steps(current, 0)
         inner = self.worker.inner.run_round(round_index, hooks.stopping, partial(self._between_steps, current),
                                             hooks.budget)
@@ -149,7 +149,7 @@ class OverlappedRounds(RoundSchedule):
         self.start = trained if self.eager else [p.detach().clone() for p in current.params]
         return RoundOutcome(inner, current.landed)
 
-    def _between_steps(self, current: Current, steps_done: int) -> None:
+    def _between_steps(self, current: RoundUnderWay, steps_done: int) -> None:
         """After ``steps_done`` inner steps (0: before the first): announce the round once the round in flight has
         its group (its formation reads this peer's record); eager: take the round in flight if ``landing`` says."""
         flight = self.flight
