@@ -214,7 +214,7 @@ class OverlappedRounds(RoundSchedule):
         stats = self.background.take(landed, () if self.eager else params)
         if landed.step is not None:
             if stale:
-                self.worker.publish()
+                self.worker.refresh_published()
             else:
                 self.worker.published = prepared.stepped
         if self.eager:
