@@ -139,7 +139,7 @@ class OverlappedRounds(RoundSchedule):
                                             hooks.budget)
         if inner is None:
             return None  # the round in flight lands at finish_in_flight
-        if self.eager and self.flight is not None:  # more than one round late: the training thread waits for it
+        if self.eager and self.flight is not None:  # not landed yet, so more than one round late: waited for here
             current.landed = self._perform_sync(current.params)
         trained = [p.detach().clone() for p in current.params]
         if not self.eager and self.flight is not None:  # one round late, the local params moved by its step too
