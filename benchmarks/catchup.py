@@ -48,8 +48,8 @@ def donor(config_path: str, initial_peers: list[str], pipe: Connection) -> None:
     snapshot = snapshot_of(config_path)
     swarm = Swarm.join(RUN_ID, config.swarm, config.swarm_fingerprint(), initial_peers)
     try:
-        swarm.publish_state([snapshot])
-        swarm.set_progress(ROUND, PeerState.TRAINING, snapshot.state_sha256, {SLICE: snapshot.state_sha256})
+        swarm.serve_state([snapshot])
+        swarm.announce_progress(ROUND, PeerState.TRAINING, snapshot.state_sha256, {SLICE: snapshot.state_sha256})
         swarm.flush()  # the record goes out in the background: the joiner looks for it at once
         pipe.send(snapshot.state_sha256)
         pipe.recv()  # returns or raises EOFError when the benchmark is done

@@ -19,16 +19,10 @@ from p2ploco.schedules import RoundSchedule
 from p2ploco.swarm.consensus import SwarmState
 from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
-from p2ploco.worker import Worker
 
 CATCH_UP_POLL = 0.25  # seconds between looks at the records while waiting to catch up
 # a peer at most this many rounds behind keeps its unapplied work (error feedback, carry) when it catches up
 KEEP_LOCAL_ROUNDS = 4
-
-
-def publish_progress(swarm: Swarm, worker: Worker, round_index: int, state: PeerState, doubtful: bool = False) -> None:
-    """This peer's record: the round it is at, and the hashes of the published state it holds."""
-    swarm.set_progress(round_index, state, worker.params_sha256, worker.slice_sha256, doubtful)
 
 
 @dataclass
@@ -70,7 +64,9 @@ class CatchUp:
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
         if unsettled is not None:
-            publish_progress(swarm, worker, round_index, PeerState.TRAINING, doubtful)  # our state, to compare
+            # our state, to compare
+            swarm.announce_progress(round_index, PeerState.TRAINING, worker.params_sha256, worker.slice_sha256,
+                                    doubtful)
             if not self._wait(lambda: swarm.settled(unsettled), deadline):
                 return round_index, membership, doubtful
         # Between two rounds that went well the heartbeat's view will do (a peer behind is also told so at its next
@@ -101,7 +97,7 @@ class CatchUp:
                  f"{', '.join(sorted(fetch))} from {len(donors)} peer(s)")
         # Announce where we are headed, stored before the fetch (records are otherwise stored in the background):
         # a round being formed waits for us rather than closing early, but only once its coordinator sees this.
-        swarm.set_progress(top, PeerState.JOINING, "", {t.slice: t.state_sha256 for t in targets.values()})
+        swarm.announce_progress(top, PeerState.JOINING, "", {t.slice: t.state_sha256 for t in targets.values()})
         swarm.flush()
         started = time.perf_counter()
         try:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from p2ploco.budget import RoundBudget, WallClockBudget
-from p2ploco.catchup import CatchUp, Membership, publish_progress
+from p2ploco.catchup import CatchUp, Membership
 from p2ploco.collective.exchange import AllReduceStats
 from p2ploco.config import Config
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
@@ -123,7 +123,7 @@ class Node:
         me = swarm.peer_id[-8:]
         files: RunDirectory | None = None
         try:
-            swarm.report(device=describe_device(device))
+            swarm.update_record(device=describe_device(device))
             if status is not None:
                 listening, address = status
                 swarm.serve_status(listening)
@@ -140,7 +140,8 @@ class Node:
                      f"{swarm.reachability}: cannot be dialled (behind a NAT?), takes part by dialling out")
             self.out(f"[{me}] {role.describe()} on {device}; {data.describe()}; outer {c.outer.algorithm}, "
                      f"H={c.inner.steps} ({pace}); reachability {reach}")
-            publish_progress(swarm, role.worker, round_index, PeerState.JOINING)
+            swarm.announce_progress(round_index, PeerState.JOINING, role.worker.params_sha256,
+                                    role.worker.slice_sha256)
             if c.swarm.min_peers > 1:
                 self.out(f"[{me}] waiting for {c.swarm.min_peers} peers ...")
                 present = swarm.wait_for_peers(c.swarm.min_peers, c.swarm.startup_timeout, self.stopping)
@@ -212,12 +213,14 @@ class Node:
                              f"({c.training.rounds - 1}): nothing to train; training.rounds (--max-rounds) counts "
                              f"from the run's start")
                 break
-            announce = partial(publish_progress, swarm, role.worker, round_index, PeerState.TRAINING, doubtful)
+            worker = role.worker
+            announce = partial(swarm.announce_progress, round_index, PeerState.TRAINING, worker.params_sha256,
+                               worker.slice_sha256, doubtful)
             if not role.ready(round_index, announce, self.stopping):
                 if role.waiting_for != waiting:
                     waiting = role.waiting_for
                     self.out(f"[{me}] standby: waiting for {waiting}")
-                publish_progress(swarm, role.worker, round_index, PeerState.STANDBY)
+                swarm.announce_progress(round_index, PeerState.STANDBY, worker.params_sha256, worker.slice_sha256)
                 self.stopping.wait(c.swarm.heartbeat_interval)
                 continue
             waiting = ""
@@ -227,7 +230,7 @@ class Node:
             files.write(record)
             self.records.append(record)
             self.out(progress_line(swarm.peer_id, record))
-            swarm.report(**public_fields(self.records))
+            swarm.update_record(**public_fields(self.records))
             membership.catchup_seconds = 0.0
             # Alone, or not applied: the others may hold another state after this round (they committed
             # without us, or a judge we could not reach decided otherwise).
@@ -247,10 +250,10 @@ class Node:
         starts from (``CatchUp``). None if the node was stopped during the inner steps."""
         c = self.config
         worker = role.worker
-        swarm.publish_state(worker.snapshots(round_index))
+        swarm.serve_state(worker.snapshots(round_index))
         # The record names this round with the hashes of the state it starts from (taken now: an overlapped
         # round in flight may land during this one).
-        announce = partial(swarm.set_progress, round_index, PeerState.TRAINING, worker.params_sha256,
+        announce = partial(swarm.announce_progress, round_index, PeerState.TRAINING, worker.params_sha256,
                            dict(worker.slice_sha256), doubtful)
         started = time.perf_counter()
         try:
@@ -260,7 +263,8 @@ class Node:
             self.out(f"[{swarm.peer_id[-8:]}] round {round_index}: the pipeline group failed ({e}); it sits the "
                      f"round out and catches up")
             schedule.restart()
-            publish_progress(swarm, worker, round_index, PeerState.STANDBY)  # nobody waits for this peer's join
+            # nobody waits for this peer's join
+            swarm.announce_progress(round_index, PeerState.STANDBY, worker.params_sha256, worker.slice_sha256)
             return self._record(swarm, role, round_index, membership, started, loss=float("nan"),
                                 applied=False, excluded=True)
         if outcome is None:

@@ -131,7 +131,7 @@ class StageRole(Role):
             return False
         logger.info(f"stage slot {shown(slot[0])}/{slot[1]} (was {self.slot})")  # a tuple shows its strings escaped
         self.slot, self.links = slot, None
-        self.swarm.report(group=slot[0], stage=slot[1], since=get_dht_time(), schedule=self.schedule)
+        self.swarm.update_record(group=slot[0], stage=slot[1], since=get_dht_time(), schedule=self.schedule)
         if self.gradients is not None and self.gradients.stage == slot[1]:
             return False  # the same stage of another group: the same slice, kept
         self.worker, self.gradients = build_stage(self.config, self.device, slot[1])

@@ -100,8 +100,8 @@ class Worker:
         """The hash of ``slice_name``'s state once ``step`` is taken (on the calling thread)."""
         return state_sha256(*self._named(*self._stepped(step), self.slices[slice_name]))
 
-    def publish(self) -> None:
-        """Publish the outer algorithm's global state as it is now."""
+    def refresh_published(self) -> None:
+        """The published state <- the outer algorithm's global state as it is now (hashed)."""
         self.published = self.state_of(self.outer.params, self.outer.shared_state())
 
     def _stepped(self, step: OuterStep) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -190,7 +190,7 @@ class Worker:
                 raise SwarmError(f"fetched state does not fit this model and algorithm: {e!r}") from None
             if not keep_local:
                 self.outer.reset_local_state()
-        self.publish()
+        self.refresh_published()
         self.load_into_model()
 
     def checkpoint(self, round_index: int, extras: dict[str, Any] | None = None,
@@ -221,5 +221,5 @@ class Worker:
                                             saved.extras["inner"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"the checkpoint in {where} does not fit this model and algorithm ({e})") from None
-        self.publish()
+        self.refresh_published()
         self.load_into_model()

@@ -186,9 +186,9 @@ def serve_a_false_state(start: int) -> None:
     from p2ploco.swarm.runtime import Swarm
     from p2ploco.swarm.state import Snapshot
 
-    honest = Swarm.publish_state
+    honest = Swarm.serve_state
 
-    def publish_state(self: Swarm, snapshots: list[Snapshot]) -> None:
+    def serve_state(self: Swarm, snapshots: list[Snapshot]) -> None:
         if snapshots and snapshots[0].round >= start:
             forged = []
             for snapshot in snapshots:
@@ -199,7 +199,7 @@ def serve_a_false_state(start: int) -> None:
             snapshots = forged
         honest(self, snapshots)
 
-    Swarm.publish_state = publish_state
+    Swarm.serve_state = serve_state
 
 
 def describe_a_huge_state(start: int) -> None:
@@ -283,9 +283,9 @@ def forge_leaving_records(start: int) -> None:
     from p2ploco.swarm.directory import PeerDirectory
     from p2ploco.swarm.records import PeerState
 
-    honest = PeerDirectory.publish
+    honest = PeerDirectory.store_record
 
-    async def publish(self: PeerDirectory, list_run: bool = False) -> None:
+    async def store_record(self: PeerDirectory, list_run: bool = False) -> None:
         await honest(self, list_run)
         if self.me.round >= start:
             for victim in sorted(set(self.live) - {self.me.peer_id}):
@@ -293,7 +293,7 @@ def forge_leaving_records(start: int) -> None:
                 await self.node.store(self.key, subkey=self.owner, value=forged,
                                       expiration_time=get_dht_time() + self.ttl)
 
-    PeerDirectory.publish = publish
+    PeerDirectory.store_record = store_record
 
 
 def send_huge_activations(start_step: int) -> None:
@@ -330,10 +330,10 @@ def claim_a_poisoned_next_round(start: int) -> None:
     from p2ploco.swarm.runtime import Swarm
     from p2ploco.swarm.state import Snapshot
 
-    honest_publish, honest_progress = Swarm.publish_state, Swarm.set_progress
+    honest_serve, honest_progress = Swarm.serve_state, Swarm.announce_progress
     poisoned: dict[str, Snapshot] = {}
 
-    def publish_state(self: Swarm, snapshots: list[Snapshot]) -> None:
+    def serve_state(self: Swarm, snapshots: list[Snapshot]) -> None:
         if snapshots and snapshots[0].round >= start:
             for snapshot in snapshots:
                 params = {name: torch.full_like(t, 0.5) for name, t in snapshot.params.items()}
@@ -341,16 +341,16 @@ def claim_a_poisoned_next_round(start: int) -> None:
                 poisoned[snapshot.slice] = Snapshot(snapshot.round + 1, snapshot.slice, params, shared,
                                                     state_sha256(params, shared))
             snapshots = list(poisoned.values())
-        honest_publish(self, snapshots)
+        honest_serve(self, snapshots)
 
-    def set_progress(self: Swarm, round_index: int, state: Any, params_sha256: str, slices: dict[str, str],
-                     unsettled: bool = False) -> None:
+    def announce_progress(self: Swarm, round_index: int, state: Any, params_sha256: str, slices: dict[str, str],
+                          unsettled: bool = False) -> None:
         if round_index >= start and poisoned:
             round_index, slices = round_index + 1, {name: s.state_sha256 for name, s in poisoned.items()}
             params_sha256, unsettled = next(iter(slices.values())), False
         honest_progress(self, round_index, state, params_sha256, slices, unsettled)
 
-    Swarm.publish_state, Swarm.set_progress = publish_state, set_progress
+    Swarm.serve_state, Swarm.announce_progress = serve_state, announce_progress
 
 
 def claim_a_fast_step(start: int) -> None:

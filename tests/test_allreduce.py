@@ -44,7 +44,7 @@ def trio():
     try:
         join_swarms("test", 3, CONFIG, swarms)
         for s in swarms:
-            s.set_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
+            s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
         assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)
         yield sorted(swarms, key=lambda s: s.peer_id)  # canonical order: the order of the sum
     finally:
@@ -66,7 +66,7 @@ def agreeing_tensors(seed: int, count: int = 3) -> list[list[torch.Tensor]]:
 def all_reduce(swarms, exchanges):
     round_index = next(rounds)
     for s in swarms:
-        s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
     return all_reduce_at(swarms, exchanges, round_index)
 
 
@@ -321,9 +321,9 @@ def test_a_formation_waits_for_a_peer_still_finishing_the_previous_round(trio):
     next(rounds)
     round_index = next(rounds)  # >= 1, so that the previous round exists
     early, moving = trio[:2], trio[2]
-    moving.set_progress(round_index - 1, PeerState.TRAINING, "start-state", {"params": "start-state"})
+    moving.announce_progress(round_index - 1, PeerState.TRAINING, "start-state", {"params": "start-state"})
     for s in early:
-        s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
     assert all(s.flush() for s in trio)
     tensors = [random_tensors(60 + i) for i in range(3)]
 
@@ -338,7 +338,7 @@ def test_a_formation_waits_for_a_peer_still_finishing_the_previous_round(trio):
         deadline = time.monotonic() + 30
         while not joined_or_closed() and time.monotonic() < deadline:
             time.sleep(0.01)
-        moving.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        moving.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
         futures.append(pool.submit(moving.communicator.all_reduce, DenseMean(tensors[2]), round_index, "params"))
         stats = [f.result(timeout=60) for f in futures]
     assert [len(s.peers) for s in stats] == [3, 3, 3] and all(s.committed for s in stats)
@@ -354,7 +354,7 @@ def test_the_coordinator_of_a_round_does_not_follow_the_state_it_starts_from(tri
     state = next(f"ground-{k}" for k in itertools.count() if by_round != min(
         ids, key=lambda p: hashlib.sha256(f"{round_index}/ground-{k}/{p}".encode()).digest()))
     for s in trio:
-        s.set_progress(round_index, PeerState.AVERAGING, state, {"params": state})
+        s.announce_progress(round_index, PeerState.AVERAGING, state, {"params": state})
     assert all(s.flush() for s in trio)
     exchanges = [DenseMean(random_tensors(80 + i)) for i in range(3)]
     with ThreadPoolExecutor(3) as pool:
@@ -371,7 +371,7 @@ def test_a_member_that_asks_its_coordinator_again_gets_the_same_group(trio):
     in, not "late" (nor form a group of its own elsewhere, while the others wait for it in vain)."""
     round_index = next(rounds)
     for s in trio:
-        s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
     exchanges = [DenseMean(random_tensors(70 + i)) for i in range(3)]
     with ThreadPoolExecutor(3) as pool:
         stats = [f.result(timeout=60) for f in [pool.submit(s.communicator.all_reduce, e, round_index, "params")
@@ -395,7 +395,7 @@ def test_joins_from_outside_the_run_are_refused_and_do_not_disturb_its_rounds(tr
     group out of the coordinator's book, so that every vote failed)."""
     round_index = next(rounds)
     for s in trio:
-        s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
     assert all(s.flush() for s in trio)
     coordinator = trio[0].communicator.matchmaker
     loop = trio[0].loop
@@ -461,10 +461,10 @@ def test_the_round_budget_goes_by_the_step_times_of_recent_partners_not_of_any_r
     round_index = next(rounds)  # >= 1: the liar's record at round 0 is no peer the round waits for
     liar = Swarm.join("test", CONFIG, "cfg", initial_peers=trio[0].addresses(), host_maddrs=LOOPBACK)
     try:
-        liar.report(step_seconds=1e-300)
+        liar.update_record(step_seconds=1e-300)
         for s in trio:
-            s.report(step_seconds=0.1)
-            s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+            s.update_record(step_seconds=0.1)
+            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
         assert liar.flush() and all(s.flush() for s in trio)
         stats = all_reduce_at(trio, [DenseMean(random_tensors(90 + i)) for i in range(3)], round_index)
         assert all(len(s.peers) == 3 and s.committed for s in stats)
@@ -477,7 +477,7 @@ def test_the_round_budget_goes_by_the_step_times_of_recent_partners_not_of_any_r
         # A partner's absurd claim is left out too, and a banned partner's step is not read.
         round_index = next(rounds)
         for s in (*trio, liar):
-            s.set_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
         assert all(s.flush() for s in (*trio, liar))
         stats = all_reduce_at([*trio, liar], [DenseMean(random_tensors(95 + i)) for i in range(4)], round_index)
         assert all(len(s.peers) == 4 and s.committed for s in stats)

@@ -50,7 +50,7 @@ def run_round_with_a_slow_link(min_bandwidth_mbit: float, run_id: str, monkeypat
         swarms.sort(key=lambda s: s.peer_id)
         slow = swarms[0]
         for s in swarms:
-            s.set_progress(0, PeerState.JOINING, "start", {"params": "start"})
+            s.announce_progress(0, PeerState.JOINING, "start", {"params": "start"})
         assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)
         real_write = wire.write_message
 
@@ -70,7 +70,7 @@ def run_round_with_a_slow_link(min_bandwidth_mbit: float, run_id: str, monkeypat
                   for seed in range(3)]
         exchanges = [DenseMean(t) for t in inputs]
         for s in swarms:
-            s.set_progress(0, PeerState.AVERAGING, "start", {"params": "start"})
+            s.announce_progress(0, PeerState.AVERAGING, "start", {"params": "start"})
         with ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(s.communicator.all_reduce, e, 0, "params") for s, e in zip(swarms, exchanges)]
             stats = [f.result(timeout=120) for f in futures]

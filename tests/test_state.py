@@ -158,12 +158,12 @@ def test_the_directory_counts_the_record_bytes_it_stores_and_reads():
 
     async def heartbeat():
         assert directory.dht_bytes == (0, 0)
-        await directory.publish(list_run=True)
+        await directory.store_record(list_run=True)
         sent = payload_bytes(b"owner", me.to_value()) + payload_bytes("run", {"version": me.version})
         assert directory.dht_bytes == (sent, 0)
         await directory.refresh()
         assert directory.dht_bytes == (sent, payload_bytes(b"owner", me.to_value()))
-        await directory.publish()
+        await directory.store_record()
         assert directory.dht_bytes[0] == sent + payload_bytes(b"owner", me.to_value())
 
     asyncio.run(heartbeat())
@@ -326,8 +326,8 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
     donors, joiner = donors_and_joiner
     snapshot = big_snapshot(5)
     for donor in donors:
-        donor.publish_state([big_snapshot(5)])
-        donor.set_progress(5, PeerState.TRAINING, snapshot.state_sha256, {S: snapshot.state_sha256})
+        donor.serve_state([big_snapshot(5)])
+        donor.announce_progress(5, PeerState.TRAINING, snapshot.state_sha256, {S: snapshot.state_sha256})
         assert donor.flush()  # records go out in the background: the joiner must see them
     donors[0].loop.loop.call_soon_threadsafe(time.sleep, 8)  # this donor's event loop hangs: a stalled peer
     target = joiner.swarm_state(0, {S: "fresh"})[S]
@@ -356,10 +356,10 @@ def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner
     does not serve, and follows the lone holder that really serves what its record claims."""
     donors, joiner = donors_and_joiner
     served = big_snapshot(6)
-    donors[0].publish_state([served])
-    donors[0].set_progress(6, PeerState.TRAINING, served.state_sha256, {S: served.state_sha256})
-    donors[1].set_progress(10**6, PeerState.TRAINING, "f" * 64, {S: "f" * 64})  # a liar: claims a round far ahead
-    donors[2].set_progress(8, PeerState.TRAINING, "e" * 64, {S: "e" * 64})  # serves round 5 at most, not this
+    donors[0].serve_state([served])
+    donors[0].announce_progress(6, PeerState.TRAINING, served.state_sha256, {S: served.state_sha256})
+    donors[1].announce_progress(10**6, PeerState.TRAINING, "f" * 64, {S: "f" * 64})  # a liar: claims a round far ahead
+    donors[2].announce_progress(8, PeerState.TRAINING, "e" * 64, {S: "e" * 64})  # serves round 5 at most, not this
     assert all(donor.flush() for donor in donors)
     target = joiner.swarm_state(0, {S: "fresh"})[S]
     assert (target.round, target.state_sha256, target.holders) == (6, served.state_sha256, (donors[0].peer_id,))
@@ -375,8 +375,8 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
         donors, joiner = swarms[:3], swarms[3]
         snapshot = big_snapshot(7)
         for donor in donors:
-            donor.publish_state([big_snapshot(7)])
-            donor.set_progress(7, PeerState.TRAINING, snapshot.state_sha256, {S: snapshot.state_sha256})
+            donor.serve_state([big_snapshot(7)])
+            donor.announce_progress(7, PeerState.TRAINING, snapshot.state_sha256, {S: snapshot.state_sha256})
             assert donor.flush()
 
         async def victim_dies(point: str, round_index: int) -> None:
@@ -414,8 +414,8 @@ def test_a_donor_that_serves_or_describes_the_state_falsely_is_banned_and_routed
         invented = big_snapshot(9)
         invented._blob = bytes(corrupted)
         for donor, snapshot in ((flipper, flipped), (inventor, invented), (honest, big_snapshot(9))):
-            donor.publish_state([snapshot])
-            donor.set_progress(9, PeerState.TRAINING, true.state_sha256, {S: true.state_sha256})
+            donor.serve_state([snapshot])
+            donor.announce_progress(9, PeerState.TRAINING, true.state_sha256, {S: true.state_sha256})
             assert donor.flush()
         target = joiner.swarm_state(0, {S: "fresh"})[S]
         assert set(target.holders) == {flipper.peer_id, inventor.peer_id, honest.peer_id}

@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -22,7 +22,7 @@ import torch
 from p2ploco.collective.exchange import AllReduceStats
 from p2ploco.device import SideStream
 from p2ploco.outer.base import OuterRound, OuterStep
-from p2ploco.worker import Published, Worker
+from p2ploco.worker import Worker
 
 T = TypeVar("T")
 
@@ -34,34 +34,7 @@ class Landed:
     outer_round: OuterRound
     stats: AllReduceStats
     step: OuterStep | None
-    loaded: int  # ``Background.loaded`` when the step was prepared: a state loaded since makes it stale
-    published: Published | None = None  # the state the step leaves (overlapped rounds)
     slice_sha256: str = ""  # the hash of the synced slice once stepped (a Streaming DiLoCo fragment)
-    # Eager overlapped rounds: the new global params on the training device, and what rebases the local params
-    # onto them (new - the point the local params continued from)
-    rebased: list[torch.Tensor] = field(default_factory=list)
-    moved: list[torch.Tensor] = field(default_factory=list)
-    done: torch.cuda.Event | None = None  # on CUDA: when the side stream has finished the tensors above
-
-
-@dataclass
-class Flight:
-    """A round whose outer work was handed to the background thread."""
-
-    round_index: int
-    base: list[torch.Tensor] = field(default_factory=list)  # where the local params continued from meanwhile
-    landing: Future[Landed] = field(default_factory=Future)
-    outer_round: OuterRound | None = None  # once contributed
-    contributed: threading.Event = field(default_factory=threading.Event)  # set once contributed, or failed to
-
-    def grouped(self) -> bool:
-        """Whether its all-reduce knows its group (never waits)."""
-        pending = self.outer_round.all_reduce if self.outer_round is not None else None
-        return pending is not None and pending.grouped.is_set()
-
-    def ready(self) -> bool:
-        """Whether its landing is ready to take (never waits)."""
-        return self.landing.done()
 
 
 class Background:
@@ -75,9 +48,6 @@ class Background:
         self._jobs: queue.SimpleQueue[tuple[Future, Callable[[], object]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="outer-work", daemon=True)
         self._thread.start()
-        # Bumped whenever the global state is loaded from outside (a catch-up): a step prepared before that is
-        # stale and is prepared again when taken.
-        self.loaded = 0
 
     def submit(self, work: Callable[[], T]) -> Future[T]:
         """Run ``work`` after the jobs submitted before it; its result (or its exception) in the future."""
@@ -104,17 +74,13 @@ class Background:
 
     def land(self, outer_round: OuterRound) -> Landed:
         """``outer_round``'s ended all-reduce, and its outer step prepared (on the calling thread)."""
-        loaded = self.loaded
         stats = outer_round.all_reduce.wait()
         step = self.worker.outer.prepare(outer_round) if stats.committed else None
-        return Landed(outer_round, stats, step, loaded)
+        return Landed(outer_round, stats, step)
 
     def take(self, landed: Landed, follow: list[torch.Tensor] | tuple[()] = ()) -> AllReduceStats:
-        """On the training thread: put ``landed``'s step in place (prepared again if a state was loaded since), or
-        give back what its round took; ``follow`` takes the same step. Returns its stats, ``committed`` saying
-        whether the step was taken."""
-        if landed.loaded != self.loaded and landed.step is not None:
-            landed.step, landed.published = self.worker.outer.prepare(landed.outer_round), None
+        """On the training thread: put ``landed``'s step in place, or give back what its round took; ``follow`` takes
+        the same step. Returns its stats, ``committed`` saying whether the step was taken."""
         with self.worker.lock:
             self.worker.outer.take(landed.outer_round, landed.step, follow)
         landed.stats.committed = landed.step is not None

@@ -33,6 +33,6 @@ class BlockingRounds(RoundSchedule):
         start = worker.start_params() if worker.constraint is not None else None
         stats = worker.outer.sync(list(worker.model.parameters()), comm, round_index, start, tokens)
         if stats.committed:
-            worker.publish()
+            worker.refresh_published()
         worker.load_into_model()
         return stats

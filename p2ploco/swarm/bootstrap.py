@@ -31,6 +31,6 @@ async def start_bootstrap(initial_peers: Sequence[str], host_maddrs: Sequence[st
                     name=name or human_name(peer_id), role="bootstrap", addresses=addresses[:MAX_ADDRESSES])
     defaults = SwarmConfig()
     directory = PeerDirectory(node, BOOTSTRAP_KEY, owner, me, defaults.heartbeat_interval, defaults.peer_ttl)
-    await directory.publish()
+    await directory.store_record()
     directory.start_heartbeat()
     return node, addresses

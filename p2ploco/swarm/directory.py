@@ -88,7 +88,7 @@ class PeerDirectory:
         own traffic: routing, the lookups' hops, replication and the p2p daemon's framing are left out."""
         return self._bytes_sent, self._bytes_received
 
-    async def publish(self, list_run: bool = False) -> None:
+    async def store_record(self, list_run: bool = False) -> None:
         """Store this node's record now (and, on the heartbeat, list its run: that listing only has to outlive
         the record's ttl, so state changes do not store it again)."""
         for name, value in self.live_fields().items():
@@ -111,7 +111,7 @@ class PeerDirectory:
             logger.debug("peer record was not stored by any DHT peer")
 
     def update_soon(self, **changes: object) -> int:
-        """Change this node's record now and publish it in the background (a burst of changes costs one store);
+        """Change this node's record now and store it in the background (a burst of changes costs one store);
         returns the change's number, for ``flush``."""
         for name, value in changes.items():
             setattr(self.me, name, value)
@@ -234,7 +234,7 @@ class PeerDirectory:
             started = time.monotonic()
             self.live = self._unexpired(get_dht_time())  # the lapsed records of peers not followed leave the view
             try:
-                await asyncio.gather(self.publish(list_run=True), *([self.refresh()] if self.watching else []))
+                await asyncio.gather(self.store_record(list_run=True), *([self.refresh()] if self.watching else []))
             except DAEMON_ERRORS as e:  # a DHT hiccup must not end the heartbeat
                 logger.warning(f"heartbeat failed: {e!r}")
             except Exception:  # nor a bug: the peer would vanish from the swarm while still training
@@ -248,7 +248,7 @@ class PeerDirectory:
             await self._dirty.wait()
             self._dirty.clear()
             try:
-                await self.publish()
+                await self.store_record()
             except DAEMON_ERRORS as e:  # the heartbeat stores it again soon
                 logger.warning(f"publishing this peer's record failed: {e!r}")
             except Exception:  # a bug: keep publishing, and say where it is

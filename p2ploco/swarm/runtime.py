@@ -89,7 +89,7 @@ class Swarm:
                 await start_serving(node)
                 await DialBack(p2p, addresses).start()
             logger.info(f"reachability: {reachability}")
-            directory.update_soon(reachability=reachability)  # stored with the first publish, below
+            directory.update_soon(reachability=reachability)  # stored with the first store_record, below
             bans = Bans(config.ban_rounds)
             book = GroupBook()
             matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout, bans, stages, book,
@@ -108,7 +108,7 @@ class Swarm:
                                f"ignores them. To train with them, use the same model, outer and seed settings, "
                                f"batch and inner steps, tokenizer and prepared corpus, and the same p2ploco protocol "
                                f"version (yours is {PROTOCOL_VERSION}); `p2ploco peers` lists them")
-            await directory.publish()
+            await directory.store_record()
             directory.start_heartbeat()
             communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
             return cls(loop, node, directory, communicator, state_server, config, identity, bans)
@@ -148,17 +148,18 @@ class Swarm:
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)
 
-    def set_progress(self, round_index: int, state: PeerState, params_sha256: str, slices: dict[str, str],
-                     unsettled: bool = False) -> None:
-        """Publish where this peer is: the round it works on and the hashes of the state it started from (of all
+    def announce_progress(self, round_index: int, state: PeerState, params_sha256: str, slices: dict[str, str],
+                          unsettled: bool = False) -> None:
+        """Announce where this peer is: the round it works on and the hashes of the state it started from (of all
         it holds, and of each slice), and whether that state is unsettled (its last round may have ended otherwise
         for the others, and it has not caught up since: the state then has no say on the swarm's). Returns at
         once: the record is stored in the background (a round's join waits for it, ``flush`` too)."""
-        self.report(round=round_index, state=state, params_sha256=params_sha256, slices=dict(slices),
-                    unsettled=unsettled)
+        self.update_record(round=round_index, state=state, params_sha256=params_sha256, slices=dict(slices),
+                           unsettled=unsettled)
 
-    def report(self, **changes: object) -> None:
-        """Update this peer's public record (loss, throughput, traffic, ...); it is stored in the background."""
+    def update_record(self, **changes: object) -> None:
+        """Change fields of this peer's public record (loss, throughput, traffic, ...), from any thread; it is stored
+        in the background."""
         self.loop.loop.call_soon_threadsafe(partial(self.directory.update_soon, **changes))
 
     def flush(self) -> bool:
@@ -230,9 +231,9 @@ class Swarm:
                                          self.state_server.deadline, tensor_bytes, blame,
                                          self.directory.rates(donors)))
 
-    def publish_state(self, snapshots: list[Snapshot]) -> None:
+    def serve_state(self, snapshots: list[Snapshot]) -> None:
         """Serve ``snapshots`` (one round, one per slice held) to peers that catch up."""
-        self.loop.loop.call_soon_threadsafe(self.state_server.publish, snapshots)
+        self.loop.loop.call_soon_threadsafe(self.state_server.serve_round, snapshots)
 
     def claims(self) -> list[PeerRecord]:
         """The fresh, not-leaving records of stage peers of our config (this one's included), from a fresh look."""

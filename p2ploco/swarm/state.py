@@ -128,7 +128,7 @@ class StateServer:
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
 
-    def publish(self, snapshots: list[Snapshot]) -> None:
+    def serve_round(self, snapshots: list[Snapshot]) -> None:
         """Serve the snapshots of one round, one per slice held (call on the loop); rounds beyond KEEP_SNAPSHOTS
         are dropped, oldest first. A peer that changes the slices it holds (a stage peer that moves) serves the
         new ones from this round on."""
