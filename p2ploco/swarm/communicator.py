@@ -29,8 +29,8 @@ from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedF
 from p2ploco.swarm.commit import Outcome, RoundCommit, Vote
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.loop import EventLoopThread
+from p2ploco.swarm.matchmaker import Matchmaker
 from p2ploco.swarm.records import PeerState
-from p2ploco.swarm.rounds import Matchmaker
 
 logger = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.group import GroupBook
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
+from p2ploco.swarm.matchmaker import Matchmaker
 from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, detect
 from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachability, peers_key
-from p2ploco.swarm.rounds import Matchmaker
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, serves
 from p2ploco.swarm.status import StatusServer
 from p2ploco.swarm.survey import survey
