@@ -6,8 +6,8 @@ order, and for each member the parameter slices it holds (it contributes to ever
 group if it is a stage peer, the tokens its contribution carries (its weight in the round's mean), and whether
 others can dial it (one that only dials out reduces no span). It also lists the peers that joined or were expected
 and are not in it, and why: a group smaller than that is the coordinator's decision, never an accident. The
-all-reduce (``swarm/allreduce.py``) cuts each slice among its holders by it, and the commit vote (``swarm/commit.py``)
-counts its members.
+all-reduce (``swarm/allreduce.py``) cuts each slice among its holders by it, and its coordinator judges the members'
+commit votes against it (``swarm/commit.py``).
 
 A peer that coordinates remembers the groups it formed in its ``GroupBook``, by id and by the formation they closed.
 """
