@@ -58,11 +58,12 @@ from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import Contribution, parse_reply
 from p2ploco.swarm.commit import parse_decision, parse_vote
 from p2ploco.swarm.consensus import SwarmState
+from p2ploco.swarm.group import Group
 from p2ploco.swarm.identity import Identity, peer_id_of
+from p2ploco.swarm.join import JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.swarm.messages import decode
 from p2ploco.swarm.reachability import DialBackRequest, parse_dial_back
 from p2ploco.swarm.records import PeerRecord, peers_key
-from p2ploco.swarm.rounds import Group, JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.swarm.schema import RecordSchema, record_validator
 from p2ploco.swarm.state import Snapshot, StateRequest, parse_description
 from p2ploco.swarm.status import answer_head

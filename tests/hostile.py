@@ -259,7 +259,7 @@ def send_junk_joins(start: int) -> None:
 
 
 def never_join(start: int) -> None:
-    from p2ploco.swarm.rounds import Matchmaker
+    from p2ploco.swarm.matchmaker import Matchmaker
 
     honest = Matchmaker.form_group
 

@@ -27,9 +27,10 @@ from p2ploco.config import SwarmConfig
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import ReduceStatus
+from p2ploco.swarm.group import Group
+from p2ploco.swarm.matchmaker import best_coordinator
 from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.records import PeerState
-from p2ploco.swarm.rounds import Group, best_coordinator
 from p2ploco.swarm.runtime import Swarm
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10, ban_rounds=0)

@@ -16,7 +16,7 @@ from test_pipeline_swarm import PIPELINE_CONFIG, stage
 
 from p2ploco.launch import TINY_CONFIG, LocalSwarm
 from p2ploco.swarm.identity import new_key_file
-from p2ploco.swarm.rounds import best_coordinator
+from p2ploco.swarm.matchmaker import best_coordinator
 
 ALLREDUCE_TIMEOUT = 10
 FAST = ["--set", "inner.steps=5", "--set", "inner.warmup_steps=0", "--set", "swarm.matchmaking_timeout=10",

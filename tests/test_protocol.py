@@ -11,20 +11,11 @@ import pytest
 from p2ploco.errors import PayloadError
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import Outcome, Vote, _Ballot, decide, parse_decision, parse_vote
+from p2ploco.swarm.consensus import admit
+from p2ploco.swarm.group import KEEP_PER_PEER, Group, GroupBook, Member
+from p2ploco.swarm.join import JoinAnswer, group_answer, parse_group, parse_join
+from p2ploco.swarm.matchmaker import best_coordinator, rendezvous
 from p2ploco.swarm.messages import MAX_PEERS, MAX_REASON, decode
-from p2ploco.swarm.rounds import (
-    KEEP_PER_PEER,
-    Group,
-    GroupBook,
-    JoinAnswer,
-    Member,
-    admit,
-    best_coordinator,
-    group_answer,
-    parse_group,
-    parse_join,
-    rendezvous,
-)
 
 A, B, C, D = "peerA", "peerB", "peerC", "peerD"
 S = "stage0"

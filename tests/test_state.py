@@ -17,6 +17,7 @@ from p2ploco.metrics import state_sha256
 from p2ploco.swarm import state as state_module
 from p2ploco.swarm.consensus import (
     SwarmState,
+    admit,
     contested,
     plurality,
     ranked_states,
@@ -27,8 +28,8 @@ from p2ploco.swarm.consensus import (
     tally,
 )
 from p2ploco.swarm.directory import LOOKUPS_PER_ROUND, PeerDirectory, payload_bytes
+from p2ploco.swarm.group import Member
 from p2ploco.swarm.records import PeerRecord, PeerState
-from p2ploco.swarm.rounds import Member, admit
 from p2ploco.swarm.state import Snapshot
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
@@ -122,7 +123,7 @@ def test_a_peer_that_missed_its_last_round_has_no_say_on_the_swarms_state():
 
 
 def test_one_vote_rule_ranks_by_standing_then_ballots_then_value():
-    """The rule ``round_state``, ``rounds.admit`` and ``commit.decide`` share: voters in good standing first, then
+    """The rule ``round_state``, ``admit`` and ``commit.decide`` share: voters in good standing first, then
     every ballot, then the greater value; a commit's strict majority counts its abstainers."""
     ballots = [("a", True), ("z", False), ("z", False), ("m", True)]
     assert ranking(tally(ballots)) == ["m", "a", "z"]  # one standing ballot beats two others; "m" > "a"

@@ -13,7 +13,7 @@ and a recipient of a relayed result, which recombines the contributions itself):
    minority, ``(n - 1) // 2``, the least agreeing first, is left out, so that a majority always decides. Every
    contribution counts once whatever its weight or norm: a key has one say. ``Policy.drop_opposed`` turns it on.
 2. **Weight** (``weights``). Each kept contribution weighs the tokens its peer trained, as the group lists them,
-   capped by what a round can hold (``inner.steps`` of the run's batch, at the join: ``swarm/rounds.py``), so that
+   capped by what a round can hold (``inner.steps`` of the run's batch, at the join: ``swarm/matchmaker.py``), so that
    one key weighs at most one full peer: its factor in the mean is ``m * w_i / sum(w)`` over the m kept.
 3. **Norm for the tokens trained** (``weights``). A pseudo-gradient grows about as the square root of the steps
    behind it (the noise of H steps adds up so; measured on the pace suite, ``docs/design.md``), so a contribution

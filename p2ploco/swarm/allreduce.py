@@ -87,6 +87,7 @@ from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.deadlines import TransferDeadline
+from p2ploco.swarm.group import Group
 from p2ploco.swarm.messages import (
     MAX_PEERS,
     Digest,
@@ -99,7 +100,6 @@ from p2ploco.swarm.messages import (
     decode,
     status_of,
 )
-from p2ploco.swarm.rounds import Group
 
 logger = logging.getLogger(__name__)
 

@@ -56,8 +56,8 @@ from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.consensus import Ballot, plurality
+from p2ploco.swarm.group import Group, GroupBook
 from p2ploco.swarm.messages import Digest, Digests, Message, PeerIds, Reason, decode, status_of
-from p2ploco.swarm.rounds import Group, GroupBook
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,10 @@ from p2ploco.collective.sliced import SlicedExchange, as_sliced, reduce_alone
 from p2ploco.errors import PayloadError, TrainingError
 from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedFromRound
 from p2ploco.swarm.commit import Outcome, RoundCommit, Vote
+from p2ploco.swarm.group import Group
 from p2ploco.swarm.loop import EventLoopThread
+from p2ploco.swarm.matchmaker import Matchmaker
 from p2ploco.swarm.records import PeerState
-from p2ploco.swarm.rounds import Group, Matchmaker
 
 logger = logging.getLogger(__name__)
 

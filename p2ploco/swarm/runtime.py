@@ -27,13 +27,14 @@ from p2ploco.swarm.consensus import SwarmState, ranked_states, settled
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.dht import start_dht_node, start_serving, visible_maddrs
 from p2ploco.swarm.directory import PeerDirectory
+from p2ploco.swarm.group import GroupBook
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
+from p2ploco.swarm.matchmaker import Matchmaker
 from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, detect
 from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachability, peers_key
-from p2ploco.swarm.rounds import GroupBook, Matchmaker
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, serves
 from p2ploco.swarm.status import StatusServer
 from p2ploco.swarm.survey import survey

@@ -1,4 +1,4 @@
-"""Which peers all-reduce together in a round.
+"""Matchmaking: which peers all-reduce together in a round, their group (``swarm/group.py``).
 
 Every peer of a run must average with the same peers in a round, or their global parameters part
 ways. So a group is not negotiated pairwise: one coordinator decides it. The coordinator of round r
@@ -28,14 +28,8 @@ any other) gets the group it is in. A peer this coordinator has banned (``swarm/
 too. Peers whose config, exchange or starting state differ never share a group. A member checks the
 group it is given against its own view (every member a known live peer, itself included) and refuses an
 implausible one, trying the next coordinator. The coordinator needs no pseudo-gradient of its own: it
-serves joins from its event loop while it trains.
-
-A joiner says how many tokens its contribution was trained on (its weight in the round's mean, ``budget.py``), at
-most what a round can hold (``Config.round_tokens``: a coordinator refuses more, and a member refuses a group that
-gives anyone more, so that one key weighs at most one full peer), and whether others can dial it
-(``swarm/reachability.py``); the group lists both for every member, so every reducer weighs a member alike, and the
-members that only dial out reduce no span. Only a peer that can be dialled
-coordinates, and a slice that no dialable member holds cannot be reduced: its holders are left out.
+serves joins from its event loop while it trains. Only a peer that can be dialled coordinates. The join
+request and its answers are ``swarm/join.py``.
 
 A group smaller than the peers that joined or were expected is the coordinator's decision, never an
 accident: the answer lists who was left out and why (another state, an incomplete pipeline group, did not
@@ -50,75 +44,42 @@ a full replica holds them all, a stage peer one. The state a round starts from i
 the hash most active peers of that round hold (``consensus.round_state``); its digest names the
 formation, so peers that start from different states never share a group. Each joiner says which
 slices it holds (with its exchange fingerprint and hash for each) and, for a stage peer, its pipeline
-group. When the coordinator closes the formation it refuses
-members that hold another state of some slice than the majority (they catch up) and every stage peer
-of a pipeline group that is not complete in the formation (a group acts as one replica or not at all);
+group. When the coordinator closes the formation it refuses (``consensus.admit``)
+members that hold another state of some slice than the majority (they catch up), every stage peer
+of a pipeline group that is not complete in the formation (a group acts as one replica or not at all),
+and the holders of a slice that no member others can dial holds (it cannot be reduced);
 the answer lists which slices each member holds, so that every member cuts each slice among exactly
 its holders.
-
-A join request, a wire message (``swarm/wire.py``) with no payload::
-
-    {v, round, name, config, state, slices: {slice: [exchange fingerprint, hash]}, pipeline,
-     unreachable: [peer ids the joiner could not reach], tokens, dial_out, follows: group digest}
-
-answered ``{v, status: group, group_id, peers, holdings: {peer: [slices]}, pipelines: {peer: group},
-left_out: {peer: reason}, tokens: {peer: tokens}, dial_out: [peers]}``, ``{v, status: redirect, to}``, or
-``{v, status: late|banned|leaving, reason}``. A group lists every member, N entries in each of N answers: O(N^2)
-bytes at one coordinator a round (177 KB an answer at N = 1024). So a joiner names the group it follows (the one
-it applied its last round with, ``follow``) by its digest (``Group.digest``: its id and every member's entry), and
-where the coordinator follows that very version of it too it answers with the difference: ``{v, status: group,
-group_id, base: that group's digest, changed: {peer: {holdings, pipeline, tokens, dial_out}}, removed: [peers],
-left_out}``, the entries of the members that joined or changed and the ids of those that left, a few hundred bytes
-a round whatever N (``JoinAnswer.on``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
-import json
 import logging
 import secrets
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Annotated, Any
+from typing import Any
 
 from hivemind.p2p import P2P
-from pydantic import Field, model_validator
 
 from p2ploco import faults
 from p2ploco.collective.exchange import Failure
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.consensus import Ballot, contested, plurality, round_state
+from p2ploco.swarm.consensus import admit, contested, round_state
 from p2ploco.swarm.directory import PeerDirectory
-from p2ploco.swarm.messages import (
-    MAX_PEERS,
-    MAX_REASON,
-    MAX_SLICES,
-    Digest,
-    Message,
-    Name,
-    PeerId,
-    PeerIds,
-    Reason,
-    Round,
-    SliceName,
-    Tokens,
-    decode,
-    status_of,
-)
+from p2ploco.swarm.group import FormationKey, Group, GroupBook, Member
+from p2ploco.swarm.join import JOIN_FAILURES, JoinAnswer, JoinStatus, group_answer, parse_group, parse_join
+from p2ploco.swarm.messages import MAX_REASON, decode
 from p2ploco.swarm.records import PeerState
 
 logger = logging.getLogger(__name__)
 
-KEEP_PER_PEER = 16  # a group is remembered while it is among this many latest of one of its members' ...
-KEEP_SECONDS = 600.0  # ... and at most this long
 MAX_FORMING_PER_PEER = 4  # open formations at one coordinator a peer may be in at once (an overlapped round's next
 # one, Streaming DiLoCo's next fragment): more is junk, refused
 STRAGGLER_MISSES = 2  # formations a peer was expected in and never joined, after which it is not waited for
@@ -127,20 +88,6 @@ KEEP_ASKED_ROUNDS = 8  # rounds for which a coordinator remembers who asked to j
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
-MAX_LEFT_OUT = 256  # peers a group answer may list as left out
-
-
-class JoinStatus(enum.StrEnum):
-    GROUP = "group"  # the group formed: all-reduce with these peers
-    REDIRECT = "redirect"  # another peer coordinates this round
-    LATE = "late"  # the round started without the joiner: it applies nothing and catches up
-    LEFT_OUT = "left out"  # the joiner holds another state than the others, or its pipeline group is incomplete
-    BANNED = "banned"  # the coordinator caught the joiner sending malformed data; it sits this round out
-    LEAVING = "leaving"  # the coordinator is leaving and forms no new group
-
-
-JOIN_FAILURES = {JoinStatus.LATE: Failure.LATE, JoinStatus.LEFT_OUT: Failure.LEFT_OUT,
-                 JoinStatus.BANNED: Failure.REJECTED}
 
 
 def rendezvous(round_index: int, peer: str) -> bytes:
@@ -153,80 +100,6 @@ def rendezvous(round_index: int, peer: str) -> bytes:
 def best_coordinator(candidates: set[str], round_index: int) -> str:
     return min(candidates, key=lambda peer: rendezvous(round_index, peer))
 
-
-@dataclass(frozen=True)
-class Group:
-    group_id: str
-    round_index: int
-    name: str
-    peers: tuple[str, ...]  # canonical order: sorted peer ids
-    coordinator: str  # who formed the group; it also decides the round's outcome
-    attempt: int = 0  # 1 for the redo of a failed all-reduce among its survivors
-    holdings: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (peer, the slices it holds), in peer order
-    pipelines: tuple[tuple[str, str], ...] = ()  # (stage peer, its pipeline group), in peer order
-    left_out: tuple[tuple[str, str], ...] = ()  # (peer, why): joined or expected, and not in the group
-    tokens: tuple[tuple[str, int], ...] = ()  # (peer, tokens its contribution carries: its weight), in peer order
-    dial_out: tuple[str, ...] = ()  # members that can only dial out: they reduce no span
-
-    @cached_property
-    def digest(self) -> str:
-        """What a join names the group it follows by, and an answer relative to that group its base: a hash of the
-        id and of every member's entry (holdings, pipeline group, tokens, dial-out). A hostile coordinator may hand
-        its members versions of one group id that differ in some entry; named by its id alone, the next honest
-        coordinator answered relative to its own version, left the entries it did not change out, and the joiner
-        kept the hostile ones."""
-        return hashlib.sha256(json.dumps([self.group_id, _entries(self)], sort_keys=True).encode()).hexdigest()
-
-    def without(self) -> str:
-        """Who the coordinator left out and why, as a member logs it ("" if nobody)."""
-        return ", ".join(f"{peer[-8:]} ({why})" for peer, why in self.left_out)
-
-    def holders(self, slice_name: str) -> tuple[str, ...]:
-        """The members that hold ``slice_name``, in canonical order: each contributes to every span of it."""
-        return tuple(peer for peer, slices in self.holdings if slice_name in slices)
-
-    def reducers(self, slice_name: str) -> tuple[str, ...]:
-        """The holders of ``slice_name`` that others can dial, in canonical order: the i-th reduces span i. A
-        member that can only dial out sends its contributions and reads the results on streams it opened."""
-        return tuple(peer for peer in self.holders(slice_name) if peer not in self.dial_out)
-
-    def tokens_of(self) -> dict[str, int]:
-        """Each member's weight: the tokens its contribution carries."""
-        return dict(self.tokens)
-
-    def slices_of(self, peer: str) -> tuple[str, ...]:
-        return dict(self.holdings).get(peer, ())
-
-    def among(self, group_id: str, peers: tuple[str, ...], coordinator: str) -> Group:
-        """The redo of this round among ``peers`` (each keeps its holdings)."""
-        kept = set(peers)
-        return Group(group_id, self.round_index, self.name, tuple(sorted(kept)), coordinator, 1,
-                     tuple(h for h in self.holdings if h[0] in kept), tuple(p for p in self.pipelines if p[0] in kept),
-                     tokens=tuple(t for t in self.tokens if t[0] in kept),
-                     dial_out=tuple(p for p in self.dial_out if p in kept))
-
-    def whole_pipelines(self, peers: set[str]) -> set[str]:
-        """``peers`` less the stage peers of a pipeline group that is not whole among them."""
-        pipelines = dict(self.pipelines)
-        broken = {name for peer, name in self.pipelines if any(
-            other not in peers for other, other_name in self.pipelines if other_name == name)}
-        return {peer for peer in peers if pipelines.get(peer) not in broken}
-
-
-@dataclass(frozen=True)
-class Member:
-    """What a joiner says of itself: its slices (name -> (exchange fingerprint, hash)), pipeline group, the tokens
-    its contribution carries, and whether others can dial it (one that only dials out reduces no span)."""
-
-    slices: tuple[tuple[str, tuple[str, str]], ...]
-    pipeline: str = ""
-    tokens: int = 1
-    dial_out: bool = False
-    follows: str = ""  # the digest of the group it applied its last round with ("" if none): answered relative to it
-
-
-# round, all-reduce name, config fingerprint, digest of the state the round starts from (``consensus.round_state``)
-FormationKey = tuple[int, str, str, str]
 
 
 @dataclass
@@ -244,44 +117,6 @@ class _Formation:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
-
-class GroupBook:
-    """The groups this peer coordinated (and the redos it decided), by id and by formation: votes are judged
-    against them, and a straggler is told "late" (or, if it is a member whose answer was lost, given its group
-    again). A group is kept while it is among the KEEP_PER_PEER latest of some member's (and for at most
-    KEEP_SECONDS), so junk cannot push a real group out: a peer that opens formation after formation only ages
-    its own groups. (Only peers with a live record of the run may join at all: ``Matchmaker._refusal``.)"""
-
-    def __init__(self) -> None:
-        self._groups: dict[str, tuple[Group, float]] = {}  # group id -> (group, when it was added)
-        self._latest: dict[str, deque[str]] = {}  # peer -> the ids of its latest groups
-        self._closed: dict[FormationKey, str] = {}  # formation -> the group id it closed with
-
-    def add(self, group: Group, key: FormationKey | None = None) -> None:
-        """Remember ``group``; ``key``: the formation it closed (none for a redo)."""
-        now = time.monotonic()
-        self._groups[group.group_id] = (group, now)
-        for peer in group.peers:
-            self._latest.setdefault(peer, deque(maxlen=KEEP_PER_PEER)).append(group.group_id)
-        if key is not None:
-            self._closed[key] = group.group_id
-        kept = {gid for ids in self._latest.values() for gid in ids}
-        self._groups = {gid: entry for gid, entry in self._groups.items()
-                        if gid in kept and now - entry[1] < KEEP_SECONDS}
-        self._latest = {peer: ids for peer, ids in self._latest.items() if any(gid in self._groups for gid in ids)}
-        self._closed = {key: gid for key, gid in self._closed.items() if gid in self._groups}
-
-    def get(self, group_id: str) -> Group | None:
-        entry = self._groups.get(group_id)
-        return entry[0] if entry is not None else None
-
-    def closed(self, key: FormationKey) -> Group | None:
-        """The group formation ``key`` closed with, if this peer still remembers it."""
-        return self.get(self._closed[key]) if key in self._closed else None
-
-    def formations(self) -> dict[FormationKey, Group]:
-        """Every formation this peer remembers closing, and its group."""
-        return {key: self._groups[gid][0] for key, gid in self._closed.items()}
 
 
 class Matchmaker:
@@ -655,155 +490,3 @@ class Matchmaker:
                 self.bans.ban(peer, round_index, f"it did not join the last {BAN_MISSES} rounds its record claims")
                 del self._missed[peer], self._missed_round[peer]
 
-
-def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | None = None
-          ) -> tuple[dict[str, Member], dict[str, str]]:
-    """The members a closing formation keeps, and the others with the reason: for every slice, the (fingerprint,
-    hash) its members vote for (``consensus.plurality``), where a member is in good standing if it holds the hash
-    the records at this round chose (``recorded``: slice -> hash, ``consensus.round_state``: a member left out of
-    the last round, which publishes its state as unsettled, never outvotes those that applied it). So the records'
-    choice wins if some member holds it, and otherwise the value most members hold (ties to the greater); a member
-    that holds another one catches up instead. Then a pipeline group whose kept members do not bring all
-    ``stages`` slices is left out whole."""
-    recorded = recorded or {}
-    ballots: dict[str, list[Ballot[tuple[str, str]]]] = {}
-    for member in members.values():
-        for name, held in member.slices:
-            ballots.setdefault(name, []).append((held, held[1] == recorded.get(name)))
-    chosen = {name: plurality(votes) for name, votes in ballots.items()}
-    refused = {peer: f"it holds another state of {next(n for n, held in m.slices if chosen[n] != held)} than the "
-                     f"others: it catches up" for peer, m in members.items()
-               if any(chosen[name] != held for name, held in m.slices)}
-    kept = {peer: m for peer, m in members.items() if peer not in refused}
-    brought: dict[str, set[str]] = {}
-    for m in kept.values():
-        if m.pipeline:
-            brought.setdefault(m.pipeline, set()).update(name for name, _ in m.slices)
-    incomplete = {name for name, slices in brought.items() if len(slices) < stages}
-    for peer, m in list(kept.items()):
-        if m.pipeline in incomplete:
-            refused[peer] = f"its pipeline group {m.pipeline} did not bring all {stages} stages to this round"
-            del kept[peer]
-    # A slice needs a member others can dial to reduce it; members that only dial out cannot reduce for each other.
-    reducible = {name for m in kept.values() if not m.dial_out for name, _ in m.slices}
-    for peer, m in list(kept.items()):
-        unreduced = sorted(name for name, _ in m.slices if name not in reducible)
-        if unreduced:
-            refused[peer] = (f"no member that holds {unreduced[0]} can be dialled to reduce it (all of them are "
-                             f"behind NAT): it needs a public peer, or a relay")
-            del kept[peer]
-    return kept, refused
-
-
-class JoinRequest(Message):
-    round: Round
-    name: Name
-    config: Digest  # the joiner's config fingerprint
-    state: Digest  # the digest of the state the joiner starts the round from (``consensus.round_state``)
-    slices: Annotated[dict[SliceName, Annotated[list[Digest], Field(min_length=2, max_length=2)]],
-                      Field(min_length=1, max_length=MAX_SLICES)]  # slice -> [exchange fingerprint, hash]
-    pipeline: Name
-    unreachable: PeerIds
-    tokens: Tokens  # what the joiner trained for its contribution: its weight in the round's mean
-    dial_out: bool  # others cannot dial the joiner (it is behind NAT): it reduces no span
-    follows: Digest = ""  # Group.digest of the group the joiner applied its last round with ("": answered in full)
-
-
-class MemberEntry(Message):
-    """One member's entry in a group answer given relative to another group."""
-
-    holdings: Annotated[list[SliceName], Field(min_length=1, max_length=MAX_SLICES)]
-    pipeline: Name
-    tokens: Tokens
-    dial_out: bool
-
-
-class JoinAnswer(Message):
-    status: status_of(JoinStatus)
-    reason: Reason = ""
-    to: PeerId = ""  # with redirect
-    group_id: Digest = ""  # with group, and the members' holdings and pipeline groups, and whom it leaves out
-    peers: PeerIds = []
-    holdings: Annotated[dict[PeerId, Annotated[list[SliceName], Field(min_length=1, max_length=MAX_SLICES)]],
-                        Field(max_length=MAX_PEERS)] = {}
-    pipelines: Annotated[dict[PeerId, Name], Field(max_length=MAX_PEERS)] = {}
-    left_out: Annotated[dict[PeerId, Reason], Field(max_length=MAX_LEFT_OUT)] = {}
-    tokens: Annotated[dict[PeerId, Tokens], Field(max_length=MAX_PEERS)] = {}
-    dial_out: PeerIds = []
-    base: Digest = ""  # a group given relative to the group of this digest (``on``): its members' changes follow
-    changed: Annotated[dict[PeerId, MemberEntry], Field(max_length=MAX_PEERS)] = {}
-    removed: PeerIds = []
-
-    @model_validator(mode="after")
-    def _complete(self) -> JoinAnswer:
-        if self.status == JoinStatus.REDIRECT and not self.to:
-            raise ValueError("a redirect names no peer")
-        if self.base and (self.status != JoinStatus.GROUP or self.peers or self.holdings or self.pipelines
-                          or self.tokens or self.dial_out):
-            raise ValueError("an answer relative to another group that is no group, or lists members in full")
-        if self.status == JoinStatus.GROUP and not self.base:
-            if not self.group_id or not self.peers:
-                raise ValueError("a group without id or members")
-            if set(self.holdings) != set(self.peers):
-                raise ValueError("a group whose holdings do not list the slices of every member")
-            if not set(self.pipelines) <= set(self.peers) or set(self.left_out) & set(self.peers):
-                raise ValueError("a group whose pipeline groups name non-members, or that leaves out members")
-            if set(self.tokens) != set(self.peers) or not set(self.dial_out) <= set(self.peers):
-                raise ValueError("a group whose tokens do not list every member, or whose dial-out peers are not "
-                                 "members")
-        return self
-
-    def on(self, base: Group | None) -> JoinAnswer:
-        """This answer with every member listed: as it is, or applied to ``base``, the group the joiner named
-        (PayloadError if it is relative to another one, or makes a group that does not hold together)."""
-        if not self.base:
-            return self
-        if base is None or self.base != base.digest:
-            raise PayloadError("a group relative to another group (or version of it) than the one this peer follows")
-        entries = {peer: entry for peer, entry in _entries(base).items() if peer not in self.removed}
-        entries.update((peer, entry.model_dump()) for peer, entry in self.changed.items())
-        peers = sorted(entries)
-        return decode(JoinAnswer, {
-            "status": JoinStatus.GROUP.value, "group_id": self.group_id, "peers": peers,
-            "holdings": {p: entries[p]["holdings"] for p in peers}, "left_out": dict(self.left_out),
-            "pipelines": {p: entries[p]["pipeline"] for p in peers if entries[p]["pipeline"]},
-            "tokens": {p: entries[p]["tokens"] for p in peers},
-            "dial_out": [p for p in peers if entries[p]["dial_out"]]})
-
-
-def _entries(group: Group) -> dict[str, dict[str, Any]]:
-    """Each member's entry in ``group``: what a group answer says of it."""
-    holdings, pipelines, tokens = dict(group.holdings), dict(group.pipelines), dict(group.tokens)
-    return {peer: {"holdings": list(holdings[peer]), "pipeline": pipelines.get(peer, ""), "tokens": tokens[peer],
-                   "dial_out": peer in group.dial_out} for peer in group.peers}
-
-
-def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]:
-    """A join request's formation key, the peers the joiner could not reach, and what the joiner holds;
-    PayloadError if malformed."""
-    join = decode(JoinRequest, request)
-    member = Member(tuple(sorted((k, (v[0], v[1])) for k, v in join.slices.items())), join.pipeline, join.tokens,
-                    join.dial_out, join.follows)
-    return (join.round, join.name, join.config, join.state), set(join.unreachable), member
-
-
-def group_answer(group: Group, base: Group | None = None, follows: str = "") -> dict[str, Any]:
-    """The answer that gives a joiner ``group``: relative to ``base`` (the group this coordinator follows) if the
-    joiner follows that very version of it (``follows``: its ``Group.digest``), else in full."""
-    if base is not None and base.digest == follows:
-        entries, before = _entries(group), _entries(base)
-        return {"status": JoinStatus.GROUP, "group_id": group.group_id, "base": base.digest,
-                "changed": {peer: entry for peer, entry in entries.items() if before.get(peer) != entry},
-                "removed": sorted(set(before) - set(entries)), "left_out": dict(group.left_out)}
-    return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers),
-            "holdings": {peer: list(slices) for peer, slices in group.holdings}, "pipelines": dict(group.pipelines),
-            "left_out": dict(group.left_out), "tokens": dict(group.tokens), "dial_out": list(group.dial_out)}
-
-
-def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: str) -> Group:
-    """The group in a coordinator's answer (its status is ``group``)."""
-    return Group(answer.group_id, round_index, name, tuple(answer.peers), coordinator, 0,
-                 tuple((p, tuple(sorted(set(answer.holdings[p])))) for p in answer.peers),
-                 tuple((p, answer.pipelines[p]) for p in answer.peers if p in answer.pipelines),
-                 tuple(sorted(answer.left_out.items())), tuple((p, answer.tokens[p]) for p in answer.peers),
-                 tuple(answer.dial_out))

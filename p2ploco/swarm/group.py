@@ -1,0 +1,149 @@
+"""A group: the peers that all-reduce together in one round, as the coordinator that formed it decided.
+
+Every peer of a run must average with the same peers in a round, or their global parameters part ways, so a group
+is one decision (``swarm/matchmaker.py``) that each of its members holds alike: its id, the members in canonical
+order, and for each member the parameter slices it holds (it contributes to every span of them), its pipeline
+group if it is a stage peer, the tokens its contribution carries (its weight in the round's mean), and whether
+others can dial it (one that only dials out reduces no span). It also lists the peers that joined or were expected
+and are not in it, and why: a group smaller than that is the coordinator's decision, never an accident. The
+all-reduce (``swarm/allreduce.py``) cuts each slice among its holders by it, and its coordinator judges the members'
+commit votes against it (``swarm/commit.py``).
+
+A peer that coordinates remembers the groups it formed in its ``GroupBook``, by id and by the formation they closed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+KEEP_PER_PEER = 16  # a group is remembered while it is among this many latest of one of its members' ...
+KEEP_SECONDS = 600.0  # ... and at most this long
+
+
+@dataclass(frozen=True)
+class Group:
+    """The peers that all-reduce together in one round (or, with ``attempt`` 1, in the redo among its survivors)."""
+
+    group_id: str
+    round_index: int
+    name: str
+    peers: tuple[str, ...]  # canonical order: sorted peer ids
+    coordinator: str  # who formed the group; it also decides the round's outcome
+    attempt: int = 0  # 1 for the redo of a failed all-reduce among its survivors
+    holdings: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (peer, the slices it holds), in peer order
+    pipelines: tuple[tuple[str, str], ...] = ()  # (stage peer, its pipeline group), in peer order
+    left_out: tuple[tuple[str, str], ...] = ()  # (peer, why): joined or expected, and not in the group
+    tokens: tuple[tuple[str, int], ...] = ()  # (peer, tokens its contribution carries: its weight), in peer order
+    dial_out: tuple[str, ...] = ()  # members that can only dial out: they reduce no span
+
+    @cached_property
+    def digest(self) -> str:
+        """What a join names the group it follows by, and an answer relative to that group its base: a hash of the
+        id and of every member's entry (holdings, pipeline group, tokens, dial-out). A hostile coordinator may hand
+        its members versions of one group id that differ in some entry; named by its id alone, the next honest
+        coordinator answered relative to its own version, left the entries it did not change out, and the joiner
+        kept the hostile ones."""
+        return hashlib.sha256(json.dumps([self.group_id, self.entries()], sort_keys=True).encode()).hexdigest()
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """Each member's entry: what a group answer says of it (``swarm/join.py``), and what ``digest`` hashes."""
+        holdings, pipelines, tokens = dict(self.holdings), dict(self.pipelines), dict(self.tokens)
+        return {peer: {"holdings": list(holdings[peer]), "pipeline": pipelines.get(peer, ""), "tokens": tokens[peer],
+                       "dial_out": peer in self.dial_out} for peer in self.peers}
+
+    def without(self) -> str:
+        """Who the coordinator left out and why, as a member logs it ("" if nobody)."""
+        return ", ".join(f"{peer[-8:]} ({why})" for peer, why in self.left_out)
+
+    def holders(self, slice_name: str) -> tuple[str, ...]:
+        """The members that hold ``slice_name``, in canonical order: each contributes to every span of it."""
+        return tuple(peer for peer, slices in self.holdings if slice_name in slices)
+
+    def reducers(self, slice_name: str) -> tuple[str, ...]:
+        """The holders of ``slice_name`` that others can dial, in canonical order: the i-th reduces span i. A
+        member that can only dial out sends its contributions and reads the results on streams it opened."""
+        return tuple(peer for peer in self.holders(slice_name) if peer not in self.dial_out)
+
+    def tokens_of(self) -> dict[str, int]:
+        """Each member's weight: the tokens its contribution carries."""
+        return dict(self.tokens)
+
+    def slices_of(self, peer: str) -> tuple[str, ...]:
+        return dict(self.holdings).get(peer, ())
+
+    def among(self, group_id: str, peers: tuple[str, ...], coordinator: str) -> Group:
+        """The redo of this round among ``peers`` (each keeps its holdings)."""
+        kept = set(peers)
+        return Group(group_id, self.round_index, self.name, tuple(sorted(kept)), coordinator, 1,
+                     tuple(h for h in self.holdings if h[0] in kept), tuple(p for p in self.pipelines if p[0] in kept),
+                     tokens=tuple(t for t in self.tokens if t[0] in kept),
+                     dial_out=tuple(p for p in self.dial_out if p in kept))
+
+    def whole_pipelines(self, peers: set[str]) -> set[str]:
+        """``peers`` less the stage peers of a pipeline group that is not whole among them."""
+        pipelines = dict(self.pipelines)
+        broken = {name for peer, name in self.pipelines if any(
+            other not in peers for other, other_name in self.pipelines if other_name == name)}
+        return {peer for peer in peers if pipelines.get(peer) not in broken}
+
+
+@dataclass(frozen=True)
+class Member:
+    """What a joiner says of itself: its slices (name -> (exchange fingerprint, hash)), pipeline group, the tokens
+    its contribution carries, and whether others can dial it (one that only dials out reduces no span)."""
+
+    slices: tuple[tuple[str, tuple[str, str]], ...]
+    pipeline: str = ""
+    tokens: int = 1
+    dial_out: bool = False
+    follows: str = ""  # the digest of the group it applied its last round with ("" if none): answered relative to it
+
+
+# A formation, the joins a coordinator gathers into one group, is named by the round, the all-reduce's name, the
+# config fingerprint and the digest of the state the round starts from (``consensus.round_state``).
+FormationKey = tuple[int, str, str, str]
+
+
+class GroupBook:
+    """The groups this peer coordinated (and the redos it decided), by id and by formation: votes are judged
+    against them, and a straggler is told "late" (or, if it is a member whose answer was lost, given its group
+    again). A group is kept while it is among the KEEP_PER_PEER latest of some member's (and for at most
+    KEEP_SECONDS), so junk cannot push a real group out: a peer that opens formation after formation only ages
+    its own groups. (Only peers with a live record of the run may join at all: ``Matchmaker._refusal``.)"""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, tuple[Group, float]] = {}  # group id -> (group, when it was added)
+        self._latest: dict[str, deque[str]] = {}  # peer -> the ids of its latest groups
+        self._closed: dict[FormationKey, str] = {}  # formation -> the group id it closed with
+
+    def add(self, group: Group, key: FormationKey | None = None) -> None:
+        """Remember ``group``; ``key``: the formation it closed (none for a redo)."""
+        now = time.monotonic()
+        self._groups[group.group_id] = (group, now)
+        for peer in group.peers:
+            self._latest.setdefault(peer, deque(maxlen=KEEP_PER_PEER)).append(group.group_id)
+        if key is not None:
+            self._closed[key] = group.group_id
+        kept = {gid for ids in self._latest.values() for gid in ids}
+        self._groups = {gid: entry for gid, entry in self._groups.items()
+                        if gid in kept and now - entry[1] < KEEP_SECONDS}
+        self._latest = {peer: ids for peer, ids in self._latest.items() if any(gid in self._groups for gid in ids)}
+        self._closed = {key: gid for key, gid in self._closed.items() if gid in self._groups}
+
+    def get(self, group_id: str) -> Group | None:
+        entry = self._groups.get(group_id)
+        return entry[0] if entry is not None else None
+
+    def closed(self, key: FormationKey) -> Group | None:
+        """The group formation ``key`` closed with, if this peer still remembers it."""
+        return self.get(self._closed[key]) if key in self._closed else None
+
+    def formations(self) -> dict[FormationKey, Group]:
+        """Every formation this peer remembers closing, and its group."""
+        return {key: self._groups[gid][0] for key, gid in self._closed.items()}
