@@ -134,7 +134,9 @@ def node() -> None:
               help="Multiaddr of a peer of the swarm (repeatable); without it this node starts a new swarm.")
 @with_swarm_options
 @click.option("--run-id", help="Name of the training run (overrides run_id).")
-@click.option("--max-rounds", type=click.IntRange(min=1), help="The run's length: stop before round N, counted from the run's start, not from this peer's join (sets training.rounds).")
+@click.option("--max-rounds", type=click.IntRange(min=1),
+              help="The run's length: stop before round N, counted from the run's start, not from this peer's "
+                   "join (sets training.rounds).")
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Where metrics.jsonl goes [runs/RUN/PEER].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config key, e.g. --set inner.lr=3e-4 (repeatable).")
