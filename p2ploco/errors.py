@@ -1,4 +1,9 @@
-"""Errors that reach a person: each carries one line that says what is wrong and how to fix it."""
+"""The two kinds of error p2ploco raises.
+
+``P2PLocoError`` and its subclasses reach a person: each carries one line that says what is wrong and how to fix
+it. ``ProtocolError`` and its subclasses are about another peer: what it sent, or how the link to it behaved.
+The code that talks to that peer handles them (drops, bans, misses or asks again), and turns one that decides this
+node's fate into a ``P2PLocoError`` that says so (a status endpoint that answers garbage: ``SwarmError``)."""
 
 
 class P2PLocoError(Exception):
@@ -13,16 +18,6 @@ class SwarmError(P2PLocoError):
     """The swarm cannot be reached or joined (bad address, unreachable bootstrap, identity taken)."""
 
 
-class PayloadError(P2PLocoError):
-    """A message from another peer is malformed (it broke the protocol): its sender is dropped from the round,
-    and may be banned for it."""
-
-
-class TransportError(P2PLocoError):
-    """The link to another peer failed: it could not be dialled, or a stream broke or ended mid-message. Nobody's
-    content was at fault and nobody is banned for it: the peer may have crashed, or its link failed for a moment."""
-
-
 class TrainingError(P2PLocoError):
     """This node's own training went wrong (e.g. a pseudo-gradient with NaN after divergence)."""
 
@@ -33,6 +28,20 @@ class CheckpointError(P2PLocoError):
 
 class PipelineError(P2PLocoError):
     """A pipeline group could not finish a step: a stage did not answer in time or sent a malformed message."""
+
+
+class ProtocolError(Exception):
+    """Base class of what another peer sent or how the link to it behaved; the code that talks to it handles it."""
+
+
+class PayloadError(ProtocolError):
+    """A message from another peer is malformed (it broke the protocol): its sender is dropped from the round,
+    and may be banned for it."""
+
+
+class TransportError(ProtocolError):
+    """The link to another peer failed: it could not be dialled, or a stream broke or ended mid-message. Nobody's
+    content was at fault and nobody is banned for it: the peer may have crashed, or its link failed for a moment."""
 
 
 MAX_SHOWN = 1000  # characters of someone else's text that one log line or terminal cell shows
