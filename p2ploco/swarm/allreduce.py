@@ -73,7 +73,6 @@ from p2ploco import faults
 from p2ploco.collective.exchange import (
     AllReduceStats,
     Exchange,
-    Failure,
     Receipt,
     Span,
     SpanReduction,
@@ -83,7 +82,7 @@ from p2ploco.collective.exchange import (
 )
 from p2ploco.collective.robust import OpposedResult
 from p2ploco.collective.sliced import SlicedExchange
-from p2ploco.errors import PayloadError, ProtocolError, TransportError
+from p2ploco.errors import Failure, PayloadError, ProtocolError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.deadlines import TransferDeadline

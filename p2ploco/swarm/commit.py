@@ -52,8 +52,7 @@ from hivemind.p2p import P2P
 from pydantic import model_validator
 
 from p2ploco import faults
-from p2ploco.collective.exchange import Failure
-from p2ploco.errors import PayloadError, TransportError
+from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.consensus import Ballot, plurality
 from p2ploco.swarm.messages import Digest, Digests, Message, PeerIds, Reason, decode, status_of

@@ -91,8 +91,7 @@ from hivemind.p2p import P2P
 from pydantic import Field, model_validator
 
 from p2ploco import faults
-from p2ploco.collective.exchange import Failure
-from p2ploco.errors import PayloadError, TransportError
+from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import Ballot, contested, plurality, round_state

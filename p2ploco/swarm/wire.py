@@ -49,8 +49,7 @@ import msgpack
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 
 from p2ploco import PROTOCOL_VERSION
-from p2ploco.collective.exchange import Failure
-from p2ploco.errors import PayloadError, TransportError
+from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm.messages import MAX_PEER_ID
 
 PREFIX = struct.Struct(">IQ")
