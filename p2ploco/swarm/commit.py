@@ -138,17 +138,9 @@ class RoundCommit:
 
     async def _serve_vote(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         voter = str(stream_info.peer_id)
-        try:
+        async with wire.serving(logger, "vote", voter, reader, writer, self.timeout):
             request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.timeout)
             await wire.write_message(writer, await self._decide_here(voter, request))
-        except PayloadError as e:  # a malformed vote
-            logger.info(f"malformed vote from {voter[-8:]}: {e}")
-        except (TransportError, TimeoutError) as e:  # the voter went away, or never finished voting
-            logger.info(f"vote from {voter[-8:]} broke off: {e!r}")
-        except Exception:  # a bug: keep serving votes, and say where it is
-            logger.exception(f"vote from {voter[-8:]} failed unexpectedly")
-        finally:
-            await wire.hang_up(reader, writer, self.timeout)
 
     async def _decide_here(self, voter: str, request: dict[str, Any]) -> dict[str, Any]:
         group_id, vote, digests, drops = parse_vote(request)
