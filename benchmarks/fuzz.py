@@ -9,7 +9,8 @@ up to 1100 levels deep in one or two of its fields, and read it off a stream as 
 node's endpoint serves (``swarm/status.py``) is fuzzed as the client reads it (``monitor.parse_answer``): the
 real answer mutated, its JSON document or its record with fields replaced by any JSON value (huge integers such
 as 10**400, lists nested up to 3000 deep), or any bytes; only SwarmError may come out. A target
-passes a case if it returns or raises a P2PLocoError (PayloadError: "this peer sent garbage"); anything else
+passes a case if it returns or raises one of the project's errors (a ProtocolError such as PayloadError: "this
+peer sent garbage"; a P2PLocoError such as the status client's SwarmError); anything else
 (IndexError, struct.error, a numpy or safetensors error, ...) would be a crash or a catch-all's job,
 and is counted and shown.
 
@@ -51,7 +52,7 @@ from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
-from p2ploco.errors import P2PLocoError
+from p2ploco.errors import P2PLocoError, ProtocolError
 from p2ploco.monitor import Survey, parse_answer, status_answer
 from p2ploco.pipeline.links import Schedule, StageLinks, StageLinkServer
 from p2ploco.swarm import wire
@@ -460,7 +461,7 @@ def fuzz(target: Target, cases: int, random_seed: int | None = None) -> None:
         target.cases += 1
         try:
             target.run(data)
-        except P2PLocoError:
+        except (P2PLocoError, ProtocolError):
             pass
         except Exception as e:  # what this tool is looking for: counted, the first of each kind kept
             kind = f"{type(e).__name__}: {str(e)[:80]}"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
@@ -148,7 +149,7 @@ def load(directory: Path, run_id: str | None, fingerprint: str | None) -> Checkp
         raise CheckpointError(f"checkpoint file {directory / name} is corrupt (checksum mismatch)")
     try:
         tensors = load_tensors(data)
-    except Exception as e:  # safetensors raises its own error types on malformed files
+    except (SafetensorError, ValueError, TypeError, OverflowError) as e:  # what safetensors raises on garbage
         raise CheckpointError(f"checkpoint file {directory / name} is corrupt ({e})") from None
     sections: dict[str, dict[str, torch.Tensor]] = {s: {} for s in SECTIONS}
     for key, tensor in tensors.items():

@@ -23,18 +23,20 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 import click  # noqa: E402
 
 from p2ploco import __version__  # noqa: E402
-from p2ploco.errors import ConfigError, P2PLocoError, SwarmError  # noqa: E402
+from p2ploco.errors import ConfigError, P2PLocoError, ProtocolError, SwarmError  # noqa: E402
 from p2ploco.swarm import DEFAULT_HOST_MADDRS  # noqa: E402
 
 
 def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn P2PLocoError into ``error: message`` and exit code 2 (bad input) or 1 (swarm trouble)."""
+    """Turn P2PLocoError into ``error: message`` and exit code 2 (bad input) or 1 (swarm trouble). A
+    ProtocolError is handled where the peer it is about is talked to; one that gets this far is shown the same
+    way, as swarm trouble, rather than as a traceback."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except P2PLocoError as e:
+        except (P2PLocoError, ProtocolError) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2 if isinstance(e, ConfigError) else 1)
 

@@ -63,7 +63,7 @@ class RoundRecord:
     fragment_bytes: list[int] = field(default_factory=list)
     peak_sync_bytes: int = 0  # the largest of them: what one sync asks of the link at once
     attempts: int = 1  # butterflies the round's all-reduce ran: 2 when it was redone
-    failures: dict[str, int] = field(default_factory=dict)  # what went wrong for this node, by kind (exchange.Failure)
+    failures: dict[str, int] = field(default_factory=dict)  # what went wrong for this node, by kind (errors.Failure)
 
     @staticmethod
     def utilisation(inner_seconds: float, previous: Sequence[RoundRecord], started: float) -> float:

@@ -115,7 +115,7 @@ class Node:
             swarm = self.swarm = Swarm.join(c.run_id, c.swarm, fingerprint, **asdict(self.options),
                                             role=self.role_options.kind, stages=c.pipeline.stages,
                                             round_tokens=c.round_tokens)
-        except BaseException:
+        except BaseException:  # interrupted too: the status port is free again for the next start
             if status is not None:
                 status[0].close()
             raise

@@ -117,8 +117,7 @@ def lie_about_the_round(claimed: int, start: int) -> None:
 
 
 def send_bad_headers(start: int) -> None:
-    from p2ploco.collective.exchange import Failure
-    from p2ploco.errors import PayloadError, TransportError
+    from p2ploco.errors import Failure, PayloadError, TransportError
     from p2ploco.swarm import wire
     from p2ploco.swarm.allreduce import ButterflyAllReduce, DroppedFromRound
 

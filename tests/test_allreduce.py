@@ -15,7 +15,7 @@ from hivemind.p2p import P2P, PeerID
 from p2ploco.budget import StepTimes, WallClockBudget
 from p2ploco.collective import exchange as exchange_module
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
-from p2ploco.collective.exchange import AllReduceStats, Failure, partition, pieces
+from p2ploco.collective.exchange import AllReduceStats, partition, pieces
 from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import as_sliced
@@ -24,7 +24,7 @@ from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import SwarmConfig
-from p2ploco.errors import PayloadError
+from p2ploco.errors import Failure, PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import ReduceStatus
 from p2ploco.swarm.group import Group

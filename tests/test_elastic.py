@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from p2ploco.collective.exchange import Failure
+from p2ploco.errors import Failure
 from p2ploco.launch import TINY_CONFIG, LocalSwarm
 
 FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=4",

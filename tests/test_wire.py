@@ -7,8 +7,7 @@ import pytest
 from hivemind.p2p import P2P
 
 from p2ploco import PROTOCOL_VERSION
-from p2ploco.collective.exchange import Failure
-from p2ploco.errors import PayloadError, TransportError
+from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.loop import EventLoopThread
 

@@ -9,7 +9,6 @@ combine / receive code, so what a test measures in process is what the swarm doe
 
 from __future__ import annotations
 
-import enum
 import math
 import struct
 import threading
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2ploco.collective import robust
-from p2ploco.errors import PayloadError
+from p2ploco.errors import Failure, PayloadError
 
 if TYPE_CHECKING:  # a round's slices, each an exchange: only named here
     from p2ploco.collective.sliced import SlicedExchange
@@ -206,27 +205,6 @@ def reduce_span(exchange: Exchange, span: Span, contributions: Sequence[tuple[st
     return SpanReduction(exchange.combine(span, [parsed[i] for i in kept], factors), [senders[i] for i in kept],
                          [norms[i] for i in kept], weights, rejected, [senders[kept[i]] for i in clipped],
                          [senders[i] for i in sorted(against)])
-
-
-class Failure(enum.StrEnum):
-    """What went wrong for a peer in a round. Its record counts them by kind (``RoundRecord.failures``), and
-    ``benchmarks/soak.py`` sums them over a run."""
-
-    STREAM_CLOSED = "stream closed"  # a stream ended mid-message
-    STREAM_BROKE = "stream broke"  # a stream was reset, or broke while written
-    UNREACHABLE = "unreachable"  # no stream to a peer could be opened
-    TIMEOUT = "timeout"  # a peer did not send or answer in time
-    MALFORMED = "malformed"  # a peer sent what breaks the protocol (it is banned)
-    REJECTED = "rejected"  # a reducer refused this peer's contribution as malformed: it was out of the round
-    MISSED = "missed"  # a reducer went on without this peer's contribution (its link failed, or it was too late)
-    OPPOSED = "opposed"  # a reducer left this peer's contribution out: it pointed against the others'
-    LATE = "late"  # the group had started without this peer
-    LEFT_OUT = "left out"  # the coordinator left this peer out: another state than the others', or a pipeline
-    # group that did not bring every stage
-    SMALLER_GROUP = "smaller group"  # the coordinator closed the group without some peers that were expected
-    NO_DECISION = "no decision"  # the coordinator's decision on the round never reached this peer
-    ABORTED = "aborted"  # the coordinator dropped the round for everyone
-    ALONE = "alone"  # this peer could not join the others working on the round: it applied nothing
 
 
 @dataclass

@@ -64,7 +64,9 @@ class HuggingFaceTokenizer:
                               f"(or train one: p2ploco data train-tokenizer)")
         try:
             self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as e:  # the library raises bare Exception for every parse error
+        except Exception as e:  # the library raises bare Exception for every parse error; a subclass is no parse error
+            if type(e) is not Exception:
+                raise
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(f"tokenizer file {path} is not a Hugging Face tokenizer.json ({reason})") from None
         specials = {token.content: token_id for token_id, token in self.tokenizer.get_added_tokens_decoder().items()}

@@ -102,7 +102,7 @@ class InProcessSwarm:
                         if finished.wait() == 0:
                             after_round(r)
                         checked.wait()
-            except BaseException:
+            except BaseException:  # the other replicas' threads must not wait on this one forever
                 for waiting in (group, finished, checked, *self.pipes):
                     waiting.abort()
                 raise

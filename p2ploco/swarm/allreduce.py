@@ -73,7 +73,6 @@ from p2ploco import faults
 from p2ploco.collective.exchange import (
     AllReduceStats,
     Exchange,
-    Failure,
     Receipt,
     Span,
     SpanReduction,
@@ -83,7 +82,7 @@ from p2ploco.collective.exchange import (
 )
 from p2ploco.collective.robust import OpposedResult
 from p2ploco.collective.sliced import SlicedExchange
-from p2ploco.errors import PayloadError, TransportError
+from p2ploco.errors import Failure, PayloadError, ProtocolError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.deadlines import TransferDeadline
@@ -113,7 +112,7 @@ class ReduceStatus(enum.StrEnum):
     MISSED = "missed"  # the sender's contribution is not in the aggregate: its link failed, or it came too late
 
 
-class AllReduceError(Exception):
+class AllReduceError(ProtocolError):
     """This peer could not obtain the aggregate of some span; the round's all-reduce failed for it.
     ``failure``: what went wrong, as the round's record counts it."""
 

@@ -52,8 +52,7 @@ from hivemind.p2p import P2P
 from pydantic import model_validator
 
 from p2ploco import faults
-from p2ploco.collective.exchange import Failure
-from p2ploco.errors import PayloadError, TransportError
+from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.consensus import Ballot, plurality
 from p2ploco.swarm.group import Group, GroupBook
@@ -139,17 +138,9 @@ class RoundCommit:
 
     async def _serve_vote(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         voter = str(stream_info.peer_id)
-        try:
+        async with wire.serving(logger, "vote", voter, reader, writer, self.timeout):
             request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.timeout)
             await wire.write_message(writer, await self._decide_here(voter, request))
-        except PayloadError as e:  # a malformed vote
-            logger.info(f"malformed vote from {voter[-8:]}: {e}")
-        except (TransportError, TimeoutError) as e:  # the voter went away, or never finished voting
-            logger.info(f"vote from {voter[-8:]} broke off: {e!r}")
-        except Exception:  # a bug: keep serving votes, and say where it is
-            logger.exception(f"vote from {voter[-8:]} failed unexpectedly")
-        finally:
-            await wire.hang_up(reader, writer, self.timeout)
 
     async def _decide_here(self, voter: str, request: dict[str, Any]) -> dict[str, Any]:
         group_id, vote, digests, drops = parse_vote(request)

@@ -20,11 +20,10 @@ from p2ploco.collective.exchange import (
     AllReduceStats,
     Communicator,
     Exchange,
-    Failure,
     PendingAllReduce,
 )
 from p2ploco.collective.sliced import SlicedExchange, as_sliced, reduce_alone
-from p2ploco.errors import PayloadError, TrainingError
+from p2ploco.errors import Failure, PayloadError, TrainingError
 from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedFromRound
 from p2ploco.swarm.commit import Outcome, RoundCommit, Vote
 from p2ploco.swarm.group import Group

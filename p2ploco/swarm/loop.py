@@ -29,7 +29,7 @@ class EventLoopThread:
         future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
         try:
             return future.result(timeout)
-        except BaseException:
+        except BaseException:  # a timeout or an interrupt here must not leave the coroutine running on the loop
             future.cancel()
             raise
 

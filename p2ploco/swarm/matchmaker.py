@@ -67,8 +67,7 @@ from typing import Any
 from hivemind.p2p import P2P
 
 from p2ploco import faults
-from p2ploco.collective.exchange import Failure
-from p2ploco.errors import PayloadError, TransportError
+from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import admit, contested, round_state
@@ -307,18 +306,11 @@ class Matchmaker:
 
     async def _serve_join(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = str(stream_info.peer_id)
-        try:
+        # a join that broke off is asked again: worth a debug line only
+        async with wire.serving(logger, "join request", sender, reader, writer, self.timeout, logging.DEBUG):
             request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.timeout)
             response = await self._join_here(sender, request)
             await wire.write_message(writer, response)
-        except PayloadError as e:
-            logger.info(f"bad join request from {sender[-8:]}: {e}")
-        except (TransportError, TimeoutError) as e:  # the joiner went away (or never finished asking); it asks again
-            logger.debug(f"join request from {sender[-8:]} broke off: {e!r}")
-        except Exception:  # a bug: keep serving joins, and say where it is
-            logger.exception(f"join request from {sender[-8:]} failed unexpectedly")
-        finally:
-            await wire.hang_up(reader, writer, self.timeout)
 
     async def _join_here(self, sender: str, request: dict[str, Any]) -> dict[str, Any]:
         key, unreachable, member = parse_join(request)

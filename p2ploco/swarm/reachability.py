@@ -155,7 +155,7 @@ class DialBack:
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = str(stream_info.peer_id)
-        try:
+        async with wire.serving(logger, "dial-back request", sender, reader, writer, ASK_TIMEOUT, logging.DEBUG):
             header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), ASK_TIMEOUT)
             request = decode(DialBackRequest, header)
             host = ip_host(stream_info.addr)
@@ -168,12 +168,6 @@ class DialBack:
             else:
                 logger.debug(f"not dialling {sender[-8:]} back: {refusal}")
             await wire.write_message(writer, answer)
-        except PayloadError as e:
-            logger.info(f"bad dial-back request from {sender[-8:]}: {e}")
-        except (TransportError, TimeoutError) as e:
-            logger.debug(f"dial-back request from {sender[-8:]} broke off: {e!r}")
-        finally:
-            await wire.hang_up(reader, writer, ASK_TIMEOUT)
 
 
 def ip_host(address: Multiaddr) -> str | None:

@@ -116,7 +116,7 @@ class Swarm:
 
         try:
             return loop.run(start())
-        except BaseException:
+        except BaseException:  # interrupted too: no loop thread or identity lock outlives a failed join
             loop.stop()
             identity.release()
             raise

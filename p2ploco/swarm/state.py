@@ -138,7 +138,8 @@ class StateServer:
             self.snapshots.popitem(last=False)
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
+        async with wire.serving(logger, "state request", str(stream_info.peer_id), reader, writer,
+                                self.deadline.seconds(PART_BYTES)):
             header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.deadline.base)
             request = decode(StateRequest, header)
             rounds = [r for r, held in self.snapshots.items() if request.slice in held]
@@ -162,14 +163,6 @@ class StateServer:
             answer = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": len(blob),
                       "state_sha256": snapshot.state_sha256}
             await asyncio.wait_for(wire.write_message(writer, answer, payload), self.deadline.seconds(len(payload)))
-        except PayloadError as e:  # a bad request never hurts the donor
-            logger.info(f"malformed state request from {str(stream_info.peer_id)[-8:]}: {e}")
-        except (TransportError, TimeoutError) as e:  # nor a vanished joiner
-            logger.info(f"state request from {str(stream_info.peer_id)[-8:]} broke off: {e!r}")
-        except Exception:  # a bug: keep serving, and say where it is
-            logger.exception(f"state request from {str(stream_info.peer_id)[-8:]} failed unexpectedly")
-        finally:
-            await wire.hang_up(reader, writer, self.deadline.seconds(PART_BYTES))
 
 
 class StateRequest(Message):

@@ -34,23 +34,24 @@ bytes)", "payload truncated: 0 of 4386 bytes". Closing with unread input left in
 daemon reset the stream the same way, every time (``tests/test_wire.py`` shows it). Hence: a caller
 (``call``) writes its request, reads the whole answer and then closes; the side that answered waits for
 that close, reading and dropping whatever the caller still sends, before it closes its own end
-(``hang_up``). Nothing written is then ever in flight when a stream ends.
+(``hang_up``). Nothing written is then ever in flight when a stream ends. A handler that answers one request
+does so inside ``serving``, which hangs up after it and logs what the requester did wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import msgpack
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 
 from p2ploco import PROTOCOL_VERSION
-from p2ploco.collective.exchange import Failure
-from p2ploco.errors import PayloadError, TransportError
+from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm.messages import MAX_PEER_ID
 
 PREFIX = struct.Struct(">IQ")
@@ -203,6 +204,27 @@ async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ti
         pass
     finally:
         writer.close()
+
+
+@asynccontextmanager
+async def serving(log: logging.Logger, request: str, sender: str, reader: asyncio.StreamReader,
+                  writer: asyncio.StreamWriter, hang_up_after: float,
+                  broke_off_level: int = logging.INFO) -> AsyncIterator[None]:
+    """Answer one ``request`` (e.g. "vote") from ``sender`` on a stream this side serves: an error the block
+    raises ends it, logged in ``log`` and not raised further (a cancellation is), and the stream is hung up after
+    (``hang_up``). A
+    malformed request and one that broke off are the requester's doing, one line each, and nobody is banned for
+    them; anything else is a bug, logged with its traceback, and the handler keeps serving."""
+    try:
+        yield
+    except PayloadError as e:
+        log.info(f"malformed {request} from {sender[-8:]}: {e}")
+    except (TransportError, TimeoutError) as e:  # the requester went away, or never finished asking
+        log.log(broke_off_level, f"{request} from {sender[-8:]} broke off: {e!r}")
+    except Exception:  # a bug: keep serving, and say where it is
+        log.exception(f"{request} from {sender[-8:]} failed unexpectedly")
+    finally:
+        await hang_up(reader, writer, hang_up_after)
 
 
 async def _until_closed(reader: asyncio.StreamReader) -> None:
