@@ -30,8 +30,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from p2ploco.collective.exchange import Failure
-from p2ploco.errors import PayloadError
+from p2ploco.errors import Failure, PayloadError
 from p2ploco.swarm.group import FormationKey, Group, Member
 from p2ploco.swarm.messages import (
     MAX_PEERS,
