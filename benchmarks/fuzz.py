@@ -6,7 +6,7 @@ hypothesis: arbitrary bytes and msgpack values, and valid messages mutated (byte
 extended, fields replaced), which get past the first checks and reach the deep ones. Structured cases
 take a valid header of every message kind, put a value of a wrong kind, a huge integer or a list nested
 up to 1100 levels deep in one or two of its fields, and read it off a stream as a node does. The status answer a
-node's endpoint serves (``swarm/status.py``) is fuzzed as the client reads it (``monitor.parse_answer``): the
+node's endpoint serves (``swarm/status.py``) is fuzzed as the client reads it (``status_client.parse_answer``): the
 real answer mutated, its JSON document or its record with fields replaced by any JSON value (huge integers such
 as 10**400, lists nested up to 3000 deep), or any bytes; only SwarmError may come out. A target
 passes a case if it returns or raises one of the project's errors (a ProtocolError such as PayloadError: "this
@@ -53,7 +53,6 @@ from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.errors import P2PLocoError, ProtocolError
-from p2ploco.monitor import Survey, parse_answer, status_answer
 from p2ploco.pipeline.links import Schedule, StageLinks, StageLinkServer
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import Contribution, parse_reply
@@ -68,6 +67,8 @@ from p2ploco.swarm.records import PeerRecord, peers_key
 from p2ploco.swarm.schema import RecordSchema, record_validator
 from p2ploco.swarm.state import Snapshot, StateRequest, parse_description
 from p2ploco.swarm.status import answer_head
+from p2ploco.swarm.status_client import parse_answer
+from p2ploco.swarm.status_document import Survey, status_answer
 
 ME, OTHER = "12D3KooWMe", "12D3KooWOther"
 GROUP = Group("g", 3, "params", (ME, OTHER), OTHER, tokens=((ME, 10240), (OTHER, 10240)))

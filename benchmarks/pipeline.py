@@ -26,8 +26,9 @@ import torch
 from p2ploco.config import Config, load_config, with_overrides
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.model import Transformer, stage_layers
-from p2ploco.pipeline.inprocess import FULL, GROUP, build_swarm, run_in_threads
 from p2ploco.pipeline.subspace import Subspace
+from p2ploco.testing.swarm import FULL, GROUP, build_swarm
+from p2ploco.testing.threads import run_in_threads
 from p2ploco.worker import Worker
 
 CPU = torch.device("cpu")

@@ -61,7 +61,6 @@ import torch
 from p2ploco.budget import FixedSteps
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.robust import weights
 from p2ploco.collective.sliced import SlicedExchange, as_sliced
 from p2ploco.collective.sparse import SparseExchange
@@ -71,9 +70,11 @@ from p2ploco.data import ShardSampler, eval_batches, load_training_data
 from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate, squared_norm
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.model import Transformer
-from p2ploco.pipeline.inprocess import FULL, GROUP, InProcessSwarm, build_swarm, run_in_threads
 from p2ploco.pipeline.subspace import SubspaceConstraint, constrained_dims
 from p2ploco.schedules import Landing
+from p2ploco.testing.communicator import InProcessGroup
+from p2ploco.testing.swarm import FULL, GROUP, InProcessSwarm, build_swarm
+from p2ploco.testing.threads import run_in_threads
 
 CPU = torch.device("cpu")
 # Besides each method's reference settings, one variant each found by a small sweep on this benchmark:

@@ -323,7 +323,7 @@ def look_at_swarm(initial_peers: tuple[str, ...], status_from: str | None, run_i
     if not initial_peers and not status_from:
         raise ConfigError(f"say where the swarm is: {choice}")
     if status_from is not None:
-        from p2ploco.monitor import read_status
+        from p2ploco.swarm.status_client import read_status
 
         def look() -> Any:
             found = read_status(status_from)
@@ -371,7 +371,8 @@ def peers(initial_peers: tuple[str, ...], status_from: str | None, run_id: str |
     import json
     import time
 
-    from p2ploco.monitor import peers_json, peers_rich, peers_text
+    from p2ploco.monitor import peers_rich, peers_text
+    from p2ploco.swarm.status_document import peers_json
 
     def show(look: Callable[[], Any]) -> None:
         rich_terminal = sys.stdout.isatty() and not as_json

@@ -31,7 +31,6 @@ from p2ploco.config import Config
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
 from p2ploco.errors import ConfigError, PipelineError
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
-from p2ploco.monitor import STATUS_PATH
 from p2ploco.roles import REPLICA, STAGE, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.rundir import RunDirectory
 from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
@@ -39,6 +38,7 @@ from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.records import EVAL_HISTORY, PeerState
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.swarm.status import WILDCARDS, listen
+from p2ploco.swarm.status_document import STATUS_PATH
 
 
 @dataclass

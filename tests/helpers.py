@@ -5,11 +5,11 @@ import threading
 import numpy as np
 import torch
 
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import Config, OuterConfig, SwarmConfig, load_config
 from p2ploco.data import ShardSampler
 from p2ploco.outer import build_outer
 from p2ploco.swarm.runtime import Swarm
+from p2ploco.testing.communicator import InProcessGroup
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 CPU = torch.device("cpu")

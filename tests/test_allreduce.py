@@ -16,7 +16,6 @@ from p2ploco.budget import StepTimes, WallClockBudget
 from p2ploco.collective import exchange as exchange_module
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
 from p2ploco.collective.exchange import AllReduceStats, partition, pieces
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import as_sliced
 from p2ploco.collective.sparse import SparseExchange
@@ -32,6 +31,7 @@ from p2ploco.swarm.matchmaker import best_coordinator
 from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
+from p2ploco.testing.communicator import InProcessGroup
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10, ban_rounds=0)
 DEFENDED = Policy(clip_factor=2.0, drop_opposed=True)  # the default config's

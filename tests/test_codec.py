@@ -11,7 +11,6 @@ import torch
 
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_span
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.sliced import reduce_alone
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression import sparse_format as fmt
@@ -23,6 +22,7 @@ from p2ploco.config import SparseLoCoConfig
 from p2ploco.errors import TrainingError
 from p2ploco.outer.base import all_finite
 from p2ploco.outer.sparseloco import SparseLoCo
+from p2ploco.testing.communicator import InProcessGroup
 
 SHAPES = [(128, 192), (257, 64), (192,), (96, 100)]
 

@@ -9,11 +9,11 @@ import torch
 from helpers import join_swarms
 
 from p2ploco.collective.dense import DenseMean
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import SwarmConfig
 from p2ploco.swarm import wire
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.records import PeerState
+from p2ploco.testing.communicator import InProcessGroup
 
 RULE = TransferDeadline(base=30.0, min_mbit=10.0, cap=600.0)
 

@@ -5,10 +5,10 @@ import torch
 
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
 from p2ploco.collective.exchange import partition, reduce_span
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.sliced import SlicedExchange, reduce_alone
 from p2ploco.errors import PayloadError
-from p2ploco.pipeline.inprocess import run_in_threads
+from p2ploco.testing.communicator import InProcessGroup
+from p2ploco.testing.threads import run_in_threads
 
 
 def test_partition_covers_all_units_in_order():

@@ -22,12 +22,13 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
 from p2ploco.metrics import RoundRecord, TensorBoardLog
-from p2ploco.monitor import COLUMNS, Survey, peer_rows, peers_rich
+from p2ploco.monitor import COLUMNS, peer_rows, peers_rich
 from p2ploco.swarm.dht import start_dht_node
 from p2ploco.swarm.identity import Identity, peer_id_of
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerRecord, peers_key
 from p2ploco.swarm.schema import record_validator
+from p2ploco.swarm.status_document import Survey
 
 JOINED = re.compile(r"peer (\w+) joined run")
 STATUS_AT = re.compile(r"status served at http://(\S+)/peers")

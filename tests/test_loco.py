@@ -15,7 +15,6 @@ from helpers import CPU, TOKENS, run_outer_replicas, sampler, small_config
 from p2ploco import checkpoint
 from p2ploco.build import build_replica
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_span
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.lowbit import HEADER, LowBitMean
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import reduce_alone
@@ -25,9 +24,10 @@ from p2ploco.data import ShardSampler
 from p2ploco.errors import PayloadError
 from p2ploco.metrics import read_records
 from p2ploco.outer.loco import LoCo
-from p2ploco.pipeline.inprocess import run_in_threads
 from p2ploco.schedules import RoundHooks
 from p2ploco.schedules.blocking import BlockingRounds
+from p2ploco.testing.communicator import InProcessGroup
+from p2ploco.testing.threads import run_in_threads
 
 SHAPES = [(33, 17), (17,), (5, 4, 3)]  # 561 = 35 x 16 + 1: groups of 16 and shorter tails
 

@@ -19,14 +19,14 @@ from test_sparseloco import reference_sparse_aggregate
 from p2ploco import checkpoint
 from p2ploco.build import build_replica
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import ConfigError, load_config
 from p2ploco.data import ShardSampler
 from p2ploco.metrics import read_records, state_sha256
-from p2ploco.pipeline.inprocess import FULL, build_swarm
 from p2ploco.schedules import Landing, RoundHooks
 from p2ploco.schedules.overlapped import OverlappedRounds
 from p2ploco.swarm.state import Snapshot
+from p2ploco.testing.communicator import InProcessGroup
+from p2ploco.testing.swarm import FULL, build_swarm
 
 REPLICAS, ROUNDS = 3, 4
 

@@ -6,12 +6,12 @@ import torch
 from p2ploco.budget import FixedSteps, StepTimes, WallClockBudget
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.robust import weights
 from p2ploco.collective.sliced import SlicedExchange, reduce_alone
 from p2ploco.config import DiLoCoConfig
 from p2ploco.outer.diloco import DiLoCo
-from p2ploco.pipeline.inprocess import run_in_threads
+from p2ploco.testing.communicator import InProcessGroup
+from p2ploco.testing.threads import run_in_threads
 
 
 def all_reduce(values: list[torch.Tensor], tokens: list[int]) -> torch.Tensor:

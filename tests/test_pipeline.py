@@ -6,14 +6,15 @@ import torch
 from helpers import CPU, TOKENS, sampler, small_config
 
 from p2ploco.build import build_linked_stage, build_replica
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.config import Config, load_config
 from p2ploco.errors import PipelineError
-from p2ploco.pipeline.inprocess import build_swarm, run_in_threads
 from p2ploco.pipeline.schedule import one_forward_one_backward
 from p2ploco.pipeline.subspace import Subspace, constrained_dims
-from p2ploco.pipeline.transport import InProcessPipe
 from p2ploco.schedules.blocking import BlockingRounds
+from p2ploco.testing.communicator import InProcessGroup
+from p2ploco.testing.swarm import build_swarm
+from p2ploco.testing.threads import run_in_threads
+from p2ploco.testing.transport import InProcessPipe
 from p2ploco.worker import Worker
 
 

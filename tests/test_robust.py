@@ -12,7 +12,6 @@ import torch
 from p2ploco.collective import robust
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
 from p2ploco.collective.exchange import Receipt, reduce_span
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.robust import Policy
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression import sparse_format as fmt
@@ -22,6 +21,7 @@ from p2ploco.compression.topk import CompressedTensor, compress
 from p2ploco.config import DiLoCoConfig
 from p2ploco.errors import PayloadError
 from p2ploco.outer.diloco import DiLoCo
+from p2ploco.testing.communicator import InProcessGroup
 
 CLIP = Policy(clip_factor=2.0)
 DEFENDED = Policy(clip_factor=2.0, drop_opposed=True)

@@ -9,11 +9,11 @@ from hivemind.p2p import P2P, PeerID
 
 from p2ploco.build import build_linked_stage
 from p2ploco.errors import PipelineError
-from p2ploco.pipeline.inprocess import run_in_threads
 from p2ploco.pipeline.links import Kind, RemoteTransport, Schedule, StageLinks, StageLinkServer
-from p2ploco.pipeline.transport import InProcessPipe
 from p2ploco.swarm import wire
 from p2ploco.swarm.loop import EventLoopThread
+from p2ploco.testing.threads import run_in_threads
+from p2ploco.testing.transport import InProcessPipe
 
 
 @pytest.fixture

@@ -16,12 +16,13 @@ import pytest
 from hivemind.utils import MSGPackSerializer
 
 from p2ploco.errors import SwarmError
-from p2ploco.monitor import MAX_ANSWER_HEAD, MAX_STATUS_BYTES, Survey, read_status, status_answer
 from p2ploco.swarm import status
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerRecord
 from p2ploco.swarm.schema import MAX_RECORD_BYTES
 from p2ploco.swarm.status import MAX_CONNECTIONS, MAX_PER_ADDRESS, StatusServer, listen
+from p2ploco.swarm.status_client import MAX_ANSWER_HEAD, read_status
+from p2ploco.swarm.status_document import MAX_STATUS_BYTES, Survey, status_answer
 
 
 def honest(i: int) -> PeerRecord:

@@ -18,7 +18,6 @@ from p2ploco import checkpoint
 from p2ploco.build import build_replica
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_span
 from p2ploco.collective.fp4 import GROUP_SIZE, HEADER, E3M0Mean
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.compression import e3m0
 from p2ploco.compression.groupwise import GroupLayout
 from p2ploco.config import ConfigError
@@ -29,6 +28,7 @@ from p2ploco.schedules import RoundHooks
 from p2ploco.schedules.blocking import BlockingRounds
 from p2ploco.schedules.streaming import StreamingRounds
 from p2ploco.slices import group_by_slice
+from p2ploco.testing.communicator import InProcessGroup
 
 
 def reference_e3m0(values: np.ndarray) -> tuple[np.ndarray, np.float32]:

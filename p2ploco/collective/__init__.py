@@ -1,1 +1,2 @@
-"""All-reduce of pseudo-gradients: the Exchange/Communicator seam, dense codecs, in-process groups."""
+"""All-reduce of pseudo-gradients: the Exchange/Communicator seam, the exchanges (codecs) behind it, robust
+aggregation."""

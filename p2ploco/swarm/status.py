@@ -2,7 +2,7 @@
 
 ``p2ploco peers`` over the DHT takes seconds (``benchmarks/peers_cli.py``): importing hivemind and torch, starting
 a p2p daemon, bootstrapping, then looking up. A node already holds a DHT node in its run. With ``--status-port``
-(off by default) it answers ``GET /peers`` with the survey of its run (``monitor.status_answer``).
+(off by default) it answers ``GET /peers`` with the survey of its run (``status_document.status_answer``).
 
 - The survey is looked up afresh, at most once per heartbeat interval. The node's own view follows its group and
   may be stale by design (``swarm/directory.py``), so it is not served. A flood of requests costs the DHT
@@ -11,7 +11,7 @@ a p2p daemon, bootstrapping, then looking up. A node already holds a DHT node in
   the node's rounds runs only the DHT lookup (hivemind's, which checks each record as the node's own lookups do).
   One record at a time, because json.dumps holds the GIL for all it serializes in one call: 1,800 padded records
   serialized in one call stalled the loop for up to 0.5 s even from a thread. The answer is at most
-  ``monitor.MAX_STATUS_BYTES`` however the records are padded (the largest are left out, and counted).
+  ``status_document.MAX_STATUS_BYTES`` however the records are padded (the largest are left out, and counted).
 - The endpoint serves what the DHT already publishes to anyone (signed peer records) and takes no input but its
   path. It listens on loopback unless ``--status-host`` says otherwise. A request that breaks HTTP gets ``400``.
   Nothing a client sends reaches training.
@@ -45,8 +45,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from p2ploco.monitor import STATUS_PATH, Survey, status_answer
 from p2ploco.swarm.loop import finishes_within
+from p2ploco.swarm.status_document import STATUS_PATH, Survey, status_answer
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from p2ploco.errors import SwarmError, shown
-from p2ploco.monitor import Survey
 from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, parse_records, peers_key
 from p2ploco.swarm.schema import RecordSchema
+from p2ploco.swarm.status_document import Survey
 
 T = TypeVar("T")
 LOOKUP_PATIENCE = 3.0  # a client that just joined may need a few lookups before the DHT answers in full

@@ -1,7 +1,7 @@
 """A heterogeneous swarm in one process: full replicas and pipeline groups side by side, for tests and
 benchmarks. Every worker (a full replica, or one stage of a group) runs in its own thread and runs the same
-round schedule a node runs (``p2ploco.schedules``), over the in-process communicator (each slice reduced among
-its holders) and, within a group, the in-process stage transport.
+round schedule a node runs (``p2ploco.schedules``), over the in-process communicator (``communicator.py``: each
+slice reduced among its holders) and, within a group, the in-process stage transport (``transport.py``).
 
 Replicas of unequal speed are simulated by count, not by time (runs repeat exactly): ``budgets[i]`` is replica
 i's round budget (``budget.FixedSteps(n)``: n inner steps a round, as a replica that fits n of the fast ones' H
@@ -22,13 +22,15 @@ import torch
 from p2ploco.budget import RoundBudget
 from p2ploco.build import build_linked_stage, build_replica
 from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
-from p2ploco.collective.inprocess import InProcessGroup
 from p2ploco.collective.sliced import SlicedExchange, as_sliced
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler
 from p2ploco.data.streams import TokenStream
-from p2ploco.pipeline.transport import InProcessPipe, StageTransport
+from p2ploco.pipeline.transport import StageTransport
 from p2ploco.schedules import Landing, RoundHooks, RoundSchedule, build_schedule
+from p2ploco.testing.communicator import InProcessGroup
+from p2ploco.testing.threads import run_in_threads
+from p2ploco.testing.transport import InProcessPipe
 from p2ploco.worker import Worker
 
 FULL, GROUP = "full", "group"
@@ -147,22 +149,3 @@ def build_swarm(config: Config, kinds: Sequence[str], tokens: TokenStream | np.n
         else:
             raise ValueError(f"replica kind {kind!r}: expected {FULL} or {GROUP}")
     return InProcessSwarm(c, replicas, pipes, transports, landing, budgets, weighted, adversaries)
-
-
-def run_in_threads(count: int, work: Callable[[int], None]) -> None:
-    """``work(i)`` for i < count, each in its own thread; the first error is raised after all have ended."""
-    errors: list[BaseException] = []
-
-    def guarded(index: int) -> None:
-        try:
-            work(index)
-        except BaseException as e:  # surfaced after the join
-            errors.append(e)
-
-    threads = [threading.Thread(target=guarded, args=(index,)) for index in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
