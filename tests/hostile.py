@@ -120,11 +120,11 @@ def send_bad_headers(start: int) -> None:
     from p2ploco.collective.exchange import Failure
     from p2ploco.errors import PayloadError, TransportError
     from p2ploco.swarm import wire
-    from p2ploco.swarm.allreduce import ButterflyAllReduce, DroppedFromRound
+    from p2ploco.swarm.allreduce import ButterflyAllReduce, Delivery, DroppedFromRound
 
     honest = ButterflyAllReduce._contribute
 
-    async def contribute(self: ButterflyAllReduce, ours: list[Any], peer: str, *args: Any) -> None:
+    async def contribute(self: ButterflyAllReduce, ours: list[Any], peer: str, *args: Any) -> Delivery:
         session = ours[0]  # our pieces of the slice: they all name the same group
         if session.group.round_index < start:
             return await honest(self, ours, peer, *args)
@@ -138,7 +138,8 @@ def send_bad_headers(start: int) -> None:
             pass
         finally:
             writer.close()
-        raise DroppedFromRound(f"sent reducer {peer[-8:]} a malformed header, on purpose", Failure.REJECTED)
+        return Delivery(peer, 0, error=DroppedFromRound(f"sent reducer {peer[-8:]} a malformed header, on purpose",
+                                                         Failure.REJECTED))
 
     ButterflyAllReduce._contribute = contribute
 

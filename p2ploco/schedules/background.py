@@ -19,9 +19,9 @@ from typing import TypeVar
 
 import torch
 
-from p2ploco.collective.exchange import AllReduceStats
+from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.device import SideStream
-from p2ploco.outer.base import OuterRound, OuterStep
+from p2ploco.outer.base import OuterRound, OuterStep, Synced
 from p2ploco.worker import Published, Worker
 
 T = TypeVar("T")
@@ -32,7 +32,7 @@ class Landed:
     """A round's all-reduce as it ended, and its outer step prepared (None: nothing to apply)."""
 
     outer_round: OuterRound
-    stats: AllReduceStats
+    result: AllReduceResult
     step: OuterStep | None
     loaded: int  # ``Background.loaded`` when the step was prepared: a state loaded since makes it stale
     published: Published | None = None  # the state the step leaves (overlapped rounds)
@@ -105,20 +105,18 @@ class Background:
     def land(self, outer_round: OuterRound) -> Landed:
         """``outer_round``'s ended all-reduce, and its outer step prepared (on the calling thread)."""
         loaded = self.loaded
-        stats = outer_round.all_reduce.wait()
-        step = self.worker.outer.prepare(outer_round) if stats.committed else None
-        return Landed(outer_round, stats, step, loaded)
+        result = outer_round.all_reduce.wait()
+        step = self.worker.outer.prepare(outer_round) if result.committed else None
+        return Landed(outer_round, result, step, loaded)
 
-    def take(self, landed: Landed, follow: list[torch.Tensor] | tuple[()] = ()) -> AllReduceStats:
+    def take(self, landed: Landed, follow: list[torch.Tensor] | tuple[()] = ()) -> Synced:
         """On the training thread: put ``landed``'s step in place (prepared again if a state was loaded since), or
-        give back what its round took; ``follow`` takes the same step. Returns its stats, ``committed`` saying
-        whether the step was taken."""
+        give back what its round took; ``follow`` takes the same step."""
         if landed.loaded != self.loaded and landed.step is not None:
             landed.step, landed.published = self.worker.outer.prepare(landed.outer_round), None
         with self.worker.lock:
             self.worker.outer.take(landed.outer_round, landed.step, follow)
-        landed.stats.committed = landed.step is not None
-        return landed.stats
+        return Synced(landed.result, landed.step is not None)
 
     def close(self) -> None:
         """No more jobs: the thread ends after the one under way (whose result nobody takes)."""

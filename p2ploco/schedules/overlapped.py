@@ -42,8 +42,9 @@ from typing import Any
 import torch
 
 from p2ploco.checkpoint import Checkpoint
-from p2ploco.collective.exchange import AllReduceStats, Communicator
+from p2ploco.collective.exchange import Communicator
 from p2ploco.device import to_device, wait_for
+from p2ploco.outer.base import Synced
 from p2ploco.schedules.background import Background, Flight, Landed
 from p2ploco.schedules.base import RoundHooks, RoundOutcome, RoundSchedule
 from p2ploco.swarm.state import Snapshot
@@ -79,7 +80,7 @@ class OverlappedRounds(RoundSchedule):
 
     def run(self, round_index: int, comm: Communicator, hooks: RoundHooks) -> RoundOutcome | None:
         params = list(self.worker.model.parameters())
-        landed: AllReduceStats | None = None
+        landed: Synced | None = None
         announced = False
 
         def between(steps_done: int) -> None:
@@ -142,13 +143,13 @@ class OverlappedRounds(RoundSchedule):
         self.flight = flight
 
     @torch.no_grad()
-    def _take(self, params: list[torch.Tensor]) -> AllReduceStats:
+    def _take(self, params: list[torch.Tensor]) -> Synced:
         """Land the round in flight on the training thread (waiting for it if it is not ready yet)."""
         flight, self.flight = self.flight, None
         landed = flight.landing.result()
         base = self.start if self.start is not None else list(self.worker.published.params)
         prepared_here = landed.loaded != self.background.loaded
-        stats = self.background.take(landed, () if self.eager else params)
+        synced = self.background.take(landed, () if self.eager else params)
         if landed.published is not None:
             self.worker.published = landed.published
         elif landed.step is not None:  # prepared again here, on a state loaded meanwhile
@@ -161,15 +162,15 @@ class OverlappedRounds(RoundSchedule):
             for param, move in zip(params, landed.moved):
                 param.add_(move)
             self.start = landed.rebased
-        return stats
+        return synced
 
-    def finish_in_flight(self) -> AllReduceStats | None:
+    def finish_in_flight(self) -> Synced | None:
         if self.flight is None:
             return None
-        stats = self._take(list(self.worker.model.parameters()))
+        synced = self._take(list(self.worker.model.parameters()))
         self.start = None
         self.worker.load_into_model()
-        return stats
+        return synced
 
     def settle(self, timeout: float) -> None:
         flight = self.flight
