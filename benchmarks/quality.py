@@ -60,7 +60,7 @@ import torch
 
 from p2ploco.budget import FixedSteps
 from p2ploco.collective.dense import DenseMean
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
+from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
 from p2ploco.collective.robust import weights
 from p2ploco.collective.sliced import SlicedExchange, as_sliced
 from p2ploco.collective.sparse import SparseExchange
@@ -189,7 +189,7 @@ class SignFlipped(Communicator):
     def __init__(self, inner: Communicator, round_tokens: int):
         self.inner, self.round_tokens = inner, round_tokens
 
-    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         sliced = as_sliced(exchange, name)
         for part in sliced.parts.values():
             if isinstance(part, SparseExchange):
@@ -372,7 +372,7 @@ def run_ddp(setup: Setup, seed: int = 0) -> Run:
             gradients.accumulate(step)
             exchange = DenseMean([p.grad for p in model.parameters()])
             stats = group.communicator(rank).all_reduce(exchange, step, "grads")
-            traffic[rank] += stats.bytes_sent + stats.bytes_received
+            traffic[rank] += stats.traffic.bytes_sent + stats.traffic.bytes_received
             for p, g in zip(model.parameters(), exchange.mean()):
                 p.grad.copy_(g)
             if c.inner.grad_clip > 0:

@@ -26,11 +26,12 @@ import torch
 
 from p2ploco.budget import RoundBudget, WallClockBudget
 from p2ploco.catchup import CatchUp, Membership
-from p2ploco.collective.exchange import AllReduceStats
+from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.config import Config
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
 from p2ploco.errors import ConfigError, PipelineError
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
+from p2ploco.outer.base import Synced
 from p2ploco.roles import REPLICA, STAGE, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.rundir import RunDirectory
 from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
@@ -154,7 +155,8 @@ class Node:
                 landed = schedule.finish_in_flight()
                 if landed is not None:
                     self.out(f"[{me}] the last overlapped round's outer step landed on exit "
-                             f"({'applied' if landed.committed else 'NOT APPLIED'}, {len(landed.peers)} peer(s))")
+                             f"({'applied' if landed.applied else 'NOT APPLIED'}, {len(landed.all_reduce.peers)} "
+                             f"peer(s))")
                 files.finish(schedule.checkpoint(round_index, role.checkpoint_extras()))
             finally:
                 schedule.close()
@@ -271,22 +273,23 @@ class Node:
             return None
         inner_stats = outcome.inner
         # Nothing landed (the first round in flight, or the one dropped by a catch-up): nothing applied either
-        comm = outcome.comm or AllReduceStats([swarm.peer_id], committed=False)
-        syncs = comm.sync_bytes or [comm.bytes_sent + comm.bytes_received]
+        synced = outcome.comm or Synced(AllReduceResult([swarm.peer_id], committed=False), applied=False)
+        result, traffic = synced.all_reduce, synced.all_reduce.traffic
+        syncs = traffic.sync_bytes or [traffic.bytes_sent + traffic.bytes_received]
         evaluated = role.evaluates and (round_index % c.training.eval_every == 0
                                         or round_index + 1 == c.training.rounds)
         return self._record(
-            swarm, role, round_index, membership, started, peers=len(comm.peers), loss=inner_stats.loss,
+            swarm, role, round_index, membership, started, peers=len(result.peers), loss=inner_stats.loss,
             eval_loss=worker.evaluate(held_out) if evaluated else None,
-            bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
-            dense_fp32_bytes=comm.dense_fp32_bytes, density=worker.outer.density,
-            bits_per_param=8 * comm.contribution_bytes / comm.params if comm.params else 0.0,
-            tokens=inner_stats.tokens, inner_steps=inner_stats.steps, contributed_tokens=comm.tokens,
-            inner_seconds=inner_stats.seconds, comm_seconds=comm.seconds,
-            dropped_peers=comm.dropped, clipped_peers=comm.clipped, opposed_peers=comm.opposed,
+            bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+            dense_fp32_bytes=traffic.dense_fp32_bytes, density=worker.outer.density,
+            bits_per_param=8 * traffic.contribution_bytes / traffic.params if traffic.params else 0.0,
+            tokens=inner_stats.tokens, inner_steps=inner_stats.steps, contributed_tokens=result.tokens,
+            inner_seconds=inner_stats.seconds, comm_seconds=traffic.seconds,
+            dropped_peers=result.dropped, clipped_peers=result.clipped, opposed_peers=result.opposed,
             update_norm=worker.outer.take_update_norm(),
-            applied=comm.committed, excluded=comm.excluded, fragment_bytes=syncs, peak_sync_bytes=max(syncs),
-            attempts=comm.attempts, failures=dict(Counter(str(failure) for failure in comm.failures)))
+            applied=synced.applied, excluded=result.excluded, fragment_bytes=syncs, peak_sync_bytes=max(syncs),
+            attempts=result.attempts, failures=dict(Counter(str(failure) for failure in result.failures)))
 
     def _record(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
                 **fields: Any) -> RoundRecord:

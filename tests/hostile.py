@@ -119,11 +119,11 @@ def lie_about_the_round(claimed: int, start: int) -> None:
 def send_bad_headers(start: int) -> None:
     from p2ploco.errors import Failure, PayloadError, TransportError
     from p2ploco.swarm import wire
-    from p2ploco.swarm.allreduce import ButterflyAllReduce, DroppedFromRound
+    from p2ploco.swarm.allreduce import ButterflyAllReduce, Delivery, DroppedFromRound
 
     honest = ButterflyAllReduce._contribute
 
-    async def contribute(self: ButterflyAllReduce, ours: list[Any], peer: str, *args: Any) -> None:
+    async def contribute(self: ButterflyAllReduce, ours: list[Any], peer: str, *args: Any) -> Delivery:
         session = ours[0]  # our pieces of the slice: they all name the same group
         if session.group.round_index < start:
             return await honest(self, ours, peer, *args)
@@ -137,7 +137,8 @@ def send_bad_headers(start: int) -> None:
             pass
         finally:
             writer.close()
-        raise DroppedFromRound(f"sent reducer {peer[-8:]} a malformed header, on purpose", Failure.REJECTED)
+        return Delivery(peer, 0, error=DroppedFromRound(f"sent reducer {peer[-8:]} a malformed header, on purpose",
+                                                         Failure.REJECTED))
 
     ButterflyAllReduce._contribute = contribute
 

@@ -15,7 +15,7 @@ from hivemind.p2p import P2P, PeerID
 from p2ploco.budget import StepTimes, WallClockBudget
 from p2ploco.collective import exchange as exchange_module
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
-from p2ploco.collective.exchange import AllReduceStats, partition, pieces
+from p2ploco.collective.exchange import partition, pieces
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import as_sliced
 from p2ploco.collective.sparse import SparseExchange
@@ -95,7 +95,7 @@ def test_all_peers_get_the_reference_aggregate_bit_for_bit(trio):
     ids = [s.peer_id for s in trio]
     for s in stats:
         assert s.peers == ids and s.dropped == []
-        assert s.bytes_sent + s.bytes_received == s.dense_fp32_bytes > 0
+        assert s.traffic.bytes_sent + s.traffic.bytes_received == s.traffic.dense_fp32_bytes > 0
 
 
 class CorruptingExchange(DenseMean):
@@ -179,7 +179,8 @@ def test_spans_reduced_in_pieces_give_the_in_process_aggregate_bit_for_bit(trio,
         list(pool.map(lambda rank: group.communicator(rank).all_reduce(local[rank], 0, "params"), range(3)))
     for exchange in exchanges:
         assert all(torch.equal(a, b) for a, b in zip(exchange.mean(), local[0].mean()))
-    assert all(s.dropped == [] and s.bytes_sent + s.bytes_received == s.dense_fp32_bytes for s in stats)
+    assert all(s.dropped == [] and s.traffic.bytes_sent + s.traffic.bytes_received == s.traffic.dense_fp32_bytes
+               for s in stats)
     assert bool(policy.clip_factor) == any(s.clipped == [trio[2].peer_id] for s in stats)
     assert all(s.opposed == [] for s in stats)
 
@@ -245,7 +246,7 @@ def test_sparse_all_reduce_over_hivemind_equals_the_in_process_one(trio):
     for exchange in over_hivemind:
         assert all(torch.equal(a, b) for a, b in zip(exchange.aggregate(), in_process[0].aggregate()))
     for s in stats:
-        assert s.dropped == [] and 50 * (s.bytes_sent + s.bytes_received) < s.dense_fp32_bytes
+        assert s.dropped == [] and 50 * (s.traffic.bytes_sent + s.traffic.bytes_received) < s.traffic.dense_fp32_bytes
 
 
 def test_sparse_contribution_with_nan_side_info_is_dropped(trio):
@@ -437,12 +438,9 @@ def test_only_the_members_that_delivered_vouch_for_the_group_a_peer_follows(trio
                    holdings=tuple((p, ("params",)) for p in peers), tokens=tuple((p, 1000) for p in peers),
                    dial_out=(sybil,))
 
-    def run(swarm: Swarm, seed: int) -> set[str]:
-        delivered: set[str] = set()
+    def run(swarm: Swarm, seed: int) -> frozenset[str]:
         exchange = as_sliced(DenseMean(random_tensors(seed)), "params")
-        swarm.loop.run(swarm.communicator.butterfly.run(padded, exchange, AllReduceStats(list(peers)), set(),
-                                                        delivered), 60)
-        return delivered
+        return swarm.loop.run(swarm.communicator.butterfly.run(padded, exchange), 60).delivered
 
     with ThreadPoolExecutor(3) as pool:
         delivered = list(pool.map(run, trio, range(95, 98)))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2ploco.collective.dense import DenseMean
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_span
+from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange, reduce_span
 from p2ploco.collective.sliced import reduce_alone
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression import sparse_format as fmt
@@ -204,9 +204,9 @@ def test_all_finite_is_exact_where_a_sum_overflows():
 class Aborting(Communicator):
     """Runs the exchange alone, as a real round would, then reports the round aborted by the vote."""
 
-    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         reduce_alone(exchange)
-        return AllReduceStats(["me"], committed=False)
+        return AllReduceResult(["me"], committed=False)
 
 
 def sparseloco(seed: int = 0) -> tuple[SparseLoCo, list[torch.Tensor]]:
@@ -222,7 +222,7 @@ def test_an_aborted_round_gives_the_buffer_back_exactly():
     generator = torch.Generator().manual_seed(1)
     local = [p - 0.05 * torch.randn(p.shape, generator=generator) for p in outer.params]
     kept = [p.clone() for p in outer.params]
-    assert not outer.sync(local, Aborting(), 1).committed
+    assert not outer.sync(local, Aborting(), 1).applied
     assert all(torch.equal(p, k) for p, k in zip(outer.params, kept))
     for error, old, param, trained in zip(outer.errors, before, kept, local):
         # e = beta * e + alpha * delta, and nothing taken out of it

@@ -40,12 +40,14 @@ def test_in_process_diloco_matches_the_reference_exactly(replicas):
             assert torch.equal(got, want)
     numel = sum(torch.Size(s).numel() for s in SHAPES)
     for rank_stats in stats:
-        assert rank_stats[0].peers == [f"replica-{i}" for i in range(replicas)]
+        assert rank_stats[0].all_reduce.peers == [f"replica-{i}" for i in range(replicas)]
         # float32 on the wire: a dense exchange moves exactly what the dense fp32 butterfly would
-        assert rank_stats[0].bytes_sent + rank_stats[0].bytes_received == rank_stats[0].dense_fp32_bytes
-    assert sum(s[0].bytes_sent for s in stats) == sum(s[0].bytes_received for s in stats)
+        traffic = rank_stats[0].all_reduce.traffic
+        assert traffic.bytes_sent + traffic.bytes_received == traffic.dense_fp32_bytes
+    traffic = [s[0].all_reduce.traffic for s in stats]
+    assert sum(t.bytes_sent for t in traffic) == sum(t.bytes_received for t in traffic)
     if replicas == 4:
-        assert sum(s[0].dense_fp32_bytes for s in stats) == 2 * 4 * numel * 2 * 3  # 2(n-1)/n * 4 B each way, n=4
+        assert sum(t.dense_fp32_bytes for t in traffic) == 2 * 4 * numel * 2 * 3  # 2(n-1)/n * 4 B each way, n=4
 
 
 def test_nesterov_step_agrees_with_torch_sgd():
@@ -66,4 +68,5 @@ def test_half_precision_wire_still_gives_identical_replicas():
     _, _, algorithms, stats = run_replicas(3, 2, config)
     for algorithm in algorithms[1:]:
         assert all(torch.equal(a, b) for a, b in zip(algorithm.params, algorithms[0].params))
-    assert stats[0][0].bytes_sent * 2 == stats[0][0].dense_fp32_bytes // 2
+    traffic = stats[0][0].all_reduce.traffic
+    assert traffic.bytes_sent * 2 == traffic.dense_fp32_bytes // 2

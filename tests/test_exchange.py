@@ -73,4 +73,5 @@ def test_in_process_each_slice_is_averaged_among_its_holders_only():
     assert torch.equal(plans[1].parts["stage0"].mean()[0], torch.full((4,), 2.0))
     assert torch.equal(plans[0].parts["stage1"].mean()[0], torch.full((6,), 20.0))
     assert torch.equal(plans[2].parts["stage1"].mean()[0], torch.full((6,), 20.0))
-    assert stats[1].peers == ["replica-0", "replica-1"] and stats[0].params == 10 and stats[2].params == 6
+    assert stats[1].peers == ["replica-0", "replica-1"]
+    assert stats[0].traffic.params == 10 and stats[2].traffic.params == 6

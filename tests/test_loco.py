@@ -14,7 +14,7 @@ from helpers import CPU, TOKENS, run_outer_replicas, sampler, small_config
 
 from p2ploco import checkpoint
 from p2ploco.build import build_replica
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_span
+from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange, reduce_span
 from p2ploco.collective.lowbit import HEADER, LowBitMean
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import reduce_alone
@@ -292,11 +292,12 @@ def test_in_process_loco_equals_the_written_out_algorithm_exactly(replicas):
         assert bool(algorithm.reducer_errors["stage0"].any()) == (replicas > 1)
     numel = sum(math.prod(s) for s in SHAPES)
     for rank_stats in stats:
-        assert all(s.committed and not s.clipped for s in rank_stats)
-        bits = 8 * rank_stats[0].contribution_bytes / numel  # 4-bit codes, a float32 scale per 16, headers
+        assert all(s.applied and not s.all_reduce.clipped for s in rank_stats)
+        traffic = rank_stats[0].all_reduce.traffic
+        bits = 8 * traffic.contribution_bytes / numel  # 4-bit codes, a float32 scale per 16, headers
         assert 4 + 32 / 16 < bits < 4 + 32 / 16 + 1  # 13-byte headers weigh on 638 parameters
         if replicas > 1:  # results are low-bit too: ~6.5 of 32 bits per value both ways, so ~5x below dense fp32
-            assert 4 * (rank_stats[0].bytes_sent + rank_stats[0].bytes_received) < rank_stats[0].dense_fp32_bytes
+            assert 4 * (traffic.bytes_sent + traffic.bytes_received) < traffic.dense_fp32_bytes
 
 
 def test_the_buffers_are_reset_on_schedule():
@@ -332,9 +333,9 @@ def test_in_process_loco_over_named_slices_equals_the_written_out_algorithm():
 class Refused(Communicator):
     """A round whose vote fails after the all-reduce ran (this peer reduced and received everything)."""
 
-    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         reduce_alone(exchange)
-        return AllReduceStats(["me"], committed=False)
+        return AllReduceResult(["me"], committed=False)
 
 
 def test_a_round_not_applied_changes_no_state_and_local_state_is_live():
@@ -344,8 +345,7 @@ def test_a_round_not_applied_changes_no_state_and_local_state_is_live():
     loco: LoCo = algorithms[0]
     before = {k: v.clone() for k, v in {**loco.local_state(), **loco.shared_state()}.items()}
     params = [p.clone() for p in loco.params]
-    stats = loco.sync(locals_per_round[0][0], Refused(), 2)
-    assert not stats.committed
+    assert not loco.sync(locals_per_round[0][0], Refused(), 2).applied
     assert all(torch.equal(a, b) for a, b in zip(loco.params, params))
     assert all(torch.equal(v, before[k]) for k, v in {**loco.local_state(), **loco.shared_state()}.items())
     # Checkpoints hold per-parameter views of the buffers: loading them loads the buffers; a reset clears both.
@@ -390,7 +390,7 @@ def test_a_worker_checkpoints_its_buffers_and_drops_them_when_it_takes_the_swarm
     def replica(rank: int) -> None:
         schedule = BlockingRounds(workers[rank])
         for round_index in range(2):
-            assert schedule.run(round_index, group.communicator(rank), RoundHooks()).comm.committed
+            assert schedule.run(round_index, group.communicator(rank), RoundHooks()).comm.applied
 
     run_in_threads(2, replica)
     worker = workers[0]

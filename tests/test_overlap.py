@@ -18,7 +18,7 @@ from test_sparseloco import reference_sparse_aggregate
 
 from p2ploco import checkpoint
 from p2ploco.build import build_replica
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
+from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
 from p2ploco.config import ConfigError, load_config
 from p2ploco.data import ShardSampler
 from p2ploco.metrics import read_records, state_sha256
@@ -210,7 +210,7 @@ class Gated(Communicator):
     def __init__(self, inner: Communicator, gate: threading.Event):
         self.inner, self.gate = inner, gate
 
-    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         assert self.gate.wait(60)
         return self.inner.all_reduce(exchange, round_index, name)
 
@@ -239,8 +239,8 @@ def test_a_round_in_flight_holds_up_no_inner_step_and_the_next_rounds_end_waits_
     finally:
         gate.set()
         thread.join(60)
-    assert outcome[0].comm.committed
-    assert schedule.finish_in_flight().committed
+    assert outcome[0].comm.applied
+    assert schedule.finish_in_flight().applied
     schedule.close()
 
 
@@ -283,7 +283,7 @@ def test_a_checkpoint_or_a_state_download_taken_while_a_step_is_in_flight_holds_
         assert resumed.params_sha256 == before.params_sha256
     finally:
         release.set()
-    assert schedule.finish_in_flight().committed
+    assert schedule.finish_in_flight().applied
     assert worker.params_sha256 != before.params_sha256
     fetched = served(2)
     assert all(torch.equal(fetched.params[n], p) for n, p in zip(worker.names, worker.outer.params))

@@ -5,7 +5,7 @@ import torch
 
 from p2ploco.budget import FixedSteps, StepTimes, WallClockBudget
 from p2ploco.collective.dense import DenseMean
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
+from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
 from p2ploco.collective.robust import weights
 from p2ploco.collective.sliced import SlicedExchange, reduce_alone
 from p2ploco.config import DiLoCoConfig
@@ -51,9 +51,9 @@ def test_weights_are_the_tokens_share_and_a_claim_weighs_at_most_a_full_round():
 class NotApplied(Communicator):
     """The round runs, then its vote fails: nothing is applied."""
 
-    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         reduce_alone(exchange)
-        return AllReduceStats(["me"], committed=False)
+        return AllReduceResult(["me"], committed=False)
 
 
 def test_diloco_carries_a_missed_rounds_pseudo_gradient_and_tokens_into_the_next():
@@ -63,10 +63,11 @@ def test_diloco_carries_a_missed_rounds_pseudo_gradient_and_tokens_into_the_next
     outer, reference = DiLoCo(start, config), DiLoCo(start, config)
     missed = [p - 0.01 * torch.randn(p.shape, generator=generator) for p in start]
     trained = [p - 0.01 * torch.randn(p.shape, generator=generator) for p in start]
-    assert not outer.sync(missed, NotApplied(), 0, tokens=1024).committed
+    assert not outer.sync(missed, NotApplied(), 0, tokens=1024).applied
     assert all(torch.equal(p, q) for p, q in zip(outer.params, start)) and outer.unapplied_tokens == 1024
-    stats = outer.sync(trained, InProcessGroup(1).communicator(0), 1, tokens=3072)
-    assert stats.committed and stats.tokens == 1024 + 3072 and outer.unapplied_tokens == 0 and outer.carry is None
+    synced = outer.sync(trained, InProcessGroup(1).communicator(0), 1, tokens=3072)
+    assert synced.applied and synced.all_reduce.tokens == 1024 + 3072
+    assert outer.unapplied_tokens == 0 and outer.carry is None
     # The reference takes one round whose local params moved by both pseudo-gradients at once.
     both = [t - (p - m) for t, p, m in zip(trained, start, missed)]
     reference.sync(both, InProcessGroup(1).communicator(0), 1)

@@ -314,11 +314,10 @@ def test_a_non_finite_global_update_is_refused_and_nothing_changes():
     params and momentum stay as they were, and nobody exits."""
     initial = [torch.zeros(4)]
     algorithm = DiLoCo(initial, DiLoCoConfig(lr=1e21, momentum=0.9), policy=CLIP)
-    stats = algorithm.sync([initial[0] - 1e18], InProcessGroup(1).communicator(0), 0)
-    assert not stats.committed
+    assert not algorithm.sync([initial[0] - 1e18], InProcessGroup(1).communicator(0), 0).applied
     assert torch.equal(algorithm.params[0], initial[0]) and torch.equal(algorithm.momentum[0], torch.zeros(4))
     sane = DiLoCo(initial, DiLoCoConfig(lr=0.7, momentum=0.9), policy=CLIP)
-    assert sane.sync([initial[0] - 1e18], InProcessGroup(1).communicator(0), 0).committed
+    assert sane.sync([initial[0] - 1e18], InProcessGroup(1).communicator(0), 0).applied
 
 
 def test_a_contribution_weighs_at_most_a_full_round_of_tokens():

@@ -239,9 +239,10 @@ def test_bytes_and_density_at_one_sixty_fourth():
     params = sum(torch.Size(s).numel() for s in SHAPES)
     assert abs(algorithms[0].density - 1 / 64) < 0.01
     for s in stats:
-        bits = 8 * s[0].contribution_bytes / params
+        traffic = s[0].all_reduce.traffic
+        bits = 8 * traffic.contribution_bytes / params
         assert 0.05 < bits < 0.25  # Rice-coded indices: ~8 bits each, plus 2 bits of value, per 64 params
-        assert 50 * (s[0].bytes_sent + s[0].bytes_received) < s[0].dense_fp32_bytes
+        assert 50 * (traffic.bytes_sent + traffic.bytes_received) < traffic.dense_fp32_bytes
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

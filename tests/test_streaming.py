@@ -16,7 +16,7 @@ from helpers import CPU, TOKENS, small_config
 
 from p2ploco import checkpoint
 from p2ploco.build import build_replica
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, reduce_span
+from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange, reduce_span
 from p2ploco.collective.fp4 import GROUP_SIZE, HEADER, E3M0Mean
 from p2ploco.compression import e3m0
 from p2ploco.compression.groupwise import GroupLayout
@@ -246,7 +246,7 @@ class Recording(Communicator):
     def __init__(self, inner, worker):
         self.inner, self.worker, self.log = inner, worker, []
 
-    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         self.log.append((round_index, name, self.worker.inner.step_in_round, sorted(exchange.parts)))
         return self.inner.all_reduce(exchange, round_index, name)
 
@@ -272,8 +272,10 @@ def test_fragments_sync_on_schedule_overlapped_and_every_replica_ends_bit_identi
         assert all(step in (2 * int(name[-1]), 2 * int(name[-1]) + 1) for _, name, step, _ in log)
     for rank_stats in stats:
         for s in rank_stats:
-            assert s.committed and len(s.sync_bytes) == 2 and sum(s.sync_bytes) == s.bytes_sent + s.bytes_received
-            assert max(s.sync_bytes) < 0.6 * sum(s.sync_bytes)  # the peak is about half of the round's traffic
+            traffic = s.all_reduce.traffic
+            assert s.applied and len(traffic.sync_bytes) == 2
+            assert sum(traffic.sync_bytes) == traffic.bytes_sent + traffic.bytes_received
+            assert max(traffic.sync_bytes) < 0.6 * sum(traffic.sync_bytes)  # the peak: about half the round's traffic
     for r in range(3):
         assert len({worker_hashes[r] for worker_hashes in hashes}) == 1
     assert all(all(torch.equal(a, b) for a, b in zip(w.outer.params, workers[0].outer.params)) for w in workers)
@@ -288,8 +290,8 @@ def test_a_stop_request_takes_effect_at_the_end_of_the_round_not_between_fragmen
     group = InProcessGroup(1, timeout=60)
     outcome = schedule_of(worker).run(0, group.communicator(0), RoundHooks(stopping=lambda: True))
     assert outcome is not None  # all 4 steps, both fragments
-    stats = outcome.comm
-    assert stats.committed and len(stats.sync_bytes) == 2
+    synced = outcome.comm
+    assert synced.applied and len(synced.all_reduce.traffic.sync_bytes) == 2
     assert all(not torch.equal(a, b) for a, b in zip(before, worker.outer.params))  # every fragment moved
 
 

@@ -207,26 +207,38 @@ def reduce_span(exchange: Exchange, span: Span, contributions: Sequence[tuple[st
                          [senders[i] for i in sorted(against)])
 
 
-@dataclass
-class AllReduceStats:
-    peers: list[str]  # the group that took part, in canonical order (just this peer when alone)
+@dataclass(frozen=True)
+class Traffic:
+    """What an all-reduce moved for this peer and how long it took (a redone round's attempts added up, a Streaming
+    DiLoCo round's fragments too)."""
+
     bytes_sent: int = 0  # payload bytes this peer sent: contributions to reducers, results to senders
     bytes_received: int = 0
     dense_fp32_bytes: int = 0  # what a dense fp32 butterfly among the same peers would send + receive
     contribution_bytes: int = 0  # this peer's encoded contribution over all spans (what one replica uploads)
     params: int = 0  # parameters the all-reduce covered
-    dropped: list[str] = field(default_factory=list)  # peers left out of some span's aggregate
     seconds: float = 0.0
-    committed: bool = True  # False: the round's aggregate must not be applied (late, aborted, dropped)
-    excluded: bool = False  # this peer was left out (late or dropped) while others went on: it must catch up
-    clipped: list[str] = field(default_factory=list)  # peers whose contribution to this peer's span was scaled down
-    opposed: list[str] = field(default_factory=list)  # peers this peer left out of its span: against the others'
     # bytes (sent + received) of each all-reduce the round was made of (Streaming DiLoCo: one per fragment);
     # empty: the round was one all-reduce
     sync_bytes: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AllReduceResult:
+    """How an all-reduce ended for this peer: whether the group committed its aggregate, who was left out and why,
+    and its ``traffic``. The communicator builds it once the round is decided."""
+
+    peers: list[str]  # the group that took part, in canonical order (just this peer when alone)
+    # the group agreed on the aggregate this peer holds: it may apply it (False: late, aborted, dropped)
+    committed: bool
+    excluded: bool = False  # this peer was left out (late or dropped) while others went on: it must catch up
+    dropped: list[str] = field(default_factory=list)  # peers left out of some span's aggregate
+    clipped: list[str] = field(default_factory=list)  # peers whose contribution to this peer's span was scaled down
+    opposed: list[str] = field(default_factory=list)  # peers this peer left out of its span: against the others'
     attempts: int = 1  # butterflies run: 2 when the round was redone
     failures: list[Failure] = field(default_factory=list)  # what went wrong here, one entry per event
     tokens: int = 0  # the weight this peer's contribution carried: tokens trained for it (0: it sent none)
+    traffic: Traffic = field(default_factory=Traffic)
 
 
 def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int | None) -> int:
@@ -246,17 +258,17 @@ class PendingAllReduce:
     peer's public record may move on to its next round without changing how this one is formed.
     """
 
-    result: Future[AllReduceStats]
+    result: Future[AllReduceResult]
     grouped: threading.Event
 
-    def wait(self, timeout: float | None = None) -> AllReduceStats:
-        """The stats once the all-reduce has ended; its exception if it raised one."""
+    def wait(self, timeout: float | None = None) -> AllReduceResult:
+        """The result once the all-reduce has ended; its exception if it raised one."""
         return self.result.result(timeout)
 
 
 class Communicator(ABC):
     @abstractmethod
-    def all_reduce(self, exchange: Exchange | SlicedExchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange | SlicedExchange, round_index: int, name: str) -> AllReduceResult:
         """Every replica of the round calls this with its own exchange; on return the exchange holds
         the same aggregate on every replica that took part. ``name`` tells apart the all-reduces of one
         round (parameter groups, fragments, stages)."""

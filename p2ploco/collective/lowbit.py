@@ -12,7 +12,7 @@ download would be 8x the upload at 4 bits, with a relay of the contributions it 
 The reducer's new buffer for its span is only staged here (``reduced``): the outer algorithm keeps it
 if the round commits. Each attempt of a round (a redo runs the butterfly again among fewer peers)
 makes a member the reducer of exactly one span of each slice it holds, so the staged update of the
-latest ``combine`` is that of the attempt whose outcome ``stats.committed`` reports.
+latest ``combine`` is that of the attempt whose outcome ``AllReduceResult.committed`` reports.
 
 Wire format of a contribution or result for a span of groups, little-endian::
 

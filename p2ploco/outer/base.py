@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange, PendingAllReduce
+from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange, PendingAllReduce
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import TrainingError
@@ -48,6 +48,14 @@ class OuterRound:
     def start(self, comm: Communicator, name: str = "params") -> None:
         """Start the all-reduce in the background; ``name`` tells apart the all-reduces of one round."""
         self.all_reduce = comm.start_all_reduce(self.exchange, self.round_index, name)
+
+
+@dataclass(frozen=True)
+class Synced:
+    """An outer round as it ended here: its all-reduce, and whether its outer step was taken."""
+
+    all_reduce: AllReduceResult
+    applied: bool  # the round committed and its step was finite: the global state moved (False: given back)
 
 
 @dataclass
@@ -126,7 +134,7 @@ class OuterAlgorithm(ABC):
         return norm
 
     def sync(self, local_params: Sequence[torch.Tensor], comm: Communicator, round_index: int,
-             start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> AllReduceStats:
+             start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> Synced:
         """Combine this replica's progress (its params after its inner steps, trained on ``tokens`` tokens) with
         the round's other replicas through ``comm`` and update ``self.params`` if the round commits. The
         pseudo-gradient is measured from ``start``, the params the inner steps began from: the global params unless
@@ -157,15 +165,14 @@ class OuterAlgorithm(ABC):
         carry, self.carry = self.carry, None
         return deltas if carry is None else [d.add_(c) for d, c in zip(deltas, carry, strict=True)]
 
-    def finish(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> AllReduceStats:
+    def finish(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> Synced:
         """Wait for the round's all-reduce, prepare its outer step and take it (``follow``: tensors that take
         the same step, an overlapped replica's local params). A round not committed, or whose step would not be
-        finite, changes no shared state; ``stats.committed`` then says False."""
-        stats = outer_round.all_reduce.wait()
-        step = self.prepare(outer_round) if stats.committed else None
+        finite, changes no shared state; ``applied`` then says False."""
+        result = outer_round.all_reduce.wait()
+        step = self.prepare(outer_round) if result.committed else None
         self.take(outer_round, step, follow)
-        stats.committed = step is not None
-        return stats
+        return Synced(result, step is not None)
 
     @abstractmethod
     def prepare(self, outer_round: OuterRound) -> OuterStep | None:

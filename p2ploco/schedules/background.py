@@ -19,9 +19,9 @@ from typing import TypeVar
 
 import torch
 
-from p2ploco.collective.exchange import AllReduceStats
+from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.device import SideStream
-from p2ploco.outer.base import OuterRound, OuterStep
+from p2ploco.outer.base import OuterRound, OuterStep, Synced
 from p2ploco.worker import Worker
 
 T = TypeVar("T")
@@ -32,7 +32,7 @@ class Landed:
     """A round's all-reduce as it ended, and its outer step prepared (None: nothing to apply)."""
 
     outer_round: OuterRound
-    stats: AllReduceStats
+    result: AllReduceResult
     step: OuterStep | None
     slice_sha256: str = ""  # the hash of the synced slice once stepped (a Streaming DiLoCo fragment)
 
@@ -74,17 +74,16 @@ class Background:
 
     def land(self, outer_round: OuterRound) -> Landed:
         """``outer_round``'s ended all-reduce, and its outer step prepared (on the calling thread)."""
-        stats = outer_round.all_reduce.wait()
-        step = self.worker.outer.prepare(outer_round) if stats.committed else None
-        return Landed(outer_round, stats, step)
+        result = outer_round.all_reduce.wait()
+        step = self.worker.outer.prepare(outer_round) if result.committed else None
+        return Landed(outer_round, result, step)
 
-    def take(self, landed: Landed, follow: list[torch.Tensor] | tuple[()] = ()) -> AllReduceStats:
+    def take(self, landed: Landed, follow: list[torch.Tensor] | tuple[()] = ()) -> Synced:
         """On the training thread: put ``landed``'s step in place, or give back what its round took; ``follow`` takes
-        the same step. Returns its stats, ``committed`` saying whether the step was taken."""
+        the same step."""
         with self.worker.lock:
             self.worker.outer.take(landed.outer_round, landed.step, follow)
-        landed.stats.committed = landed.step is not None
-        return landed.stats
+        return Synced(landed.result, landed.step is not None)
 
     def close(self) -> None:
         """No more jobs: the thread ends after the one under way (whose result nobody takes)."""

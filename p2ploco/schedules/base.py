@@ -15,8 +15,9 @@ from typing import Any
 
 from p2ploco.budget import RoundBudget
 from p2ploco.checkpoint import Checkpoint
-from p2ploco.collective.exchange import AllReduceStats, Communicator
+from p2ploco.collective.exchange import Communicator
 from p2ploco.inner import InnerStats
+from p2ploco.outer.base import Synced
 from p2ploco.swarm.state import Snapshot
 from p2ploco.worker import Worker
 
@@ -45,7 +46,7 @@ class RoundHooks:
 @dataclass
 class RoundOutcome:
     inner: InnerStats
-    comm: AllReduceStats | None  # the outer round that landed during this one (None: none did)
+    comm: Synced | None  # the outer round that landed during this one (None: none did)
 
 
 class RoundSchedule(ABC):
@@ -57,7 +58,7 @@ class RoundSchedule(ABC):
         """One round: the inner steps and the outer work this schedule puts around them. None if ``hooks.stopping``
         turned true before the inner steps were done: the round is abandoned."""
 
-    def finish_in_flight(self) -> AllReduceStats | None:
+    def finish_in_flight(self) -> Synced | None:
         """Wait for a round still in flight and land it (before an exit checkpoint); None if there is none."""
         return None
 

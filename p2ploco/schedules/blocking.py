@@ -12,7 +12,8 @@ inner steps is the all-reduce, the step and the hash.
 
 from __future__ import annotations
 
-from p2ploco.collective.exchange import AllReduceStats, Communicator
+from p2ploco.collective.exchange import Communicator
+from p2ploco.outer.base import Synced
 from p2ploco.schedules.base import RoundHooks, RoundOutcome, RoundSchedule
 
 
@@ -25,14 +26,14 @@ class BlockingRounds(RoundSchedule):
             return None
         return RoundOutcome(inner, self.average(round_index, comm, inner.tokens))
 
-    def average(self, round_index: int, comm: Communicator, tokens: int = 1) -> AllReduceStats:
+    def average(self, round_index: int, comm: Communicator, tokens: int = 1) -> Synced:
         """The outer round on whatever the local params hold now (trained on ``tokens``): pseudo-gradient,
         all-reduce, step, publish; the local params start over from the global ones."""
         worker = self.worker
         # A constrained worker trained a projection of the global params: its progress is measured from that.
         start = worker.start_params() if worker.constraint is not None else None
-        stats = worker.outer.sync(list(worker.model.parameters()), comm, round_index, start, tokens)
-        if stats.committed:
+        synced = worker.outer.sync(list(worker.model.parameters()), comm, round_index, start, tokens)
+        if synced.applied:
             worker.refresh_published()
         worker.load_into_model()
-        return stats
+        return synced

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 
 from p2ploco.checkpoint import Checkpoint
-from p2ploco.collective.exchange import AllReduceStats, Communicator
+from p2ploco.collective.exchange import Communicator
 from p2ploco.device import to_device, wait_for
-from p2ploco.outer.base import OuterRound
+from p2ploco.outer.base import OuterRound, Synced
 from p2ploco.schedules.background import Background, Landed
 from p2ploco.schedules.base import RoundHooks, RoundOutcome, RoundSchedule
 from p2ploco.swarm.state import Snapshot
@@ -110,7 +110,7 @@ class RoundUnderWay:
     hooks: RoundHooks
     params: list[torch.Tensor]  # the local params
     announced: bool = False
-    landed: AllReduceStats | None = None  # the round in flight, once it has landed during this one
+    landed: Synced | None = None  # the round in flight, once it has landed during this one
 
     def announce(self) -> None:
         """Let the peer's record name this round (once)."""
@@ -201,7 +201,7 @@ class OverlappedRounds(RoundSchedule):
         return prepared
 
     @torch.no_grad()
-    def _perform_sync(self, params: list[torch.Tensor]) -> AllReduceStats:
+    def _perform_sync(self, params: list[torch.Tensor]) -> Synced:
         """On the training thread: land the round in flight (waiting for it if it is not ready yet), its step put in
         place and its state published; eager: the local params rebased onto it."""
         flight, self.flight = self.flight, None
@@ -211,7 +211,7 @@ class OverlappedRounds(RoundSchedule):
         landed = prepared.landed
         if stale and landed.step is not None:  # prepared again, on the state adopted meanwhile
             landed.step = self.worker.outer.prepare(landed.outer_round)
-        stats = self.background.take(landed, () if self.eager else params)
+        synced = self.background.take(landed, () if self.eager else params)
         if landed.step is not None:
             if stale:
                 self.worker.refresh_published()
@@ -219,7 +219,7 @@ class OverlappedRounds(RoundSchedule):
                 self.worker.published = prepared.stepped
         if self.eager:
             self._rebase(params, prepared, base, recompute=stale or base is not flight.trained)
-        return stats
+        return synced
 
     def _rebase(self, params: list[torch.Tensor], prepared: PreparedLanding, base: list[torch.Tensor],
                 recompute: bool) -> None:
@@ -235,13 +235,13 @@ class OverlappedRounds(RoundSchedule):
             param.add_(move)
         self.start = rebased
 
-    def finish_in_flight(self) -> AllReduceStats | None:
+    def finish_in_flight(self) -> Synced | None:
         if self.flight is None:
             return None
-        stats = self._perform_sync(list(self.worker.model.parameters()))
+        synced = self._perform_sync(list(self.worker.model.parameters()))
         self.start = None
         self.worker.load_into_model()
-        return stats
+        return synced
 
     def settle(self, timeout: float) -> None:
         flight = self.flight

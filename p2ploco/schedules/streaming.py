@@ -22,8 +22,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from functools import partial
 
-from p2ploco.collective.exchange import AllReduceStats, Communicator
-from p2ploco.outer.base import OuterRound
+from p2ploco.collective.exchange import AllReduceResult, Communicator, Traffic
+from p2ploco.outer.base import OuterRound, Synced
 from p2ploco.outer.streaming import StreamingDiLoCo
 from p2ploco.schedules.background import Background, Landed
 from p2ploco.schedules.base import RoundHooks, RoundOutcome, RoundSchedule
@@ -41,7 +41,7 @@ class StreamingRounds(RoundSchedule):
         worker, outer = self.worker, self.outer
         local = list(worker.model.parameters())
         syncing: dict[str, Future[Landed]] = {}
-        synced: dict[str, AllReduceStats] = {}
+        synced: dict[str, Synced] = {}
         hashes = dict(worker.slice_sha256)
 
         def between(steps_done: int) -> None:
@@ -61,11 +61,11 @@ class StreamingRounds(RoundSchedule):
         inner = worker.inner.run_round(round_index, lambda: False, between)
         if set(synced) != set(outer.fragments):
             raise RuntimeError(f"round {round_index} ended with fragments {sorted(syncing)} unsynced")
-        stats = summed([synced[name] for name in outer.fragments])
+        round_sync = summed([synced[name] for name in outer.fragments])
         worker.published = worker.state_of(outer.params, outer.shared_state(), hashes)
-        if not stats.committed:
+        if not round_sync.applied:
             worker.load_into_model()
-        return RoundOutcome(inner, stats)
+        return RoundOutcome(inner, round_sync)
 
     def _land(self, sync: OuterRound, name: str) -> Landed:
         landed = self.background.land(sync)
@@ -77,16 +77,20 @@ class StreamingRounds(RoundSchedule):
         self.background.close()
 
 
-def summed(syncs: list[AllReduceStats]) -> AllReduceStats:
-    """A round's fragment syncs as one: bytes, parameters and seconds summed, applied only if every fragment was,
-    the smallest group, redone if any was, every failure; ``sync_bytes`` lists each fragment's traffic (sent +
-    received)."""
-    smallest = min(syncs, key=lambda s: len(s.peers))
-    return AllReduceStats(
-        list(smallest.peers), sum(s.bytes_sent for s in syncs), sum(s.bytes_received for s in syncs),
-        sum(s.dense_fp32_bytes for s in syncs), sum(s.contribution_bytes for s in syncs),
-        sum(s.params for s in syncs), sorted({p for s in syncs for p in s.dropped}), sum(s.seconds for s in syncs),
-        committed=all(s.committed for s in syncs), excluded=any(s.excluded for s in syncs),
-        clipped=sorted({p for s in syncs for p in s.clipped}), opposed=sorted({p for s in syncs for p in s.opposed}),
-        sync_bytes=[s.bytes_sent + s.bytes_received for s in syncs], attempts=max(s.attempts for s in syncs),
-        failures=[failure for s in syncs for failure in s.failures])
+def summed(syncs: list[Synced]) -> Synced:
+    """A round's fragment syncs as one: bytes, parameters and seconds summed, committed and applied only if every
+    fragment was, the smallest group, redone if any was, every failure; ``sync_bytes`` lists each fragment's
+    traffic (sent + received)."""
+    results = [s.all_reduce for s in syncs]
+    traffic = [r.traffic for r in results]
+    smallest = min(results, key=lambda r: len(r.peers))
+    return Synced(AllReduceResult(
+        list(smallest.peers), all(r.committed for r in results), any(r.excluded for r in results),
+        sorted({p for r in results for p in r.dropped}), sorted({p for r in results for p in r.clipped}),
+        sorted({p for r in results for p in r.opposed}), max(r.attempts for r in results),
+        [failure for r in results for failure in r.failures],
+        traffic=Traffic(sum(t.bytes_sent for t in traffic), sum(t.bytes_received for t in traffic),
+                        sum(t.dense_fp32_bytes for t in traffic), sum(t.contribution_bytes for t in traffic),
+                        sum(t.params for t in traffic), sum(t.seconds for t in traffic),
+                        [t.bytes_sent + t.bytes_received for t in traffic])),
+        all(s.applied for s in syncs))

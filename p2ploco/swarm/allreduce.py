@@ -71,11 +71,11 @@ from pydantic import Field, model_validator
 
 from p2ploco import faults
 from p2ploco.collective.exchange import (
-    AllReduceStats,
     Exchange,
     Receipt,
     Span,
     SpanReduction,
+    Traffic,
     dense_fp32_bytes,
     pieces,
     reduce_span,
@@ -124,6 +124,47 @@ class AllReduceError(ProtocolError):
 class DroppedFromRound(AllReduceError):
     """A reducer rejected this peer's contribution as malformed: it is out of this round, and must not block
     the others."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Our contribution to one piece, sent to its reducer, and what came of it."""
+
+    reducer: str
+    encoded: int  # bytes of our contribution
+    sent: int = 0  # of them on the wire (0: it never went out)
+    received: int = 0  # bytes of the aggregate that came back
+    left_out: frozenset[str] = frozenset()  # holders of the slice whose contributions are not in that aggregate
+    opposed_ours: bool = False  # the reducer left our contribution out: it pointed against the others'
+    accused: bool = False  # its answer was malformed, or its result pointed against our contribution
+    error: AllReduceError | None = None  # None: we hold the piece's aggregate
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One butterfly among a group, as it went for this peer (``ButterflyAllReduce.run``)."""
+
+    traffic: Traffic  # this attempt's bytes and parameters (the communicator times the whole round)
+    dropped: frozenset[str]  # members left out of some span's aggregate
+    accused: frozenset[str]  # members rejected from our spans for malformed data, or whose result we refused
+    # members whose contributions are in our aggregates, and reducers that sent us theirs: they took part with a
+    # daemon of their own (a member the coordinator named that has none delivers nothing)
+    delivered: frozenset[str]
+    clipped: list[str]  # senders whose contribution to our spans was scaled down
+    opposed: list[str]  # senders we left out of our spans: against the others'
+    failures: list[Failure]  # what went wrong here, one entry per event
+    error: AllReduceError | None = None  # None: the exchange holds the aggregate of every span
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One attempt's work for this peer: the pieces it reduces, and those it sends (with the pieces it reduces of
+    the same slice, the reducer and the route to it)."""
+
+    sessions: list[_ReducerSession]
+    sends: list[tuple[list[_ReducerSession], str, _Route, Span]]
+    dense_fp32_bytes: int  # what a dense fp32 butterfly among the same peers would send + receive
+    params: int  # parameters the all-reduce covers
 
 
 @dataclass
@@ -224,23 +265,55 @@ class ButterflyAllReduce:
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
 
-    async def run(self, group: Group, exchange: SlicedExchange, stats: AllReduceStats, malformed: set[str],
-                  delivered: set[str]) -> None:
-        """All-reduce every slice of ``exchange`` among its holders in ``group``; on return it holds the aggregate
-        of every span. Traffic and failures are added to ``stats`` as they happen, so a failed attempt is counted
-        too; the peers this one rejected from its own spans for malformed data, or whose result it refused, are added
-        to ``malformed``, also when the all-reduce fails here (the vote reports them). The members whose
-        contributions are in this peer's aggregates, and the reducers that sent it theirs, are added to
-        ``delivered``: they took part with a daemon of their own (a member the coordinator named that has none
-        delivers nothing)."""
+    async def run(self, group: Group, exchange: SlicedExchange) -> Attempt:
+        """All-reduce every slice of ``exchange`` among its holders in ``group``. Unless the attempt names an error,
+        the exchange then holds the aggregate of every span; its traffic, failures and accusations count also when it
+        failed here (the vote reports them). A bug in this peer is raised."""
         loop = asyncio.get_running_loop()
         self.current_round = group.round_index
-        stats.peers = list(group.peers)
-        stats.contribution_bytes, stats.params, stats.clipped, stats.opposed = 0, 0, [], []
+        plan = self._plan(group, exchange)
+        sessions = plan.sessions
+        sends = [asyncio.create_task(self._contribute(*send)) for send in plan.sends]
+        reductions: list[SpanReduction] = []
+        own_bytes = 0
+        error: AllReduceError | None = None
+        try:
+            for session in sessions:
+                own = await loop.run_in_executor(None, session.exchange.encode, session.span)
+                own_bytes += len(own)
+                reduction = await self._reduce(session, own)
+                reductions.append(reduction)
+                result = reduction.result_for(session.exchange, self.me)
+                await loop.run_in_executor(None, session.exchange.receive, session.span, result,
+                                           reduction.receipt_for(self.me))
+            # Every contribution is delivered (or fails) before we report, even after a reducer refused us.
+            await asyncio.gather(*sends, return_exceptions=True)
+            for session in sessions:  # results handed to every sender
+                await _bounded(session.served.wait(), session.transfer)
+        except PayloadError as e:  # our own span could not be reduced (no valid contribution), or not received
+            error = AllReduceError(f"{e!r}", Failure.MALFORMED)
+        finally:
+            for task in sends:
+                task.cancel()
+            outcomes = await asyncio.gather(*sends, return_exceptions=True)  # reap them
+            for session in sessions:
+                self._sessions.pop((group.group_id, session.slice, session.span.start), None)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                raise outcome  # a bug in this peer, not a peer's fault
+        deliveries = [outcome for outcome in outcomes if isinstance(outcome, Delivery)]
+        traffic = Traffic(sum(d.sent for d in deliveries) + sum(s.bytes_out for s in sessions),
+                          sum(d.received for d in deliveries) + sum(s.bytes_in for s in sessions),
+                          plan.dense_fp32_bytes, own_bytes + sum(d.encoded for d in deliveries), plan.params)
+        return self._attempt(sessions, reductions, deliveries, traffic, error)
+
+    def _plan(self, group: Group, exchange: SlicedExchange) -> _Plan:
+        """Who reduces what among ``group``: our sessions for the pieces we reduce (open from now on to their
+        senders), and the pieces we send."""
+        loop = asyncio.get_running_loop()
         sessions: list[_ReducerSession] = []
-        senders: list[asyncio.Task] = []
-        reducers_of_senders: list[str] = []  # the reducer each sender task sends to
-        dropped: set[str] = set()
+        sends: list[tuple[list[_ReducerSession], str, _Route, Span]] = []
+        dense, params = 0, 0
         # Every link carries about one whole contribution each way and phase (ours out to the reducers, the others'
         # in to our spans; then the results), and the slices move at once, so their sizes add up. Pieces interleave
         # the phases: the last pieces of the contributions share a link with the results of the first ones, so the
@@ -263,60 +336,37 @@ class ButterflyAllReduce:
                 if not pending.done():
                     pending.set_result(session)
             sessions += ours
-            stats.dense_fp32_bytes += dense_fp32_bytes(part, spans, index)
-            stats.params += sum(part.numel(span) for span in spans)
+            dense += dense_fp32_bytes(part, spans, index)
+            params += sum(part.numel(span) for span in spans)
             for peer, span in zip(reducers, spans):
                 if peer != self.me:
                     route = _Route(group, slice_name, part, transfer)
-                    for piece in pieces(part, span):
-                        senders.append(asyncio.create_task(self._contribute(ours, peer, route, piece, stats, dropped,
-                                                                            malformed)))
-                        reducers_of_senders.append(peer)
-        reductions: list[SpanReduction] = []
-        errors: list[BaseException] = []
-        try:
-            for session in sessions:
-                own = await loop.run_in_executor(None, session.exchange.encode, session.span)
-                stats.contribution_bytes += len(own)
-                reduction = await self._reduce(session, own)
-                reductions.append(reduction)
-                stats.clipped = sorted(set(stats.clipped) | set(reduction.clipped))
-                stats.opposed = sorted(set(stats.opposed) | set(reduction.opposed))
-                result = reduction.result_for(session.exchange, self.me)
-                await loop.run_in_executor(None, session.exchange.receive, session.span, result,
-                                           reduction.receipt_for(self.me))
-            # Every contribution is delivered (or fails) before we report, even after a reducer refused us.
-            outcomes = await asyncio.gather(*senders, return_exceptions=True)
-            errors = [e for e in outcomes if e is not None]
-            failed = {peer for peer, outcome in zip(reducers_of_senders, outcomes) if outcome is not None}
-            delivered.update(set(reducers_of_senders) - failed)
-            for session in sessions:  # results handed to every sender
-                await _bounded(session.served.wait(), session.transfer)
-        except PayloadError as e:  # our own span could not be reduced (no valid contribution), or not received
-            raise AllReduceError(f"{e!r}", Failure.MALFORMED) from None
-        finally:
-            for task in senders:
-                task.cancel()
-            await asyncio.gather(*senders, return_exceptions=True)  # reap them; their errors are reported below
-            for session in sessions:
-                self._sessions.pop((group.group_id, session.slice, session.span.start), None)
-                stats.bytes_sent += session.bytes_out
-                stats.bytes_received += session.bytes_in
-                malformed.update(session.rejected)
-                dropped.update(session.rejected, session.missed)
-                stats.failures += [failure for failure, _ in session.missed.values() if failure is not None]
-                stats.failures += [Failure.MALFORMED] * len(session.rejected)
-        for reduction in reductions:
-            malformed.update(reduction.rejected)
-            dropped.update(reduction.rejected)
-            delivered.update((set(reduction.included) | set(reduction.opposed)) - {self.me})
-        stats.dropped = sorted(dropped)
-        for error in errors:
-            if not isinstance(error, AllReduceError):
-                raise error  # a bug in this peer, not a peer's fault
-        stats.failures += [error.failure for error in errors]
-        if errors:  # being refused outranks a missing span: the coordinator must not wait for this peer
-            raise next((e for e in errors if isinstance(e, DroppedFromRound)), errors[0])
+                    sends += [(ours, peer, route, piece) for piece in pieces(part, span)]
+        return _Plan(sessions, sends, dense, params)
+
+    def _attempt(self, sessions: list[_ReducerSession], reductions: list[SpanReduction], deliveries: list[Delivery],
+                traffic: Traffic, error: AllReduceError | None) -> Attempt:
+        """The attempt as it went: who was left out or accused, what went wrong, and the error that decides this
+        peer's vote (``error``: our own spans' failure, which outranks the others)."""
+        errors = [d.error for d in deliveries if d.error is not None]
+        failures = [Failure.OPPOSED for d in deliveries if d.opposed_ours]
+        failures += [failure for s in sessions for failure, _ in s.missed.values() if failure is not None]
+        failures += [Failure.MALFORMED for s in sessions for _ in s.rejected]
+        failures += [e.failure for e in ([error] if error is not None else []) + errors]
+        if error is None and errors:  # being refused outranks a missing span: the coordinator must not wait for us
+            error = next((e for e in errors if isinstance(e, DroppedFromRound)), errors[0])
+        rejected = {p for s in sessions for p in s.rejected} | {p for r in reductions for p in r.rejected}
+        failed = {d.reducer for d in deliveries if d.error is not None}
+        return Attempt(
+            traffic,
+            dropped=frozenset(rejected | {p for s in sessions for p in s.missed}
+                              | {p for d in deliveries for p in d.left_out}),
+            accused=frozenset(rejected | {d.reducer for d in deliveries if d.accused}),
+            delivered=frozenset(({d.reducer for d in deliveries} - failed)
+                                | ({p for r in reductions for p in (*r.included, *r.opposed)} - {self.me})),
+            clipped=sorted({p for r in reductions for p in r.clipped}),
+            opposed=sorted({p for r in reductions for p in r.opposed}),
+            failures=failures, error=error)
 
     async def _reduce(self, session: _ReducerSession, own: bytes) -> SpanReduction:
         try:
@@ -350,26 +400,23 @@ class ButterflyAllReduce:
         session.result.set_result(reduction)
         return reduction
 
-    async def _contribute(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span,
-                          stats: AllReduceStats, dropped: set[str], malformed: set[str]) -> None:
+    async def _contribute(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span) -> Delivery:
         """Send our contribution to the piece ``span`` to its reducer ``peer`` (after our earlier pieces to it) and
         take back the piece's aggregate. ``ours``: the pieces we reduce of the same slice, which ``peer`` owes
         contributions to."""
-        try:
-            await self._send_piece(ours, peer, route, span, stats, dropped, malformed)
-        except DroppedFromRound:  # refused, not gone: our other pieces still go out, so it waits for none in vain
-            raise
-        except AllReduceError as e:  # unreachable, broken or out of time: the next pieces would fare no better
-            if route.failure is None:
-                route.failure = e
-            raise
+        delivery = await self._send_piece(ours, peer, route, span)
+        # Refused, not gone: our other pieces still go out, so that it waits for none in vain. Unreachable, broken or
+        # out of time: the next pieces would fare no better.
+        if delivery.error is not None and not isinstance(delivery.error, DroppedFromRound) and route.failure is None:
+            route.failure = delivery.error
+        return delivery
 
-    async def _send_piece(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span,
-                          stats: AllReduceStats, dropped: set[str], malformed: set[str]) -> None:
+    async def _send_piece(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span) -> Delivery:
         group, exchange = route.group, route.exchange
         loop = asyncio.get_running_loop()
         payload = await loop.run_in_executor(None, exchange.encode, span)
-        stats.contribution_bytes += len(payload)
+        sent, received, left_out, opposed_ours, accused = 0, 0, frozenset(), False, False
+        error: AllReduceError | None = None
         writer: asyncio.StreamWriter | None = None
         try:
             async with route.turn:  # one piece on the wire to a reducer at a time: it reduces one as the next comes
@@ -380,7 +427,7 @@ class ButterflyAllReduce:
                 header = {"group_id": group.group_id, "round": group.round_index, "slice": route.slice,
                           "span": [span.start, span.stop]}
                 await asyncio.wait_for(wire.write_message(writer, header, payload), route.transfer)
-            stats.bytes_sent += len(payload)
+            sent = len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
             # The reducer may wait a transfer's time for the slowest sender before it answers, and the answer
             # takes another.
@@ -388,35 +435,38 @@ class ButterflyAllReduce:
                 wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * route.transfer)
             receipt, included = parse_reply(reply, group, self.me)
             if receipt.own is None:
-                stats.failures.append(Failure.OPPOSED)
+                opposed_ours = True
                 logger.warning(f"round {group.round_index}: reducer {peer[-8:]} left this peer's contribution to span "
                                f"{span.start}:{span.stop} out: it points against the others'")
             await loop.run_in_executor(None, exchange.receive, span, result, receipt)
-            stats.bytes_received += len(result)
-            dropped.update(set(group.holders(route.slice)) - set(included) - {self.me})
+            received = len(result)
+            left_out = frozenset(group.holders(route.slice)) - set(included) - {self.me}
+        except AllReduceError as e:  # the reducer refused our contribution or went on without it (or failed before)
+            error = e
         except TransportError as e:  # the reducer crashed, or the link to it broke: it will not send us its part
             for piece in ours:
                 piece.miss(peer, None, f"the link to it failed ({e})")
-            raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", wire.failure_of(e)) from None
+            error = AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", wire.failure_of(e))
         except TimeoutError:  # slow is not dead: its own contributions may still come
-            raise AllReduceError(f"no aggregate from reducer {peer[-8:]} in time", Failure.TIMEOUT) from None
+            error = AllReduceError(f"no aggregate from reducer {peer[-8:]} in time", Failure.TIMEOUT)
         except OpposedResult as e:  # what an honest result does rarely, a hostile one always: refused and accused (a
             # reducer every member refuses is redone without), and struck rather than banned at once
-            malformed.add(peer)
+            accused = True
             self.bans.strike(peer, group.round_index, f"its result for span {span.start}:{span.stop} pointed against "
                                                       f"this peer's own contribution")
-            raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", Failure.MALFORMED) from None
+            error = AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", Failure.MALFORMED)
         except PayloadError as e:  # its answer or aggregate is malformed (or exceeds what it combined): it is out of
             # our spans too where its contribution is not in yet, banned here, and our vote accuses it
             reason = f"malformed answer to our contribution: {e}"
             for piece in ours:
                 piece.reject(peer, reason)
-            malformed.add(peer)
+            accused = True
             self.bans.ban(peer, group.round_index, reason)
-            raise AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", Failure.MALFORMED) from None
+            error = AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", Failure.MALFORMED)
         finally:
             if writer is not None:
                 writer.close()
+        return Delivery(peer, len(payload), sent, received, left_out, opposed_ours, accused, error)
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A group member sends us its contribution to our span; answer with the span's aggregate."""

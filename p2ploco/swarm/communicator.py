@@ -17,14 +17,15 @@ from collections.abc import Iterable
 
 from p2ploco import faults
 from p2ploco.collective.exchange import (
-    AllReduceStats,
+    AllReduceResult,
     Communicator,
     Exchange,
     PendingAllReduce,
+    Traffic,
 )
 from p2ploco.collective.sliced import SlicedExchange, as_sliced, reduce_alone
 from p2ploco.errors import Failure, PayloadError, TrainingError
-from p2ploco.swarm.allreduce import AllReduceError, ButterflyAllReduce, DroppedFromRound
+from p2ploco.swarm.allreduce import Attempt, ButterflyAllReduce, DroppedFromRound
 from p2ploco.swarm.commit import Outcome, RoundCommit, Vote
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.loop import EventLoopThread
@@ -44,7 +45,7 @@ class SwarmCommunicator(Communicator):
         # Replaced whole, never changed in place: the training thread reads it while the event loop writes it.
         self.partners: frozenset[str] = frozenset()
 
-    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         return self.loop.run(self._all_reduce(as_sliced(exchange, name), round_index, name, threading.Event()))
 
     def start_all_reduce(self, exchange: Exchange, round_index: int, name: str) -> PendingAllReduce:
@@ -55,7 +56,7 @@ class SwarmCommunicator(Communicator):
         return PendingAllReduce(future, grouped)
 
     async def _all_reduce(self, exchange: SlicedExchange, round_index: int, name: str,
-                          grouped: threading.Event) -> AllReduceStats:
+                          grouped: threading.Event) -> AllReduceResult:
         started = time.perf_counter()
         me = self.matchmaker.me
         directory = self.matchmaker.directory
@@ -74,42 +75,45 @@ class SwarmCommunicator(Communicator):
         grouped.set()  # the join no longer reads this peer's record: it may announce its next round
         if group is None:  # late, refused, or leaving: nothing to apply
             self._applied_with(None)
-            return AllReduceStats([me], committed=False, excluded=True, seconds=time.perf_counter() - started,
-                                  failures=failures)
+            return AllReduceResult([me], committed=False, excluded=True, failures=failures,
+                                   traffic=Traffic(seconds=time.perf_counter() - started))
         if len(group.peers) == 1:
             self._applied_with(None)
             return await self._alone(exchange, round_index, started, failures)
 
-        stats = AllReduceStats(list(group.peers), failures=failures, tokens=exchange.tokens)
+        attempts: list[Attempt] = []
         formed = set(group.peers)
         while True:
             await faults.hit_async("matchmaking.grouped", round_index)
-            vote, malformed, delivered = Vote.HOLDS, set(), set()
-            try:
-                await self.butterfly.run(group, exchange, stats, malformed, delivered)
-            except AllReduceError as e:
-                vote = Vote.DROPPED if isinstance(e, DroppedFromRound) else Vote.MISSING
-                logger.warning(f"round {round_index}: all-reduce among {len(group.peers)} peers failed here ({e})")
+            attempt = await self.butterfly.run(group, exchange)
+            attempts.append(attempt)
+            failures += attempt.failures
+            if attempt.error is not None:
+                logger.warning(f"round {round_index}: all-reduce among {len(group.peers)} peers failed here "
+                               f"({attempt.error})")
+            vote = (Vote.HOLDS if attempt.error is None else
+                    Vote.DROPPED if isinstance(attempt.error, DroppedFromRound) else Vote.MISSING)
             digests = {k: part.aggregate_digest() for k, part in exchange.parts.items()} if vote == Vote.HOLDS else {}
-            decision, lost = await self.commit.vote(group, vote, digests, malformed)
+            decision, lost = await self.commit.vote(group, vote, digests, attempt.accused)
             if lost is not None:
-                stats.failures += [Failure.NO_DECISION]
+                failures.append(Failure.NO_DECISION)
             elif decision.reason:  # the coordinator went on without some members, or dropped the round
                 logger.warning(f"round {round_index}: the coordinator {group.coordinator[-8:]} decided "
                                f"{decision.outcome}: {decision.reason}")
             if decision.outcome == Outcome.REDO and decision.redo is not None and me in decision.redo.peers:
                 group = decision.redo
-                stats.attempts += 1
                 continue
             if decision.outcome == Outcome.ABORT and lost is None:
-                stats.failures += [Failure.ABORTED]
-            stats.committed = vote == Vote.HOLDS and decision.applies(digests)
-            # Others applied an aggregate this peer does not hold (or redid the round without it).
-            stats.excluded = not stats.committed and decision.outcome in (Outcome.COMMIT, Outcome.REDO)
-            stats.dropped = sorted(set(stats.dropped) | (formed - set(group.peers)))  # incl. those a redo left out
-            stats.seconds = time.perf_counter() - started
-            self._applied_with(group if stats.committed else None, delivered)
-            return stats
+                failures.append(Failure.ABORTED)
+            committed = vote == Vote.HOLDS and decision.applies(digests)
+            self._applied_with(group if committed else None, attempt.delivered)
+            return AllReduceResult(
+                list(group.peers), committed,
+                # Others applied an aggregate this peer does not hold (or redid the round without it).
+                excluded=not committed and decision.outcome in (Outcome.COMMIT, Outcome.REDO),
+                dropped=sorted(attempt.dropped | (formed - set(group.peers))),  # incl. those a redo left out
+                clipped=attempt.clipped, opposed=attempt.opposed, attempts=len(attempts), failures=failures,
+                tokens=exchange.tokens, traffic=round_traffic(attempts, time.perf_counter() - started))
 
     def _applied_with(self, group: Group | None, delivered: Iterable[str] = ()) -> None:
         """This peer applied the round's aggregate with ``group`` (None: it applied none, or its own alone), whose
@@ -121,7 +125,7 @@ class SwarmCommunicator(Communicator):
         self.partners = frozenset().union(*self._recent)
 
     async def _alone(self, exchange: SlicedExchange, round_index: int, started: float, failures: list[Failure]
-                     ) -> AllReduceStats:
+                     ) -> AllReduceResult:
         """A group of one: its own update, through the same codec, if nobody else could apply this round without it
         (``Matchmaker.working_on``); else nothing (a solitary commit would split this peer from the others: it
         catches up with them instead)."""
@@ -131,12 +135,21 @@ class SwarmCommunicator(Communicator):
             logger.warning(f"round {round_index}: this peer is alone while {len(others)} other peer(s) could apply "
                            f"this round without it ({', '.join(p[-8:] for p in others)}): it applies nothing rather "
                            f"than its own update, and catches up with them")
-            return AllReduceStats([self.matchmaker.me], committed=False, excluded=True, failures=failures,
-                                  seconds=time.perf_counter() - started)
+            return AllReduceResult([self.matchmaker.me], committed=False, excluded=True, failures=failures,
+                                   traffic=Traffic(seconds=time.perf_counter() - started))
         try:
             uploaded = await asyncio.get_running_loop().run_in_executor(None, reduce_alone, exchange)
         except PayloadError as e:
             raise TrainingError(f"this peer's own update is unusable ({e}): training diverged; "
                                 f"lower the inner or outer learning rate") from None
-        return AllReduceStats([self.matchmaker.me], contribution_bytes=uploaded, params=exchange.numel(),
-                              seconds=time.perf_counter() - started, failures=failures, tokens=exchange.tokens)
+        return AllReduceResult([self.matchmaker.me], committed=True, failures=failures, tokens=exchange.tokens,
+                               traffic=Traffic(contribution_bytes=uploaded, params=exchange.numel(),
+                                               seconds=time.perf_counter() - started))
+
+
+def round_traffic(attempts: list[Attempt], seconds: float) -> Traffic:
+    """A round's traffic over its butterflies: the bytes of every one (a redo sends again, and so would a dense
+    fp32 butterfly), the contribution and the parameters of the last (what one replica uploads, once)."""
+    last = attempts[-1].traffic
+    return Traffic(sum(a.traffic.bytes_sent for a in attempts), sum(a.traffic.bytes_received for a in attempts),
+                   sum(a.traffic.dense_fp32_bytes for a in attempts), last.contribution_bytes, last.params, seconds)

@@ -13,9 +13,10 @@ import threading
 import time
 
 from p2ploco.collective.exchange import (
-    AllReduceStats,
+    AllReduceResult,
     Communicator,
     Exchange,
+    Traffic,
     dense_fp32_bytes,
     pieces,
     reduce_span,
@@ -28,7 +29,7 @@ class InProcessGroup:
         self.size, self.timeout = size, timeout
         self._plans: list[dict[str, Exchange]] = [{} for _ in range(size)]
         self._tokens: list[int] = [1] * size  # what each replica trained for its contribution: its weight
-        self._stats: list[AllReduceStats | None] = [None] * size
+        self._results: list[AllReduceResult | None] = [None] * size
         self._error: BaseException | None = None
         self._gather = threading.Barrier(size, action=self._reduce_all)  # the last to arrive reduces
         self._release = threading.Barrier(size)  # nobody starts the next all-reduce before all read this one
@@ -78,10 +79,11 @@ class InProcessGroup:
                     params[rank] += exchange.numel(range(exchange.num_units))
                     peers[rank].update(names[r] for r in holders)
             seconds = time.perf_counter() - started
-            self._stats = [
-                AllReduceStats(sorted(peers[rank]), sent[rank], received[rank], dense[rank], contributed[rank],
-                               params[rank], sorted(dropped), seconds,
-                               clipped=sorted(clipped[rank]), opposed=sorted(opposed[rank]), tokens=self._tokens[rank])
+            self._results = [
+                AllReduceResult(sorted(peers[rank]), committed=True, dropped=sorted(dropped),
+                                clipped=sorted(clipped[rank]), opposed=sorted(opposed[rank]), tokens=self._tokens[rank],
+                                traffic=Traffic(sent[rank], received[rank], dense[rank], contributed[rank],
+                                                params[rank], seconds))
                 for rank in range(size)
             ]
             self._error = None
@@ -93,13 +95,13 @@ class InProcessCommunicator(Communicator):
     def __init__(self, group: InProcessGroup, rank: int):
         self.group, self.rank = group, rank
 
-    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         group = self.group
         sliced = as_sliced(exchange, name)
         group._plans[self.rank], group._tokens[self.rank] = sliced.parts, sliced.tokens
         group._gather.wait(group.timeout)
-        error, stats = group._error, group._stats[self.rank]
+        error, result = group._error, group._results[self.rank]
         group._release.wait(group.timeout)
         if error is not None:
             raise error
-        return stats
+        return result

@@ -21,11 +21,12 @@ import torch
 
 from p2ploco.budget import RoundBudget
 from p2ploco.build import build_linked_stage, build_replica
-from p2ploco.collective.exchange import AllReduceStats, Communicator, Exchange
+from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
 from p2ploco.collective.sliced import SlicedExchange, as_sliced
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler
 from p2ploco.data.streams import TokenStream
+from p2ploco.outer.base import Synced
 from p2ploco.pipeline.transport import StageTransport
 from p2ploco.schedules import Landing, RoundHooks, RoundSchedule, build_schedule
 from p2ploco.testing.communicator import InProcessGroup
@@ -84,12 +85,13 @@ class InProcessSwarm:
                     comm = self.adversaries[self._replica_of[rank]](comm)
                 hooks = RoundHooks(budget=self.budgets[self._replica_of[rank]])
 
-                def count(stats: AllReduceStats | None) -> None:
-                    if stats is not None:
+                def count(synced: Synced | None) -> None:
+                    if synced is not None:
+                        result, traffic = synced.all_reduce, synced.all_reduce.traffic
                         with lock:
-                            self.all_reduce_bytes[self._replica_of[rank]] += stats.bytes_sent + stats.bytes_received
-                            self.clipped.update(stats.clipped)
-                            self.opposed.update(stats.opposed)
+                            self.all_reduce_bytes[self._replica_of[rank]] += traffic.bytes_sent + traffic.bytes_received
+                            self.clipped.update(result.clipped)
+                            self.opposed.update(result.opposed)
 
                 for r in range(rounds):
                     outcome = self.schedules[rank].run(r, comm, hooks)
@@ -118,7 +120,7 @@ class EqualWeights(Communicator):
     def __init__(self, inner: Communicator):
         self.inner = inner
 
-    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceStats:
+    def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         # the same slices (they receive the aggregate), without the tokens
         return self.inner.all_reduce(SlicedExchange(as_sliced(exchange, name).parts), round_index, name)
 
