@@ -38,7 +38,7 @@ from p2ploco.inner import Constraint, GradientSource, InnerTrainer, evaluate
 from p2ploco.metrics import state_sha256
 from p2ploco.model import Transformer
 from p2ploco.outer import build_outer
-from p2ploco.outer.base import OuterRound, OuterStep, split_key
+from p2ploco.outer.base import OuterStep, OuterSync, split_key
 from p2ploco.slices import group_by_slice
 from p2ploco.swarm.state import Snapshot
 
@@ -194,7 +194,7 @@ class Worker:
         self.load_into_model()
 
     def checkpoint(self, round_index: int, extras: dict[str, Any] | None = None,
-                   in_flight: OuterRound | None = None) -> Checkpoint:
+                   in_flight: OuterSync | None = None) -> Checkpoint:
         """All this worker needs to continue, as of the published state; ``extras``: what its role adds (a stage's
         slot). A round ``in_flight`` (contributed, not taken) has not moved the published state: the local outer
         state is saved as if it were not applied."""

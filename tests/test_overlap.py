@@ -257,8 +257,8 @@ def test_a_checkpoint_or_a_state_download_taken_while_a_step_is_in_flight_holds_
     preparing, release = threading.Event(), threading.Event()
     prepare = worker.outer.prepare
 
-    def held(outer_round):
-        step = prepare(outer_round)
+    def held(outer_sync):
+        step = prepare(outer_sync)
         preparing.set()
         assert release.wait(60)
         return step

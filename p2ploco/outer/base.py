@@ -1,7 +1,7 @@
 """The interface every outer algorithm implements (DiLoCo, SparseLoCo, Streaming DiLoCo, LoCo).
 
 A round has four parts that may happen at different times and on different threads: ``contribute`` (this
-replica's pseudo-gradient turned into an exchange), ``OuterRound.start`` (its all-reduce, in the background),
+replica's pseudo-gradient turned into an exchange), ``OuterSync.start`` (its all-reduce, in the background),
 ``prepare`` (the outer step on the aggregate, computed out of place) and ``take`` (the prepared step put in
 place of the global state, or, for a round not applied, what ``contribute`` took from local state given
 back). ``finish`` waits for the all-reduce and does the last two; ``sync`` does all four in a row. Round
@@ -35,8 +35,9 @@ CPU = torch.device("cpu")
 
 
 @dataclass
-class OuterRound:
-    """One round's contribution from this replica, and its all-reduce once started."""
+class OuterSync:
+    """One sync (docs/design.md, glossary): this replica's contribution to it, and its all-reduce once started. A
+    round is one sync, or in Streaming DiLoCo one per fragment."""
 
     round_index: int
     exchange: SlicedExchange
@@ -139,13 +140,13 @@ class OuterAlgorithm(ABC):
         the round's other replicas through ``comm`` and update ``self.params`` if the round commits. The
         pseudo-gradient is measured from ``start``, the params the inner steps began from: the global params unless
         the replica trained a projection of them (a subspace-constrained one)."""
-        outer_round = self.contribute(local_params, round_index, start, tokens)
-        outer_round.start(comm)
-        return self.finish(outer_round)
+        outer_sync = self.contribute(local_params, round_index, start, tokens)
+        outer_sync.start(comm)
+        return self.finish(outer_sync)
 
     @abstractmethod
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
-                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterRound:
+                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterSync:
         """This replica's exchange for the round: its pseudo-gradient ``start - local_params`` (``start``: the
         global params by default), encoded as the algorithm sends it, weighted by ``tokens`` (what the inner steps
         trained on) plus the tokens of work not applied yet (``weigh``). Changes only local state (what it takes
@@ -165,28 +166,28 @@ class OuterAlgorithm(ABC):
         carry, self.carry = self.carry, None
         return deltas if carry is None else [d.add_(c) for d, c in zip(deltas, carry, strict=True)]
 
-    def finish(self, outer_round: OuterRound, follow: Sequence[torch.Tensor] = ()) -> Synced:
+    def finish(self, outer_sync: OuterSync, follow: Sequence[torch.Tensor] = ()) -> Synced:
         """Wait for the round's all-reduce, prepare its outer step and take it (``follow``: tensors that take
         the same step, an overlapped replica's local params). A round not committed, or whose step would not be
         finite, changes no shared state; ``applied`` then says False."""
-        result = outer_round.all_reduce.wait()
-        step = self.prepare(outer_round) if result.committed else None
-        self.take(outer_round, step, follow)
+        result = outer_sync.all_reduce.wait()
+        step = self.prepare(outer_sync) if result.committed else None
+        self.take(outer_sync, step, follow)
         return Synced(result, step is not None)
 
     @abstractmethod
-    def prepare(self, outer_round: OuterRound) -> OuterStep | None:
+    def prepare(self, outer_sync: OuterSync) -> OuterStep | None:
         """The outer step on the round's (committed) aggregate, from the global state as it is now, out of place:
         nothing changes until ``take``. None if it would make the global params non-finite."""
 
-    def take(self, outer_round: OuterRound, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
+    def take(self, outer_sync: OuterSync, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
         """Put a prepared ``step`` in place (and move ``follow[i]`` by the same step), or, with no step (the
         round is not applied), give back what ``contribute`` took from local state."""
         if step is None:
-            self.give_back(outer_round)
-            self.unapplied_tokens = outer_round.exchange.tokens
-            if outer_round.sent is not None:
-                self.carry = outer_round.sent
+            self.give_back(outer_sync)
+            self.unapplied_tokens = outer_sync.exchange.tokens
+            if outer_sync.sent is not None:
+                self.carry = outer_sync.sent
             return
         for i, value in step.params.items():
             self.params[i] = value
@@ -198,10 +199,10 @@ class OuterAlgorithm(ABC):
                 move.apply_to(follow[i])
         self._moved += step.norm_squared()
 
-    def give_back(self, outer_round: OuterRound) -> None:  # noqa: B027 (most algorithms take nothing)
+    def give_back(self, outer_sync: OuterSync) -> None:  # noqa: B027 (most algorithms take nothing)
         """Undo what ``contribute`` took from local state: the round was not applied."""
 
-    def local_state_with(self, in_flight: OuterRound | None) -> dict[str, torch.Tensor]:
+    def local_state_with(self, in_flight: OuterSync | None) -> dict[str, torch.Tensor]:
         """``local_state`` as it would be if ``in_flight`` (a round not taken yet) were not applied: what a
         checkpoint taken during an overlapped round holds next to the global params that round has not moved."""
         return self.local_state()

@@ -11,7 +11,7 @@ from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.config import DiLoCoConfig
 from p2ploco.device import to_host
-from p2ploco.outer.base import Move, OuterAlgorithm, OuterRound, OuterStep, finite_update, pseudo_gradients
+from p2ploco.outer.base import Move, OuterAlgorithm, OuterStep, OuterSync, finite_update, pseudo_gradients
 
 
 class DiLoCo(OuterAlgorithm):
@@ -25,21 +25,21 @@ class DiLoCo(OuterAlgorithm):
         self.momentum = [torch.zeros_like(p) for p in self.params]
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
-                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterRound:
+                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterSync:
         # 1. Pseudo-gradient: global (or where training started) - local, a descent direction like a gradient,
         #    computed where the local params live and brought to the host; plus that of rounds not applied.
         deltas = self.carried(to_host(pseudo_gradients(start if start is not None else self.params, local_params)))
         # 2. Its mean over the replicas of this round, every slice among its holders, weighted by tokens trained.
-        return OuterRound(round_index, SlicedExchange({
+        return OuterSync(round_index, SlicedExchange({
             name: DenseMean([deltas[i] for i in positions], self.config.wire_dtype, self.policy)
             for name, positions in self.slices.items()}, self.weigh(tokens)), sent=deltas)
 
-    def prepare(self, outer_round: OuterRound) -> OuterStep | None:
+    def prepare(self, outer_sync: OuterSync) -> OuterStep | None:
         # 3. Outer SGD with (Nesterov) momentum.
         c = self.config
-        means = self.per_param(outer_round.exchange, DenseMean.mean)
+        means = self.per_param(outer_sync.exchange, DenseMean.mean)
         return nesterov_step(range(len(self.params)), self.params, means, self.momentum, c.lr, c.momentum, c.nesterov,
-                             outer_round.round_index)
+                             outer_sync.round_index)
 
 
 def nesterov_step(positions: Sequence[int], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],

@@ -27,12 +27,12 @@ from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.compression.groupwise import GroupLayout, compensate
 from p2ploco.config import LoCoConfig
 from p2ploco.device import to_host
-from p2ploco.outer.base import OuterAlgorithm, OuterRound, OuterStep, pseudo_gradients
+from p2ploco.outer.base import OuterAlgorithm, OuterStep, OuterSync, pseudo_gradients
 from p2ploco.outer.diloco import nesterov_step
 
 
 @dataclass
-class LoCoRound(OuterRound):
+class LoCoRound(OuterSync):
     errors: dict[str, torch.Tensor] = field(default_factory=dict)  # per slice, the sender's buffer if applied
 
 
@@ -72,26 +72,26 @@ class LoCo(OuterAlgorithm):
             exchanges[name] = LowBitMean(layout, c.bits, quantized, self.reducer_errors[name], c.beta,
                                          self.policy)
 
-        # 3. All-reduce of every slice among its holders (``OuterRound.start``): each span's reducer bounds the
+        # 3. All-reduce of every slice among its holders (``OuterSync.start``): each span's reducer bounds the
         #    contributions, averages them in float32 and re-quantizes the mean with its own buffer; everybody
         #    decodes the same bytes.
         return LoCoRound(round_index, SlicedExchange(exchanges, self.weigh(tokens)), sent=deltas, errors=errors)
 
-    def prepare(self, outer_round: OuterRound) -> OuterStep | None:
+    def prepare(self, outer_sync: OuterSync) -> OuterStep | None:
         # 4. DiLoCo's outer step on the decoded aggregate: SGD with Nesterov momentum.
         c = self.config
-        means = self.per_param(outer_round.exchange, LowBitMean.mean)
+        means = self.per_param(outer_sync.exchange, LowBitMean.mean)
         return nesterov_step(range(len(self.params)), self.params, means, self.momentum, c.lr, c.momentum, True,
-                             outer_round.round_index)
+                             outer_sync.round_index)
 
-    def take(self, outer_round: OuterRound, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
-        super().take(outer_round, step, follow)
+    def take(self, outer_sync: OuterSync, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
+        super().take(outer_sync, step, follow)
         if step is None:
             return
-        assert isinstance(outer_round, LoCoRound)
+        assert isinstance(outer_sync, LoCoRound)
         # 5. Applied: keep the new buffers, the sender's and the reducer's for the span it reduced.
-        for name, part in outer_round.exchange.parts.items():
-            self.errors[name].copy_(outer_round.errors[name])
+        for name, part in outer_sync.exchange.parts.items():
+            self.errors[name].copy_(outer_sync.errors[name])
             if part.reduced is not None:
                 span = part.reduced.elements
                 self.reducer_errors[name][span.start : span.stop] = part.reduced.error

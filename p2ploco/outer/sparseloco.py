@@ -34,8 +34,8 @@ from p2ploco.config import SparseLoCoConfig
 from p2ploco.outer.base import (
     Move,
     OuterAlgorithm,
-    OuterRound,
     OuterStep,
+    OuterSync,
     check_pseudo_gradient,
     check_state,
     finite_update,
@@ -43,7 +43,7 @@ from p2ploco.outer.base import (
 
 
 @dataclass
-class SparseRound(OuterRound):
+class SparseRound(OuterSync):
     taken: list[Taken] = field(default_factory=list)  # what the contribution took from each error buffer
 
 
@@ -88,25 +88,25 @@ class SparseLoCo(OuterAlgorithm):
                                    for name, positions in self.slices.items()}, self.weigh(tokens))
         return SparseRound(round_index, exchange, taken=taken)
 
-    def prepare(self, outer_round: OuterRound) -> OuterStep | None:
-        return self._step(self.per_param(outer_round.exchange, SparseExchange.updates), outer_round.round_index)
+    def prepare(self, outer_sync: OuterSync) -> OuterStep | None:
+        return self._step(self.per_param(outer_sync.exchange, SparseExchange.updates), outer_sync.round_index)
 
-    def take(self, outer_round: OuterRound, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
-        super().take(outer_round, step, follow)
+    def take(self, outer_sync: OuterSync, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
+        super().take(outer_sync, step, follow)
         if step is None or self.reducer_feedback is None:
             return
-        assert isinstance(outer_round, SparseRound)
+        assert isinstance(outer_sync, SparseRound)
         # 6. Applied: the reducer's buffer keeps what its results left out of the spans it reduced.
-        for name, part in outer_round.exchange.parts.items():
+        for name, part in outer_sync.exchange.parts.items():
             positions = self.slices[name]
             for reduced in part.reduced():
                 self.reducer_feedback[positions[reduced.tensor]][reduced.first : reduced.first + len(reduced.rows)] = (
                     reduced.rows)
 
-    def give_back(self, outer_round: OuterRound) -> None:
+    def give_back(self, outer_sync: OuterSync) -> None:
         """Not applied anywhere: the buffers keep what was sent, for the next round (a round is finished before
         the next one contributes, so they are put back exactly as they were)."""
-        for buffer, took in zip(self.feedback, outer_round.taken):
+        for buffer, took in zip(self.feedback, outer_sync.taken):
             buffer.scatter_(1, took.indices, took.values)
 
     def compress(self, local_params: Sequence[torch.Tensor], start: Sequence[torch.Tensor],
@@ -160,7 +160,7 @@ class SparseLoCo(OuterAlgorithm):
         return {f"reducer_error.{i}": grid.from_chunks(buffer)
                 for i, (grid, buffer) in enumerate(zip(self.grids, self.reducer_feedback))}
 
-    def local_state_with(self, in_flight: OuterRound | None) -> dict[str, torch.Tensor]:
+    def local_state_with(self, in_flight: OuterSync | None) -> dict[str, torch.Tensor]:
         if in_flight is None:
             return self.local_state()
         buffers = [buffer.clone().scatter_(1, sent.indices, sent.values)

@@ -6,7 +6,7 @@ of H inner steps; within it, fragment p (``schedules/streaming.py``, between inn
 
 1. after inner step (p + 1)·H/P - tau: its pseudo-gradient, global - local on the fragment alone, goes out
    in E3M0 4-bit floats (``collective/fp4.py``; float32 with ``bits: 32``) and its all-reduce is started
-   in the background (``OuterRound.start``: the communicator's non-blocking all-reduce), named after the
+   in the background (``OuterSync.start``: the communicator's non-blocking all-reduce), named after the
    fragment; training goes on;
 2. by inner step (p + 1)·H/P: the all-reduce ends; the reducers summed in float32 and every peer decodes
    the same bytes, so the outer step, SGD with Nesterov momentum on the fragment's params and momentum alone
@@ -36,7 +36,7 @@ from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.config import StreamingConfig
 from p2ploco.device import to_host
-from p2ploco.outer.base import OuterAlgorithm, OuterRound, OuterStep, pseudo_gradients
+from p2ploco.outer.base import OuterAlgorithm, OuterStep, OuterSync, pseudo_gradients
 from p2ploco.outer.diloco import nesterov_step
 
 
@@ -57,12 +57,12 @@ class StreamingDiLoCo(OuterAlgorithm):
                          for p, name in enumerate(self.fragments)}
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
-                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterRound:
+                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterSync:
         """Every fragment at once (one all-reduce for the whole round; the node syncs fragment by fragment)."""
         return self.contribute_fragments(self.fragments, local_params, round_index, start, tokens)
 
     def contribute_fragments(self, fragments: Sequence[str], local_params: Sequence[torch.Tensor], round_index: int,
-                             start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterRound:
+                             start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterSync:
         """The pseudo-gradient of ``fragments`` alone (global, or ``start``, minus local), as they are sent,
         weighted by ``tokens``. A fragment trains a fixed H (its syncs are placed by inner step), so its weight
         only differs where peers set different H; a fragment not applied is not carried (``merge`` follows the
@@ -71,7 +71,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         positions = [i for name in fragments for i in self.slices[name]]
         deltas = dict(zip(positions, to_host(pseudo_gradients([begin[i] for i in positions],
                                                               [local_params[i] for i in positions]))))
-        return OuterRound(round_index, SlicedExchange({name: self._exchange([deltas[i] for i in self.slices[name]])
+        return OuterSync(round_index, SlicedExchange({name: self._exchange([deltas[i] for i in self.slices[name]])
                                                        for name in fragments}, max(1, tokens)))
 
     def _exchange(self, deltas: list[torch.Tensor]) -> Exchange:
@@ -79,13 +79,13 @@ class StreamingDiLoCo(OuterAlgorithm):
             return DenseMean(deltas, "float32", self.policy)
         return E3M0Mean(deltas, self.policy)
 
-    def prepare(self, outer_round: OuterRound) -> OuterStep | None:
+    def prepare(self, outer_sync: OuterSync) -> OuterStep | None:
         """Nesterov momentum on the fragments the round synced, nothing else."""
-        positions = [i for name in outer_round.exchange.parts for i in self.slices[name]]
-        means = dict(zip(positions, (mean for part in outer_round.exchange.parts.values() for mean in part.mean())))
+        positions = [i for name in outer_sync.exchange.parts for i in self.slices[name]]
+        means = dict(zip(positions, (mean for part in outer_sync.exchange.parts.values() for mean in part.mean())))
         c = self.config
         return nesterov_step(positions, self.params, means, self.momentum, c.lr, c.momentum, True,
-                             outer_round.round_index)
+                             outer_sync.round_index)
 
     def merge(self, local_params: Sequence[torch.Tensor], fragments: Sequence[str]) -> None:
         """local <- alpha·local + (1 - alpha)·global on ``fragments`` (exactly global when alpha is 0)."""

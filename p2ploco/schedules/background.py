@@ -21,7 +21,7 @@ import torch
 
 from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.device import SideStream
-from p2ploco.outer.base import OuterRound, OuterStep, Synced
+from p2ploco.outer.base import OuterStep, OuterSync, Synced
 from p2ploco.worker import Worker
 
 T = TypeVar("T")
@@ -31,7 +31,7 @@ T = TypeVar("T")
 class Landed:
     """A round's all-reduce as it ended, and its outer step prepared (None: nothing to apply)."""
 
-    outer_round: OuterRound
+    outer_sync: OuterSync
     result: AllReduceResult
     step: OuterStep | None
     slice_sha256: str = ""  # the hash of the synced slice once stepped (a Streaming DiLoCo fragment)
@@ -72,17 +72,17 @@ class Background:
             except BaseException as e:  # handed to whoever takes the landing, like any Future
                 future.set_exception(e)
 
-    def land(self, outer_round: OuterRound) -> Landed:
-        """``outer_round``'s ended all-reduce, and its outer step prepared (on the calling thread)."""
-        result = outer_round.all_reduce.wait()
-        step = self.worker.outer.prepare(outer_round) if result.committed else None
-        return Landed(outer_round, result, step)
+    def land(self, outer_sync: OuterSync) -> Landed:
+        """``outer_sync``'s ended all-reduce, and its outer step prepared (on the calling thread)."""
+        result = outer_sync.all_reduce.wait()
+        step = self.worker.outer.prepare(outer_sync) if result.committed else None
+        return Landed(outer_sync, result, step)
 
     def take(self, landed: Landed, follow: list[torch.Tensor] | tuple[()] = ()) -> Synced:
         """On the training thread: put ``landed``'s step in place, or give back what its round took; ``follow`` takes
         the same step."""
         with self.worker.lock:
-            self.worker.outer.take(landed.outer_round, landed.step, follow)
+            self.worker.outer.take(landed.outer_sync, landed.step, follow)
         return Synced(landed.result, landed.step is not None)
 
     def close(self) -> None:

@@ -50,7 +50,7 @@ import torch
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import Communicator
 from p2ploco.device import to_device, wait_for
-from p2ploco.outer.base import OuterRound, Synced
+from p2ploco.outer.base import OuterSync, Synced
 from p2ploco.schedules.background import Background, Landed
 from p2ploco.schedules.base import RoundHooks, RoundOutcome, RoundSchedule
 from p2ploco.swarm.state import Snapshot
@@ -94,12 +94,12 @@ class Flight:
     round_index: int
     trained: list[torch.Tensor]  # the local params at the end of its inner steps, where they continued from
     landing: Future[PreparedLanding] = field(default_factory=Future)
-    outer_round: OuterRound | None = None  # once contributed
+    outer_sync: OuterSync | None = None  # once contributed
     contributed: threading.Event = field(default_factory=threading.Event)  # set once contributed, or failed to
 
     def grouped(self) -> bool:
         """Whether its all-reduce knows its group (never waits)."""
-        pending = self.outer_round.all_reduce if self.outer_round is not None else None
+        pending = self.outer_sync.all_reduce if self.outer_sync is not None else None
         return pending is not None and pending.grouped.is_set()
 
 
@@ -176,14 +176,14 @@ class OverlappedRounds(RoundSchedule):
         try:
             with side.running(after), worker.lock:
                 side.holds([*flight.trained, *start])
-                flight.outer_round = worker.outer.contribute(flight.trained, flight.round_index, start, tokens)
-            flight.outer_round.start(comm)
+                flight.outer_sync = worker.outer.contribute(flight.trained, flight.round_index, start, tokens)
+            flight.outer_sync.start(comm)
         except BaseException as e:  # the training thread meets it when it takes the landing
             flight.landing.set_exception(e)
             raise
         finally:
             flight.contributed.set()
-        self.background.when(flight.outer_round.all_reduce.result, partial(self._prepare_landing, flight),
+        self.background.when(flight.outer_sync.all_reduce.result, partial(self._prepare_landing, flight),
                              into=flight.landing)
 
     def _prepare_landing(self, flight: Flight) -> PreparedLanding:
@@ -191,7 +191,7 @@ class OverlappedRounds(RoundSchedule):
         the jump that rebases the local params onto it."""
         worker, side = self.worker, self.background.side
         adopted = self.adopted
-        landed = self.background.land(flight.outer_round)
+        landed = self.background.land(flight.outer_sync)
         with side.running():
             prepared = PreparedLanding(landed, adopted, worker.after(landed.step) if landed.step is not None else None)
             if self.eager:
@@ -210,7 +210,7 @@ class OverlappedRounds(RoundSchedule):
         stale = prepared.adopted != self.adopted
         landed = prepared.landed
         if stale and landed.step is not None:  # prepared again, on the state adopted meanwhile
-            landed.step = self.worker.outer.prepare(landed.outer_round)
+            landed.step = self.worker.outer.prepare(landed.outer_sync)
         synced = self.background.take(landed, () if self.eager else params)
         if landed.step is not None:
             if stale:
@@ -248,8 +248,8 @@ class OverlappedRounds(RoundSchedule):
         if flight is None:
             return
         deadline = time.monotonic() + timeout
-        if flight.contributed.wait(timeout) and flight.outer_round is not None:
-            flight.outer_round.all_reduce.grouped.wait(max(0.0, deadline - time.monotonic()))
+        if flight.contributed.wait(timeout) and flight.outer_sync is not None:
+            flight.outer_sync.all_reduce.grouped.wait(max(0.0, deadline - time.monotonic()))
 
     def restart(self) -> None:
         self.start = None
@@ -272,7 +272,7 @@ class OverlappedRounds(RoundSchedule):
         flight = self.flight
         if flight is not None:
             flight.contributed.wait()
-        return self.worker.checkpoint(round_index, extras, flight.outer_round if flight is not None else None)
+        return self.worker.checkpoint(round_index, extras, flight.outer_sync if flight is not None else None)
 
     def close(self) -> None:
         self.background.close()

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from functools import partial
 
 from p2ploco.collective.exchange import AllReduceResult, Communicator, Traffic
-from p2ploco.outer.base import OuterRound, Synced
+from p2ploco.outer.base import OuterSync, Synced
 from p2ploco.outer.streaming import StreamingDiLoCo
 from p2ploco.schedules.background import Background, Landed
 from p2ploco.schedules.base import RoundHooks, RoundOutcome, RoundSchedule
@@ -67,7 +67,7 @@ class StreamingRounds(RoundSchedule):
             worker.load_into_model()
         return RoundOutcome(inner, round_sync)
 
-    def _land(self, sync: OuterRound, name: str) -> Landed:
+    def _land(self, sync: OuterSync, name: str) -> Landed:
         landed = self.background.land(sync)
         if landed.step is not None:
             landed.slice_sha256 = self.worker.slice_hash(landed.step, name)
