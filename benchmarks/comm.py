@@ -115,7 +115,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def compress_replicas(shapes: list[tuple[int, ...]], topk: int, replicas: int, device: torch.device,
-                      result_topk: int = SparseLoCoConfig.result_topk,
+                      result_topk: int = SparseLoCoConfig().result_topk,
                       ) -> tuple[SparseLoCo, list[list[CompressedTensor]], list[float]]:
     """Each replica's compressed pseudo-gradient (one SparseLoCo, its error feedback emptied in between) and
     the seconds each compress took, after one warm-up."""
@@ -291,7 +291,7 @@ def main() -> None:
                         help="largest group whose exact butterfly is encoded for real (one compressed replica each)")
     parser.add_argument("--replicas", type=int, default=8,
                         help="distinct compressed replicas the resparsified rows cycle through")
-    parser.add_argument("--result-topk", type=int, default=SparseLoCoConfig.result_topk,
+    parser.add_argument("--result-topk", type=int, default=SparseLoCoConfig().result_topk,
                         help="values per 64x64 chunk of a resparsified result (outer.sparseloco.result_topk)")
     parser.add_argument("--scale-only", action="store_true", help="print the scaling table alone")
     parser.add_argument("--json", action="store_true",
