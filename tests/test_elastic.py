@@ -111,6 +111,7 @@ OUTSIDE_THE_DECISION = {Failure.NO_DECISION, Failure.LEFT_OUT, Failure.LATE}
 KILL_TIMEOUT = 8  # allreduce_timeout of the test below: above the ~5 s after which a silent record counts as dead
 
 
+@pytest.mark.slow  # six nodes, four kills; a crash in the default run: test_crash_leave_join_and_rejoin
 @pytest.mark.timeout(300)
 def test_survivors_agree_whenever_a_peer_is_killed(tmp_path):
     """Round r + 1 loses a peer SIGKILLed at the r-th point of a round (inner steps, matchmaking, mid

@@ -74,6 +74,7 @@ def report(title: str, rows: dict[str, float]) -> None:
     print(f"\n{title}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows.items()))
 
 
+@pytest.mark.slow  # the rule is in the default run (test_robust.py; test_allreduce.py, over real daemons)
 @pytest.mark.timeout(300)
 def test_a_peer_sending_contributions_scaled_by_a_million_is_clipped(tmp_path):
     attack_from, rounds = 3, 7
