@@ -212,9 +212,8 @@ async def serving(log: logging.Logger, request: str, sender: str, reader: asynci
                   broke_off_level: int = logging.INFO) -> AsyncIterator[None]:
     """Answer one ``request`` (e.g. "vote") from ``sender`` on a stream this side serves: an error the block
     raises ends it, logged in ``log`` and not raised further (a cancellation is), and the stream is hung up after
-    (``hang_up``). A
-    malformed request and one that broke off are the requester's doing, one line each, and nobody is banned for
-    them; anything else is a bug, logged with its traceback, and the handler keeps serving."""
+    (``hang_up``). A malformed request and one that broke off are the requester's doing, one line each, and nobody
+    is banned for them; anything else is a bug, logged with its traceback, and the handler keeps serving."""
     try:
         yield
     except PayloadError as e:
