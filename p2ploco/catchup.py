@@ -11,13 +11,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 
 from p2ploco.config import Config
 from p2ploco.errors import SwarmError
+from p2ploco.presence import Presence
 from p2ploco.schedules import RoundSchedule
+from p2ploco.standing import Membership, Standing
 from p2ploco.swarm.consensus import SwarmState
-from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
 
 CATCH_UP_POLL = 0.25  # seconds between looks at the records while waiting to catch up
@@ -25,69 +26,66 @@ CATCH_UP_POLL = 0.25  # seconds between looks at the records while waiting to ca
 KEEP_LOCAL_ROUNDS = 4
 
 
-@dataclass
-class Membership:
-    """How this node came by the state it trains from."""
-
-    joined_round: int  # the round it (re)joined at
-    source: str  # init (seeded), checkpoint, or peer (fetched from the swarm)
-    catchup_seconds: float = 0.0  # time spent fetching state before the next round
-
-
 class CatchUp:
-    def __init__(self, config: Config, swarm: Swarm, stopping: threading.Event, out: Callable[[str], None]):
-        self.config, self.swarm, self.stopping, self.out = config, swarm, stopping, out
+    def __init__(self, config: Config, swarm: Swarm, presence: Presence, stopping: threading.Event,
+                 out: Callable[[str], None]):
+        self.config, self.swarm, self.presence, self.stopping, self.out = config, swarm, presence, stopping, out
 
-    def __call__(self, schedule: RoundSchedule, round_index: int, membership: Membership, unsettled: int | None,
-                 doubtful: bool, first: bool) -> tuple[int, Membership, bool]:
+    def __call__(self, schedule: RoundSchedule, standing: Standing, first: bool) -> Standing:
         """If the swarm is ahead of us, or holds another state of some slice at our round, fetch the state of
         every slice this peer holds and contribute from the next round. After an unsettled round, first let
         the others finish it and compare states at the next round (the swarm's state wins: ``swarm/consensus.py``,
         in which a ``doubtful`` state, one this peer holds for not having applied a round the others may have, has
         no say), then fetch at once. A peer that is otherwise behind (joining, restarted) first waits (bounded) for
         the others to finish the round they are in, so that it starts the next one with them rather than late.
-        ``first``: this node has trained no round yet. Returns the round to train, how this peer came by its
-        state, and whether that state is still doubtful."""
-        swarm, worker = self.swarm, schedule.worker
-
-        def behind(targets: dict[str, SwarmState]) -> bool:
-            return any(t.round > round_index or (t.round == round_index
-                                                 and t.state_sha256 != worker.slice_sha256[t.slice])
-                       for t in targets.values())
-
-        latest: list[dict[str, SwarmState]] = []  # the last look passed() took: acted on at once, rounds may be short
-
-        def passed(round_in_progress: int) -> bool:
-            latest[:] = [swarm.swarm_state(round_index, worker.slice_sha256)]
-            return not latest[0] or max(t.round for t in latest[0].values()) > round_in_progress
-
+        ``first``: this node has trained no round yet. Returns where this node stands then: the round to train, how
+        it came by its state, and whether that state is still doubtful."""
+        swarm, slices, round_index = self.swarm, schedule.worker.slice_sha256, standing.round
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
-        if unsettled is not None:
-            # our state, to compare
-            swarm.announce_progress(round_index, PeerState.TRAINING, worker.params_sha256, worker.slice_sha256,
-                                    doubtful)
-            if not self._wait(lambda: swarm.settled(unsettled), deadline):
-                return round_index, membership, doubtful
+        if standing.unsettled is not None:
+            self.presence.announce_own_state(round_index, standing.doubtful)  # our state, to compare
+            if not self._wait(lambda: swarm.settled(standing.unsettled), deadline):
+                return standing
         # Between two rounds that went well the heartbeat's view will do (a peer behind is also told so at its next
         # join, and catches up then); a peer that starts, or after a round that went otherwise, looks afresh.
-        targets = swarm.swarm_state(round_index, worker.slice_sha256, fresh=unsettled is not None or doubtful or first)
-        if not behind(targets):
-            return round_index, membership, False
-        if unsettled is None and not doubtful:  # joining or restarted: let the round under way end, then start the
-            # next with all
-            if not self._wait(lambda: passed(max(t.round for t in targets.values())), deadline):
-                return round_index, membership, doubtful
-            targets = latest[0]
-            if not behind(targets):
-                return round_index, membership, False
+        targets = swarm.swarm_state(round_index, slices,
+                                    fresh=standing.unsettled is not None or standing.doubtful or first)
+        if not behind(targets, round_index, slices):
+            return replace(standing, doubtful=False)
+        if standing.unsettled is None and not standing.doubtful:  # joining or restarted: let the round under way
+            # end, then start the next with all
+            targets = self._after_round_under_way(targets, round_index, slices, deadline)
+            if targets is None:
+                return standing
+            if not behind(targets, round_index, slices):
+                return replace(standing, doubtful=False)
+        return self._fetch(schedule, standing, targets)
+
+    def _after_round_under_way(self, targets: dict[str, SwarmState], round_index: int, slices: dict[str, str],
+                               deadline: float) -> dict[str, SwarmState] | None:
+        """The swarm's state once the others have ended the round under way (the latest of ``targets``) or
+        ``deadline`` passed, from a fresh look; None if this node stops meanwhile."""
+        under_way = max(t.round for t in targets.values())
+        latest: list[dict[str, SwarmState]] = []  # the last look passed() took: acted on at once, rounds may be short
+
+        def passed() -> bool:
+            latest[:] = [self.swarm.swarm_state(round_index, slices)]
+            return not latest[0] or max(t.round for t in latest[0].values()) > under_way
+
+        return latest[0] if self._wait(passed, deadline) else None
+
+    def _fetch(self, schedule: RoundSchedule, standing: Standing, targets: dict[str, SwarmState]) -> Standing:
+        """Fetch the swarm's state (``targets``) of every slice this peer holds in another state, and hand it to the
+        schedule; where this node stands then."""
+        swarm, worker, round_index = self.swarm, schedule.worker, standing.round
         me = swarm.peer_id[-8:]
         top = max(t.round for t in targets.values())
         missing = sorted(name for name in worker.slices if name not in targets or targets[name].round != top)
         if missing:
             self.out(f"[{me}] the swarm is at round {top} but nobody serves {', '.join(missing)} of it; training on "
                      f"and trying again next round")
-            return round_index, membership, True
+            return replace(standing, doubtful=True)
         # A slice whose state this peer holds already (a full replica may be behind in one slice only) is kept.
         own = {snapshot.slice: snapshot for snapshot in worker.snapshots(round_index)}
         fetch = {name: t for name, t in targets.items() if (t.round, t.state_sha256) != (round_index,
@@ -95,20 +93,17 @@ class CatchUp:
         donors = {peer for t in fetch.values() for peer in t.holders} - {swarm.peer_id}
         self.out(f"[{me}] the swarm is at round {top} (this peer: {round_index}); fetching the state of "
                  f"{', '.join(sorted(fetch))} from {len(donors)} peer(s)")
-        # Announce where we are headed, stored before the fetch (records are otherwise stored in the background):
-        # a round being formed waits for us rather than closing early, but only once its coordinator sees this.
-        swarm.announce_progress(top, PeerState.JOINING, "", {t.slice: t.state_sha256 for t in targets.values()})
-        swarm.flush()
+        self.presence.announce_catching_up(top, {t.slice: t.state_sha256 for t in targets.values()})
         started = time.perf_counter()
         try:
             fetched = {name: swarm.fetch_state(t, worker.state_bytes(name)) for name, t in fetch.items()}
             schedule.adopt({**own, **fetched}, keep_local=top - round_index <= KEEP_LOCAL_ROUNDS)
         except SwarmError as e:
             self.out(f"[{me}] could not catch up ({e}); training on and trying again next round")
-            return round_index, membership, True
+            return replace(standing, doubtful=True)
         seconds = time.perf_counter() - started
         self.out(f"[{me}] caught up to round {top} in {seconds:.1f} s")
-        return top, Membership(top, "peer", seconds), False
+        return replace(standing, round=top, membership=Membership(top, "peer", seconds), doubtful=False)
 
     def _wait(self, done: Callable[[], bool], deadline: float) -> bool:
         """Poll ``done`` until it holds or ``deadline`` passes; False if this node is stopping."""
@@ -118,3 +113,10 @@ class CatchUp:
             # Others publish their next round the moment they reach it: look often, a round may be short.
             time.sleep(min(self.config.swarm.heartbeat_interval, CATCH_UP_POLL, max(0.0, deadline - time.monotonic())))
         return not self.stopping.is_set()
+
+
+def behind(targets: dict[str, SwarmState], round_index: int, slices: dict[str, str]) -> bool:
+    """Whether the swarm's state (``targets``) is ahead of this peer's (``slices`` at ``round_index``), or another
+    at its round."""
+    return any(t.round > round_index or (t.round == round_index and t.state_sha256 != slices[t.slice])
+               for t in targets.values())

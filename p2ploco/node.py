@@ -5,38 +5,39 @@ any peer has seen this node; then the run directory, the role (a full replica or
 checkpoint to resume from. The loop (``Node._loop``), round by round: settle which part of the model this peer
 holds, catch up with the swarm if it is ahead (``catchup.py``), check that the role may train the round, run
 the round schedule (``p2ploco.schedules``: inner steps and the outer round, blocking, overlapped or streaming),
-write the record. Checkpoints are written every ``training.checkpoint_every`` rounds and on a clean exit.
+write the record. Checkpoints are written every ``training.checkpoint_every`` rounds and on a clean exit. What the
+node shows the swarm on the way goes through one object (``presence.py``); what it carries from one round to the
+next is one value (``standing.py``).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from functools import partial
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from p2ploco.budget import RoundBudget, WallClockBudget
-from p2ploco.catchup import CatchUp, Membership
+from p2ploco.catchup import CatchUp
 from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.config import Config
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
 from p2ploco.errors import ConfigError, PipelineError
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.outer.base import Synced
+from p2ploco.presence import Presence
 from p2ploco.roles import REPLICA, STAGE, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.rundir import RunDirectory
 from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
+from p2ploco.standing import Membership, Standing
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
-from p2ploco.swarm.records import EVAL_HISTORY, PeerState
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.swarm.status import WILDCARDS, listen
 from p2ploco.swarm.status_document import STATUS_PATH
@@ -55,21 +56,6 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
-
-
-def public_fields(records: Sequence[RoundRecord]) -> dict[str, object]:
-    """What this node's DHT record tells others about its last round."""
-    def finite(value: float | None) -> float | None:  # the record schema admits no NaN or inf
-        return round(value, 4) if value is not None and math.isfinite(value) else None
-
-    r = records[-1]
-    traffic = r.bytes_sent + r.bytes_received
-    evals = [[x.round, finite(x.eval_loss)] for x in records if finite(x.eval_loss) is not None][-EVAL_HISTORY:]
-    return {"loss": finite(r.loss), "eval_loss": finite(r.eval_loss),
-            "tokens_per_second": round(r.tokens / r.round_seconds, 1) if r.round_seconds else 0.0,
-            "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
-            "compression": round(r.dense_fp32_bytes / traffic, 1) if traffic else 0.0,
-            "round_seconds": round(r.round_seconds, 2), "eval_history": evals}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -132,17 +118,17 @@ class Node:
                     else address
                 self.out(f"[{me}] status served at http://{address}{STATUS_PATH}; read it with "
                          f"`p2ploco peers --from {where}`")
-            self._announce(swarm)
+            self._print_join_instructions(swarm)
             files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, fingerprint, self.resume,
                                  lambda line: self.out(f"[{me}] {line}"))
-            role, round_index, membership = self._take_role(swarm, device, data, files)
+            role, standing = self._take_role(swarm, device, data, files)
+            presence = Presence(swarm, role)
             pace = "H every round" if self._budget(swarm, role) is None else "as many of H as fit in the round's time"
             reach = ("can be dialled" if not swarm.reachability.dials_out else
                      f"{swarm.reachability}: cannot be dialled (behind a NAT?), takes part by dialling out")
             self.out(f"[{me}] {role.describe()} on {device}; {data.describe()}; outer {c.outer.algorithm}, "
                      f"H={c.inner.steps} ({pace}); reachability {reach}")
-            swarm.announce_progress(round_index, PeerState.JOINING, role.worker.params_sha256,
-                                    role.worker.slice_sha256)
+            presence.announce_joining(standing.round)
             if c.swarm.min_peers > 1:
                 self.out(f"[{me}] waiting for {c.swarm.min_peers} peers ...")
                 present = swarm.wait_for_peers(c.swarm.min_peers, c.swarm.startup_timeout, self.stopping)
@@ -151,16 +137,16 @@ class Node:
             held_out = eval_batches(data.eval, c.data.seq_len, c.data.eval_sequences)
             schedule = build_schedule(c, role.worker)
             try:
-                round_index, schedule = self._loop(swarm, role, schedule, files, held_out, round_index, membership)
+                standing, schedule = self._loop(swarm, presence, role, schedule, files, held_out, standing)
                 landed = schedule.finish_in_flight()
                 if landed is not None:
                     self.out(f"[{me}] the last overlapped round's outer step landed on exit "
                              f"({'applied' if landed.applied else 'NOT APPLIED'}, {len(landed.all_reduce.peers)} "
                              f"peer(s))")
-                files.finish(schedule.checkpoint(round_index, role.checkpoint_extras()))
+                files.finish(schedule.checkpoint(standing.round, role.checkpoint_extras()))
             finally:
                 schedule.close()
-            self.out(f"[{me}] checkpoint of round {round_index} written to {files.checkpoints}")
+            self.out(f"[{me}] checkpoint of round {standing.round} written to {files.checkpoints}")
         except KeyboardInterrupt:  # a second signal: stop now, keep the last periodic checkpoint
             self.out(f"[{me}] stopped at once after {len(self.records)} round(s); no exit checkpoint")
         finally:
@@ -175,9 +161,9 @@ class Node:
         return self.records
 
     def _take_role(self, swarm: Swarm, device: torch.device, data: TrainingData, files: RunDirectory,
-                   ) -> tuple[Role, int, Membership]:
-        """This node's role with its worker placed, resumed from the run directory's checkpoint if asked; the round
-        to train first and how the node came by its state."""
+                   ) -> tuple[Role, Standing]:
+        """This node's role with its worker placed, resumed from the run directory's checkpoint if asked, and where
+        the node stands then: the round to train first and how it came by its state."""
         c = self.config
         role: Role = (ReplicaRole(c, device, data, swarm) if self.role_options.kind == REPLICA
                       else StageRole(c, device, data, swarm, self.role_options))
@@ -188,85 +174,79 @@ class Node:
         swarm.track(lambda: {"inner_step": role.worker.inner.step_in_round,
                              "step_seconds": role.worker.inner.step_times.median})
         if saved is None:
-            return role, 0, Membership(0, "init")
+            return role, Standing(0, Membership(0, "init"))
         role.worker.restore(saved, files.checkpoints)
         self.out(f"[{swarm.peer_id[-8:]}] resumed from {files.checkpoints} at round {saved.round}")
-        return role, saved.round, Membership(saved.round, "checkpoint")
+        return role, Standing(saved.round, Membership(saved.round, "checkpoint"))
 
-    def _loop(self, swarm: Swarm, role: Role, schedule: RoundSchedule, files: RunDirectory, held_out: list[Batch],
-              round_index: int, membership: Membership) -> tuple[int, RoundSchedule]:
-        """Rounds until stopped or done; returns the next round to train and the schedule that ran the last."""
+    def _loop(self, swarm: Swarm, presence: Presence, role: Role, schedule: RoundSchedule, files: RunDirectory,
+              held_out: list[Batch], standing: Standing) -> tuple[Standing, RoundSchedule]:
+        """Rounds until stopped or done; returns where the node stands then (the next round to train) and the
+        schedule that ran the last round."""
         c, me = self.config, swarm.peer_id[-8:]
-        catch_up = CatchUp(c, swarm, self.stopping, self.out)
-        unsettled: int | None = None  # a round that may have ended otherwise for the others
-        doubtful = False  # this peer did not apply a round the others may have, and has not caught up since
-        waiting = ""  # what a standby stage last said it waits for (said once, not every look)
-        while not self.stopping.is_set() and not (c.training.rounds and round_index >= c.training.rounds):
+        catch_up = CatchUp(c, swarm, presence, self.stopping, self.out)
+        while not self.stopping.is_set() and not self._past_last_round(standing):
             if role.place():  # a stage peer took another stage: a new worker, with the seed's state
                 schedule.close()
                 schedule = build_schedule(c, role.worker)
                 self.out(f"[{me}] now {role.describe()}")
-                membership = Membership(round_index, "init")
-            round_index, membership, doubtful = catch_up(schedule, round_index, membership, unsettled, doubtful,
-                                                         first=not self.records)
-            if c.training.rounds and round_index >= c.training.rounds:
+                standing = replace(standing, membership=Membership(standing.round, "init"))
+            standing = catch_up(schedule, standing, first=not self.records)
+            if self._past_last_round(standing):
                 if not self.records:
-                    self.out(f"[{me}] the run is at round {round_index}, past its last round "
+                    self.out(f"[{me}] the run is at round {standing.round}, past its last round "
                              f"({c.training.rounds - 1}): nothing to train; training.rounds (--max-rounds) counts "
                              f"from the run's start")
                 break
-            worker = role.worker
-            announce = partial(swarm.announce_progress, round_index, PeerState.TRAINING, worker.params_sha256,
-                               worker.slice_sha256, doubtful)
-            if not role.ready(round_index, announce, self.stopping):
-                if role.waiting_for != waiting:
-                    waiting = role.waiting_for
-                    self.out(f"[{me}] standby: waiting for {waiting}")
-                swarm.announce_progress(round_index, PeerState.STANDBY, worker.params_sha256, worker.slice_sha256)
-                self.stopping.wait(c.swarm.heartbeat_interval)
+            in_for_round = presence.in_for_round(standing.round, standing.doubtful)
+            if not role.ready(standing.round, in_for_round, self.stopping):
+                standing = self._stand_by(presence, role, standing)
                 continue
-            waiting = ""
-            record = self._round(swarm, role, schedule, round_index, membership, held_out, doubtful)
+            record = self._round(swarm, presence, role, schedule, standing, held_out, in_for_round)
             if record is None:  # stopped during the inner steps: the round is abandoned
                 break
             files.write(record)
             self.records.append(record)
             self.out(progress_line(swarm.peer_id, record))
-            swarm.update_record(**public_fields(self.records))
-            membership.catchup_seconds = 0.0
-            # Alone, or not applied: the others may hold another state after this round (they committed
-            # without us, or a judge we could not reach decided otherwise).
-            unsettled = round_index if record.peers == 1 or not record.applied else None
-            doubtful = doubtful or not record.applied
-            if unsettled is not None:  # settling publishes our next round: only once a round in flight has its
-                # group, whose formation reads our record
+            presence.report(self.records)
+            standing = standing.after(record)
+            if standing.unsettled is not None:  # settling publishes our next round: only once a round in flight
+                # has its group, whose formation reads our record
                 schedule.settle(c.swarm.matchmaking_timeout + c.swarm.allreduce_timeout)
-            round_index += 1
-            if c.training.checkpoint_every and round_index % c.training.checkpoint_every == 0:
-                files.save(schedule.checkpoint(round_index, role.checkpoint_extras()))
-        return round_index, schedule
+            if c.training.checkpoint_every and standing.round % c.training.checkpoint_every == 0:
+                files.save(schedule.checkpoint(standing.round, role.checkpoint_extras()))
+        return standing, schedule
 
-    def _round(self, swarm: Swarm, role: Role, schedule: RoundSchedule, round_index: int, membership: Membership,
-               held_out: list[Batch], doubtful: bool) -> RoundRecord | None:
-        """One round by the schedule, an eval and the record; ``doubtful``: published with the state this round
-        starts from (``CatchUp``). None if the node was stopped during the inner steps."""
+    def _past_last_round(self, standing: Standing) -> bool:
+        rounds = self.config.training.rounds
+        return bool(rounds) and standing.round >= rounds
+
+    def _stand_by(self, presence: Presence, role: Role, standing: Standing) -> Standing:
+        """Sit this round out while the role is not ready (said once per reason), and wait a heartbeat."""
+        if role.waiting_for != standing.waiting_for:
+            standing = replace(standing, waiting_for=role.waiting_for)
+            self.out(f"[{presence.swarm.peer_id[-8:]}] standby: waiting for {standing.waiting_for}")
+        presence.announce_standby(standing.round)
+        self.stopping.wait(self.config.swarm.heartbeat_interval)
+        return standing
+
+    def _round(self, swarm: Swarm, presence: Presence, role: Role, schedule: RoundSchedule, standing: Standing,
+               held_out: list[Batch], in_for_round: Callable[[], None]) -> RoundRecord | None:
+        """One round by the schedule, an eval and the record; ``in_for_round``: the announcement that names this
+        round with the state it starts from (``Presence.in_for_round``). None if the node was stopped during the
+        inner steps."""
         c = self.config
-        worker = role.worker
-        swarm.serve_state(worker.snapshots(round_index))
-        # The record names this round with the hashes of the state it starts from (taken now: an overlapped
-        # round in flight may land during this one).
-        announce = partial(swarm.announce_progress, round_index, PeerState.TRAINING, worker.params_sha256,
-                           dict(worker.slice_sha256), doubtful)
+        worker, round_index, membership = role.worker, standing.round, standing.membership
+        presence.serve(round_index)
         started = time.perf_counter()
         try:
             outcome = schedule.run(round_index, swarm.communicator,
-                                   RoundHooks(self.stopping.is_set, announce, self._budget(swarm, role)))
+                                   RoundHooks(self.stopping.is_set, in_for_round, self._budget(swarm, role)))
         except PipelineError as e:  # the group could not finish the round: it contributes nothing to it
             self.out(f"[{swarm.peer_id[-8:]}] round {round_index}: the pipeline group failed ({e}); it sits the "
                      f"round out and catches up")
             schedule.restart()
-            # nobody waits for this peer's join
-            swarm.announce_progress(round_index, PeerState.STANDBY, worker.params_sha256, worker.slice_sha256)
+            presence.announce_standby(round_index)
             return self._record(swarm, role, round_index, membership, started, loss=float("nan"),
                                 applied=False, excluded=True)
         if outcome is None:
@@ -322,7 +302,7 @@ class Node:
             raise ConfigError(f"--status-host {host} --status-port {port}: cannot listen there ({why}); pick another "
                               f"port (0: any free one) or host") from None
 
-    def _announce(self, swarm: Swarm) -> None:
+    def _print_join_instructions(self, swarm: Swarm) -> None:
         addresses = swarm.addresses()
         self.out(f"[{swarm.peer_id[-8:]}] peer {swarm.peer_id} joined run '{self.config.run_id}'")
         self.out("To join this swarm from another machine, run:")

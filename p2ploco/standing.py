@@ -1,0 +1,36 @@
+"""Where a node stands in its run between two rounds: what ``Node._loop`` carries from one round to the next.
+
+The steps of a round that change it return a new one (``CatchUp``, ``Standing.after``): nothing is threaded
+through tuples or changed in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from p2ploco.metrics import RoundRecord
+
+
+@dataclass(frozen=True)
+class Membership:
+    """How this node came by the state it trains from."""
+
+    joined_round: int  # the round it (re)joined at
+    source: str  # init (seeded), checkpoint, or peer (fetched from the swarm)
+    catchup_seconds: float = 0.0  # time spent fetching state before the next round
+
+
+@dataclass(frozen=True)
+class Standing:
+    round: int  # the round to train next
+    membership: Membership
+    unsettled: int | None = None  # a round that may have ended otherwise for the others
+    doubtful: bool = False  # this peer did not apply a round the others may have, and has not caught up since
+    waiting_for: str = ""  # what a standby stage last said it waits for (said once, not every look)
+
+    def after(self, record: RoundRecord) -> Standing:
+        """Once this round is recorded. Alone, or not applied: the others may hold another state after it (they
+        committed without us, or a judge we could not reach decided otherwise)."""
+        return Standing(self.round + 1, replace(self.membership, catchup_seconds=0.0),
+                        unsettled=self.round if record.peers == 1 or not record.applied else None,
+                        doubtful=self.doubtful or not record.applied)
