@@ -15,7 +15,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # hivemind reads its log level at import: keep its INFO chatter out of a node's progress output.
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
@@ -25,6 +25,9 @@ import click  # noqa: E402
 from p2ploco import __version__  # noqa: E402
 from p2ploco.errors import ConfigError, P2PLocoError, ProtocolError, SwarmError  # noqa: E402
 from p2ploco.swarm import DEFAULT_HOST_MADDRS  # noqa: E402
+
+if TYPE_CHECKING:
+    from p2ploco.node import Node
 
 
 def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -97,10 +100,8 @@ def main() -> None:
 def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...],
         identity: str | None, name: str) -> None:
     """A bootstrap-only DHT peer: prints the addresses nodes join through and stays up until stopped."""
-    from p2ploco.swarm.bootstrap import start_bootstrap
-    from p2ploco.swarm.loop import EventLoopThread, finishes_within
-    from p2ploco.swarm.runtime import FAREWELL_TIMEOUT
-    from p2ploco.swarm.wire import DAEMON_ERRORS
+    from p2ploco.swarm.bootstrap import start_bootstrap, stop_bootstrap
+    from p2ploco.swarm.loop import EventLoopThread
 
     loop = EventLoopThread()
     try:
@@ -114,12 +115,9 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
             signal.signal(signum, lambda *_: stopped.set())
         stopped.wait()
         click.echo("bootstrap peer stopping")
-        try:  # the daemon may already be gone (a signal to the whole process group): never hang on it
-            if not loop.run(finishes_within(node.shutdown(), FAREWELL_TIMEOUT), FAREWELL_TIMEOUT + 5):
-                click.echo("the p2p daemon did not answer (a signal to the process group stops it too); "
-                           "exiting anyway", err=True)
-        except DAEMON_ERRORS as e:
-            click.echo(f"the p2p daemon stopped uncleanly ({e!r}); exiting anyway", err=True)
+        trouble = stop_bootstrap(loop, node)
+        if trouble is not None:
+            click.echo(trouble, err=True)
     finally:
         loop.stop()
 
@@ -183,10 +181,14 @@ def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tu
                           f"{config.pipeline.stages - 1})")
     if pipeline_group is not None and not 0 < len(pipeline_group) <= 64:
         raise ConfigError("--group must be a name of 1 to 64 characters")
-    options = SwarmOptions(initial_peers, host_maddrs, announce_maddrs, identity, name)
-    node = Node(config, options, Path(log_dir) if log_dir else None, config_path, resume=resume, out=click.echo,
-                role=RoleOptions(role, pipeline_group, stage),
-                status_address=None if status_port is None else (status_host, status_port))
+    train_until_stopped(Node(config, SwarmOptions(initial_peers, host_maddrs, announce_maddrs, identity, name),
+                             Path(log_dir) if log_dir else None, config_path, resume=resume, out=click.echo,
+                             role=RoleOptions(role, pipeline_group, stage),
+                             status_address=None if status_port is None else (status_host, status_port)))
+
+
+def train_until_stopped(node: Node) -> None:
+    """Run ``node`` until its run is done or a signal stops it (``stop_gracefully``)."""
     stop_gracefully(node.stop)
     node.run()
 
@@ -265,27 +267,18 @@ def data_train_tokenizer(paths: tuple[str, ...], vocab_size: int, out: str) -> N
     """Train a byte-level BPE tokenizer (with <|endoftext|>) on text files, JSONL files or folders."""
     import time
 
-    from p2ploco.data import Sources, train_bpe
-    from p2ploco.data.split import text_pieces
+    from p2ploco.data import Sources
+    from p2ploco.data.tokenizer import train_bpe_on_sources
     from p2ploco.metrics import format_table, human_bytes
 
     if Path(out).exists():
         raise ConfigError(f"--out {out} already exists; choose a new file (nothing was written)")
     sources = Sources(paths, origin="PATHS")
     started = time.perf_counter()
-    read = 0
     with _progress() as bar:
         reading = bar.add_task("training on", total=sources.file_bytes)
-
-        def texts() -> Any:
-            nonlocal read
-            for document in sources.documents():
-                for piece in text_pieces(document.chunks):
-                    yield piece.decode("utf-8", errors="replace")
-                    read += len(piece)
-                    bar.update(reading, completed=min(read, sources.file_bytes))
-
-        tokenizer = train_bpe(texts(), vocab_size, Path(out))
+        tokenizer, read = train_bpe_on_sources(
+            sources, vocab_size, Path(out), lambda done: bar.update(reading, completed=min(done, sources.file_bytes)))
     seconds = time.perf_counter() - started
     rows = [("text", human_bytes(read)), ("vocabulary", f"{tokenizer.vocab_size:,} tokens"),
             ("end of text", f"id {tokenizer.eot}"), ("time", f"{seconds:.1f} s")]

@@ -9,12 +9,14 @@ non-default tokenizer's digest joins the run fingerprint (byte-level has none: i
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+from p2ploco.data.documents import Sources
+from p2ploco.data.split import text_pieces
 from p2ploco.errors import ConfigError
 
 # Names that end a document in common tokenizers; train_bpe adds the first one.
@@ -118,3 +120,21 @@ def train_bpe(texts: Iterator[str], vocab_size: int, out: Path) -> HuggingFaceTo
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.save(str(out))
     return HuggingFaceTokenizer(out)
+
+
+def train_bpe_on_sources(sources: Sources, vocab_size: int, out: Path, progress: Callable[[int], None],
+                         ) -> tuple[HuggingFaceTokenizer, int]:
+    """``train_bpe`` on the text of every document of ``sources``, in pieces cut at line ends (``text_pieces``);
+    ``progress`` is told the bytes of text read so far after each piece. Returns the tokenizer and the bytes read."""
+    read = 0
+
+    def texts() -> Iterator[str]:
+        nonlocal read
+        for document in sources.documents():
+            for piece in text_pieces(document.chunks):
+                yield piece.decode("utf-8", errors="replace")
+                read += len(piece)
+                progress(read)
+
+    tokenizer = train_bpe(texts(), vocab_size, out)
+    return tokenizer, read

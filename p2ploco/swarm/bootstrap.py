@@ -14,9 +14,12 @@ from p2ploco.config import SwarmConfig
 from p2ploco.swarm.dht import start_dht_node, visible_maddrs
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.identity import Identity
+from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack
 from p2ploco.swarm.records import BOOTSTRAP_KEY, MAX_ADDRESSES, PeerRecord
+from p2ploco.swarm.runtime import FAREWELL_TIMEOUT
+from p2ploco.swarm.wire import DAEMON_ERRORS
 
 
 async def start_bootstrap(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
@@ -34,3 +37,14 @@ async def start_bootstrap(initial_peers: Sequence[str], host_maddrs: Sequence[st
     await directory.store_record()
     directory.start_heartbeat()
     return node, addresses
+
+
+def stop_bootstrap(loop: EventLoopThread, node: DHTNode) -> str | None:
+    """Shut ``node`` and its p2p daemon down, never hanging on a daemon that is already gone (a signal to the whole
+    process group stops it too); None if that went cleanly, else one line on what went otherwise."""
+    try:
+        if not loop.run(finishes_within(node.shutdown(), FAREWELL_TIMEOUT), FAREWELL_TIMEOUT + 5):
+            return "the p2p daemon did not answer (a signal to the process group stops it too); exiting anyway"
+    except DAEMON_ERRORS as e:
+        return f"the p2p daemon stopped uncleanly ({e!r}); exiting anyway"
+    return None
