@@ -97,53 +97,28 @@ class Node:
         data = load_training_data(c)
         fingerprint = c.swarm_fingerprint(data.fingerprint)
         status = self._listen_for_status(*self.status_address) if self.status_address is not None else None
-        # The p2p daemon is a child process: start it before CUDA is initialised in this one.
-        try:
-            swarm = self.swarm = Swarm.join(c.run_id, c.swarm, fingerprint, **asdict(self.options),
-                                            role=self.role_options.kind, stages=c.pipeline.stages,
-                                            round_tokens=c.round_tokens)
-        except BaseException:  # interrupted too: the status port is free again for the next start
-            if status is not None:
-                status[0].close()
-            raise
+        swarm = self.swarm = self._join(fingerprint, status)
         started = time.perf_counter()
         me = swarm.peer_id[-8:]
         files: RunDirectory | None = None
         try:
             swarm.update_record(device=describe_device(device))
             if status is not None:
-                listening, address = status
-                swarm.serve_status(listening)
-                where = f"THIS_MACHINE:{address.rpartition(':')[2]}" if self.status_address[0] in WILDCARDS \
-                    else address
-                self.out(f"[{me}] status served at http://{address}{STATUS_PATH}; read it with "
-                         f"`p2ploco peers --from {where}`")
+                self._serve_status(swarm, *status)
             self._print_join_instructions(swarm)
             files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, fingerprint, self.resume,
                                  lambda line: self.out(f"[{me}] {line}"))
             role, standing = self._take_role(swarm, device, data, files)
+            self._print_setup(swarm, role, device, data)
             presence = Presence(swarm, role)
-            pace = "H every round" if self._budget(swarm, role) is None else "as many of H as fit in the round's time"
-            reach = ("can be dialled" if not swarm.reachability.dials_out else
-                     f"{swarm.reachability}: cannot be dialled (behind a NAT?), takes part by dialling out")
-            self.out(f"[{me}] {role.describe()} on {device}; {data.describe()}; outer {c.outer.algorithm}, "
-                     f"H={c.inner.steps} ({pace}); reachability {reach}")
             presence.announce_joining(standing.round)
             if c.swarm.min_peers > 1:
-                self.out(f"[{me}] waiting for {c.swarm.min_peers} peers ...")
-                present = swarm.wait_for_peers(c.swarm.min_peers, c.swarm.startup_timeout, self.stopping)
-                if not self.stopping.is_set():
-                    self.out(f"[{me}] {present} peer(s) present; starting")
+                self._wait_for_peers(swarm)
             held_out = eval_batches(data.eval, c.data.seq_len, c.data.eval_sequences)
             schedule = build_schedule(c, role.worker)
             try:
                 standing, schedule = self._loop(swarm, presence, role, schedule, files, held_out, standing)
-                landed = schedule.finish_in_flight()
-                if landed is not None:
-                    self.out(f"[{me}] the last overlapped round's outer step landed on exit "
-                             f"({'applied' if landed.applied else 'NOT APPLIED'}, {len(landed.all_reduce.peers)} "
-                             f"peer(s))")
-                files.finish(schedule.checkpoint(standing.round, role.checkpoint_extras()))
+                self._save_on_exit(swarm, role, schedule, files, standing)
             finally:
                 schedule.close()
             self.out(f"[{me}] checkpoint of round {standing.round} written to {files.checkpoints}")
@@ -159,6 +134,47 @@ class Node:
             self.out(f"[{me}] left the swarm after {len(self.records)} round(s)")
         self.out(summary(self.records, time.perf_counter() - started))
         return self.records
+
+    def _join(self, fingerprint: str, status: tuple[socket.socket, str] | None) -> Swarm:
+        """Join the swarm; the p2p daemon is a child process: started before CUDA is initialised in this one."""
+        c = self.config
+        try:
+            return Swarm.join(c.run_id, c.swarm, fingerprint, **asdict(self.options), role=self.role_options.kind,
+                              stages=c.pipeline.stages, round_tokens=c.round_tokens)
+        except BaseException:  # interrupted too: the status port is free again for the next start
+            if status is not None:
+                status[0].close()
+            raise
+
+    def _save_on_exit(self, swarm: Swarm, role: Role, schedule: RoundSchedule, files: RunDirectory,
+                      standing: Standing) -> None:
+        """Land a round still in flight, then write the exit checkpoint."""
+        landed = schedule.finish_in_flight()
+        if landed is not None:
+            self.out(f"[{swarm.peer_id[-8:]}] the last overlapped round's outer step landed on exit "
+                     f"({'applied' if landed.applied else 'NOT APPLIED'}, {len(landed.all_reduce.peers)} peer(s))")
+        files.finish(schedule.checkpoint(standing.round, role.checkpoint_extras()))
+
+    def _serve_status(self, swarm: Swarm, listening: socket.socket, address: str) -> None:
+        swarm.serve_status(listening)
+        where = f"THIS_MACHINE:{address.rpartition(':')[2]}" if self.status_address[0] in WILDCARDS else address
+        self.out(f"[{swarm.peer_id[-8:]}] status served at http://{address}{STATUS_PATH}; read it with "
+                 f"`p2ploco peers --from {where}`")
+
+    def _print_setup(self, swarm: Swarm, role: Role, device: torch.device, data: TrainingData) -> None:
+        c = self.config
+        pace = "H every round" if self._budget(swarm, role) is None else "as many of H as fit in the round's time"
+        reach = ("can be dialled" if not swarm.reachability.dials_out else
+                 f"{swarm.reachability}: cannot be dialled (behind a NAT?), takes part by dialling out")
+        self.out(f"[{swarm.peer_id[-8:]}] {role.describe()} on {device}; {data.describe()}; outer {c.outer.algorithm}, "
+                 f"H={c.inner.steps} ({pace}); reachability {reach}")
+
+    def _wait_for_peers(self, swarm: Swarm) -> None:
+        s, me = self.config.swarm, swarm.peer_id[-8:]
+        self.out(f"[{me}] waiting for {s.min_peers} peers ...")
+        present = swarm.wait_for_peers(s.min_peers, s.startup_timeout, self.stopping)
+        if not self.stopping.is_set():
+            self.out(f"[{me}] {present} peer(s) present; starting")
 
     def _take_role(self, swarm: Swarm, device: torch.device, data: TrainingData, files: RunDirectory,
                    ) -> tuple[Role, Standing]:
