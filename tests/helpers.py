@@ -1,13 +1,18 @@
 """Set-ups several test modules share: in-process outer-algorithm replicas, and swarms of real peers."""
 
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
+from hivemind.p2p import PeerID
 
 from p2ploco.config import Config, OuterConfig, SwarmConfig, load_config
 from p2ploco.data import ShardSampler
 from p2ploco.outer import build_outer
+from p2ploco.swarm.identity import new_key_file
+from p2ploco.swarm.matchmaker import best_coordinator
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.testing.communicator import InProcessGroup
 
@@ -66,3 +71,22 @@ def join_swarms(run_id: str, count: int, config: SwarmConfig, swarms: list[Swarm
     for _ in range(count - 1):
         swarms.append(Swarm.join(run_id, config, "cfg", initial_peers=swarms[0].addresses(), host_maddrs=LOOPBACK))
     return swarms
+
+
+def ground(workdir: Path, names: str, wanted: Callable[[dict[str, str]], bool]) -> dict[str, str]:
+    """Identity files ``workdir/NAME.key`` for nodes ``names``, drawn until their peer ids (by name) make
+    ``wanted`` true; those peer ids. The coordinator of a round follows from the round index and the peers' ids
+    alone, so a test picks the rounds a peer coordinates, as an attacker grinding keys offline would."""
+    while True:
+        keys = {name: new_key_file() for name in names}
+        peer_ids = {name: PeerID.from_identity(key).to_base58() for name, key in keys.items()}
+        if wanted(peer_ids):
+            break
+    for name, key in keys.items():
+        (workdir / f"{name}.key").write_bytes(key)
+    return peer_ids
+
+
+def coordinated_by(peer_ids: dict[str, str], name: str, rounds: range) -> list[int]:
+    """The rounds among ``rounds`` that node ``name`` coordinates while all of ``peer_ids`` are live."""
+    return [r for r in rounds if best_coordinator(set(peer_ids.values()), r) == peer_ids[name]]

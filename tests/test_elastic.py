@@ -7,13 +7,21 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ground
 
+from p2ploco.config import load_config
 from p2ploco.errors import Failure
 from p2ploco.launch import TINY_CONFIG, LocalSwarm
+from p2ploco.swarm.matchmaker import best_coordinator
 
 FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=4",
         "--set", "swarm.heartbeat_interval=0.5", "--set", "training.checkpoint_every=2"]
 CAUGHT_UP = re.compile(r"caught up to round (\d+)")
+
+
+def round_tokens() -> int:
+    """What one contribution may weigh at most in these swarms (``Config.round_tokens``)."""
+    return load_config(TINY_CONFIG, [setting for setting in FAST if setting != "--set"]).round_tokens
 
 
 def applied_with(peers: int) -> re.Pattern[str]:
@@ -50,7 +58,12 @@ def test_crash_leave_join_and_rejoin(tmp_path, algorithm):
             return swarm.start_node(name, TINY_CONFIG, *FAST, *chosen(algorithm),
                                     "--identity", str(tmp_path / f"{name}.key"), *extra, **kwargs)
 
-        crash = {"P2PLOCO_FAULTS": "allreduce.contribute@3=kill"}  # d dies after sending part of round 3
+        # d dies in round 3 as it is about to answer the senders of its span: nobody can finish that round with d.
+        # Its key is drawn so that it never coordinates round 3 (only the coordinator decides: had d been the one,
+        # the survivors would drop the round instead of redoing it).
+        ground(tmp_path, "abcd", lambda ids: best_coordinator(set(ids.values()) - {ids["d"]}, 3) == best_coordinator(
+            set(ids.values()), 3))
+        crash = {"P2PLOCO_FAULTS": "allreduce.reduce@3=kill"}
         a, b, c, d = (start(n, "--set", "swarm.min_peers=4", env=crash if n == "d" else None) for n in "abcd")
         assert d.process.wait(180) == -signal.SIGKILL
         a.wait_for_line(re.compile(r"round\s+5 \|"), 120)
@@ -68,14 +81,8 @@ def test_crash_leave_join_and_rejoin(tmp_path, algorithm):
         runs = {name: swarm.records(name) for name in "abcde"}
 
     assert_agreement(runs)
-    # Round 3 lost a peer mid all-reduce: the survivors redid it among themselves, or (when the crashed
-    # peer was the round's coordinator, the only one who may decide) all dropped it, or (when every span it
-    # reduced had been answered and its contributions had arrived before it died: its sends run concurrently)
-    # all committed the round it had completed; the next round applies.
-    round3 = [(r["applied"], r["params_sha256"]) for name in "abc" for r in runs[name] if r["round"] == 3]
-    assert len(round3) == 3 and len(set(round3)) == 1
-    assert [r["peers"] for name in "abc" for r in runs[name] if r["round"] == 3 and r["applied"]] in (
-        [], [3, 3, 3], [4, 4, 4])
+    # Round 3 lost a peer mid all-reduce: the survivors redid it among themselves; the next round applies.
+    assert [(r["applied"], r["peers"]) for name in "abc" for r in runs[name] if r["round"] == 3] == [(True, 3)] * 3
     assert all(r["applied"] for name in "abc" for r in runs[name] if r["round"] == 4)
     # The leaver left after a finished round and wrote its checkpoint.
     assert "checkpoint of round" in (tmp_path / "c.log").read_text()
@@ -86,12 +93,14 @@ def test_crash_leave_join_and_rejoin(tmp_path, algorithm):
     assert first["round"] == joined and first["state_source"] == "peer" and first["joined_round"] == joined
     assert first["catchup_seconds"] > 0
     # It trained its first round from the fetched state and contributed to it (its work counted at once); or, where
-    # that round had started without it, that work was carried into the next round's contribution, not lost.
+    # that round had started without it (whether the others' view held its record in time is a race no fault point
+    # pins; the carry itself is test_pace.py's), that work was carried into the next round's contribution, whose
+    # weight is capped at a round's tokens.
     entered = next(r for r in runs["e"] if r["applied"])
-    assert first["applied"] and first["contributed_tokens"] >= first["tokens"] > 0 or (
-        entered["round"] == joined + 1 and f"round {joined} had already started without this peer"
-        in (tmp_path / "e.log").read_text() and entered["contributed_tokens"] == first["tokens"] + entered["tokens"]
-    ), runs["e"][:2]
+    trained = sum(r["tokens"] for r in runs["e"] if r["round"] <= entered["round"])
+    assert entered["round"] == joined or f"round {joined} had already started without this peer" in (
+        tmp_path / "e.log").read_text()
+    assert 0 < entered["contributed_tokens"] == min(trained, round_tokens()), runs["e"][:2]
     assert entered["round"] <= joined + 1
     assert {r["params_sha256"] for name in "ab" for r in runs[name] if r["round"] == entered["round"]} == {
         entered["params_sha256"]}
@@ -136,15 +145,17 @@ def test_survivors_agree_whenever_a_peer_is_killed(tmp_path):
     # One outcome for everyone who finished a round in the group that decided it. A coordinator killed as it learnt
     # its group may have answered some joiners, who reduce with it and never hear a decision, and not the others,
     # who form a group at the next coordinator: those it answered apply nothing, keep their state, are left out of
-    # the next round until they catch up, and never hold parameters the others did not agree on.
+    # the next round until they catch up, and never hold parameters the others did not agree on. (A failure recorded
+    # by a peer that then applied the round was one of its attempts: the redo that followed decided it.)
     for round_index in range(1, last):
         ended = {name: (records[round_index - 1], records[round_index]) for name, records in runs.items()
                  if len(records) > round_index}
-        outside = {name for name, (_, r) in ended.items() if set(r["failures"]) & OUTSIDE_THE_DECISION}
+        outside = {name for name, (_, r) in ended.items()
+                   if not r["applied"] and set(r["failures"]) & OUTSIDE_THE_DECISION}
         outcomes = {(r["applied"], r["params_sha256"]) for name, (_, r) in ended.items() if name not in outside}
         assert len(outcomes) <= 1, (round_index, outcomes, outside)
-        assert all(not ended[name][1]["applied"] and ended[name][1]["params_sha256"] == ended[name][0]["params_sha256"]
-                   for name in outside), (round_index, outside)
+        assert all(ended[name][1]["params_sha256"] == ended[name][0]["params_sha256"] for name in outside), (
+            round_index, outside)
     assert all(r["applied"] and r["peers"] == 2 for name in "ab" for r in runs[name] if r["round"] == last - 1)
     # Reducers fail a peer they cannot reach at once and votes carry drops: one wait at most, never two
     # (a member killed mid all-reduce used to cost a reducer timeout, then a ballot timeout).
