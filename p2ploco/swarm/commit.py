@@ -221,7 +221,7 @@ def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers
         return Decision(Outcome.COMMIT, {name: ballots[0][0] for name, ballots in held.items()},
                         reason=f"committed without {left_out}" if left_out else "")
     if group.attempt == 0 and len(counted) >= 2:
-        survivors = tuple(sorted(group.whole_pipelines(set(counted))))
+        survivors = tuple(sorted(group.whole_pipeline_groups(set(counted))))
         if len(survivors) >= 2:
             missing = sorted(p[-8:] for p in survivors if counted[p][0] != Vote.HOLDS)
             reason = (f"the all-reduce failed for {', '.join(missing) or 'nobody'} (a span did not arrive, or "

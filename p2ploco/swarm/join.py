@@ -158,8 +158,9 @@ def group_answer(group: Group, base: Group | None = None, follows: str = "") -> 
                 "changed": {peer: entry for peer, entry in entries.items() if before.get(peer) != entry},
                 "removed": sorted(set(before) - set(entries)), "left_out": dict(group.left_out)}
     return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers),
-            "holdings": {peer: list(slices) for peer, slices in group.holdings}, "pipelines": dict(group.pipelines),
-            "left_out": dict(group.left_out), "tokens": dict(group.tokens), "dial_out": list(group.dial_out)}
+            "holdings": {peer: list(slices) for peer, slices in group.holdings},
+            "pipelines": dict(group.pipeline_groups), "left_out": dict(group.left_out), "tokens": dict(group.tokens),
+            "dial_out": list(group.dial_out)}
 
 
 def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: str) -> Group:

@@ -168,7 +168,8 @@ class Matchmaker:
     # ---- the joining side -------------------------------------------------------------------------
 
     async def form_group(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
-                         pipeline: str = "", failures: list[Failure] | None = None, tokens: int = 1) -> Group | None:
+                         pipeline_group: str = "", failures: list[Failure] | None = None,
+                         tokens: int = 1) -> Group | None:
         """The group this peer all-reduces with in ``round_index``, given the slices it holds (name ->
         (exchange fingerprint, hash)), the tokens its contribution carries and, for a stage peer, its pipeline
         group: a group of one (``alone``) if no
@@ -180,14 +181,14 @@ class Matchmaker:
         banned = self.bans.active(round_index)
         looked = self.directory.refreshed_at
         view = await self.directory.view()  # no lookup if the heartbeat's will do
-        state, _ = round_state(view, me, round_index, banned)
+        state_digest, _ = round_state(view, me, round_index, banned)
         if self.directory.refreshed_at == looked and contested(view, me, round_index, banned):
             # Records at this round disagree: a peer left out of the last round shows its old state until it
             # catches up, and the records of those that applied it may not be in this view yet. One fresh look.
-            state, _ = round_state(await self.directory.refresh(), me, round_index, banned)
+            state_digest, _ = round_state(await self.directory.refresh(), me, round_index, banned)
         base = self.following  # as named in the request: it may change while the join waits (an overlapped round)
-        request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state,
-                   "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
+        request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state_digest,
+                   "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline_group,
                    "unreachable": [], "tokens": max(1, tokens), "dial_out": self.dial_out,
                    "follows": base.digest if base else ""}
         deadline = time.monotonic() + self.timeout + 5.0  # the coordinator may wait `timeout` for others
@@ -453,8 +454,8 @@ class Matchmaker:
                                 + ", ".join(f"{p[-8:]} ({why})" for p, why in sorted(left_out.items())))
                 group = Group(secrets.token_hex(8), round_index, name, tuple(sorted(members)), self.me,
                               holdings=tuple((p, tuple(sorted(dict(members[p].slices)))) for p in sorted(members)),
-                              pipelines=tuple((p, members[p].pipeline) for p in sorted(members)
-                                              if members[p].pipeline),
+                              pipeline_groups=tuple((p, members[p].pipeline_group) for p in sorted(members)
+                                              if members[p].pipeline_group),
                               left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())),
                               tokens=tuple((p, members[p].tokens) for p in sorted(members)),
                               dial_out=tuple(p for p in sorted(members) if members[p].dial_out))

@@ -149,13 +149,13 @@ class Swarm:
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)
 
-    def announce_progress(self, round_index: int, state: PeerState, params_sha256: str, slices: dict[str, str],
+    def announce_progress(self, round_index: int, phase: PeerState, params_sha256: str, slices: dict[str, str],
                           unsettled: bool = False) -> None:
-        """Announce where this peer is: the round it works on and the hashes of the state it started from (of all
+        """Announce where this peer is: its phase, the round it works on and the state digests it started from (of all
         it holds, and of each slice), and whether that state is unsettled (its last round may have ended otherwise
         for the others, and it has not caught up since: the state then has no say on the swarm's). Returns at
         once: the record is stored in the background (a round's join waits for it, ``flush`` too)."""
-        self.update_record(round=round_index, state=state, params_sha256=params_sha256, slices=dict(slices),
+        self.update_record(round=round_index, state=phase, params_sha256=params_sha256, slices=dict(slices),
                            unsettled=unsettled)
 
     def update_record(self, **changes: object) -> None:
