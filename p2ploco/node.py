@@ -30,6 +30,7 @@ from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.config import Config
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
 from p2ploco.errors import ConfigError, PipelineError
+from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.outer.base import Synced
 from p2ploco.presence import Presence
@@ -56,6 +57,25 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
+
+
+def inner_fields(stats: InnerStats) -> dict[str, Any]:
+    """What a round record says of the round's inner steps."""
+    return {"loss": stats.loss, "tokens": stats.tokens, "inner_steps": stats.steps, "inner_seconds": stats.seconds}
+
+
+def sync_fields(synced: Synced) -> dict[str, Any]:
+    """What a round record says of the round's syncs: who took part and how it ended, and the traffic."""
+    result, traffic = synced.all_reduce, synced.all_reduce.traffic
+    syncs = traffic.sync_bytes or [traffic.bytes_sent + traffic.bytes_received]
+    return {"peers": len(result.peers), "applied": synced.applied, "excluded": result.excluded,
+            "contributed_tokens": result.tokens, "dropped_peers": result.dropped, "clipped_peers": result.clipped,
+            "opposed_peers": result.opposed, "attempts": result.attempts,
+            "failures": dict(Counter(str(failure) for failure in result.failures)),
+            "bytes_sent": traffic.bytes_sent, "bytes_received": traffic.bytes_received,
+            "dense_fp32_bytes": traffic.dense_fp32_bytes, "comm_seconds": traffic.seconds,
+            "bits_per_param": 8 * traffic.contribution_bytes / traffic.params if traffic.params else 0.0,
+            "fragment_bytes": syncs, "peak_sync_bytes": max(syncs)}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -267,25 +287,13 @@ class Node:
                                 applied=False, excluded=True)
         if outcome is None:
             return None
-        inner_stats = outcome.inner
         # Nothing landed (the first round in flight, or the one dropped by a catch-up): nothing applied either
         synced = outcome.comm or Synced(AllReduceResult([swarm.peer_id], committed=False), applied=False)
-        result, traffic = synced.all_reduce, synced.all_reduce.traffic
-        syncs = traffic.sync_bytes or [traffic.bytes_sent + traffic.bytes_received]
         evaluated = role.evaluates and (round_index % c.training.eval_every == 0
                                         or round_index + 1 == c.training.rounds)
-        return self._record(
-            swarm, role, round_index, membership, started, peers=len(result.peers), loss=inner_stats.loss,
-            eval_loss=worker.evaluate(held_out) if evaluated else None,
-            bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
-            dense_fp32_bytes=traffic.dense_fp32_bytes, density=worker.outer.density,
-            bits_per_param=8 * traffic.contribution_bytes / traffic.params if traffic.params else 0.0,
-            tokens=inner_stats.tokens, inner_steps=inner_stats.steps, contributed_tokens=result.tokens,
-            inner_seconds=inner_stats.seconds, comm_seconds=traffic.seconds,
-            dropped_peers=result.dropped, clipped_peers=result.clipped, opposed_peers=result.opposed,
-            update_norm=worker.outer.take_update_norm(),
-            applied=synced.applied, excluded=result.excluded, fragment_bytes=syncs, peak_sync_bytes=max(syncs),
-            attempts=result.attempts, failures=dict(Counter(str(failure) for failure in result.failures)))
+        return self._record(swarm, role, round_index, membership, started, **inner_fields(outcome.inner),
+                            **sync_fields(synced), eval_loss=worker.evaluate(held_out) if evaluated else None,
+                            density=worker.outer.density, update_norm=worker.outer.take_update_norm())
 
     def _record(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
                 **fields: Any) -> RoundRecord:
