@@ -75,7 +75,7 @@ from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.group import FormationKey, Group, GroupBook, Member
 from p2ploco.swarm.join import JOIN_FAILURES, JoinAnswer, JoinStatus, group_answer, parse_group, parse_join
 from p2ploco.swarm.messages import MAX_REASON, decode
-from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.records import PeerRecord, PeerState
 
 logger = logging.getLogger(__name__)
 
@@ -170,27 +170,14 @@ class Matchmaker:
     async def form_group(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
                          pipeline_group: str = "", failures: list[Failure] | None = None,
                          tokens: int = 1) -> Group | None:
-        """The group this peer all-reduces with in ``round_index``, given the slices it holds (name ->
-        (exchange fingerprint, hash)), the tokens its contribution carries and, for a stage peer, its pipeline
-        group: a group of one (``alone``) if no
-        coordinator could be reached or none put anyone else with it (the caller decides whether it may commit
-        alone), None if it came too late, is banned, was refused, or is leaving, and must apply nothing this
-        round. What went wrong on the way is added to ``failures``."""
+        """The group this peer all-reduces with in ``round_index``, given the slices it holds (name -> (exchange
+        fingerprint, hash)), the tokens its contribution carries and, for a stage peer, its pipeline group: a group
+        of one (``alone``) if no coordinator could be reached or none put anyone else with it (the caller decides
+        whether it may commit alone), None if it came too late, is banned, was refused, or is leaving, and must
+        apply nothing this round. What went wrong on the way is added to ``failures``."""
         failures = failures if failures is not None else []
-        me = self.directory.me
-        banned = self.bans.active(round_index)
-        looked = self.directory.refreshed_at
-        view = await self.directory.view()  # no lookup if the heartbeat's will do
-        state_digest, _ = round_state(view, me, round_index, banned)
-        if self.directory.refreshed_at == looked and contested(view, me, round_index, banned):
-            # Records at this round disagree: a peer left out of the last round shows its old state until it
-            # catches up, and the records of those that applied it may not be in this view yet. One fresh look.
-            state_digest, _ = round_state(await self.directory.refresh(), me, round_index, banned)
         base = self.following  # as named in the request: it may change while the join waits (an overlapped round)
-        request = {"round": round_index, "name": name, "config": me.fingerprint, "state": state_digest,
-                   "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline_group,
-                   "unreachable": [], "tokens": max(1, tokens), "dial_out": self.dial_out,
-                   "follows": base.digest if base else ""}
+        request = await self._join_request(round_index, name, slices, pipeline_group, tokens, base)
         deadline = time.monotonic() + self.timeout + 5.0  # the coordinator may wait `timeout` for others
         unreachable: dict[str, str] = {}  # coordinators tried in vain, and why
         hints: set[str] = set()
@@ -209,18 +196,8 @@ class Matchmaker:
                 answer = decode(JoinAnswer, response)
                 status = answer.status
                 if status == JoinStatus.GROUP:
-                    group = parse_group(answer.on(base), round_index, name, coordinator)
-                    if set(group.slices_of(self.me)) != set(slices):
-                        raise PayloadError("group that says this peer holds other slices")
-                    if any(t > self.round_tokens for _, t in group.tokens):
-                        raise PayloadError(f"group that gives a member more tokens than a round holds "
-                                           f"({self.round_tokens})")
-                    await self._check_plausible(group)
-                    if group.left_out:
-                        failures.append(Failure.SMALLER_GROUP)
-                        logger.warning(f"round {round_index}: the coordinator {coordinator[-8:]} formed a group of "
-                                       f"{len(group.peers)} without {group.without()}")
-                    return group
+                    return await self._accept(parse_group(answer.on(base), round_index, name, coordinator), slices,
+                                              failures)
                 if status == JoinStatus.REDIRECT:
                     to = answer.to
                     if rendezvous(round_index, to) >= rendezvous(round_index, coordinator):
@@ -244,6 +221,38 @@ class Matchmaker:
         logger.warning(f"round {round_index}: no coordinator answered ({tried or 'none to ask'})")
         return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),),
                      tokens=((self.me, max(1, tokens)),))
+
+    async def _join_request(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
+                            pipeline_group: str, tokens: int, base: Group | None) -> dict[str, Any]:
+        """The join this peer sends coordinators: it names the formation by the state digest the swarm starts the
+        round from, as this peer's view of the records has it."""
+        me = self.directory.me
+        banned = self.bans.active(round_index)
+        looked = self.directory.refreshed_at
+        view = await self.directory.view()  # no lookup if the heartbeat's will do
+        state_digest, _ = round_state(view, me, round_index, banned)
+        if self.directory.refreshed_at == looked and contested(view, me, round_index, banned):
+            # Records at this round disagree: a peer left out of the last round shows its old state until it
+            # catches up, and the records of those that applied it may not be in this view yet. One fresh look.
+            state_digest, _ = round_state(await self.directory.refresh(), me, round_index, banned)
+        return {"round": round_index, "name": name, "config": me.fingerprint, "state": state_digest,
+                "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline_group,
+                "unreachable": [], "tokens": max(1, tokens), "dial_out": self.dial_out,
+                "follows": base.digest if base else ""}
+
+    async def _accept(self, group: Group, slices: dict[str, tuple[str, str]], failures: list[Failure]) -> Group:
+        """A coordinator's group, once checked against what this peer joined with and against the records
+        (PayloadError if implausible)."""
+        if set(group.slices_of(self.me)) != set(slices):
+            raise PayloadError("group that says this peer holds other slices")
+        if any(t > self.round_tokens for _, t in group.tokens):
+            raise PayloadError(f"group that gives a member more tokens than a round holds ({self.round_tokens})")
+        await self._check_plausible(group)
+        if group.left_out:
+            failures.append(Failure.SMALLER_GROUP)
+            logger.warning(f"round {group.round_index}: the coordinator {group.coordinator[-8:]} formed a group of "
+                           f"{len(group.peers)} without {group.without()}")
+        return group
 
     async def working_on(self, round_index: int) -> list[str]:
         """The other peers that could apply ``round_index`` without this one, so that applying it alone would split
@@ -379,7 +388,7 @@ class Matchmaker:
     async def _close_when_complete(self, formation: _Formation) -> None:
         """Close the group when everyone expected has joined or at the deadline; or hand the whole
         formation over to a better-scored peer that has come into view (every member retries there)."""
-        round_index, name, config, state = key = formation.key
+        round_index = formation.key[0]
         probed = time.monotonic()
         chosen: dict[str, str] = {}  # the hash of each slice most records show at this round
         self.directory.watchers.add(formation.changed)  # a heartbeat's lookup is an event too
@@ -390,34 +399,12 @@ class Matchmaker:
                 live = self.directory.live
                 best = best_coordinator(self.candidates(formation.unreachable) | {self.me}, round_index)
                 if best != self.me:
-                    del self._forming[key]
+                    del self._forming[formation.key]
                     formation.closed.set_result(best)
                     return
-                # Peers working on this round from this state, for the whole wait: a swarm started together
-                # should not split because one peer published its record a moment late. A peer that announced
-                # it is fetching this very state (joining at this round: told "late" for the last one, or just
-                # restarted from a checkpoint of it) is one of them: it brings its update once it has it, and it
-                # would otherwise lose this round too, and the next, whenever a round is shorter than its lag.
-                # Not a peer that stopped renewing its record (it crashed), nor one banned here.
-                banned = self.bans.active(round_index)
                 joiners_welcome = time.monotonic() < formation.opened + JOINER_GRACE * self.timeout
-                _, chosen = round_state(live, self.directory.me, round_index, banned)
-                runs_here = {p for p, r in live.items() if r.fingerprint == config
-                             and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
-                             and self.directory.fresh(p) and p not in banned}
-                claim = {p for p in runs_here if live[p].round == round_index and live[p].slices
-                         and all(chosen.get(k) == v for k, v in live[p].slices.items())}
-                expected = {p for p in claim if self._missed[p] < STRAGGLER_MISSES}
-                # Peers moving to this round are awaited like joiners, for the joiners' grace only: one still
-                # finishing the previous round, and one at this round that holds another state (it was left out
-                # of the last round and fetches the swarm's state now). A round's all-reduce need not come at its
-                # end: Streaming DiLoCo syncs its first fragment a step or two into the round, and a peer a step
-                # behind (or catching up, every round anew) would miss it every time.
-                moving = {p for p in runs_here if live[p].round == round_index - 1
-                          or (live[p].round == round_index and p not in expected)} if joiners_welcome else set()
-                awaited = formation.awaited = (expected | moving) - formation.dead - set(formation.members)
-                formation.waited_for |= awaited | (claim - expected)  # a straggler still misses this round
-                if not awaited:
+                chosen, runs_here = self._await_peers(formation, live, joiners_welcome)
+                if not formation.awaited:
                     # A peer of this run still at an earlier round in this view may have moved to this one since
                     # the view was taken: before closing without it, one fresh look (none when all are in).
                     behind = {p for p in runs_here if live[p].round < round_index} - set(formation.members) \
@@ -428,7 +415,7 @@ class Matchmaker:
                     break
                 if time.monotonic() >= probed + PROBE_EVERY:  # a peer killed in its inner steps is not waited for
                     probed = time.monotonic()
-                    probes = sorted(p for p in awaited - {self.me} if not live[p].dials_out)
+                    probes = sorted(p for p in formation.awaited - {self.me} if not live[p].dials_out)
                     alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
                                                    for p in probes))
                     formation.dead.update(p for p, ok in zip(probes, alive) if not ok)
@@ -444,24 +431,62 @@ class Matchmaker:
         finally:
             self.directory.watchers.discard(formation.changed)
             if not formation.closed.done():
-                members, formation.refused = admit(formation.members, self.stages, chosen)
-                left_out = dict(formation.refused)
-                left_out.update((p, f"it did not join within {self.timeout:.0f} s") for p in formation.awaited)
-                left_out.update((p, "it could not be reached") for p in formation.dead - set(members))
-                self._count_misses(formation, round_index)
-                if left_out:  # every member logs it at WARNING, with the coordinator's name
-                    logger.info(f"round {round_index}: formed a group of {len(members)} without "
-                                + ", ".join(f"{p[-8:]} ({why})" for p, why in sorted(left_out.items())))
-                group = Group(secrets.token_hex(8), round_index, name, tuple(sorted(members)), self.me,
-                              holdings=tuple((p, tuple(sorted(dict(members[p].slices)))) for p in sorted(members)),
-                              pipeline_groups=tuple((p, members[p].pipeline_group) for p in sorted(members)
-                                              if members[p].pipeline_group),
-                              left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())),
-                              tokens=tuple((p, members[p].tokens) for p in sorted(members)),
-                              dial_out=tuple(p for p in sorted(members) if members[p].dial_out))
-                self.book.add(group, key)
-                del self._forming[key]
-                formation.closed.set_result(group)
+                self._close(formation, chosen)
+
+    def _await_peers(self, formation: _Formation, live: dict[str, PeerRecord], joiners_welcome: bool
+                     ) -> tuple[dict[str, str], set[str]]:
+        """Who the formation waits for now, by the records in ``live`` (``formation.awaited``, and every peer it
+        ever waited for in ``formation.waited_for``); the hash of each slice most records show at this round and
+        the peers of this run that may join it."""
+        round_index, _, config, _ = formation.key
+        # Peers working on this round from this state, for the whole wait: a swarm started together should not
+        # split because one peer published its record a moment late. A peer that announced it is fetching this very
+        # state (joining at this round: told "late" for the last one, or just restarted from a checkpoint of it) is
+        # one of them: it brings its update once it has it, and it would otherwise lose this round too, and the
+        # next, whenever a round is shorter than its lag. Not a peer that stopped renewing its record (it crashed),
+        # nor one banned here.
+        banned = self.bans.active(round_index)
+        _, chosen = round_state(live, self.directory.me, round_index, banned)
+        runs_here = {p for p, r in live.items() if r.fingerprint == config
+                     and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
+                     and self.directory.fresh(p) and p not in banned}
+        claim = {p for p in runs_here if live[p].round == round_index and live[p].slices
+                 and all(chosen.get(k) == v for k, v in live[p].slices.items())}
+        expected = {p for p in claim if self._missed[p] < STRAGGLER_MISSES}
+        # Peers moving to this round are awaited like joiners, for the joiners' grace only: one still finishing the
+        # previous round, and one at this round that holds another state (it was left out of the last round and
+        # fetches the swarm's state now). A round's all-reduce need not come at its end: Streaming DiLoCo syncs its
+        # first fragment a step or two into the round, and a peer a step behind (or catching up, every round anew)
+        # would miss it every time.
+        moving = {p for p in runs_here if live[p].round == round_index - 1
+                  or (live[p].round == round_index and p not in expected)} if joiners_welcome else set()
+        formation.awaited = (expected | moving) - formation.dead - set(formation.members)
+        formation.waited_for |= formation.awaited | (claim - expected)  # a straggler still misses this round
+        return chosen, runs_here
+
+    def _close(self, formation: _Formation, chosen: dict[str, str]) -> None:
+        """Close the formation: admit its members (``consensus.admit``), name whom it left out and why, and answer
+        every joiner the group."""
+        round_index, name = formation.key[0], formation.key[1]
+        members, formation.refused = admit(formation.members, self.stages, chosen)
+        left_out = dict(formation.refused)
+        left_out.update((p, f"it did not join within {self.timeout:.0f} s") for p in formation.awaited)
+        left_out.update((p, "it could not be reached") for p in formation.dead - set(members))
+        self._count_misses(formation, round_index)
+        if left_out:  # every member logs it at WARNING, with the coordinator's name
+            logger.info(f"round {round_index}: formed a group of {len(members)} without "
+                        + ", ".join(f"{p[-8:]} ({why})" for p, why in sorted(left_out.items())))
+        peers = sorted(members)
+        group = Group(secrets.token_hex(8), round_index, name, tuple(peers), self.me,
+                      holdings=tuple((p, tuple(sorted(dict(members[p].slices)))) for p in peers),
+                      pipeline_groups=tuple((p, members[p].pipeline_group) for p in peers
+                                            if members[p].pipeline_group),
+                      left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())),
+                      tokens=tuple((p, members[p].tokens) for p in peers),
+                      dial_out=tuple(p for p in peers if members[p].dial_out))
+        self.book.add(group, formation.key)
+        del self._forming[formation.key]
+        formation.closed.set_result(group)
 
     def _count_misses(self, formation: _Formation, round_index: int) -> None:
         """Peers waited for in vain (for the whole wait, or the joiners' grace) that asked to join no formation of
