@@ -57,6 +57,7 @@ def test_quality_benchmark_compares_the_methods():
     assert "final eval loss" in out
 
 
+@pytest.mark.slow  # Streaming DiLoCo is in the default run through test_streaming.py
 @pytest.mark.timeout(260)
 def test_quality_benchmark_runs_the_streaming_suite():
     out = run("benchmarks/quality.py", "--suite", "streaming", "--rounds", "2", "--replicas", "2",
@@ -66,6 +67,7 @@ def test_quality_benchmark_runs_the_streaming_suite():
     assert 0 < float(final["streaming:fragments=4,delay=1"][1]) < 10  # a finite loss, 4 fragments of 4 layers
 
 
+@pytest.mark.slow  # a group next to a replica is in the default run through test_pipeline_swarm.py
 @pytest.mark.timeout(260)
 def test_quality_benchmark_runs_heterogeneous_replicas():
     out = run("benchmarks/quality.py", "--suite", "heterogeneous", "--rounds", "2", "--replicas", "2",
@@ -76,6 +78,7 @@ def test_quality_benchmark_runs_heterogeneous_replicas():
     assert all(0 < float(rows[m][-1]) < 1 for m in ("selective:ratio=16", "uniform:ratio=16"))  # a share
 
 
+@pytest.mark.slow  # slow peers are in the default run through test_reach_and_pace.py
 @pytest.mark.timeout(260)
 def test_quality_benchmark_runs_slow_replicas_for_the_same_rounds():
     out = run("benchmarks/quality.py", "--suite", "pace", "--rounds", "1", "--set", "inner.steps=3", "--json",

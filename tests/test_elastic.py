@@ -84,8 +84,10 @@ def test_crash_leave_join_and_rejoin(tmp_path, algorithm):
     # Round 3 lost a peer mid all-reduce: the survivors redid it among themselves; the next round applies.
     assert [(r["applied"], r["peers"]) for name in "abc" for r in runs[name] if r["round"] == 3] == [(True, 3)] * 3
     assert all(r["applied"] for name in "abc" for r in runs[name] if r["round"] == 4)
-    # The leaver left after a finished round and wrote its checkpoint.
-    assert "checkpoint of round" in (tmp_path / "c.log").read_text()
+    # The leaver left after a finished round, wrote its checkpoint and its summary, and raised nothing.
+    left = (tmp_path / "c.log").read_text()
+    assert "SIGTERM: leaving after this round" in left and "left the swarm after" in left and "summary" in left
+    assert "checkpoint of round" in left and "Traceback" not in left
     # The joiner caught up from the others, and its first applied round ended with the same parameters as
     # everyone else's: the round it caught up to or, when the others had started that round before the record
     # announcing its join was in their view (they cannot wait for a peer they do not know of), the next one.
@@ -164,6 +166,7 @@ def test_survivors_agree_whenever_a_peer_is_killed(tmp_path):
     assert max(waits) < 1.5 * KILL_TIMEOUT, waits
 
 
+@pytest.mark.slow  # a resume from a checkpoint is in the default run (test_crash_leave_join_and_rejoin's restart)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_whole_swarm_resumes_from_its_checkpoints(tmp_path, algorithm):

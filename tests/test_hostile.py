@@ -80,6 +80,7 @@ def outer_clip_factor() -> float:
     return load_config(TINY_CONFIG).outer.clip_factor
 
 
+@pytest.mark.slow  # the rule is in the default run (test_state.py: a far-future round nobody serves is passed over)
 @pytest.mark.timeout(300)
 def test_a_record_claiming_a_far_future_round_does_not_slow_the_swarm(tmp_path):
     lie_from, rounds = 2, 7
@@ -122,6 +123,7 @@ def test_a_peer_sending_malformed_headers_loses_one_round_then_is_left_out(tmp_p
             "attacked": max(r["comm_seconds"] for rs in honest.values() for r in rs[attack_from:])})
 
 
+@pytest.mark.slow  # the rules are in the default run (test_wire.py; a malformed peer: the malformed-headers scenario)
 @pytest.mark.timeout(300)
 def test_a_reducer_answering_with_a_deeply_nested_status_costs_one_round_and_is_banned(tmp_path):
     """A reducer's answer whose status is a list nested 1020 levels deep: valid msgpack, and formatting it raised
@@ -143,6 +145,7 @@ def test_a_reducer_answering_with_a_deeply_nested_status_costs_one_round_and_is_
         assert "nests deeper than 8 levels" in log and f"leaving {hostile[-8:]} out of this node's rounds" in log
 
 
+@pytest.mark.slow  # the rule is in the default run (test_protocol.py: a redo of a redo is refused)
 @pytest.mark.timeout(300)
 def test_a_coordinator_that_answers_redo_forever_costs_only_the_rounds_it_coordinates(tmp_path):
     """Its members used to redo the round as often as it answered "redo", forever. Now they redo a round once

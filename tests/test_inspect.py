@@ -407,6 +407,7 @@ def test_the_status_port_refuses_broken_requests_and_keeps_serving_and_training(
     local.nodes["a"].wait_for_line(re.compile(rf"round\s+{rounds_before + 1} \|"), 60)  # it trains on
 
 
+@pytest.mark.slow  # a lapsing record is in the default run (test_a_record_names_its_signer_..._within_the_longest_ttl)
 def test_a_stopped_node_disappears_when_its_record_lapses(swarm):
     local, ids, _ = swarm
     before = {p["peer_id"]: p for p in listing(local.bootstrap_address)["peers"]}

@@ -47,6 +47,7 @@ def test_demo_three_nodes_train_together_with_identical_params(tmp_path):
     assert len({records[0]["peer_id"] for records in runs}) == 3
 
 
+@pytest.mark.slow  # nodes train through a stock hivemind DHT in the default run (test_pipeline_swarm.py)
 @pytest.mark.timeout(240)
 def test_nodes_join_through_a_stock_hivemind_dht(tmp_path):
     with LocalSwarm(tmp_path, bootstrap="hivemind") as swarm:
@@ -58,6 +59,7 @@ def test_nodes_join_through_a_stock_hivemind_dht(tmp_path):
     assert [r["params_sha256"] for r in a] == [r["params_sha256"] for r in b]
 
 
+@pytest.mark.slow  # a clean leave on SIGTERM is in the default run (test_elastic.py: crash, leave, join and rejoin)
 @pytest.mark.timeout(120)
 def test_sigterm_stops_a_node_cleanly(tmp_path):
     with LocalSwarm(tmp_path) as swarm:

@@ -98,6 +98,7 @@ def test_ctrl_c_mid_run_removes_everything(tmp_path):
     assert namespaces_of(run.pid) == [] and processes_mentioning(str(tmp_path)) == []
 
 
+@pytest.mark.slow  # hosts in namespaces are in the default run (test_when_its_nodes_fail_it_removes_processes_...)
 @needs_namespaces
 @pytest.mark.timeout(300)
 def test_capped_hosts_train_with_equal_hashes_and_report_json(tmp_path):
