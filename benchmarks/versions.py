@@ -12,6 +12,8 @@ The table shows which, one row per round, and the refusal lines if there are any
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -19,9 +21,11 @@ from pathlib import Path
 
 from soak import summarise
 
-from p2ploco.launch import REPO_ROOT, TINY_CONFIG, LocalSwarm, cli
+from p2ploco.launch import REPO_ROOT, TINY_CONFIG, LocalSwarm
 from p2ploco.metrics import format_table
 
+# -P: the working directory is not put first on sys.path, so each node imports p2ploco from its PYTHONPATH
+PROGRAM = [sys.executable, "-P", "-m", "p2ploco.cli"]
 REFUSAL = "has peers of another config"  # swarm/runtime.py's line, in both versions
 SETTINGS = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=6",
             "--set", "swarm.heartbeat_interval=0.5", "--set", "swarm.startup_timeout=60",
@@ -29,11 +33,12 @@ SETTINGS = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "
 
 
 def version_of(checkout: Path) -> str:
-    """The protocol version a checkout speaks (``p2ploco/__init__.py``)."""
-    for line in (checkout / "p2ploco" / "__init__.py").read_text().splitlines():
-        if line.startswith("PROTOCOL_VERSION"):
-            return line.partition("=")[2].strip()
-    return "?"
+    """The protocol version of the p2ploco a node started with ``checkout`` imports, and where it imports it from:
+    what the node runs, not what the folder holds."""
+    found = subprocess.run([*PROGRAM[:2], "-c", "import p2ploco; print(p2ploco.PROTOCOL_VERSION, p2ploco.__file__)"],
+                           env={**os.environ, "PYTHONPATH": str(checkout)}, capture_output=True, text=True, check=True)
+    version, _, where = found.stdout.strip().partition(" ")
+    return f"protocol {version}, from {Path(where).parent.parent}"
 
 
 def main() -> None:
@@ -49,28 +54,33 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="p2ploco-versions-"))
     checkouts = {f"other{i}": args.other.resolve() for i in range(args.other_nodes)}
     checkouts |= {f"this{i}": REPO_ROOT for i in range(args.this_nodes)}
-    print(f"{args.other_nodes} node(s) of {args.other} (protocol {version_of(args.other)}) and {args.this_nodes} of "
-          f"{REPO_ROOT} (protocol {version_of(REPO_ROOT)}), {args.rounds} rounds; logs in {workdir}", flush=True)
+    print(f"{args.other_nodes} node(s) of {args.other} ({version_of(args.other)}) and {args.this_nodes} of this "
+          f"checkout ({version_of(REPO_ROOT)}), {args.rounds} rounds; logs in {workdir}", flush=True)
     started = time.monotonic()
     with LocalSwarm(workdir) as swarm:
         nodes = {name: swarm.start_node(name, TINY_CONFIG, *SETTINGS, "--max-rounds", str(args.rounds),
-                                        "--set", f"swarm.min_peers={len(checkouts)}", program=cli(),
+                                        "--set", f"swarm.min_peers={len(checkouts)}", program=PROGRAM,
                                         env={"PYTHONPATH": str(checkout)})
                  for name, checkout in checkouts.items()}
         codes = {name: node.process.wait(120 + 60 * args.rounds) for name, node in nodes.items()}
         records = {name: swarm.records(name) for name in nodes}
     refusals = {name: line for name in nodes for line in (workdir / f"{name}.log").read_text().splitlines()
                 if REFUSAL in line}
-    soak = summarise("mixed", args.rounds, records, time.monotonic() - started, all(c == 0 for c in codes.values()))
+    # One swarm if nobody refused anyone; else two, each of which must agree within itself.
+    sides = [list(nodes)] if not refusals else [[n for n in nodes if n.startswith(side)] for side in ("other", "this")]
+    soaks = [summarise("+".join(side), args.rounds, {name: records[name] for name in side},
+                       time.monotonic() - started, all(codes[name] == 0 for name in side)) for side in sides if side]
     rows = [(k, *(next((f"{r['peers']} {'applied' if r['applied'] else 'NOT applied'} {r['params_sha256'][:8]}"
                          for r in records[name] if r["round"] == k), "-") for name in nodes))
             for k in range(args.rounds)]
     print(format_table(("round", *nodes), rows))
-    print(f"\nrounds applied by all {soak.applied_by_all} of {args.rounds}, splits {soak.splits}, exit codes "
+    print("\n" + ("trained together" if not refusals else "refused each other") + "; exit codes "
           + ", ".join(f"{name} {code}" for name, code in codes.items()))
+    for soak in soaks:
+        print(f"{soak.run}: rounds applied by all {soak.applied_by_all} of {args.rounds}, splits {soak.splits}")
     for name, line in refusals.items():
         print(f"{name} refused: {line.strip()}")
-    sys.exit(0 if soak.exit_ok and not soak.splits else 1)
+    sys.exit(0 if all(soak.exit_ok and not soak.splits for soak in soaks) else 1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Catching up: which state to follow, and fetching it from several real donors (one of them stalled)."""
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -27,7 +28,7 @@ from p2ploco.swarm.consensus import (
     swarm_state,
     tally,
 )
-from p2ploco.swarm.directory import LOOKUPS_PER_ROUND, PeerDirectory, payload_bytes
+from p2ploco.swarm.directory import FOREIGN_NAMED, LOOKUPS_PER_ROUND, PeerDirectory, payload_bytes
 from p2ploco.swarm.group import Member
 from p2ploco.swarm.records import PeerRecord, PeerState
 from p2ploco.swarm.state import Snapshot
@@ -203,6 +204,39 @@ def test_a_peer_that_follows_its_group_reads_about_as_many_records_per_round_wha
     assert sum(1 for b in read if b) == len(read) * LOOKUPS_PER_ROUND // peers
     directory.follow(())
     assert directory.watching
+
+
+def test_peers_of_other_configs_are_named_once_each_as_they_come_into_view_and_never_more_than_a_few(caplog):
+    """Nodes of an older p2ploco (another protocol version) or another model join the run's key without training
+    with this node: it says so in one line when each config first comes into view, not only when it joins, and
+    records anyone can publish under as many fingerprints as they like cannot flood its log."""
+    node, me = _FakeNode(), record("m", 0, "x")
+    directory = PeerDirectory(node, "run/peers", b"owner", me, 1.0, 10.0, run_id="run")
+
+    def publish(*records: PeerRecord) -> None:
+        for r in records:
+            node.stored.setdefault("run/peers", {})[r.peer_id] = ValueWithExpiration(r.to_value(), get_dht_time() + 60)
+
+    def named() -> list[str]:
+        return [m.getMessage() for m in caplog.records if "has peers of another config" in m.getMessage()]
+
+    async def looks() -> None:
+        publish(me, record("a", 0, "x"))
+        await directory.refresh()
+        assert named() == []  # one config: nothing to say
+        publish(record("old", 0, "x", fingerprint="older"))
+        await directory.refresh()
+        await directory.refresh()
+        assert len(named()) == 1 and "fingerprint older, yours cfg" in named()[0] and "protocol version" in named()[0]
+        publish(*(record(f"junk{i}", 0, "x", fingerprint=f"junk{i:02d}") for i in range(40)))
+        await directory.refresh()
+        assert len(named()) == 2 and named()[1].count("junk") == FOREIGN_NAMED - 1
+        publish(record("late", 0, "x", fingerprint="another"))
+        await directory.refresh()
+        assert len(named()) == 2
+
+    with caplog.at_level(logging.WARNING, logger="p2ploco.swarm.directory"):
+        asyncio.run(looks())
 
 
 def _follower(peers: int) -> tuple[PeerDirectory, list[str]]:

@@ -38,12 +38,15 @@ from typing import Any
 from hivemind.dht.node import DHTNode
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from p2ploco import PROTOCOL_VERSION
+from p2ploco.errors import shown
 from p2ploco.swarm.records import RUNS_KEY, PeerRecord, PeerState, parse_records
 from p2ploco.swarm.wire import DAEMON_ERRORS
 
 logger = logging.getLogger(__name__)
 
 STALE_HEARTBEATS = 3  # a record not renewed for this many heartbeats (or half its ttl) belongs to a dead peer
+FOREIGN_NAMED = 8  # config fingerprints of other peers of the run a node names in its log, at most
 LOOKUPS_PER_ROUND = 4  # records a peer that follows its group reads per round, on average, whatever N
 
 
@@ -68,6 +71,7 @@ class PeerDirectory:
         self._refreshed: dict[str, float] = {}  # local time at which each record was last seen renewed
         self._tasks: list[asyncio.Task] = []
         self._started = time.monotonic()
+        self._foreign_named: set[str] = set()  # config fingerprints of other peers of the run, said in the log
         self._changes = 0  # updates of this node's record so far
         self._attempted = 0  # updates that a finished store (successful or not) has carried
         self._stored = asyncio.Condition()
@@ -153,11 +157,28 @@ class PeerDirectory:
                 self._refreshed[peer_id] = time.monotonic()
             live[peer_id], self._expires[peer_id] = record, expires
         live[self.me.peer_id] = self.me
+        self._name_foreign(live)
         self.live, self.refreshed_at = live, time.monotonic()
         self.seen, self.doubted = frozenset(found_records) | {self.me.peer_id}, False
         for watcher in self.watchers:
             watcher.set()
         return live
+
+    def _name_foreign(self, live: dict[str, PeerRecord]) -> None:
+        """Say in one line, when they first come into view, that the run has peers of another config: another
+        model, corpus, batch or seed, or another protocol version (a peer of an older p2ploco). They are ignored,
+        never a reason to stop: anyone can publish a record under the run's key, and for as many fingerprints as
+        it likes, so at most FOREIGN_NAMED are ever named."""
+        foreign = sorted({r.fingerprint for r in live.values() if r.state != PeerState.LEAVING}
+                         - {self.me.fingerprint} - self._foreign_named)[:FOREIGN_NAMED - len(self._foreign_named)]
+        if not foreign:
+            return
+        self._foreign_named.update(foreign)
+        logger.warning(f"run '{self.run_id}' has peers of another config (fingerprint "
+                       f"{', '.join(map(shown, foreign))}, yours {self.me.fingerprint}); this peer ignores them. To "
+                       f"train with them, use the same model, outer and seed settings, batch and inner steps, "
+                       f"tokenizer and prepared corpus, and the same p2ploco protocol version (yours is "
+                       f"{PROTOCOL_VERSION}); `p2ploco peers` lists them")
 
     def _unexpired(self, now: float) -> dict[str, PeerRecord]:
         """The records in view that have not lapsed, and those of the followed group as last seen."""

@@ -15,7 +15,7 @@ from typing import Any
 from hivemind.dht.node import DHTNode
 from hivemind.utils.multiaddr import Multiaddr
 
-from p2ploco import PROTOCOL_VERSION, __version__
+from p2ploco import __version__
 from p2ploco.config import SwarmConfig
 from p2ploco.errors import shown
 from p2ploco.swarm import DEFAULT_HOST_MADDRS, wire
@@ -102,13 +102,6 @@ class Swarm:
             state_server = StateServer(p2p, run_id, deadlines)
             for service in (matchmaker, butterfly, commit, state_server):
                 await service.start()
-            foreign = {r.fingerprint for r in live if r.state != PeerState.LEAVING} - {config_fingerprint}
-            if foreign:  # ignored, never a reason not to start: anyone can publish a record under the run's key
-                logger.warning(f"run '{run_id}' has peers of another config (fingerprint "
-                               f"{', '.join(sorted(map(shown, foreign)))}, yours {config_fingerprint}); this peer "
-                               f"ignores them. To train with them, use the same model, outer and seed settings, "
-                               f"batch and inner steps, tokenizer and prepared corpus, and the same p2ploco protocol "
-                               f"version (yours is {PROTOCOL_VERSION}); `p2ploco peers` lists them")
             await directory.store_record()
             directory.start_heartbeat()
             communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
