@@ -79,8 +79,8 @@ class StreamingRounds(RoundSchedule):
 
 def summed(syncs: list[Synced]) -> Synced:
     """A round's fragment syncs as one: bytes, parameters and seconds summed, committed and applied only if every
-    fragment was, the smallest group, redone if any was, every failure; ``sync_bytes`` lists each fragment's
-    traffic (sent + received)."""
+    fragment was, the smallest group, redone if any was, every failure, the weight a fragment carried (each carries
+    the round's tokens); ``sync_bytes`` lists each fragment's traffic (sent + received)."""
     results = [s.all_reduce for s in syncs]
     traffic = [r.traffic for r in results]
     smallest = min(results, key=lambda r: len(r.peers))
@@ -88,7 +88,7 @@ def summed(syncs: list[Synced]) -> Synced:
         list(smallest.peers), all(r.committed for r in results), any(r.excluded for r in results),
         sorted({p for r in results for p in r.dropped}), sorted({p for r in results for p in r.clipped}),
         sorted({p for r in results for p in r.opposed}), max(r.attempts for r in results),
-        [failure for r in results for failure in r.failures],
+        [failure for r in results for failure in r.failures], max(r.tokens for r in results),
         traffic=Traffic(sum(t.bytes_sent for t in traffic), sum(t.bytes_received for t in traffic),
                         sum(t.dense_fp32_bytes for t in traffic), sum(t.contribution_bytes for t in traffic),
                         sum(t.params for t in traffic), sum(t.seconds for t in traffic),
