@@ -336,6 +336,5 @@ def test_three_real_nodes_stream_fragments_and_agree_every_round(tmp_path):
             assert len(r["fragment_bytes"]) == 2 and r["peak_sync_bytes"] == max(r["fragment_bytes"])
             assert sum(r["fragment_bytes"]) == r["bytes_sent"] + r["bytes_received"]
             assert 4.2 < r["bits_per_param"] < 4.3  # E3M0 values and a float32 scale per 128
-            assert r["contributed_tokens"] == r["tokens"] > 0  # each fragment weighs the round's tokens
     for round_index in range(6):
         assert len({records[round_index]["params_sha256"] for records in runs}) == 1
