@@ -80,7 +80,8 @@ class StreamingRounds(RoundSchedule):
 def summed(syncs: list[Synced]) -> Synced:
     """A round's fragment syncs as one: bytes, parameters and seconds summed, committed and applied only if every
     fragment was, the smallest group, redone if any was, every failure, the weight a fragment carried (fragments
-    weigh alike, ``OuterAlgorithm.contribute_fragments``); ``sync_bytes`` lists each fragment's traffic (sent + received)."""
+    weigh alike, ``OuterAlgorithm.contribute_fragments``); ``sync_bytes`` lists each fragment's traffic (sent +
+    received)."""
     results = [s.all_reduce for s in syncs]
     traffic = [r.traffic for r in results]
     smallest = min(results, key=lambda r: len(r.peers))
