@@ -268,10 +268,11 @@ def never_join(start: int) -> None:
             return await honest(self, round_index, *args, **kwargs)
         # Until the others have moved on (the round's group formed without it), so that its record claims each round
         # from the round's state, as the others' do: it catches up as a peer left out of a round does.
+        # It looks itself: a peer that follows its last group leaves the records to the heartbeat's turns.
         deadline = asyncio.get_running_loop().time() + 3 * self.timeout
         while asyncio.get_running_loop().time() < deadline and not any(
-                r.round > round_index for r in self.directory.live.values()):
-            await asyncio.sleep(0.1)
+                r.round > round_index for r in (await self.directory.refresh()).values()):
+            await asyncio.sleep(0.25)
         return None
 
     Matchmaker.form_group = form_group
