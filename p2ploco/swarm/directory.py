@@ -168,7 +168,9 @@ class PeerDirectory:
         """Say in one line, when they first come into view, that the run has peers of another config: another
         model, corpus, batch or seed, or another protocol version (a peer of an older p2ploco). They are ignored,
         never a reason to stop: anyone can publish a record under the run's key, and for as many fingerprints as
-        it likes, so at most FOREIGN_NAMED are ever named."""
+        it likes, so at most FOREIGN_NAMED are ever named. A bootstrap peer's directory (no run) has nothing to say."""
+        if self.run_id is None:
+            return
         foreign = sorted({r.fingerprint for r in live.values() if r.state != PeerState.LEAVING}
                          - {self.me.fingerprint} - self._foreign_named)[:FOREIGN_NAMED - len(self._foreign_named)]
         if not foreign:
