@@ -234,11 +234,10 @@ class Node:
                              f"({c.training.rounds - 1}): nothing to train; training.rounds (--max-rounds) counts "
                              f"from the run's start")
                 break
-            in_for_round = presence.in_for_round(standing.round, standing.doubtful)
-            if not role.ready(standing.round, in_for_round, self.stopping):
+            if not role.ready(standing.round, presence.in_for_round(standing.round, standing.doubtful), self.stopping):
                 standing = self._stand_by(presence, role, standing)
                 continue
-            record = self._round(swarm, presence, role, schedule, standing, held_out, in_for_round)
+            record = self._round(swarm, presence, role, schedule, standing, held_out)
             if record is None:  # stopped during the inner steps: the round is abandoned
                 break
             files.write(record)
@@ -267,13 +266,14 @@ class Node:
         return standing
 
     def _round(self, swarm: Swarm, presence: Presence, role: Role, schedule: RoundSchedule, standing: Standing,
-               held_out: list[Batch], in_for_round: Callable[[], None]) -> RoundRecord | None:
-        """One round by the schedule, an eval and the record; ``in_for_round``: the announcement that names this
-        round with the state it starts from (``Presence.in_for_round``). None if the node was stopped during the
-        inner steps."""
+               held_out: list[Batch]) -> RoundRecord | None:
+        """One round by the schedule, an eval and the record. None if the node was stopped during the inner steps."""
         c = self.config
         worker, round_index, membership = role.worker, standing.round, standing.membership
         presence.serve(round_index)
+        # The announcement names this round with the state it starts from, taken now (not before the role was ready:
+        # an overlapped round in flight may have landed while a stage waited for its pipeline group).
+        in_for_round = presence.in_for_round(round_index, standing.doubtful)
         started = time.perf_counter()
         try:
             outcome = schedule.run(round_index, swarm.communicator,
