@@ -29,7 +29,8 @@ results (``outer.sparseloco.result=exact``: the contributions relayed or their u
 butterfly of the same parameters. Resparsified sizes are real encodings at every N: peer j contributes replica
 j mod R's compressed pseudo-gradient (R = ``--replicas``, each compressed for real), each span's result is its
 reducer's real resparsified encoding of the mean of those contributions. A result holds k values per chunk
-whatever the values, so its size does not depend on how many distinct replicas went into the mean. Exact
+whatever the values, min(``result_topk``, n x k) for n contributions: the cap from n = result_topk / k on, so
+its size does not depend on how many distinct replicas went into the mean as long as R reaches that n. Exact
 results are encoded for real up to ``--real-up-to`` peers (distinct replicas; a union's size does depend on how
 many). Beyond that they follow the scaling model of docs/design.md ("Hundreds of peers"): the bytes a peer
 receives grow with n - 1, so they are extrapolated linearly in n - 1 from the largest measured n, and the
@@ -55,7 +56,7 @@ from p2ploco.collective.exchange import Exchange, dense_fp32_bytes, reduce_span
 from p2ploco.collective.fp4 import E3M0Mean
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.robust import Policy
-from p2ploco.collective.sparse import SparseExchange
+from p2ploco.collective.sparse import ResultLayouts, SparseExchange
 from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import CompressedTensor
@@ -194,19 +195,21 @@ class ScaleRow:
     extrapolated: bool  # from the scaling model rather than encoded
 
 
-def resparsified_bytes(layout: SparseLayout, result_layout: SparseLayout, replicas: list[list[CompressedTensor]],
+def resparsified_bytes(layout: SparseLayout, results: ResultLayouts, replicas: list[list[CompressedTensor]],
                        n: int) -> tuple[float, float]:
     """Mean sent and received bytes per peer of a butterfly among ``n`` peers with resparsified results (chunked as
-    ``result_layout``), peer j contributing ``replicas[j % len(replicas)]``: every contribution to every span and
-    every result encoded."""
+    ``results`` says for n contributions), peer j contributing ``replicas[j % len(replicas)]``: every contribution to
+    every span and every result encoded."""
     spans = SparseExchange(layout, [], "mean").partition(n)
     distinct = len(replicas)
     to_span = np.zeros((distinct, n))  # bytes of replica r's contribution to span i
     result = np.zeros(n)
     for i, span in enumerate(spans):
-        reducer = SparseExchange(layout, replicas[i % distinct], "mean", result_layout=result_layout)
-        payloads = [SparseExchange(layout, c, "mean").encode(span) for c in replicas]
-        to_span[:, i] = [len(p) for p in payloads]
+        reducer = SparseExchange(layout, replicas[i % distinct], "mean", results=results)
+        # min(n, R) distinct contributions: a result's k is that of n contributions (``ResultLayouts``: the cap
+        # from R on, as ``scaling`` checks)
+        payloads = [SparseExchange(layout, c, "mean").encode(span) for c in replicas[:n]]
+        to_span[: len(payloads), i] = [len(p) for p in payloads]
         combined = reducer.combine(span, [reducer.parse(span, p) for p in payloads], [1.0] * len(payloads))
         result[i] = len(reducer.result_for(combined, None))
     own = np.array([to_span[j % distinct] for j in range(n)])  # (peers, spans)
@@ -215,7 +218,7 @@ def resparsified_bytes(layout: SparseLayout, result_layout: SparseLayout, replic
     return float(sent.mean()), float(received.mean())
 
 
-def scale_rows(layout: SparseLayout, result_layout: SparseLayout, replicas: list[list[CompressedTensor]],
+def scale_rows(layout: SparseLayout, results: ResultLayouts, replicas: list[list[CompressedTensor]],
                peers: list[int], real_up_to: int, distinct: int) -> list[ScaleRow]:
     """Per-peer bytes per round of the exact butterfly and of resparsified results, for each group size."""
     rows, measured = [], None
@@ -231,7 +234,7 @@ def scale_rows(layout: SparseLayout, result_layout: SparseLayout, replicas: list
             base, base_sent, base_received = measured
             factor = (n - 1) / (base - 1)
             rows.append(ScaleRow(n, "butterfly", base_sent * factor, base_received * factor, dense, True))
-        sent, received = resparsified_bytes(layout, result_layout, replicas[:distinct], n)
+        sent, received = resparsified_bytes(layout, results, replicas[:distinct], n)
         rows.append(ScaleRow(n, "resparsified", sent, received, dense, False))
     return rows
 
@@ -315,6 +318,9 @@ def scaling(args: argparse.Namespace, shapes: list[tuple[int, ...]]) -> None:
     """The scaling table (or its JSON rows) for ``--scale-peers``."""
     topk = args.topk[0]
     exact_replicas = min(args.real_up_to, max(n for n in args.scale_peers))
+    if args.replicas * topk < args.result_topk:
+        raise SystemExit(f"--replicas {args.replicas}: a result of that many contributions is below its cap; "
+                         f"use at least {-(-args.result_topk // topk)}")
     outer, replicas, _ = compress_replicas(shapes, topk, max(exact_replicas, args.replicas), torch.device("cpu"),
                                            args.result_topk)
     rows = scale_rows(outer.layouts["stage0"], outer.result_layouts["stage0"], replicas, args.scale_peers,

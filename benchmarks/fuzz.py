@@ -47,7 +47,7 @@ from p2ploco.collective.exchange import Exchange, SpanReduction, reduce_span
 from p2ploco.collective.fp4 import E3M0Mean
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.robust import Policy
-from p2ploco.collective.sparse import SparseExchange
+from p2ploco.collective.sparse import ResultLayouts, SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
@@ -99,8 +99,8 @@ CONTRIBUTION = REPLICAS[1].encode(SPAN)
 _REDUCTION = _reduced(REPLICAS[0], SPAN, REPLICAS[1:])
 RECEIPT = _REDUCTION.receipt_for("me")  # what a reducer's answer says of every result below
 RELAY, UNION = _REDUCTION.result_for(REPLICAS[0], "me"), _REDUCTION.aggregate.union
-_RESULT_LAYOUT = SparseLayout([chunk_grid(s, 64, 128) for s in [(128, 96), (96,), (40, 30)]])
-RESPARSIFIED_REPLICA = SparseExchange(LAYOUT, REPLICAS[0].compressed, "mean", DEFENDED, result_layout=_RESULT_LAYOUT)
+_RESULT_LAYOUTS = ResultLayouts(LAYOUT, SparseLayout([chunk_grid(s, 64, 256) for s in [(128, 96), (96,), (40, 30)]]))
+RESPARSIFIED_REPLICA = SparseExchange(LAYOUT, REPLICAS[0].compressed, "mean", DEFENDED, results=_RESULT_LAYOUTS)
 _RESPARSIFIED_REDUCTION = _reduced(RESPARSIFIED_REPLICA, SPAN, REPLICAS[1:])
 RESPARSIFIED = _RESPARSIFIED_REDUCTION.result_for(RESPARSIFIED_REPLICA, "me")
 DENSE = DenseMean([torch.randn(50)], policy=DEFENDED)

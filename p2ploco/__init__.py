@@ -7,4 +7,6 @@ __version__ = "0.1.0"
 # out and why; votes report only peers rejected as malformed; records carry "unsettled".
 # 3: contributions are weighted by the tokens they were trained on (joins and groups carry them); peers behind a
 # NAT say so (joins, groups, records) and reduce no span.
-PROTOCOL_VERSION = 4
+# 4: contributions pointing against the others are left out, their senders banned (collective/robust.py).
+# 5: a resparsified result of n contributions keeps min(result_topk, n x topk) values per chunk.
+PROTOCOL_VERSION = 5

@@ -197,7 +197,9 @@ class SparseLoCoConfig(OverlapConfig):
     # What each span's reducer sends back. resparsified: the Top-k of the mean in 2 bits (per-peer traffic flat in
     # the swarm's size); exact: the contributions relayed or their union with float32 values (grows linearly).
     result: Literal["resparsified", "exact"] = "resparsified"
-    result_topk: int = 128  # values a resparsified result keeps per full chunk_size^2 tile (1/32 density)
+    # The most values a resparsified result keeps per full chunk_size^2 tile (1/16 density); a result of n
+    # contributions keeps min(result_topk, n x topk): every value they selected, while n x topk fits.
+    result_topk: int = 256
     # The reducer keeps what a result leaves out, e = result_error_decay * e + mean. 0: dropped (the next
     # pseudo-gradients bring it again, as the global params did not move that way); 1: kept whole, and counted
     # twice with what the senders bring again (docs/design.md, "Hundreds of peers": 0.5 measured best).

@@ -37,14 +37,15 @@ def test_streams_benchmark_times_many_streams_against_one_between_real_daemons()
 
 def test_comm_benchmark_sizes_exact_and_resparsified_results_per_peer():
     out = run("benchmarks/comm.py", "--config", "configs/tiny.yaml", "--json", "--scale-peers", "2", "8", "32",
-              "--real-up-to", "8", "--replicas", "2")
+              "--real-up-to", "8", "--replicas", "4")
     rows = {(row["peers"], row["design"]): row for row in map(json.loads, out.splitlines())}
     assert set(rows) == {(n, d) for n in (2, 8, 32) for d in ("butterfly", "resparsified")}
     assert rows[(32, "butterfly")]["extrapolated"] and not rows[(32, "resparsified")]["extrapolated"]
     exact = [rows[(n, "butterfly")]["bytes_received_per_peer"] for n in (2, 8, 32)]
     bounded = [rows[(n, "resparsified")]["bytes_received_per_peer"] for n in (2, 8, 32)]
     assert exact[2] > 10 * exact[0]  # every other peer's selection reaches every peer
-    assert bounded[2] < 2 * bounded[1] < 4 * bounded[0]  # a result's size does not grow with the group
+    # a result holds what 2 peers selected (128 values per chunk) or, from 4 on, its cap (256): then flat in N
+    assert bounded[0] < bounded[1] and bounded[2] < 1.5 * bounded[1]
     assert all(rows[(n, "resparsified")]["dense_fp32_bytes_per_peer"] > 50 * rows[(n, "resparsified")][
         "bytes_sent_per_peer"] for n in (2, 8, 32))
 

@@ -1,5 +1,6 @@
 """SparseLoCo: chunking, Top-k, 2-bit values, error feedback, and the aggregate against the paper's algorithm."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -150,12 +151,15 @@ def tiles_of(grid, tensor: torch.Tensor):
 def reference_resparsified(aggregates, reducer_errors, spans, config: SparseLoCoConfig):
     """What every replica applies with resparsified results: reducer j of the chunks in ``spans[j]`` (chunks of
     every tensor in one numbering) adds the mean to its buffer ``reducer_errors[j]`` (decayed; decay 0: the buffer
-    is only scratch), keeps the Top-k (``result_topk``) of every chunk in 2 bits (one decode table per tensor
-    within the span), and keeps the rest in its buffer."""
+    is only scratch), keeps the Top-k of every chunk in 2 bits (one decode table per tensor within the span): k is
+    ``result_topk`` (scaled to the chunk), or every value the replicas can have selected if that is fewer; it keeps
+    the rest in its buffer."""
     out = [torch.zeros_like(a) for a in aggregates]
     first_chunk = 0
     for i, mean in enumerate(aggregates):
+        selected = len(spans) * chunk_grid(tuple(mean.shape), config.chunk_size, config.topk).k
         grid = chunk_grid(tuple(mean.shape), config.chunk_size, config.result_topk)
+        grid = dataclasses.replace(grid, k=min(grid.k, selected))
         for j, span in enumerate(spans):
             chunks = [c for c in range(grid.chunks) if first_chunk + c in span]
             if not chunks:
@@ -174,11 +178,14 @@ def reference_resparsified(aggregates, reducer_errors, spans, config: SparseLoCo
     return out
 
 
-@pytest.mark.parametrize("aggregate, decay", [("mean", 0.0), ("sum", 0.0), ("mean", 0.9)])
-def test_resparsified_results_equal_a_written_out_reference(aggregate, decay):
-    """Each reducer compresses its span's mean again with its own error feedback; every replica applies the
-    same bits, and each reducer's buffer keeps exactly what its results left out."""
-    config = SparseLoCoConfig(aggregate=aggregate, result="resparsified", result_topk=96, result_error_decay=decay)
+@pytest.mark.parametrize("aggregate, decay, result_topk", [("mean", 0.0, 96), ("sum", 0.0, 96), ("mean", 0.9, 96),
+                                                           ("mean", 0.5, 256)])
+def test_resparsified_results_equal_a_written_out_reference(aggregate, decay, result_topk):
+    """Each reducer compresses its span's mean again with its own error feedback, keeping result_topk values per
+    chunk (96: fewer than 3 replicas' 64 each) or all that 3 replicas can have selected (192, under 256); every
+    replica applies the same bits, and each reducer's buffer keeps exactly what its results left out."""
+    config = SparseLoCoConfig(aggregate=aggregate, result="resparsified", result_topk=result_topk,
+                              result_error_decay=decay)
     replicas = 3
     initial, locals_per_round, algorithms, _ = run_sparseloco(replicas, 3, config)
     (layout,) = algorithms[0].layouts.values()

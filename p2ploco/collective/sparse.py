@@ -17,9 +17,11 @@ hashes that, and the outer step applies it at the coordinates it holds.
 Both exact results grow with the group: a span's union holds up to n contributions' positions, so every
 peer downloads (and every reducer uploads) about n contributions' worth per round. With ``resparsified``
 results (``outer.sparseloco.result``, the default) the reducer compresses its span's mean as a sender
-compresses its pseudo-gradient: Top-k of every chunk (``result_topk``) in 2 bits. Every member (the reducer
-too) decodes the same bytes, so all stay bit-identical, and a result has a fixed size whatever n: per-peer
-traffic is about one contribution and one result each way. What a result leaves out goes to an
+compresses its pseudo-gradient: Top-k of every chunk in 2 bits, k = min(``result_topk``, n x the contributions'
+k) for the n contributions it combined (``ResultLayouts``), so a small group's result holds every value its
+contributions selected and a large group's has a fixed size whatever n: per-peer traffic is about one
+contribution and one result each way. Every member (the reducer too) decodes the same bytes, so all stay
+bit-identical. What a result leaves out goes to an
 error-feedback buffer of the reducer's own for the span (e = decay * e + mean, e keeps what was not sent, as
 LoCo's reducer), at ``result_error_decay`` 0.5: kept whole (1) it is counted twice, as the global parameters did
 not move that way and the senders' next pseudo-gradients bring it again; dropped (0) loses too much at 128
@@ -33,7 +35,7 @@ import hashlib
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -57,6 +59,30 @@ class _Parsed:
     @property
     def vector(self) -> robust.Vector:
         return robust.Vector(self.values.values, self.values.positions)
+
+
+class ResultLayouts:
+    """How a resparsified result of n contributions is chunked: the contributions' chunks, each keeping
+    min(the cap's k, n x the contributions' k) values. Up to the cap a result can hold every value the n
+    contributions selected (Top-k then drops nothing, only the 2-bit values round), so a small group loses nothing
+    to resparsifying; from n = cap / k on, every result has the cap's fixed size, whatever the group's. Every member
+    knows n from the reducer's receipt, so all decode the same layout."""
+
+    def __init__(self, contributions: SparseLayout, cap: SparseLayout):
+        if cap.num_chunks != contributions.num_chunks:
+            raise ValueError("a result layout must chunk the tensors as the contributions' layout does")
+        self.contributions, self.cap = contributions, cap
+        self._by_count: dict[int, SparseLayout] = {}
+
+    def for_contributions(self, n: int) -> SparseLayout:
+        if n not in self._by_count:
+            self._by_count[n] = SparseLayout([replace(grid, k=min(most.k, max(1, n) * grid.k, grid.chunk_numel))
+                                              for grid, most in zip(self.contributions.grids, self.cap.grids)])
+        return self._by_count[n]
+
+    @property
+    def digest(self) -> bytes:
+        return self.cap.digest
 
 
 @dataclass
@@ -104,17 +130,14 @@ class _Aggregate:
 
 class SparseExchange(Exchange):
     def __init__(self, layout: SparseLayout, compressed: Sequence[CompressedTensor], mode: str,
-                 policy: robust.Policy = robust.UNBOUNDED, result_layout: SparseLayout | None = None,
+                 policy: robust.Policy = robust.UNBOUNDED, results: ResultLayouts | None = None,
                  reducer_feedback: Sequence[torch.Tensor] | None = None, decay: float = 0.0):
-        """``policy``: how reducers weigh and bound contributions (``collective/robust.py``). ``result_layout``:
-        resparsified results, chunked as this layout (the contributions' chunks, its own k);
-        None: exact results. ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one
+        """``policy``: how reducers weigh and bound contributions (``collective/robust.py``). ``results``:
+        resparsified results, chunked as these layouts say for the contributions combined; None: exact results. ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one
         (chunks, chunk_numel) CPU float32 tensor per tensor of the layout (read, never written here), decayed by
         ``decay`` each time; None: what a result leaves out is dropped."""
         self.layout, self.compressed, self.mode, self.policy = layout, list(compressed), mode, policy
-        self.result_layout, self.reducer_feedback, self.decay = result_layout, reducer_feedback, decay
-        if result_layout is not None and result_layout.num_chunks != layout.num_chunks:
-            raise ValueError("a result layout must chunk the tensors as the contributions' layout does")
+        self.results, self.reducer_feedback, self.decay = results, reducer_feedback, decay
         self.num_units = layout.num_chunks
         self._encoded: dict[Span, bytes] = {}
         self._combined: dict[Span, _Aggregate | _Resparsified] = {}  # spans this replica reduced
@@ -124,13 +147,13 @@ class SparseExchange(Exchange):
 
     @property
     def resparsified(self) -> bool:
-        return self.result_layout is not None
+        return self.results is not None
 
     def unit_at(self, element: int) -> int:
         return int(np.searchsorted(self.layout.chunk_element_ends, element, side="right"))
 
     def fingerprint(self) -> str:
-        result = f"resparsified{self.result_layout.digest.hex()}" if self.resparsified else "exact"
+        result = f"resparsified{self.results.digest.hex()}/grown" if self.resparsified else "exact"
         return f"sparse/{self.layout.digest.hex()}/{self.mode}/{self.policy.fingerprint()}/digest3/{result}"
 
     def numel(self, span: Span) -> int:
@@ -140,8 +163,8 @@ class SparseExchange(Exchange):
         return self.layout.max_contribution_bytes(span)
 
     def max_result_bytes(self, span: Span, group_size: int) -> int:
-        if self.resparsified:
-            return self.result_layout.max_contribution_bytes(span)
+        if self.resparsified:  # k grows with the contributions: the most a group of this size can combine
+            return self.results.for_contributions(group_size).max_contribution_bytes(span)
         relay = fmt.HEADER.size + fmt.U16.size + (group_size - 1) * (fmt.U32.size + self.max_payload_bytes(span))
         return max(relay, self.layout.max_union_bytes(span))
 
@@ -160,7 +183,8 @@ class SparseExchange(Exchange):
     def combine(self, span: Span, contributions: Sequence[_Parsed], factors: Sequence[float]
                 ) -> _Aggregate | _Resparsified:
         values = self._aggregate(span, [c.values for c in contributions], factors)
-        combined = (self._resparsify(span, values, self.limit(factors, [c.norm for c in contributions]))
+        combined = (self._resparsify(span, values, len(contributions),
+                                     self.limit(factors, [c.norm for c in contributions]))
                     if self.resparsified else _Aggregate(self.layout, span, [c.payload for c in contributions], values))
         self._combined[span] = combined
         return combined
@@ -169,12 +193,14 @@ class SparseExchange(Exchange):
         """A per-coordinate mean over the selectors (``mean``) is bounded as such; ``sum`` divides by all."""
         return robust.selector_limit(factors, norms) if self.mode == "mean" else robust.mean_limit(factors, norms)
 
-    def _resparsify(self, span: Span, mean: SparseValues, limit: float) -> _Resparsified:
-        """The reducer's result for ``span``: e = decay * e + mean over the span's rows of its buffer, then Top-k
-        of every chunk in 2 bits, exactly as a sender compresses (``compression/topk.py``), scaled down if the
-        buffer made it longer than ``limit``, what the contributions allow (``robust.within``); e keeps the rest."""
+    def _resparsify(self, span: Span, mean: SparseValues, contributions: int, limit: float) -> _Resparsified:
+        """The reducer's result for ``span`` of ``contributions`` combined: e = decay * e + mean over the span's rows
+        of its buffer, then Top-k of every chunk (``ResultLayouts``) in 2 bits, exactly as a sender compresses
+        (``compression/topk.py``), scaled down if the buffer made it longer than ``limit``, what the contributions
+        allow (``robust.within``); e keeps the rest."""
+        layout = self.results.for_contributions(contributions)
         buffers, choices = [], []
-        for s in self.result_layout.slices(span):
+        for s in layout.slices(span):
             if self.reducer_feedback is None:
                 rows = torch.zeros(s.chunks, s.grid.chunk_numel)
             else:
@@ -196,8 +222,8 @@ class SparseExchange(Exchange):
         parts = [take_(rows, choice, scale) for (_, rows), choice in zip(buffers, choices)]
         feedback = ([ReducerRows(s.tensor, s.first, rows) for s, rows in buffers]
                     if self.reducer_feedback is not None else [])
-        return _Resparsified(fmt.encode_resparsified(self.result_layout, span, parts),
-                             fmt.resparsified_values(self.result_layout, span, parts), feedback)
+        return _Resparsified(fmt.encode_resparsified(layout, span, parts),
+                             fmt.resparsified_values(layout, span, parts), feedback)
 
     def _aggregate(self, span: Span, contributions: Sequence[SparseValues], factors: Sequence[float]
                    ) -> SparseValues:
@@ -221,7 +247,7 @@ class SparseExchange(Exchange):
             values = combined.values
         else:
             if self.resparsified:
-                values = fmt.decode_resparsified(self.result_layout, span, result)
+                values = fmt.decode_resparsified(self.results.for_contributions(len(receipt.norms)), span, result)
             elif fmt.read_kind(self.layout, result) == fmt.RELAY:
                 values = self._recombine(span, result, receipt)
             else:

@@ -6,7 +6,8 @@ A replica that catches up from the swarm starts with an empty buffer: what it he
 against parameters the swarm has left behind.
 
 With resparsified results (``outer.sparseloco.result``, the default) each reducer compresses its span's mean
-again (``collective/sparse.py``), so that a result has a fixed size whatever the swarm's size, and (with
+again (``collective/sparse.py``), keeping up to ``result_topk`` values per chunk (all its contributions selected, in
+a small group), so that a result has a bounded size whatever the swarm's size, and (with
 ``result_error_decay`` > 0, the default) a replica keeps a buffer as the reducer of spans too: its rows for a span
 change only when a round this replica reduced is applied; it is checkpointed and reset as the sender's buffer.
 
@@ -26,7 +27,7 @@ import torch
 
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
-from p2ploco.collective.sparse import SparseExchange
+from p2ploco.collective.sparse import ResultLayouts, SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import CompressedTensor, Taken, compress_
@@ -56,10 +57,10 @@ class SparseLoCo(OuterAlgorithm):
         self.grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.topk) for p in self.params]
         self.layouts = {name: SparseLayout([self.grids[i] for i in positions])
                         for name, positions in self.slices.items()}
-        self.result_layouts: dict[str, SparseLayout] = {}  # per slice, how results are chunked (none: exact results)
+        self.result_layouts: dict[str, ResultLayouts] = {}  # per slice, how results are chunked (none: exact results)
         if config.result == "resparsified":
-            result_grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.result_topk) for p in self.params]
-            self.result_layouts = {name: SparseLayout([result_grids[i] for i in positions])
+            caps = [chunk_grid(tuple(p.shape), config.chunk_size, config.result_topk) for p in self.params]
+            self.result_layouts = {name: ResultLayouts(self.layouts[name], SparseLayout([caps[i] for i in positions]))
                                    for name, positions in self.slices.items()}
         self.feedback = [torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32, device=device) for g in self.grids]
         # As a reducer: on the CPU, where reducers combine (None: no buffer, what a result leaves out is dropped).
