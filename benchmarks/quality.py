@@ -7,6 +7,10 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
 
     python benchmarks/quality.py                          # tiny model, K=4, 40 rounds of H=10
     python benchmarks/quality.py --rounds 5 --replicas 2  # a quick look
+    python benchmarks/quality.py --suite equal-tokens     # the README's table: K=4 and 8, 1000 steps each, 2 seeds
+    python benchmarks/quality.py --suite equal-tokens-21m # the same comparison on the 21.4M setting, shorter
+    python benchmarks/quality.py --suite sweep-diloco     # the sweep behind DiLoCo's defaults (also: sweep-sparseloco,
+                                                          # sweep-loco, sweep-streaming)
     python benchmarks/quality.py --methods diloco "sparseloco:topk=128,error_decay=0.9"   # variants
     python benchmarks/quality.py --methods diloco loco "loco:bits=2"   # LoCo's low-bit values against fp32
     python benchmarks/quality.py --suite heterogeneous    # full replicas vs 2-stage compressed groups
@@ -16,9 +20,14 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py --suite scale --replicas 16   # exact vs resparsified SparseLoCo results
     python benchmarks/quality.py --suite byzantine --replicas 8 --rounds 30 --seeds 2   # sign-flipping replicas
 
+Every method trains the same inner steps per replica (``--steps``, or ``--rounds`` x the config's H), so the same
+tokens, with the same inner learning-rate schedule (warm-up, then a cosine over the whole run). DDP is AdamW on the
+mean of the K replicas' gradients at every step (one model on their K batches: the same gradient an all-reduce gives).
+
 Methods: ``ddp``; ``diloco`` / ``sparseloco`` / ``loco`` / ``streaming`` (every replica full), each with
-optional outer settings after a colon; ``uniform:ratio=R`` (every replica a compressed pipeline group, d/k = R) and
-``selective:ratio=R`` (half the replicas full, half compressed groups), SparseLoCo per stage.
+optional outer settings after a colon (``H=N``: N inner steps a round, so steps / N rounds); ``uniform:ratio=R``
+(every replica a compressed pipeline group, d/k = R) and ``selective:ratio=R`` (half the replicas full, half
+compressed groups), SparseLoCo per stage.
 ``ALGORITHM+overlap:UPDATE`` runs overlapped rounds (UPDATE: eager or naive; more settings after a comma). An
 in-process all-reduce ends at once, so an eager round lands at a fixed inner step of the next round, as if
 its all-reduce took that long: ``landing=K`` inner steps (default 1), ``landing=end`` the whole round (the
@@ -49,10 +58,11 @@ show the mean, and ``--json`` prints one object per method with its mean and per
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -60,69 +70,96 @@ import torch
 
 from p2ploco.budget import FixedSteps
 from p2ploco.collective.dense import DenseMean
-from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
+from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange, dense_fp32_bytes
 from p2ploco.collective.robust import weights
 from p2ploco.collective.sliced import SlicedExchange, as_sliced
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.topk import CompressedTensor
 from p2ploco.config import Config, load_config, with_overrides
 from p2ploco.data import ShardSampler, eval_batches, load_training_data
-from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate, squared_norm
+from p2ploco.inner import GradientSource, InnerTrainer, evaluate
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.model import Transformer
 from p2ploco.pipeline.subspace import SubspaceConstraint, constrained_dims
 from p2ploco.schedules import Landing
-from p2ploco.testing.communicator import InProcessGroup
 from p2ploco.testing.swarm import FULL, GROUP, InProcessSwarm, build_swarm
-from p2ploco.testing.threads import run_in_threads
 
 CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A config and its methods; ``steps`` (inner steps per replica; None: 40 rounds of the config's H), ``replicas``
+    (the suite again for each K) and ``seeds`` are the suite's unless the command line says."""
+
+    config: str
+    methods: list[str]
+    overrides: list[str] = field(default_factory=list)
+    replicas: tuple[int, ...] = (4,)
+    steps: int | None = None
+    seeds: int = 1
+
+
 # Besides each method's reference settings, one variant each found by a small sweep on this benchmark:
 # DiLoCo's momentum 0.9 is too much for 40 rounds; SparseLoCo gains from ~3% density, a shorter error
 # memory and a slightly larger outer step. LoCo runs DiLoCo's outer step on 4-bit values: each of its rows
 # pairs with the DiLoCo row of the same momentum, whose values travel in fp32.
 SUITES = {
-    "default": ("configs/tiny.yaml",
-                ["ddp", "diloco", "diloco:momentum=0.5", "sparseloco", "sparseloco:topk=128,error_decay=0.9,lr=1.2",
-                 "loco", "loco:momentum=0.5"], []),
+    "default": Suite("configs/tiny.yaml",
+                     ["ddp", "diloco", "diloco:momentum=0.5", "sparseloco",
+                      "sparseloco:topk=128,error_decay=0.9,lr=1.2", "loco", "loco:momentum=0.5"]),
     # Streaming DiLoCo (P = 2 and 4 fragments of strided blocks, tau = 1, E3M0 values) next to the others, on
     # tiny.yaml with 4 layers (a block per fragment) and H = 12 (P divides H).
-    "streaming": ("configs/tiny.yaml",
-                  ["ddp", "diloco", "sparseloco", "loco", "streaming:fragments=2,delay=1",
-                   "streaming:fragments=4,delay=1"], ["model.n_layer=4", "inner.steps=12"]),
+    "streaming": Suite("configs/tiny.yaml",
+                       ["ddp", "diloco", "sparseloco", "loco", "streaming:fragments=2,delay=1",
+                        "streaming:fragments=4,delay=1"], overrides=["model.n_layer=4", "inner.steps=12"]),
     # Heterogeneous SparseLoCo (arXiv 2601.02360): all full replicas, then 2-stage compressed groups for all
     # replicas (uniform) or half of them (selective), at a mild and an aggressive compression d/k.
     # Overlap: each round's all-reduce runs during the next round's inner steps. Naive: the outer step one round
     # late; eager: rebased as soon as it lands (after one inner step, or, at worst, the whole next round).
-    "overlap": ("configs/tiny.yaml",
-                ["diloco", "diloco+overlap:naive", "diloco+overlap:eager", "diloco+overlap:eager,landing=end",
-                 "sparseloco", "sparseloco+overlap:naive", "sparseloco+overlap:eager",
-                 "sparseloco+overlap:eager,landing=end"], []),
-    "heterogeneous": ("configs/tiny-pipeline.yaml",
-                      ["sparseloco", "selective:ratio=8", "uniform:ratio=8", "selective:ratio=32",
-                       "uniform:ratio=32"], []),
+    "overlap": Suite("configs/tiny.yaml",
+                     ["diloco", "diloco+overlap:naive", "diloco+overlap:eager", "diloco+overlap:eager,landing=end",
+                      "sparseloco", "sparseloco+overlap:naive", "sparseloco+overlap:eager",
+                      "sparseloco+overlap:eager,landing=end"]),
+    "heterogeneous": Suite("configs/tiny-pipeline.yaml",
+                           ["sparseloco", "selective:ratio=8", "uniform:ratio=8", "selective:ratio=32",
+                            "uniform:ratio=32"]),
     # Replicas of unequal speed at equal wall time (the same rounds): the fast replica alone, two and three fast
     # ones, one fast with a 3x and a 10x slower one (tokens-weighted, then unweighted), and two fast with both.
     # DiLoCo with momentum 0.5: at 0.9 its outer step overshoots here, and whatever shrinks the mean update (slow
     # replicas' short pseudo-gradients, the fast one's clipped to twice theirs) wins: 1,3,10 beat 1,1,1.
-    "pace": ("configs/tiny.yaml",
-             [f"{algorithm}+speeds:{speeds}{settings}" for algorithm, settings in (("sparseloco", ""),
-                                                                                  ("diloco", ",momentum=0.5"))
-              for speeds in ("1", "1,1", "1,1,1", "1,3,10", "1,3,10,unweighted", "1,1,3,10")], []),
-    # Per-peer traffic flat in the swarm's size (run with --replicas 16): SparseLoCo's exact results (the all-peer
-    # average) against resparsified ones (the default: 128 values per chunk, the reducer keeping what a result
-    # leaves out at decay 0.5), with what is left out dropped (decay 0) or kept whole (decay 1), and with twice
-    # the values per result, dropped.
-    "scale": ("configs/tiny.yaml",
-              ["sparseloco:result=exact", "sparseloco", "sparseloco:result_error_decay=0",
-               "sparseloco:result_error_decay=1", "sparseloco:result_topk=256,result_error_decay=0"], []),
+    "pace": Suite("configs/tiny.yaml",
+                  [f"{algorithm}+speeds:{speeds}{settings}" for algorithm, settings in (("sparseloco", ""),
+                                                                                       ("diloco", ",momentum=0.5"))
+                   for speeds in ("1", "1,1", "1,1,1", "1,3,10", "1,3,10,unweighted", "1,1,3,10")]),
+    # Per-peer traffic flat in the swarm's size (run with --replicas 4 and 16): SparseLoCo's exact results (the
+    # all-peer average) against resparsified ones (the default: all that n contributions selected up to 256 values
+    # per chunk, the reducer keeping what a result leaves out at decay 0.5), against a fixed 128 per chunk (the
+    # default before issue 33), and with what is left out dropped (decay 0).
+    "scale": Suite("configs/tiny.yaml",
+                   ["sparseloco:result=exact", "sparseloco", "sparseloco:result_topk=128",
+                    "sparseloco:result_error_decay=0"]),
     # k of 8 replicas sign-flipped inside the clip bound, claiming a full round's tokens (run with --replicas 8):
     # the honest 8 - k alone, then attacked with clipping only (the defence before issue 31), then with the
     # direction rule (collective/robust.py).
-    "byzantine": ("configs/tiny.yaml",
-                  [method for k in (1, 2) for method in (f"sparseloco:replicas={8 - k}",
-                                                         f"sparseloco:flipped={k},defence=off",
-                                                         f"sparseloco:flipped={k}")], []),
+    "byzantine": Suite("configs/tiny.yaml",
+                       [method for k in (1, 2) for method in (f"sparseloco:replicas={8 - k}",
+                                                              f"sparseloco:flipped={k},defence=off",
+                                                              f"sparseloco:flipped={k}")]),
+    # The sweeps that chose each outer algorithm's defaults (docs/design.md, "Tuned defaults"): K = 4, 500 inner steps
+    # each, seed 0, one or two settings changed at a time from the reference values, every value spelled out so
+    # that the rows stay what they were when the defaults move; DDP is the yardstick.
+    "sweep-diloco": Suite("configs/tiny.yaml",
+                          ["ddp", *(f"diloco:lr={lr},momentum={momentum},H=10" for lr, momentum in (
+                              (0.7, 0.9), (0.7, 0.5), (0.7, 0.7), (1.0, 0.5), (0.5, 0.5), (1.0, 0.7), (0.5, 0.7)))],
+                          steps=500),
+    "sweep-sparseloco": Suite("configs/tiny.yaml",
+                              ["ddp", *(f"sparseloco:{settings}" for settings in (
+                                  "lr=1.0,error_decay=0.95,topk=64,H=10", "lr=1.0,error_decay=0.9,topk=64,H=10",
+                                  "lr=1.0,error_decay=0.8,topk=64,H=10", "lr=1.2,error_decay=0.95,topk=64,H=10",
+                                  "lr=1.5,error_decay=0.95,topk=64,H=10", "lr=1.0,error_decay=0.95,topk=128,H=10",
+                                  "lr=1.0,error_decay=0.95,topk=64,H=5", "lr=1.0,error_decay=0.95,topk=64,H=20"))],
+                              steps=500),
 }
 HOSTILE_SCALE = -1.9  # a hostile replica's contribution: its own, sign-flipped, at 1.9 x its length (clip: 2 x)
 
@@ -139,6 +176,7 @@ class Method:
     weighs its tokens."""
 
     config: Config
+    rounds: int  # the run's inner steps / H
     kinds: list[str]
     landing: Landing
     speeds: list[float] | None = None
@@ -151,6 +189,7 @@ class Pace:
     """What the replicas of a ``+speeds`` method trained, in all rounds."""
 
     speeds: list[float]
+    rounds: int
     steps: list[int]  # inner steps trained, per replica
     tokens: list[int]
     weighted: bool
@@ -204,11 +243,24 @@ class SignFlipped(Communicator):
 
 
 class Setup:
-    def __init__(self, config: Config, replicas: int, rounds: int):
-        self.config, self.replicas, self.rounds = config, replicas, rounds
+    def __init__(self, config: Config, replicas: int, steps: int):
+        """``steps``: inner steps per replica, the same for every method (equal tokens): ``steps / H`` rounds."""
+        self.config, self.replicas, self.steps = config, replicas, steps
         self.data = load_training_data(config)
         self.eval = eval_batches(self.data.eval, config.data.seq_len, config.data.eval_sequences)
-        self.eval_every = max(1, rounds // 8)
+        h = config.inner.steps  # eval about 8 times, at round ends of the config's H (and of its multiples)
+        self.eval_every = max(h, steps // 8 // h * h)
+
+    def evaluates_at(self, step: int, h: int) -> bool:
+        """Whether the eval loss is taken after the round of ``h`` inner steps that ends at inner step ``step``:
+        the first round end at or past each ``eval_every`` steps, and the last."""
+        return step == self.steps or step // self.eval_every > (step - h) // self.eval_every
+
+    def with_replicas(self, replicas: int) -> Setup:
+        """The same data and eval batches for another number of replicas."""
+        other = copy.copy(self)
+        other.replicas = replicas
+        return other
 
     def method_config(self, method: str, seed: int = 0) -> Method:
         """How to run an outer method (``Method``); ``seed`` > 0 seeds the model and the data order apart."""
@@ -220,6 +272,9 @@ class Setup:
         pairs = dict(word.split("=", 1) for word in words if "=" in word)
         words = [word for word in words if "=" not in word]
         flipped = int(pairs.pop("flipped", "0"))
+        h = int(pairs.pop("H", self.config.inner.steps))
+        if h < 1 or self.steps % h:
+            raise SystemExit(f"method {method!r}: H={h} must divide the {self.steps} inner steps of the run")
         defended = pairs.pop("defence", "on") != "off"
         speeds, weighted = None, True
         if "speeds" in modifiers:
@@ -236,7 +291,7 @@ class Setup:
             raise SystemExit(f"method {method!r}: flipped={flipped} of {replicas} replicas")
         c = self.config
         # the cosine spans the whole run, as in DDP
-        overrides = [f"inner.total_steps={self.rounds * c.inner.steps}", f"training.rounds={self.rounds}"]
+        overrides = [f"inner.steps={h}", f"inner.total_steps={self.steps}", f"training.rounds={self.steps // h}"]
         if not defended:
             overrides.append("outer.drop_opposed=false")
         if seed:
@@ -248,7 +303,7 @@ class Setup:
             (update,) = words or ["eager"]
             overrides += [f"outer.{algorithm}.overlap=true", f"outer.{algorithm}.overlap_update={update}"]
             steps = pairs.pop("landing", "1")
-            landing = Landing(after=c.inner.steps if steps == "end" else int(steps), wait=True)
+            landing = Landing(after=h if steps == "end" else int(steps), wait=True)
         kinds = [FULL] * replicas
         if algorithm in ("selective", "uniform"):
             ratio = int(pairs.pop("ratio", "8"))
@@ -260,7 +315,7 @@ class Setup:
         else:
             overrides += [f"outer.algorithm={algorithm}", "pipeline.compression=none"]
         overrides += [f"outer.{algorithm}.{key}={value}" for key, value in pairs.items()]
-        return Method(with_overrides(c, overrides), kinds, landing, speeds, weighted, flipped)
+        return Method(with_overrides(c, overrides), self.steps // h, kinds, landing, speeds, weighted, flipped)
 
 
 def is_number(word: str) -> bool:
@@ -325,24 +380,25 @@ def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
                         weighted=plan.weighted, adversaries=hostile)
     initial = global_params(swarm)
     curve: list[tuple[int, float]] = []
+    h = config.inner.steps
 
     def after_round(r: int) -> None:
-        if (r + 1) % setup.eval_every == 0 or r + 1 == setup.rounds:
-            curve.append(((r + 1) * config.inner.steps, evaluate(global_model(swarm, config), setup.eval, CPU)))
+        if setup.evaluates_at((r + 1) * h, h):
+            curve.append(((r + 1) * h, evaluate(global_model(swarm, config), setup.eval, CPU)))
 
-    swarm.train(setup.rounds, after_round)
+    swarm.train(plan.rounds, after_round)
     all_reduce = sum(swarm.all_reduce_bytes) // len(swarm.replicas)
     groups = [r for r in swarm.replicas if len(r) > 1]
     boundary = sum(t.bytes_sent for t in swarm.transports) // max(1, len(groups))
     pace = None
     if plan.speeds:  # full replicas only: replica i is worker i, and reduces one span of each of its rounds
-        spans = setup.rounds * len(swarm.replicas)
-        pace = Pace(plan.speeds, swarm.steps, swarm.tokens, plan.weighted,
+        spans = plan.rounds * len(swarm.replicas)
+        pace = Pace(plan.speeds, plan.rounds, swarm.steps, swarm.tokens, plan.weighted,
                     [swarm.clipped[f"replica-{i}"] / spans for i in range(len(swarm.replicas))],
                     [swarm.opposed[f"replica-{i}"] / spans for i in range(len(swarm.replicas))])
     byzantine = None
     if plan.flipped:  # full replicas: each contributes to one span of every reducer a round
-        spans = setup.rounds * replicas  # one span of every reducer, its own included, each round
+        spans = plan.rounds * replicas  # one span of every reducer, its own included, each round
         left_out = [swarm.opposed[f"replica-{i}"] for i in range(replicas)]
         byzantine = Byzantine(replicas, plan.flipped, config.outer.drop_opposed,
                               sum(left_out[: replicas - plan.flipped]) / (spans * (replicas - plan.flipped)),
@@ -350,52 +406,62 @@ def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
     return curve, all_reduce, boundary, off_span_share(swarm, config, initial), pace, byzantine
 
 
+class AllReplicaBatches(GradientSource):
+    """DDP's gradient: the mean of the K replicas' gradients, each on its own batch, as an all-reduce of gradients
+    makes it. One model on the K batches at once: the mean loss over all their tokens is the mean of the K batches'
+    mean losses (equal sizes), so its gradient is the same mean, computed in one pass."""
+
+    def __init__(self, model: Transformer, samplers: list[ShardSampler], micro_batches: int):
+        self.model, self.samplers, self.micro_batches = model, samplers, micro_batches
+        self.tokens_per_step = len(samplers) * micro_batches * samplers[0].batch_size * samplers[0].seq_len
+
+    def accumulate(self, step: int) -> float:
+        total = 0.0
+        for micro in range(self.micro_batches):
+            batches = [sampler.batch(step * self.micro_batches + micro) for sampler in self.samplers]
+            inputs, targets = (torch.cat(parts) for parts in zip(*batches))
+            loss = self.model(inputs, targets=targets) / self.micro_batches
+            loss.backward()
+            total += loss.item()
+        return total
+
+
 def run_ddp(setup: Setup, seed: int = 0) -> Run:
-    """AdamW with gradients averaged over the replicas at every step (replicas stay identical)."""
+    """AdamW on the mean of the replicas' gradients at every step (replicas stay identical: one model stands for all),
+    with the inner steps' learning-rate schedule over the whole run. Bytes: a dense fp32 all-reduce of the gradients
+    at every step, the butterfly a replica would run (``dense_fp32_bytes``)."""
     c = with_overrides(setup.config, [f"training.seed={seed}", f"run_id={setup.config.run_id}-seed{seed}"]) if seed \
         else setup.config
-    group = InProcessGroup(setup.replicas)
-    steps = setup.rounds * c.inner.steps
-    curve: list[tuple[int, float]] = []
-    traffic = [0] * setup.replicas
-    eval_every = setup.eval_every * c.inner.steps
-
-    def replica(rank: int) -> None:
+    torch.set_num_threads(2)  # one model in one thread: the cores its K replicas' threads would share
+    try:
         model = Transformer(c.model, c.training.seed)
-        sampler = ShardSampler(setup.data.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"replica-{rank}")
-        gradients = LocalBatches(model, sampler, c.inner.grad_accum, CPU)
-        inner = InnerTrainer(model, c.inner, gradients, CPU, steps)
-        for step in range(steps):
-            for group_ in inner.optimizer.param_groups:
-                group_["lr"] = inner.lr_at(step)
-            inner.optimizer.zero_grad(set_to_none=True)
-            gradients.accumulate(step)
-            exchange = DenseMean([p.grad for p in model.parameters()])
-            stats = group.communicator(rank).all_reduce(exchange, step, "grads")
-            traffic[rank] += stats.traffic.bytes_sent + stats.traffic.bytes_received
-            for p, g in zip(model.parameters(), exchange.mean()):
-                p.grad.copy_(g)
-            if c.inner.grad_clip > 0:
-                grads = [p.grad for p in model.parameters()]
-                coefficient = clip_coefficient(squared_norm(grads) ** 0.5, c.inner.grad_clip)
-                for grad in grads:
-                    grad.mul_(coefficient)
-            inner.optimizer.step()
-            if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
+        samplers = [ShardSampler(setup.data.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"replica-{rank}")
+                    for rank in range(setup.replicas)]
+        inner = InnerTrainer(model, c.inner, AllReplicaBatches(model, samplers, c.inner.grad_accum), CPU, setup.steps)
+        curve: list[tuple[int, float]] = []
+        for step in range(setup.steps):
+            model.train()
+            inner.step(step)
+            if (step + 1) % setup.eval_every == 0 or step + 1 == setup.steps:
                 curve.append((step + 1, evaluate(model, setup.eval, CPU)))
-
-    run_in_threads(setup.replicas, replica)
-    return curve, sum(traffic) // setup.replicas, 0, None, None, None
+    finally:
+        torch.set_num_threads(1)
+    geometry = DenseMean([p.detach() for p in model.parameters()])
+    spans = geometry.partition(setup.replicas)
+    per_step = sum(dense_fp32_bytes(geometry, spans, i) for i in range(setup.replicas)) // setup.replicas
+    return curve, per_step * setup.steps, 0, None, None, None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=sorted(SUITES), default="default",
-                        help="a config and list of methods (default: ddp, diloco, sparseloco on tiny.yaml)")
+                        help="a config, its methods, and (some suites) replicas, steps and seeds")
     parser.add_argument("--config", help="model and training config (default: the suite's)")
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=40, help="outer rounds; DDP runs rounds * H steps")
-    parser.add_argument("--seeds", type=int, default=1, help="runs of every method, seeded apart (tables: means)")
+    parser.add_argument("--replicas", type=int, nargs="+", help="K; several: the suite again for each (default: 4)")
+    parser.add_argument("--steps", type=int, help="inner steps per replica, the same for every method (default: "
+                                                  "the suite's, or --rounds x the config's H)")
+    parser.add_argument("--rounds", type=int, help="outer rounds of the config's H (default 40): --steps = rounds x H")
+    parser.add_argument("--seeds", type=int, help="runs of every method, seeded apart (tables: means; default 1)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--methods", nargs="+", help='e.g. ddp diloco "sparseloco:topk=128" selective:ratio=8')
     parser.add_argument("--json", action="store_true", help="print one JSON object per method instead of tables")
@@ -403,48 +469,63 @@ def main() -> None:
     torch.set_num_threads(1)  # the replicas' threads share the cores
     say = (lambda *_, **__: None) if args.json else print
 
-    suite_config, suite_methods, suite_overrides = SUITES[args.suite]
-    config_path = args.config or suite_config
-    config = load_config(config_path, suite_overrides + args.overrides)
-    setup = Setup(config, args.replicas, args.rounds)
-    methods = args.methods or suite_methods
-    tokens = args.replicas * args.rounds * config.inner.steps * config.inner.grad_accum * config.inner.batch_size \
-        * config.data.seq_len
-    if all("+speeds" in m for m in methods):
-        say(f"{args.rounds} rounds x H={config.inner.steps} inner steps for a replica of speed 1 (one F times slower: "
-            f"H/F), model {config_path}, {args.seeds} seed(s)")
-    else:
-        say(f"{args.replicas} replicas, {args.rounds} rounds x H={config.inner.steps} inner steps, "
-            f"{tokens / 1e6:.2f}M tokens per method, model {config_path}, {args.seeds} seed(s)")
-    runs: dict[str, list[Run]] = {}
-    for method in methods:
-        for seed in range(args.seeds):
-            started = time.perf_counter()
-            run = run_ddp(setup, seed) if method == "ddp" else run_outer(setup, method, seed)
-            runs.setdefault(method, []).append(run)
-            say(f"  {method} (seed {seed}): {time.perf_counter() - started:.0f} s, final eval loss {run[0][-1][1]:.3f}",
-                flush=True)
-    # Per method: the mean eval-loss curve over seeds, and the first seed's traffic (the same for every seed).
-    results = {m: ([(step, statistics.fmean(curve[k][1] for curve, *_ in seeded))
-                    for k, (step, _) in enumerate(seeded[0][0])], *seeded[0][1:]) for m, seeded in runs.items()}
+    suite = SUITES[args.suite]
+    config_path = args.config or suite.config
+    config = load_config(config_path, list(suite.overrides) + args.overrides)
+    if args.steps and args.rounds:
+        raise SystemExit("give --steps or --rounds, not both")
+    steps = args.steps or (args.rounds * config.inner.steps if args.rounds else suite.steps or 40 * config.inner.steps)
+    seeds = args.seeds or suite.seeds
+    methods = args.methods or list(suite.methods)
+    setup = Setup(config, 0, steps)
+    figures = []
+    for n, replicas in enumerate(args.replicas or suite.replicas):
+        setup = setup.with_replicas(replicas)
+        if n:
+            say()
+        tokens = replicas * steps * config.inner.grad_accum * config.inner.batch_size * config.data.seq_len
+        if all("+speeds" in m for m in methods):
+            say(f"{steps} inner steps for a replica of speed 1 (one F times slower: 1/F of them), model {config_path}, "
+                f"{seeds} seed(s)")
+        else:
+            say(f"{replicas} replicas, {steps} inner steps each (H={config.inner.steps} unless a method says), "
+                f"{tokens / 1e6:.2f}M tokens per method, model {config_path}, {seeds} seed(s)")
+        runs: dict[str, list[Run]] = {}
+        for method in methods:
+            for seed in range(seeds):
+                started = time.perf_counter()
+                run = run_ddp(setup, seed) if method == "ddp" else run_outer(setup, method, seed)
+                runs.setdefault(method, []).append(run)
+                say(f"  {method} (seed {seed}): {time.perf_counter() - started:.0f} s, final eval loss "
+                    f"{run[0][-1][1]:.3f}", flush=True)
+        # Per method: the mean eval-loss curve over seeds, and the first seed's traffic (the same for every seed).
+        results = {m: ([(step, statistics.fmean(curve[k][1] for curve, *_ in seeded))
+                        for k, (step, _) in enumerate(seeded[0][0])], *seeded[0][1:]) for m, seeded in runs.items()}
+        figures += [{"method": m, "final_eval_loss": round(results[m][0][-1][1], 4),
+                     "seeds": [round(curve[-1][1], 4) for curve, *_ in seeded], "inner_steps": steps,
+                     "replicas": len(pace.speeds) if pace else replicas,
+                     "all_reduce_bytes_per_replica": results[m][1], **pace_json(pace),
+                     **byzantine_json(results[m][5], honest_alone(results, m))}
+                    for m, seeded in runs.items() for pace in [results[m][4]]]
+        if not args.json:
+            print_tables(results, runs, seeds)
     if args.json:
-        print(json.dumps([{"method": m, "final_eval_loss": round(results[m][0][-1][1], 4),
-                           "seeds": [round(curve[-1][1], 4) for curve, *_ in seeded], "rounds": args.rounds,
-                           "replicas": len(pace.speeds) if pace else args.replicas,
-                           "all_reduce_bytes_per_replica": results[m][1], **pace_json(pace),
-                           **byzantine_json(results[m][5], honest_alone(results, m))}
-                          for m, seeded in runs.items() for pace in [results[m][4]]], indent=1))
-        return
+        print(json.dumps(figures, indent=1))
 
-    steps = [s for s, _ in next(iter(results.values()))[0]]
+
+def print_tables(results: dict[str, Run], runs: dict[str, list[Run]], seeds: int) -> None:
+    """The eval-loss curves, final losses by seed, the comparison table, and the overlap, pace and byzantine
+    tables where such methods ran."""
+    steps = sorted({step for curve, *_ in results.values() for step, _ in curve})
     print()
-    print("Eval loss by inner step" + (f" (mean of {args.seeds} seeds)" if args.seeds > 1 else ""))
+    print("Eval loss by inner step" + (f" (mean of {seeds} seeds)" if seeds > 1 else ""))
     print(format_table(["step", *results], [
-        [step, *(f"{dict(curve)[step]:.3f}" for curve, *_ in results.values())] for step in steps]))
-    if args.seeds > 1:
+        [step, *(f"{dict(curve)[step]:.3f}" if step in dict(curve) else "-" for curve, *_ in results.values())]
+        for step in steps]))
+    if seeds > 1:
         print()
         print("Final eval loss by seed")
-        print(format_table(["method", *(f"seed {s}" for s in range(args.seeds)), "mean"], [
+        print(format_table(["method", *(f"seed {s}" for s in range(seeds)), "mean"], [
             [m, *(f"{curve[-1][1]:.3f}" for curve, *_ in seeded), f"{results[m][0][-1][1]:.3f}"]
             for m, seeded in runs.items()]))
     print()
@@ -470,7 +551,7 @@ def main() -> None:
         print("Replicas of unequal speed, equal wall time (the same rounds); slow: slower than the fastest")
         print(format_table(("method", "steps/round", "final eval loss", "vs fastest alone", "tokens",
                             "slow tokens", "slow weight", "clipped by replica", "left out by replica"), [
-            (m, "/".join(str(s // args.rounds) for s in pace.steps), f"{final[m]:.3f}", versus(final, m),
+            (m, "/".join(str(s // pace.rounds) for s in pace.steps), f"{final[m]:.3f}", versus(final, m),
              f"{sum(pace.tokens) / 1e6:.2f}M", f"{100 * pace.slow_tokens_share():.0f}%",
              f"{100 * pace.slow_weight_share():.0f}%", "/".join(f"{100 * c:.0f}%" for c in pace.clipped),
              "/".join(f"{100 * c:.0f}%" for c in pace.left_out))
