@@ -58,6 +58,17 @@ def test_quality_benchmark_compares_the_methods():
     assert "final eval loss" in out
 
 
+@pytest.mark.timeout(260)
+def test_quality_benchmark_trains_every_method_on_the_same_steps_whatever_its_h():
+    out = run("benchmarks/quality.py", "--steps", "4", "--replicas", "2", "--set", "inner.steps=2", "--json",
+              "--methods", "ddp", "diloco:H=2", "diloco:H=4")
+    ddp, every_two, every_four = json.loads(out)
+    assert ddp["inner_steps"] == every_two["inner_steps"] == every_four["inner_steps"] == 4
+    # dense rounds of the same size: H = 4 syncs once in 4 steps, H = 2 twice
+    assert every_two["all_reduce_bytes_per_replica"] == 2 * every_four["all_reduce_bytes_per_replica"]
+    assert every_two["final_eval_loss"] != every_four["final_eval_loss"]
+
+
 @pytest.mark.slow  # Streaming DiLoCo is in the default run through test_streaming.py
 @pytest.mark.timeout(260)
 def test_quality_benchmark_runs_the_streaming_suite():
