@@ -10,7 +10,7 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py --suite equal-tokens     # the README's table: K=4 and 8, 1000 steps each, 2 seeds
     python benchmarks/quality.py --suite equal-tokens-21m # the same comparison on the 21.4M setting, shorter
     python benchmarks/quality.py --suite sweep-diloco     # the sweep behind DiLoCo's defaults (also: sweep-sparseloco,
-                                                          # sweep-loco, sweep-streaming)
+                                                          # sweep-loco-streaming)
     python benchmarks/quality.py --methods diloco "sparseloco:topk=128,error_decay=0.9"   # variants
     python benchmarks/quality.py --methods diloco loco "loco:bits=2"   # LoCo's low-bit values against fp32
     python benchmarks/quality.py --suite heterogeneous    # full replicas vs 2-stage compressed groups
@@ -163,6 +163,14 @@ SUITES = {
                               (0.7, 0.9), (0.7, 0.7), (0.7, 0.5), (0.7, 0.3), (1.0, 0.5), (0.5, 0.5), (1.0, 0.0),
                               (0.3, 0.7), (0.1, 0.9)))],
                           steps=500),
+    # LoCo and Streaming DiLoCo take DiLoCo's outer step: its old and its tuned settings, and each one's own knob
+    # (LoCo's error decay beta, Streaming's share alpha of the local fragment kept); the DDP row: sweep-diloco's.
+    "sweep-loco-streaming": Suite("configs/tiny.yaml",
+                                  ["loco:lr=0.7,momentum=0.9,beta=0.8,H=10", "loco:lr=0.5,momentum=0.5,beta=0.8,H=10",
+                                   "loco:lr=0.5,momentum=0.5,beta=0.95,H=10",
+                                   "streaming:lr=0.7,momentum=0.9,alpha=0.5,H=10",
+                                   "streaming:lr=0.5,momentum=0.5,alpha=0.5,H=10",
+                                   "streaming:lr=0.5,momentum=0.5,alpha=0.0,H=10"], steps=500),
     "sweep-sparseloco": Suite("configs/tiny.yaml",
                               ["ddp", *(f"sparseloco:{settings}" for settings in (
                                   "lr=1.0,error_decay=0.95,topk=64,H=10", "lr=1.0,error_decay=0.9,topk=64,H=10",

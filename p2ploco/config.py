@@ -177,8 +177,10 @@ class OverlapConfig(Section):
 class DiLoCoConfig(OverlapConfig):
     """Dense mean of pseudo-gradients, outer SGD with Nesterov momentum (Douillard et al. 2023)."""
 
-    lr: LearningRate = 0.7
-    momentum: Momentum = 0.9
+    # Tuned for runs of up to a few hundred rounds (docs/design.md, "Tuned defaults"): an outer step of about one
+    # pseudo-gradient, lr / (1 - momentum) = 1; the paper's 0.7 and 0.9 (for H = 500) overshoot there.
+    lr: LearningRate = 0.5
+    momentum: Momentum = 0.5
     nesterov: bool = True
     # Element type of pseudo-gradients on the wire; the reducer sums in float32.
     wire_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
@@ -187,8 +189,10 @@ class DiLoCoConfig(OverlapConfig):
 class SparseLoCoConfig(OverlapConfig):
     """Error feedback, chunked Top-k, 2-bit values (Sarfi et al. 2025)."""
 
-    lr: LearningRate = 1.0  # alpha: scales the pseudo-gradient into the error buffer and the aggregate into the params
-    error_decay: Fraction = 0.95  # beta
+    # alpha: scales the pseudo-gradient into the error buffer and the aggregate into the params. Tuned for runs of up
+    # to a few hundred rounds (docs/design.md, "Tuned defaults"), as beta: the paper's 1.0 and 0.95 are for long runs.
+    lr: LearningRate = 1.2
+    error_decay: Fraction = 0.8  # beta: the buffer remembers about 1 / (1 - beta) = 5 rounds
     # 2-D tensors are cut into tiles of up to chunk_size x chunk_size
     chunk_size: Annotated[int, bound(lambda c: 2 <= c <= 128, "{key} must be in [2, 128]")] = 64
     topk: int = 64  # values kept per full chunk_size^2 tile (64 of 4096 = 1/64 density)
@@ -229,8 +233,8 @@ class LoCoConfig(OverlapConfig):
     # rounds whose index is a multiple of this start with empty buffers
     reset_every: Annotated[int, bound(lambda n: n >= 1, "{key} ({value}) must be at least 1 (rounds between resets of "
                                                         "the error buffers; a large value never resets them)")] = 1024
-    lr: LearningRate = 0.7  # outer SGD with Nesterov momentum on the aggregate, as DiLoCo
-    momentum: Momentum = 0.9
+    lr: LearningRate = 0.5  # outer SGD with Nesterov momentum on the aggregate, as DiLoCo (and tuned alike)
+    momentum: Momentum = 0.5
 
 
 class StreamingConfig(Section):
@@ -245,8 +249,8 @@ class StreamingConfig(Section):
     fragments: int = 2  # P: in [1, model.n_layer], dividing inner.steps (Config)
     delay: int = 1  # tau: inner steps an all-reduce runs while training goes on; < inner.steps / fragments (Config)
     alpha: Fraction = 0.5  # share of the local fragment kept when the synced one arrives (0: take the global one)
-    lr: LearningRate = 0.7  # outer SGD with Nesterov momentum, per fragment
-    momentum: Momentum = 0.9
+    lr: LearningRate = 0.5  # outer SGD with Nesterov momentum, per fragment (tuned as DiLoCo's)
+    momentum: Momentum = 0.5
     # exchanged values: 4 (E3M0 floats, one float32 scale per 128) or 32 (float32)
     bits: Annotated[int, bound(lambda b: b in (4, 32), "{key} ({value}) must be 4 (E3M0) or 32 (float32)")] = 4
 

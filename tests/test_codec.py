@@ -212,7 +212,7 @@ class Aborting(Communicator):
 def sparseloco(seed: int = 0) -> tuple[SparseLoCo, list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     params = [torch.randn(s, generator=generator) for s in SHAPES]
-    return SparseLoCo(params, SparseLoCoConfig(lr=0.7), torch.device("cpu")), params
+    return SparseLoCo(params, SparseLoCoConfig(lr=0.7, error_decay=0.95), torch.device("cpu")), params
 
 
 def test_an_aborted_round_gives_the_buffer_back_exactly():

@@ -228,7 +228,8 @@ def train_rounds(workers, rounds: int, group=None, start: int = 0):
 
 def test_one_fragment_no_delay_no_alpha_and_float32_is_diloco_exactly():
     streaming = replicas(2, "outer.algorithm=streaming", "outer.streaming.fragments=1", "outer.streaming.delay=0",
-                         "outer.streaming.alpha=0", "outer.streaming.bits=32")
+                         "outer.streaming.alpha=0", "outer.streaming.bits=32", "outer.streaming.lr=0.7",
+                         "outer.streaming.momentum=0.9")
     diloco = replicas(2, "outer.algorithm=diloco", "outer.diloco.lr=0.7", "outer.diloco.momentum=0.9")
     initial = [p.clone() for p in streaming[0].outer.params]
     train_rounds(streaming, 3)
