@@ -495,9 +495,10 @@ def main() -> None:
     steps = args.steps or (args.rounds * config.inner.steps if args.rounds else suite.steps or 40 * config.inner.steps)
     seeds = args.seeds or suite.seeds
     methods = args.methods or list(suite.methods)
-    setup = Setup(config, 0, steps)
+    sizes = args.replicas or suite.replicas
+    setup = Setup(config, sizes[0], steps)
     figures = []
-    for n, replicas in enumerate(args.replicas or suite.replicas):
+    for n, replicas in enumerate(sizes):
         setup = setup.with_replicas(replicas)
         if n:
             say()
