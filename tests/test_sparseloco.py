@@ -9,9 +9,10 @@ import torch
 from helpers import run_outer_replicas
 
 from p2ploco.collective.exchange import reduce_span
-from p2ploco.collective.sparse import SparseExchange
+from p2ploco.collective.sparse import ResultLayouts, SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.quantize import quantize
+from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import OuterConfig, SparseLoCoConfig
 from p2ploco.outer.sparseloco import SparseLoCo
@@ -176,6 +177,18 @@ def reference_resparsified(aggregates, reducer_errors, spans, config: SparseLoCo
                 block.sub_(sent.view(block.shape))
         first_chunk += grid.chunks
     return out
+
+
+def test_a_result_keeps_what_its_contributions_selected_up_to_the_cap():
+    """k per chunk is n x the contributions' k while that fits under the cap, then the cap's, whatever count a
+    receipt names (a hostile one cannot make a peer build a layout per count)."""
+    contributions = SparseLayout([chunk_grid(shape, 64, 64) for shape in SHAPES])
+    results = ResultLayouts(contributions, SparseLayout([chunk_grid(shape, 64, 256) for shape in SHAPES]))
+    full = contributions.grids[0]  # (128, 192): whole 64 x 64 tiles, 64 each
+    assert [results.for_contributions(n).grids[0].k for n in (1, 2, 3, 4, 5)] == [64, 128, 192, 256, 256]
+    counts = {id(results.for_contributions(n)) for n in [*range(-1, 50), 10**9]}
+    assert len(counts) == results.saturated == 4 and full.k == 64
+    assert results.for_contributions(10**9).digest == results.cap.digest  # the cap itself
 
 
 @pytest.mark.parametrize("aggregate, decay, result_topk", [("mean", 0.0, 96), ("sum", 0.0, 96), ("mean", 0.9, 96),

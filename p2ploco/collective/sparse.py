@@ -72,11 +72,15 @@ class ResultLayouts:
         if cap.num_chunks != contributions.num_chunks:
             raise ValueError("a result layout must chunk the tensors as the contributions' layout does")
         self.contributions, self.cap = contributions, cap
+        # from this many contributions on every chunk keeps the cap's k: at most this many layouts, whatever count a
+        # receipt names
+        self.saturated = max((-(-most.k // grid.k) for grid, most in zip(contributions.grids, cap.grids)), default=1)
         self._by_count: dict[int, SparseLayout] = {}
 
     def for_contributions(self, n: int) -> SparseLayout:
+        n = min(max(1, n), self.saturated)
         if n not in self._by_count:
-            self._by_count[n] = SparseLayout([replace(grid, k=min(most.k, max(1, n) * grid.k, grid.chunk_numel))
+            self._by_count[n] = SparseLayout([replace(grid, k=min(most.k, n * grid.k, grid.chunk_numel))
                                               for grid, most in zip(self.contributions.grids, self.cap.grids)])
         return self._by_count[n]
 
@@ -133,9 +137,10 @@ class SparseExchange(Exchange):
                  policy: robust.Policy = robust.UNBOUNDED, results: ResultLayouts | None = None,
                  reducer_feedback: Sequence[torch.Tensor] | None = None, decay: float = 0.0):
         """``policy``: how reducers weigh and bound contributions (``collective/robust.py``). ``results``:
-        resparsified results, chunked as these layouts say for the contributions combined; None: exact results. ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one
-        (chunks, chunk_numel) CPU float32 tensor per tensor of the layout (read, never written here), decayed by
-        ``decay`` each time; None: what a result leaves out is dropped."""
+        resparsified results, chunked as these layouts say for the contributions combined; None: exact results.
+        ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one (chunks, chunk_numel) CPU
+        float32 tensor per tensor of the layout (read, never written here), decayed by ``decay`` each time; None:
+        what a result leaves out is dropped."""
         self.layout, self.compressed, self.mode, self.policy = layout, list(compressed), mode, policy
         self.results, self.reducer_feedback, self.decay = results, reducer_feedback, decay
         self.num_units = layout.num_chunks
