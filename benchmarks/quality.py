@@ -128,13 +128,13 @@ SUITES = {
     # DiLoCo with momentum 0.5: at 0.9 its outer step overshoots here, and whatever shrinks the mean update (slow
     # replicas' short pseudo-gradients, the fast one's clipped to twice theirs) wins: 1,3,10 beat 1,1,1.
     "pace": Suite("configs/tiny.yaml",
-                  [f"{algorithm}+speeds:{speeds}{settings}" for algorithm, settings in (("sparseloco", ""),
-                                                                                       ("diloco", ",momentum=0.5"))
+                  [f"{algorithm}+speeds:{speeds}{settings}" for algorithm, settings in (
+                      ("sparseloco", ""), ("diloco", ",lr=0.7,momentum=0.5"))
                    for speeds in ("1", "1,1", "1,1,1", "1,3,10", "1,3,10,unweighted", "1,1,3,10")]),
     # Per-peer traffic flat in the swarm's size (run with --replicas 4 and 16): SparseLoCo's exact results (the
     # all-peer average) against resparsified ones (the default: all that n contributions selected up to 256 values
-    # per chunk, the reducer keeping what a result leaves out at decay 0.5), against a fixed 128 per chunk (the
-    # default before issue 33), and with what is left out dropped (decay 0).
+    # per chunk, the reducer keeping what a result leaves out at decay 0.5), against a cap of 128 (from 2 contributions
+    # on, the fixed 128 per chunk of the default before issue 33), and with what is left out dropped (decay 0).
     "scale": Suite("configs/tiny.yaml",
                    ["sparseloco:result=exact", "sparseloco", "sparseloco:result_topk=128",
                     "sparseloco:result_error_decay=0"]),
