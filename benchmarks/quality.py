@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -193,8 +194,7 @@ class Method:
     overlapped round lands, and, for ``+speeds``, each replica's slowdown factor and whether its contribution
     weighs its tokens."""
 
-    config: Config
-    rounds: int  # the run's inner steps / H
+    config: Config  # its training.rounds: the run's inner steps / H
     kinds: list[str]
     landing: Landing
     speeds: list[float] | None = None
@@ -333,7 +333,7 @@ class Setup:
         else:
             overrides += [f"outer.algorithm={algorithm}", "pipeline.compression=none"]
         overrides += [f"outer.{algorithm}.{key}={value}" for key, value in pairs.items()]
-        return Method(with_overrides(c, overrides), self.steps // h, kinds, landing, speeds, weighted, flipped)
+        return Method(with_overrides(c, overrides), kinds, landing, speeds, weighted, flipped)
 
 
 def is_number(word: str) -> bool:
@@ -398,25 +398,25 @@ def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
                         weighted=plan.weighted, adversaries=hostile)
     initial = global_params(swarm)
     curve: list[tuple[int, float]] = []
-    h = config.inner.steps
+    h, rounds = config.inner.steps, config.training.rounds
 
     def after_round(r: int) -> None:
         if setup.evaluates_at((r + 1) * h, h):
             curve.append(((r + 1) * h, evaluate(global_model(swarm, config), setup.eval, CPU)))
 
-    swarm.train(plan.rounds, after_round)
+    swarm.train(rounds, after_round)
     all_reduce = sum(swarm.all_reduce_bytes) // len(swarm.replicas)
     groups = [r for r in swarm.replicas if len(r) > 1]
     boundary = sum(t.bytes_sent for t in swarm.transports) // max(1, len(groups))
     pace = None
     if plan.speeds:  # full replicas only: replica i is worker i, and reduces one span of each of its rounds
-        spans = plan.rounds * len(swarm.replicas)
-        pace = Pace(plan.speeds, plan.rounds, swarm.steps, swarm.tokens, plan.weighted,
+        spans = rounds * len(swarm.replicas)
+        pace = Pace(plan.speeds, rounds, swarm.steps, swarm.tokens, plan.weighted,
                     [swarm.clipped[f"replica-{i}"] / spans for i in range(len(swarm.replicas))],
                     [swarm.opposed[f"replica-{i}"] / spans for i in range(len(swarm.replicas))])
     byzantine = None
     if plan.flipped:  # full replicas: each contributes to one span of every reducer a round
-        spans = plan.rounds * replicas  # one span of every reducer, its own included, each round
+        spans = rounds * replicas  # one span of every reducer, its own included, each round
         left_out = [swarm.opposed[f"replica-{i}"] for i in range(replicas)]
         byzantine = Byzantine(replicas, plan.flipped, config.outer.drop_opposed,
                               sum(left_out[: replicas - plan.flipped]) / (spans * (replicas - plan.flipped)),
@@ -450,18 +450,19 @@ def run_ddp(setup: Setup, seed: int = 0) -> Run:
     at every step, the butterfly a replica would run (``dense_fp32_bytes``)."""
     c = with_overrides(setup.config, [f"training.seed={seed}", f"run_id={setup.config.run_id}-seed{seed}"]) if seed \
         else setup.config
-    torch.set_num_threads(2)  # one model in one thread: the cores its K replicas' threads would share
+    torch.set_num_threads(min(setup.replicas, os.cpu_count() or 1))  # the cores its K replicas' threads would share
     try:
         model = Transformer(c.model, c.training.seed)
         samplers = [ShardSampler(setup.data.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"replica-{rank}")
                     for rank in range(setup.replicas)]
         inner = InnerTrainer(model, c.inner, AllReplicaBatches(model, samplers, c.inner.grad_accum), CPU, setup.steps)
         curve: list[tuple[int, float]] = []
+        model.train()
         for step in range(setup.steps):
-            model.train()
             inner.step(step)
-            if (step + 1) % setup.eval_every == 0 or step + 1 == setup.steps:
+            if setup.evaluates_at(step + 1, 1):
                 curve.append((step + 1, evaluate(model, setup.eval, CPU)))
+                model.train()
     finally:
         torch.set_num_threads(1)
     geometry = DenseMean([p.detach() for p in model.parameters()])

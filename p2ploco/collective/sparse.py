@@ -80,7 +80,7 @@ class ResultLayouts:
     def for_contributions(self, n: int) -> SparseLayout:
         n = min(max(1, n), self.saturated)
         if n not in self._by_count:
-            self._by_count[n] = SparseLayout([replace(grid, k=min(most.k, n * grid.k, grid.chunk_numel))
+            self._by_count[n] = SparseLayout([replace(grid, k=min(most.k, n * grid.k))
                                               for grid, most in zip(self.contributions.grids, self.cap.grids)])
         return self._by_count[n]
 
