@@ -27,10 +27,10 @@ Scaling (issue 22): per-peer bytes per round of SparseLoCo at N = 2 ... 1024 for
 results (``outer.sparseloco.result=exact``: the contributions relayed or their union) and for resparsified results
 (the default: each reducer sends back the Top-k of its span's mean), next to what one peer sends in a dense fp32
 butterfly of the same parameters. Resparsified sizes are real encodings at every N: peer j contributes replica
-j mod R's compressed pseudo-gradient (R = ``--replicas``, each compressed for real), each span's result is its
-reducer's real resparsified encoding of the mean of those contributions. A result holds k values per chunk
-whatever the values, min(``result_topk``, n x k) for n contributions: the cap from n = result_topk / k on, so
-its size does not depend on how many distinct replicas went into the mean as long as R reaches that n. Exact
+j mod R's compressed pseudo-gradient (R = ``--replicas``, each compressed for real as a group of N sends it: k =
+min(topk, ``result_topk`` / N) values per chunk, at least 1), each span's result is its reducer's real
+resparsified encoding of the mean of the N contributions. A result holds k values per chunk whatever the values,
+min(``result_topk``, N x k), so its size hardly depends on how many distinct replicas went into the mean. Exact
 results are encoded for real up to ``--real-up-to`` peers (distinct replicas; a union's size does depend on how
 many). Beyond that they follow the scaling model of docs/design.md ("Hundreds of peers"): the bytes a peer
 receives grow with n - 1, so they are extrapolated linearly in n - 1 from the largest measured n, and the
@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -56,7 +57,7 @@ from p2ploco.collective.exchange import Exchange, dense_fp32_bytes, reduce_span
 from p2ploco.collective.fp4 import E3M0Mean
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.robust import Policy
-from p2ploco.collective.sparse import ResultLayouts, SparseExchange
+from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import CompressedTensor
@@ -116,12 +117,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def compress_replicas(shapes: list[tuple[int, ...]], topk: int, replicas: int, device: torch.device,
-                      result_topk: int = SparseLoCoConfig().result_topk,
                       ) -> tuple[SparseLoCo, list[list[CompressedTensor]], list[float]]:
     """Each replica's compressed pseudo-gradient (one SparseLoCo, its error feedback emptied in between) and
     the seconds each compress took, after one warm-up."""
     zeros = [torch.zeros(s) for s in shapes]
-    outer = SparseLoCo(zeros, SparseLoCoConfig(topk=topk, result_topk=result_topk), device)
+    outer = SparseLoCo(zeros, SparseLoCoConfig(topk=topk), device)
     generator = torch.Generator(device=device).manual_seed(0)
     compressed, seconds = [], []
     for replica in range(replicas + 1):
@@ -195,21 +195,36 @@ class ScaleRow:
     extrapolated: bool  # from the scaling model rather than encoded
 
 
-def resparsified_bytes(layout: SparseLayout, results: ResultLayouts, replicas: list[list[CompressedTensor]],
-                       n: int) -> tuple[float, float]:
-    """Mean sent and received bytes per peer of a butterfly among ``n`` peers with resparsified results (chunked as
-    ``results`` says for n contributions), peer j contributing ``replicas[j % len(replicas)]``: every contribution to
-    every span and every result encoded."""
-    spans = SparseExchange(layout, [], "mean").partition(n)
-    distinct = len(replicas)
+def shared_exchanges(shapes: list[tuple[int, ...]], topk: int, result_topk: int, replicas: int, n: int
+                     ) -> list[SparseExchange]:
+    """``replicas`` distinct SparseLoCo contributions with resparsified results, each as a group of ``n`` holders
+    sends it (``fit_group``: fewer values per chunk once n x topk passes the result's cap)."""
+    zeros = [torch.zeros(s) for s in shapes]
+    outer = SparseLoCo(zeros, SparseLoCoConfig(topk=topk, result_topk=result_topk), torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    exchanges = []
+    for _ in range(replicas):
+        outer.reset_local_state()
+        (part,) = outer.contribute([torch.randn(s, generator=generator) for s in shapes], 0).exchange.parts.values()
+        part.fit_group(n)
+        exchanges.append(part)
+    return exchanges
+
+
+def resparsified_bytes(exchanges: list[SparseExchange], n: int) -> tuple[float, float]:
+    """Mean sent and received bytes per peer of a butterfly among ``n`` peers with resparsified results, peer j
+    contributing ``exchanges[j % len(exchanges)]``'s (each fitted to a group of n): every contribution to every span
+    and every result encoded."""
+    spans = exchanges[0].partition(n)
+    distinct = len(exchanges)
     to_span = np.zeros((distinct, n))  # bytes of replica r's contribution to span i
     result = np.zeros(n)
     for i, span in enumerate(spans):
-        reducer = SparseExchange(layout, replicas[i % distinct], "mean", results=results)
-        # min(n, R) distinct contributions: a result's k is that of n contributions (``ResultLayouts``: the cap
-        # from R on, as ``scaling`` checks)
-        payloads = [SparseExchange(layout, c, "mean").encode(span) for c in replicas[:n]]
-        to_span[: len(payloads), i] = [len(p) for p in payloads]
+        reducer = exchanges[i % distinct]
+        # n contributions, R of them distinct: a result's k is that of n contributions (``ResultLayouts``), and its
+        # bytes hardly depend on how many distinct values it picks from (Rice-coded positions, 2-bit values)
+        payloads = [exchanges[j % distinct].encode(span) for j in range(n)]
+        to_span[: min(n, distinct), i] = [len(p) for p in payloads[:distinct]]
         combined = reducer.combine(span, [reducer.parse(span, p) for p in payloads], [1.0] * len(payloads))
         result[i] = len(reducer.result_for(combined, None))
     own = np.array([to_span[j % distinct] for j in range(n)])  # (peers, spans)
@@ -218,9 +233,10 @@ def resparsified_bytes(layout: SparseLayout, results: ResultLayouts, replicas: l
     return float(sent.mean()), float(received.mean())
 
 
-def scale_rows(layout: SparseLayout, results: ResultLayouts, replicas: list[list[CompressedTensor]],
-               peers: list[int], real_up_to: int, distinct: int) -> list[ScaleRow]:
-    """Per-peer bytes per round of the exact butterfly and of resparsified results, for each group size."""
+def scale_rows(layout: SparseLayout, replicas: list[list[CompressedTensor]],
+               fitted: Callable[[int], list[SparseExchange]], peers: list[int], real_up_to: int) -> list[ScaleRow]:
+    """Per-peer bytes per round of the exact butterfly (``replicas``' contributions) and of resparsified results
+    (``fitted(n)``: the distinct contributions as a group of n sends them), for each group size."""
     rows, measured = [], None
     geometry = SparseExchange(layout, [], "mean")  # spans and element counts only
     for n in peers:
@@ -234,7 +250,7 @@ def scale_rows(layout: SparseLayout, results: ResultLayouts, replicas: list[list
             base, base_sent, base_received = measured
             factor = (n - 1) / (base - 1)
             rows.append(ScaleRow(n, "butterfly", base_sent * factor, base_received * factor, dense, True))
-        sent, received = resparsified_bytes(layout, results, replicas[:distinct], n)
+        sent, received = resparsified_bytes(fitted(n), n)
         rows.append(ScaleRow(n, "resparsified", sent, received, dense, False))
     return rows
 
@@ -318,13 +334,10 @@ def scaling(args: argparse.Namespace, shapes: list[tuple[int, ...]]) -> None:
     """The scaling table (or its JSON rows) for ``--scale-peers``."""
     topk = args.topk[0]
     exact_replicas = min(args.real_up_to, max(n for n in args.scale_peers))
-    if args.replicas * topk < args.result_topk:
-        raise SystemExit(f"--replicas {args.replicas}: a result of that many contributions is below its cap; "
-                         f"use at least {-(-args.result_topk // topk)}")
-    outer, replicas, _ = compress_replicas(shapes, topk, max(exact_replicas, args.replicas), torch.device("cpu"),
-                                           args.result_topk)
-    rows = scale_rows(outer.layouts["stage0"], outer.result_layouts["stage0"], replicas, args.scale_peers,
-                      args.real_up_to, args.replicas)
+    outer, replicas, _ = compress_replicas(shapes, topk, exact_replicas, torch.device("cpu"))
+    rows = scale_rows(outer.layouts["stage0"], replicas,
+                      lambda n: shared_exchanges(shapes, topk, args.result_topk, args.replicas, n),
+                      args.scale_peers, args.real_up_to)
     del replicas
     if args.json:
         for row in rows:

@@ -9,4 +9,5 @@ __version__ = "0.1.0"
 # NAT say so (joins, groups, records) and reduce no span.
 # 4: contributions pointing against the others are left out, their senders banned (collective/robust.py).
 # 5: a resparsified result of n contributions keeps min(result_topk, n x topk) values per chunk.
-PROTOCOL_VERSION = 5
+# 6: with resparsified results, a group of n holders sends max(1, min(topk, result_topk // n)) values per chunk each.
+PROTOCOL_VERSION = 6

@@ -10,6 +10,7 @@ from helpers import run_outer_replicas
 
 from p2ploco.collective.exchange import reduce_span
 from p2ploco.collective.sparse import ResultLayouts, SparseExchange
+from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.quantize import quantize
 from p2ploco.compression.sparse_format import SparseLayout
@@ -105,6 +106,16 @@ def reference_sparseloco(initial, locals_per_round, config: SparseLoCoConfig):
     return params, errors
 
 
+def sent_grid(shape, config: SparseLoCoConfig, replicas: int):
+    """How a replica of a group of ``replicas`` chunks a tensor and how many values it sends per chunk: topk, or with
+    resparsified results, the result's k // replicas if that is fewer (at least 1)."""
+    grid = chunk_grid(shape, config.chunk_size, config.topk)
+    if config.result == "exact":
+        return grid
+    return dataclasses.replace(grid, k=max(1, min(grid.k, chunk_grid(shape, config.chunk_size, config.result_topk).k
+                                                  // replicas)))
+
+
 def reference_sparse_aggregate(deltas, errors, config: SparseLoCoConfig):
     """One round from every replica's pseudo-gradients ``deltas[r][i]``: each replica's error feedback
     ``errors[r]`` (updated in place), its Top-k tiles with 2-bit values, and the aggregate of each tensor."""
@@ -114,7 +125,7 @@ def reference_sparse_aggregate(deltas, errors, config: SparseLoCoConfig):
         decoded_r = []
         for i, delta in enumerate(deltas[r]):
             errors[r][i] = errors[r][i] * config.error_decay + delta * config.lr
-            grid = chunk_grid(tuple(delta.shape), config.chunk_size, config.topk)
+            grid = sent_grid(tuple(delta.shape), config, replicas)
             matrix = errors[r][i].reshape(grid.rows, grid.cols)
             tiles = [(a, b) for a in range(0, grid.rows, grid.tile_rows)
                      for b in range(0, grid.cols, grid.tile_cols)]
@@ -153,12 +164,12 @@ def reference_resparsified(aggregates, reducer_errors, spans, config: SparseLoCo
     """What every replica applies with resparsified results: reducer j of the chunks in ``spans[j]`` (chunks of
     every tensor in one numbering) adds the mean to its buffer ``reducer_errors[j]`` (decayed; decay 0: the buffer
     is only scratch), keeps the Top-k of every chunk in 2 bits (one decode table per tensor within the span): k is
-    ``result_topk`` (scaled to the chunk), or every value the replicas can have selected if that is fewer; it keeps
+    ``result_topk`` (scaled to the chunk), or every value the replicas can have sent if that is fewer; it keeps
     the rest in its buffer."""
     out = [torch.zeros_like(a) for a in aggregates]
     first_chunk = 0
     for i, mean in enumerate(aggregates):
-        selected = len(spans) * chunk_grid(tuple(mean.shape), config.chunk_size, config.topk).k
+        selected = len(spans) * sent_grid(tuple(mean.shape), config, len(spans)).k
         grid = chunk_grid(tuple(mean.shape), config.chunk_size, config.result_topk)
         grid = dataclasses.replace(grid, k=min(grid.k, selected))
         for j, span in enumerate(spans):
@@ -191,12 +202,57 @@ def test_a_result_keeps_what_its_contributions_selected_up_to_the_cap():
     assert results.for_contributions(10**9).digest == results.cap.digest  # the cap itself
 
 
+def test_a_large_group_sends_fewer_values_each_so_that_a_result_holds_them_all():
+    """From the group size at which n x topk passes the result's cap, each holder sends cap // n values per chunk
+    (at least 1), so a result of all n keeps every value sent; chunks sent whole always fit."""
+    contributions = SparseLayout([chunk_grid(shape, 64, 64) for shape in SHAPES])
+    results = ResultLayouts(contributions, SparseLayout([chunk_grid(shape, 64, 256) for shape in SHAPES]))
+    assert results.shared(1) is results and results.shared(3) is results
+    assert [g.k for g in results.shared(4).contributions.grids] == [64, 1, 64, 37]  # 4 x 38 would pass 150
+    assert [results.shared(n).contributions.grids[0].k for n in (5, 16, 300)] == [51, 16, 1]
+    for n in (5, 16, 100):
+        shared = results.shared(n)
+        assert all(min(grid.k * n, grid.chunk_numel) <= most.k or grid.k == 1
+                   for grid, most in zip(shared.contributions.grids, shared.cap.grids))
+        assert shared.for_contributions(n).grids[0].k == n * shared.contributions.grids[0].k
+    assert results.shared(16).contributions.grids[2].k == 64  # a vector's chunks: sent whole, they fit any group
+
+
+def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_a_redo_keeps_it():
+    """Fitted to 3 holders under a cap of 96, a contribution sends 32 values per chunk: its buffer plus what it sends
+    is what the buffer held before, the exchange's fingerprint (what joiners compare) stays, a redo's smaller group
+    changes nothing, and a round not applied gives every value back."""
+    generator = torch.Generator().manual_seed(3)
+    params = [torch.randn(s, generator=generator) for s in SHAPES]
+    outer = SparseLoCo(params, SparseLoCoConfig(result_topk=96), torch.device("cpu"))
+    local = [p + 0.05 * torch.randn(p.shape, generator=generator) for p in params]
+    before = [(p - q) * outer.config.lr for p, q in zip(params, local)]  # an empty buffer's content
+    sync = outer.contribute(local, 0)
+    part = sync.exchange.parts["stage0"]
+    fingerprint, span = part.fingerprint(), range(part.num_units)
+    part.fit_group(3)
+    assert part.layout.grids[0].k == 32 and all(t.indices.shape[1] == 32 for t in sync.taken[:1])
+    sent = fmt.decode_contribution(part.layout, span, part.encode(span))
+    dense = torch.from_numpy(np.where(np.isnan(out := np.full(part.layout.total_numel, np.nan, np.float32)), 0, out))
+    dense[torch.from_numpy(sent.positions)] = torch.from_numpy(sent.values)
+    for i, grid in enumerate(outer.grids):
+        lo = sum(g.numel for g in outer.grids[:i])
+        held = outer.feedback[i] + dense[lo : lo + grid.numel].view(grid.chunks, grid.chunk_numel)
+        assert torch.allclose(grid.from_chunks(held), before[i], atol=1e-6)
+    payload = part.encode(span)
+    part.fit_group(2)
+    assert part.fingerprint() == fingerprint and part.encode(span) == payload and part.layout.grids[0].k == 32
+    outer.give_back(sync)
+    assert all(torch.allclose(e, b, atol=1e-6) for e, b in zip(outer.errors, before))
+
+
 @pytest.mark.parametrize("aggregate, decay, result_topk", [("mean", 0.0, 96), ("sum", 0.0, 96), ("mean", 0.9, 96),
-                                                           ("mean", 0.5, 256)])
+                                                           ("mean", 0.5, 256), ("mean", 0.5, 2)])
 def test_resparsified_results_equal_a_written_out_reference(aggregate, decay, result_topk):
     """Each reducer compresses its span's mean again with its own error feedback, keeping result_topk values per
-    chunk (96: fewer than 3 replicas' 64 each) or all that 3 replicas can have selected (192, under 256); every
-    replica applies the same bits, and each reducer's buffer keeps exactly what its results left out."""
+    chunk or all that 3 replicas can have sent if fewer: with 256 they send 64 each (192 in all); with 96, 32 each
+    (3 x 64 would not fit); with 2, 1 each, and the result drops one of 3. Every replica applies the same bits, and
+    each reducer's buffer keeps exactly what its results left out."""
     config = SparseLoCoConfig(aggregate=aggregate, result="resparsified", result_topk=result_topk,
                               result_error_decay=decay)
     replicas = 3

@@ -81,6 +81,13 @@ class Exchange(ABC):
     def max_result_bytes(self, span: Span, group_size: int) -> int:
         """Largest valid result for ``span`` in a group of ``group_size``: anything longer is refused unread."""
 
+    def fit_group(self, holders: int) -> None:
+        """The group is formed: this replica contributes to the spans of ``holders`` members (itself among them).
+        Called before anything is encoded, and again for each redo, which changes nothing (a redo's group is part of
+        the first, and what every member sends stays what it was). Only a ``SparseExchange`` with resparsified
+        results sends otherwise in a larger group (fewer values each, so that a result holds all of them)."""
+        return None
+
     @abstractmethod
     def encode(self, span: Span) -> bytes:
         """This replica's contribution to ``span``."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -66,7 +66,11 @@ class ResultLayouts:
     min(the cap's k, n x the contributions' k) values. Up to the cap a result can hold every value the n
     contributions selected (Top-k then drops nothing, only the 2-bit values round), so a small group loses nothing
     to resparsifying; from n = cap / k on, every result has the cap's fixed size, whatever the group's. Every member
-    knows n from the reducer's receipt, so all decode the same layout."""
+    knows n from the reducer's receipt, so all decode the same layout.
+
+    A group too large for its contributions to fit the cap sends fewer values each (``shared``): what Top-k would
+    drop from a result is lost to the senders, whose error feedback counts it as sent, while what a sender does not
+    select stays in its buffer for a later round."""
 
     def __init__(self, contributions: SparseLayout, cap: SparseLayout):
         if cap.num_chunks != contributions.num_chunks:
@@ -83,6 +87,16 @@ class ResultLayouts:
             self._by_count[n] = SparseLayout([replace(grid, k=min(most.k, n * grid.k))
                                               for grid, most in zip(self.contributions.grids, self.cap.grids)])
         return self._by_count[n]
+
+    def shared(self, holders: int) -> ResultLayouts:
+        """The layouts of a group of ``holders`` contributors: where their selections may not fit a result's chunk
+        (holders x k values, or the whole chunk if fewer: a vector's chunks are sent whole), each sends the cap's
+        k // holders values per chunk instead (at least 1), so that their union fits."""
+        grids = [grid if min(holders * grid.k, grid.chunk_numel) <= most.k else
+                 replace(grid, k=max(1, most.k // holders))
+                 for grid, most in zip(self.contributions.grids, self.cap.grids)]
+        return self if all(g.k == grid.k for g, grid in zip(grids, self.contributions.grids)) else (
+            ResultLayouts(SparseLayout(grids), self.cap))
 
     @property
     def digest(self) -> bytes:
@@ -135,15 +149,20 @@ class _Aggregate:
 class SparseExchange(Exchange):
     def __init__(self, layout: SparseLayout, compressed: Sequence[CompressedTensor], mode: str,
                  policy: robust.Policy = robust.UNBOUNDED, results: ResultLayouts | None = None,
-                 reducer_feedback: Sequence[torch.Tensor] | None = None, decay: float = 0.0):
+                 reducer_feedback: Sequence[torch.Tensor] | None = None, decay: float = 0.0,
+                 resend: Callable[[SparseLayout], list[CompressedTensor]] | None = None):
         """``policy``: how reducers weigh and bound contributions (``collective/robust.py``). ``results``:
         resparsified results, chunked as these layouts say for the contributions combined; None: exact results.
+        ``resend``: this replica's contribution compressed again at a layout's (lower) density, what ``compressed``
+        took from the sender's buffers given back (required with ``results``: a large group sends fewer values).
         ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one (chunks, chunk_numel) CPU
         float32 tensor per tensor of the layout (read, never written here), decayed by ``decay`` each time; None:
         what a result leaves out is dropped."""
         self.layout, self.compressed, self.mode, self.policy = layout, list(compressed), mode, policy
         self.results, self.reducer_feedback, self.decay = results, reducer_feedback, decay
+        self.resend, self.configured = resend, layout  # configured: the layout before the group was known
         self.num_units = layout.num_chunks
+        self._fitted = False
         self._encoded: dict[Span, bytes] = {}
         self._combined: dict[Span, _Aggregate | _Resparsified] = {}  # spans this replica reduced
         self._received: dict[Span, tuple[SparseValues, bytes]] = {}  # every span's aggregate taken, and its digest
@@ -159,7 +178,22 @@ class SparseExchange(Exchange):
 
     def fingerprint(self) -> str:
         result = f"resparsified{self.results.digest.hex()}/grown" if self.resparsified else "exact"
-        return f"sparse/{self.layout.digest.hex()}/{self.mode}/{self.policy.fingerprint()}/digest3/{result}"
+        result = f"{result}/shared" if self.resparsified else result
+        return f"sparse/{self.configured.digest.hex()}/{self.mode}/{self.policy.fingerprint()}/digest3/{result}"
+
+    def fit_group(self, holders: int) -> None:
+        """With resparsified results, a group of more holders than the cap's k / the contributions' k sends fewer
+        values each (``ResultLayouts.shared``): the contribution is compressed again, once, at the first attempt's
+        group (a redo's is part of it, and every member keeps the first's layout)."""
+        if self.results is None or self._fitted:
+            return
+        self._fitted = True
+        shared = self.results.shared(holders)
+        if shared is not self.results:
+            if self.resend is None:
+                raise RuntimeError("a SparseExchange with resparsified results needs a resend function")
+            self.compressed = self.resend(shared.contributions)
+            self.layout, self.results = shared.contributions, shared
 
     def numel(self, span: Span) -> int:
         return self.layout.numel(span)

@@ -19,6 +19,7 @@ own shapes (``local_state``). The aggregate arrives sparse and is applied at the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -85,9 +86,21 @@ class SparseLoCo(OuterAlgorithm):
                                                         self.config.aggregate, self.policy,
                                                         self.result_layouts.get(name),
                                                         None if feedback is None else [feedback[i] for i in positions],
-                                                        self.config.result_error_decay)
+                                                        self.config.result_error_decay,
+                                                        functools.partial(self._resend, taken, positions))
                                    for name, positions in self.slices.items()}, self.weigh(tokens))
         return SparseRound(round_index, exchange, taken=taken)
+
+    def _resend(self, taken: list[Taken], positions: Sequence[int], layout: SparseLayout) -> list[CompressedTensor]:
+        """Steps 2-3 again for the tensors at ``positions`` (a slice), at ``layout``'s lower density, once the group
+        is known (``ResultLayouts.shared``): each buffer takes back what it sent, then sends its Top-k at the new k.
+        The same bits as if it had sent that k at first. ``taken`` (the round's) records what they took now."""
+        compressed = []
+        for i, grid in zip(positions, layout.grids, strict=True):
+            self.feedback[i].scatter_(1, taken[i].indices, taken[i].values)
+            sent, taken[i] = compress_(self.feedback[i], grid)
+            compressed.append(sent)
+        return compressed
 
     def prepare(self, outer_sync: OuterSync) -> OuterStep | None:
         return self._step(self.per_param(outer_sync.exchange, SparseExchange.updates), outer_sync.round_index)

@@ -271,6 +271,8 @@ class ButterflyAllReduce:
         failed here (the vote reports them). A bug in this peer is raised."""
         loop = asyncio.get_running_loop()
         self.current_round = group.round_index
+        for slice_name, part in exchange.parts.items():  # off the event loop: it may compress again
+            await loop.run_in_executor(None, part.fit_group, len(group.holders(slice_name)))
         plan = self._plan(group, exchange)
         sessions = plan.sessions
         sends = [asyncio.create_task(self._contribute(*send)) for send in plan.sends]

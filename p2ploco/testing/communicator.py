@@ -54,6 +54,8 @@ class InProcessGroup:
             dropped: set[str] = set()
             for slice_name in dict.fromkeys(s for plan in plans for s in plan):  # in order of first appearance
                 holders = [rank for rank in range(size) if slice_name in plans[rank]]
+                for rank in holders:
+                    plans[rank][slice_name].fit_group(len(holders))
                 spans = plans[holders[0]][slice_name].partition(len(holders))
                 for reducer, span in ((r, piece) for r, whole in zip(holders, spans)
                                       for piece in pieces(plans[r][slice_name], whole)):
