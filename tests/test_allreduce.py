@@ -22,8 +22,9 @@ from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
-from p2ploco.config import SwarmConfig
+from p2ploco.config import SparseLoCoConfig, SwarmConfig
 from p2ploco.errors import Failure, PayloadError
+from p2ploco.outer.sparseloco import SparseLoCo
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import ReduceStatus
 from p2ploco.swarm.group import Group
@@ -247,6 +248,30 @@ def test_sparse_all_reduce_over_hivemind_equals_the_in_process_one(trio):
         assert all(torch.equal(a, b) for a, b in zip(exchange.aggregate(), in_process[0].aggregate()))
     for s in stats:
         assert s.dropped == [] and 50 * (s.traffic.bytes_sent + s.traffic.bytes_received) < s.traffic.dense_fp32_bytes
+
+
+def fitted_contributions():
+    """Three SparseLoCo replicas' contributions under a result cap of 96 values per chunk: 3 x 64 would not fit."""
+    generator = torch.Generator().manual_seed(5)
+    params = [torch.randn(s, generator=generator) for s in [(128, 192), (257, 64), (192,)]]
+    outers = [SparseLoCo(params, SparseLoCoConfig(result_topk=96), torch.device("cpu")) for _ in range(3)]
+    return [outer.contribute([p + 0.05 * torch.randn(p.shape, generator=generator) for p in params], 0)
+            .exchange.parts["stage0"] for outer in outers]
+
+
+def test_a_group_too_large_for_its_results_sends_fewer_values_over_hivemind_as_in_process(trio):
+    """Formed, the group of 3 sends 32 values per chunk each (compressed again before anything is encoded), so a
+    result holds every value sent; over hivemind every member ends with the in-process aggregate."""
+    over_hivemind = fitted_contributions()
+    stats = all_reduce(trio, over_hivemind)
+    in_process = fitted_contributions()
+    group = InProcessGroup(3)
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda rank: group.communicator(rank).all_reduce(in_process[rank], 0, "params"), range(3)))
+    assert all(s.committed and s.dropped == [] for s in stats)
+    for exchange in over_hivemind:
+        assert exchange.layout.grids[0].k == 32
+        assert all(torch.equal(a, b) for a, b in zip(exchange.aggregate(), in_process[0].aggregate()))
 
 
 def test_sparse_contribution_with_nan_side_info_is_dropped(trio):
