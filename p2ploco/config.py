@@ -202,7 +202,8 @@ class SparseLoCoConfig(OverlapConfig):
     # the swarm's size); exact: the contributions relayed or their union with float32 values (grows linearly).
     result: Literal["resparsified", "exact"] = "resparsified"
     # The most values a resparsified result keeps per full chunk_size^2 tile (1/16 density); a result of n
-    # contributions keeps min(result_topk, n x topk): every value they selected, while n x topk fits.
+    # contributions keeps min(result_topk, n x topk): every value they selected, while n x topk fits. A larger group
+    # of n sends result_topk // n values each (at least 1), so that a result still holds every value sent.
     result_topk: int = 256
     # The reducer keeps what a result leaves out, e = result_error_decay * e + mean. 0: dropped (the next
     # pseudo-gradients bring it again, as the global params did not move that way); 1: kept whole, and counted

@@ -20,7 +20,10 @@ results (``outer.sparseloco.result``, the default) the reducer compresses its sp
 compresses its pseudo-gradient: Top-k of every chunk in 2 bits, k = min(``result_topk``, n x the contributions'
 k) for the n contributions it combined (``ResultLayouts``), so a small group's result holds every value its
 contributions selected and a large group's has a fixed size whatever n: per-peer traffic is about one
-contribution and one result each way. Every member (the reducer too) decodes the same bytes, so all stay
+contribution and one result each way. A group of n holders whose n x k values would not fit sends
+``result_topk`` // n values per chunk each instead (``fit_group``, once the group is formed): what a result's Top-k
+dropped would be lost to the senders, whose error feedback counts it as sent, while what a sender does not select
+stays in its own buffer. Every member (the reducer too) decodes the same bytes, so all stay
 bit-identical. What a result leaves out goes to an
 error-feedback buffer of the reducer's own for the span (e = decay * e + mean, e keeps what was not sent, as
 LoCo's reducer), at ``result_error_decay`` 0.5: kept whole (1) it is counted twice, as the global parameters did

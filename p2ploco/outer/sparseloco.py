@@ -6,8 +6,9 @@ A replica that catches up from the swarm starts with an empty buffer: what it he
 against parameters the swarm has left behind.
 
 With resparsified results (``outer.sparseloco.result``, the default) each reducer compresses its span's mean
-again (``collective/sparse.py``), keeping up to ``result_topk`` values per chunk (all its contributions selected, in
-a small group), so that a result has a bounded size whatever the swarm's size, and (with
+again (``collective/sparse.py``), keeping up to ``result_topk`` values per chunk (all its contributions selected: a
+group too large for that sends fewer values each, ``_resend``), so that a result has a bounded size whatever the
+swarm's size, and (with
 ``result_error_decay`` > 0, the default) a replica keeps a buffer as the reducer of spans too: its rows for a span
 change only when a round this replica reduced is applied; it is checkpointed and reset as the sender's buffer.
 
