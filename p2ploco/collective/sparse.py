@@ -180,8 +180,7 @@ class SparseExchange(Exchange):
         return int(np.searchsorted(self.layout.chunk_element_ends, element, side="right"))
 
     def fingerprint(self) -> str:
-        result = f"resparsified{self.results.digest.hex()}/grown" if self.resparsified else "exact"
-        result = f"{result}/shared" if self.resparsified else result
+        result = f"resparsified{self.results.digest.hex()}/grown/shared" if self.resparsified else "exact"
         return f"sparse/{self.configured.digest.hex()}/{self.mode}/{self.policy.fingerprint()}/digest3/{result}"
 
     def fit_group(self, holders: int) -> None:
