@@ -108,12 +108,13 @@ def reference_sparseloco(initial, locals_per_round, config: SparseLoCoConfig):
 
 def sent_grid(shape, config: SparseLoCoConfig, replicas: int):
     """How a replica of a group of ``replicas`` chunks a tensor and how many values it sends per chunk: topk, or with
-    resparsified results, the result's k // replicas if that is fewer (at least 1)."""
+    resparsified results where the replicas' values may not fit a result's chunk, the result's k // replicas (at
+    least 1)."""
     grid = chunk_grid(shape, config.chunk_size, config.topk)
-    if config.result == "exact":
+    cap = chunk_grid(shape, config.chunk_size, config.result_topk).k
+    if config.result == "exact" or min(replicas * grid.k, grid.chunk_numel) <= cap:
         return grid
-    return dataclasses.replace(grid, k=max(1, min(grid.k, chunk_grid(shape, config.chunk_size, config.result_topk).k
-                                                  // replicas)))
+    return dataclasses.replace(grid, k=max(1, cap // replicas))
 
 
 def reference_sparse_aggregate(deltas, errors, config: SparseLoCoConfig):
