@@ -222,10 +222,12 @@ def resparsified_bytes(exchanges: list[SparseExchange], n: int) -> tuple[float, 
     for i, span in enumerate(spans):
         reducer = exchanges[i % distinct]
         # n contributions, R of them distinct: a result's k is that of n contributions (``ResultLayouts``), and its
-        # bytes hardly depend on how many distinct values it picks from (Rice-coded positions, 2-bit values)
-        payloads = [exchanges[j % distinct].encode(span) for j in range(n)]
-        to_span[: min(n, distinct), i] = [len(p) for p in payloads[:distinct]]
-        combined = reducer.combine(span, [reducer.parse(span, p) for p in payloads], [1.0] * len(payloads))
+        # bytes hardly depend on how many distinct values it picks from (Rice-coded positions, 2-bit values); each
+        # distinct one is encoded and parsed once (n^2 of them at N = 1024 would take hours at 150M)
+        payloads = [exchanges[r].encode(span) for r in range(min(n, distinct))]
+        to_span[: len(payloads), i] = [len(p) for p in payloads]
+        parsed = [reducer.parse(span, p) for p in payloads]
+        combined = reducer.combine(span, [parsed[j % len(parsed)] for j in range(n)], [1.0] * n)
         result[i] = len(reducer.result_for(combined, None))
     own = np.array([to_span[j % distinct] for j in range(n)])  # (peers, spans)
     sent = own.sum(axis=1) - own.diagonal() + (n - 1) * result

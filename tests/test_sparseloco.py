@@ -17,6 +17,7 @@ from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import OuterConfig, SparseLoCoConfig
 from p2ploco.outer.sparseloco import SparseLoCo
+from p2ploco.swarm.messages import MAX_PEERS
 
 SHAPES = [(128, 192), (257, 64), (192,), (96, 100)]
 
@@ -219,10 +220,12 @@ def test_a_large_group_sends_fewer_values_each_so_that_a_result_holds_them_all()
     assert results.shared(16).contributions.grids[2].k == 64  # a vector's chunks: sent whole, they fit any group
 
 
-def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_a_redo_keeps_it():
-    """Fitted to 3 holders under a cap of 96, a contribution sends 32 values per chunk: its buffer plus what it sends
-    is what the buffer held before, the exchange's fingerprint (what joiners compare) stays, a redo's smaller group
-    changes nothing, and a round not applied gives every value back."""
+@pytest.mark.parametrize("holders, k", [(3, 32), (MAX_PEERS, 1)])
+def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_a_redo_keeps_it(holders, k):
+    """Fitted to 3 holders under a cap of 96, a contribution sends 32 values per chunk; to a group a coordinator
+    padded to the most members a group may have, 1: either way its buffer plus what it sends is what the buffer held
+    before, the exchange's fingerprint (what joiners compare) stays, a redo's smaller group changes nothing, and a
+    round not applied gives every value back."""
     generator = torch.Generator().manual_seed(3)
     params = [torch.randn(s, generator=generator) for s in SHAPES]
     outer = SparseLoCo(params, SparseLoCoConfig(result_topk=96), torch.device("cpu"))
@@ -231,8 +234,8 @@ def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_a_
     sync = outer.contribute(local, 0)
     part = sync.exchange.parts["stage0"]
     fingerprint, span = part.fingerprint(), range(part.num_units)
-    part.fit_group(3)
-    assert part.layout.grids[0].k == 32 and sync.taken[0].indices.shape[1] == 32
+    part.fit_group(holders)
+    assert part.layout.grids[0].k == k and sync.taken[0].indices.shape[1] == k
     sent = fmt.decode_contribution(part.layout, span, part.encode(span))
     dense = torch.zeros(part.layout.total_numel)  # what was sent, in chunk order
     dense[torch.from_numpy(sent.positions)] = torch.from_numpy(sent.values)
@@ -242,7 +245,7 @@ def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_a_
         assert torch.allclose(grid.from_chunks(held), before[i], atol=1e-6)
     payload = part.encode(span)
     part.fit_group(2)
-    assert part.fingerprint() == fingerprint and part.encode(span) == payload and part.layout.grids[0].k == 32
+    assert part.fingerprint() == fingerprint and part.encode(span) == payload and part.layout.grids[0].k == k
     outer.give_back(sync)
     assert all(torch.allclose(e, b, atol=1e-6) for e, b in zip(outer.errors, before))
 
