@@ -10,7 +10,7 @@ exchange; pipeline stages with their 1F1B schedule), with in-process links inste
     python benchmarks/quality.py --suite equal-tokens     # the README's table: K=4 and 8, 1000 steps each, 2 seeds
     python benchmarks/quality.py --suite equal-tokens-21m # the same comparison on the 21.4M setting, shorter
     python benchmarks/quality.py --suite sweep-diloco     # the sweep behind DiLoCo's defaults (also: sweep-sparseloco,
-                                                          # sweep-loco-streaming)
+                                                          # sweep-loco-streaming, sweep-replicas)
     python benchmarks/quality.py --methods diloco "sparseloco:topk=128,error_decay=0.9"   # variants
     python benchmarks/quality.py --methods diloco loco "loco:bits=2"   # LoCo's low-bit values against fp32
     python benchmarks/quality.py --suite heterogeneous    # full replicas vs 2-stage compressed groups
@@ -179,6 +179,13 @@ SUITES = {
                                   "lr=1.0,error_decay=0.95,topk=64,H=5", "lr=1.0,error_decay=0.95,topk=64,H=20",
                                   "lr=1.0,error_decay=0.7,topk=64,H=10", "lr=1.2,error_decay=0.8,topk=64,H=10"))],
                               steps=500),
+    # The outer step size as the swarm grows (the scaling-law study: the best outer lr grows with K): K = 4 and 8,
+    # 500 inner steps each, 2 seeds; SparseLoCo's lr at the tuned error decay, DiLoCo's at its tuned momentum.
+    "sweep-replicas": Suite("configs/tiny.yaml",
+                            ["ddp", *(f"sparseloco:lr={lr},error_decay={decay},topk=64,H=10" for lr, decay in (
+                                (1.0, 0.8), (1.2, 0.8), (1.5, 0.8), (1.8, 0.8), (2.0, 0.8), (1.5, 0.9))),
+                             *(f"diloco:lr={lr},momentum=0.5,H=10" for lr in (0.5, 0.7, 1.0))],
+                            replicas=(4, 8), steps=500, seeds=2),
 }
 HOSTILE_SCALE = -1.9  # a hostile replica's contribution: its own, sign-flipped, at 1.9 x its length (clip: 2 x)
 
