@@ -244,10 +244,10 @@ class StreamingConfig(Section):
 
     Fragment p (of P) is a strided group of blocks (p, p + P, ...; the embedding with fragment 0, the final norm
     and head with fragment P - 1). Within each round of H inner steps fragment p's all-reduce starts after inner
-    step (p + 1)·H/P - delay and is applied after step (p + 1)·H/P; the local copy of the fragment then becomes
-    alpha·local + (1 - alpha)·global."""
+    step ⌊(p + 1)·H/P⌋ - delay and is applied after step ⌊(p + 1)·H/P⌋ (evenly spaced, H/P apart where P divides
+    H); the local copy of the fragment then becomes alpha·local + (1 - alpha)·global."""
 
-    fragments: int = 2  # P: in [1, model.n_layer], dividing inner.steps (Config)
+    fragments: int = 2  # P: in [1, min(model.n_layer, inner.steps)] (Config)
     delay: int = 1  # tau: inner steps an all-reduce runs while training goes on; < inner.steps / fragments (Config)
     alpha: Fraction = 0.5  # share of the local fragment kept when the synced one arrives (0: take the global one)
     lr: LearningRate = 0.5  # outer SGD with Nesterov momentum, per fragment (tuned as DiLoCo's)
@@ -398,9 +398,9 @@ class Config(Section):
         if not 1 <= s.fragments <= layers:
             raise ValueError(f"outer.streaming.fragments ({s.fragments}) must be in [1, model.n_layer={layers}]: every "
                              f"fragment holds a block")
-        if steps % s.fragments:
-            raise ValueError(f"outer.streaming.fragments ({s.fragments}) must divide inner.steps ({steps}): fragments "
-                             f"sync at equal distances within a round")
+        if s.fragments > steps:
+            raise ValueError(f"outer.streaming.fragments ({s.fragments}) must be at most inner.steps ({steps}): each "
+                             f"fragment syncs after an inner step of its own")
         if not 0 <= s.delay < steps // s.fragments:
             raise ValueError(f"outer.streaming.delay ({s.delay}) must be in [0, inner.steps / fragments = "
                              f"{steps // s.fragments}): a fragment's all-reduce must land before the next one starts")

@@ -165,7 +165,6 @@ def test_fragments_are_strided_blocks_with_embedding_first_and_head_last():
 
 @pytest.mark.parametrize(("override", "message"), [
     ("outer.streaming.delay=2", r"delay \(2\) must be in \[0, inner.steps / fragments = 2\)"),
-    ("outer.streaming.fragments=3", r"fragments \(3\) must divide inner.steps \(4\)"),
     ("outer.streaming.fragments=5", r"fragments \(5\) must be in \[1, model.n_layer=4\]"),
     ("outer.streaming.alpha=1.5", r"alpha \(1.5\) must be in \[0, 1\]"),
     ("outer.streaming.bits=8", r"bits \(8\) must be 4 \(E3M0\) or 32"),
@@ -283,6 +282,36 @@ def test_fragments_sync_on_schedule_overlapped_and_every_replica_ends_bit_identi
     assert not all(torch.equal(a, b) for a, b in zip(before, workers[0].outer.params))
     # the local copies keep their own progress: not the global params
     assert not all(torch.equal(p, g) for p, g in zip(workers[0].model.parameters(), workers[0].outer.params))
+
+
+def test_fragments_of_a_round_they_do_not_divide_sync_at_its_floor_points_and_both_land():
+    workers = replicas(2, "inner.steps=5", "outer.algorithm=streaming", "outer.streaming.fragments=2",
+                       "outer.streaming.delay=1")
+    assert workers[0].outer.schedule == {"fragment0": (1, 2), "fragment1": (4, 5)}  # ⌊5/2⌋ = 2, then 5
+    group = InProcessGroup(2, timeout=60)
+    recorders = [Recording(group.communicator(rank), w) for rank, w in enumerate(workers)]
+    outcomes = [None, None]
+
+    def run(rank):
+        outcomes[rank] = schedule_of(workers[rank]).run(0, recorders[rank], RoundHooks())
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for recorder, outcome in zip(recorders, outcomes):
+        assert [name for _, name, _, _ in recorder.log] == ["fragment0", "fragment1"]
+        # started after inner steps 1 and 4 (as in the test above, the next step may be under way)
+        assert recorder.log[0][2] in (0, 1) and recorder.log[1][2] in (3, 4)
+        assert outcome.comm.applied and outcome.inner.steps == 5
+    assert workers[0].params_sha256 == workers[1].params_sha256
+
+
+def test_more_fragments_than_inner_steps_get_a_one_line_error():
+    with pytest.raises(ConfigError, match=r"fragments \(3\) must be at most inner.steps \(2\)") as caught:
+        small_config("outer.algorithm=streaming", "pipeline.stages=1", "inner.steps=2", "outer.streaming.fragments=3")
+    assert "\n" not in str(caught.value)
 
 
 def test_a_stop_request_takes_effect_at_the_end_of_the_round_not_between_fragments():

@@ -51,10 +51,10 @@ class StreamingDiLoCo(OuterAlgorithm):
         self.config = config
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.fragments = list(self.slices)
-        width = inner_steps // len(self.fragments)
-        # fragment -> (inner steps done when its all-reduce starts, when it is applied)
-        self.schedule = {name: ((p + 1) * width - config.delay, (p + 1) * width)
-                         for p, name in enumerate(self.fragments)}
+        # fragment -> (inner steps done when its all-reduce starts, when it is applied): applied ⌊(p + 1)·H/P⌋,
+        # at least ⌊H/P⌋ > delay steps after the one before, so each lands before the next starts (Config)
+        applied = [(p + 1) * inner_steps // len(self.fragments) for p in range(len(self.fragments))]
+        self.schedule = {name: (apply - config.delay, apply) for name, apply in zip(self.fragments, applied)}
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
                    start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterSync:
