@@ -452,7 +452,7 @@ def sample(checkpoints: tuple[Path, ...], prompt: str, max_new_tokens: int, temp
               help="Full replicas to start [3; 1 with a pipeline config].")
 @click.option("--groups", type=click.IntRange(0, 8),
               help="Pipeline groups to start, one stage peer per stage [0; 1 with a pipeline config].")
-@click.option("--rounds", default=8, show_default=True, type=click.IntRange(min=1), help="Outer rounds to train.")
+@click.option("--rounds", default=16, show_default=True, type=click.IntRange(min=1), help="Outer rounds to train.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
               help="Run config [configs/tiny.yaml].")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Where logs and metrics go [a new temp folder].")
