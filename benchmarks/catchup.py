@@ -46,7 +46,7 @@ def donor(config_path: str, initial_peers: list[str], pipe: Connection) -> None:
     """A peer that serves the snapshot until the benchmark closes its pipe."""
     config = load_config(config_path)
     snapshot = snapshot_of(config_path)
-    swarm = Swarm.join(RUN_ID, config.swarm, config.swarm_fingerprint(), initial_peers)
+    swarm = Swarm.join(RUN_ID, config.swarm, config.run_document(), initial_peers)
     try:
         swarm.serve_state([snapshot])
         swarm.announce_progress(ROUND, PeerState.TRAINING, snapshot.state_sha256, {SLICE: snapshot.state_sha256})
@@ -62,7 +62,7 @@ def donor(config_path: str, initial_peers: list[str], pipe: Connection) -> None:
 def measure(config_path: str, donors: int, repeats: int) -> tuple[int, int, list[float]]:
     """Parameters, state bytes and the seconds of each fetch of ``config_path``'s state from ``donors`` peers."""
     config = load_config(config_path)
-    joiner = Swarm.join(RUN_ID, config.swarm, config.swarm_fingerprint())
+    joiner = Swarm.join(RUN_ID, config.swarm, config.run_document())
     context = multiprocessing.get_context("spawn")  # donors get their own daemon and event loop
     processes, pipes = [], []
     try:

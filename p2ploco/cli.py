@@ -128,8 +128,9 @@ def node() -> None:
 
 
 @node.command("start")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
-              help="YAML run config, e.g. configs/tiny.yaml.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="YAML run config that starts a run, e.g. configs/tiny.yaml [the run's own, from its peers: needs "
+                   "--initial-peers and --run-id].")
 @click.option("--initial-peers", multiple=True,
               help="Multiaddr of a peer of the swarm (repeatable); without it this node starts a new swarm.")
 @with_swarm_options
@@ -156,7 +157,7 @@ def node() -> None:
               help="Whether other peers can dial this one [auto: a peer dials it back at start]; client: it is "
                    "behind a NAT and only dials out (sets swarm.reachability).")
 @reports_errors
-def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...],
+def node_start(config_path: str | None, initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...],
                announce_maddrs: tuple[str, ...], identity: str | None, run_id: str | None, max_rounds: int | None,
                log_dir: str | None, overrides: tuple[str, ...], resume: bool, name: str, role: str,
                pipeline_group: str | None, stage: int | None, status_port: int | None, status_host: str,
@@ -168,6 +169,9 @@ def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tu
 
     extra = ([f"run_id={run_id}"] if run_id else []) + ([f"training.rounds={max_rounds}"] if max_rounds else []) \
         + ([f"swarm.reachability={reachability}"] if reachability else [])
+    if config_path is None and not (initial_peers and run_id):
+        raise ConfigError("without --config a node trains the config of the run it joins: pass --initial-peers ADDR "
+                          "and --run-id RUN, or --config FILE to start a run")
     config = load_config(config_path, list(overrides) + extra)
     if len(name) > 64:
         raise ConfigError(f"--name is {len(name)} characters long; use at most 64")
@@ -176,15 +180,13 @@ def node_start(config_path: str, initial_peers: tuple[str, ...], host_maddrs: tu
         raise ConfigError("--status-host goes with --status-port PORT (0: any free port)")
     if role == "replica" and (pipeline_group is not None or stage is not None):
         raise ConfigError("--group and --stage go with --role stage")
-    if stage is not None and stage >= config.pipeline.stages:
-        raise ConfigError(f"--stage {stage}: this config has pipeline.stages={config.pipeline.stages} (stages 0 to "
-                          f"{config.pipeline.stages - 1})")
     if pipeline_group is not None and not 0 < len(pipeline_group) <= 64:
         raise ConfigError("--group must be a name of 1 to 64 characters")
     train_until_stopped(Node(config, SwarmOptions(initial_peers, host_maddrs, announce_maddrs, identity, name),
                              Path(log_dir) if log_dir else None, config_path, resume=resume, out=click.echo,
                              role=RoleOptions(role, pipeline_group, stage),
-                             status_address=None if status_port is None else (status_host, status_port)))
+                             status_address=None if status_port is None else (status_host, status_port),
+                             overrides=list(overrides) + extra))
 
 
 def train_until_stopped(node: Node) -> None:

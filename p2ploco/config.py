@@ -433,16 +433,76 @@ class Config(Section):
         i = self.inner
         return i.steps * i.batch_size * i.grad_accum * self.data.seq_len
 
+    def run_document(self, data: str = "") -> dict[str, Any]:
+        """What travels with the run (``swarm/run_config.py``): every setting but this peer's own (``LOCAL_KEYS``),
+        by dotted key; what a round holds (``round_tokens``: a peer may split it into batch and accumulation as its
+        memory allows); ``data``, ``TrainingData.fingerprint`` (a prepared corpus's digest, a non-default
+        tokenizer's, or ""); the protocol version the run's messages speak; and ``hints``, where this peer keeps its
+        prepared corpus and tokenizer: a joiner looks there first (the digest in ``data`` decides; hints are no part
+        of the fingerprint, as each peer keeps its files where it likes)."""
+        settings = {key: value for key, value in _flattened(self.model_dump(mode="json")).items()
+                    if key not in LOCAL_KEYS}
+        hints = {key: path for key, path in (("data.prepared", self.data.prepared),
+                                             ("data.tokenizer", self.data.tokenizer)) if path}
+        return {"settings": settings, "round_tokens": self.round_tokens, "data": data, "protocol": PROTOCOL_VERSION,
+                "hints": hints}
+
     def swarm_fingerprint(self, data: str = "") -> str:
-        """Digest of what every peer of a round must share for identical global parameters and weights (and the
-        protocol version their messages speak); ``data`` is ``TrainingData.fingerprint`` (a prepared corpus's
-        digest, a non-default tokenizer's, or "")."""
-        shared = {"model": self.model.model_dump(), "outer": self.outer.model_dump(),
-                  "pipeline": self.pipeline.model_dump(), "seed": self.training.seed,
-                  "round_tokens": self.round_tokens, "protocol": PROTOCOL_VERSION}
-        if data:
-            shared["data"] = data
-        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+        """Digest of the run's document (``run_document``): what every peer of a round shares, so that their global
+        parameters end identical and their rounds weigh alike; records carry it."""
+        return document_fingerprint(self.run_document(data))
+
+
+# A peer's own settings: its machine and memory, its files, how long it stays, its link. They stay with the peer
+# (README, "Joining with one address"); every other setting travels with the run and is part of its fingerprint.
+LOCAL_KEYS = frozenset({
+    "run_id", "data.paths", "data.prepared", "data.tokenizer", "inner.batch_size", "inner.grad_accum",
+    "inner.fixed_steps", "swarm.bandwidth_mbit", "swarm.min_peers", "swarm.startup_timeout", "swarm.reachability",
+    "training.rounds", "training.device", "training.threads", "training.eval_every", "training.checkpoint_every"})
+
+
+def document_fingerprint(document: dict[str, Any]) -> str:
+    """The digest of a run document (``Config.run_document``) but its hints."""
+    shared = {key: value for key, value in document.items() if key != "hints"}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _flattened(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flattened(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_of_run(settings: dict[str, Any], own: Config) -> Config:
+    """The run's config with ``own``'s local settings (``LOCAL_KEYS``): what a peer that joined without a config
+    file trains with. ``settings``: a run document's, from another peer, so checked as a config file is
+    (ConfigError with one line, naming the run's config as the source)."""
+    shared = [setting for key, value in settings.items() if key not in LOCAL_KEYS
+              for setting in _settings(str(key), value, source="the run's config")]
+    local = {key: value for key, value in _flattened(own.model_dump()).items() if key in LOCAL_KEYS}
+    return _built(Config(), shared + [(tuple(key.split(".")), value) for key, value in local.items()])
+
+
+def differences(mine: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """The keys two run documents (``Config.run_document``) differ in, as ``key: mine (run: theirs)``, sorted; the
+    data and protocol entries by what they mean."""
+    keys = sorted(set(mine["settings"]) | set(run["settings"]))
+    lines = [f"{key}={mine['settings'].get(key)!r} (run: {run['settings'].get(key)!r})" for key in keys
+             if mine["settings"].get(key) != run["settings"].get(key)]
+    if mine["round_tokens"] != run["round_tokens"]:
+        lines.append(f"inner.batch_size x inner.grad_accum: {mine['round_tokens']:,} tokens a round (run: "
+                     f"{run['round_tokens']:,})")
+    if mine["data"] != run["data"]:
+        lines.append(f"training data {mine['data'][:32] or 'default'} (run: {run['data'][:32] or 'default'}; "
+                     f"data.prepared or data.tokenizer: your copy of the run's)")
+    if mine["protocol"] != run["protocol"]:
+        lines.append(f"protocol version {mine['protocol']} (run: {run['protocol']}; install the run's p2ploco "
+                     f"version)")
+    return lines
 
 
 Setting = tuple[tuple[str, ...], Any]  # a key's path and the value set for it

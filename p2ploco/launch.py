@@ -115,13 +115,15 @@ class LocalSwarm:
         self.children.append(child)
         return child.wait_for_line(ADDRESS, timeout=60).group(1)
 
-    def start_node(self, name: str, config: Path, *extra: str, log_dir: Path | None = None,
+    def start_node(self, name: str, config: Path | None, *extra: str, log_dir: Path | None = None,
                    env: dict[str, str] | None = None, program: Sequence[str] = ()) -> Child:
-        """A node process; a second start under the same name (a restart) appends to the same log. ``program``
-        replaces ``python -m p2ploco.cli`` (tests run nodes with a hostile behaviour patched in so)."""
+        """A node process (``config`` None: it trains the config of the run it joins, ``extra`` naming its
+        --run-id); a second start under the same name (a restart) appends to the same log. ``program`` replaces
+        ``python -m p2ploco.cli`` (tests run nodes with a hostile behaviour patched in so)."""
         log_dir = log_dir or self.workdir / name
-        argv = [*(program or cli()), "node", "start", "--config", str(config), "--initial-peers",
-                self.bootstrap_address, "--host-maddrs", LOOPBACK, "--log-dir", str(log_dir), *extra]
+        argv = [*(program or cli()), "node", "start", *(["--config", str(config)] if config else []),
+                "--initial-peers", self.bootstrap_address, "--host-maddrs", LOOPBACK, "--log-dir", str(log_dir),
+                *extra]
         child = Child(name, argv, self.workdir / f"{name}.log", metrics_dir=log_dir, env=env)
         self.children.append(child)
         self.nodes[name] = child

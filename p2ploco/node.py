@@ -12,13 +12,14 @@ next is one value (``standing.py``).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,9 @@ import torch
 from p2ploco.budget import RoundBudget, WallClockBudget
 from p2ploco.catchup import CatchUp
 from p2ploco.collective.exchange import AllReduceResult
-from p2ploco.config import Config
+from p2ploco.config import Config, config_of_run, differences, with_overrides
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
-from p2ploco.errors import ConfigError, PipelineError
+from p2ploco.errors import ConfigError, PipelineError, shown
 from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.outer.base import Synced
@@ -39,7 +40,7 @@ from p2ploco.rundir import RunDirectory
 from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
 from p2ploco.standing import Membership, Standing
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
-from p2ploco.swarm.runtime import Swarm
+from p2ploco.swarm.runtime import Arrival, Swarm
 from p2ploco.swarm.status import WILDCARDS, listen
 from p2ploco.swarm.status_document import STATUS_PATH
 
@@ -88,11 +89,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Node:
-    def __init__(self, config: Config, options: SwarmOptions, log_dir: Path | None, config_path: str,
+    def __init__(self, config: Config, options: SwarmOptions, log_dir: Path | None, config_path: str | None,
                  resume: bool = False, out: Callable[[str], None] = print, role: RoleOptions | None = None,
-                 status_address: tuple[str, int] | None = None):
-        """``status_address``: (host, port) to serve the run's status on (``swarm/status.py``); None: not served."""
+                 status_address: tuple[str, int] | None = None, overrides: Sequence[str] = ()):
+        """``config_path``: the file ``config`` was read from; None: the node trains its run's config, fetched from
+        the run's peers (``swarm/run_config.py``), with ``config``'s own settings (``config.LOCAL_KEYS``) and
+        ``overrides`` (the ``--set`` given) on top. ``status_address``: (host, port) to serve the run's status on
+        (``swarm/status.py``); None: not served."""
         self.config, self.options, self.config_path, self.out = config, options, config_path, out
+        self.overrides = overrides
+        self.data: TrainingData | None = None  # loaded once the config is settled (``_settle``)
         self.status_address = status_address
         self.log_dir, self.resume, self.role_options = log_dir, resume, role or RoleOptions()
         self.records: list[RoundRecord] = []
@@ -111,13 +117,12 @@ class Node:
         if c.training.threads:
             torch.set_num_threads(c.training.threads)
         device = resolve_device(c.training.device)
-        if self.role_options.kind == STAGE and c.pipeline.stages < 2:
-            raise ConfigError("--role stage needs a config with pipeline.stages >= 2 (e.g. configs/tiny-pipeline.yaml)")
-        # Data problems end the start-up here, with one line, before any peer has seen this node.
-        data = load_training_data(c)
-        fingerprint = c.swarm_fingerprint(data.fingerprint)
+        # Bad input ends the start-up here, with one line, before any peer has seen this node: its own config and
+        # data, the status port; then, once the DHT is up, its config against the run's.
+        data = None if self.config_path is None else self._load_data(c)
         status = self._listen_for_status(*self.status_address) if self.status_address is not None else None
-        swarm = self.swarm = self._join(fingerprint, status)
+        swarm = self.swarm = self._join(data, status)
+        c, data = self.config, self.data
         started = time.perf_counter()
         me = swarm.peer_id[-8:]
         files: RunDirectory | None = None
@@ -126,8 +131,8 @@ class Node:
             if status is not None:
                 self._serve_status(swarm, *status)
             self._print_join_instructions(swarm)
-            files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, fingerprint, self.resume,
-                                 lambda line: self.out(f"[{me}] {line}"))
+            files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, c.swarm_fingerprint(data.fingerprint),
+                                 self.resume, lambda line: self.out(f"[{me}] {line}"))
             role, standing = self._take_role(swarm, device, data, files)
             self._print_setup(swarm, role, device, data)
             presence = Presence(swarm, role)
@@ -155,16 +160,85 @@ class Node:
         self.out(summary(self.records, time.perf_counter() - started))
         return self.records
 
-    def _join(self, fingerprint: str, status: tuple[socket.socket, str] | None) -> Swarm:
-        """Join the swarm; the p2p daemon is a child process: started before CUDA is initialised in this one."""
-        c = self.config
+    def _load_data(self, config: Config) -> TrainingData:
+        stages, stage = config.pipeline.stages, self.role_options.stage
+        if self.role_options.kind == STAGE and stages < 2:
+            raise ConfigError("--role stage needs a config with pipeline.stages >= 2 (e.g. configs/tiny-pipeline.yaml)")
+        if stage is not None and stage >= stages:
+            raise ConfigError(f"--stage {stage}: this config has pipeline.stages={stages} (stages 0 to {stages - 1})")
+        return load_training_data(config)
+
+    def _join(self, data: TrainingData | None, status: tuple[socket.socket, str] | None) -> Swarm:
+        """Join the swarm with the run's config (``_settle``); the p2p daemon is a child process: started before CUDA
+        is initialised in this one."""
+        c, o = self.config, self.options
         try:
-            return Swarm.join(c.run_id, c.swarm, fingerprint, **asdict(self.options), role=self.role_options.kind,
-                              stages=c.pipeline.stages, round_tokens=c.round_tokens)
+            arrival = Arrival.start(c.run_id, c.swarm.reachability, o.initial_peers, o.host_maddrs, o.announce_maddrs,
+                                    o.identity_path)
         except BaseException:  # interrupted too: the status port is free again for the next start
             if status is not None:
                 status[0].close()
             raise
+        try:
+            self.config, self.data = self._settle(arrival, data)
+            c = self.config
+            return arrival.enter(c.swarm, c.run_document(self.data.fingerprint), o.name, role=self.role_options.kind,
+                                 stages=c.pipeline.stages, round_tokens=c.round_tokens)
+        except BaseException:
+            if status is not None:
+                status[0].close()
+            arrival.abandon()
+            raise
+
+    def _settle(self, arrival: Arrival, data: TrainingData | None) -> tuple[Config, TrainingData]:
+        """The config and data this node trains with: its own (``data`` loaded for it), or, without a config file,
+        the run's as its peers serve it. ConfigError if they differ from what most of the run trains with, naming
+        the first keys that do, unless no peer of the run serves a config (this node starts the run)."""
+        own, run_id = self.config, self.config.run_id
+        mine = "" if data is None else own.swarm_fingerprint(data.fingerprint)
+        run = arrival.run_document(mine)
+        if run is None:
+            if data is None:
+                raise ConfigError(f"no peer of run '{run_id}' answered with its config through --initial-peers; check "
+                                  f"--run-id (`p2ploco peers --initial-peers ADDR` lists the runs), or start the run "
+                                  f"with --config FILE")
+            return own, data
+        if run.fingerprint == mine:
+            return own, data
+        if data is None:
+            config = self._with_run_data(with_overrides(config_of_run(run.document["settings"], own), self.overrides),
+                                         run.document)
+            data = self._load_data(config)
+            if config.swarm_fingerprint(data.fingerprint) == run.fingerprint:
+                self.out(f"training run '{run_id}''s config, as {run.holders} of its {run.peers} peer(s) train it")
+                return config, data
+            arrival.tell_conflict(run, config.swarm_fingerprint(data.fingerprint))
+        else:
+            config = own
+        differ = differences(config.run_document(data.fingerprint), run.document)
+        shown_keys = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+        fix = ("drop those --set" if self.config_path is None else
+               "join without --config to train the run's config (with --set only for your own settings: README, "
+               "\"Joining with one address\"), or pick another --run-id")
+        raise ConfigError(f"this node's config differs from run '{run_id}''s, which {run.holders} of its {run.peers} "
+                          f"peer(s) train: {shown_keys}; {fix}")
+
+    @staticmethod
+    def _with_run_data(config: Config, document: dict[str, Any]) -> Config:
+        """``config`` with the run's prepared corpus or tokenizer where this node was not given one: the run's
+        peer's path if that holds a file here (its digest is checked once loaded); ConfigError if not."""
+        kind, _, digest = document["data"].partition(":")
+        for key, needed in (("data.prepared", "prepared"), ("data.tokenizer", "tokenizer")):
+            if kind != needed or getattr(config.data, key.split(".")[1]):
+                continue
+            hint = document.get("hints", {}).get(key, "")
+            if not hint or not Path(hint).expanduser().exists():
+                what = "a prepared corpus" if needed == "prepared" else "a tokenizer of its own"
+                where = shown(hint, 200) if hint else "?"
+                raise ConfigError(f"run '{config.run_id}' trains on {what} (digest {digest[:16]}), kept by its peer at "
+                                  f"{where}, which is not here; pass --set {key}=PATH, your copy of it")
+            config = with_overrides(config, [f"{key}={json.dumps(hint)}"])
+        return config
 
     def _save_on_exit(self, swarm: Swarm, role: Role, schedule: RoundSchedule, files: RunDirectory,
                       standing: Standing) -> None:
@@ -330,8 +404,13 @@ class Node:
         addresses = swarm.addresses()
         self.out(f"[{swarm.peer_id[-8:]}] peer {swarm.peer_id} joined run '{self.config.run_id}'")
         self.out("To join this swarm from another machine, run:")
-        self.out(f"  p2ploco node start --config {self.config_path} --run-id {self.config.run_id} "
+        self.out(f"  p2ploco node start --run-id {self.config.run_id} "
                  + " ".join(f"--initial-peers {a}" for a in addresses))
+        d = self.config.data
+        for key, path in (("data.prepared", d.prepared), ("data.tokenizer", d.tokenizer)):
+            if path:
+                self.out(f"  (the run's config comes from its peers; its {key.split('.')[1]} {path} does not: add "
+                         f"--set {key}=PATH, your copy of it)")
 
 
 def progress_line(peer_id: str, r: RoundRecord) -> str:

@@ -3,11 +3,13 @@
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from hivemind.p2p import PeerID
 
+from p2ploco import PROTOCOL_VERSION
 from p2ploco.config import Config, OuterConfig, SwarmConfig, load_config
 from p2ploco.data import ShardSampler
 from p2ploco.outer import build_outer
@@ -64,12 +66,18 @@ def run_outer_replicas(outer: OuterConfig, shapes, replicas: int, rounds: int, n
     return initial, locals_per_round, algorithms, stats
 
 
+def run_document(name: str = "cfg") -> dict[str, Any]:
+    """A run document (``Config.run_document``) told apart by ``name``: for swarms that train no model."""
+    return {"settings": {}, "round_tokens": 1, "data": name, "protocol": PROTOCOL_VERSION}
+
+
 def join_swarms(run_id: str, count: int, config: SwarmConfig, swarms: list[Swarm]) -> list[Swarm]:
     """``count`` real peers of ``run_id`` on loopback, the first bootstrapping the others. They are added to
     ``swarms`` as they start, so the caller's ``finally`` can make every one of them leave."""
-    swarms.append(Swarm.join(run_id, config, "cfg", host_maddrs=LOOPBACK))
+    swarms.append(Swarm.join(run_id, config, run_document(), host_maddrs=LOOPBACK))
     for _ in range(count - 1):
-        swarms.append(Swarm.join(run_id, config, "cfg", initial_peers=swarms[0].addresses(), host_maddrs=LOOPBACK))
+        swarms.append(Swarm.join(run_id, config, run_document(), initial_peers=swarms[0].addresses(),
+                                 host_maddrs=LOOPBACK))
     return swarms
 
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from helpers import LOOPBACK, join_swarms
+from helpers import LOOPBACK, join_swarms, run_document
 from hivemind.p2p import P2P, PeerID
 
 from p2ploco.budget import StepTimes, WallClockBudget
@@ -22,7 +22,7 @@ from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
-from p2ploco.config import SparseLoCoConfig, SwarmConfig
+from p2ploco.config import SparseLoCoConfig, SwarmConfig, document_fingerprint
 from p2ploco.errors import Failure, PayloadError
 from p2ploco.outer.sparseloco import SparseLoCo
 from p2ploco.swarm import wire
@@ -323,9 +323,11 @@ def test_a_peer_with_another_config_is_warned_and_never_counts_the_others(trio, 
     """Anyone can publish a record of another config under a run's key: it never stops a node from starting (it
     used to), and a node never counts a peer of another config as one to average with or follow."""
     with caplog.at_level(logging.WARNING, logger="p2ploco.swarm.runtime"):
-        other = Swarm.join("test", CONFIG, "other-cfg", initial_peers=trio[0].addresses(), host_maddrs=LOOPBACK)
+        other = Swarm.join("test", CONFIG, run_document("other-cfg"), initial_peers=trio[0].addresses(),
+                           host_maddrs=LOOPBACK)
     try:
-        assert "run 'test' has peers of another config (fingerprint cfg, yours other-cfg)" in caplog.text
+        assert (f"run 'test' has peers of another config (fingerprint {document_fingerprint(run_document())}, yours "
+                f"{document_fingerprint(run_document('other-cfg'))})") in caplog.text
         assert other.swarm_state(0, {"params": "mine"}) == {}
         assert set(other.directory.live) > {other.peer_id} and other.step_seconds() == []  # nor goes by their pace
     finally:
@@ -483,7 +485,7 @@ def test_the_round_budget_goes_by_the_step_times_of_recent_partners_not_of_any_r
     budget = WallClockBudget(10, own, me.step_seconds)
     next(rounds)
     round_index = next(rounds)  # >= 1: the liar's record at round 0 is no peer the round waits for
-    liar = Swarm.join("test", CONFIG, "cfg", initial_peers=trio[0].addresses(), host_maddrs=LOOPBACK)
+    liar = Swarm.join("test", CONFIG, run_document(), initial_peers=trio[0].addresses(), host_maddrs=LOOPBACK)
     try:
         liar.update_record(step_seconds=1e-300)
         for s in trio:

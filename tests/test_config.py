@@ -1,7 +1,7 @@
 import pytest
 
 from p2ploco import config as config_module
-from p2ploco.config import Config, load_config
+from p2ploco.config import Config, config_of_run, differences, load_config
 from p2ploco.errors import ConfigError
 
 TINY = "configs/tiny.yaml"
@@ -82,16 +82,36 @@ def test_bad_config_files(tmp_path):
         load_config(typo)
 
 
-def test_fingerprint_covers_what_peers_must_share():
+def test_fingerprint_covers_every_setting_but_a_peers_own():
     base = Config()
-    other_outer = load_config(None, ["outer.sparseloco.lr=0.5"])
-    other_inner = load_config(None, ["inner.lr=1e-3", "inner.warmup_steps=7", "inner.fixed_steps=true"])
+    own = load_config(None, ["training.device=cpu", "training.threads=2", "inner.fixed_steps=true", "run_id=other",
+                             "inner.batch_size=4", "inner.grad_accum=2", "swarm.reachability=client"])
+    assert base.swarm_fingerprint() == own.swarm_fingerprint()  # the same tokens a round, split as memory allows
+    for shared in ("outer.sparseloco.lr=0.5", "inner.lr=1e-3", "inner.steps=7", "swarm.allreduce_timeout=20"):
+        assert load_config(None, [shared]).swarm_fingerprint() != base.swarm_fingerprint(), shared
+    # what a round can hold caps every contribution's weight (Config.round_tokens)
     other_batch = load_config(None, ["inner.batch_size=4"])
-    assert base.swarm_fingerprint() != other_outer.swarm_fingerprint()
-    assert base.swarm_fingerprint() == other_inner.swarm_fingerprint()  # how a peer trains may differ per peer
-    # what a round can hold may not: it caps every contribution's weight (Config.round_tokens)
     assert base.swarm_fingerprint() != other_batch.swarm_fingerprint()
     assert other_batch.round_tokens * 2 == base.round_tokens
+
+
+def test_a_run_document_rebuilds_the_run_with_the_peers_own_settings_on_top():
+    run = load_config("configs/tiny.yaml", ["inner.lr=1e-3", "model.n_layer=3", "training.device=cpu"])
+    own = load_config(None, ["run_id=tiny", "training.threads=3", "inner.batch_size=2", "inner.grad_accum=4"])
+    joined = config_of_run(run.run_document()["settings"], own)
+    assert (joined.inner.lr, joined.model.n_layer, joined.inner.steps) == (1e-3, 3, run.inner.steps)
+    assert (joined.training.device, joined.training.threads, joined.inner.batch_size) == ("auto", 3, 2)
+    assert joined.swarm_fingerprint() == run.swarm_fingerprint()
+    assert differences(load_config("configs/tiny.yaml", ["inner.lr=3e-3"]).run_document(), run.run_document()) == [
+        "inner.lr=0.003 (run: 0.001)", "model.n_layer=2 (run: 3)"]
+
+
+def test_a_run_document_that_does_not_parse_gets_one_line_naming_it():
+    settings = {**Config().run_document()["settings"], "inner.lr": "fast"}
+    with pytest.raises(ConfigError, match=r"^the run's config: inner.lr must be a number; got 'fast'$"):
+        config_of_run(settings, Config())
+    with pytest.raises(ConfigError, match=r"^the run's config: unknown config key 'inner.speed'"):
+        config_of_run({"inner.speed": 1}, Config())
 
 
 def test_peers_that_speak_another_protocol_version_have_another_fingerprint(monkeypatch):

@@ -1,14 +1,13 @@
-"""Real node processes on loopback training on one's own data: a prepared corpus (and a peer on another
-prepared corpus refused), and one plain ~10 MB text file."""
+"""Real node processes on loopback training on one's own data: a prepared corpus with its own tokenizer (and a
+node that joins with one address, and one whose config conflicts), and one plain ~10 MB text file."""
 
 import re
-import signal
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from p2ploco.data import ByteTokenizer, prepare
+from p2ploco.data import prepare, train_bpe
 from p2ploco.launch import TINY_CONFIG, LocalSwarm
 
 FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=4",
@@ -27,33 +26,35 @@ def assert_trained_together(runs: dict[str, list[dict]], rounds: int) -> None:
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(240)
-def test_nodes_train_on_a_prepared_corpus_and_ignore_a_peer_on_another(tmp_path):
-    """A node on another prepared corpus (another config fingerprint) starts, says in one line that the run's
-    peers train another config, and never shares a round with them; the two on the same corpus train together.
-    (It used to be refused: then one record of another config, which anyone can publish, stopped every new node.)"""
-    modules = sorted(STDLIB.glob("*.py"))
-    prepare([str(p) for p in modules[:60]], tmp_path / "ours", ByteTokenizer(), 2.0)
-    prepare([str(p) for p in modules[60:120]], tmp_path / "other", ByteTokenizer(), 2.0)
-    rounds = 4
+@pytest.mark.timeout(300)
+def test_a_node_joins_with_one_address_trains_the_runs_config_and_a_conflicting_one_stops(tmp_path):
+    """A run started with overrides (a prepared corpus with a tokenizer of its own, its vocabulary, H = 4); a node
+    given only --initial-peers and --run-id (and how long it stays) fetches the run's config from it and trains
+    every round with it, identical; a node whose --set conflicts exits 2 with one line naming the key, and the
+    first node logs that once."""
+    modules = sorted(STDLIB.glob("*.py"))[:60]
+    tokenizer = train_bpe((path.read_text(errors="replace") for path in modules), 300, tmp_path / "tokenizer.json")
+    prepare([str(path) for path in modules], tmp_path / "ours", tokenizer, 2.0)
+    rounds, run = 4, ["--run-id", "ours", "--max-rounds", "4"]
     with LocalSwarm(tmp_path / "swarm") as swarm:
-        def start(name: str, corpus: str):
-            return swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(rounds), "--set",
-                                    "swarm.min_peers=2", "--set", f"data.prepared={tmp_path / corpus}")
-
-        a = start("a", "ours")
-        a.wait_for_line(JOINED, 60)
-        b = start("b", "other")
-        b.wait_for_line(re.compile(r"run 'tiny' has peers of another config \(fingerprint \w+, yours \w+\)"), 60)
-        c = start("c", "ours")
-        assert [a.process.wait(180), c.process.wait(60)] == [0, 0]
-        b.signal(signal.SIGTERM)
-        assert b.process.wait(60) == 0
-        runs = {name: swarm.records(name) for name in "ac"}
-        others = swarm.records("b")
-    assert "(prepared)" in (tmp_path / "swarm" / "a.log").read_text()
+        a = swarm.start_node("a", TINY_CONFIG, *FAST, *run, "--set", "swarm.min_peers=2", "--set",
+                             f"data.prepared={tmp_path / 'ours'}", "--set", "model.vocab_size=300", "--set",
+                             "inner.steps=4")
+        a.wait_for_line(re.compile(r"  p2ploco node start --run-id ours --initial-peers /ip4/\S+$"), 60)
+        conflicting = swarm.start_node("c", None, *run, "--set", "inner.lr=0.01")
+        assert conflicting.process.wait(60) == 2
+        b = swarm.start_node("b", None, *run)
+        assert [a.process.wait(180), b.process.wait(60)] == [0, 0]
+        runs = {name: swarm.records(name) for name in "ab"}
+    refused = (tmp_path / "swarm" / "c.log").read_text().strip().splitlines()
+    assert refused[-1] == ("error: this node's config differs from run 'ours''s, which 1 of its 1 peer(s) train: "
+                           "inner.lr=0.01 (run: 0.002); drop those --set")
+    b_log = (tmp_path / "swarm" / "b.log").read_text()
+    assert "training run 'ours''s config, as 1 of its 1 peer(s) train it" in b_log
+    assert f"{tmp_path / 'ours'} (prepared)" in b_log and "H=4" in b_log
+    assert (tmp_path / "swarm" / "a.log").read_text().count("with another config of its own") == 1
     assert_trained_together(runs, rounds)
-    assert all(r["peers"] == 1 for r in others)  # b never averaged with a or c
+    assert max(r["inner_steps"] for r in runs["b"]) == 4  # H as the run's, or fewer where the round's pace says
 
 
 @pytest.mark.slow

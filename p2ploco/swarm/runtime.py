@@ -13,10 +13,11 @@ from functools import partial
 from typing import Any
 
 from hivemind.dht.node import DHTNode
+from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2ploco import __version__
-from p2ploco.config import SwarmConfig
+from p2ploco.config import SwarmConfig, document_fingerprint
 from p2ploco.errors import shown
 from p2ploco.swarm import DEFAULT_HOST_MADDRS, wire
 from p2ploco.swarm.allreduce import ButterflyAllReduce
@@ -34,7 +35,8 @@ from p2ploco.swarm.matchmaker import Matchmaker
 from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, detect
-from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachability, peers_key
+from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachability, parse_records, peers_key
+from p2ploco.swarm.run_config import ConfigServer, RunDocument, fetch_run_document, tell_conflict
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, serves
 from p2ploco.swarm.status import StatusServer
 from p2ploco.swarm.survey import survey
@@ -57,62 +59,16 @@ class Swarm:
         self.status_server: StatusServer | None = None
 
     @classmethod
-    def join(cls, run_id: str, config: SwarmConfig, config_fingerprint: str, initial_peers: Sequence[str] = (),
+    def join(cls, run_id: str, config: SwarmConfig, document: dict[str, Any], initial_peers: Sequence[str] = (),
              host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS, announce_maddrs: Sequence[str] = (),
              identity_path: str | None = None, name: str = "", device: str = "", role: str = "replica",
              stages: int = 1, round_tokens: int = MAX_TOKENS) -> Swarm:
-        """Start the p2p daemon and DHT node, publish this peer's record and serve rounds and state. ``stages``:
-        how many slices a pipeline group of this run brings to a round; ``round_tokens``: the most tokens one
-        contribution may weigh (``Config.round_tokens``)."""
-        identity = Identity.claim(identity_path) if identity_path is not None else Identity.fresh()
-        loop = EventLoopThread()
+        """Arrive (``Arrival``) and enter at once: for a peer whose config is settled (``document``: its run
+        document, ``Config.run_document``)."""
+        arrival = Arrival.start(run_id, config.reachability, initial_peers, host_maddrs, announce_maddrs,
+                                identity_path)
+        return arrival.enter(config, document, name, device, role, stages, round_tokens)
 
-        async def start() -> Swarm:
-            # A DHT client until it is known to be dialable (``dht.start_serving``); the daemon's own routing serves
-            # unless the peer is known to sit behind a NAT.
-            node, owner = await start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity,
-                                               client_mode=config.reachability != Reachability.PUBLIC, run_id=run_id,
-                                               dht_mode="client" if config.reachability == "client" else "server")
-            p2p, me_id = node.protocol.p2p, str(node.peer_id)
-            addresses = await visible_maddrs(node)
-            me = PeerRecord(peer_id=me_id, round=0, state=PeerState.JOINING, fingerprint=config_fingerprint,
-                            version=__version__, name=name or human_name(me_id), device=device, role=role,
-                            bandwidth_mbit=config.bandwidth_mbit, addresses=addresses[:MAX_ADDRESSES])
-            directory = PeerDirectory(node, peers_key(run_id), owner, me, config.heartbeat_interval, config.peer_ttl,
-                                      run_id=run_id)
-            live = (await directory.refresh()).values()
-            if config.reachability == "auto":  # the bootstrap peers the user named, then public peers of the run
-                public = [r.peer_id for r in live if not r.dials_out and r.peer_id != me_id]
-                reachability = await detect(p2p, [Multiaddr(a)["p2p"] for a in initial_peers], public, addresses)
-            else:
-                reachability = Reachability(config.reachability)
-            if not reachability.dials_out:  # others can dial it: it serves the DHT and the dial-back probe
-                await start_serving(node)
-                await DialBack(p2p, addresses).start()
-            logger.info(f"reachability: {reachability}")
-            directory.update_soon(reachability=reachability)  # stored with the first store_record, below
-            bans = Bans(config.ban_rounds)
-            book = GroupBook()
-            matchmaker = Matchmaker(p2p, directory, run_id, config.matchmaking_timeout, bans, stages, book,
-                                    round_tokens, reachability.dials_out)
-            deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
-                                         config.max_transfer_timeout)
-            butterfly = ButterflyAllReduce(p2p, me_id, run_id, deadlines, bans, directory.rates)
-            commit = RoundCommit(p2p, me_id, run_id, config.allreduce_timeout, book)
-            state_server = StateServer(p2p, run_id, deadlines)
-            for service in (matchmaker, butterfly, commit, state_server):
-                await service.start()
-            await directory.store_record()
-            directory.start_heartbeat()
-            communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
-            return cls(loop, node, directory, communicator, state_server, config, identity, bans)
-
-        try:
-            return loop.run(start())
-        except BaseException:  # interrupted too: no loop thread or identity lock outlives a failed join
-            loop.stop()
-            identity.release()
-            raise
 
     @property
     def peer_id(self) -> str:
@@ -272,6 +228,115 @@ class Swarm:
             logger.warning(f"leaving the swarm uncleanly: {e!r}")
         except Exception:  # a bug must not keep the process from exiting: say where it is, stop anyway
             logger.exception("leaving the swarm uncleanly")
+        finally:
+            self.loop.stop()
+            self.identity.release()
+
+
+class Arrival:
+    """A node on its way into a run: its DHT node is up, it can read the run's records and ask the run's peers for
+    the run's config (``swarm/run_config.py``), and it has published nothing, so a start that ends here leaves no
+    trace in the swarm. ``enter`` makes it a Swarm, ``abandon`` stops it."""
+
+    def __init__(self, loop: EventLoopThread, node: DHTNode, owner: bytes, identity: Identity, run_id: str,
+                 initial_peers: Sequence[str], reachability: str):
+        self.loop, self.node, self.owner, self.identity = loop, node, owner, identity
+        self.run_id, self.initial_peers, self.reachability = run_id, initial_peers, reachability
+
+    @classmethod
+    def start(cls, run_id: str, reachability: str, initial_peers: Sequence[str] = (),
+              host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS, announce_maddrs: Sequence[str] = (),
+              identity_path: str | None = None) -> Arrival:
+        """Start the p2p daemon and DHT node (``reachability``: the swarm.reachability setting). A DHT client until
+        it is known to be dialable (``dht.start_serving``); the daemon's own routing serves unless the peer is
+        known to sit behind a NAT."""
+        identity = Identity.claim(identity_path) if identity_path is not None else Identity.fresh()
+        loop = EventLoopThread()
+        try:
+            node, owner = loop.run(start_dht_node(initial_peers, host_maddrs, announce_maddrs, identity,
+                                                  client_mode=reachability != Reachability.PUBLIC, run_id=run_id,
+                                                  dht_mode="client" if reachability == "client" else "server"))
+        except BaseException:  # interrupted too: no loop thread or identity lock outlives a failed start
+            loop.stop()
+            identity.release()
+            raise
+        return cls(loop, node, owner, identity, run_id, initial_peers, reachability)
+
+    def run_document(self, mine: str = "") -> RunDocument | None:
+        """The config most of the run's live peers train with, as one of them serves it (``mine``: this peer's own
+        config's fingerprint, "" if it brought none); None if no peer of the run serves one."""
+        async def look() -> RunDocument | None:
+            records = parse_records(getattr(await self.node.get(peers_key(self.run_id), latest=True), "value", None),
+                                    get_dht_time())
+            return await fetch_run_document(self.node.protocol.p2p, self.run_id,
+                                            [record for record, _ in records.values()], str(self.node.peer_id), mine)
+
+        try:
+            return self.loop.run(look())
+        except BaseException:
+            self.abandon()
+            raise
+
+    def tell_conflict(self, run: RunDocument, mine: str) -> None:
+        """Let ``run``'s donor know that this peer, of config ``mine``, stops instead of joining."""
+        self.loop.run(tell_conflict(self.node.protocol.p2p, self.run_id, run, mine))
+
+    def enter(self, config: SwarmConfig, document: dict[str, Any], name: str = "", device: str = "",
+              role: str = "replica", stages: int = 1, round_tokens: int = MAX_TOKENS) -> Swarm:
+        """Publish this peer's record (carrying ``document``'s fingerprint) and serve rounds, state and the run's
+        config. ``stages``: how many slices a pipeline group of this run brings to a round; ``round_tokens``: the
+        most tokens one contribution may weigh (``Config.round_tokens``)."""
+        node, identity, loop = self.node, self.identity, self.loop
+
+        async def start() -> Swarm:
+            p2p, me_id = node.protocol.p2p, str(node.peer_id)
+            addresses = await visible_maddrs(node)
+            me = PeerRecord(peer_id=me_id, round=0, state=PeerState.JOINING, fingerprint=document_fingerprint(document),
+                            version=__version__, name=name or human_name(me_id), device=device, role=role,
+                            bandwidth_mbit=config.bandwidth_mbit, addresses=addresses[:MAX_ADDRESSES])
+            directory = PeerDirectory(node, peers_key(self.run_id), self.owner, me, config.heartbeat_interval,
+                                      config.peer_ttl, run_id=self.run_id)
+            live = (await directory.refresh()).values()
+            if config.reachability == "auto":  # the bootstrap peers the user named, then public peers of the run
+                public = [r.peer_id for r in live if not r.dials_out and r.peer_id != me_id]
+                reachability = await detect(p2p, [Multiaddr(a)["p2p"] for a in self.initial_peers], public,
+                                            addresses)
+            else:
+                reachability = Reachability(config.reachability)
+            if not reachability.dials_out:  # others can dial it: it serves the DHT and the dial-back probe
+                await start_serving(node)
+                await DialBack(p2p, addresses).start()
+            logger.info(f"reachability: {reachability}")
+            directory.update_soon(reachability=reachability)  # stored with the first store_record, below
+            bans = Bans(config.ban_rounds)
+            book = GroupBook()
+            matchmaker = Matchmaker(p2p, directory, self.run_id, config.matchmaking_timeout, bans, stages, book,
+                                    round_tokens, reachability.dials_out)
+            deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
+                                         config.max_transfer_timeout)
+            butterfly = ButterflyAllReduce(p2p, me_id, self.run_id, deadlines, bans, directory.rates)
+            commit = RoundCommit(p2p, me_id, self.run_id, config.allreduce_timeout, book)
+            state_server = StateServer(p2p, self.run_id, deadlines)
+            config_server = ConfigServer(p2p, self.run_id, document, deadlines.base)
+            for service in (matchmaker, butterfly, commit, state_server, config_server):
+                await service.start()
+            await directory.store_record()
+            directory.start_heartbeat()
+            communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
+            return Swarm(loop, node, directory, communicator, state_server, config, identity, bans)
+
+        try:
+            return loop.run(start())
+        except BaseException:  # interrupted too: no loop thread or identity lock outlives a failed join
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """Stop the DHT node and its daemon: this peer does not enter the run."""
+        try:
+            self.loop.run(finishes_within(self.node.shutdown(), FAREWELL_TIMEOUT), CALL_TIMEOUT)
+        except wire.DAEMON_ERRORS as e:
+            logger.info(f"stopping the DHT node: {e!r}")
         finally:
             self.loop.stop()
             self.identity.release()
