@@ -51,11 +51,13 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def stop_gracefully(stop: Callable[[], None]) -> None:
-    """The first SIGINT or SIGTERM calls ``stop`` (finish cleanly, exit 0); a second one stops at once."""
+    """The first SIGINT or SIGTERM calls ``stop`` (leave cleanly, exit 0: ``Node.stop``); a second one stops at
+    once."""
     def handler(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
-        click.echo(f"{signal.Signals(signum).name}: leaving after this round (signal again to stop now)", err=True)
+        click.echo(f"{signal.Signals(signum).name}: leaving: the round's inner steps stop here, an all-reduce under "
+                   f"way is finished, then a checkpoint is written (signal again to stop at once)", err=True)
         stop()
 
     for signum in (signal.SIGINT, signal.SIGTERM):

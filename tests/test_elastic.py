@@ -51,6 +51,29 @@ def chosen(algorithm: str) -> list[str]:
     return ["--set", f"outer.algorithm={algorithm}", *(["--set", "inner.steps=4"] if algorithm == "streaming" else [])]
 
 
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_a_clean_leave_costs_the_others_no_round(tmp_path):
+    """Of 3 nodes, one gets SIGINT mid-run: it says so before the round's group forms (its record, and its answer
+    to a join it would coordinate), so the other two apply every round, together and identical."""
+    rounds = 8
+    with LocalSwarm(tmp_path) as swarm:
+        nodes = {name: swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(rounds), "--set",
+                                        "swarm.min_peers=3") for name in "abc"}
+        nodes["c"].wait_for_line(re.compile(r"round\s+2 \|"), 150)
+        nodes["c"].signal(signal.SIGINT)
+        assert [nodes[name].process.wait(240) for name in "cab"] == [0, 0, 0]
+        runs = {name: swarm.records(name) for name in "ab"}
+    left = (tmp_path / "c.log").read_text()
+    assert "SIGINT: leaving: the round's inner steps stop here" in left and "left the swarm after" in left
+    for records in runs.values():
+        assert [r["round"] for r in records] == list(range(rounds))
+        assert all(r["applied"] for r in records), [(r["round"], r["peers"]) for r in records if not r["applied"]]
+    assert [r["params_sha256"] for r in runs["a"]] == [r["params_sha256"] for r in runs["b"]]
+    survivors = (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
+    assert "could apply this round without it" not in survivors
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_crash_leave_join_and_rejoin(tmp_path, algorithm):
@@ -87,7 +110,8 @@ def test_crash_leave_join_and_rejoin(tmp_path, algorithm):
     assert all(r["applied"] for name in "abc" for r in runs[name] if r["round"] == 4)
     # The leaver left after a finished round, wrote its checkpoint and its summary, and raised nothing.
     left = (tmp_path / "c.log").read_text()
-    assert "SIGTERM: leaving after this round" in left and "left the swarm after" in left and "summary" in left
+    assert "SIGTERM: leaving: the round's inner steps stop here" in left
+    assert "left the swarm after" in left and "summary" in left
     assert "checkpoint of round" in left and "Traceback" not in left
     # The joiner caught up from the others, and its first applied round ended with the same parameters as
     # everyone else's: the round it caught up to or, when the others had started that round before the record

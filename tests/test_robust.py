@@ -2,6 +2,7 @@
 reference arithmetic, identical bits on every path, contributions that point against the others left out, clipping
 for the tokens trained, and a reducer's result checked against what it combined."""
 
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +22,7 @@ from p2ploco.compression.topk import CompressedTensor, compress
 from p2ploco.config import DiLoCoConfig
 from p2ploco.errors import PayloadError
 from p2ploco.outer.diloco import DiLoCo
+from p2ploco.swarm.clip_streaks import ClipStreaks
 from p2ploco.testing.communicator import InProcessGroup
 
 CLIP = Policy(clip_factor=2.0)
@@ -325,3 +327,20 @@ def test_a_contribution_weighs_at_most_a_full_round_of_tokens():
     assert algorithm.weigh(300) == 300
     algorithm.unapplied_tokens = 900  # a round not applied: its tokens are owed to the next contribution
     assert algorithm.weigh(300) == 1000 and algorithm.unapplied_tokens == 0
+
+
+def test_a_peer_clipped_for_a_few_rounds_is_no_news_and_one_clipped_round_after_round_is_named_once(caplog):
+    streaks = ClipStreaks(rounds=4)
+    with caplog.at_level(logging.WARNING, logger="p2ploco.swarm.clip_streaks"):
+        for round_index in (0, 1, 2, 4, 5, 6):  # a newcomer's catching up: 3 rounds, a gap, 3 more
+            for _ in range(3):  # several spans of one round count once
+                streaks.clipped("peer-a", round_index)
+        assert caplog.records == []
+        for round_index in range(7, 12):
+            streaks.clipped("peer-a", round_index)
+            streaks.clipped("peer-b", round_index)
+    named = [record.getMessage() for record in caplog.records]
+    assert named == [f"peer {peer}'s contribution was clipped to the span's bound (outer.clip_factor x the median "
+                     f"norm) in each of the last 4 rounds: it moves the model more than the others every round (a "
+                     f"far higher learning rate, or an attack); the clipping bounds it"
+                     for peer in ("peer-a", "peer-b")]

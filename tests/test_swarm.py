@@ -68,7 +68,8 @@ def test_sigterm_stops_a_node_cleanly(tmp_path):
         node.signal(signal.SIGTERM)
         assert node.process.wait(30) == 0
         log = node.log_path.read_text()
-    assert "SIGTERM: leaving after this round" in log and "left the swarm after" in log and "summary" in log
+    assert "SIGTERM: leaving: the round's inner steps stop here" in log
+    assert "left the swarm after" in log and "summary" in log
     assert "checkpoint of round" in log
     assert "Traceback" not in log
 

@@ -85,6 +85,7 @@ from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import Failure, PayloadError, ProtocolError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
+from p2ploco.swarm.clip_streaks import ClipStreaks
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.messages import (
@@ -261,6 +262,7 @@ class ButterflyAllReduce:
         self._sessions: dict[tuple[str, str, int], asyncio.Future] = {}  # (group id, slice, piece start) -> session
         self._awaited_by: dict[tuple[str, str, int], str] = {}  # a session not known yet -> the sender that waits
         self.current_round = 0  # the round of the latest all-reduce here: malformed data is banned from it on
+        self.clip_streaks = ClipStreaks()
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
@@ -390,9 +392,10 @@ class ButterflyAllReduce:
             if sender != self.me:
                 self.bans.ban(sender, session.group.round_index, f"malformed contribution: {reason}")
         round_index, where = session.group.round_index, f"{session.span.start}:{session.span.stop}"
-        for sender in reduction.clipped:
-            logger.warning(f"round {round_index}: clipped the contribution of {sender[-8:]} to span {where} to the "
-                           f"span's bound (outer.clip_factor x the median norm, scaled to its tokens)")
+        for sender in reduction.clipped:  # for a few rounds at a time, no news (``clip_streaks.py``)
+            logger.info(f"round {round_index}: clipped the contribution of {sender[-8:]} to span {where} to the "
+                        f"span's bound (outer.clip_factor x the median norm, scaled to its tokens)")
+            self.clip_streaks.clipped(sender, round_index)
         for sender in reduction.opposed:
             reason = f"its contribution to span {where} pointed against the others'"
             logger.warning(f"round {round_index}: left out the contribution of {sender[-8:]}: {reason}")

@@ -132,6 +132,7 @@ class Matchmaker:
         self._missed: Counter[str] = Counter()  # rounds each peer was waited for in vain here, in a row
         self._missed_round: dict[str, int] = {}  # the last round counted for each: a round counts once
         self._asked: dict[int, set[str]] = {}  # round -> the peers that asked to join some formation of it here
+        self._leavers: dict[str, int] = {}  # coordinators that answered they are leaving -> the round they said so
         self.following: Group | None = None  # the group this peer applied its last round with
         self.leaving = asyncio.Event()
 
@@ -208,8 +209,9 @@ class Matchmaker:
                     logger.warning(f"round {round_index}: {(answer.reason or status)[:300]}; this peer "
                                    f"applies nothing this round and catches up")
                     return None
-                else:
+                else:  # its own word, before its record may say so: it applies no round from now on
                     unreachable[coordinator] = "it is leaving"
+                    self._leavers[coordinator] = round_index
             except (TimeoutError, PayloadError, TransportError) as e:
                 failures.append(wire.failure_of(e))
                 logger.warning(f"round {round_index}: coordinator {coordinator[-8:]} unreachable or implausible "
@@ -259,15 +261,15 @@ class Matchmaker:
         this peer from them: those whose records, at a fresh look, say they work on that round, a later one or the
         one before (still moving to it: an overlapped peer's record moves on only once its round in flight has a
         group) for our config (fresh, not leaving, not waiting for a slot, not banned here), whose daemon can still
-        be dialled (a peer killed a moment ago still has a fresh record), less the stage peers whose pipeline group
-        has no such peer for some stage (a group acts as one replica or not at all). Those further behind follow
-        this peer's state once they reach it."""
+        be dialled (a peer killed a moment ago still has a fresh record) and that did not answer this round that it
+        is leaving, less the stage peers whose pipeline group has no such peer for some stage (a group acts as one
+        replica or not at all). Those further behind follow this peer's state once they reach it."""
         live = await self.directory.refresh()
         banned = self.bans.active(round_index)
         ahead = sorted(p for p, r in live.items() if p != self.me and r.round >= round_index - 1
                        and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
                        and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)
-                       and p not in banned)
+                       and p not in banned and self._leavers.get(p, -1) < round_index)
         # A peer behind a NAT cannot be dialled: its fresh record is all there is to go by.
         dialled = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
                                          for p in ahead if not live[p].dials_out))
