@@ -62,12 +62,15 @@ def test_auto_tokenizer_round_trips_text_for_the_byte_level_and_a_bpe_tokenizer(
                 assert ids == list(text.encode())
             else:
                 assert ids == list(tokenizer.encode_batch([text.encode()])[0])
+        # a text starts after an end-of-text, as in training and in `p2ploco sample`
+        assert auto.encode(TEXTS[0]) == [tokenizer.eot, *auto.encode(TEXTS[0], add_special_tokens=False)]
+        assert auto.decode(auto.encode(TEXTS[0]), skip_special_tokens=True) == TEXTS[0]
     # A tokenizer.json that adds a token after each text: p2ploco never adds it, so the export must not either.
     bpe.tokenizer.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
                                                                  special_tokens=[("<|endoftext|>", bpe.eot)])
     write(bpe, tmp_path / "bpe", 64)
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "bpe")
-    assert auto.encode(TEXTS[0]) == list(bpe.encode_batch([TEXTS[0].encode()])[0])
+    assert auto.encode(TEXTS[0]) == [bpe.eot, *bpe.encode_batch([TEXTS[0].encode()])[0]]
 
 
 def run_dir(tmp_path, name, config, params, round_index=5):
@@ -143,3 +146,34 @@ def test_sample_continues_a_prompt_with_our_own_model_the_same_way_for_the_same_
     greedy = p2ploco("sample", str(folder), "--prompt", "Once", "--max-new-tokens", "12", "--temperature", "0")
     expected = bytes(i for i in generate(model, [256, *b"Once"], 12, stop=256) if i < 256)
     assert greedy.stdout == "Once" + expected.decode("utf-8", errors="replace") + "\n"
+
+
+def test_sample_and_transformers_continue_a_prompt_alike_on_a_trained_checkpoint(tmp_path):
+    """Trained until its greedy continuation of the prompt is text, not whitespace: `p2ploco sample` and
+    transformers' greedy generation on the export, from the exported tokenizer's encoding of the prompt, write the
+    same continuation. The documents continue "x" with 1s at their start and with 2s after it, so what comes
+    before the prompt decides (an export that does not start a text as `sample` does continues with 2s)."""
+    config = load_config("configs/tiny.yaml", ["model.n_layer=1", "model.d_model=64", "data.seq_len=48"])
+    model = Transformer(config.model, config.training.seed)
+    stream = torch.tensor([ByteTokenizer().eot, *b"x1111111 x2222222 x2222222 "] * 60)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        starts = torch.randint(0, len(stream) - 49, (8,), generator=generator)
+        windows = torch.stack([stream[s:s + 49] for s in starts.tolist()])
+        loss = torch.nn.functional.cross_entropy(model(windows[:, :-1]).flatten(0, 1), windows[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    folder = run_dir(tmp_path, "replica", config, {name: p.detach() for name, p in model.named_parameters()})
+    prompt = "x"
+    ours = p2ploco("sample", str(folder), "--prompt", prompt, "--max-new-tokens", "24", "--temperature", "0")
+    assert ours.returncode == 0, ours.stderr
+    continuation = ours.stdout.removesuffix("\n").removeprefix(prompt)
+    assert continuation.startswith("1111111 x2222222"), ours.stdout  # trained: text, not whitespace
+    assert p2ploco("export", str(folder), "--out", str(tmp_path / "hf"), "--dtype", "fp32").returncode == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    llama = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    greedy = llama.generate(ids, max_new_tokens=24, do_sample=False)
+    assert tokenizer.decode(greedy[0], skip_special_tokens=True) == prompt + continuation

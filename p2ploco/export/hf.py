@@ -65,9 +65,10 @@ def hf_state_dict(params: dict[str, torch.Tensor], config: ModelConfig,
     return {name: tensor.detach().contiguous() for name, tensor in out.items()}
 
 
-def hf_config(config: ModelConfig, dtype: torch.dtype, eos_token_id: int | None = None) -> dict[str, Any]:
+def hf_config(config: ModelConfig, dtype: torch.dtype, eot: int | None = None) -> dict[str, Any]:
     """``config.json`` of the exported model: LlamaForCausalLM, no custom code. The rotary base is given both
-    as transformers 5 reads it (``rope_parameters``) and as older readers and converters do (``rope_theta``)."""
+    as transformers 5 reads it (``rope_parameters``) and as older readers and converters do (``rope_theta``). The
+    end-of-text token ``eot`` ends a text and starts one (as ``p2ploco sample`` starts a prompt)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.d_model, "intermediate_size": ffn_width(config),
@@ -76,7 +77,7 @@ def hf_config(config: ModelConfig, dtype: torch.dtype, eos_token_id: int | None 
         "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "tie_word_embeddings": config.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "initializer_range": config.init_std, "use_cache": True, "bos_token_id": None, "eos_token_id": eos_token_id,
+        "initializer_range": config.init_std, "use_cache": True, "bos_token_id": eot, "eos_token_id": eot,
         "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -91,7 +92,8 @@ def export(directories: list[Path], out: Path, dtype: torch.dtype) -> tuple[Conf
     (out / "config.json").write_text(json.dumps(hf_config(config.model, dtype, tokenizer.eot), indent=2))
     # no max_length: transformers warns whenever a caller's max_new_tokens meets one; the config's
     # max_position_embeddings already says how long a window the model knows
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eot}, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": tokenizer.eot,
+                                                            "eos_token_id": tokenizer.eot}, indent=2))
     weights = out / "model.safetensors"
     save_file({name: t.to(dtype) for name, t in tensors.items()}, str(weights), metadata={"format": "pt"})
     weights.chmod((out / "config.json").stat().st_mode & 0o777)  # safetensors writes 0600; the rest follow umask

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
 
 from p2ploco.data.tokenizer import EOT_NAMES, ByteTokenizer, HuggingFaceTokenizer, Tokenizer
 
@@ -34,17 +34,19 @@ def write(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
     # p2ploco's byte-level tokenizer reads "<|endoftext|>" in text as its 13 bytes (only document ends are 256);
     # a BPE tokenizer of ``p2ploco data`` reads it as the special token, as transformers does by default.
     if isinstance(tokenizer, HuggingFaceTokenizer):
-        # A copy without post-processing: p2ploco encodes without added tokens (a BOS, say), and transformers
-        # applies a tokenizer.json's post-processor by default: the exported model would see tokens it never saw.
         rust = RustTokenizer.from_str(tokenizer.tokenizer.to_str())
-        rust.post_processor = None
         eot, split_special = rust.id_to_token(tokenizer.eot), False
     elif isinstance(tokenizer, ByteTokenizer):
         rust, eot, split_special = byte_level(), EOT_NAMES[0], True
     else:
         raise TypeError(f"no export for {type(tokenizer).__name__}")
+    # A document starts after an end-of-text in training, and ``p2ploco sample`` starts a prompt so: the exported
+    # tokenizer puts it in front of a text too (transformers applies a tokenizer.json's post-processor by default),
+    # and nothing else (a tokenizer.json's own post-processor, which p2ploco never applied, is replaced).
+    rust.post_processor = processors.TemplateProcessing(single=f"{eot} $A", pair=f"{eot} $A {eot} $B",
+                                                        special_tokens=[(eot, tokenizer.eot)])
     rust.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": None, "pad_token": None,
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot, "pad_token": None,
               "unk_token": None, "model_max_length": max_length, "clean_up_tokenization_spaces": False,
               "split_special_tokens": split_special}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
