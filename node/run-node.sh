@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Start a p2ploco node for real, configured from the environment (see node/README.md).
-#   P2PLOCO_CONFIG         run config (default: configs/150m.yaml next to this folder)
+#   P2PLOCO_CONFIG         run config that starts a run (default: configs/150m.yaml next to this folder, unless
+#                          P2PLOCO_INITIAL_PEERS is set: then the node trains the config of the run it joins)
+#   P2PLOCO_RUN_ID         the run's name (default: the config's run_id; needed to join without P2PLOCO_CONFIG)
 #   P2PLOCO_INITIAL_PEERS  space-separated multiaddrs of peers already in the swarm (empty: start a new swarm)
 #   P2PLOCO_PORT           TCP port to listen on (default 31337)
 #   P2PLOCO_PUBLIC_IP      the address other peers dial; omit on a LAN where the interface address is reachable
@@ -8,13 +10,17 @@
 #   extra arguments are passed to `p2ploco node start` (e.g. --set inner.batch_size=8)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-config="${P2PLOCO_CONFIG:-$here/../configs/150m.yaml}"
 port="${P2PLOCO_PORT:-31337}"
 home="${P2PLOCO_HOME:-$HOME/.p2ploco}"
 mkdir -p "$home"
 
-args=(node start --config "$config" --host-maddrs "/ip4/0.0.0.0/tcp/$port" --identity "$home/identity.key"
-      --log-dir "$home/logs")
+args=(node start --host-maddrs "/ip4/0.0.0.0/tcp/$port" --identity "$home/identity.key" --log-dir "$home/logs")
+if [[ -n "${P2PLOCO_CONFIG:-}" || -z "${P2PLOCO_INITIAL_PEERS:-}" ]]; then
+  args+=(--config "${P2PLOCO_CONFIG:-$here/../configs/150m.yaml}")
+fi
+if [[ -n "${P2PLOCO_RUN_ID:-}" ]]; then
+  args+=(--run-id "$P2PLOCO_RUN_ID")
+fi
 if [[ -n "${P2PLOCO_PUBLIC_IP:-}" ]]; then
   args+=(--announce-maddrs "/ip4/$P2PLOCO_PUBLIC_IP/tcp/$port")
 fi

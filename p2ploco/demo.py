@@ -55,6 +55,8 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
         which = f"all {holders} nodes" if len(agreement) == 1 else f"all {holders} holders of {slice_name}"
         out(f"identical global parameters on {which} after every round: {'yes' if agree else 'NO'}")
     ok = not failed and all(agreement.values()) and all(len(r) == rounds for r in records.values())
+    size = sum(path.stat().st_size for path in workdir.rglob("*") if path.is_file())
+    out(f"logs, metrics and checkpoints: {workdir} ({human_bytes(size)}; it stays until you delete it)")
     if ok:
         # A replica's final checkpoint, or the stages' of the first pipeline group: the model the swarm trained.
         sources = [workdir / "node0"] if replicas else [workdir / f"g0s{s}" for s in range(stages)]

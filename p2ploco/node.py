@@ -27,6 +27,7 @@ import torch
 
 from p2ploco.budget import RoundBudget, WallClockBudget
 from p2ploco.catchup import CatchUp
+from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.config import Config, config_of_run, differences, with_overrides
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
@@ -99,6 +100,7 @@ class Node:
         self.config, self.options, self.config_path, self.out = config, options, config_path, out
         self.overrides = overrides
         self.data: TrainingData | None = None  # loaded once the config is settled (``_settle``)
+        self.run_files: tuple[RunDirectory, Checkpoint | None] | None = None  # and the checkpoint to resume from
         self.status_address = status_address
         self.log_dir, self.resume, self.role_options = log_dir, resume, role or RoleOptions()
         self.records: list[RoundRecord] = []
@@ -122,18 +124,15 @@ class Node:
         data = None if self.config_path is None else self._load_data(c)
         status = self._listen_for_status(*self.status_address) if self.status_address is not None else None
         swarm = self.swarm = self._join(data, status)
-        c, data = self.config, self.data
+        c, data, (files, saved) = self.config, self.data, self.run_files
         started = time.perf_counter()
         me = swarm.peer_id[-8:]
-        files: RunDirectory | None = None
         try:
             swarm.update_record(device=describe_device(device))
             if status is not None:
                 self._serve_status(swarm, *status)
             self._print_join_instructions(swarm)
-            files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, c.swarm_fingerprint(data.fingerprint),
-                                 self.resume, lambda line: self.out(f"[{me}] {line}"))
-            role, standing = self._take_role(swarm, device, data, files)
+            role, standing = self._take_role(swarm, device, data, files, saved)
             self._print_setup(swarm, role, device, data)
             presence = Presence(swarm, role)
             presence.announce_joining(standing.round)
@@ -150,9 +149,8 @@ class Node:
         except KeyboardInterrupt:  # a second signal: stop now, keep the last periodic checkpoint
             self.out(f"[{me}] stopped at once after {len(self.records)} round(s); no exit checkpoint")
         finally:
-            try:
-                if files is not None:  # a periodic checkpoint being written is finished, also when stopped at once
-                    files.close()
+            try:  # a periodic checkpoint being written is finished, also when stopped at once
+                files.close()
             finally:
                 swarm.leave()
         if self.stopping.is_set():
@@ -179,14 +177,22 @@ class Node:
             if status is not None:
                 status[0].close()
             raise
+        files: RunDirectory | None = None
         try:
             self.config, self.data = self._settle(arrival, data)
             c = self.config
+            # the checkpoint to resume from, checked before any peer has seen this node
+            me, fingerprint = arrival.peer_id[-8:], c.swarm_fingerprint(self.data.fingerprint)
+            files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, fingerprint, self.resume,
+                                 lambda line: self.out(f"[{me}] {line}"))
+            self.run_files = files, files.saved()
             return arrival.enter(c.swarm, c.run_document(self.data.fingerprint), o.name, role=self.role_options.kind,
                                  stages=c.pipeline.stages, round_tokens=c.round_tokens)
         except BaseException:
             if status is not None:
                 status[0].close()
+            if files is not None:
+                files.close()
             arrival.abandon()
             raise
 
@@ -271,13 +277,12 @@ class Node:
             self.out(f"[{me}] {present} peer(s) present; starting")
 
     def _take_role(self, swarm: Swarm, device: torch.device, data: TrainingData, files: RunDirectory,
-                   ) -> tuple[Role, Standing]:
-        """This node's role with its worker placed, resumed from the run directory's checkpoint if asked, and where
-        the node stands then: the round to train first and how it came by its state."""
+                   saved: Checkpoint | None) -> tuple[Role, Standing]:
+        """This node's role with its worker placed, resumed from ``saved`` (the run directory's checkpoint, if asked
+        to resume), and where the node stands then: the round to train first and how it came by its state."""
         c = self.config
         role: Role = (ReplicaRole(c, device, data, swarm) if self.role_options.kind == REPLICA
                       else StageRole(c, device, data, swarm, self.role_options))
-        saved = files.saved()
         if saved is not None and isinstance(role, StageRole):
             role.pin(*saved.extras.get("slot", (None, None)))
         role.place()

@@ -3,6 +3,7 @@ mid-run, a restart with the same identity, and a whole swarm resumed from its ch
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -238,5 +239,22 @@ def test_checkpoint_errors_are_one_line_and_overwrite_nothing(tmp_path):
     torn = node_start("--log-dir", log_dir, "--resume")
     assert torn.returncode == 1 and "is unreadable or corrupt" in torn.stderr
     assert pointer.read_bytes() == saved[: len(saved) // 2]  # left as found
-    for result in (again, other, torn):
+    missing = node_start("--log-dir", str(tmp_path / "elsewhere"), "--resume")
+    assert missing.returncode == 1 and "no checkpoint in" in missing.stderr
+    for result in (again, other, torn, missing):
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+        assert "joined run" not in result.stdout  # said before the node joined, not after
+
+
+@pytest.mark.timeout(120)
+def test_a_listening_port_in_use_is_one_line_naming_the_flag(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"/ip4/127.0.0.1/tcp/{taken.getsockname()[1]}"
+        result = subprocess.run([sys.executable, "-m", "p2ploco.cli", "node", "start", "--config", str(TINY_CONFIG),
+                                 "--host-maddrs", address, "--log-dir", str(tmp_path)],
+                                capture_output=True, text=True, timeout=90)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: --host-maddrs {address}: the port is in use by another process; pick "
+                                     f"another port in --host-maddrs (/tcp/0: any free one)")

@@ -28,6 +28,8 @@ def test_demo_three_nodes_train_together_with_identical_params(tmp_path):
     assert "identical global parameters on all 3 nodes after every round: yes" in result.stdout
     assert re.search(r"round\s+2 \| peers 3 \|", result.stdout)
     # It ends with a sample from the final checkpoint: a heading that says how to draw more, then the text.
+    assert re.search(rf"^logs, metrics and checkpoints: {re.escape(str(tmp_path))} \(\d+(\.\d)? [kM]B; it stays "
+                     rf"until you delete it\)$", result.stdout, re.MULTILINE)
     lines = result.stdout.rstrip("\n").splitlines()
     heading = next(i for i, line in enumerate(lines) if line.startswith("sample from the final checkpoint"))
     assert f"p2ploco sample {tmp_path / 'node0' / 'checkpoint'}" in lines[heading]

@@ -11,7 +11,7 @@ from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
-from p2ploco.errors import SwarmError
+from p2ploco.errors import ConfigError, SwarmError
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.schema import record_validator
@@ -78,6 +78,9 @@ async def start_dht_node(
         if "failed to connect to bootstrap peers" in text:
             raise SwarmError(f"could not reach any bootstrap peer in {', '.join(initial_peers)}: "
                              f"check the address and that the peer is running") from None
+        if "address already in use" in text:
+            raise ConfigError(f"--host-maddrs {' '.join(host_maddrs)}: the port is in use by another process; pick "
+                              f"another port in --host-maddrs (/tcp/0: any free one)") from None
         if "already taken" in text:
             raise SwarmError(f"identity {identity.path} is already used by a live peer; "
                              f"stop that peer or pass another --identity") from None

@@ -262,6 +262,10 @@ class Arrival:
             raise
         return cls(loop, node, owner, identity, run_id, initial_peers, reachability)
 
+    @property
+    def peer_id(self) -> str:
+        return str(self.node.peer_id)
+
     def run_document(self, mine: str = "") -> RunDocument | None:
         """The config most of the run's live peers train with, as one of them serves it (``mine``: this peer's own
         config's fingerprint, "" if it brought none); None if no peer of the run serves one."""
