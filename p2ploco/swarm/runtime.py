@@ -51,9 +51,11 @@ FAREWELL_TIMEOUT = 3.0  # the "leaving" record is a courtesy: never hold up an e
 
 class Swarm:
     def __init__(self, loop: EventLoopThread, node: DHTNode, directory: PeerDirectory, communicator: SwarmCommunicator,
-                 state_server: StateServer, config: SwarmConfig, identity: Identity, bans: Bans):
+                 state_server: StateServer, config_server: ConfigServer, config: SwarmConfig, identity: Identity,
+                 bans: Bans):
         self.loop, self.node, self.directory, self.communicator = loop, node, directory, communicator
-        self.state_server, self.config, self.identity, self.bans = state_server, config, identity, bans
+        self.state_server, self.config_server = state_server, config_server
+        self.config, self.identity, self.bans = config, identity, bans
         self._probes: dict[tuple[str, int, str, str], tuple[bool, float]] = {}  # claim -> (served, when asked)
         self._dht_bytes_taken = (0, 0)  # ``directory.dht_bytes`` at the last ``take_dht_bytes``
         self.status_server: StatusServer | None = None
@@ -327,7 +329,7 @@ class Arrival:
             await directory.store_record()
             directory.start_heartbeat()
             communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
-            return Swarm(loop, node, directory, communicator, state_server, config, identity, bans)
+            return Swarm(loop, node, directory, communicator, state_server, config_server, config, identity, bans)
 
         try:
             return loop.run(start())

@@ -1,0 +1,77 @@
+"""The run's config as peers serve it (``swarm/run_config.py``), over real hivemind peers on loopback: the document
+most live peers' records vouch for, never one whose digest is not the fingerprint asked for, and nothing a donor
+answers stops the asker."""
+
+import json
+
+import pytest
+from helpers import LOOPBACK, run_document
+
+from p2ploco.config import SwarmConfig, document_fingerprint
+from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.runtime import Arrival, Swarm
+
+CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10)
+OURS, THEIRS = run_document("ours"), run_document("theirs")
+
+
+@pytest.fixture
+def swarms():
+    """Two peers of one config and one of another, in run "test"."""
+    started = []
+    try:
+        for document in (OURS, OURS, THEIRS):
+            peers = started[0].addresses() if started else ()
+            started.append(Swarm.join("test", CONFIG, document, initial_peers=peers, host_maddrs=LOOPBACK))
+        for s in started:
+            s.announce_progress(0, PeerState.JOINING, "start", {"params": "start"})
+        assert all(s.wait_for_peers(2, 30) == 2 for s in started[:2])  # each sees the other of its config
+        yield started
+    finally:
+        for s in started:
+            s.leave()
+
+
+def ask(swarms, mine: str = ""):
+    arrival = Arrival.start("test", "public", swarms[0].addresses(), LOOPBACK)
+    try:
+        return arrival.run_document(mine)
+    finally:
+        arrival.abandon()
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_gets_the_document_most_live_peers_vouch_for(swarms):
+    run = ask(swarms)
+    assert (run.document, run.fingerprint, run.holders, run.peers) == (OURS, document_fingerprint(OURS), 2, 3)
+    assert run.donor in {s.peer_id for s in swarms[:2]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("payload", [
+    json.dumps(THEIRS).encode(),  # another run's document under this fingerprint
+    json.dumps({**OURS, "round_tokens": 2}).encode(),  # one setting changed
+    b"[" * 60_000,  # deeper than the JSON parser goes
+    b"\xff not json",
+    json.dumps({**OURS, "settings": {"inner.lr": {"deep": [[[[1]]]]}}}).encode(),  # not a setting's value
+])
+def test_a_document_that_is_not_its_fingerprints_is_refused_and_the_next_fingerprint_asked(swarms, payload, caplog):
+    for liar in swarms[:2]:
+        liar.config_server.payload = payload
+    run = ask(swarms)
+    assert (run.document, run.holders, run.donor) == (THEIRS, 1, swarms[2].peer_id)
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_with_another_config_is_logged_once_by_the_peer_it_asked(swarms, caplog):
+    mine = document_fingerprint(run_document("mine"))
+    arrival = Arrival.start("test", "public", swarms[0].addresses(), LOOPBACK)
+    try:
+        with caplog.at_level("WARNING", logger="p2ploco.swarm.run_config"):
+            runs = [arrival.run_document(mine) for _ in range(2)]
+    finally:
+        arrival.abandon()
+    assert {run.fingerprint for run in runs} == {document_fingerprint(OURS)}
+    told = [r.getMessage() for r in caplog.records if "with another config of its own" in r.getMessage()]
+    assert told == [f"peer {arrival.peer_id[-8:]} asked for run 'test''s config with another config of its own "
+                    f"(fingerprint {mine}, the run's {runs[0].fingerprint}): it stops instead of joining"]
