@@ -224,8 +224,9 @@ def test_a_sign_flipped_contribution_is_left_out_by_every_reducer_over_hivemind(
 def test_a_join_that_claims_more_tokens_than_a_round_holds_is_left_out(trio):
     coordinator, joiner = trio[0].communicator.matchmaker, trio[1]
     round_index = next(rounds)
-    request = {"round": round_index, "name": "params", "config": "cfg", "state": "start-state", "pipeline": "",
-               "unreachable": [], "tokens": 5001, "dial_out": False, "slices": {"params": ["fp", "start-state"]}}
+    request = {"round": round_index, "name": "params", "config": coordinator.directory.me.fingerprint,
+               "state": "start-state", "pipeline": "", "unreachable": [], "tokens": 5001, "dial_out": False,
+               "slices": {"params": ["fp", "start-state"]}}
     coordinator.round_tokens = 5000
     try:
         answer, _ = joiner.loop.run(wire.call(joiner.communicator.butterfly.p2p, coordinator.me,
@@ -431,7 +432,8 @@ def test_joins_from_outside_the_run_are_refused_and_do_not_disturb_its_rounds(tr
     outsider = loop.run(P2P.create(host_maddrs=LOOPBACK, initial_peers=trio[0].addresses()), 60)
     try:
         async def junk(i: int) -> dict:
-            request = {"round": round_index + i % 3, "name": "params", "config": f"made-up-{i}" if i % 2 else "cfg",
+            request = {"round": round_index + i % 3, "name": "params",
+                       "config": f"made-up-{i}" if i % 2 else trio[0].directory.me.fingerprint,
                        "state": f"s{i}", "pipeline": "", "unreachable": [], "tokens": 1000, "dial_out": False,
                        "slices": {"params": ["fp", f"h{i}"]}}
             answer, _ = await wire.call(outsider, coordinator.me, coordinator.handler_name, request)
