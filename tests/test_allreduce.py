@@ -515,3 +515,24 @@ def test_the_round_budget_goes_by_the_step_times_of_recent_partners_not_of_any_r
         assert me.step_seconds() == [0.1, 0.1]
     finally:
         liar.leave()
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_alone_because_its_coordinator_is_leaving_applies_its_round():
+    """Of two peers, the one that coordinates the round is leaving: it withdrew, and answers so, before its record
+    says so. The other, alone, applies its own update, as nobody else will apply the round (it used to apply
+    nothing, waiting on the leaver as on a peer that could apply the round without it)."""
+    swarms = []
+    try:
+        a, b = join_swarms("pair", 2, CONFIG, swarms)
+        round_index = next(r for r in range(1000) if best_coordinator({a.peer_id, b.peer_id}, r) == b.peer_id)
+        for s in (a, b):
+            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        assert all(s.flush() for s in (a, b))
+        b.loop.run(b.communicator.matchmaker.withdraw(), 30)
+        result = a.communicator.all_reduce(DenseMean(random_tensors(7)), round_index, "params")
+        assert (result.committed, result.peers, Failure.ALONE in result.failures) == (True, [a.peer_id], False)
+        assert b.directory.me.state == PeerState.AVERAGING  # what its record still says
+    finally:
+        for s in swarms:
+            s.leave()
