@@ -60,8 +60,9 @@ MAX_NORM = 2.0**64
 RESULT_TOLERANCE = 1 / 64
 # A result whose cosine with the recipient's own contribution is below minus this points against it. An honest
 # result is the mean of contributions that agree with each other, this one's included: measured at least 0 on
-# tiny.yaml for SparseLoCo and DiLoCo (docs/design.md, "Robust aggregation"), against -0.1 and less flipped.
-DIRECTION_TOLERANCE = 0.02
+# tiny.yaml for SparseLoCo and DiLoCo, and once -0.036 for Streaming DiLoCo's 4-bit fragments at H = 5 with 8
+# replicas (docs/design.md, "Robust aggregation"), against -0.1 and less flipped.
+DIRECTION_TOLERANCE = 0.05
 MAX_RESCALES = 4  # attempts of ``within`` to bring a quantized result under its bound
 GRAM_BLOCK = 1 << 16  # coordinates of dense contributions multiplied at once by ``gram``
 T = TypeVar("T")
