@@ -48,8 +48,8 @@ ALGORITHMS = ["sparseloco", pytest.param("loco", marks=pytest.mark.slow),
 
 
 def chosen(algorithm: str) -> list[str]:
-    """The node arguments that select ``algorithm`` (Streaming's 2 fragments need an even inner.steps)."""
-    return ["--set", f"outer.algorithm={algorithm}", *(["--set", "inner.steps=4"] if algorithm == "streaming" else [])]
+    """The node arguments that select ``algorithm``."""
+    return ["--set", f"outer.algorithm={algorithm}"]
 
 
 @pytest.mark.swarm
