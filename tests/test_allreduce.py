@@ -328,7 +328,7 @@ def test_a_peer_with_another_config_is_warned_and_never_counts_the_others(trio, 
                            host_maddrs=LOOPBACK)
     try:
         assert (f"run 'test' has peers of another config (fingerprint {document_fingerprint(run_document())}, yours "
-                f"{document_fingerprint(run_document('other-cfg'))})") in caplog.text
+                f"{document_fingerprint(run_document('other-cfg'))}: other settings") in caplog.text
         assert other.swarm_state(0, {"params": "mine"}) == {}
         assert set(other.directory.live) > {other.peer_id} and other.step_seconds() == []  # nor goes by their pace
     finally:

@@ -38,6 +38,7 @@ from typing import Any
 from hivemind.dht.node import DHTNode
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from p2ploco import PROTOCOL_VERSION
 from p2ploco.errors import shown
 from p2ploco.swarm.records import RUNS_KEY, PeerRecord, PeerState, parse_records
 from p2ploco.swarm.wire import DAEMON_ERRORS
@@ -176,8 +177,9 @@ class PeerDirectory:
             return
         self._foreign_named.update(foreign)
         logger.warning(f"run '{self.run_id}' has peers of another config (fingerprint "
-                       f"{', '.join(map(shown, foreign))}, yours {self.me.fingerprint}); this peer ignores them. A "
-                       f"node started without --config trains the config most of the run's peers train (README, "
+                       f"{', '.join(map(shown, foreign))}, yours {self.me.fingerprint}: other settings, or another "
+                       f"p2ploco protocol version than yours, {PROTOCOL_VERSION}); this peer ignores them. A node "
+                       f"started without --config trains the config most of the run's peers train (README, "
                        f"\"Joining with one address\"); `p2ploco peers` lists them")
 
     def _unexpired(self, now: float) -> dict[str, PeerRecord]:
