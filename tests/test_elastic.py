@@ -52,6 +52,7 @@ def chosen(algorithm: str) -> list[str]:
     return ["--set", f"outer.algorithm={algorithm}"]
 
 
+@pytest.mark.slow  # in the default run: test_allreduce.py::test_a_peer_alone_because_its_coordinator_is_leaving_...
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
 def test_a_clean_leave_costs_the_others_no_round(tmp_path):

@@ -15,7 +15,7 @@ CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_inter
 OURS, THEIRS = run_document("ours"), run_document("theirs")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def swarms():
     """Two peers of one config and one of another, in run "test"."""
     started = []
@@ -56,9 +56,14 @@ def test_a_joiner_gets_the_document_most_live_peers_vouch_for(swarms):
     json.dumps({**OURS, "settings": {"inner.lr": {"deep": [[[[1]]]]}}}).encode(),  # not a setting's value
 ])
 def test_a_document_that_is_not_its_fingerprints_is_refused_and_the_next_fingerprint_asked(swarms, payload, caplog):
-    for liar in swarms[:2]:
-        liar.config_server.payload = payload
-    run = ask(swarms)
+    honest = swarms[0].config_server.payload
+    try:
+        for liar in swarms[:2]:
+            liar.config_server.payload = payload
+        run = ask(swarms)
+    finally:
+        for liar in swarms[:2]:
+            liar.config_server.payload = honest
     assert (run.document, run.holders, run.donor) == (THEIRS, 1, swarms[2].peer_id)
 
 
