@@ -50,6 +50,7 @@ def test_comm_benchmark_sizes_exact_and_resparsified_results_per_peer():
         "bytes_sent_per_peer"] for n in (2, 8, 32))
 
 
+@pytest.mark.slow  # quality.py is in the default run through the next test
 @pytest.mark.timeout(260)
 def test_quality_benchmark_compares_the_methods():
     out = run("benchmarks/quality.py", "--rounds", "2", "--replicas", "2", "--set", "inner.steps=2")
@@ -126,6 +127,7 @@ def test_pipeline_swarm_benchmark_measures_a_real_group_next_to_a_replica():
     assert 0 < figures["group_round"]["stage_transfers"] < figures["group_round"]["inner"]
 
 
+@pytest.mark.slow  # a joiner fetching state from real donors is in the default run through test_elastic.py
 @pytest.mark.timeout(260)
 def test_catchup_benchmark_fetches_from_real_donors():
     out = run("benchmarks/catchup.py", "--config", "configs/tiny.yaml", "--donors", "2", "--repeats", "2")
