@@ -170,15 +170,11 @@ class Node:
         """Join the swarm with the run's config (``_settle``); the p2p daemon is a child process: started before CUDA
         is initialised in this one."""
         c, o = self.config, self.options
+        arrival: Arrival | None = None
+        files: RunDirectory | None = None
         try:
             arrival = Arrival.start(c.run_id, c.swarm.reachability, o.initial_peers, o.host_maddrs, o.announce_maddrs,
                                     o.identity_path)
-        except BaseException:  # interrupted too: the status port is free again for the next start
-            if status is not None:
-                status[0].close()
-            raise
-        files: RunDirectory | None = None
-        try:
             self.config, self.data = self._settle(arrival, data)
             c = self.config
             # the checkpoint to resume from, checked before any peer has seen this node
@@ -188,12 +184,13 @@ class Node:
             self.run_files = files, files.saved()
             return arrival.enter(c.swarm, c.run_document(self.data.fingerprint), o.name, role=self.role_options.kind,
                                  stages=c.pipeline.stages, round_tokens=c.round_tokens)
-        except BaseException:
+        except BaseException:  # interrupted too: the status port is free again for the next start
             if status is not None:
                 status[0].close()
             if files is not None:
                 files.close()
-            arrival.abandon()
+            if arrival is not None:
+                arrival.abandon()
             raise
 
     def _settle(self, arrival: Arrival, data: TrainingData | None) -> tuple[Config, TrainingData]:
@@ -215,10 +212,11 @@ class Node:
             config = self._with_run_data(with_overrides(config_of_run(run.document["settings"], own), self.overrides),
                                          run.document)
             data = self._load_data(config)
-            if config.swarm_fingerprint(data.fingerprint) == run.fingerprint:
+            theirs = config.swarm_fingerprint(data.fingerprint)
+            if theirs == run.fingerprint:
                 self.out(f"training run '{run_id}''s config, as {run.holders} of its {run.peers} peer(s) train it")
                 return config, data
-            arrival.tell_conflict(run, config.swarm_fingerprint(data.fingerprint))
+            arrival.tell_conflict(run, theirs)
         else:
             config = own
         differ = differences(config.run_document(data.fingerprint), run.document)

@@ -18,7 +18,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2ploco import __version__
 from p2ploco.config import SwarmConfig, document_fingerprint
-from p2ploco.errors import shown
+from p2ploco.errors import SwarmError, shown
 from p2ploco.swarm import DEFAULT_HOST_MADDRS, wire
 from p2ploco.swarm.allreduce import ButterflyAllReduce
 from p2ploco.swarm.bans import Bans
@@ -241,9 +241,10 @@ class Arrival:
     trace in the swarm. ``enter`` makes it a Swarm, ``abandon`` stops it."""
 
     def __init__(self, loop: EventLoopThread, node: DHTNode, owner: bytes, identity: Identity, run_id: str,
-                 initial_peers: Sequence[str], reachability: str):
+                 initial_peers: Sequence[str]):
         self.loop, self.node, self.owner, self.identity = loop, node, owner, identity
-        self.run_id, self.initial_peers, self.reachability = run_id, initial_peers, reachability
+        self.run_id, self.initial_peers = run_id, initial_peers
+        self.abandoned = False
 
     @classmethod
     def start(cls, run_id: str, reachability: str, initial_peers: Sequence[str] = (),
@@ -262,7 +263,7 @@ class Arrival:
             loop.stop()
             identity.release()
             raise
-        return cls(loop, node, owner, identity, run_id, initial_peers, reachability)
+        return cls(loop, node, owner, identity, run_id, initial_peers)
 
     @property
     def peer_id(self) -> str:
@@ -272,16 +273,20 @@ class Arrival:
         """The config most of the run's live peers train with, as one of them serves it (``mine``: this peer's own
         config's fingerprint, "" if it brought none); None if no peer of the run serves one."""
         async def look() -> RunDocument | None:
-            records = parse_records(getattr(await self.node.get(peers_key(self.run_id), latest=True), "value", None),
-                                    get_dht_time())
-            return await fetch_run_document(self.node.protocol.p2p, self.run_id,
-                                            [record for record, _ in records.values()], str(self.node.peer_id), mine)
+            # A node that brings no config must find the run: looked for as `p2ploco peers` does, patiently (a DHT
+            # node that just joined may need a few lookups). One that brings its own goes by the first answer, so
+            # that the first node of a run does not wait for peers that are not there.
+            if mine:
+                found = await self.node.get(peers_key(self.run_id), latest=True)
+                records = [r for r, _ in parse_records(getattr(found, "value", None), get_dht_time()).values()]
+            else:
+                records = (await survey(self.node, self.run_id)).peers
+            return await fetch_run_document(self.node.protocol.p2p, self.run_id, records, self.peer_id, mine)
 
         try:
             return self.loop.run(look())
-        except BaseException:
-            self.abandon()
-            raise
+        except wire.DAEMON_ERRORS as e:  # the daemon or a link failed mid-lookup
+            raise SwarmError(f"could not read run '{self.run_id}''s records from the DHT: {e!r}") from None
 
     def tell_conflict(self, run: RunDocument, mine: str) -> None:
         """Let ``run``'s donor know that this peer, of config ``mine``, stops instead of joining."""
@@ -338,7 +343,11 @@ class Arrival:
             raise
 
     def abandon(self) -> None:
-        """Stop the DHT node and its daemon: this peer does not enter the run."""
+        """Stop the DHT node and its daemon: this peer does not enter the run. Once: ``enter`` abandons on its own
+        failure, and its caller's clean-up may ask again."""
+        if self.abandoned:
+            return
+        self.abandoned = True
         try:
             self.loop.run(finishes_within(self.node.shutdown(), FAREWELL_TIMEOUT), CALL_TIMEOUT)
         except wire.DAEMON_ERRORS as e:
