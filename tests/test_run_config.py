@@ -8,7 +8,8 @@ import pytest
 from helpers import LOOPBACK, run_document
 
 from p2ploco.config import SwarmConfig, document_fingerprint
-from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.records import PeerRecord, PeerState
+from p2ploco.swarm.run_config import ranked_fingerprints
 from p2ploco.swarm.runtime import Arrival, Swarm
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10)
@@ -80,3 +81,11 @@ def test_a_joiner_with_another_config_is_logged_once_by_the_peer_it_asked(swarms
     told = [r.getMessage() for r in caplog.records if "with another config of its own" in r.getMessage()]
     assert told == [f"peer {arrival.peer_id[-8:]} asked for run 'test''s config with another config of its own "
                     f"(fingerprint {mine}, the run's {runs[0].fingerprint}): it stops instead of joining"]
+
+
+def test_a_tie_between_configs_goes_to_the_askers_own():
+    records = [PeerRecord(peer_id=f"peer{i}", round=0, state="training", fingerprint=fingerprint)
+               for i, fingerprint in enumerate(["a" * 16, "b" * 16, "c" * 16, "c" * 16])]
+    assert [f for f, _ in ranked_fingerprints(records, "me")] == ["c" * 16, "a" * 16, "b" * 16]
+    assert [f for f, _ in ranked_fingerprints(records, "me", mine="b" * 16)] == ["c" * 16, "b" * 16, "a" * 16]
+    assert [f for f, _ in ranked_fingerprints(records, "peer2", mine="b" * 16)] == ["b" * 16, "a" * 16, "c" * 16]

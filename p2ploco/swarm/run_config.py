@@ -108,23 +108,24 @@ class ConfigServer:
             await wire.write_message(writer, {"fingerprint": self.fingerprint}, self.payload)
 
 
-def ranked_fingerprints(records: Iterable[PeerRecord], me: str) -> list[tuple[str, list[str]]]:
-    """The configs of a run's live training peers, most held first (ties by fingerprint), each with its holders;
-    bootstrap peers and ``me`` do not count."""
+def ranked_fingerprints(records: Iterable[PeerRecord], me: str, mine: str = "") -> list[tuple[str, list[str]]]:
+    """The configs of a run's live training peers, most held first, each with its holders; bootstrap peers and
+    ``me`` do not count. A tie goes to ``mine`` (the asker's own fingerprint: a peer is not told to stop for a
+    config as many peers train with as with its own), then to the lower fingerprint."""
     holders: dict[str, list[str]] = {}
     for record in records:
         if record.role != "bootstrap" and record.fingerprint and record.peer_id != me:
             holders.setdefault(record.fingerprint, []).append(record.peer_id)
     counts = Counter({fingerprint: len(peers) for fingerprint, peers in holders.items()})
     return [(fingerprint, sorted(holders[fingerprint]))
-            for fingerprint, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
+            for fingerprint, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0] != mine, item[0]))]
 
 
 async def fetch_run_document(p2p: P2P, run_id: str, records: Iterable[PeerRecord], me: str,
                              mine: str = "") -> RunDocument | None:
     """The document of the config most of the run's peers hold that a peer serves (``mine``: the asker's own
     fingerprint, "" if it has no config); None if the run has no peer that serves one."""
-    ranked = ranked_fingerprints(records, me)
+    ranked = ranked_fingerprints(records, me, mine)
     peers = sum(len(holders) for _, holders in ranked)
     for fingerprint, holders in ranked:
         for donor in holders[:DONORS_ASKED]:
