@@ -30,7 +30,7 @@ from p2ploco.catchup import CatchUp
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.config import Config, config_of_run, differences, with_overrides
-from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
+from p2ploco.data import Batch, TrainingData, eval_batches, load_tokenizer, load_training_data, read_manifest
 from p2ploco.errors import ConfigError, PipelineError, shown
 from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
@@ -230,17 +230,24 @@ class Node:
     @staticmethod
     def _with_run_data(config: Config, document: dict[str, Any]) -> Config:
         """``config`` with the run's prepared corpus or tokenizer where this node was not given one: the run's
-        peer's path if that holds a file here (its digest is checked once loaded); ConfigError if not."""
+        peer's path if that holds, here, the files of the run's digest (a peer's path is only a hint: another
+        machine may keep other files there); ConfigError if not."""
         kind, _, digest = document["data"].partition(":")
         for key, needed in (("data.prepared", "prepared"), ("data.tokenizer", "tokenizer")):
             if kind != needed or getattr(config.data, key.split(".")[1]):
                 continue
+            what = "a prepared corpus" if needed == "prepared" else "a tokenizer of its own"
             hint = document.get("hints", {}).get(key, "")
+            fix = f"pass --set {key}=PATH, your copy of it"
             if not hint or not Path(hint).expanduser().exists():
-                what = "a prepared corpus" if needed == "prepared" else "a tokenizer of its own"
                 where = shown(hint, 200) if hint else "?"
                 raise ConfigError(f"run '{config.run_id}' trains on {what} (digest {digest[:16]}), kept by its peer at "
-                                  f"{where}, which is not here; pass --set {key}=PATH, your copy of it")
+                                  f"{where}, which is not here; {fix}")
+            here = Path(hint).expanduser()
+            found = read_manifest(here).digest if needed == "prepared" else load_tokenizer(str(here)).digest
+            if found != digest:
+                raise ConfigError(f"run '{config.run_id}' trains on {what} (digest {digest[:16]}), kept by its peer at "
+                                  f"{shown(hint, 200)}, which here holds another (digest {found[:16]}); {fix}")
             config = with_overrides(config, [f"{key}={json.dumps(hint)}"])
         return config
 
