@@ -401,6 +401,24 @@ def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner
     assert joiner.fetch_state(target, tensor_bytes(served)).state_sha256 == served.state_sha256
 
 
+def test_a_lone_holder_past_its_record_is_followed_to_the_round_it_serves(donors_and_joiner):
+    """A run of one peer whose rounds are shorter than its record takes to reach the DHT: by the time the joiner
+    asks, the holder has moved two rounds past what its record says and no longer holds that state. The joiner
+    follows the latest state the holder serves, not its own round 0."""
+    donors, joiner = donors_and_joiner
+    claimed = big_snapshot(10)
+    donors[0].serve_state([claimed])
+    donors[0].announce_progress(10, PeerState.TRAINING, claimed.state_sha256, {S: claimed.state_sha256})
+    for other in donors[1:]:
+        other.announce_progress(3, PeerState.TRAINING, "d" * 64, {S: other.peer_id[-8:] * 8})  # lone, behind
+    assert all(donor.flush() for donor in donors)
+    donors[0].serve_state([big_snapshot(11)])
+    donors[0].serve_state([latest := big_snapshot(12)])  # round 10 is no longer held (KEEP_SNAPSHOTS = 2)
+    target = joiner.swarm_state(0, {S: "fresh"})[S]
+    assert (target.round, target.state_sha256, target.holders) == (12, latest.state_sha256, (donors[0].peer_id,))
+    assert joiner.fetch_state(target, tensor_bytes(latest)).state_sha256 == latest.state_sha256
+
+
 def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
     """One donor's p2p daemon is SIGKILLed as the donor is asked for its first range: the joiner gets that
     range from the others and the state arrives whole."""

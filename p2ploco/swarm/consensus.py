@@ -118,7 +118,7 @@ def ranked_states(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str) 
     round ties with the honest peers that moved already, and loses), then the hash, so that every peer with the
     same view ranks alike. A state two or more peers hold is vouched for; among lone claims the furthest round
     comes first instead (a swarm of two, one of them restarted, agrees on nothing), and the caller follows one
-    only if its holder actually serves that state (a liar that serves nothing is passed over)."""
+    only if its holder actually serves that state or a later one (a liar that serves nothing is passed over)."""
     peers = [r for r in active_peers(live, me) if slice_name in r.slices]
     if not peers:
         return []

@@ -37,7 +37,7 @@ from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, detect
 from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachability, parse_records, peers_key
 from p2ploco.swarm.run_config import ConfigServer, RunDocument, fetch_run_document, tell_conflict
-from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, serves
+from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, served_state
 from p2ploco.swarm.status import StatusServer
 from p2ploco.swarm.survey import survey
 
@@ -56,7 +56,7 @@ class Swarm:
         self.loop, self.node, self.directory, self.communicator = loop, node, directory, communicator
         self.state_server, self.config_server = state_server, config_server
         self.config, self.identity, self.bans = config, identity, bans
-        self._probes: dict[tuple[str, int, str, str], tuple[bool, float]] = {}  # claim -> (served, when asked)
+        self._refusals: dict[tuple[str, int, str, str], float] = {}  # a lone claim its holder did not serve -> when
         self._dht_bytes_taken = (0, 0)  # ``directory.dht_bytes`` at the last ``take_dht_bytes``
         self.status_server: StatusServer | None = None
 
@@ -130,9 +130,9 @@ class Swarm:
     def swarm_state(self, round_index: int, slices: dict[str, str], fresh: bool = True) -> dict[str, SwarmState]:
         """For each slice this peer holds (name -> the hash it holds at ``round_index``), the state to follow: one
         that two or more peers vouch for, this peer's own, or else a lone peer's claim that it really serves
-        (probed). Slices nobody else holds are left out. From a fresh look at the records, or (``fresh`` False:
-        the check between two rounds that went well) from the heartbeat's view if it looked since this peer
-        moved to its round."""
+        (probed: the state it serves then, which may be a later round's). Slices nobody else holds are left out.
+        From a fresh look at the records, or (``fresh`` False: the check between two rounds that went well) from
+        the heartbeat's view if it looked since this peer moved to its round."""
         async def look() -> dict[str, SwarmState]:
             me = self.directory.me.model_copy(update={"round": round_index, "slices": dict(slices),
                                                      "state": PeerState.TRAINING})
@@ -140,26 +140,29 @@ class Swarm:
             chosen: dict[str, SwarmState] = {}
             for name in slices:
                 for state in ranked_states(live, me, name):
-                    if state.vouched or me.peer_id in state.holders or await self._serves(state):
-                        chosen[name] = state
+                    followed = state if state.vouched or me.peer_id in state.holders else await self._served(state)
+                    if followed is not None:
+                        chosen[name] = followed
                         break
             return chosen
 
         return self.loop.run(look(), CALL_TIMEOUT + len(self.directory.live) * len(slices) * PROBE_TIMEOUT)
 
-    async def _serves(self, claim: SwarmState) -> bool:
-        """Whether the lone holder of ``claim`` serves that state (answers are remembered for a while)."""
+    async def _served(self, claim: SwarmState) -> SwarmState | None:
+        """The state ``claim``'s lone holder serves, the claimed one or a later round's (``state.served_state``);
+        None if neither. A refusal is remembered for a while (a record that lies is not asked about again and
+        again); a state served is asked for afresh at every look, as its holder moves on."""
         key = (claim.holders[0], claim.round, claim.slice, claim.state_sha256)
         now = time.monotonic()
-        self._probes = {k: v for k, v in self._probes.items() if now - v[1] < PROBE_MEMORY}
-        if key not in self._probes:
-            served = await serves(self.node.protocol.p2p, self.state_server.handler_name, claim.holders[0], claim,
-                                  PROBE_TIMEOUT)
-            if not served:
-                logger.info(f"{key[0][-8:]} claims {shown(claim.slice)} of round {key[1]} but does not serve it; not "
-                            f"following it")
-            self._probes[key] = (served, now)
-        return self._probes[key][0]
+        self._refusals = {k: when for k, when in self._refusals.items() if now - when < PROBE_MEMORY}
+        if key in self._refusals:
+            return None
+        served = await served_state(self.node.protocol.p2p, self.state_server.handler_name, claim, PROBE_TIMEOUT)
+        if served is None:
+            logger.info(f"{key[0][-8:]} claims {shown(claim.slice)} of round {key[1]} but does not serve it or a "
+                        f"later round's; not following it")
+            self._refusals[key] = now
+        return served
 
     def settled(self, round_index: int) -> bool:
         """Whether at least half of the other active peers of our config have moved past ``round_index``."""

@@ -215,13 +215,20 @@ async def _request(p2p: P2P, handler: str, donor: str, round_index: int, slice_n
     return await asyncio.wait_for(wire.call(p2p, donor, handler, request, max_payload=limit), timeout)
 
 
-async def serves(p2p: P2P, handler: str, donor: str, state: SwarmState, timeout: float) -> bool:
-    """Whether ``donor`` serves ``state`` (a slice's state at the start of a round)."""
+async def served_state(p2p: P2P, handler: str, claim: SwarmState, timeout: float) -> SwarmState | None:
+    """The latest state of ``claim``'s slice that its lone holder serves, if it is the claimed one or a later round's
+    (a peer whose rounds are short may be past what its record last said by the time it is asked); None if the
+    holder serves neither (a record that claims what its peer does not serve is not followed)."""
+    donor = claim.holders[0]
     try:
-        header, payload = await _request(p2p, handler, donor, state.round, state.slice, 0, 0, timeout)
-        return parse_description(header, payload, state) is not None
+        header, payload = await _request(p2p, handler, donor, LATEST, claim.slice, 0, 0, timeout)
+        answer = decode(StateAnswer, header)
+        served = SwarmState(answer.round, claim.slice, answer.state_sha256, (donor,))
+        if answer.round < claim.round or (answer.round == claim.round and answer.state_sha256 != claim.state_sha256):
+            return None
+        return served if parse_description(header, payload, served) is not None else None
     except (PayloadError, TransportError, TimeoutError):
-        return False
+        return None
 
 
 async def fetch_state(p2p: P2P, handler: str, target: SwarmState, donors: Sequence[str], deadline: TransferDeadline,
