@@ -197,15 +197,18 @@ class Worker:
                    in_flight: OuterSync | None = None) -> Checkpoint:
         """All this worker needs to continue, as of the published state; ``extras``: what its role adds (a stage's
         slot). A round ``in_flight`` (contributed, not taken) has not moved the published state: the local outer
-        state is saved as if it were not applied."""
+        state and the work no aggregate applied (``Outer.unapplied_work``) are saved as if it were not applied."""
         inner_tensors, inner_settings = self.inner.optimizer_state()
         with self.lock:
             local = {f"outer/{k}": v.detach().to("cpu", copy=True)
                      for k, v in self.outer.local_state_with(in_flight).items()}
+            carry, owed = self.outer.unapplied_work(in_flight)
+            local.update({f"carry/{name}": c.detach().to("cpu", copy=True) for name, c in zip(self.names, carry or ())})
         local.update({f"inner/{k}": v for k, v in inner_tensors.items()})
         state = self.published
         return Checkpoint(round_index, dict(zip(self.names, state.params)), dict(state.shared), local,
-                          {"inner": inner_settings, "slices": state.slice_sha256, **(extras or {})})
+                          {"inner": inner_settings, "slices": state.slice_sha256, "unapplied_tokens": owed,
+                           **(extras or {})})
 
     def restore(self, saved: Checkpoint, where: Path) -> None:
         shapes = {name: tuple(p.shape) for name, p in zip(self.names, self.outer.params)}
@@ -217,6 +220,9 @@ class Worker:
                 self.outer.load_params([saved.params[name] for name in self.names])
                 self.outer.load_shared_state(saved.shared)
                 self.outer.load_local_state({k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
+                carry = ([saved.local[f"carry/{name}"] for name in self.names]
+                         if any(k.startswith("carry/") for k in saved.local) else None)
+                self.outer.load_unapplied_work(carry, saved.extras.get("unapplied_tokens", 0))
             self.inner.load_optimizer_state({k[6:]: v for k, v in saved.local.items() if k.startswith("inner/")},
                                             saved.extras["inner"])
         except (KeyError, ValueError, RuntimeError) as e:

@@ -2,14 +2,19 @@
 
 import pytest
 import torch
+from helpers import CPU, sampler, small_config
 
+from p2ploco import checkpoint
 from p2ploco.budget import FixedSteps, StepTimes, WallClockBudget
+from p2ploco.build import build_replica
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
 from p2ploco.collective.robust import weights
 from p2ploco.collective.sliced import SlicedExchange, reduce_alone
 from p2ploco.config import DiLoCoConfig
 from p2ploco.outer.diloco import DiLoCo
+from p2ploco.schedules import RoundHooks
+from p2ploco.schedules.blocking import BlockingRounds
 from p2ploco.testing.communicator import InProcessGroup
 from p2ploco.testing.threads import run_in_threads
 
@@ -115,3 +120,26 @@ def test_a_members_absurdly_fast_claim_is_not_believed_and_any_claim_moves_the_b
     assert WallClockBudget(10, own, lambda: [0.02]).seconds() == 10 * 0.02
     assert WallClockBudget(10, own, lambda: [0.0075]).seconds() == 10 * 0.0075
     assert WallClockBudget(10, own, lambda: [1e-9]).seconds() is None
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "loco", "sparseloco"])
+def test_a_missed_rounds_carry_and_owed_tokens_survive_a_restart(tmp_path, algorithm):
+    """A round is trained and not applied; the node checkpoints and restarts: the restored worker owes the same
+    tokens and carries the same pseudo-gradient (DiLoCo, LoCo; SparseLoCo keeps it in error feedback) as the one
+    that wrote the checkpoint, so its next contribution weighs and holds what it would have without the restart."""
+    config = small_config(f"outer.algorithm={algorithm}", "pipeline.stages=1", "outer.loco.group_size=32",
+                          "inner.steps=2")
+    worker = build_replica(config, CPU, sampler(config))
+    outcome = BlockingRounds(worker).run(0, NotApplied(), RoundHooks())
+    assert not outcome.comm.applied
+    carry, owed = worker.outer.carry, worker.outer.unapplied_tokens
+    assert owed == 2 * config.inner.batch_size * config.inner.grad_accum * config.data.seq_len
+    assert (carry is None) == (algorithm == "sparseloco")
+    checkpoint.save(tmp_path, worker.checkpoint(1), "run", "fp")
+    resumed = build_replica(config, CPU, sampler(config))
+    resumed.restore(checkpoint.load(tmp_path, "run", "fp"), tmp_path)
+    restored_carry, restored_owed = resumed.outer.carry, resumed.outer.unapplied_tokens
+    assert restored_owed == owed
+    assert (restored_carry is None) == (carry is None)
+    assert all(torch.equal(a, b) for a, b in zip(restored_carry or (), carry or (), strict=True))
+    assert all(torch.equal(v, worker.outer.local_state()[k]) for k, v in resumed.outer.local_state().items())

@@ -207,6 +207,23 @@ class OuterAlgorithm(ABC):
         checkpoint taken during an overlapped round holds next to the global params that round has not moved."""
         return self.local_state()
 
+    def unapplied_work(self, in_flight: OuterSync | None = None) -> tuple[list[torch.Tensor] | None, int]:
+        """Work trained here that no aggregate has applied, as a checkpoint holds it: the carry (None: none, or the
+        algorithm keeps it in error feedback) and the tokens owed to the next contribution, as they would be if
+        ``in_flight`` (a round contributed, not taken) were not applied."""
+        if in_flight is None:
+            return self.carry, self.unapplied_tokens
+        return (in_flight.sent if in_flight.sent is not None else self.carry), in_flight.exchange.tokens
+
+    def load_unapplied_work(self, carry: Sequence[torch.Tensor] | None, tokens: int) -> None:
+        """Take a checkpoint's unapplied work (``unapplied_work``); ValueError if it does not fit these params."""
+        if carry is not None and [tuple(c.shape) for c in carry] != [tuple(p.shape) for p in self.params]:
+            raise ValueError("the carry's shapes differ from the parameters'")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError("the tokens owed are not a count")
+        self.carry = None if carry is None else [c.detach().to(CPU, torch.float32, copy=True) for c in carry]
+        self.unapplied_tokens = tokens
+
     def per_param(self, exchange: SlicedExchange, results: Callable[[Exchange], list[T]]) -> list[T]:
         """A round's per-slice results in parameter order; ``results`` lists one slice's, one per tensor."""
         out: list[T | None] = [None] * len(self.params)
