@@ -9,7 +9,8 @@ was trained on (``collective/robust.py``), so the slow peer's work counts for wh
 
 A step runs while it would end no later than half a step past the budget. The budget: ``inner.round_seconds``
 where a peer sets it (all peers of a run should set the same), else the time the fastest peers need for H steps:
-each peer publishes the median of its recent inner steps, the peers within ``FAST_COHORT`` of the fastest (this one's
+each peer publishes the median of its recent inner steps (their wall time, whatever held them: a peer that waits for
+its data or shares its device is as slow as it is), the peers within ``FAST_COHORT`` of the fastest (this one's
 own included) train H steps, and a slower peer's budget is H times the median step of those. (On a busy machine step
 times wander by tens of percent: a budget from the single fastest step would cut the fast peers' rounds too.)
 

@@ -154,12 +154,14 @@ class InnerTrainer:
         """The round's steps: H, or as many as ``budget`` allows (at least one; ``budget.py``); None if
         ``should_stop`` turned true before they were done. ``between(h)`` runs after each step, h steps done: the
         place for work that belongs between inner steps (announcing the round once the previous one's group
-        formed; a Streaming DiLoCo fragment started or landed). Its time is not counted as training time. Step h
+        formed; a Streaming DiLoCo fragment started or landed). Its time is not counted as training time; anything
+        else that holds a step is. Step h
         of round r is global step r * H + h whatever the budget (its learning rate and batch), so a peer that
         trains fewer steps skips the rest of the round's batches."""
         c = self.config
         self.model.train()
         losses, seconds, began = [], 0.0, time.perf_counter()
+        since = began  # where the step under way began: the end of the last one's ``between``, or the round's start
         for h in range(c.steps):
             self.step_in_round = h
             if budget is not None and not budget.allows(h, time.perf_counter() - began):
@@ -170,11 +172,14 @@ class InnerTrainer:
             started = time.perf_counter()
             losses.append(self.step(round_index * c.steps + h))
             faults.stretch("inner.step", round_index, time.perf_counter() - started)
-            took = time.perf_counter() - started
+            # A step's time is its wall time, whatever held it (its data, a device shared with another job, a stall
+            # before it): the budget must see this peer's real pace, not its compute alone.
+            took = time.perf_counter() - since
             self.step_times.add(took)
             seconds += took
             if between is not None:
                 between(h + 1)
+            since = time.perf_counter()
         self.step_in_round = len(losses)
         return InnerStats(sum(losses) / len(losses), len(losses) * self.gradients.tokens_per_step, seconds,
                           len(losses))

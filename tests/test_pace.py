@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import CPU, sampler, small_config
 
-from p2ploco import checkpoint
+from p2ploco import checkpoint, faults
 from p2ploco.budget import FixedSteps, StepTimes, WallClockBudget
 from p2ploco.build import build_replica
 from p2ploco.collective.dense import DenseMean
@@ -143,3 +143,27 @@ def test_a_missed_rounds_carry_and_owed_tokens_survive_a_restart(tmp_path, algor
     assert (restored_carry is None) == (carry is None)
     assert all(torch.equal(a, b) for a, b in zip(restored_carry or (), carry or (), strict=True))
     assert all(torch.equal(v, worker.outer.local_state()[k]) for k, v in resumed.outer.local_state().items())
+
+
+def test_a_peer_held_before_its_steps_publishes_its_real_pace(monkeypatch):
+    """A peer slowed outside its compute (here held 0.5 s before each step, as by a data loader that waits or a
+    device another job holds; a step of this model computes in tens of ms) publishes step times that hold the
+    wait, so the round's budget sees it as slow."""
+    config = small_config("pipeline.stages=1", "inner.steps=2", "model.n_layer=1", "inner.grad_accum=1")
+    worker = build_replica(config, CPU, sampler(config))
+    monkeypatch.setattr(faults, "ACTIVE", faults.parse("inner.step=stall:0.5"))
+    stats = worker.inner.run_round(0)
+    assert stats.steps == 2 and stats.seconds >= 1.0
+    own = worker.inner.step_times
+    assert own.median >= 0.5
+    fast_peers = [0.1, 0.1]  # two peers that do train steps of 0.1 s
+    assert WallClockBudget(2, own, lambda: fast_peers).seconds() == pytest.approx(2 * 0.1)
+
+
+def test_a_peer_whose_pace_changes_leaves_the_fast_cohort_within_a_few_steps():
+    own = times(*[0.1] * 8)
+    swarm = [0.1, 0.1]
+    assert WallClockBudget(10, own, lambda: swarm).seconds() is None  # among the fastest: H steps
+    for _ in range(5):  # now 3x slower (another job took its device): the median of its last 8 steps moves
+        own.add(0.3)
+    assert WallClockBudget(10, own, lambda: swarm).seconds() == pytest.approx(10 * 0.1)
