@@ -319,6 +319,13 @@ class Node:
                              f"from the run's start")
                 break
             if not role.ready(standing.round, presence.in_for_round(standing.round, standing.doubtful), self.stopping):
+                group_round = role.round_of_group(standing.round)
+                if group_round > standing.round:  # its pipeline group is ahead: it moves there, and catches up to
+                    # the swarm's state of its slice at that round if some holder has one
+                    self.out(f"[{me}] its pipeline group's other stages are in round {group_round} (this stage: "
+                             f"{standing.round}): it moves there")
+                    standing = replace(standing, round=group_round, waiting_for="")
+                    continue
                 standing = self._stand_by(presence, role, standing)
                 continue
             record = self._round(swarm, presence, role, schedule, standing, held_out)

@@ -28,7 +28,7 @@ from p2ploco.build import build_replica, build_stage
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler, TrainingData
 from p2ploco.errors import shown
-from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch
+from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch, group_round
 from p2ploco.pipeline.links import RemoteTransport, Schedule, StageLinks, StageLinkServer
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.swarm.records import PeerState
@@ -73,6 +73,11 @@ class Role(ABC):
         """Whether this peer may train ``round_index`` now; ``announce`` publishes that it is in for the round
         (a stage calls it once its group is complete, then waits, bounded, for the other stages to be in too)."""
         return True
+
+    def round_of_group(self, round_index: int) -> int:
+        """The round this peer trains next as its pipeline group has it (``pipeline.groups.group_round``): a round
+        its group's other stages are in, ahead of ``round_index``, or ``round_index``. A replica has no group."""
+        return round_index
 
     def record_fields(self) -> dict[str, Any]:
         """What this role adds to a round record (role, group, stage, boundary traffic)."""
@@ -177,9 +182,21 @@ class StageRole(Role):
                 break  # the group changed while it assembled
             if all(round_of == round_index and state in IN_ROUND for _, round_of, state in mates.values()):
                 return True
+            if any(round_of > round_index for _, round_of, _ in mates.values()):
+                break  # a mate is ahead: this stage moves to its round (``round_of_group``), it does not wait
             stopping.wait(min(self.config.swarm.heartbeat_interval, ASSEMBLY_POLL))
         self.waiting_for = f"every stage of group {shown(group)} to be in round {round_index}"
         return False
+
+    def round_of_group(self, round_index: int) -> int:
+        peers, mates = self._group()
+        if peers is None:
+            return round_index
+        me, fingerprint = self.swarm.peer_id, self.swarm.directory.me.fingerprint
+        outside = [r.round for r in self.swarm.directory.live.values()
+                   if r.peer_id not in peers and r.role != "bootstrap" and r.fingerprint == fingerprint]
+        return group_round([round_of for peer, (_, round_of, _) in mates.items() if peer != me], round_index,
+                           max(outside, default=-1))
 
     def record_fields(self) -> dict[str, Any]:
         t = self.transport

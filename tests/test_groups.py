@@ -1,6 +1,6 @@
 """Slot claims of pipeline groups: deterministic holders, vacancies filled, groups completed first."""
 
-from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch, holders
+from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch, group_round, holders
 
 
 def test_the_earliest_claim_holds_a_slot_whoever_looks():
@@ -43,3 +43,15 @@ def test_pins_restrict_the_choice():
     assert choose_slot(claims, "new", stages=2, group="gx") == ("gx", 0)
     assert choose_slot(claims, "new", stages=2, stage=1) == ("g0", 1)
     assert choose_slot(claims, "new", stages=2, group="fresh") == ("fresh", 0)
+
+
+def test_the_stages_of_a_group_agree_on_the_latest_round_any_of_them_is_in():
+    # A stage whose mate moved on after a round the group could not finish (one stage's step failed) moves to the
+    # mate's round, and the mate, ahead, stays: neither waits for the other to come to its round.
+    assert group_round([8], 7, swarm_round=-1) == 8 and group_round([7], 8, swarm_round=-1) == 8
+    # A newcomer stage that caught up from the run's replica to round 12, beside a mate at 10: the mate moves up to
+    # the newcomer's round; the newcomer stays.
+    assert group_round([12], 10, swarm_round=14) == 12 and group_round([10], 12, swarm_round=14) == 12
+    assert group_round([], 5, swarm_round=9) == 5 and group_round([5, 5], 5, swarm_round=9) == 5
+    # A mate's record that claims a round far ahead of everyone moves a stage one round a look, no faster.
+    assert group_round([10**6], 7, swarm_round=7) == 8 and group_round([10**6], 7, swarm_round=-1) == 8

@@ -14,6 +14,12 @@ opens a new group ``g<N>`` at stage 0. A peer that holds a slot of an incomplete
 vacancy that would complete a group ahead of its own (fewer stages missing, then a smaller name), so
 holders never swap back and forth; two peers that move to the same slot are sorted out by the rule
 above.
+
+The stages of a group train a round together, so they must agree on which round is next (``group_round``): the
+latest round any of them is in. A stage behind a mate moves to the mate's round (a mate never comes back: it
+trained or sat out the rounds between, and so did the group, whose slices no other member could have trained
+without it); a stage ahead of a mate waits for it, and the mate, behind, moves up at its next look. So no two
+stages of a group can wait for each other for longer than one look.
 """
 
 from __future__ import annotations
@@ -81,3 +87,14 @@ def choose_slot(claims: Iterable[Claim], me: str, stages: int, group: str | None
     if group is not None:
         return group, stage if stage is not None else 0  # every slot of the pinned group is held: standby
     return next(f"g{n}" for n in range(len(groups) + 1) if f"g{n}" not in groups), stage if stage is not None else 0
+
+
+def group_round(mates: Iterable[int], round_index: int, swarm_round: int) -> int:
+    """The round a stage at ``round_index`` trains next, given the rounds its group's other stages are in and the
+    furthest round a peer of the run outside its group is in (``swarm_round``; -1: none): the latest of the
+    mates' rounds and its own, but at most one round past its own or ``swarm_round`` (a mate's record that
+    claims a round far ahead of everyone moves it one round a look, no faster)."""
+    ahead = max(mates, default=round_index)
+    if ahead <= round_index:
+        return round_index
+    return min(ahead, max(round_index, swarm_round) + 1)
