@@ -26,6 +26,11 @@ a step at the bound, which gives the peers slower than the median a budget of no
 step. The cost: an honest fast minority more than twice as fast as the group's lower median counts as only that
 fast, so the group's rounds last about H steps of its median peers, and the fast minority waits for them.
 
+A peer whose single step outlasts the round (the budget is shorter than its own step) would hold every round
+for it; instead it sits rounds out: it trains one step while its record says it is standing by (no coordinator
+waits for it), keeps the step's work as a round not applied keeps it (error feedback or carry, its tokens owed),
+catches up, and contributes that work in the next round without training in it (``Node._round``).
+
 ``inner.fixed_steps`` trains H steps every round regardless (pipeline stages and Streaming DiLoCo fragments always
 do: their steps are scheduled by count).
 """
@@ -101,6 +106,12 @@ class WallClockBudget:
         if own <= FAST_COHORT * fastest:
             return None
         return self.steps * statistics.median(s for s in known if s <= FAST_COHORT * fastest)
+
+    def outlasted(self) -> bool:
+        """Whether one step of this peer outlasts the whole round: it then trains a step across rounds, sitting them
+        out, and contributes the step's work in a later round (``RoundSchedule.sit_out``)."""
+        budget = self.seconds()
+        return budget is not None and self.own.median > budget
 
     def allows(self, steps_done: int, seconds: float) -> bool:
         if steps_done >= self.steps:

@@ -181,8 +181,8 @@ class InnerTrainer:
                 between(h + 1)
             since = time.perf_counter()
         self.step_in_round = len(losses)
-        return InnerStats(sum(losses) / len(losses), len(losses) * self.gradients.tokens_per_step, seconds,
-                          len(losses))
+        loss = sum(losses) / len(losses) if losses else float("nan")  # none: a round that only contributes
+        return InnerStats(loss, len(losses) * self.gradients.tokens_per_step, seconds, len(losses))
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """AdamW's moments as named tensors, and its settings as JSON, for a checkpoint."""

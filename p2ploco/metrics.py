@@ -54,6 +54,9 @@ class RoundRecord:
     update_norm: float = 0.0  # L2 norm of the change the round made to the global params (0 if not applied)
     applied: bool = True  # False: the round did not commit here (late, aborted, dropped); params unchanged
     excluded: bool = False  # True: others applied this round without this node (late or dropped): it catches up
+    # True: its step outlasts the round, so it trained one while nobody waited for it, and contributes the step's
+    # work in its next round (budget.py)
+    sat_out: bool = False
     joined_round: int = 0  # the round this node last (re)joined at
     state_source: str = "init"  # where that state came from: init (seed), checkpoint, or peer
     catchup_seconds: float = 0.0  # time spent fetching the swarm's state before this round

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from p2ploco.budget import RoundBudget, WallClockBudget
+from p2ploco.budget import FixedSteps, WallClockBudget
 from p2ploco.catchup import CatchUp
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceResult
@@ -362,13 +362,27 @@ class Node:
         c = self.config
         worker, round_index, membership = role.worker, standing.round, standing.membership
         presence.serve(round_index)
+        started = time.perf_counter()
+        budget = self._budget(swarm, role)
+        if budget is not None and schedule.sits_out and budget.outlasted():  # its step outlasts the round
+            if not worker.outer.unapplied_tokens:  # no work kept: it trains a step while nobody waits for it
+                presence.announce_standby(round_index)
+                outcome = schedule.sit_out(round_index, self.stopping.is_set, swarm.peer_id)
+                if outcome is None:
+                    return None
+                return self._record(swarm, role, round_index, membership, started, **inner_fields(outcome.inner),
+                                    **sync_fields(outcome.comm), sat_out=True)
+            # The work it kept, contributed in this round without a step. It joins once the others may be done
+            # with their steps (a formation closes a matchmaking timeout after its first join: one that came
+            # early would close before them).
+            self.stopping.wait(max(0.0, budget.seconds() - c.swarm.matchmaking_timeout / 2))
+            budget = FixedSteps(0)
         # The announcement names this round with the state it starts from, taken now (not before the role was ready:
         # an overlapped round in flight may have landed while a stage waited for its pipeline group).
         in_for_round = presence.in_for_round(round_index, standing.doubtful)
-        started = time.perf_counter()
         try:
             outcome = schedule.run(round_index, swarm.communicator,
-                                   RoundHooks(self.stopping.is_set, in_for_round, self._budget(swarm, role)))
+                                   RoundHooks(self.stopping.is_set, in_for_round, budget))
         except PipelineError as e:  # the group could not finish the round: it contributes nothing to it
             self.out(f"[{swarm.peer_id[-8:]}] round {round_index}: the pipeline group failed ({e}); it sits the "
                      f"round out and catches up")
@@ -400,7 +414,7 @@ class Node:
                            catchup_seconds=membership.catchup_seconds, timestamp=time.time(),
                            reachability=str(swarm.reachability), **role.record_fields())
 
-    def _budget(self, swarm: Swarm, role: Role) -> RoundBudget | None:
+    def _budget(self, swarm: Swarm, role: Role) -> WallClockBudget | None:
         """How many inner steps fit in a round (``budget.py``): as many as the swarm's round budget allows, unless
         this peer trains a fixed H (set so, a pipeline stage, or Streaming DiLoCo)."""
         c = self.config
@@ -433,7 +447,8 @@ class Node:
 def progress_line(peer_id: str, r: RoundRecord) -> str:
     evaluated = f"{r.eval_loss:.3f}" if r.eval_loss is not None else "-"
     rate = r.tokens / r.inner_seconds if r.inner_seconds else 0.0
-    notes = "" if r.applied else " | NOT APPLIED"
+    notes = (" | sat out: its step outlasts the round, its work goes into the next" if r.sat_out else
+             "" if r.applied else " | NOT APPLIED")
     notes += f" | dropped {len(r.dropped_peers)}" if r.dropped_peers else ""
     notes += f" | clipped {len(r.clipped_peers)}" if r.clipped_peers else ""
     notes += f" | left out {len(r.opposed_peers)} opposed" if r.opposed_peers else ""

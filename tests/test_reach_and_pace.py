@@ -1,6 +1,7 @@
 """Peers that cannot be dialled and peers of unequal speed, with real node processes on loopback: a peer in client
-mode (as behind a NAT) trains in every round without reducing a span, and a slowed peer trains fewer steps in the
-round's time budget while its work, weighted by its tokens, is applied every round."""
+mode (as behind a NAT) trains in every round without reducing a span, a slowed peer trains fewer steps in the
+round's time budget while its work, weighted by its tokens, is applied every round, and a peer whose one step
+outlasts the round sits rounds out while the others train on without it, and its work is applied after all."""
 
 
 import pytest
@@ -44,18 +45,51 @@ def test_a_peer_that_only_dials_out_takes_part_in_every_round(tmp_path):
 def test_a_slow_peer_trains_fewer_steps_and_its_tokens_count(tmp_path):
     with LocalSwarm(tmp_path) as swarm:
         nodes = [swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(ROUNDS),
-                                  env={"P2PLOCO_FAULTS": "inner.step=slow:4"} if name == "s" else None)
+                                  env={"P2PLOCO_FAULTS": "inner.step=slow:3"} if name == "s" else None)
                  for name in "abs"]
         for node in nodes:
             assert node.process.wait(240) == 0
         runs = [swarm.records(name) for name in "abs"]
     identical_every_round(runs)
     fast, slow = runs[0], runs[2]
-    # Once the fast peers' step times are known the slow peer trains a fraction of H, and says so.
+    # Once the fast peers' step times are known the slow peer trains a fraction of H (5), and says so; a step of it
+    # fits in the round, so it never sits a round out.
     later = slow[1:]
-    assert all(r["inner_steps"] < 10 for r in later), [r["inner_steps"] for r in slow]
+    assert all(0 < r["inner_steps"] < 5 and not r["sat_out"] for r in later), [r["inner_steps"] for r in slow]
     assert all(r["tokens"] == r["inner_steps"] * 8 * 128 for r in slow)
     # Its contribution carried what it trained (every round applied: nothing left over to carry).
     assert [r["contributed_tokens"] for r in slow] == [r["tokens"] for r in slow]
     # The fast peers train H (a fast peer's steps may look 2x slow for a while on a busy machine: then fewer).
     assert sum(r["inner_steps"] for r in fast) >= 3 * sum(r["inner_steps"] for r in slow)
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_whose_step_outlasts_the_round_sits_rounds_out_and_its_work_is_applied(tmp_path):
+    """A peer 15x slower than the others: once its pace is known, one of its steps outlasts the fast peers' round.
+    It trains a step while its record says it stands by (the others' rounds go on without it, and apply), then
+    contributes that step's work in its next round, with no step of that round, and the others apply it."""
+    rounds = 10
+    with LocalSwarm(tmp_path) as swarm:
+        nodes = [swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(rounds),
+                                  env={"P2PLOCO_FAULTS": "inner.step=slow:15"} if name == "s" else None)
+                 for name in "abs"]
+        for node in nodes:
+            assert node.process.wait(240) == 0
+        runs = {name: swarm.records(name) for name in "abs"}
+    slow = runs["s"]
+    sat = [r for r in slow if r["sat_out"]]
+    assert sat and all(r["inner_steps"] == 1 and not r["applied"] and r["contributed_tokens"] == 0 for r in sat)
+    for fast in (runs["a"], runs["b"]):
+        assert [r["round"] for r in fast] == list(range(rounds)) and all(r["applied"] for r in fast)
+        by_round = {r["round"]: r for r in fast}
+        assert all(by_round[r["round"]]["peers"] == 2 for r in sat)  # nobody waited for it in the rounds it sat out
+    # Every step it sat a round out for is in a later round's applied aggregate, before it sits out again: that
+    # round trained no step, and its contribution weighed the step's tokens.
+    assert len(sat) >= 2
+    for step, again in zip(sat, sat[1:]):
+        between = [r for r in slow if step["round"] < r["round"] < again["round"] and r["applied"]]
+        assert len(between) == 1, [(r["round"], r["applied"], r["sat_out"]) for r in slow]
+        assert between[0]["peers"] == 3 and between[0]["inner_steps"] == 0
+        assert between[0]["contributed_tokens"] >= step["tokens"]
+    ends = {r["round"]: r["params_sha256"] for r in runs["a"]}
+    assert all(ends[r["round"]] == r["params_sha256"] for r in slow if r["applied"])

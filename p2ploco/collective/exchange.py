@@ -299,3 +299,14 @@ class Communicator(ABC):
 
         threading.Thread(target=run, name=f"all-reduce {name} {round_index}", daemon=True).start()
         return pending
+
+
+class SittingOut(Communicator):
+    """The all-reduce of a round this peer sits out (``RoundSchedule.sit_out``): nothing is sent and nothing
+    applied, so the outer algorithm keeps the round's work for a later contribution, as for any round not applied."""
+
+    def __init__(self, me: str):
+        self.me = me
+
+    def all_reduce(self, exchange: Exchange | SlicedExchange, round_index: int, name: str) -> AllReduceResult:
+        return AllReduceResult([self.me], committed=False)

@@ -50,6 +50,10 @@ class RoundOutcome:
 
 
 class RoundSchedule(ABC):
+    # whether a peer whose step outlasts the round may sit rounds out with this schedule (``sit_out``); an
+    # overlapped round in flight, or Streaming DiLoCo's fragments synced at fixed steps, leave no round to sit out
+    sits_out = False
+
     def __init__(self, worker: Worker):
         self.worker = worker
 
@@ -57,6 +61,12 @@ class RoundSchedule(ABC):
     def run(self, round_index: int, comm: Communicator, hooks: RoundHooks) -> RoundOutcome | None:
         """One round: the inner steps and the outer work this schedule puts around them. None if ``hooks.stopping``
         turned true before the inner steps were done: the round is abandoned."""
+
+    def sit_out(self, round_index: int, stopping: Callable[[], bool], me: str) -> RoundOutcome | None:
+        """Train one step of ``round_index`` and contribute it to no all-reduce: the outer algorithm keeps its work
+        as it keeps a round not applied, for the next round this peer contributes to (``budget.py``). None if
+        ``stopping`` turned true first."""
+        raise NotImplementedError(f"{type(self).__name__} does not sit rounds out")
 
     def finish_in_flight(self) -> Synced | None:
         """Wait for a round still in flight and land it (before an exit checkpoint); None if there is none."""

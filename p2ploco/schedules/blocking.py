@@ -12,12 +12,17 @@ inner steps is the all-reduce, the step and the hash.
 
 from __future__ import annotations
 
-from p2ploco.collective.exchange import Communicator
+from collections.abc import Callable
+
+from p2ploco.budget import FixedSteps
+from p2ploco.collective.exchange import Communicator, SittingOut
 from p2ploco.outer.base import Synced
 from p2ploco.schedules.base import RoundHooks, RoundOutcome, RoundSchedule
 
 
 class BlockingRounds(RoundSchedule):
+    sits_out = True
+
     def run(self, round_index: int, comm: Communicator, hooks: RoundHooks) -> RoundOutcome | None:
         hooks.announce()
         inner = self.worker.inner.run_round(round_index, hooks.stopping, budget=hooks.budget)
@@ -25,6 +30,13 @@ class BlockingRounds(RoundSchedule):
             self.worker.load_into_model()
             return None
         return RoundOutcome(inner, self.average(round_index, comm, inner.tokens))
+
+    def sit_out(self, round_index: int, stopping: Callable[[], bool], me: str) -> RoundOutcome | None:
+        inner = self.worker.inner.run_round(round_index, stopping, budget=FixedSteps(1))
+        if inner is None:
+            self.worker.load_into_model()
+            return None
+        return RoundOutcome(inner, self.average(round_index, SittingOut(me), inner.tokens))
 
     def average(self, round_index: int, comm: Communicator, tokens: int = 1) -> Synced:
         """The outer round on whatever the local params hold now (trained on ``tokens``): pseudo-gradient,
