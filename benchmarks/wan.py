@@ -16,8 +16,9 @@ hosts; nobody can dial it, not even another NATed host. Its cap stays on its own
 connection dialled at a router's own address is refused (a reset); `--nat-inbound drop` drops it unanswered
 instead, as a "stealth" router does.
 `--slow F0 F1 ...` stretches host i's inner steps to F_i times their compute time (the fault
-``inner.step=slow:F`` in its node's P2PLOCO_FAULTS); `--reachability M0 M1 ...` passes ``--reachability M_i``
-to host i's node (the default, detection, is left alone otherwise). `--subnet` moves the bridge: libp2p's
+``inner.step=slow:F`` in its node's P2PLOCO_FAULTS); `--hold S0 S1 ...` holds host i S_i seconds before each
+inner step instead (``inner.step=stall:S``: a data loader that waits, a device another job holds);
+`--reachability M0 M1 ...` passes ``--reachability M_i`` to host i's node (the default, detection, is left alone otherwise). `--subnet` moves the bridge: libp2p's
 AutoNAT, relay addresses and hole punching leave private addresses such as 10.77.0.x aside, so a public-looking
 /24 (nothing leaves the namespaces) shows what they do on the Internet.
 
@@ -47,6 +48,7 @@ removed by the next run.
     sudo python benchmarks/wan.py --rate 1000,20 --json             # mixed links; rows as one JSON list
     sudo python benchmarks/wan.py --nat 2 --rounds 12               # h1 and h2 behind NATs of their own
     sudo python benchmarks/wan.py --slow 1 3 10 --rounds 12         # h1 computes 3x, h2 10x slower
+    sudo python benchmarks/wan.py --hold 0 0 1.5 --rounds 12        # h2 held 1.5 s before each step
 """
 
 from __future__ import annotations
@@ -301,6 +303,17 @@ def parse_slow(factors: Sequence[float], hosts: int) -> list[float]:
     return [*factors, *[1.0] * (hosts - len(factors))]
 
 
+def parse_hold(seconds: Sequence[float], slow: Sequence[float]) -> list[float]:
+    """Per-host holds before each inner step from ``--hold`` (host i gets the i-th, the hosts after the last 0)."""
+    if len(seconds) > len(slow) or any(not 0 <= h <= 600 for h in seconds):
+        raise ConfigError(f"--hold {' '.join(f'{h:g}' for h in seconds)}: each hold must be in [0, 600] seconds, at "
+                          f"most one per host")
+    if any(h and f != 1 for h, f in zip(seconds, slow)):
+        raise ConfigError("--hold and --slow: a host is either slowed inside its steps or held between them; give "
+                          "it a hold of 0 or a factor of 1")
+    return [*seconds, *[0.0] * (len(slow) - len(seconds))]
+
+
 @dataclass
 class Setting:
     algorithm: str
@@ -308,6 +321,7 @@ class Setting:
     rates: list[float]
     nat: int = 0  # the last this many hosts sit each behind a NAT of its own
     slow: list[float] = field(default_factory=list)  # per host: its inner steps take this many times as long
+    hold: list[float] = field(default_factory=list)  # per host: seconds it is held before each inner step
     reachability: list[str] = field(default_factory=list)  # per host: its node's --reachability (none: the default)
     subnet: str = SUBNET  # the bridge's /24
     nat_inbound: str = "reject"  # NAT routers refuse connections dialled at them, or drop them unanswered
@@ -317,15 +331,20 @@ class Setting:
         extra = [f"{self.nat} NATed"] if self.nat else []
         if any(f != 1 for f in self.slow):
             extra.append("slow " + ",".join(f"{f:g}" for f in self.slow))
+        if any(self.hold):
+            extra.append("held " + ",".join(f"{h:g}" for h in self.hold) + " s before each step")
         return f"{self.algorithm} at {self.rate_text} Mbit/s" + (f" ({'; '.join(extra)})" if extra else "")
 
     def slowdown(self, host: int) -> float:
         return self.slow[host] if host < len(self.slow) else 1.0
 
     def node_env(self, host: int) -> dict[str, str]:
-        """What the host's node gets in its environment: the fault that slows its inner steps, if any."""
-        factor = self.slowdown(host)
-        return {"P2PLOCO_FAULTS": f"inner.step=slow:{factor:g}"} if factor != 1 else {}
+        """What the host's node gets in its environment: the fault that slows its inner steps, or holds it before
+        each (as a data loader that waits, or a device another job holds, would), if any."""
+        factor, hold = self.slowdown(host), self.hold[host] if host < len(self.hold) else 0.0
+        if factor != 1:
+            return {"P2PLOCO_FAULTS": f"inner.step=slow:{factor:g}"}
+        return {"P2PLOCO_FAULTS": f"inner.step=stall:{hold:g}"} if hold else {}
 
     def node_args(self, host: int) -> list[str]:
         return ["--reachability", self.reachability[host]] if host < len(self.reachability) else []
@@ -573,6 +592,9 @@ def main() -> int:
     parser.add_argument("--slow", type=float, nargs="+", default=[], metavar="FACTOR",
                         help="per host: its inner steps take FACTOR times their compute time (host i gets the i-th "
                              "factor, later hosts 1)")
+    parser.add_argument("--hold", type=float, nargs="+", default=[], metavar="SECONDS",
+                        help="per host: it is held SECONDS before each inner step, outside its compute (host i gets "
+                             "the i-th, later hosts 0; not with --slow on the same host)")
     parser.add_argument("--reachability", nargs="+", default=[], metavar="MODE",
                         choices=["auto", "public", "relayed", "client"],
                         help="per host: pass --reachability MODE to its node (later hosts: the node's default)")
@@ -595,8 +617,9 @@ def main() -> int:
         raise SystemExit("error: --reachability takes at most one mode per host")
     try:
         slow = parse_slow(args.slow, args.hosts)
-        settings = [Setting(a, text, parse_rates(text, args.hosts), args.nat, slow, args.reachability, args.subnet,
-                            args.nat_inbound) for a in args.algorithm for text in args.rate]
+        hold = parse_hold(args.hold, slow)
+        settings = [Setting(a, text, parse_rates(text, args.hosts), args.nat, slow, hold, args.reachability,
+                            args.subnet, args.nat_inbound) for a in args.algorithm for text in args.rate]
         params = count_params(args.config, args.overrides)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
