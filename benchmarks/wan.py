@@ -19,8 +19,9 @@ instead, as a "stealth" router does.
 ``inner.step=slow:F`` in its node's P2PLOCO_FAULTS); `--hold S0 S1 ...` holds host i S_i seconds before each
 inner step instead (``inner.step=stall:S``: a data loader that waits, a device another job holds);
 `--reachability M0 M1 ...` passes ``--reachability M_i`` to host i's node (the default, detection, is left alone
-otherwise). `--subnet` moves the bridge: libp2p's AutoNAT, relay addresses and hole punching leave private addresses such as 10.77.0.x aside, so a public-looking
-/24 (nothing leaves the namespaces) shows what they do on the Internet.
+otherwise). `--subnet` moves the bridge: libp2p's AutoNAT, relay addresses and hole punching leave private
+addresses such as 10.77.0.x aside, so a public-looking /24 (nothing leaves the namespaces) shows what they do on
+the Internet.
 
 Per setting, from the nodes' round records, a table with a row per round: bytes per node (sent +
 received), comm, round and inner seconds (means over the nodes), compute utilisation (inner seconds over
