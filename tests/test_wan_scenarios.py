@@ -110,8 +110,10 @@ def test_one_public_and_two_natted_hosts_apply_every_round_with_equal_params(tmp
 @pytest.mark.timeout(900)
 def test_a_slow_host_applies_every_round_with_equal_params(tmp_path):
     needs_nat()
-    row, output = run_wan(tmp_path, "--hosts", "3", "--slow", "1", "4", "--rounds", "4", *SHORT, timeout=850)
-    assert row["slow"] == [1.0, 4.0, 1.0]
+    # H = 4 and a 3x slower host: one step of it fits in a round (a longer one sits rounds out: test_reach_and_pace)
+    row, output = run_wan(tmp_path, "--hosts", "3", "--slow", "1", "3", "--rounds", "4", *SHORT, "--set",
+                          "inner.steps=4", timeout=850)
+    assert row["slow"] == [1.0, 3.0, 1.0]
     assert_every_round_applied_by_all(row, 3, 4, output)
     for host in row["per_host"]:
         assert 0 <= host["contributed_tokens"] <= host["tokens"]
@@ -121,10 +123,10 @@ def test_a_slow_host_applies_every_round_with_equal_params(tmp_path):
 @pytest.mark.timeout(900)
 def test_a_slow_host_behind_a_nat_applies_every_round_with_equal_params(tmp_path):
     needs_nat()
-    row, output = run_wan(tmp_path, "--hosts", "3", "--nat", "1", "--slow", "1", "1", "4", "--rounds", "4", *SHORT,
-                          timeout=850)
+    row, output = run_wan(tmp_path, "--hosts", "3", "--nat", "1", "--slow", "1", "1", "3", "--rounds", "4", *SHORT,
+                          "--set", "inner.steps=4", timeout=850)
     assert_every_round_applied_by_all(row, 3, 4, output)
-    assert row["per_host"][2]["natted"] and row["per_host"][2]["slow"] == 4.0
+    assert row["per_host"][2]["natted"] and row["per_host"][2]["slow"] == 3.0
 
 
 # ------------------------------------------------------------------------- the topology and the options (fast)
@@ -206,6 +208,12 @@ def test_slow_factors_and_reachability_reach_each_hosts_node_only(monkeypatch):
         wan.parse_slow([0.5], 3)
     with pytest.raises(wan.ConfigError):
         wan.parse_slow([1, 2, 3, 4], 3)
+    hold = wan.parse_hold([0, 0, 0, 1.5], wan.parse_slow([], 4))
+    held = wan.Setting("sparseloco", "100", [100.0] * 4, hold=hold)
+    assert [held.node_env(i) for i in range(4)] == [{}, {}, {}, {"P2PLOCO_FAULTS": "inner.step=stall:1.5"}]
+    assert held.label == "sparseloco at 100 Mbit/s (held 0,0,0,1.5 s before each step)"
+    with pytest.raises(wan.ConfigError, match="either slowed inside its steps or held between them"):
+        wan.parse_hold([0, 1], slow)
 
 
 def test_per_host_summary_counts_tokens_of_applied_rounds_with_the_hosts_work(monkeypatch):
