@@ -447,14 +447,19 @@ def mean(values: object) -> float:
 
 
 def hashes_agree(rows: list[dict], hosts: int) -> bool:
-    """Every node applied the round, in one group of all hosts (or, overlapped, landed nothing yet: its first
-    round, which applies nothing), and holds the same parameters after it."""
+    """Every node applied the round, in one group of all hosts that hold the same parameters after it (or,
+    overlapped, landed nothing yet: its first round, which applies nothing); but for nodes that sat the round out
+    (their step outlasts it: ``sat_out``) or have no record of it (sitting out a longer step, then catching up):
+    those that applied it are one group."""
     def landed_nothing(r: dict) -> bool:
         return not r["applied"] and r["peers"] == 1 and r["bytes_sent"] + r["bytes_received"] == 0
 
-    return (len(rows) == hosts
-            and (all(r["applied"] and r["peers"] == hosts for r in rows) or all(map(landed_nothing, rows)))
-            and len({r["params_sha256"] for r in rows}) == 1)
+    if len(rows) == hosts and all(map(landed_nothing, rows)):
+        return len({r["params_sha256"] for r in rows}) == 1
+    applied = [r for r in rows if r["applied"]]
+    return (bool(applied) and all(r["peers"] == len(applied) for r in applied)
+            and all(r.get("sat_out") for r in rows if not r["applied"])
+            and len({r["params_sha256"] for r in applied}) == 1)
 
 
 def transfer_seconds(rows: list[dict], rates: list[float]) -> float:

@@ -132,6 +132,12 @@ def test_a_round_agrees_when_every_node_applied_it_in_one_group_with_one_hash(mo
     assert wan.hashes_agree([first] * 3, 3)  # lands nothing, on every node
     assert not wan.hashes_agree([first, first, {**first, "applied": True}], 3)
     assert not wan.hashes_agree([first, row, row], 3)
+    # A node whose step outlasts the round sits it out (or has no record of it: a longer step): the others agree.
+    two = {**row, "peers": 2}
+    sat = {**first, "sat_out": True, "params_sha256": "old"}
+    assert wan.hashes_agree([two, two, sat], 3) and wan.hashes_agree([two, two], 3)
+    assert not wan.hashes_agree([two, two, {**sat, "sat_out": False}], 3)  # not applied, and not sat out
+    assert not wan.hashes_agree([two, two, {**row, "peers": 1, "params_sha256": "b"}], 3)  # applied alone: a split
 
 
 def test_compute_utilisation_is_inner_time_over_wall_time_since_the_previous_record():
