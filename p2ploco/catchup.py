@@ -97,7 +97,8 @@ class CatchUp:
         started = time.perf_counter()
         try:
             fetched = {name: swarm.fetch_state(t, worker.state_bytes(name)) for name, t in fetch.items()}
-            schedule.adopt({**own, **fetched}, keep_local=top - round_index <= KEEP_LOCAL_ROUNDS)
+            # A step it sat rounds out for is kept however many rounds it took: it is there to be contributed.
+            schedule.adopt({**own, **fetched}, keep_local=standing.sat_out or top - round_index <= KEEP_LOCAL_ROUNDS)
         except SwarmError as e:
             self.out(f"[{me}] could not catch up ({e}); training on and trying again next round")
             return replace(standing, doubtful=True)

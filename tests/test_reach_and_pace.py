@@ -44,18 +44,19 @@ def test_a_peer_that_only_dials_out_takes_part_in_every_round(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_slow_peer_trains_fewer_steps_and_its_tokens_count(tmp_path):
     with LocalSwarm(tmp_path) as swarm:
-        nodes = [swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(ROUNDS),
-                                  env={"P2PLOCO_FAULTS": "inner.step=slow:3"} if name == "s" else None)
+        # H = 10 and a 4x slower peer: out of the fast cohort (2x) and within a round (10x), each by 2x or more
+        nodes = [swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(ROUNDS), "--set", "inner.steps=10",
+                                  env={"P2PLOCO_FAULTS": "inner.step=slow:4"} if name == "s" else None)
                  for name in "abs"]
         for node in nodes:
             assert node.process.wait(240) == 0
         runs = [swarm.records(name) for name in "abs"]
     identical_every_round(runs)
     fast, slow = runs[0], runs[2]
-    # Once the fast peers' step times are known the slow peer trains a fraction of H (5), and says so; a step of it
+    # Once the fast peers' step times are known the slow peer trains a fraction of H, and says so; a step of it
     # fits in the round, so it never sits a round out.
     later = slow[1:]
-    assert all(0 < r["inner_steps"] < 5 and not r["sat_out"] for r in later), [r["inner_steps"] for r in slow]
+    assert all(0 < r["inner_steps"] < 10 and not r["sat_out"] for r in later), [r["inner_steps"] for r in slow]
     assert all(r["tokens"] == r["inner_steps"] * 8 * 128 for r in slow)
     # Its contribution carried what it trained (every round applied: nothing left over to carry).
     assert [r["contributed_tokens"] for r in slow] == [r["tokens"] for r in slow]
@@ -65,13 +66,14 @@ def test_a_slow_peer_trains_fewer_steps_and_its_tokens_count(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_peer_whose_step_outlasts_the_round_sits_rounds_out_and_its_work_is_applied(tmp_path):
-    """A peer 15x slower than the others: once its pace is known, one of its steps outlasts the fast peers' round.
+    """A peer 6x slower than the others at H = 2: once its pace is known, one of its steps outlasts the fast peers'
+    round (by 3x; and the fast peers' steps are within the 16x it believes of anyone, by more than 2x).
     It trains a step while its record says it stands by (the others' rounds go on without it, and apply), then
     contributes that step's work in its next round, with no step of that round, and the others apply it."""
     rounds = 10
     with LocalSwarm(tmp_path) as swarm:
-        nodes = [swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(rounds),
-                                  env={"P2PLOCO_FAULTS": "inner.step=slow:15"} if name == "s" else None)
+        nodes = [swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(rounds), "--set", "inner.steps=2",
+                                  env={"P2PLOCO_FAULTS": "inner.step=slow:6"} if name == "s" else None)
                  for name in "abs"]
         for node in nodes:
             assert node.process.wait(240) == 0
