@@ -46,6 +46,7 @@ MAX_SPEED_SPREAD = 16  # the fastest step a budget believes is this many times f
 FAST_COHORT = 2.0  # peers whose steps take at most this many times the fastest's train H steps: timing noise; and
 # the fastest step a budget believes is this many times faster than its group's lower median
 STEP_MEMORY = 8  # recent steps whose median is this peer's step time
+SIT_OUT_AFTER = 3  # steps a peer measures before it may sit rounds out: its first one carries start-up costs
 
 
 class RoundBudget(Protocol):
@@ -62,6 +63,9 @@ class StepTimes:
 
     def add(self, seconds: float) -> None:
         self._recent.append(seconds)
+
+    def __len__(self) -> int:
+        return len(self._recent)
 
     @property
     def median(self) -> float:
@@ -111,7 +115,7 @@ class WallClockBudget:
         """Whether one step of this peer outlasts the whole round: it then trains a step across rounds, sitting them
         out, and contributes the step's work in a later round (``RoundSchedule.sit_out``)."""
         budget = self.seconds()
-        return budget is not None and self.own.median > budget
+        return len(self.own) >= SIT_OUT_AFTER and budget is not None and self.own.median > budget
 
     def allows(self, steps_done: int, seconds: float) -> bool:
         if steps_done >= self.steps:

@@ -367,6 +367,7 @@ class Node:
         if budget is not None and schedule.sits_out and budget.outlasted():  # its step outlasts the round
             if not worker.outer.unapplied_tokens:  # no work kept: it trains a step while nobody waits for it
                 presence.announce_standby(round_index)
+                swarm.flush()  # out before the step: a coordinator that still saw it in the round would wait
                 outcome = schedule.sit_out(round_index, self.stopping.is_set, swarm.peer_id)
                 if outcome is None:
                     return None
