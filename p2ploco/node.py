@@ -320,11 +320,13 @@ class Node:
                 break
             if not role.ready(standing.round, presence.in_for_round(standing.round, standing.doubtful), self.stopping):
                 group_round = role.round_of_group(standing.round)
-                if group_round > standing.round:  # its pipeline group is ahead: it moves there, and catches up to
-                    # the swarm's state of its slice at that round if some holder has one
+                if group_round > standing.round:  # its pipeline group is ahead: it moves there, its state doubtful
+                    # (it did not apply the rounds between; a holder of its slice may have): it has no say on the
+                    # swarm's state, and catches up to it if some holder has a newer one
                     self.out(f"[{me}] its pipeline group's other stages are in round {group_round} (this stage: "
                              f"{standing.round}): it moves there")
-                    standing = replace(standing, round=group_round, waiting_for="")
+                    standing = replace(standing, round=group_round, waiting_for="", unsettled=group_round - 1,
+                                       doubtful=True)
                     continue
                 standing = self._stand_by(presence, role, standing)
                 continue

@@ -17,9 +17,9 @@ above.
 
 The stages of a group train a round together, so they must agree on which round is next (``group_round``): the
 latest round any of them is in. A stage behind a mate moves to the mate's round (a mate never comes back: it
-trained or sat out the rounds between, and so did the group, whose slices no other member could have trained
-without it); a stage ahead of a mate waits for it, and the mate, behind, moves up at its next look. So no two
-stages of a group can wait for each other for longer than one look.
+trained or sat out the rounds between), its state doubtful until it has caught up there (``Node._loop``); a
+stage ahead of a mate waits for it, and the mate, behind, moves up at its next look. So no two stages of a group
+can wait for each other for longer than one look.
 """
 
 from __future__ import annotations
