@@ -18,18 +18,22 @@ A step time is a claim in a record, and a record is free to publish: one claimin
 joined a round, used to cut every peer's round to one step of H. So the budget goes by the peers that took part in
 this peer's recent rounds (``Swarm.step_seconds``: those whose contributions were in an aggregate it applied in its
 last few all-reduces; a peer with none, a joiner, goes by every live record of the run until it applies a round
-again), never by a banned peer, and of their step times it believes none faster than half the group's lower median
-(its own and theirs: the peers up to that median then stay in the fast cohort and train H steps), nor
-``MAX_SPEED_SPREAD`` times faster than its own. A claim faster than that is left out, as if its peer were absent.
-Moving the lower median takes claims from half the group or more; short of that, the most a member can do is claim
-a step at the bound, which gives the peers slower than the median a budget of no less than H times half the median
-step. The cost: an honest fast minority more than twice as fast as the group's lower median counts as only that
-fast, so the group's rounds last about H steps of its median peers, and the fast minority waits for them.
+again), never by a banned peer, and of their step times it believes none more than ``BELIEVED_SPREAD`` times faster
+than the group's lower median (its own and theirs), nor ``MAX_SPEED_SPREAD`` times faster than its own. A claim
+faster than that is left out, as if its peer were absent. Moving the lower median takes claims from half the group
+or more; short of that, the most a member can do is claim a step at the bound, which gives the peers at the median
+a budget of no less than H times a quarter of their step: they train a quarter of H, and a liar that claims a full
+round's tokens weighs 4x one of them (the direction rule still holds its contribution to the others'). The cost:
+an honest fast minority more than 4x faster than the group's lower median counts as only that fast, and waits for
+the others. (The bound was 2x: the fast peer of a group 1x, 3x, 10x waited for the 3x one's H steps, its rounds
+2.38x those of two fast peers alone.)
 
 A peer whose single step outlasts the round (the budget is shorter than its own step) would hold every round
 for it; instead it sits rounds out: it trains one step while its record says it is standing by (no coordinator
 waits for it), keeps the step's work as a round not applied keeps it (error feedback or carry, its tokens owed),
-catches up, and contributes that work in the next round without training in it (``Node._round``).
+catches up, and contributes that work in the next round without training in it (``Node._round``). Not where that
+round would be past the last one it trains (``training.rounds``): the step's work would be lost, so it trains such
+a round as any, and the others wait for its step at the run's end.
 
 ``inner.fixed_steps`` trains H steps every round regardless (pipeline stages and Streaming DiLoCo fragments always
 do: their steps are scheduled by count).
@@ -37,14 +41,15 @@ do: their steps are scheduled by count).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
 MAX_SPEED_SPREAD = 16  # the fastest step a budget believes is this many times faster than this peer's own
-FAST_COHORT = 2.0  # peers whose steps take at most this many times the fastest's train H steps: timing noise; and
-# the fastest step a budget believes is this many times faster than its group's lower median
+FAST_COHORT = 2.0  # peers whose steps take at most this many times the fastest's train H steps: timing noise
+BELIEVED_SPREAD = 4.0  # the fastest step a budget believes is this many times faster than its group's lower median
 STEP_MEMORY = 8  # recent steps whose median is this peer's step time
 SIT_OUT_AFTER = 3  # steps a peer measures before it may sit rounds out: its first one carries start-up costs
 
@@ -102,9 +107,9 @@ class WallClockBudget:
         if own <= 0:
             return None
         claims = [s for s in self.swarm_step_seconds() if s > 0]
-        # Claims faster than this are not believed: the group's lower-median peer stays in the fast cohort (only
-        # half the group or more can move that median), and no claim is absurdly faster than this peer's own.
-        fastest_believed = max(statistics.median_low([own, *claims]) / FAST_COHORT, own / MAX_SPEED_SPREAD)
+        # Claims faster than this are not believed: the group's lower-median peer trains at least a quarter of H
+        # (only half the group or more can move that median), and no claim is absurdly faster than this peer's own.
+        fastest_believed = max(statistics.median_low([own, *claims]) / BELIEVED_SPREAD, own / MAX_SPEED_SPREAD)
         known = [own, *(s for s in claims if s >= fastest_believed)]
         fastest = min(known)
         if own <= FAST_COHORT * fastest:
@@ -116,6 +121,11 @@ class WallClockBudget:
         out, and contributes the step's work in a later round (``RoundSchedule.sit_out``)."""
         budget = self.seconds()
         return len(self.own) >= SIT_OUT_AFTER and budget is not None and self.own.median > budget
+
+    def rounds_per_step(self) -> int:
+        """How many rounds one step of this peer spans at the budget now (1 while it has no budget)."""
+        budget = self.seconds()
+        return 1 if budget is None else max(1, math.ceil(self.own.median / budget))
 
     def allows(self, steps_done: int, seconds: float) -> bool:
         if steps_done >= self.steps:

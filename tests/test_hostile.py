@@ -319,7 +319,7 @@ def test_two_keys_claiming_the_next_round_with_a_state_of_their_own_move_nobody(
 def test_a_member_claiming_an_absurdly_fast_step_does_not_shorten_the_others_rounds(tmp_path):
     """x takes part in every round, but its record claims inner steps of 1e-300 s: every honest peer's round budget
     used to shrink to one inner step of H (the budget trusted a step 16x faster than its own). Now a claim faster
-    than half the group's lower median is not believed: the honest peers train as they do with x honest."""
+    than a quarter of the group's lower median is not believed: the honest peers train as they do with x honest."""
     attack_from, rounds, steps = 2, 10, 5
     attacked, _ = run_swarm(tmp_path / "attacked", "abc", f"fast-step@{attack_from}", rounds)
     reference, _ = run_swarm(tmp_path / "reference", "abc", "", rounds)

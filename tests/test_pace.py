@@ -104,16 +104,21 @@ def test_a_members_absurdly_fast_claim_is_not_believed_and_any_claim_moves_the_b
     group = [0.1, 0.11]  # the others of a group with this peer: steps of 0.1-0.12 s, timing noise
     own = times(0.12)
     assert WallClockBudget(10, own, lambda: group).seconds() is None  # within 2x of the fastest: H steps
-    # 1e-300 s used to cut the round to 10 * 0.12 / 16 s, one step; a claim faster than half the group's lower
-    # median (0.1 s, among this peer's 0.12 and the others' with the claim) is left out, as if its peer were absent.
-    for absurd in (1e-300, 1e-9, 0.049):
+    # 1e-300 s used to cut the round to 10 * 0.12 / 16 s, one step; a claim more than 4x faster than the group's
+    # lower median (0.1 s, among this peer's 0.12 and the others' with the claim) is left out, as if its peer were
+    # absent.
+    for absurd in (1e-300, 1e-9, 0.024):
         assert WallClockBudget(10, own, lambda absurd=absurd: [*group, absurd]).seconds() is None
-    # A claim at the edge is believed: the peers up to the lower median still train H steps, a slower one gets
-    # H times the median of the fast cohort (the claim and the steps up to twice it), never below H * 0.05 s.
-    assert WallClockBudget(10, times(0.1), lambda: [0.11, 0.12, 0.05]).seconds() is None
+    # A claim at the edge is believed: a slower peer gets H times the median of the fast cohort (the claim and the
+    # steps up to twice it), never below H * 0.025 s, a quarter of H steps of the group's lower-median peer.
+    assert WallClockBudget(10, own, lambda: [*group, 0.025]).seconds() == pytest.approx(10 * 0.025)
     assert WallClockBudget(10, own, lambda: [*group, 0.05]).seconds() == pytest.approx(10 * (0.05 + 0.1) / 2)
-    assert WallClockBudget(10, own, lambda: [*group, 0.055]).seconds() == pytest.approx(10 * 0.1)
     assert WallClockBudget(10, own, lambda: [*group, 0.06]).seconds() is None  # 0.12 is within 2x of it
+    # A fast minority of one in three (the group 1x, 3x, 10x, at H = 4) is believed by the others, within the bound:
+    # the 3x peer fits its steps into the fast one's round, the 10x one sits rounds out once it has measured 3 steps.
+    assert WallClockBudget(4, times(0.3), lambda: [0.1, 1.0]).seconds() == pytest.approx(4 * 0.1)
+    assert not WallClockBudget(4, times(1.0, 1.0), lambda: [0.1, 0.3]).outlasted()
+    assert WallClockBudget(4, times(1.0, 1.0, 1.0), lambda: [0.1, 0.3]).outlasted()
     # Claims move the lower median only as half the group or more: two of six can not, the other of two can,
     # and then the budget is at least H steps of this peer's own over MAX_SPEED_SPREAD (1e-9: 16x is believed).
     assert WallClockBudget(10, own, lambda: [*group, 0.1, 1e-9, 1e-9]).seconds() is None
