@@ -305,14 +305,14 @@ class Node:
         schedule that ran the last round."""
         c, me = self.config, swarm.peer_id[-8:]
         catch_up = CatchUp(c, swarm, presence, self.stopping, self.out)
-        while not self.stopping.is_set() and not self._past_last_round(standing):
+        while not self.stopping.is_set() and not self._past_last_round(standing.round):
             if role.place():  # a stage peer took another stage: a new worker, with the seed's state
                 schedule.close()
                 schedule = build_schedule(c, role.worker)
                 self.out(f"[{me}] now {role.describe()}")
                 standing = replace(standing, membership=Membership(standing.round, "init"))
             standing = catch_up(schedule, standing, first=not self.records)
-            if self._past_last_round(standing):
+            if self._past_last_round(standing.round):
                 if not self.records:
                     self.out(f"[{me}] the run is at round {standing.round}, past its last round "
                              f"({c.training.rounds - 1}): nothing to train; training.rounds (--max-rounds) counts "
@@ -345,9 +345,9 @@ class Node:
                 files.save(schedule.checkpoint(standing.round, role.checkpoint_extras()))
         return standing, schedule
 
-    def _past_last_round(self, standing: Standing) -> bool:
+    def _past_last_round(self, round_index: int) -> bool:
         rounds = self.config.training.rounds
-        return bool(rounds) and standing.round >= rounds
+        return bool(rounds) and round_index >= rounds
 
     def _stand_by(self, presence: Presence, role: Role, standing: Standing) -> Standing:
         """Sit this round out while the role is not ready (said once per reason), and wait a heartbeat."""
@@ -367,7 +367,15 @@ class Node:
         started = time.perf_counter()
         budget = self._budget(swarm, role)
         if budget is not None and schedule.sits_out and budget.outlasted():  # its step outlasts the round
-            if not worker.outer.unapplied_tokens:  # no work kept: it trains a step while nobody waits for it
+            if worker.outer.unapplied_tokens:
+                # The work it kept, contributed in this round without a step. It joins once the others may be done
+                # with their steps (a formation closes a matchmaking timeout after its first join: one that came
+                # early would close before them).
+                self.stopping.wait(max(0.0, budget.seconds() - c.swarm.matchmaking_timeout / 2))
+                budget = FixedSteps(0)
+            elif not self._past_last_round(round_index + budget.rounds_per_step()):
+                # It trains a step while nobody waits for it (past its last round, the step's work would be lost:
+                # it trains such a round as any, and the others wait for it there)
                 presence.announce_standby(round_index)
                 swarm.flush()  # out before the step: a coordinator that still saw it in the round would wait
                 outcome = schedule.sit_out(round_index, self.stopping.is_set, swarm.peer_id)
@@ -375,11 +383,6 @@ class Node:
                     return None
                 return self._record(swarm, role, round_index, membership, started, **inner_fields(outcome.inner),
                                     **sync_fields(outcome.comm), sat_out=True)
-            # The work it kept, contributed in this round without a step. It joins once the others may be done
-            # with their steps (a formation closes a matchmaking timeout after its first join: one that came
-            # early would close before them).
-            self.stopping.wait(max(0.0, budget.seconds() - c.swarm.matchmaking_timeout / 2))
-            budget = FixedSteps(0)
         # The announcement names this round with the state it starts from, taken now (not before the role was ready:
         # an overlapped round in flight may have landed while a stage waited for its pipeline group).
         in_for_round = presence.in_for_round(round_index, standing.doubtful)
