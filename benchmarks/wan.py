@@ -30,8 +30,11 @@ direction at its cap, how many hosts' work the applied aggregate holds (records'
 whether every node applied the same parameters. Then a row per host: NAT or public, its cap and slowdown, its
 reachability as its node saw it (``reachability`` of its records), the rounds it applied, the tokens it trained
 (``tokens``) and how many of them ended up in aggregates it applied (``contributed_tokens`` of its applied
-rounds), that share, and the rounds its work was applied in (applied with ``contributed_tokens`` > 0; `--json`:
-``per_host``). The summary lines (and `--json`)
+rounds), that share, the rounds its work was applied in (applied with ``contributed_tokens`` > 0), its median round,
+and of the rounds it trained in how many had their work applied, then or carried into a later applied round (a step
+it sat rounds out for), and how many trained after the other hosts had applied their last round (`--json`:
+``per_host``). `--baseline` first runs each setting with 2 hosts, none slowed, held or NATed, and prints h0's median
+round against theirs (`h0_vs_baseline`). The summary lines (and `--json`)
 leave out round 0, which includes start-up: means over rounds 1.., and medians over every node's rounds
 1 .. R-2 (the last round also evaluates and writes the exit checkpoint; `median_utilisation`,
 `median_round_minus_inner`). Settings run one after another; each gets fresh namespaces.
@@ -50,6 +53,7 @@ removed by the next run.
     sudo python benchmarks/wan.py --nat 2 --rounds 12               # h1 and h2 behind NATs of their own
     sudo python benchmarks/wan.py --slow 1 3 10 --rounds 12         # h1 computes 3x, h2 10x slower
     sudo python benchmarks/wan.py --hold 0 0 1.5 --rounds 12        # h2 held 1.5 s before each step
+    sudo python benchmarks/wan.py --slow 1 3 10 --rounds 12 --baseline   # h0's rounds against 2 hosts alone
 """
 
 from __future__ import annotations
@@ -534,6 +538,20 @@ def spans(rounds: Sequence[int]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts) or "none"
 
 
+def trained_work(got: list[dict], last_round: int) -> tuple[int, int, int]:
+    """Of a node's rounds that trained (``tokens`` > 0): how many, how many of them had their work applied (in that
+    round's aggregate, or carried into a later applied one: a step sat out for, a round it was late for), and how
+    many trained after ``last_round``, the last round any other host applied (the run had ended for the others)."""
+    trained, applied, pending = 0, 0, 0
+    for r in sorted(got, key=lambda r: r["round"]):
+        if r.get("tokens", 0) > 0:
+            trained, pending = trained + 1, pending + 1
+        if worked(r):
+            applied, pending = applied + pending, 0
+    after = sum(1 for r in got if r.get("tokens", 0) > 0 and r["round"] > last_round)
+    return trained, applied, after
+
+
 def host_summary(setting: Setting, records: list[list[dict]]) -> tuple[list[tuple], list[dict]]:
     """A row per host over all its rounds: how others reach it, the tokens it trained and how many of them ended
     up in aggregates that were applied (``contributed_tokens`` of its applied rounds), and the rounds its work
@@ -548,6 +566,10 @@ def host_summary(setting: Setting, records: list[list[dict]]) -> tuple[list[tupl
         work = [r["round"] for r in got if worked(r)]
         tokens = sum(r.get("tokens", 0) for r in got)
         contributed = sum(r.get("contributed_tokens", 0) for r in got if r["applied"])
+        others_last = max((r["round"] for j, other in enumerate(records) if j != i for r in other if r["applied"]),
+                          default=-1)
+        trained, trained_applied, trained_after = trained_work(got, others_last)
+        median_round = statistics.median(r["round_seconds"] for r in middle_rounds(got)) if got else 0.0
         detail = {
             "host": i, "natted": natted, "rate_mbit": setting.rates[i], "slow": setting.slowdown(i),
             "reachability": seen[-1] if seen else None, "reachabilities": reachability,
@@ -556,14 +578,26 @@ def host_summary(setting: Setting, records: list[list[dict]]) -> tuple[list[tupl
             "work_applied_rounds": work if known else None,
             "work_applied_fraction": round(len(work) / len(got), 3) if known and got else None,
             "token_fraction": round(contributed / tokens, 3) if known and tokens else None,
+            "median_round_seconds": round(median_round, 3), "rounds_trained": trained,
+            "trained_work_applied": trained_applied if known else None, "trained_after_the_others": trained_after,
         }
         details.append(detail)
         table.append((f"h{i}", "NAT" if natted else "public", f"{setting.rates[i]:g}", f"{setting.slowdown(i):g}",
                       "/".join(reachability) or "?", f"{detail['rounds_applied']}/{len(got)}",
                       f"{tokens:,}", f"{contributed:,}" if known else "?",
                       f"{detail['token_fraction']:.2f}" if detail["token_fraction"] is not None else "?",
-                      f"{len(work)}/{len(got)}" if known else "?", spans(work) if known else "?"))
+                      f"{len(work)}/{len(got)}" if known else "?", spans(work) if known else "?",
+                      f"{median_round:.2f}",
+                      (f"{trained_applied}/{trained}" + (f" ({trained_after} after the others)" if trained_after
+                                                         else "")) if known else "?"))
     return table, details
+
+
+def middle_rounds(got: list[dict]) -> list[dict]:
+    """A node's records of rounds 1 .. R-2 (round 0 includes start-up, the last evaluates and writes the exit
+    checkpoint), or all of them where there are fewer."""
+    last = max(r["round"] for r in got)
+    return [r for r in got if 0 < r["round"] < last] or got
 
 
 def count_params(config_path: str, overrides: list[str]) -> int:
@@ -604,6 +638,9 @@ def main() -> int:
     parser.add_argument("--reachability", nargs="+", default=[], metavar="MODE",
                         choices=["auto", "public", "relayed", "client"],
                         help="per host: pass --reachability MODE to its node (later hosts: the node's default)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="first run each setting with 2 hosts, none slowed, held or NATed, and print h0's median "
+                             "round against theirs")
     parser.add_argument("--subnet", default=SUBNET, metavar="A.B.C",
                         help=f"the bridge's /24 [{SUBNET}]; libp2p's AutoNAT, relay addresses and hole punching "
                              f"ignore private addresses, so a public-looking one (e.g. 7.77.0: the namespaces reach "
@@ -642,6 +679,19 @@ def main() -> int:
     print(f"wan: {args.hosts} hosts, {params / 1e6:.1f}M parameters ({Path(args.config).name}"
           f"{' ' + ' '.join(args.overrides) if args.overrides else ''}), {args.rounds} rounds per setting", flush=True)
     rows, failed = [], []
+    baselines: dict[tuple[str, str], float] = {}
+    for setting in settings if args.baseline else []:
+        alone = Setting(setting.algorithm, setting.rate_text, parse_rates(setting.rate_text, 2), subnet=args.subnet)
+        where = workdir / f"baseline-{setting.algorithm}-{setting.rate_text.replace(',', '+')}"
+        where.mkdir(parents=True, exist_ok=True)
+        try:
+            records = run_setting(alone, args.config, args.overrides, args.rounds, where, args.timeout)
+        except (NodeFailed, TimeoutError, SwarmError, subprocess.CalledProcessError) as e:
+            print(f"[baseline {alone.label}] failed: {e}", flush=True)
+            failed.append(f"baseline {alone.label}")
+            continue
+        baselines[setting.algorithm, setting.rate_text] = statistics.median(
+            r["round_seconds"] for got in records for r in middle_rounds(got))
     for setting in settings:
         where = workdir / f"{setting.algorithm}-{setting.rate_text.replace(',', '+')}"
         where.mkdir(parents=True, exist_ok=True)
@@ -652,6 +702,10 @@ def main() -> int:
             failed.append(setting.label)
             continue
         table, host_table, row = summarise(setting, records, params)
+        baseline = baselines.get((setting.algorithm, setting.rate_text))
+        if baseline:
+            row["baseline_median_round_seconds"] = round(baseline, 3)
+            row["h0_vs_baseline"] = round(row["per_host"][0]["median_round_seconds"] / baseline, 3)
         rows.append(row)
         if not args.json:
             print(f"\n{setting.label}, {args.hosts} hosts, {params / 1e6:.1f}M parameters "
@@ -660,9 +714,14 @@ def main() -> int:
             print(format_table(("round", "bytes/node", "comm s", "round s", "inner s", "utilisation", "transfer s",
                                 "work from", "hashes equal"), table))
             print("\nper host (applied: rounds the node applied; in aggregates: tokens of its applied work; "
-                  "share: of the tokens it trained)")
+                  "share: of the tokens it trained; median round: rounds 1..R-2; trained work applied: rounds it "
+                  "trained in whose work reached an applied aggregate, then or carried later)")
             print(format_table(("host", "link", "Mbit/s", "slow", "reachability", "applied", "tokens trained",
-                                "in aggregates", "share", "work applied", "in rounds"), host_table))
+                                "in aggregates", "share", "work applied", "in rounds", "median round s",
+                                "trained work applied"), host_table))
+            if baseline:
+                print(f"h0's median round {row['per_host'][0]['median_round_seconds']:.2f} s against {baseline:.2f} s "
+                      f"of 2 hosts none slowed, held or NATed (rounds 1..R-2, this run): {row['h0_vs_baseline']:.2f}x")
             print()
     if args.json:
         print(json.dumps(rows))

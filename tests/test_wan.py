@@ -140,6 +140,23 @@ def test_a_round_agrees_when_every_node_applied_it_in_one_group_with_one_hash(mo
     assert not wan.hashes_agree([two, two, {**row, "peers": 1, "params_sha256": "b"}], 3)  # applied alone: a split
 
 
+def test_a_sat_out_steps_work_counts_as_applied_when_a_later_applied_round_carries_it(monkeypatch):
+    spec = importlib.util.spec_from_file_location("wan", "benchmarks/wan.py")
+    wan = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "wan", wan)
+    spec.loader.exec_module(wan)
+
+    def record(round_index, tokens, applied, contributed):
+        return {"round": round_index, "tokens": tokens, "applied": applied, "contributed_tokens": contributed}
+
+    # Round 0 trained and applied; round 1 sat out for a step (trained, nothing applied), whose work round 3 carries
+    # without training; round 5 trained, late, and was carried nowhere; round 6 trained after the others' last round.
+    got = [record(0, 64, True, 64), record(1, 64, False, 0), record(3, 0, True, 64), record(5, 64, False, 0),
+           record(6, 64, True, 0)]
+    assert wan.trained_work(got, last_round=5) == (4, 2, 1)
+    assert wan.trained_work([*got, record(7, 0, True, 128)], last_round=7) == (4, 4, 0)
+
+
 def test_compute_utilisation_is_inner_time_over_wall_time_since_the_previous_record():
     previous = RoundRecord(0, 2, 1.0, None, "x", 0, 0, 0, 1.0, 0.1, 0, 1.0, 1.0, 2.0, timestamp=time.time() - 4.0)
     assert RoundRecord.utilisation(1.0, [previous], time.perf_counter()) == pytest.approx(0.25, abs=0.01)
