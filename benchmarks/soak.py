@@ -19,6 +19,12 @@ a line per round; the table comes at the end, and ``--json`` prints its rows as 
     python benchmarks/soak.py --rounds 200 --cpu-hogs 2 --algorithm sparseloco diloco loco streaming \\
         sparseloco+overlap
     python benchmarks/soak.py --rounds 200 --cpu-hogs 2 --replicas 1 --groups 1
+    python benchmarks/soak.py --rounds 200 --cpu-hogs 2 --replicas 1 --groups 2 --replace-stages 2
+
+``--replace-stages K`` kills stage 1 of every group K times, evenly spaced over the rounds (SIGKILL, as a crash), and
+starts a newcomer for the slot at once; a table then gives, per replacement, the replica's round when the newcomer
+started, the newcomer's first round and the first round its group applied whole again (the newcomer's first applied
+round: a stage applies a round only with its whole group).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,11 +43,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from p2ploco.demo import run_demo
-from p2ploco.launch import REPO_ROOT, TINY_CONFIG
+from p2ploco.launch import REPO_ROOT, TINY_CONFIG, LocalSwarm
 from p2ploco.metrics import format_table, read_records
 
 PIPELINE_CONFIG = REPO_ROOT / "configs" / "tiny-pipeline.yaml"
 ALGORITHMS = ("sparseloco", "diloco", "loco", "streaming")
+POLL_SECONDS = 0.5  # how often a soak that replaces stages looks at the replica's records
+PROGRESS_ROUNDS = 10  # a progress line every this many of the replica's rounds
+STRAGGLER_SECONDS = 120.0  # how long stages may run on after the replicas finished before they count as stuck
 
 
 @dataclass
@@ -106,7 +116,87 @@ def cpu_hogs(count: int) -> Iterator[None]:
             hog.wait()
 
 
-def soak(run: str, replicas: int, groups: int, rounds: int, hogs: int, workdir: Path, overrides: list[str]) -> Soak:
+@dataclass
+class Replacement:
+    """One stage of a pipeline group killed and replaced by a newcomer, as the records tell it."""
+
+    group: str
+    killed: str  # the node killed (SIGKILL, as a crash)
+    newcomer: str
+    started_at: int  # the full replica's last recorded round when the newcomer was started
+    joined: int | None = None  # the newcomer's first recorded round (after its catch-up)
+    whole: int | None = None  # the first round its group applied whole again, with the newcomer
+
+    def row(self) -> tuple[object, ...]:
+        after = "never" if self.whole is None else f"{self.whole - self.started_at}"
+        return (self.group, self.killed, self.newcomer, self.started_at, "-" if self.joined is None else self.joined,
+                "never" if self.whole is None else self.whole, after)
+
+
+REPLACEMENT_HEADER = ("group", "killed", "newcomer", "started at round", "its first round", "group whole again at",
+                      "rounds after its start")
+
+
+def run_with_replacements(replicas: int, groups: int, rounds: int, times: int, workdir: Path, settings: list[str]
+                          ) -> tuple[bool, dict[str, list[dict]], list[Replacement]]:
+    """The soak's swarm, in which stage 1 of every pipeline group is killed (SIGKILL) ``times`` times, evenly spaced
+    over the rounds, and replaced at once by a newcomer for the same slot. Returns whether every node that was not
+    killed exited 0, every node's records, and the replacements."""
+    members = [(f"node{i}", ()) for i in range(replicas)]
+    members += [(f"g{g}s{s}", ("--role", "stage", "--group", f"g{g}", "--stage", str(s)))
+                for g in range(groups) for s in range(2)]
+    common = ["--max-rounds", str(rounds), "--set", f"swarm.min_peers={len(members)}",
+              *(arg for item in settings for arg in ("--set", item))]
+    at = [rounds * (i + 1) // (times + 1) for i in range(times)]
+    replacements: list[Replacement] = []
+    killed: set[str] = set()
+    with LocalSwarm(workdir) as swarm:
+        for name, role in members:
+            swarm.start_node(name, PIPELINE_CONFIG, *role, *common)
+        current = {f"g{g}": f"g{g}s1" for g in range(groups)}
+        stragglers: float | None = None  # when the replicas were done: a stage still running later is stuck
+        stuck: list[str] = []
+        shown = 0
+        while any(child.process.poll() is None for name, child in swarm.nodes.items() if name not in killed):
+            if stragglers is None and all(swarm.nodes[f"node{i}"].process.poll() is not None for i in range(replicas)):
+                stragglers = time.monotonic()
+            if stragglers is not None and time.monotonic() - stragglers > STRAGGLER_SECONDS:
+                stuck = [name for name, child in swarm.nodes.items() if child.process.poll() is None]
+                print(f"{', '.join(stuck)} still running {STRAGGLER_SECONDS:.0f} s after the replicas finished: "
+                      f"stopped", flush=True)
+                for name in stuck:
+                    swarm.nodes[name].stop()
+                break
+            replica_round = max((r["round"] for r in swarm.records("node0")), default=-1)
+            if replica_round >= shown + PROGRESS_ROUNDS:
+                shown = replica_round
+                print(f"round {replica_round} of {rounds} (node0)", flush=True)
+            if at and replica_round >= at[0]:
+                at.pop(0)
+                for group, victim in current.items():
+                    swarm.nodes[victim].signal(signal.SIGKILL)
+                    swarm.nodes[victim].process.wait()
+                    killed.add(victim)
+                    newcomer = f"{group}s1-{len(replacements) // groups + 1}"
+                    swarm.start_node(newcomer, PIPELINE_CONFIG, "--role", "stage", "--group", group, "--stage", "1",
+                                     *common)
+                    replacements.append(Replacement(group, victim, newcomer, replica_round))
+                    current[group] = newcomer
+                    print(f"round {replica_round}: killed {victim}, started {newcomer} in its place", flush=True)
+            time.sleep(POLL_SECONDS)
+        codes = {name: child.process.returncode for name, child in swarm.nodes.items()}
+        records = {name: swarm.records(name) for name in swarm.nodes}
+    for replacement in replacements:
+        mine = records[replacement.newcomer]
+        replacement.joined = mine[0]["round"] if mine else None
+        whole = [r["round"] for r in mine if r["applied"]]  # a stage applies a round only with its whole group
+        replacement.whole = whole[0] if whole else None
+    ok = not stuck and all(code == 0 for name, code in codes.items() if name not in killed)
+    return ok, records, replacements
+
+
+def soak(run: str, replicas: int, groups: int, rounds: int, hogs: int, workdir: Path, overrides: list[str],
+         replace: int = 0) -> tuple[Soak, list[Replacement]]:
     algorithm, _, overlap = run.partition("+")
     settings = [f"outer.algorithm={algorithm}", *([f"outer.{algorithm}.overlap=true"] if overlap else []),
                 "training.checkpoint_every=0", *overrides]
@@ -114,11 +204,20 @@ def soak(run: str, replicas: int, groups: int, rounds: int, hogs: int, workdir: 
     print(f"\n== {run}: {replicas} replica(s)" + (f" and {groups} two-stage group(s)" if groups else "")
           + f", {rounds} rounds, {hogs} busy loop(s) beside them; logs in {workdir}", flush=True)
     started = time.monotonic()
+    replacements: list[Replacement] = []
     with cpu_hogs(hogs):
-        ok = run_demo(replicas, groups, 2, rounds, config, workdir, settings)
-    names = [f"node{i}" for i in range(replicas)] + [f"g{g}s{s}" for g in range(groups) for s in range(2)]
-    records = {name: read_records(workdir / name / "metrics.jsonl") for name in names}
-    return summarise(run, rounds, records, time.monotonic() - started, ok)
+        if replace:
+            ok, records, replacements = run_with_replacements(replicas, groups, rounds, replace, workdir, settings)
+            # A killed node and its newcomer hold one slot: their records together, lost rounds counted for the slot
+            slots: dict[str, list[dict]] = {}
+            for name, rs in records.items():
+                slots.setdefault(name.split("-")[0], []).extend(rs)
+            records = slots
+        else:
+            ok = run_demo(replicas, groups, 2, rounds, config, workdir, settings)
+            names = [f"node{i}" for i in range(replicas)] + [f"g{g}s{s}" for g in range(groups) for s in range(2)]
+            records = {name: read_records(workdir / name / "metrics.jsonl") for name in names}
+    return summarise(run, rounds, records, time.monotonic() - started, ok), replacements
 
 
 def main() -> None:
@@ -132,6 +231,9 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every node (repeatable)")
     parser.add_argument("--workdir", type=Path, help="where logs go [a temporary folder]")
+    parser.add_argument("--replace-stages", type=int, default=0, metavar="K",
+                        help="kill stage 1 of every pipeline group K times, evenly spaced, each time replaced at once "
+                             "by a newcomer for its slot [0]")
     parser.add_argument("--json", action="store_true", help="also print the rows as one JSON list")
     args = parser.parse_args()
     for run in args.algorithm:
@@ -141,13 +243,23 @@ def main() -> None:
     if args.replicas + 2 * args.groups < 2:
         parser.error("a soak needs at least two nodes: raise --replicas or --groups")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="p2ploco-soak-"))
-    results = [soak(run, args.replicas, args.groups, args.rounds, args.cpu_hogs, workdir / run.replace("+", "-"),
-                    args.overrides) for run in args.algorithm]
+    if args.replace_stages and (not args.groups or not args.replicas):
+        parser.error("--replace-stages needs --groups and --replicas of at least 1 (rounds are counted on node0)")
+    ran = [soak(run, args.replicas, args.groups, args.rounds, args.cpu_hogs, workdir / run.replace("+", "-"),
+                args.overrides, args.replace_stages) for run in args.algorithm]
+    results = [result for result, _ in ran]
     print(f"\nSoak: {args.replicas} replica(s), {args.groups} pipeline group(s), {args.rounds} rounds, "
-          f"{args.cpu_hogs} busy loop(s); lost per node in node order ({', '.join(sorted(results[0].lost))})")
+          f"{args.cpu_hogs} busy loop(s); lost per node in node order ({', '.join(sorted(results[0].lost))}"
+          f"{'; a killed stage and its newcomers count as one node' if args.replace_stages else ''})")
     print(format_table(HEADER, [r.row() for r in results]))
+    for (result, replacements) in ran:
+        if replacements:
+            print(f"\n{result.run}: stages killed and replaced (whole again: the first round the newcomer applied: a "
+                  f"stage applies a round only with its whole group)")
+            print(format_table(REPLACEMENT_HEADER, [r.row() for r in replacements]))
     if args.json:
-        print(json.dumps([asdict(r) for r in results]))
+        print(json.dumps([{**asdict(result), "replacements": [asdict(r) for r in replacements]}
+                          for result, replacements in ran]))
 
 
 if __name__ == "__main__":
