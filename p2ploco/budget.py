@@ -35,8 +35,10 @@ catches up, and contributes that work in the next round without training in it (
 round would be past the last one it trains (``training.rounds``): the step's work would be lost, so it trains such
 a round as any, and the others wait for its step at the run's end.
 
-``inner.fixed_steps`` trains H steps every round regardless (pipeline stages and Streaming DiLoCo fragments always
-do: their steps are scheduled by count).
+A pipeline group's stages step together: each asks its own budget within every step whether another fits, and the
+group stops where any says no (``InnerTrainer.run_round``), so it trains as many steps as its slowest stage's budget
+allows. ``inner.fixed_steps`` trains H steps every round regardless (Streaming DiLoCo always does: its fragments
+sync at fixed steps of the round).
 """
 
 from __future__ import annotations

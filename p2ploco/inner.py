@@ -129,6 +129,12 @@ class InnerTrainer:
 
     def step(self, step: int) -> float:
         """One inner step (global step number ``step``); returns its training loss."""
+        return self._step(step, lambda: True)[0]
+
+    def _step(self, step: int, wants_another: Callable[[], bool]) -> tuple[float, bool]:
+        """One inner step; returns its training loss, and whether everything that trains together wants another
+        step this round: asked of each (``wants_another``, as the step's gradients are in) and summed with the
+        loss, so that the stages of a pipeline group stop at the same step (the slowest one's budget)."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -137,7 +143,8 @@ class InnerTrainer:
         if self.constraint is not None:
             self.constraint.project_(grads)
         present = [g for g in grads if g is not None]
-        loss, total_squared = self.gradients.reduce(step, [loss_share, squared_norm(present)])
+        stop_vote = 0.0 if wants_another() else 1.0
+        loss, total_squared, stop_votes = self.gradients.reduce(step, [loss_share, squared_norm(present), stop_vote])
         if self.config.grad_clip > 0:
             coefficient = clip_coefficient(math.sqrt(total_squared), self.config.grad_clip)
             if coefficient < 1.0:
@@ -146,7 +153,7 @@ class InnerTrainer:
         self.optimizer.step()
         if self.constraint is not None:
             self.constraint.project_(self.params)
-        return loss
+        return loss, stop_votes == 0
 
     def run_round(self, round_index: int, should_stop: Callable[[], bool] = lambda: False,
                   between: Callable[[int], None] | None = None, budget: RoundBudget | None = None
@@ -157,20 +164,27 @@ class InnerTrainer:
         formed; a Streaming DiLoCo fragment started or landed). Its time is not counted as training time; anything
         else that holds a step is. Step h
         of round r is global step r * H + h whatever the budget (its learning rate and batch), so a peer that
-        trains fewer steps skips the rest of the round's batches."""
+        trains fewer steps skips the rest of the round's batches. Whether a step after the first fits is decided
+        within the step before it, by everything that trains together (a pipeline group's stages alike)."""
         c = self.config
         self.model.train()
         losses, seconds, began = [], 0.0, time.perf_counter()
         since = began  # where the step under way began: the end of the last one's ``between``, or the round's start
+        another = budget is None or budget.allows(0, 0.0)
+
+        def wants_another() -> bool:  # asked within step h (h + 1 steps done once it ends)
+            return budget is None or budget.allows(len(losses) + 1, time.perf_counter() - began)
+
         for h in range(c.steps):
             self.step_in_round = h
-            if budget is not None and not budget.allows(h, time.perf_counter() - began):
+            if not another:
                 break
             if should_stop():
                 return None
             faults.hit("inner.step", round_index)
             started = time.perf_counter()
-            losses.append(self.step(round_index * c.steps + h))
+            loss, another = self._step(round_index * c.steps + h, wants_another)
+            losses.append(loss)
             faults.stretch("inner.step", round_index, time.perf_counter() - started)
             # A step's time is its wall time, whatever held it (its data, a device shared with another job, a stall
             # before it): the budget must see this peer's real pace, not its compute alone.

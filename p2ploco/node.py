@@ -366,7 +366,8 @@ class Node:
         presence.serve(round_index)
         started = time.perf_counter()
         budget = self._budget(swarm, role)
-        if budget is not None and schedule.sits_out and budget.outlasted():  # its step outlasts the round
+        # A replica whose step outlasts the round sits rounds out (a pipeline stage cannot: its group steps together)
+        if budget is not None and schedule.sits_out and role.trains_alone and budget.outlasted():
             if worker.outer.unapplied_tokens:
                 # The work it kept, contributed in this round without a step. It joins once the others may be done
                 # with their steps (a formation closes a matchmaking timeout after its first join: one that came
@@ -421,10 +422,11 @@ class Node:
                            reachability=str(swarm.reachability), **role.record_fields())
 
     def _budget(self, swarm: Swarm, role: Role) -> WallClockBudget | None:
-        """How many inner steps fit in a round (``budget.py``): as many as the swarm's round budget allows, unless
-        this peer trains a fixed H (set so, a pipeline stage, or Streaming DiLoCo)."""
+        """How many inner steps fit in a round (``budget.py``): as many as the swarm's round budget allows (for a
+        pipeline stage, as its group's slowest stage's budget allows), unless this peer trains a fixed H (set so, or
+        Streaming DiLoCo)."""
         c = self.config
-        if c.inner.fixed_steps or not role.trains_alone or c.outer.algorithm == "streaming":
+        if c.inner.fixed_steps or c.outer.algorithm == "streaming":
             return None
         return WallClockBudget(c.inner.steps, role.worker.inner.step_times, swarm.step_seconds, c.inner.round_seconds)
 

@@ -58,8 +58,8 @@ def schedule_digest(config: Config) -> str:
 class Role(ABC):
     kind: str
     evaluates: bool  # whether this peer can score the held-out data (it holds the whole model)
-    # whether it steps on its own (a replica), so may train as many steps as fit in a round; a pipeline stage steps
-    # with its group's other stages, H every round
+    # whether it steps on its own (a replica), so may sit rounds out while one step outlasts them; a pipeline
+    # stage steps with its group's other stages (the group stops at the step the slowest stage's budget allows)
     trains_alone: bool
     worker: Worker | None = None
     waiting_for = ""  # why the last ready() said no, for the node's log

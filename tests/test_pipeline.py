@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import CPU, TOKENS, sampler, small_config
 
+from p2ploco.budget import FixedSteps
 from p2ploco.build import build_linked_stage, build_replica
 from p2ploco.config import Config, load_config
 from p2ploco.errors import PipelineError
@@ -152,3 +153,22 @@ def test_a_stage_that_hears_nothing_fails_the_step_in_bounded_time():
     last = build_linked_stage(config, CPU, pipe.transport(1), None)
     with pytest.raises(PipelineError, match="no activations for step 0 micro-batch 0 within"):
         last.inner.step(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_groups_stages_stop_at_the_step_its_slowest_stages_budget_allows():
+    """Each stage asks its own budget whether another step fits; the group sums the answers with the step's loss,
+    so both stages stop after the fewest steps any of them allows, with the same tokens (the group's weight)."""
+    config = small_config("inner.steps=4")
+    pipe = InProcessPipe(2, timeout=60)
+    stages = [build_linked_stage(config, CPU, pipe.transport(s), sampler(config) if s == 0 else None)
+              for s in range(2)]
+    budgets = [FixedSteps(4), FixedSteps(2)]  # the last stage is the slower one here: 2 steps of H = 4 fit
+    stats = [None, None]
+
+    def train(s: int) -> None:
+        stats[s] = stages[s].inner.run_round(0, budget=budgets[s])
+
+    run_in_threads(2, train)
+    assert [s.steps for s in stats] == [2, 2]  # without the vote, stage 0 waited for a third step's gradients
+    assert stats[0].tokens == stats[1].tokens == 2 * stages[0].inner.gradients.tokens_per_step

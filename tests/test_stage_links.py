@@ -62,9 +62,10 @@ def test_a_step_over_hivemind_streams_equals_the_in_process_pipeline(peers):
     assert remote_losses == pytest.approx(local_losses, rel=1e-6)
     for name, grad in local_grads.items():
         torch.testing.assert_close(remote_grads[name], grad, rtol=1e-5, atol=1e-8, msg=name)
-    # 2 micro-batches of (2 x 17 uint16 ids + 2 x 16 x 8 float32 values), and two sums of 2 float64 addends
-    assert transports[0].bytes_sent == 2 * (2 * 17 * 2 + 2 * 16 * 8 * 4) + 2 * 8
-    assert transports[1].bytes_sent == 2 * (2 * 16 * 8 * 4) + 2 * 8
+    # 2 micro-batches of (2 x 17 uint16 ids + 2 x 16 x 8 float32 values), and the step's sum of 3 float64 addends
+    # (its loss, squared gradient norm and stop vote)
+    assert transports[0].bytes_sent == 2 * (2 * 17 * 2 + 2 * 16 * 8 * 4) + 3 * 8
+    assert transports[1].bytes_sent == 2 * (2 * 16 * 8 * 4) + 3 * 8
 
 
 def push(loop: EventLoopThread, p2p: P2P, to: StageLinkServer, header: dict, payload: bytes) -> dict:
