@@ -37,8 +37,10 @@ a round as any, and the others wait for its step at the run's end.
 
 A pipeline group's stages step together: each asks its own budget within every step whether another fits, and the
 group stops where any says no (``InnerTrainer.run_round``), so it trains as many steps as its slowest stage's budget
-allows. ``inner.fixed_steps`` trains H steps every round regardless (Streaming DiLoCo always does: its fragments
-sync at fixed steps of the round).
+allows. Streaming DiLoCo places its fragments' syncs by step before the round begins: it plans the steps that fit
+(``planned_steps``) and spreads the syncs over them as it spreads them over H (``StreamingDiLoCo.schedule_for``),
+so each sync of a slow peer comes at about the wall time of the fast peers'. ``inner.fixed_steps`` trains H steps
+every round regardless.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class RoundBudget(Protocol):
     def allows(self, steps_done: int, seconds: float) -> bool:
         """Whether one more inner step fits in the round, after ``steps_done`` steps and ``seconds`` since the round
         began."""
+
+    def planned_steps(self) -> int:
+        """The steps that fit in the round as this peer's pace has it now: for a schedule that places work by step
+        before the round begins (Streaming DiLoCo's fragment syncs)."""
 
 
 class StepTimes:
@@ -88,6 +94,9 @@ class FixedSteps:
 
     def allows(self, steps_done: int, seconds: float) -> bool:
         return steps_done < self.steps
+
+    def planned_steps(self) -> int:
+        return self.steps
 
 
 class WallClockBudget:
@@ -128,6 +137,14 @@ class WallClockBudget:
         """How many rounds one step of this peer spans at the budget now (1 while it has no budget)."""
         budget = self.seconds()
         return 1 if budget is None else max(1, math.ceil(self.own.median / budget))
+
+    def planned_steps(self) -> int:
+        """The steps ``allows`` lets run at this peer's median step: step k starts k steps in (at least 1, at most
+        H)."""
+        budget = self.seconds()
+        if budget is None:
+            return self.steps
+        return max(1, min(self.steps, math.floor(budget / self.own.median - 0.5) + 1))
 
     def allows(self, steps_done: int, seconds: float) -> bool:
         if steps_done >= self.steps:

@@ -423,10 +423,9 @@ class Node:
 
     def _budget(self, swarm: Swarm, role: Role) -> WallClockBudget | None:
         """How many inner steps fit in a round (``budget.py``): as many as the swarm's round budget allows (for a
-        pipeline stage, as its group's slowest stage's budget allows), unless this peer trains a fixed H (set so, or
-        Streaming DiLoCo)."""
+        pipeline stage, as its group's slowest stage's budget allows), unless this peer trains a fixed H."""
         c = self.config
-        if c.inner.fixed_steps or c.outer.algorithm == "streaming":
+        if c.inner.fixed_steps:
             return None
         return WallClockBudget(c.inner.steps, role.worker.inner.step_times, swarm.step_seconds, c.inner.round_seconds)
 

@@ -63,8 +63,7 @@ class Worker:
         streaming = c.outer.algorithm == "streaming"
         self.slices = group_by_slice(self.names, c.model, c.pipeline.stages,
                                      c.outer.streaming.fragments if streaming else 0)
-        self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices, c.inner.steps,
-                                 c.round_tokens)
+        self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices, c.round_tokens)
         horizon = c.inner.total_steps or c.training.rounds * c.inner.steps
         self.inner = InnerTrainer(model, c.inner, gradients, device, horizon, constraint)
         # Held while the outer algorithm's local state changes (a contribution, a step taken, a round given back),

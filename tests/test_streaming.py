@@ -15,6 +15,7 @@ import torch
 from helpers import CPU, TOKENS, small_config
 
 from p2ploco import checkpoint
+from p2ploco.budget import FixedSteps
 from p2ploco.build import build_replica
 from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange, reduce_span
 from p2ploco.collective.fp4 import GROUP_SIZE, HEADER, E3M0Mean
@@ -287,7 +288,7 @@ def test_fragments_sync_on_schedule_overlapped_and_every_replica_ends_bit_identi
 def test_fragments_of_a_round_they_do_not_divide_sync_at_its_floor_points_and_both_land():
     workers = replicas(2, "inner.steps=5", "outer.algorithm=streaming", "outer.streaming.fragments=2",
                        "outer.streaming.delay=1")
-    assert workers[0].outer.schedule == {"fragment0": (1, 2), "fragment1": (4, 5)}  # ⌊5/2⌋ = 2, then 5
+    assert workers[0].outer.schedule_for(5) == {"fragment0": (1, 2), "fragment1": (4, 5)}  # ⌊5/2⌋ = 2, then 5
     group = InProcessGroup(2, timeout=60)
     recorders = [Recording(group.communicator(rank), w) for rank, w in enumerate(workers)]
     outcomes = [None, None]
@@ -305,6 +306,36 @@ def test_fragments_of_a_round_they_do_not_divide_sync_at_its_floor_points_and_bo
         # started after inner steps 1 and 4 (as in the test above, the next step may be under way)
         assert recorder.log[0][2] in (0, 1) and recorder.log[1][2] in (3, 4)
         assert outcome.comm.applied and outcome.inner.steps == 5
+    assert workers[0].params_sha256 == workers[1].params_sha256
+
+
+def test_a_peer_whose_budget_fits_fewer_steps_spreads_its_fragment_syncs_over_them_and_weighs_its_tokens():
+    """H = 8, 2 fragments, delay 1: the fast replica syncs after steps 3 and 7 of 8; the one whose budget fits 4
+    steps syncs after steps 1 and 3 of its 4 (as far into its round), both land, and its contributions weigh half."""
+    workers = replicas(2, "inner.steps=8", "outer.algorithm=streaming", "outer.streaming.fragments=2",
+                       "outer.streaming.delay=1")
+    assert workers[1].outer.fewest_steps == 4
+    group = InProcessGroup(2, timeout=60)
+    recorders = [Recording(group.communicator(rank), w) for rank, w in enumerate(workers)]
+    budgets = [None, FixedSteps(4)]
+    outcomes, tokens = [None, None], [[], []]
+
+    def run(rank):
+        outcomes[rank] = schedule_of(workers[rank]).run(0, recorders[rank], RoundHooks(budget=budgets[rank]))
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    per_step = workers[0].inner.gradients.tokens_per_step
+    assert [outcome.inner.steps for outcome in outcomes] == [8, 4]
+    assert [outcome.comm.all_reduce.tokens for outcome in outcomes] == [8 * per_step, 4 * per_step]
+    # each fragment's sync started after the steps it was due at, 3 and 7 of 8, 1 and 3 of 4 (step_in_round: the
+    # index of the step done, or of the next one under way)
+    starts = [[step for _, _, step, _ in recorder.log] for recorder in recorders]
+    assert starts[0][0] in (2, 3) and starts[0][1] in (6, 7) and starts[1][0] in (0, 1) and starts[1][1] in (2, 3)
+    assert all(outcome.comm.applied for outcome in outcomes)
     assert workers[0].params_sha256 == workers[1].params_sha256
 
 

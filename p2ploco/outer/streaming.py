@@ -43,18 +43,25 @@ from p2ploco.outer.diloco import nesterov_step
 class StreamingDiLoCo(OuterAlgorithm):
     shared_kinds = ("momentum",)
 
-    def __init__(self, global_params: Sequence[torch.Tensor], config: StreamingConfig, inner_steps: int,
+    def __init__(self, global_params: Sequence[torch.Tensor], config: StreamingConfig,
                  slices: Mapping[str, Sequence[int]] | None = None, policy: Policy = UNBOUNDED,
                  round_tokens: int | None = None):
-        """``slices``: the fragments, in order (one slice: a single fragment); ``inner_steps``: H, the period."""
+        """``slices``: the fragments, in order (one slice: a single fragment)."""
         super().__init__(global_params, slices, policy, round_tokens)
         self.config = config
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.fragments = list(self.slices)
-        # fragment -> (inner steps done when its all-reduce starts, when it is applied): applied ⌊(p + 1)·H/P⌋,
-        # at least ⌊H/P⌋ > delay steps after the one before, so each lands before the next starts (Config)
-        applied = [(p + 1) * inner_steps // len(self.fragments) for p in range(len(self.fragments))]
-        self.schedule = {name: (apply - config.delay, apply) for name, apply in zip(self.fragments, applied)}
+        # the fewest steps a round may plan: each fragment's sync lands before the next one starts (Config holds H
+        # to it)
+        self.fewest_steps = len(self.fragments) * (config.delay + 1)
+
+    def schedule_for(self, steps: int) -> dict[str, tuple[int, int]]:
+        """Fragment -> (inner steps done when its all-reduce starts, when it is applied) in a round of ``steps``
+        (at least ``fewest_steps``): applied after ⌊(p + 1)·steps/P⌋, at least ⌊steps/P⌋ > delay steps after the
+        one before, so each lands before the next starts. A peer that trains fewer steps than H (its round
+        budget) syncs each fragment as far into the round as the others do."""
+        applied = [(p + 1) * steps // len(self.fragments) for p in range(len(self.fragments))]
+        return {name: (apply - self.config.delay, apply) for name, apply in zip(self.fragments, applied)}
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
                    start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterSync:
@@ -64,9 +71,8 @@ class StreamingDiLoCo(OuterAlgorithm):
     def contribute_fragments(self, fragments: Sequence[str], local_params: Sequence[torch.Tensor], round_index: int,
                              start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterSync:
         """The pseudo-gradient of ``fragments`` alone (global, or ``start``, minus local), as they are sent,
-        weighted by ``tokens``. A fragment trains a fixed H (its syncs are placed by inner step), so its weight
-        only differs where peers set different H; a fragment not applied is not carried (``merge`` follows the
-        global fragment)."""
+        weighted by ``tokens`` (the round's planned steps' tokens: a peer that trains fewer steps weighs less); a
+        fragment not applied is not carried (``merge`` follows the global fragment)."""
         begin = start if start is not None else self.params
         positions = [i for name in fragments for i in self.slices[name]]
         deltas = dict(zip(positions, to_host(pseudo_gradients([begin[i] for i in positions],

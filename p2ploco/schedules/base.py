@@ -38,8 +38,7 @@ class RoundHooks:
     # Called once per round, as soon as the peer's public record may say it works on this round (the formation of
     # a round in flight reads that record: it must not move on before that round has its group).
     announce: Callable[[], None] = _nothing
-    # how many inner steps fit in the round (``budget.py``); None: H. Streaming DiLoCo always trains H (its
-    # fragments sync at fixed steps), and so does a pipeline stage (its group steps together).
+    # how many inner steps fit in the round (``budget.py``); None: H
     budget: RoundBudget | None = None
 
 

@@ -1,11 +1,12 @@
 """Streaming DiLoCo's round: every fragment synced at its own inner steps (``outer/streaming.py``).
 
-    for each inner step h = 1 .. H, after it:
-        for every fragment p whose sync starts at h ((p + 1)·H/P - tau):
+    n: the steps that fit the round's budget (H without one; at least P·(tau + 1))
+    for each inner step h = 1 .. n, after it:
+        for every fragment p whose sync starts at h ((p + 1)·n/P - tau):
             contribute its pseudo-gradient (global - local, the fragment alone), start its all-reduce
             (named after it), and hand its landing to the background thread: wait for the aggregate, prepare
             the Nesterov step of the fragment, hash the fragment's state
-        for every fragment p applied at h ((p + 1)·H/P):
+        for every fragment p applied at h ((p + 1)·n/P):
             take its landing (waiting for it if it is not ready), then merge the local fragment:
             alpha·local + (1 - alpha)·global
     publish the round's state: every fragment stepped (or not, where its sync failed)
@@ -22,6 +23,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from functools import partial
 
+from p2ploco.budget import FixedSteps
 from p2ploco.collective.exchange import AllReduceResult, Communicator, Traffic
 from p2ploco.outer.base import OuterSync, Synced
 from p2ploco.outer.streaming import StreamingDiLoCo
@@ -44,10 +46,15 @@ class StreamingRounds(RoundSchedule):
         synced: dict[str, Synced] = {}
         hashes = dict(worker.slice_sha256)
 
+        # The steps that fit this peer's round budget (H without one), the fragments' syncs spread over them
+        steps = max(outer.fewest_steps, hooks.budget.planned_steps() if hooks.budget is not None
+                    else worker.inner.config.steps)
+        tokens, schedule = steps * worker.inner.gradients.tokens_per_step, outer.schedule_for(steps)
+
         def between(steps_done: int) -> None:
-            for name, (start, apply) in outer.schedule.items():
+            for name, (start, apply) in schedule.items():
                 if steps_done == start:
-                    sync = outer.contribute_fragments([name], local, round_index)
+                    sync = outer.contribute_fragments([name], local, round_index, tokens=tokens)
                     sync.start(comm, name)
                     syncing[name] = self.background.when(sync.all_reduce.result, partial(self._land, sync, name))
                 if steps_done == apply:
@@ -58,7 +65,7 @@ class StreamingRounds(RoundSchedule):
                         hashes[name] = landed.slice_sha256
 
         hooks.announce()
-        inner = worker.inner.run_round(round_index, lambda: False, between)
+        inner = worker.inner.run_round(round_index, lambda: False, between, FixedSteps(steps))
         if set(synced) != set(outer.fragments):
             raise RuntimeError(f"round {round_index} ended with fragments {sorted(syncing)} unsynced")
         round_sync = summed([synced[name] for name in outer.fragments])
