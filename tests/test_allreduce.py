@@ -1,5 +1,6 @@
 """The butterfly all-reduce over real hivemind DHT nodes and p2p daemons (three peers in this process)."""
 
+import asyncio
 import hashlib
 import itertools
 import logging
@@ -26,7 +27,7 @@ from p2ploco.config import SparseLoCoConfig, SwarmConfig, document_fingerprint
 from p2ploco.errors import Failure, PayloadError
 from p2ploco.outer.sparseloco import SparseLoCo
 from p2ploco.swarm import wire
-from p2ploco.swarm.allreduce import ReduceStatus
+from p2ploco.swarm.allreduce import ReducerElsewhere, ReduceStatus, parse_reply
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.matchmaker import best_coordinator
 from p2ploco.swarm.messages import MAX_TOKENS
@@ -320,6 +321,54 @@ def test_a_reducer_that_refuses_a_contribution_on_its_header_still_answers_its_s
     assert "Contribution: span: Input should be a valid list" in answer["reason"]
 
 
+@pytest.mark.timeout(60)
+def test_a_reducer_that_takes_part_in_the_round_elsewhere_refuses_a_contribution_for_another_group_at_once(trio):
+    """A member takes part in one group per round: a reducer that joins round r at one coordinator never takes part
+    in a group of r that another one formed. A contribution for such a group is refused at once, saying so, where
+    it used to wait ``allreduce_timeout`` for the group and answer "unknown group"; one for a group of the
+    coordinator it joins at waits, and is refused as soon as the reducer moves on to another coordinator."""
+    sender, reducer, third = trio
+    round_index = next(rounds)
+    butterfly = sender.communicator.butterfly
+    whereabouts = reducer.communicator.butterfly.whereabouts
+
+    async def note(coordinator: str) -> None:  # on the reducer's loop, as its matchmaker notes a coordinator
+        whereabouts.join(round_index, "params", coordinator)
+
+    def send(coordinator: str, group_id: str):
+        header = {"group_id": group_id, "round": round_index, "slice": "params", "span": [0, 10],
+                  "coordinator": coordinator}
+        return asyncio.run_coroutine_threadsafe(wire.call(butterfly.p2p, reducer.peer_id, butterfly.handler_name,
+                                                          header, payload=bytes(40)), sender.loop.loop)
+
+    reducer.loop.run(note(third.peer_id), 10)
+    started = time.monotonic()
+    answer, _ = send(sender.peer_id, "dead-group").result(timeout=30)
+    assert time.monotonic() - started < CONFIG.allreduce_timeout
+    assert {k: v for k, v in answer.items() if k != "v"} == {
+        "status": ReduceStatus.MISSED, "elsewhere": True,
+        "reason": f"contribution for a group this peer is not in: it takes part in round {round_index} at "
+                  f"coordinator {third.peer_id[-8:]}"}
+    group = Group("dead-group", round_index, "params", tuple(s.peer_id for s in trio), sender.peer_id)
+    with pytest.raises(ReducerElsewhere, match="a reducer is not in this peer's group: contribution for a group"):
+        parse_reply(answer, group, sender.peer_id)
+    with pytest.raises(PayloadError, match="elsewhere, with another status than missed"):
+        parse_reply({"status": "rejected", "reason": "", "elsewhere": True}, group, sender.peer_id)
+
+    # A contribution for a group of the coordinator the reducer joins at waits for it, until the reducer moves on.
+    waiting = send(third.peer_id, "forming-group")
+    deadline = time.monotonic() + 30
+    while ("forming-group", "params", 0) not in reducer.communicator.butterfly._awaited_by:
+        assert time.monotonic() < deadline and not waiting.done()
+        time.sleep(0.01)
+    started = time.monotonic()
+    reducer.loop.run(note(sender.peer_id), 10)
+    answer, _ = waiting.result(timeout=30)
+    assert time.monotonic() - started < CONFIG.allreduce_timeout
+    assert (answer["status"], answer.get("elsewhere")) == (ReduceStatus.MISSED, True)
+    assert answer["reason"].endswith(f"at coordinator {sender.peer_id[-8:]}")
+
+
 def test_a_peer_with_another_config_is_warned_and_never_counts_the_others(trio, caplog):
     """Anyone can publish a record of another config under a run's key: it never stops a node from starting (it
     used to), and a node never counts a peer of another config as one to average with or follow."""
@@ -536,3 +585,4 @@ def test_a_peer_alone_because_its_coordinator_is_leaving_applies_its_round():
     finally:
         for s in swarms:
             s.leave()
+

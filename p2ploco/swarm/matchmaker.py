@@ -76,6 +76,7 @@ from p2ploco.swarm.group import FormationKey, Group, GroupBook, Member
 from p2ploco.swarm.join import JOIN_FAILURES, JoinAnswer, JoinStatus, group_answer, parse_group, parse_join
 from p2ploco.swarm.messages import MAX_REASON, decode
 from p2ploco.swarm.records import PeerRecord, PeerState
+from p2ploco.swarm.whereabouts import Whereabouts
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Matchmaker:
         self._leavers: dict[str, int] = {}  # coordinators that answered they are leaving -> the round they said so
         self.following: Group | None = None  # the group this peer applied its last round with
         self.leaving = asyncio.Event()
+        self.whereabouts = Whereabouts()  # the coordinator this peer asks (or holds the group of) for each round
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_join)
@@ -188,6 +190,7 @@ class Matchmaker:
                 break
             coordinator = best_coordinator(candidates, round_index)
             request["unreachable"] = sorted(unreachable)
+            self.whereabouts.join(round_index, name, coordinator)  # before the ask: its group may reach us first
             try:
                 await faults.hit_async("matchmaking.join", round_index)
                 if coordinator == self.me:
