@@ -468,6 +468,24 @@ def test_a_member_that_asks_its_coordinator_again_gets_the_same_group(trio):
     assert answer["peers"] == list(group.peers)
 
 
+def test_a_member_of_a_dead_group_that_rejoins_after_a_lost_vote_never_opens_a_formation(trio):
+    """A member whose vote found no coordinator rejoins the round only where the others already form it: its
+    coordinator may be alive for them and still decide, and a group of its own at the next coordinator would split
+    the round. A coordinator with no formation of the round open answers it "late" at once."""
+    round_index = next(rounds)
+    ids = {s.peer_id for s in trio}
+    coordinator = next(s for s in trio if s.peer_id == best_coordinator(ids, round_index))
+    member = next(s for s in trio if s is not coordinator)
+    request = {"round": round_index, "name": "params", "config": member.directory.me.fingerprint,
+               "state": "start-state", "pipeline": "", "unreachable": [], "tokens": 1000, "dial_out": False,
+               "slices": {"params": ["fp", "start-state"]}, "rejoin": True}
+    matchmaker = member.communicator.matchmaker
+    answer = member.loop.run(matchmaker._ask(coordinator.peer_id, request, 10), 15)
+    assert answer == {"v": answer["v"], "status": "late", "reason": f"no group of round {round_index} is forming at "
+                                                                      f"coordinator {coordinator.peer_id[-8:]}"}
+    assert not [k for k in coordinator.communicator.matchmaker._forming if k[0] == round_index]
+
+
 def test_joins_from_outside_the_run_are_refused_and_do_not_disturb_its_rounds(trio):
     """Any libp2p peer can open a stream to a coordinator: 40 joins for made-up configs, rounds and states, from a
     peer with no record of the run, are refused, and the run's next round commits as ever (they used to push its
@@ -586,3 +604,60 @@ def test_a_peer_alone_because_its_coordinator_is_leaving_applies_its_round():
         for s in swarms:
             s.leave()
 
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("answered", [1, 2])
+def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_the_next_coordinator(answered):
+    """The coordinator of a round closes its group of three and dies after answering ``answered`` of them: the
+    others' asks break, and they join the round at the next coordinator. A member that holds the dead group learns
+    it from its reducers (every other member takes part in the round in another group: one answered) or from its
+    vote, which finds no coordinator (two answered: they reduced with each other first), and joins the same round
+    at the next coordinator, whose formation waits for it: all three commit the same aggregate there. Each member
+    that held the dead group used to apply nothing, waiting for a decision that never came, and the others went on
+    without it once the next coordinator's wait was up."""
+    config = SwarmConfig(matchmaking_timeout=15, allreduce_timeout=5, heartbeat_interval=0.5, peer_ttl=10,
+                         ban_rounds=0)
+    swarms = []
+    try:
+        join_swarms("dead-coordinator", 4, config, swarms)
+        for s in swarms:
+            s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
+        assert all(s.wait_for_peers(4, 30) == 4 for s in swarms)
+        ids = {s.peer_id for s in swarms}
+        round_index = next(r for r in range(2, 1000) if best_coordinator(ids, r) == swarms[0].peer_id)
+        coordinator, members = swarms[0], sorted(swarms[1:], key=lambda s: s.peer_id)
+        # The members work on the round; the coordinator's record stays behind: it forms the group, no more.
+        for s in members:
+            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        assert all(s.flush() for s in swarms)
+        holders = {s.peer_id for s in members[:answered]}
+        matchmaker = coordinator.communicator.matchmaker
+        join_here, released = matchmaker._join_here, asyncio.Event()
+
+        async def answer_some(sender: str, request: dict) -> dict:
+            answer = await join_here(sender, request)
+            if sender not in holders:
+                await released.wait()  # it dies before it answers the others
+            return answer
+
+        matchmaker._join_here = answer_some
+        inputs = [random_tensors(110 + i) for i in range(3)]
+        exchanges = [DenseMean(t) for t in inputs]
+        pending = [s.communicator.start_all_reduce(e, round_index, "params") for s, e in zip(members, exchanges)]
+        assert all(p.grouped.wait(30) for s, p in zip(members, pending) if s.peer_id in holders)
+        coordinator.loop.run(coordinator.node.protocol.p2p.shutdown(), 30)
+        coordinator.loop.loop.call_soon_threadsafe(released.set)
+        stats = [p.wait(90) for p in pending]
+        assert [(s.committed, s.peers) for s in stats] == [(True, [m.peer_id for m in members])] * 3
+        expected = in_process_mean(inputs)
+        for exchange in exchanges:
+            assert all(torch.equal(a, b) for a, b in zip(exchange.mean(), expected))
+        assert [s.attempts for s in stats] == [2 if m.peer_id in holders else 1 for m in members]
+        assert all((Failure.NO_DECISION in s.failures) == (answered == 2) for s in stats[:answered])
+        nearest = best_coordinator(ids - {coordinator.peer_id}, round_index)
+        [group] = [g for s in members for k, g in s.communicator.matchmaker.book.formations().items()
+                   if k[0] == round_index]
+        assert (group.coordinator, group.peers) == (nearest, tuple(m.peer_id for m in members))
+    finally:
+        for s in swarms:
+            s.leave()

@@ -85,6 +85,7 @@ MAX_FORMING_PER_PEER = 4  # open formations at one coordinator a peer may be in 
 STRAGGLER_MISSES = 2  # formations a peer was expected in and never joined, after which it is not waited for
 BAN_MISSES = 4  # and after which it is banned: its record claims rounds it never joins
 KEEP_ASKED_ROUNDS = 8  # rounds for which a coordinator remembers who asked to join (an overlapped peer asks ahead)
+KEEP_JOINS = 8  # this peer's latest joins it keeps, to ask again at the next coordinator if their group dies
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
@@ -137,6 +138,8 @@ class Matchmaker:
         self.following: Group | None = None  # the group this peer applied its last round with
         self.leaving = asyncio.Event()
         self.whereabouts = Whereabouts()  # the coordinator this peer asks (or holds the group of) for each round
+        # (round, name) -> this peer's join of that sync (the request, the group it names as followed, its slices)
+        self._joins: dict[tuple[int, str], tuple[dict[str, Any], Group | None, dict[str, tuple[str, str]]]] = {}
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_join)
@@ -181,8 +184,26 @@ class Matchmaker:
         failures = failures if failures is not None else []
         base = self.following  # as named in the request: it may change while the join waits (an overlapped round)
         request = await self._join_request(round_index, name, slices, pipeline_group, tokens, base)
+        self._joins[(round_index, name)] = (request, base, slices)
+        for old in list(self._joins)[:-KEEP_JOINS]:
+            del self._joins[old]
+        return await self._join(round_index, name, request, base, slices, failures, {})
+
+    async def rejoin(self, group: Group, failures: list[Failure], only_open: bool) -> Group | None:
+        """This peer's group ``group`` is dead (``SwarmCommunicator``): the same join as before, at the next
+        coordinator, which is asked for the group of the same round; as ``form_group`` answers. ``only_open``: join
+        only a formation of the round that is open there already (its coordinator opens none for this peer)."""
+        request, base, slices = self._joins[(group.round_index, group.name)]
+        request = {**request, "rejoin": only_open}
+        return await self._join(group.round_index, group.name, request, base, slices, failures,
+                                {group.coordinator: "its group is dead"})
+
+    async def _join(self, round_index: int, name: str, request: dict[str, Any], base: Group | None,
+                    slices: dict[str, tuple[str, str]], failures: list[Failure], unreachable: dict[str, str]
+                    ) -> Group | None:
+        """Ask coordinators in rendezvous order, less those in ``unreachable`` (coordinators tried in vain, and
+        why), for a group of the sync ``name`` of ``round_index`` (``form_group``)."""
         deadline = time.monotonic() + self.timeout + 5.0  # the coordinator may wait `timeout` for others
-        unreachable: dict[str, str] = {}  # coordinators tried in vain, and why
         hints: set[str] = set()
         while time.monotonic() < deadline and not self.leaving.is_set():
             candidates = self.candidates(set(unreachable)) | (hints - set(unreachable))
@@ -225,7 +246,7 @@ class Matchmaker:
         tried = ", ".join(f"{peer[-8:]} ({why[:100]})" for peer, why in unreachable.items())
         logger.warning(f"round {round_index}: no coordinator answered ({tried or 'none to ask'})")
         return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),),
-                     tokens=((self.me, max(1, tokens)),))
+                     tokens=((self.me, request["tokens"]),))
 
     async def _join_request(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
                             pipeline_group: str, tokens: int, base: Group | None) -> dict[str, Any]:
@@ -361,6 +382,9 @@ class Matchmaker:
                 return group_answer(closed)  # asked again (its first answer was lost): the same group, not "late"
             return {"status": JoinStatus.LATE, "reason": f"round {round_index} had already started without this peer"}
         if formation is None:
+            if member.rejoins:  # it joins the others where they are, and never forms a group of its own here
+                return {"status": JoinStatus.LATE, "reason": f"no group of round {round_index} is forming at "
+                                                             f"coordinator {self.me[-8:]}"}
             formation = _Formation(key, time.monotonic() + self.timeout)
             self._forming[key] = formation
             asyncio.get_running_loop().create_task(self._close_when_complete(formation))
