@@ -31,6 +31,14 @@ implausible one, trying the next coordinator. The coordinator needs no pseudo-gr
 serves joins from its event loop while it trains. Only a peer that can be dialled coordinates. The join
 request and its answers are ``swarm/join.py``.
 
+A peer takes part in one group per round and sync: it notes each coordinator before it asks it
+(``swarm/whereabouts.py``), and never takes the group of a coordinator it moved on from. Its reducer refuses at
+once a contribution for a group of that round another coordinator formed. A member whose group died so (every
+other member is elsewhere, or its vote finds no coordinator: ``SwarmCommunicator``) sends the same join again,
+once, with the dead group's coordinator listed unreachable (``rejoin``); the next coordinator's formation of the
+round waits for it as for any peer whose record claims the round. After a lost vote the rejoin says so, and a
+coordinator with no formation of the round open answers it "late" rather than open one for it alone.
+
 A group smaller than the peers that joined or were expected is the coordinator's decision, never an
 accident: the answer lists who was left out and why (another state, an incomplete pipeline group, did not
 join in time), and every member logs it. A group of one is remembered like any other (its peer may apply
