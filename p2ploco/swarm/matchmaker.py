@@ -201,7 +201,12 @@ class Matchmaker:
         """This peer's group ``group`` is dead (``SwarmCommunicator``): the same join as before, at the next
         coordinator, which is asked for the group of the same round; as ``form_group`` answers. ``only_open``: join
         only a formation of the round that is open there already (its coordinator opens none for this peer)."""
-        request, base, slices = self._joins[(group.round_index, group.name)]
+        joined = self._joins.get((group.round_index, group.name))
+        if joined is None:  # KEEP_JOINS later joins since: none to send again
+            logger.warning(f"round {group.round_index}: this peer no longer holds its join of the round; it applies "
+                           f"nothing this round and catches up")
+            return None
+        request, base, slices = joined
         request = {**request, "rejoin": only_open}
         return await self._join(group.round_index, group.name, request, base, slices, failures,
                                 {group.coordinator: "its group is dead"})
