@@ -1,5 +1,6 @@
 """The butterfly all-reduce over real hivemind DHT nodes and p2p daemons (three peers in this process)."""
 
+import asyncio
 import hashlib
 import itertools
 import logging
@@ -26,7 +27,7 @@ from p2ploco.config import SparseLoCoConfig, SwarmConfig, document_fingerprint
 from p2ploco.errors import Failure, PayloadError
 from p2ploco.outer.sparseloco import SparseLoCo
 from p2ploco.swarm import wire
-from p2ploco.swarm.allreduce import ReduceStatus
+from p2ploco.swarm.allreduce import ReducerElsewhere, ReduceStatus, parse_reply
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.matchmaker import best_coordinator
 from p2ploco.swarm.messages import MAX_TOKENS
@@ -320,6 +321,54 @@ def test_a_reducer_that_refuses_a_contribution_on_its_header_still_answers_its_s
     assert "Contribution: span: Input should be a valid list" in answer["reason"]
 
 
+@pytest.mark.timeout(60)
+def test_a_reducer_that_takes_part_in_the_round_elsewhere_refuses_a_contribution_for_another_group_at_once(trio):
+    """A member takes part in one group per round: a reducer that joins round r at one coordinator never takes part
+    in a group of r that another one formed. A contribution for such a group is refused at once, saying so, where
+    it used to wait ``allreduce_timeout`` for the group and answer "unknown group"; one for a group of the
+    coordinator it joins at waits, and is refused as soon as the reducer moves on to another coordinator."""
+    sender, reducer, third = trio
+    round_index = next(rounds)
+    butterfly = sender.communicator.butterfly
+    whereabouts = reducer.communicator.butterfly.whereabouts
+
+    async def note(coordinator: str) -> None:  # on the reducer's loop, as its matchmaker notes a coordinator
+        whereabouts.join(round_index, "params", coordinator)
+
+    def send(coordinator: str, group_id: str):
+        header = {"group_id": group_id, "round": round_index, "slice": "params", "span": [0, 10],
+                  "coordinator": coordinator}
+        return asyncio.run_coroutine_threadsafe(wire.call(butterfly.p2p, reducer.peer_id, butterfly.handler_name,
+                                                          header, payload=bytes(40)), sender.loop.loop)
+
+    reducer.loop.run(note(third.peer_id), 10)
+    started = time.monotonic()
+    answer, _ = send(sender.peer_id, "dead-group").result(timeout=30)
+    assert time.monotonic() - started < CONFIG.allreduce_timeout
+    assert {k: v for k, v in answer.items() if k != "v"} == {
+        "status": ReduceStatus.MISSED, "elsewhere": True,
+        "reason": f"contribution for a group this peer is not in: it takes part in round {round_index} at "
+                  f"coordinator {third.peer_id[-8:]}"}
+    group = Group("dead-group", round_index, "params", tuple(s.peer_id for s in trio), sender.peer_id)
+    with pytest.raises(ReducerElsewhere, match="a reducer is not in this peer's group: contribution for a group"):
+        parse_reply(answer, group, sender.peer_id)
+    with pytest.raises(PayloadError, match="elsewhere, with another status than missed"):
+        parse_reply({"status": "rejected", "reason": "", "elsewhere": True}, group, sender.peer_id)
+
+    # A contribution for a group of the coordinator the reducer joins at waits for it, until the reducer moves on.
+    waiting = send(third.peer_id, "forming-group")
+    deadline = time.monotonic() + 30
+    while ("forming-group", "params", 0) not in reducer.communicator.butterfly._awaited_by:
+        assert time.monotonic() < deadline and not waiting.done()
+        time.sleep(0.01)
+    started = time.monotonic()
+    reducer.loop.run(note(sender.peer_id), 10)
+    answer, _ = waiting.result(timeout=30)
+    assert time.monotonic() - started < CONFIG.allreduce_timeout
+    assert (answer["status"], answer.get("elsewhere")) == (ReduceStatus.MISSED, True)
+    assert answer["reason"].endswith(f"at coordinator {sender.peer_id[-8:]}")
+
+
 def test_a_peer_with_another_config_is_warned_and_never_counts_the_others(trio, caplog):
     """Anyone can publish a record of another config under a run's key: it never stops a node from starting (it
     used to), and a node never counts a peer of another config as one to average with or follow."""
@@ -417,6 +466,24 @@ def test_a_member_that_asks_its_coordinator_again_gets_the_same_group(trio):
     answer = member.loop.run(member.communicator.matchmaker._ask(coordinator.peer_id, request, 10), 15)
     assert answer["status"] == "group" and answer["group_id"] == group.group_id
     assert answer["peers"] == list(group.peers)
+
+
+def test_a_member_of_a_dead_group_that_rejoins_after_a_lost_vote_never_opens_a_formation(trio):
+    """A member whose vote found no coordinator rejoins the round only where the others already form it: its
+    coordinator may be alive for them and still decide, and a group of its own at the next coordinator would split
+    the round. A coordinator with no formation of the round open answers it "late" at once."""
+    round_index = next(rounds)
+    ids = {s.peer_id for s in trio}
+    coordinator = next(s for s in trio if s.peer_id == best_coordinator(ids, round_index))
+    member = next(s for s in trio if s is not coordinator)
+    request = {"round": round_index, "name": "params", "config": member.directory.me.fingerprint,
+               "state": "start-state", "pipeline": "", "unreachable": [], "tokens": 1000, "dial_out": False,
+               "slices": {"params": ["fp", "start-state"]}, "rejoin": True}
+    matchmaker = member.communicator.matchmaker
+    answer = member.loop.run(matchmaker._ask(coordinator.peer_id, request, 10), 15)
+    assert answer == {"v": answer["v"], "status": "late", "reason": f"no group of round {round_index} is forming at "
+                                                                      f"coordinator {coordinator.peer_id[-8:]}"}
+    assert not [k for k in coordinator.communicator.matchmaker._forming if k[0] == round_index]
 
 
 def test_joins_from_outside_the_run_are_refused_and_do_not_disturb_its_rounds(trio):
@@ -533,6 +600,64 @@ def test_a_peer_alone_because_its_coordinator_is_leaving_applies_its_round():
         result = a.communicator.all_reduce(DenseMean(random_tensors(7)), round_index, "params")
         assert (result.committed, result.peers, Failure.ALONE in result.failures) == (True, [a.peer_id], False)
         assert b.directory.me.state == PeerState.AVERAGING  # what its record still says
+    finally:
+        for s in swarms:
+            s.leave()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("answered", [1, 2])
+def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_the_next_coordinator(answered):
+    """The coordinator of a round closes its group of three and dies after answering ``answered`` of them: the
+    others' asks break, and they join the round at the next coordinator. A member that holds the dead group learns
+    it from its reducers (every other member takes part in the round in another group: one answered) or from its
+    vote, which finds no coordinator (two answered: they reduced with each other first), and joins the same round
+    at the next coordinator, whose formation waits for it: all three commit the same aggregate there. Each member
+    that held the dead group used to apply nothing, waiting for a decision that never came, and the others went on
+    without it once the next coordinator's wait was up."""
+    config = SwarmConfig(matchmaking_timeout=15, allreduce_timeout=5, heartbeat_interval=0.5, peer_ttl=10,
+                         ban_rounds=0)
+    swarms = []
+    try:
+        join_swarms("dead-coordinator", 4, config, swarms)
+        for s in swarms:
+            s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
+        assert all(s.wait_for_peers(4, 30) == 4 for s in swarms)
+        ids = {s.peer_id for s in swarms}
+        round_index = next(r for r in range(2, 1000) if best_coordinator(ids, r) == swarms[0].peer_id)
+        coordinator, members = swarms[0], sorted(swarms[1:], key=lambda s: s.peer_id)
+        # The members work on the round; the coordinator's record stays behind: it forms the group, no more.
+        for s in members:
+            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        assert all(s.flush() for s in swarms)
+        holders = {s.peer_id for s in members[:answered]}
+        matchmaker = coordinator.communicator.matchmaker
+        join_here, released = matchmaker._join_here, asyncio.Event()
+
+        async def answer_some(sender: str, request: dict) -> dict:
+            answer = await join_here(sender, request)
+            if sender not in holders:
+                await released.wait()  # it dies before it answers the others
+            return answer
+
+        matchmaker._join_here = answer_some
+        inputs = [random_tensors(110 + i) for i in range(3)]
+        exchanges = [DenseMean(t) for t in inputs]
+        pending = [s.communicator.start_all_reduce(e, round_index, "params") for s, e in zip(members, exchanges)]
+        assert all(p.grouped.wait(30) for s, p in zip(members, pending) if s.peer_id in holders)
+        coordinator.loop.run(coordinator.node.protocol.p2p.shutdown(), 30)
+        coordinator.loop.loop.call_soon_threadsafe(released.set)
+        stats = [p.wait(90) for p in pending]
+        assert [(s.committed, s.peers) for s in stats] == [(True, [m.peer_id for m in members])] * 3
+        expected = in_process_mean(inputs)
+        for exchange in exchanges:
+            assert all(torch.equal(a, b) for a, b in zip(exchange.mean(), expected))
+        assert [s.attempts for s in stats] == [2 if m.peer_id in holders else 1 for m in members]
+        assert all((Failure.NO_DECISION in s.failures) == (answered == 2) for s in stats[:answered])
+        nearest = best_coordinator(ids - {coordinator.peer_id}, round_index)
+        [group] = [g for s in members for k, g in s.communicator.matchmaker.book.formations().items()
+                   if k[0] == round_index]
+        assert (group.coordinator, group.peers) == (nearest, tuple(m.peer_id for m in members))
     finally:
         for s in swarms:
             s.leave()

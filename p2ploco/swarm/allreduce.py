@@ -47,13 +47,21 @@ is struck; ``STRIKES`` such rounds within ``STRIKE_ROUNDS`` earn it a ban here (
 A contribution to a piece, a wire message (``swarm/wire.py``) on a stream of its own, whose payload is
 the slice's encoding of the piece::
 
-    {v, group_id, round, slice, span: [piece start, piece stop]} + contribution
+    {v, group_id, round, slice, span: [piece start, piece stop], coordinator} + contribution
 
 answered ``{v, status: ok, included: [members in the aggregate], norms: [their contributions' norms], opposed:
 [members left out as pointing against the others]}`` + result (members by their places in the group's sorted list:
 the answer stays ~12 B a member, 12 kB at 1,024), ``{v, status: rejected, reason}`` (malformed: out
 of the round), or ``{v, status: missed, reason}`` (not in the aggregate through no fault of the sender's). The
 sender closes the stream once it has read the answer (``wire.hang_up``).
+
+A contribution may come before its reducer knows the group (the others learnt of it first): the reducer waits for
+the group, at most ``swarm.allreduce_timeout``. Not when it never will know it: a member takes part in one group per
+round, and one that takes part in this round at another coordinator than the one that formed the sender's group
+(``swarm/whereabouts.py``; the contribution names that coordinator) answers at once ``{v, status: missed, reason,
+elsewhere: true}``, or as soon as it moves on while the contribution waits. Its sender stops waiting for that
+member's own contributions; a member whose every other member answers so holds a dead group, and joins the round at
+the next coordinator instead (``SwarmCommunicator``). Naming a made-up coordinator only gets its sender refused.
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ from p2ploco.swarm.messages import (
     Digest,
     Message,
     Norm,
+    PeerId,
     Positions,
     Reason,
     Round,
@@ -100,6 +109,7 @@ from p2ploco.swarm.messages import (
     decode,
     status_of,
 )
+from p2ploco.swarm.whereabouts import Whereabouts
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +135,11 @@ class AllReduceError(ProtocolError):
 class DroppedFromRound(AllReduceError):
     """A reducer rejected this peer's contribution as malformed: it is out of this round, and must not block
     the others."""
+
+
+class ReducerElsewhere(AllReduceError):
+    """A reducer takes part in this round in a group another coordinator formed: it never takes part in this
+    peer's group, sends it nothing, and reduces nothing for it."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +170,7 @@ class Attempt:
     opposed: list[str]  # senders we left out of our spans: against the others'
     failures: list[Failure]  # what went wrong here, one entry per event
     error: AllReduceError | None = None  # None: the exchange holds the aggregate of every span
+    elsewhere: frozenset[str] = frozenset()  # reducers that take part in this round in another group
 
 
 @dataclass(frozen=True)
@@ -254,9 +270,13 @@ class _ReducerSession:
 
 class ButterflyAllReduce:
     def __init__(self, p2p: P2P, me: str, run_id: str, deadline: TransferDeadline, bans: Bans,
-                 rates: Callable[[Iterable[str]], list[float]] = lambda peers: []):
-        """``rates``: the link rates (Mbit/s, 0: not stated) the given peers report."""
+                 rates: Callable[[Iterable[str]], list[float]] = lambda peers: [],
+                 whereabouts: Whereabouts | None = None):
+        """``rates``: the link rates (Mbit/s, 0: not stated) the given peers report; ``whereabouts``: where this peer
+        takes part in each round (the matchmaker's notes), so that a contribution for a group it never takes part
+        in is refused at once."""
         self.p2p, self.me, self.deadline, self.bans, self.rates = p2p, me, deadline, bans, rates
+        self.whereabouts = whereabouts if whereabouts is not None else Whereabouts()
         self.timeout = deadline.base  # for what does not grow with the payload: headers, answers, lookups
         self.handler_name = f"p2ploco/{run_id}/reduce"
         self._sessions: dict[tuple[str, str, int], asyncio.Future] = {}  # (group id, slice, piece start) -> session
@@ -370,7 +390,8 @@ class ButterflyAllReduce:
                                 | ({p for r in reductions for p in (*r.included, *r.opposed)} - {self.me})),
             clipped=sorted({p for r in reductions for p in r.clipped}),
             opposed=sorted({p for r in reductions for p in r.opposed}),
-            failures=failures, error=error)
+            failures=failures, error=error,
+            elsewhere=frozenset(d.reducer for d in deliveries if isinstance(d.error, ReducerElsewhere)))
 
     async def _reduce(self, session: _ReducerSession, own: bytes) -> SpanReduction:
         try:
@@ -430,7 +451,7 @@ class ButterflyAllReduce:
                 reader, writer = await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name),
                                                         self.timeout)
                 header = {"group_id": group.group_id, "round": group.round_index, "slice": route.slice,
-                          "span": [span.start, span.stop]}
+                          "span": [span.start, span.stop], "coordinator": group.coordinator}
                 await asyncio.wait_for(wire.write_message(writer, header, payload), route.transfer)
             sent = len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
@@ -447,6 +468,9 @@ class ButterflyAllReduce:
             received = len(result)
             left_out = frozenset(group.holders(route.slice)) - set(included) - {self.me}
         except AllReduceError as e:  # the reducer refused our contribution or went on without it (or failed before)
+            if isinstance(e, ReducerElsewhere):  # it sends us nothing either
+                for piece in ours:
+                    piece.miss(peer, None, "it takes part in this round in another group")
             error = e
         except TransportError as e:  # the reducer crashed, or the link to it broke: it will not send us its part
             for piece in ours:
@@ -481,7 +505,7 @@ class ButterflyAllReduce:
             header, length = await asyncio.wait_for(wire.read_header(reader), self.timeout)
             contribution = decode(Contribution, header)
             round_index, span = contribution.round, contribution.span
-            session = await self._session_of(contribution.group_id, contribution.slice, span[0], sender)
+            session = await self._session_of(contribution, sender)
             session.connected.add(sender)
             refusal = session.refusal(sender)
             if refusal is not None:  # dropped already (unreachable, banned, too late): no new offence
@@ -514,7 +538,7 @@ class ButterflyAllReduce:
         except _Refused as e:
             await _refuse(writer, e.status, e.reason)
         except _UnknownGroup as e:  # a group this peer never joined (it was late, or refused it)
-            await _refuse(writer, ReduceStatus.MISSED, str(e))
+            await _refuse(writer, ReduceStatus.MISSED, str(e), e.elsewhere)
         except (TransportError, TimeoutError) as e:  # the sender's link failed, or it is too slow
             reason = f"its link failed ({e})" if isinstance(e, TransportError) else "it timed out"
             if session is not None:
@@ -536,11 +560,16 @@ class ButterflyAllReduce:
                 session.settle(sender)
             await wire.hang_up(reader, writer, session.transfer if session is not None else self.timeout)
 
-    async def _session_of(self, group_id: str, slice_name: str, start: int, sender: str) -> _ReducerSession:
-        """Our session of the piece of ``slice_name`` that begins at unit ``start`` in ``group_id``, which ``sender``
-        belongs to, waiting (bounded) if the group's other members learnt of it first."""
+    async def _session_of(self, contribution: Contribution, sender: str) -> _ReducerSession:
+        """Our session of the piece of the contribution's slice that begins where its span does, in its group, which
+        ``sender`` belongs to, waiting (bounded) if the group's other members learnt of it first; _UnknownGroup at
+        once if this peer takes part in the contribution's round elsewhere (module docstring), or moves there while
+        it waits."""
+        group_id, slice_name, start = contribution.group_id, contribution.slice, contribution.span[0]
         key = (group_id, slice_name, start)
         pending = self._sessions.get(key)
+        if pending is None or not pending.done():
+            self._refuse_if_elsewhere(contribution)
         if pending is None:  # its sender learnt of the group first: a few such slots per sender, so that one that
             # sends made-up group ids takes up its own slots only
             if sum(by == sender for by in self._awaited_by.values()) >= UNKNOWN_GROUPS_PER_PEER:
@@ -548,18 +577,40 @@ class ButterflyAllReduce:
                                     f"{UNKNOWN_GROUPS_PER_PEER} of the sender's already")
             pending = self._sessions[key] = asyncio.get_running_loop().create_future()
             self._awaited_by[key] = sender
+        deadline = time.monotonic() + self.timeout
         try:
-            session: _ReducerSession = await asyncio.wait_for(asyncio.shield(pending), self.timeout)
-        except TimeoutError:
+            while not pending.done():  # woken by the group, or by this peer moving to another coordinator
+                moved = asyncio.ensure_future(self.whereabouts.moved().wait())
+                try:
+                    await asyncio.wait({pending, moved}, timeout=max(0.0, deadline - time.monotonic()),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    moved.cancel()
+                if not pending.done():
+                    if time.monotonic() >= deadline:
+                        raise _UnknownGroup(f"contribution for unknown group {group_id[:32]!r}, slice "
+                                            f"{slice_name[:32]!r} or piece {start}")
+                    self._refuse_if_elsewhere(contribution)
+            session: _ReducerSession = pending.result()
+        except _UnknownGroup:
             if not pending.done():
                 self._sessions.pop(key, None)
-            raise _UnknownGroup(f"contribution for unknown group {group_id[:32]!r}, slice {slice_name[:32]!r} or "
-                                f"piece {start}") from None
+            raise
         finally:
             self._awaited_by.pop(key, None)
         if sender not in session.senders:
             raise PayloadError(f"{sender[-8:]} is not a member of this group")
         return session
+
+    def _refuse_if_elsewhere(self, contribution: Contribution) -> None:
+        """_UnknownGroup if this peer takes part in the contribution's round at another coordinator than the one that
+        formed its group: it never takes part in that group."""
+        if not contribution.coordinator:  # not named: the group may still come
+            return
+        at = self.whereabouts.elsewhere(contribution.round, contribution.coordinator)
+        if at is not None:
+            raise _UnknownGroup(f"contribution for a group this peer is not in: it takes part in round "
+                                f"{contribution.round} at coordinator {at[-8:]}", elsewhere=True)
 
 
 class Contribution(Message):
@@ -567,6 +618,7 @@ class Contribution(Message):
     round: Round
     slice: SliceName
     span: Annotated[list[Annotated[int, Field(ge=0, le=MAX_UNITS)]], Field(min_length=2, max_length=2)]  # [start, stop]
+    coordinator: PeerId = ""  # who formed the sender's group ("": not said; the reducer waits for the group)
 
 
 class ReduceAnswer(Message):
@@ -575,22 +627,28 @@ class ReduceAnswer(Message):
     included: Positions = []  # with ok: the members whose contributions make up the aggregate that follows
     norms: Annotated[list[Norm], Field(max_length=MAX_PEERS)] = []  # of the included contributions, in order
     opposed: Positions = []  # with ok: members whose contributions it left out as pointing against the others
+    elsewhere: bool = False  # with missed: the reducer takes part in this round in another group
 
     @model_validator(mode="after")
     def _aligned(self) -> ReduceAnswer:
         if len(self.norms) != len(self.included):
             raise ValueError("norms that do not name one norm per included contribution")
+        if self.elsewhere and self.status != ReduceStatus.MISSED:
+            raise ValueError("elsewhere, with another status than missed")
         return self
 
 
 def parse_reply(reply: dict[str, Any], group: Group, me: str) -> tuple[Receipt, list[str]]:
     """What a reducer's answer says of the aggregate that follows it, and the members whose contributions make it
-    up; DroppedFromRound if the reducer rejected ours as malformed, AllReduceError if it went on without it,
-    PayloadError if the answer is malformed: it leaves this peer out, names non-members, or leaves out as many
-    contributions as it keeps (at most a minority may point against the others)."""
+    up; DroppedFromRound if the reducer rejected ours as malformed, ReducerElsewhere if it takes part in this round
+    in another group, AllReduceError if it went on without it, PayloadError if the answer is malformed: it leaves
+    this peer out, names non-members, or leaves out as many contributions as it keeps (at most a minority may point
+    against the others)."""
     answer = decode(ReduceAnswer, reply)
     if answer.status == ReduceStatus.REJECTED:
         raise DroppedFromRound(f"a reducer rejected this peer's contribution: {answer.reason[:200]}", Failure.REJECTED)
+    if answer.elsewhere:
+        raise ReducerElsewhere(f"a reducer is not in this peer's group: {answer.reason[:200]}", Failure.MISSED)
     if answer.status == ReduceStatus.MISSED:
         raise AllReduceError(f"a reducer went on without this peer's contribution: {answer.reason[:200]}",
                              Failure.MISSED)
@@ -617,13 +675,22 @@ class _Refused(Exception):
 
 
 class _UnknownGroup(Exception):
-    """A contribution for a group this peer never joined (it was late, or refused it): not the sender's fault."""
+    """A contribution for a group this peer never joined (it was late, or refused it): not the sender's fault.
+    ``elsewhere``: this peer takes part in the round in another group, and never joins that one."""
+
+    def __init__(self, reason: str, elsewhere: bool = False):
+        super().__init__(reason)
+        self.elsewhere = elsewhere
 
 
-async def _refuse(writer: asyncio.StreamWriter, status: ReduceStatus, reason: str) -> None:
-    """Tell a sender why its contribution is not in the aggregate; it may have hung up already."""
+async def _refuse(writer: asyncio.StreamWriter, status: ReduceStatus, reason: str, elsewhere: bool = False) -> None:
+    """Tell a sender why its contribution is not in the aggregate (``elsewhere``: this peer takes part in the round
+    in another group); it may have hung up already."""
+    answer: dict[str, Any] = {"status": status, "reason": reason[:200]}
+    if elsewhere:
+        answer["elsewhere"] = True
     try:
-        await asyncio.wait_for(wire.write_message(writer, {"status": status, "reason": reason[:200]}), 1.0)
+        await asyncio.wait_for(wire.write_message(writer, answer), 1.0)
     except (TransportError, TimeoutError):
         pass
 

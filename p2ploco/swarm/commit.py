@@ -26,8 +26,9 @@ rejected, or if two reducers report rejecting it: one accuser alone (a liar) can
 out; it can only spare the others a wait. A redo or commit without some members comes with the reason,
 which every member logs. Only the coordinator decides. A member whose vote's stream breaks asks again (the
 coordinator answers a second ask with the same decision); one that cannot reach it at all applies nothing
-(as if aborted) and, if the others committed, catches up from them before the next round. A second judge
-would let two halves of a group decide differently.
+(as if aborted) and, if the others committed, catches up from them before the next round, unless it can join the
+round where the others form it at the next coordinator (``SwarmCommunicator``: a formation already open there,
+never one of its own). A second judge would let two halves of a group decide differently.
 
 The vote request, a wire message (``swarm/wire.py``) with no payload::
 

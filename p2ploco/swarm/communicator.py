@@ -1,6 +1,20 @@
 """The production Communicator: a group from the round's coordinator, a butterfly all-reduce over
 hivemind, and a vote on the outcome, so that every survivor applies the same aggregate or none.
 
+A group can die under its members: its coordinator answered some of them and crashed before the others had their
+answer (they joined the round at the next coordinator), or its answers to them were lost. A member learns it
+when every other member answers its contributions that it takes part in this round in another group
+(``swarm/allreduce.py``: none of them holds this group, so nobody applies it), or when its vote cannot reach the
+coordinator at all (no stream opens: without its judge, no member applies the group). Instead of applying nothing,
+it then sends the same join again (``Matchmaker.rejoin``) to the next coordinator in rendezvous order, the dead
+group's left out, and all-reduces with the group it gets there: the others' formation of the same round waits for
+it, as its record says it works on the round. After a vote that found no coordinator it joins only a formation
+that is open there already: a coordinator that can be reached by the others may still decide for them, and a group
+of this peer's own at the next one would split the round (as members that asked the next member in id order once
+did). Once a round at most; a second dead group, a closed formation or none open there: it applies nothing, as
+before. A single hostile member cannot make it leave a live group: it takes every other member's word, or the
+coordinator's silence.
+
 It also remembers who took part in this peer's recent rounds (``partners``): the members that delivered it something
 of their own (a contribution in its aggregates, or an aggregate) in a round it applied, in its last
 ``PARTNER_ROUNDS`` all-reduces. Unlike a record, which anyone can publish, that takes training with the swarm; the
@@ -26,7 +40,7 @@ from p2ploco.collective.exchange import (
 from p2ploco.collective.sliced import SlicedExchange, as_sliced, reduce_alone
 from p2ploco.errors import Failure, PayloadError, TrainingError
 from p2ploco.swarm.allreduce import Attempt, ButterflyAllReduce, DroppedFromRound
-from p2ploco.swarm.commit import Outcome, RoundCommit, Vote
+from p2ploco.swarm.commit import Decision, Outcome, RoundCommit, Vote
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.matchmaker import Matchmaker
@@ -83,6 +97,7 @@ class SwarmCommunicator(Communicator):
 
         attempts: list[Attempt] = []
         formed = set(group.peers)
+        rejoined = False
         while True:
             await faults.hit_async("matchmaking.grouped", round_index)
             attempt = await self.butterfly.run(group, exchange)
@@ -94,23 +109,44 @@ class SwarmCommunicator(Communicator):
             vote = (Vote.HOLDS if attempt.error is None else
                     Vote.DROPPED if isinstance(attempt.error, DroppedFromRound) else Vote.MISSING)
             digests = {k: part.aggregate_digest() for k, part in exchange.parts.items()} if vote == Vote.HOLDS else {}
-            decision, lost = await self.commit.vote(group, vote, digests, attempt.accused)
+            dead = ""  # why nobody applies this group's round, if so (module docstring)
+            if set(group.peers) - {me} <= attempt.elsewhere:
+                decision, lost = Decision(Outcome.ABORT), None
+                dead = "every other member takes part in this round in another group"
+            else:
+                decision, lost = await self.commit.vote(group, vote, digests, attempt.accused)
+                if lost == Failure.UNREACHABLE:
+                    dead = "its coordinator cannot be reached"
             if lost is not None:
                 failures.append(Failure.NO_DECISION)
             elif decision.reason:  # the coordinator went on without some members, or dropped the round
                 logger.warning(f"round {round_index}: the coordinator {group.coordinator[-8:]} decided "
                                f"{decision.outcome}: {decision.reason}")
+            if dead and not rejoined:
+                rejoined = True
+                logger.warning(f"round {round_index}: the group of coordinator {group.coordinator[-8:]} is dead "
+                               f"({dead}); joining the round at the next coordinator")
+                regroup = await self.matchmaker.rejoin(group, failures, only_open=lost is not None)
+                if regroup is None or len(regroup.peers) == 1:
+                    self._applied_with(None)
+                    if regroup is not None:
+                        return await self._alone(exchange, round_index, started, failures)
+                    return AllReduceResult([me], committed=False, excluded=True, attempts=len(attempts),
+                                           failures=failures, tokens=exchange.tokens,
+                                           traffic=round_traffic(attempts, time.perf_counter() - started))
+                group, formed = regroup, set(regroup.peers)
+                continue
             if decision.outcome == Outcome.REDO and decision.redo is not None and me in decision.redo.peers:
                 group = decision.redo
                 continue
-            if decision.outcome == Outcome.ABORT and lost is None:
+            if decision.outcome == Outcome.ABORT and lost is None and not dead:
                 failures.append(Failure.ABORTED)
             committed = vote == Vote.HOLDS and decision.applies(digests)
             self._applied_with(group if committed else None, attempt.delivered)
             return AllReduceResult(
                 list(group.peers), committed,
                 # Others applied an aggregate this peer does not hold (or redid the round without it).
-                excluded=not committed and decision.outcome in (Outcome.COMMIT, Outcome.REDO),
+                excluded=not committed and (decision.outcome in (Outcome.COMMIT, Outcome.REDO) or bool(dead)),
                 dropped=sorted(attempt.dropped | (formed - set(group.peers))),  # incl. those a redo left out
                 clipped=attempt.clipped, opposed=attempt.opposed, attempts=len(attempts), failures=failures,
                 tokens=exchange.tokens, traffic=round_traffic(attempts, time.perf_counter() - started))

@@ -104,6 +104,7 @@ class Member:
     tokens: int = 1
     dial_out: bool = False
     follows: str = ""  # the digest of the group it applied its last round with ("" if none): answered relative to it
+    rejoins: bool = False  # its group of this round died: it joins only a formation open at this coordinator
 
 
 # A formation, the joins a coordinator gathers into one group, is named by the round, the all-reduce's name, the

@@ -76,6 +76,7 @@ class JoinRequest(Message):
     tokens: Tokens  # what the joiner trained for its contribution: its weight in the round's mean
     dial_out: bool  # others cannot dial the joiner (it is behind NAT): it reduces no span
     follows: Digest = ""  # Group.digest of the group the joiner applied its last round with ("": answered in full)
+    rejoin: bool = False  # the joiner's group of this round died: it joins a formation open here, and opens none
 
 
 class MemberEntry(Message):
@@ -145,7 +146,7 @@ def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]
     PayloadError if malformed."""
     join = decode(JoinRequest, request)
     member = Member(tuple(sorted((k, (v[0], v[1])) for k, v in join.slices.items())), join.pipeline, join.tokens,
-                    join.dial_out, join.follows)
+                    join.dial_out, join.follows, join.rejoin)
     return (join.round, join.name, join.config, join.state), set(join.unreachable), member
 
 

@@ -31,6 +31,14 @@ implausible one, trying the next coordinator. The coordinator needs no pseudo-gr
 serves joins from its event loop while it trains. Only a peer that can be dialled coordinates. The join
 request and its answers are ``swarm/join.py``.
 
+A peer takes part in one group per round and sync: it notes each coordinator before it asks it
+(``swarm/whereabouts.py``), and never takes the group of a coordinator it moved on from. Its reducer refuses at
+once a contribution for a group of that round another coordinator formed. A member whose group died so (every
+other member is elsewhere, or its vote finds no coordinator: ``SwarmCommunicator``) sends the same join again,
+once, with the dead group's coordinator listed unreachable (``rejoin``); the next coordinator's formation of the
+round waits for it as for any peer whose record claims the round. After a lost vote the rejoin says so, and a
+coordinator with no formation of the round open answers it "late" rather than open one for it alone.
+
 A group smaller than the peers that joined or were expected is the coordinator's decision, never an
 accident: the answer lists who was left out and why (another state, an incomplete pipeline group, did not
 join in time), and every member logs it. A group of one is remembered like any other (its peer may apply
@@ -76,6 +84,7 @@ from p2ploco.swarm.group import FormationKey, Group, GroupBook, Member
 from p2ploco.swarm.join import JOIN_FAILURES, JoinAnswer, JoinStatus, group_answer, parse_group, parse_join
 from p2ploco.swarm.messages import MAX_REASON, decode
 from p2ploco.swarm.records import PeerRecord, PeerState
+from p2ploco.swarm.whereabouts import Whereabouts
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +93,7 @@ MAX_FORMING_PER_PEER = 4  # open formations at one coordinator a peer may be in 
 STRAGGLER_MISSES = 2  # formations a peer was expected in and never joined, after which it is not waited for
 BAN_MISSES = 4  # and after which it is banned: its record claims rounds it never joins
 KEEP_ASKED_ROUNDS = 8  # rounds for which a coordinator remembers who asked to join (an overlapped peer asks ahead)
+KEEP_JOINS = 8  # this peer's latest joins it keeps, to ask again at the next coordinator if their group dies
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
@@ -135,6 +145,9 @@ class Matchmaker:
         self._leavers: dict[str, int] = {}  # coordinators that answered they are leaving -> the round they said so
         self.following: Group | None = None  # the group this peer applied its last round with
         self.leaving = asyncio.Event()
+        self.whereabouts = Whereabouts()  # the coordinator this peer asks (or holds the group of) for each round
+        # (round, name) -> this peer's join of that sync (the request, the group it names as followed, its slices)
+        self._joins: dict[tuple[int, str], tuple[dict[str, Any], Group | None, dict[str, tuple[str, str]]]] = {}
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_join)
@@ -179,8 +192,31 @@ class Matchmaker:
         failures = failures if failures is not None else []
         base = self.following  # as named in the request: it may change while the join waits (an overlapped round)
         request = await self._join_request(round_index, name, slices, pipeline_group, tokens, base)
+        self._joins[(round_index, name)] = (request, base, slices)
+        for old in list(self._joins)[:-KEEP_JOINS]:
+            del self._joins[old]
+        return await self._join(round_index, name, request, base, slices, failures, {})
+
+    async def rejoin(self, group: Group, failures: list[Failure], only_open: bool) -> Group | None:
+        """This peer's group ``group`` is dead (``SwarmCommunicator``): the same join as before, at the next
+        coordinator, which is asked for the group of the same round; as ``form_group`` answers. ``only_open``: join
+        only a formation of the round that is open there already (its coordinator opens none for this peer)."""
+        joined = self._joins.get((group.round_index, group.name))
+        if joined is None:  # KEEP_JOINS later joins since: none to send again
+            logger.warning(f"round {group.round_index}: this peer no longer holds its join of the round; it applies "
+                           f"nothing this round and catches up")
+            return None
+        request, base, slices = joined
+        request = {**request, "rejoin": only_open}
+        return await self._join(group.round_index, group.name, request, base, slices, failures,
+                                {group.coordinator: "its group is dead"})
+
+    async def _join(self, round_index: int, name: str, request: dict[str, Any], base: Group | None,
+                    slices: dict[str, tuple[str, str]], failures: list[Failure], unreachable: dict[str, str]
+                    ) -> Group | None:
+        """Ask coordinators in rendezvous order, less those in ``unreachable`` (coordinators tried in vain, and
+        why), for a group of the sync ``name`` of ``round_index`` (``form_group``)."""
         deadline = time.monotonic() + self.timeout + 5.0  # the coordinator may wait `timeout` for others
-        unreachable: dict[str, str] = {}  # coordinators tried in vain, and why
         hints: set[str] = set()
         while time.monotonic() < deadline and not self.leaving.is_set():
             candidates = self.candidates(set(unreachable)) | (hints - set(unreachable))
@@ -188,6 +224,7 @@ class Matchmaker:
                 break
             coordinator = best_coordinator(candidates, round_index)
             request["unreachable"] = sorted(unreachable)
+            self.whereabouts.join(round_index, name, coordinator)  # before the ask: its group may reach us first
             try:
                 await faults.hit_async("matchmaking.join", round_index)
                 if coordinator == self.me:
@@ -222,7 +259,7 @@ class Matchmaker:
         tried = ", ".join(f"{peer[-8:]} ({why[:100]})" for peer, why in unreachable.items())
         logger.warning(f"round {round_index}: no coordinator answered ({tried or 'none to ask'})")
         return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),),
-                     tokens=((self.me, max(1, tokens)),))
+                     tokens=((self.me, request["tokens"]),))
 
     async def _join_request(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
                             pipeline_group: str, tokens: int, base: Group | None) -> dict[str, Any]:
@@ -358,6 +395,9 @@ class Matchmaker:
                 return group_answer(closed)  # asked again (its first answer was lost): the same group, not "late"
             return {"status": JoinStatus.LATE, "reason": f"round {round_index} had already started without this peer"}
         if formation is None:
+            if member.rejoins:  # it joins the others where they are, and never forms a group of its own here
+                return {"status": JoinStatus.LATE, "reason": f"no group of round {round_index} is forming at "
+                                                             f"coordinator {self.me[-8:]}"}
             formation = _Formation(key, time.monotonic() + self.timeout)
             self._forming[key] = formation
             asyncio.get_running_loop().create_task(self._close_when_complete(formation))

@@ -328,7 +328,8 @@ class Arrival:
                                     round_tokens, reachability.dials_out)
             deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
                                          config.max_transfer_timeout)
-            butterfly = ButterflyAllReduce(p2p, me_id, self.run_id, deadlines, bans, directory.rates)
+            butterfly = ButterflyAllReduce(p2p, me_id, self.run_id, deadlines, bans, directory.rates,
+                                           matchmaker.whereabouts)
             commit = RoundCommit(p2p, me_id, self.run_id, config.allreduce_timeout, book)
             state_server = StateServer(p2p, self.run_id, deadlines)
             config_server = ConfigServer(p2p, self.run_id, document, deadlines.base)
