@@ -16,8 +16,10 @@ from p2ploco.launch import TINY_CONFIG, LocalSwarm
 
 FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=6", "--set", "swarm.allreduce_timeout=4",
         "--set", "swarm.heartbeat_interval=0.5", "--set", "swarm.min_peers=3", "--set", "training.checkpoint_every=0"]
-BROKEN_STREAM, NO_JOIN, SLOW_JOIN, NO_DECISION = 2, 3, 4, 8  # the round each failure is injected in
-ROUNDS = 13
+# The round each failure is injected in: far enough apart that each peer is back in the group before the next one
+# (with overlap, b is back two rounds after its lonely round 3 lands in 4: it fetches twice)
+BROKEN_STREAM, NO_JOIN, SLOW_JOIN, NO_DECISION = 2, 3, 6, 10
+ROUNDS = 15
 FAULTS = {"b": f"allreduce.contribute@{BROKEN_STREAM}=fail:1,matchmaking.join@{NO_JOIN}=fail",
           "c": f"matchmaking.join@{SLOW_JOIN}=stall:7,commit.vote@{NO_DECISION}=fail"}
 
