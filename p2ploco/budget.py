@@ -32,8 +32,8 @@ A peer whose single step outlasts the round (the budget is shorter than its own 
 for it; instead it sits rounds out: it trains one step while its record says it is standing by (no coordinator
 waits for it), keeps the step's work as a round not applied keeps it (error feedback or carry, its tokens owed),
 catches up, and contributes that work in the next round without training in it (``Node._round``). Not where that
-round would be past the last one it trains (``training.rounds``): the step's work would be lost, so it trains such
-a round as any, and the others wait for its step at the run's end.
+round would be past the last one it trains (``training.rounds``): the step's work would be lost, so it sits such
+rounds out idle, following the swarm's state to the end.
 
 A pipeline group's stages step together: each asks its own budget within every step whether another fits, and the
 group stops where any says no (``InnerTrainer.run_round``), so it trains as many steps as its slowest stage's budget
@@ -112,6 +112,9 @@ class WallClockBudget:
 
     def seconds(self) -> float | None:
         """The budget now (None: none, train H steps: this peer is among the fastest, or nothing is known yet)."""
+        return self._seconds(own_in_median=True)
+
+    def _seconds(self, own_in_median: bool) -> float | None:
         if self.round_seconds > 0:
             return self.round_seconds
         own = self.own.median
@@ -120,7 +123,8 @@ class WallClockBudget:
         claims = [s for s in self.swarm_step_seconds() if s > 0]
         # Claims faster than this are not believed: the group's lower-median peer trains at least a quarter of H
         # (only half the group or more can move that median), and no claim is absurdly faster than this peer's own.
-        fastest_believed = max(statistics.median_low([own, *claims]) / BELIEVED_SPREAD, own / MAX_SPEED_SPREAD)
+        group = [own, *claims] if own_in_median or not claims else claims
+        fastest_believed = max(statistics.median_low(group) / BELIEVED_SPREAD, own / MAX_SPEED_SPREAD)
         known = [own, *(s for s in claims if s >= fastest_believed)]
         fastest = min(known)
         if own <= FAST_COHORT * fastest:
@@ -129,13 +133,16 @@ class WallClockBudget:
 
     def outlasted(self) -> bool:
         """Whether one step of this peer outlasts the whole round: it then trains a step across rounds, sitting them
-        out, and contributes the step's work in a later round (``RoundSchedule.sit_out``)."""
-        budget = self.seconds()
+        out, and contributes the step's work in a later round (``RoundSchedule.sit_out``). Judged by the round of
+        the others, its own step left out of their median: a slow peer is not the median of the round it would hold
+        (of a group 1x, 3x, 10x, the 10x peer's step made the 3x one the median, whose H steps its step fit)."""
+        budget = self._seconds(own_in_median=False)
         return len(self.own) >= SIT_OUT_AFTER and budget is not None and self.own.median > budget
 
     def rounds_per_step(self) -> int:
-        """How many rounds one step of this peer spans at the budget now (1 while it has no budget)."""
-        budget = self.seconds()
+        """How many rounds one step of this peer spans, by the others' round as ``outlasted`` judges it (1 while it has
+        no budget)."""
+        budget = self._seconds(own_in_median=False)
         return 1 if budget is None else max(1, math.ceil(self.own.median / budget))
 
     def planned_steps(self) -> int:

@@ -366,19 +366,26 @@ class Node:
         presence.serve(round_index)
         started = time.perf_counter()
         budget = self._budget(swarm, role)
-        # A replica whose step outlasts the round sits rounds out (a pipeline stage cannot: its group steps together)
-        if budget is not None and schedule.sits_out and role.trains_alone and budget.outlasted():
+        # A replica whose step outlasts the round sits rounds out (a pipeline stage cannot: its group steps together),
+        # and its record says so: the others' budgets leave its step time out
+        sits_out = budget is not None and schedule.sits_out and role.trains_alone and budget.outlasted()
+        swarm.update_record(sits_out=sits_out)
+        if sits_out:
             if worker.outer.unapplied_tokens:
                 # The work it kept, contributed in this round without a step. It joins once the others may be done
                 # with their steps (a formation closes a matchmaking timeout after its first join: one that came
                 # early would close before them).
                 self.stopping.wait(max(0.0, budget.seconds() - c.swarm.matchmaking_timeout / 2))
                 budget = FixedSteps(0)
-            elif not self._past_last_round(round_index + budget.rounds_per_step()):
-                # It trains a step while nobody waits for it (past its last round, the step's work would be lost:
-                # it trains such a round as any, and the others wait for it there)
+            else:  # it trains a step while nobody waits for it
                 presence.announce_standby(round_index)
                 swarm.flush()  # out before the step: a coordinator that still saw it in the round would wait
+                if self._past_last_round(round_index + budget.rounds_per_step()):
+                    # The step's work could be contributed only past this peer's last round: it trains none, and
+                    # sits the round out idle (it follows the swarm's state to the end)
+                    self.stopping.wait(budget.seconds())
+                    return self._record(swarm, role, round_index, membership, started, loss=float("nan"),
+                                        applied=False, sat_out=True)
                 outcome = schedule.sit_out(round_index, self.stopping.is_set, swarm.peer_id)
                 if outcome is None:
                     return None
@@ -454,7 +461,8 @@ class Node:
 def progress_line(peer_id: str, r: RoundRecord) -> str:
     evaluated = f"{r.eval_loss:.3f}" if r.eval_loss is not None else "-"
     rate = r.tokens / r.inner_seconds if r.inner_seconds else 0.0
-    notes = (" | sat out: its step outlasts the round, its work goes into the next" if r.sat_out else
+    notes = (" | sat out: its step outlasts the round, its work goes into the next" if r.sat_out and r.tokens else
+             " | sat out idle: a step's work would land past its last round" if r.sat_out else
              "" if r.applied else " | NOT APPLIED")
     notes += f" | dropped {len(r.dropped_peers)}" if r.dropped_peers else ""
     notes += f" | clipped {len(r.clipped_peers)}" if r.clipped_peers else ""

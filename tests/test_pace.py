@@ -119,6 +119,12 @@ def test_a_members_absurdly_fast_claim_is_not_believed_and_any_claim_moves_the_b
     assert WallClockBudget(4, times(0.3), lambda: [0.1, 1.0]).seconds() == pytest.approx(4 * 0.1)
     assert not WallClockBudget(4, times(1.0, 1.0), lambda: [0.1, 0.3]).outlasted()
     assert WallClockBudget(4, times(1.0, 1.0, 1.0), lambda: [0.1, 0.3]).outlasted()
+    # On a busy machine the same group measured 0.07, 0.3 and 1.0 s (the 3x peer over 4x the fast one): the 10x peer,
+    # judging the others' round without its own step, sits out; its record then says so, and the 3x peer, whose
+    # budget leaves a sitting-out peer's step out (Swarm.step_seconds), fits its steps into the fast one's round.
+    assert WallClockBudget(4, times(1.0, 1.0, 1.0), lambda: [0.07, 0.3]).outlasted()
+    assert WallClockBudget(4, times(1.0, 1.0, 1.0), lambda: [0.07, 0.3]).seconds() == pytest.approx(4 * 0.3)
+    assert WallClockBudget(4, times(0.3), lambda: [0.07]).seconds() == pytest.approx(4 * 0.07)
     # Claims move the lower median only as half the group or more: two of six can not, the other of two can,
     # and then the budget is at least H steps of this peer's own over MAX_SPEED_SPREAD (1e-9: 16x is believed).
     assert WallClockBudget(10, own, lambda: [*group, 0.1, 1e-9, 1e-9]).seconds() is None

@@ -110,6 +110,9 @@ class PeerRecord(BaseModel):
     unsettled: bool = False
     reachability: status_of(Reachability) = Reachability.PUBLIC  # whether others can dial it (swarm/reachability.py)
     step_seconds: Amount = 0.0  # its inner step's recent median time (0: none yet): sizes the swarm's round budget
+    # its one step outlasts the round: it sits rounds out and sets none of their pace (``budget.py``); claiming it
+    # leaves only its own step time out of the others' budgets, as an absent peer's
+    sits_out: bool = False
 
     @property
     def dials_out(self) -> bool:

@@ -84,11 +84,12 @@ class Swarm:
         """The inner-step times the round budget goes by (``budget.py``; 0: not known yet), as last seen: those the
         partners of this peer's recent rounds publish (``SwarmCommunicator.partners``), or, while it has none (it
         joins, or applied none of its last rounds), those of every live peer of this run's config; never a banned
-        peer's, nor its own. Read between inner steps: no lookup."""
+        peer's, nor its own, nor those of peers that sit rounds out (their steps outlast the round: they set none
+        of its pace). Read between inner steps: no lookup."""
         directory, partners = self.directory, self.communicator.partners
         return [r.step_seconds for p, r in directory.live.items()
                 if p != self.peer_id and (p in partners or not partners) and r.fingerprint == directory.me.fingerprint
-                and directory.current(p) and not self.bans.banned(p, directory.me.round)]
+                and not r.sits_out and directory.current(p) and not self.bans.banned(p, directory.me.round)]
 
     def take_dht_bytes(self) -> tuple[int, int]:
         """Bytes of peer records this peer stored in and read from the DHT (sent, received) since the last call
