@@ -112,9 +112,18 @@ class WallClockBudget:
 
     def seconds(self) -> float | None:
         """The budget now (None: none, train H steps: this peer is among the fastest, or nothing is known yet)."""
-        return self._seconds(own_in_median=True)
+        return self._seconds(judging_own_step=False)
 
-    def _seconds(self, own_in_median: bool) -> float | None:
+    def others_round_seconds(self) -> float | None:
+        """The round the others train, as far as this peer believes their step times, to judge whether its own step
+        outlasts it (None: it does not, or nothing is known yet): its own step is left out of their median (a slow
+        peer is not the median of the round it would hold: in a group 1x, 3x, 10x the 10x step made the 3x one the
+        median, whose H steps it fit), and no claim is left out for being too fast for its own (a peer more than
+        16x slower than the others sits rounds out rather than train H steps; a claim can then only make it sit
+        out, which delays its work and loses none)."""
+        return self._seconds(judging_own_step=True)
+
+    def _seconds(self, judging_own_step: bool) -> float | None:
         if self.round_seconds > 0:
             return self.round_seconds
         own = self.own.median
@@ -123,8 +132,10 @@ class WallClockBudget:
         claims = [s for s in self.swarm_step_seconds() if s > 0]
         # Claims faster than this are not believed: the group's lower-median peer trains at least a quarter of H
         # (only half the group or more can move that median), and no claim is absurdly faster than this peer's own.
-        group = [own, *claims] if own_in_median or not claims else claims
-        fastest_believed = max(statistics.median_low(group) / BELIEVED_SPREAD, own / MAX_SPEED_SPREAD)
+        if judging_own_step and claims:
+            fastest_believed = statistics.median_low(claims) / BELIEVED_SPREAD
+        else:
+            fastest_believed = max(statistics.median_low([own, *claims]) / BELIEVED_SPREAD, own / MAX_SPEED_SPREAD)
         known = [own, *(s for s in claims if s >= fastest_believed)]
         fastest = min(known)
         if own <= FAST_COHORT * fastest:
@@ -132,17 +143,16 @@ class WallClockBudget:
         return self.steps * statistics.median(s for s in known if s <= FAST_COHORT * fastest)
 
     def outlasted(self) -> bool:
-        """Whether one step of this peer outlasts the whole round: it then trains a step across rounds, sitting them
-        out, and contributes the step's work in a later round (``RoundSchedule.sit_out``). Judged by the round of
-        the others, its own step left out of their median: a slow peer is not the median of the round it would hold
-        (of a group 1x, 3x, 10x, the 10x peer's step made the 3x one the median, whose H steps its step fit)."""
-        budget = self._seconds(own_in_median=False)
+        """Whether one step of this peer outlasts the others' whole round (``others_round_seconds``): it then trains a
+        step across rounds, sitting them out, and contributes the step's work in a later round
+        (``RoundSchedule.sit_out``)."""
+        budget = self.others_round_seconds()
         return len(self.own) >= SIT_OUT_AFTER and budget is not None and self.own.median > budget
 
     def rounds_per_step(self) -> int:
         """How many rounds one step of this peer spans, by the others' round as ``outlasted`` judges it (1 while it has
         no budget)."""
-        budget = self._seconds(own_in_median=False)
+        budget = self.others_round_seconds()
         return 1 if budget is None else max(1, math.ceil(self.own.median / budget))
 
     def planned_steps(self) -> int:

@@ -375,7 +375,7 @@ class Node:
                 # The work it kept, contributed in this round without a step. It joins once the others may be done
                 # with their steps (a formation closes a matchmaking timeout after its first join: one that came
                 # early would close before them).
-                self.stopping.wait(max(0.0, budget.seconds() - c.swarm.matchmaking_timeout / 2))
+                self.stopping.wait(max(0.0, budget.others_round_seconds() - c.swarm.matchmaking_timeout / 2))
                 budget = FixedSteps(0)
             else:  # it trains a step while nobody waits for it
                 presence.announce_standby(round_index)
@@ -383,7 +383,7 @@ class Node:
                 if self._past_last_round(round_index + budget.rounds_per_step()):
                     # The step's work could be contributed only past this peer's last round: it trains none, and
                     # sits the round out idle (it follows the swarm's state to the end)
-                    self.stopping.wait(budget.seconds())
+                    self.stopping.wait(budget.others_round_seconds())
                     return self._record(swarm, role, round_index, membership, started, loss=float("nan"),
                                         applied=False, sat_out=True)
                 outcome = schedule.sit_out(round_index, self.stopping.is_set, swarm.peer_id)

@@ -125,6 +125,10 @@ def test_a_members_absurdly_fast_claim_is_not_believed_and_any_claim_moves_the_b
     assert WallClockBudget(4, times(1.0, 1.0, 1.0), lambda: [0.07, 0.3]).outlasted()
     assert WallClockBudget(4, times(1.0, 1.0, 1.0), lambda: [0.07, 0.3]).seconds() == pytest.approx(4 * 0.3)
     assert WallClockBudget(4, times(0.3), lambda: [0.07]).seconds() == pytest.approx(4 * 0.07)
+    # A peer 20x slower than the others believes none of their steps for its budget (MAX_SPEED_SPREAD: it would train
+    # H steps), but judges its step against their round, and sits out.
+    assert WallClockBudget(5, times(1.2, 1.2, 1.2), lambda: [0.06, 0.06]).seconds() is None
+    assert WallClockBudget(5, times(1.2, 1.2, 1.2), lambda: [0.06, 0.06]).outlasted()
     # Claims move the lower median only as half the group or more: two of six can not, the other of two can,
     # and then the budget is at least H steps of this peer's own over MAX_SPEED_SPREAD (1e-9: 16x is believed).
     assert WallClockBudget(10, own, lambda: [*group, 0.1, 1e-9, 1e-9]).seconds() is None
