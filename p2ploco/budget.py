@@ -7,12 +7,13 @@ step, at most ``inner.steps``). The fastest peers train H steps, a peer three ti
 all of them join the round's all-reduce at about the same time; each contribution is weighted by the tokens it
 was trained on (``collective/robust.py``), so the slow peer's work counts for what it is.
 
-A step runs while it would end no later than half a step past the budget. The budget: ``inner.round_seconds``
-where a peer sets it (all peers of a run should set the same), else the time the fastest peers need for H steps:
-each peer publishes the median of its recent inner steps (their wall time, whatever held them: a peer that waits for
-its data or shares its device is as slow as it is), the peers within ``FAST_COHORT`` of the fastest (this one's
-own included) train H steps, and a slower peer's budget is H times the median step of those. (On a busy machine step
-times wander by tens of percent: a budget from the single fastest step would cut the fast peers' rounds too.)
+A step runs while it would end within the budget (or half of it would, where the config sets it). The budget:
+``inner.round_seconds`` where a peer sets it (all peers of a run should set the same), else the time the fastest
+peers need for H steps: each peer publishes the median of its recent inner steps (their wall time, whatever held
+them: a peer that waits for its data or shares its device is as slow as it is), the peers within ``FAST_COHORT`` of
+the fastest (this one's own included) train H steps, and a slower peer's budget is H times the median step of
+those. (On a busy machine step times wander by tens of percent: a budget from the single fastest step would cut
+the fast peers' rounds too.)
 
 A step time is a claim in a record, and a record is free to publish: one claiming 1e-300 s, of a peer that never
 joined a round, used to cut every peer's round to one step of H. So the budget goes by the peers that took part in
@@ -161,12 +162,17 @@ class WallClockBudget:
         budget = self.seconds()
         if budget is None:
             return self.steps
-        return max(1, min(self.steps, math.floor(budget / self.own.median - 0.5) + 1))
+        return max(1, min(self.steps, math.floor(budget / self.own.median - self._must_fit()) + 1))
 
     def allows(self, steps_done: int, seconds: float) -> bool:
         if steps_done >= self.steps:
             return False
         budget = self.seconds()
-        # A step that would end within half a step of the budget still goes: the fastest peer's H steps plus the
-        # round's bookkeeping must not lose it its last step.
-        return steps_done == 0 or budget is None or seconds + 0.5 * self.own.median <= budget
+        return steps_done == 0 or budget is None or seconds + self._must_fit() * self.own.median <= budget
+
+    def _must_fit(self) -> float:
+        """How much of the next step must fit in the budget for it to run. A budget set in the config: half (the
+        fastest peer's H steps plus the round's bookkeeping must not lose it its last step). A budget from the fast
+        peers' steps: all of it, so that they never wait for this peer (half a step was a quarter of their round for
+        a 3x peer at H = 5, whose second step ran past their five)."""
+        return 0.5 if self.round_seconds > 0 else 1.0

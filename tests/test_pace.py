@@ -93,7 +93,10 @@ def test_the_budget_fits_a_slow_peers_steps_into_the_fast_peers_round():
     budget = WallClockBudget(10, slow, lambda: swarm)
     assert budget.seconds() == 10 * 0.11  # H times the median step of the fast ones (0.1, 0.11, 0.12)
     steps_in = [h for h in range(10) if budget.allows(h, h * 0.3)]
-    assert steps_in == [0, 1, 2, 3]  # the fourth step ends at 1.2 s, within half a step of 1.1 s
+    assert steps_in == [0, 1, 2]  # a fourth step would end at 1.2 s, past 1.1 s: the fast peers would wait for it
+    assert budget.planned_steps() == 3
+    configured = WallClockBudget(10, slow, lambda: swarm, round_seconds=1.1)  # half a step past a set budget runs
+    assert [h for h in range(10) if configured.allows(h, h * 0.3)] == [0, 1, 2, 3]
     assert WallClockBudget(10, slow, lambda: swarm, round_seconds=0.6).seconds() == 0.6
     assert WallClockBudget(10, times(), lambda: swarm).seconds() is None  # no step of its own yet: H
     assert not WallClockBudget(3, fast, lambda: swarm).allows(3, 0.0)  # never more than H

@@ -318,7 +318,7 @@ def test_a_peer_whose_budget_fits_fewer_steps_spreads_its_fragment_syncs_over_th
     group = InProcessGroup(2, timeout=60)
     recorders = [Recording(group.communicator(rank), w) for rank, w in enumerate(workers)]
     budgets = [None, FixedSteps(4)]
-    outcomes, tokens = [None, None], [[], []]
+    outcomes = [None, None]
 
     def run(rank):
         outcomes[rank] = schedule_of(workers[rank]).run(0, recorders[rank], RoundHooks(budget=budgets[rank]))
