@@ -680,26 +680,26 @@ def main() -> int:
           f"{' ' + ' '.join(args.overrides) if args.overrides else ''}), {args.rounds} rounds per setting", flush=True)
     rows, failed = [], []
     baselines: dict[tuple[str, str], float] = {}
+
+    def run(setting: Setting, baseline: bool = False) -> list[list[dict]] | None:
+        """The setting's records, or None (said, and counted as failed) if it failed."""
+        where = workdir / f"{'baseline-' if baseline else ''}{setting.algorithm}-{setting.rate_text.replace(',', '+')}"
+        where.mkdir(parents=True, exist_ok=True)
+        try:
+            return run_setting(setting, args.config, args.overrides, args.rounds, where, args.timeout)
+        except (NodeFailed, TimeoutError, SwarmError, subprocess.CalledProcessError) as e:
+            label = f"{'baseline ' if baseline else ''}{setting.label}"
+            print(f"[{label}] failed: {e}", flush=True)
+            failed.append(label)
+            return None
+
     for setting in settings if args.baseline else []:
         alone = Setting(setting.algorithm, setting.rate_text, parse_rates(setting.rate_text, 2), subnet=args.subnet)
-        where = workdir / f"baseline-{setting.algorithm}-{setting.rate_text.replace(',', '+')}"
-        where.mkdir(parents=True, exist_ok=True)
-        try:
-            records = run_setting(alone, args.config, args.overrides, args.rounds, where, args.timeout)
-        except (NodeFailed, TimeoutError, SwarmError, subprocess.CalledProcessError) as e:
-            print(f"[baseline {alone.label}] failed: {e}", flush=True)
-            failed.append(f"baseline {alone.label}")
-            continue
-        baselines[setting.algorithm, setting.rate_text] = statistics.median(
-            r["round_seconds"] for got in records for r in middle_rounds(got))
+        if (records := run(alone, baseline=True)) is not None:
+            baselines[setting.algorithm, setting.rate_text] = statistics.median(
+                r["round_seconds"] for got in records for r in middle_rounds(got))
     for setting in settings:
-        where = workdir / f"{setting.algorithm}-{setting.rate_text.replace(',', '+')}"
-        where.mkdir(parents=True, exist_ok=True)
-        try:
-            records = run_setting(setting, args.config, args.overrides, args.rounds, where, args.timeout)
-        except (NodeFailed, TimeoutError, SwarmError, subprocess.CalledProcessError) as e:
-            print(f"[{setting.label}] failed: {e}", flush=True)
-            failed.append(setting.label)
+        if (records := run(setting)) is None:
             continue
         table, host_table, row = summarise(setting, records, params)
         baseline = baselines.get((setting.algorithm, setting.rate_text))
