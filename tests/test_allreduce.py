@@ -4,6 +4,7 @@ import asyncio
 import hashlib
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -83,7 +84,8 @@ def in_process_mean(tensor_lists):
     group = InProcessGroup(len(tensor_lists))
     exchanges = [DenseMean(t) for t in tensor_lists]
     with ThreadPoolExecutor(len(exchanges)) as pool:
-        list(pool.map(lambda rank: group.communicator(rank).all_reduce(exchanges[rank], 0, "params"), range(3)))
+        list(pool.map(lambda rank: group.communicator(rank).all_reduce(exchanges[rank], 0, "params"),
+                      range(len(exchanges))))
     return exchanges[0].mean()
 
 
@@ -660,4 +662,58 @@ def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_t
         assert (group.coordinator, group.peers) == (nearest, tuple(m.peer_id for m in members))
     finally:
         for s in swarms:
+            s.leave()
+
+
+@pytest.mark.timeout(180)
+def test_a_coordinator_that_leaves_decides_the_round_of_the_group_it_formed_first():
+    """The coordinator of a round trains none of it (a peer sitting rounds out, idle at the end of its run) and
+    leaves as soon as it has formed the group: it used to shut down before the members voted, and they applied
+    nothing (no decision). A leaving peer now decides the rounds of the groups it formed first."""
+    config = SwarmConfig(matchmaking_timeout=15, allreduce_timeout=5, heartbeat_interval=0.5, peer_ttl=10,
+                         ban_rounds=0)
+    swarms = []
+    try:
+        join_swarms("leaving-coordinator", 3, config, swarms)
+        for s in swarms:
+            s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
+        assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)
+        ids = {s.peer_id for s in swarms}
+        round_index = next(r for r in range(2, 1000) if best_coordinator(ids, r) == swarms[0].peer_id)
+        coordinator, members = swarms[0], sorted(swarms[1:], key=lambda s: s.peer_id)
+        for s in members:
+            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        assert all(s.flush() for s in swarms)
+        released = threading.Event()  # the members reduce only once their coordinator is leaving
+        for s in members:
+            run = s.communicator.butterfly.run
+
+            async def held(group, exchange, run=run):
+                await asyncio.to_thread(released.wait, 60)
+                return await run(group, exchange)
+
+            s.communicator.butterfly.run = held
+        inputs = [random_tensors(120 + i) for i in range(2)]
+        exchanges = [DenseMean(t) for t in inputs]
+        pending = [s.communicator.start_all_reduce(e, round_index, "params") for s, e in zip(members, exchanges)]
+        assert all(p.grouped.wait(30) for p in pending)
+        withdrawing, withdraw = threading.Event(), coordinator.communicator.matchmaker.withdraw
+
+        async def noted_withdraw():
+            withdrawing.set()
+            await withdraw()
+
+        coordinator.communicator.matchmaker.withdraw = noted_withdraw
+        leaving = threading.Thread(target=coordinator.leave)
+        leaving.start()
+        assert withdrawing.wait(30)  # its farewell is under way: it stops joining groups, then shuts down
+        released.set()
+        stats = [p.wait(90) for p in pending]
+        leaving.join(60)
+        assert [(s.committed, s.peers, s.attempts) for s in stats] == [(True, [m.peer_id for m in members], 1)] * 2
+        expected = in_process_mean(inputs)
+        for exchange in exchanges:
+            assert all(torch.equal(a, b) for a, b in zip(exchange.mean(), expected))
+    finally:
+        for s in swarms[1:]:
             s.leave()

@@ -112,6 +112,7 @@ class RoundCommit:
         self.p2p, self.me, self.timeout, self.book = p2p, me, timeout, book
         self.handler_name = f"p2ploco/{run_id}/vote"
         self._ballots: dict[str, _Ballot] = {}
+        self._decided = asyncio.Event()  # set whenever a ballot is decided (``judge_to_the_end`` waits on it)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_vote)
@@ -136,6 +137,18 @@ class RoundCommit:
             logger.warning(f"round {group.round_index}: no decision from the coordinator {judge[-8:]} ({e!r}); "
                            f"applying nothing")
             return Decision(Outcome.ABORT), wire.failure_of(e)
+
+    async def judge_to_the_end(self) -> None:
+        """This peer is leaving: first decide the rounds of the groups it formed that are still voting (a peer that
+        coordinates a round it does not train, standing by, would otherwise leave its members without a judge, and
+        they would apply nothing). Returns once none is open; the caller bounds the wait."""
+        while True:
+            self._decided.clear()
+            # A group's votes come within its all-reduce, then its ballot's own timeout
+            recent = [g for g in self.book.since(2 * self.timeout) if len(g.peers) > 1]  # one alone never votes
+            if all(g.group_id in self._ballots and self._ballots[g.group_id].decided.done() for g in recent):
+                return
+            await self._decided.wait()
 
     async def _serve_vote(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         voter = str(stream_info.peer_id)
@@ -185,6 +198,7 @@ class RoundCommit:
             if decision.redo is not None:
                 self.book.add(decision.redo)
             ballot.decided.set_result(decision)
+            self._decided.set()
 
     async def _probe(self, ballot: _Ballot) -> None:
         """Every PROBE_EVERY seconds, try to open a stream to each member still awaited: one whose daemon cannot

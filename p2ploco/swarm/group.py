@@ -138,6 +138,11 @@ class GroupBook:
         self._latest = {peer: ids for peer, ids in self._latest.items() if any(gid in self._groups for gid in ids)}
         self._closed = {key: gid for key, gid in self._closed.items() if gid in self._groups}
 
+    def since(self, seconds: float) -> list[Group]:
+        """The groups added in the last ``seconds``."""
+        now = time.monotonic()
+        return [group for group, added in self._groups.values() if now - added < seconds]
+
     def get(self, group_id: str) -> Group | None:
         entry = self._groups.get(group_id)
         return entry[0] if entry is not None else None

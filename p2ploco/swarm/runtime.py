@@ -47,6 +47,7 @@ CALL_TIMEOUT = 30.0  # bound on quick calls into the loop (record updates, addre
 PROBE_TIMEOUT = 5.0  # to ask a lone peer whether it serves the state its record claims
 PROBE_MEMORY = 10.0  # seconds an answer to that question is trusted
 FAREWELL_TIMEOUT = 3.0  # the "leaving" record is a courtesy: never hold up an exit for it
+JUDGE_GRACE = 10.0  # a leaving peer still decides the rounds of the groups it formed, for at most this long
 
 
 class Swarm:
@@ -226,6 +227,7 @@ class Swarm:
             except wire.DAEMON_ERRORS as e:
                 logger.info(f"could not announce leaving: {e!r}")
             await finishes_within(self.communicator.matchmaker.withdraw(), FAREWELL_TIMEOUT)
+            await finishes_within(self.communicator.commit.judge_to_the_end(), JUDGE_GRACE)
             await finishes_within(self.node.shutdown(), FAREWELL_TIMEOUT)
 
         try:
