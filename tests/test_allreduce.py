@@ -607,6 +607,30 @@ def test_a_peer_alone_because_its_coordinator_is_leaving_applies_its_round():
             s.leave()
 
 
+def test_a_peer_alone_while_the_others_sit_the_round_out_applies_it():
+    """Of two peers, b sits rounds out (its one step outlasts a round): its short step of round r is over and its
+    record shows round r + 1, as it catches up, yet it applied nothing. a, alone in round r, applies its own update:
+    it used to count b as a peer that could apply the round without it, and applied nothing either, losing the
+    round for both (`wan.py --slow 1 3 10`: the fast host lost 2 of 12 rounds so)."""
+    swarms = []
+    try:
+        a, b = join_swarms("sitting-out", 2, CONFIG, swarms)
+        round_index = next(r for r in range(1000) if best_coordinator({a.peer_id, b.peer_id}, r) == a.peer_id)
+        a.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        b.announce_progress(round_index + 1, PeerState.JOINING, "start-state", {"params": "start-state"})
+        b.update_record(sits_out=True)
+        assert all(s.flush() for s in (a, b))
+        result = a.communicator.all_reduce(DenseMean(random_tensors(8)), round_index, "params")
+        assert (result.committed, result.peers, Failure.ALONE in result.failures) == (True, [a.peer_id], False)
+        b.update_record(sits_out=False)  # a peer that trains the rounds: a may not apply alone
+        assert b.flush()
+        result = a.communicator.all_reduce(DenseMean(random_tensors(9)), round_index, "params")
+        assert (result.committed, Failure.ALONE in result.failures) == (False, True)
+    finally:
+        for s in swarms:
+            s.leave()
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("answered", [1, 2])
 def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_the_next_coordinator(answered):

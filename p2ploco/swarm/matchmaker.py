@@ -300,11 +300,14 @@ class Matchmaker:
         group) for our config (fresh, not leaving, not waiting for a slot, not banned here), whose daemon can still
         be dialled (a peer killed a moment ago still has a fresh record) and that did not answer this round that it
         is leaving, less the stage peers whose pipeline group has no such peer for some stage (a group acts as one
-        replica or not at all). Those further behind follow this peer's state once they reach it."""
+        replica or not at all), and less the peers that sit rounds out (``budget.py``: one whose short step of a
+        round it sat out is over shows a later round, yet applied none; one that contributes a step's work does so
+        in a group, whose other members count). Those further behind follow this peer's state once they reach it."""
         live = await self.directory.refresh()
         banned = self.bans.active(round_index)
         ahead = sorted(p for p, r in live.items() if p != self.me and r.round >= round_index - 1
                        and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
+                       and not r.sits_out
                        and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)
                        and p not in banned and self._leavers.get(p, -1) < round_index)
         # A peer behind a NAT cannot be dialled: its fresh record is all there is to go by.
