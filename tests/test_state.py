@@ -62,6 +62,18 @@ def test_only_states_two_peers_vouch_for_are_followed():
                                                                      (2, "q", False)]
 
 
+def test_a_seeds_state_has_no_say_where_anyone_else_holds_the_slice():
+    """A newcomer stage moved to its group's round 68 with the seed's state; the only other holder of its slice is a
+    replica at round 68 whose last round was alone (unsettled). Its own state, its record settled, ranked first, and
+    it trained on the seed: the replica's trained slice is what it follows instead."""
+    replica = record("replica", 68, "trained").model_copy(update={"unsettled": True})
+    newcomer = record("new", 68, "seed")
+    ranked = ranked_states({"replica": replica}, newcomer, S)
+    assert ranked[0].state_sha256 == "seed"  # its own, in good standing, first: what it followed
+    assert [s.state_sha256 for s in ranked_states({"replica": replica}, newcomer, S, own_counts=False)] == ["trained"]
+    assert ranked_states({}, newcomer, S, own_counts=False) == []  # nobody else holds it: the seed is all there is
+
+
 def test_records_that_claim_a_round_ahead_of_everyone_do_not_move_the_swarm():
     """One attacker with two keys publishes two records of round 10**6 holding its own state: the state three
     training peers hold wins (it used to be the furthest round any two records agreed on, which every joiner then
