@@ -65,16 +65,19 @@ class Soak:
     failures: dict[str, int] = field(default_factory=dict)  # kind -> events, all nodes together
     seconds: float = 0.0
     exit_ok: bool = True
+    evals: tuple[float, float] | None = None  # the first replica's eval loss, first and last
+    eval_rise: float = 0.0  # the largest rise of that eval loss from one evaluation to the next (a state lost)
 
     def row(self) -> tuple[object, ...]:
         kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(self.failures.items(), key=lambda kv: -kv[1]))
         return (self.run, self.nodes, self.rounds, self.applied_by_all, self.redone,
                 "/".join(str(self.lost[n]) for n in sorted(self.lost)), self.splits, kinds or "-",
+                f"{self.evals[0]:.3f} -> {self.evals[1]:.3f}" if self.evals else "-", f"{self.eval_rise:+.3f}",
                 f"{self.seconds:.0f}", "yes" if self.exit_ok else "NO")
 
 
 HEADER = ("run", "nodes", "rounds", "applied by all", "redone", "lost per node", "splits", "failures by kind",
-          "wall s", "clean exit")
+          "eval", "largest eval rise", "wall s", "clean exit")
 
 
 def summarise(run: str, rounds: int, records: dict[str, list[dict]], seconds: float, exit_ok: bool) -> Soak:
@@ -88,6 +91,11 @@ def summarise(run: str, rounds: int, records: dict[str, list[dict]], seconds: fl
         for r in rs:
             failures.update(r.get("failures", {}))
     soak.failures = dict(failures)
+    replica = next((name for name in sorted(records) if name.startswith("node")), None)  # stages evaluate nothing
+    evals = [r["eval_loss"] for r in records.get(replica, []) if r.get("eval_loss") is not None]
+    if evals:
+        soak.evals = (evals[0], evals[-1])
+        soak.eval_rise = max((b - a for a, b in zip(evals, evals[1:])), default=0.0)
     for k in range(rounds):
         got = [by_node[name].get(k) for name in records]
         if all(r is not None and r["applied"] for r in got):
