@@ -466,6 +466,13 @@ def hashes_agree(rows: list[dict], hosts: int) -> bool:
             and len({r["params_sha256"] for r in applied}) == 1)
 
 
+def appliers_agree(rows: list[dict]) -> bool:
+    """The nodes that applied the round did so in one group and hold one hash after it (however many others
+    missed it: a node late for the round applies nothing and catches up)."""
+    applied = [r for r in rows if r["applied"]]
+    return all(r["peers"] == len(applied) for r in applied) and len({r["params_sha256"] for r in applied}) <= 1
+
+
 def transfer_seconds(rows: list[dict], rates: list[float]) -> float:
     """The slowest host's time to move its larger direction (links are full duplex) at its cap."""
     return max(max(r["bytes_sent"], r["bytes_received"]) * 8 / (rate * 1e6) for r, rate in zip(rows, rates))
@@ -482,7 +489,7 @@ def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple
                       f"{mean(r['inner_seconds'] for r in rows):.2f}",
                       f"{mean(r['compute_utilisation'] for r in rows):.2f}",
                       f"{transfer_seconds(rows, setting.rates):.2f}", contributors(rows, hosts),
-                      "yes" if hashes_agree(rows, hosts) else "NO"))
+                      "yes" if hashes_agree(rows, hosts) else "NO", "yes" if appliers_agree(rows) else "NO"))
     measured = per_round[1:] or per_round
     flat = [r for rows in measured for r in rows]
     uniform = len(set(setting.rates)) == 1
@@ -496,10 +503,12 @@ def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple
         "utilisation": round(mean(r["compute_utilisation"] for r in flat), 3),
         "transfer_seconds": round(mean(transfer_seconds(rows, setting.rates) for rows in measured), 3),
         "hashes_equal": all(hashes_agree(rows, hosts) for rows in per_round),
+        "appliers_agree": all(appliers_agree(rows) for rows in per_round),
     }
     table.append(("mean 1..", human_bytes(row["bytes_per_round"]), f"{row['comm_seconds']:.2f}",
                   f"{row['round_seconds']:.2f}", f"{row['inner_seconds']:.2f}", f"{row['utilisation']:.2f}",
-                  f"{row['transfer_seconds']:.2f}", "", "yes" if row["hashes_equal"] else "NO"))
+                  f"{row['transfer_seconds']:.2f}", "", "yes" if row["hashes_equal"] else "NO",
+                  "yes" if row["appliers_agree"] else "NO"))
     # Medians over rounds 1 .. R-2 of every node: the last round also evaluates and writes the exit checkpoint.
     middle = [r for rows in (per_round[1:-1] or measured) for r in rows]
     medians = {key: round(statistics.median(r[key] for r in middle), 3)
@@ -508,7 +517,7 @@ def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple
     row["median_round_minus_inner"] = round(statistics.median(r["round_seconds"] - r["inner_seconds"]
                                                               for r in middle), 3)
     table.append(("median 1..R-2", "", f"{medians['comm_seconds']:.2f}", f"{medians['round_seconds']:.2f}",
-                  f"{medians['inner_seconds']:.2f}", f"{medians['compute_utilisation']:.2f}", "", "", ""))
+                  f"{medians['inner_seconds']:.2f}", f"{medians['compute_utilisation']:.2f}", "", "", "", ""))
     if setting.nat or any(f != 1 for f in setting.slow):
         row["nat"], row["slow"] = setting.nat, [setting.slowdown(i) for i in range(hosts)]
     host_table, row["per_host"] = host_summary(setting, records)
@@ -710,9 +719,10 @@ def main() -> int:
         if not args.json:
             print(f"\n{setting.label}, {args.hosts} hosts, {params / 1e6:.1f}M parameters "
                   f"(transfer s: the slowest host's larger direction at its cap; work from: hosts whose work the "
-                  f"applied aggregate holds)")
+                  f"applied aggregate holds; hashes equal: every host applied the round in one group, or sat it "
+                  f"out; appliers agree: those that applied it did, with one hash)")
             print(format_table(("round", "bytes/node", "comm s", "round s", "inner s", "utilisation", "transfer s",
-                                "work from", "hashes equal"), table))
+                                "work from", "hashes equal", "appliers agree"), table))
             print("\nper host (applied: rounds the node applied; in aggregates: tokens of its applied work; "
                   "share: of the tokens it trained; median round: rounds 1..R-2; trained work applied: rounds it "
                   "trained in whose work reached an applied aggregate, then or carried later)")

@@ -138,6 +138,11 @@ def test_a_round_agrees_when_every_node_applied_it_in_one_group_with_one_hash(mo
     assert wan.hashes_agree([two, two, sat], 3) and wan.hashes_agree([two, two], 3)
     assert not wan.hashes_agree([two, two, {**sat, "sat_out": False}], 3)  # not applied, and not sat out
     assert not wan.hashes_agree([two, two, {**row, "peers": 1, "params_sha256": "b"}], 3)  # applied alone: a split
+    # A node late for the round applied nothing: not every host took part, yet those that applied agree.
+    late = {**first, "params_sha256": "old"}
+    assert not wan.hashes_agree([two, two, late], 3) and wan.appliers_agree([two, two, late])
+    assert not wan.appliers_agree([two, {**two, "params_sha256": "b"}, late])
+    assert not wan.appliers_agree([two, {**row, "peers": 1}, late])  # one applied alone beside a group of two
 
 
 def test_a_sat_out_steps_work_counts_as_applied_when_a_later_applied_round_carries_it(monkeypatch):
