@@ -49,16 +49,14 @@ class CatchUp:
                 return standing
         # Between two rounds that went well the heartbeat's view will do (a peer behind is also told so at its next
         # join, and catches up then); a peer that starts, or after a round that went otherwise, looks afresh.
-        # A node that has trained no round from the seed's state (a newcomer, maybe moved to its pipeline group's
-        # round) gives that state no say: anybody's trained state is better
-        seed = first and standing.membership.source == "init"
-        targets = swarm.swarm_state(round_index, slices,
-                                    fresh=standing.unsettled is not None or standing.doubtful or first, seed=seed)
+        seeds = schedule.worker.seed_sha256
+        targets = swarm.swarm_state(round_index, slices, seeds,
+                                    fresh=standing.unsettled is not None or standing.doubtful or first)
         if not behind(targets, round_index, slices):
             return replace(standing, doubtful=False)
         if standing.unsettled is None and not standing.doubtful:  # joining or restarted: let the round under way
             # end, then start the next with all
-            targets = self._after_round_under_way(targets, round_index, slices, deadline, seed)
+            targets = self._after_round_under_way(targets, round_index, slices, seeds, deadline)
             if targets is None:
                 return standing
             if not behind(targets, round_index, slices):
@@ -66,14 +64,14 @@ class CatchUp:
         return self._fetch(schedule, standing, targets)
 
     def _after_round_under_way(self, targets: dict[str, SwarmState], round_index: int, slices: dict[str, str],
-                               deadline: float, seed: bool) -> dict[str, SwarmState] | None:
+                               seeds: dict[str, str], deadline: float) -> dict[str, SwarmState] | None:
         """The swarm's state once the others have ended the round under way (the latest of ``targets``) or
         ``deadline`` passed, from a fresh look; None if this node stops meanwhile."""
         under_way = max(t.round for t in targets.values())
         latest: list[dict[str, SwarmState]] = []  # the last look passed() took: acted on at once, rounds may be short
 
         def passed() -> bool:
-            latest[:] = [self.swarm.swarm_state(round_index, slices, seed=seed)]
+            latest[:] = [self.swarm.swarm_state(round_index, slices, seeds)]
             return not latest[0] or max(t.round for t in latest[0].values()) > under_way
 
         return latest[0] if self._wait(passed, deadline) else None

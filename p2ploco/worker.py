@@ -70,6 +70,8 @@ class Worker:
         # which a round schedule may do on its background thread: a checkpoint reads that state whole.
         self.lock = threading.Lock()
         self.published = self.state_of(self.outer.params, self.outer.shared_state())
+        # Each slice's hash as the run's seed makes it: a state nobody trained (``consensus.ranked_states``)
+        self.seed_sha256 = dict(self.published.slice_sha256)
         self.load_into_model()
 
     @property

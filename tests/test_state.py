@@ -63,15 +63,16 @@ def test_only_states_two_peers_vouch_for_are_followed():
 
 
 def test_a_seeds_state_has_no_say_where_anyone_else_holds_the_slice():
-    """A newcomer stage moved to its group's round 68 with the seed's state; the only other holder of its slice is a
-    replica at round 68 whose last round was alone (unsettled). Its own state, its record settled, ranked first, and
-    it trained on the seed: the replica's trained slice is what it follows instead."""
+    """Two newcomer stages of one slice moved to their groups' round 68 with the seed's state; the only other holder
+    is a replica at round 68 whose last round was alone (unsettled). The seed's state, held by two settled records,
+    ranked first, and their groups trained on it: the replica's trained slice is what they follow instead."""
     replica = record("replica", 68, "trained").model_copy(update={"unsettled": True})
-    newcomer = record("new", 68, "seed")
-    ranked = ranked_states({"replica": replica}, newcomer, S)
-    assert ranked[0].state_sha256 == "seed"  # its own, in good standing, first: what it followed
-    assert [s.state_sha256 for s in ranked_states({"replica": replica}, newcomer, S, own_counts=False)] == ["trained"]
-    assert ranked_states({}, newcomer, S, own_counts=False) == []  # nobody else holds it: the seed is all there is
+    other_newcomer, newcomer = record("other", 68, "seed"), record("new", 68, "seed")
+    live = {"replica": replica, "other": other_newcomer}
+    assert ranked_states(live, newcomer, S)[0].state_sha256 == "seed"  # what they followed
+    ranked = ranked_states(live, newcomer, S, seed="seed")
+    assert [(s.state_sha256, s.holders) for s in ranked] == [("trained", ("replica",))]
+    assert ranked_states({"other": other_newcomer}, newcomer, S, seed="seed")[0].state_sha256 == "seed"  # run start
 
 
 def test_records_that_claim_a_round_ahead_of_everyone_do_not_move_the_swarm():

@@ -107,12 +107,13 @@ def active_peers(live: dict[str, PeerRecord], me: PeerRecord) -> list[PeerRecord
     return [r for r in live.values() if r.peer_id != me.peer_id and r.fingerprint == me.fingerprint and r.active]
 
 
-def ranked_states(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str, own_counts: bool = True
+def ranked_states(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str, seed: str = ""
                   ) -> list[SwarmState]:
     """The states of ``slice_name`` to follow, seen from ``me``, best first; empty when no other active peer of
-    our config holds that slice. ``own_counts`` False: ``me`` holds the seed's state, trained by nobody, which has
-    no say where anyone else holds the slice (a newcomer stage's seed once outranked the only trained holder, a
-    replica whose last round had not settled, and its group trained on it: the swarm then followed them).
+    our config holds that slice. ``seed``: the hash of the slice as the run's seed makes it, a state nobody trained,
+    which has no say where anyone holds another (two newcomer stages of a slice, seeded alike, outvoted its only
+    trained holder, a replica whose last round had not settled; their groups trained on the seed and the swarm
+    followed them).
 
     A state ranks by the peers whose signed records hold it (those whose last round settled first, then all),
     never by how far ahead it claims to be: records that claim a round ahead of everyone, from one attacker with a
@@ -125,7 +126,9 @@ def ranked_states(live: dict[str, PeerRecord], me: PeerRecord, slice_name: str, 
     peers = [r for r in active_peers(live, me) if slice_name in r.slices]
     if not peers:
         return []
-    voters = peers + ([me] if own_counts and me.active and slice_name in me.slices else [])
+    voters = peers + ([me] if me.active and slice_name in me.slices else [])
+    if any(r.slices[slice_name] != seed for r in voters):
+        voters = [r for r in voters if r.slices[slice_name] != seed]
     holders: dict[tuple[int, str], list[str]] = {}
     for r in voters:
         holders.setdefault((r.round, r.slices[slice_name]), []).append(r.peer_id)
