@@ -318,6 +318,18 @@ class Node:
                              f"({c.training.rounds - 1}): nothing to train; training.rounds (--max-rounds) counts "
                              f"from the run's start")
                 break
+            seeded = standing.membership.source == "init" and standing.round > 0 and not self.records
+            if seeded and (trained := swarm.trained_elsewhere(role.worker.seed_sha256)):
+                # It holds the seed's state where others hold trained ones (it could not fetch theirs yet): it
+                # trains nothing on it, and tries again (a group trained on a newcomer's seed once, and the swarm
+                # followed it)
+                if standing.waiting_for != "state":
+                    self.out(f"[{me}] round {standing.round}: others hold trained states of "
+                             f"{', '.join(trained)}, this node the seed's; it trains once it has fetched them")
+                standing = replace(standing, waiting_for="state")
+                presence.announce_standby(standing.round)
+                self.stopping.wait(c.swarm.heartbeat_interval)
+                continue
             if not role.ready(standing.round, presence.in_for_round(standing.round, standing.doubtful), self.stopping):
                 group_round = role.round_of_group(standing.round)
                 if group_round > standing.round:  # its pipeline group is ahead: it moves there, its state doubtful

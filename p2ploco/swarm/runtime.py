@@ -152,6 +152,14 @@ class Swarm:
 
         return self.loop.run(look(), CALL_TIMEOUT + len(self.directory.live) * len(slices) * PROBE_TIMEOUT)
 
+    def trained_elsewhere(self, seeds: dict[str, str]) -> list[str]:
+        """The slices of ``seeds`` (name -> the hash the run's seed gives it) that some other live peer of this run's
+        config holds in another state: trained. From the heartbeat's view: no lookup."""
+        directory = self.directory
+        return sorted(name for name, seed in seeds.items()
+                      if any(p != self.peer_id and r.fingerprint == directory.me.fingerprint and name in r.slices
+                             and r.slices[name] != seed for p, r in directory.live.items()))
+
     async def _served(self, claim: SwarmState) -> SwarmState | None:
         """The state ``claim``'s lone holder serves, the claimed one or a later round's (``state.served_state``);
         None if neither. A refusal is remembered for a while (a record that lies is not asked about again and
