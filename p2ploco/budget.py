@@ -32,9 +32,8 @@ the others. (The bound was 2x: the fast peer of a group 1x, 3x, 10x waited for t
 A peer whose single step outlasts the round (the budget is shorter than its own step) would hold every round
 for it; instead it sits rounds out: it trains one step while its record says it is standing by (no coordinator
 waits for it), keeps the step's work as a round not applied keeps it (error feedback or carry, its tokens owed),
-catches up, and contributes that work in the next round without training in it (``Node._round``). Not where that
-round would be past the last one it trains (``training.rounds``): the step's work would be lost, so it sits such
-rounds out idle, following the swarm's state to the end.
+catches up, and contributes that work in the next round without training in it (``Node._round``). Not in its last
+round (``training.rounds``): no later round would take the step's work, so it sits that round out idle.
 
 A pipeline group's stages step together: each asks its own budget within every step whether another fits, and the
 group stops where any says no (``InnerTrainer.run_round``), so it trains as many steps as its slowest stage's budget
@@ -149,12 +148,6 @@ class WallClockBudget:
         (``RoundSchedule.sit_out``)."""
         budget = self.others_round_seconds()
         return len(self.own) >= SIT_OUT_AFTER and budget is not None and self.own.median > budget
-
-    def rounds_per_step(self) -> int:
-        """How many rounds one step of this peer spans, by the others' round as ``outlasted`` judges it (1 while it has
-        no budget)."""
-        budget = self.others_round_seconds()
-        return 1 if budget is None else max(1, math.ceil(self.own.median / budget))
 
     def planned_steps(self) -> int:
         """The steps ``allows`` lets run at this peer's median step: step k starts k steps in (at least 1, at most

@@ -392,9 +392,9 @@ class Node:
             else:  # it trains a step while nobody waits for it
                 presence.announce_standby(round_index)
                 swarm.flush()  # out before the step: a coordinator that still saw it in the round would wait
-                if self._past_last_round(round_index + budget.rounds_per_step()):
+                if self._past_last_round(round_index + 1):
                     # The step's work could be contributed only past this peer's last round: it trains none, and
-                    # sits the round out idle (it follows the swarm's state to the end)
+                    # sits the round out idle
                     self.stopping.wait(budget.others_round_seconds())
                     return self._record(swarm, role, round_index, membership, started, loss=float("nan"),
                                         applied=False, sat_out=True)
