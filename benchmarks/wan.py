@@ -578,7 +578,8 @@ def host_summary(setting: Setting, records: list[list[dict]]) -> tuple[list[tupl
         others_last = max((r["round"] for j, other in enumerate(records) if j != i for r in other if r["applied"]),
                           default=-1)
         trained, trained_applied, trained_after = trained_work(got, others_last)
-        median_round = statistics.median(r["round_seconds"] for r in middle_rounds(got)) if got else 0.0
+        timed = [r["round_seconds"] for r in middle_rounds(got) if "round_seconds" in r]
+        median_round = statistics.median(timed) if timed else 0.0
         detail = {
             "host": i, "natted": natted, "rate_mbit": setting.rates[i], "slow": setting.slowdown(i),
             "reachability": seen[-1] if seen else None, "reachabilities": reachability,

@@ -33,7 +33,8 @@ A peer whose single step outlasts the round (the budget is shorter than its own 
 for it; instead it sits rounds out: it trains one step while its record says it is standing by (no coordinator
 waits for it), keeps the step's work as a round not applied keeps it (error feedback or carry, its tokens owed),
 catches up, and contributes that work in the next round without training in it (``Node._round``). Not in its last
-round (``training.rounds``): no later round would take the step's work, so it sits that round out idle.
+two rounds (``training.rounds``): the step's work lands a round later at the earliest, while the others are still
+there, so it sits those rounds out idle.
 
 A pipeline group's stages step together: each asks its own budget within every step whether another fits, and the
 group stops where any says no (``InnerTrainer.run_round``), so it trains as many steps as its slowest stage's budget

@@ -392,9 +392,10 @@ class Node:
             else:  # it trains a step while nobody waits for it
                 presence.announce_standby(round_index)
                 swarm.flush()  # out before the step: a coordinator that still saw it in the round would wait
-                if self._past_last_round(round_index + 1):
-                    # The step's work could be contributed only past this peer's last round: it trains none, and
-                    # sits the round out idle
+                if self._past_last_round(round_index + 2):
+                    # The step's work lands a round later at the earliest, while the others are still in it: in its
+                    # last two rounds it trains none, and sits the round out idle (a step of the one before the last
+                    # was contributed after the others had finished, alone, and its state parted from theirs)
                     self.stopping.wait(budget.others_round_seconds())
                     return self._record(swarm, role, round_index, membership, started, loss=float("nan"),
                                         applied=False, sat_out=True)

@@ -83,10 +83,10 @@ def test_a_peer_whose_step_outlasts_the_round_sits_rounds_out_and_its_work_is_ap
             assert node.process.wait(240) == 0
         runs = {name: swarm.records(name) for name in "abs"}
     slow = runs["s"]
-    # Its last round it sits out idle (no later round would take a step's work); before, a step each time
+    # Its last two rounds it sits out idle (a step's work would land after the others finished); before, a step
     idle = [r["round"] for r in slow if r["sat_out"] and not r["inner_steps"]]
-    assert idle in ([], [rounds - 1]), idle
-    sat = [r for r in slow if r["sat_out"] and r["round"] < rounds - 1]
+    assert set(idle) <= {rounds - 2, rounds - 1}, idle
+    sat = [r for r in slow if r["sat_out"] and r["round"] < rounds - 2]
     assert sat and all(r["inner_steps"] == 1 and not r["applied"] and r["contributed_tokens"] == 0 for r in sat)
     for fast in (runs["a"], runs["b"]):
         assert [r["round"] for r in fast] == list(range(rounds)) and all(r["applied"] for r in fast)
