@@ -631,6 +631,23 @@ def test_a_peer_alone_while_the_others_sit_the_round_out_applies_it():
             s.leave()
 
 
+def coordinator_and_members(run_id: str, count: int, config: SwarmConfig, swarms: list) -> tuple[int, object, list]:
+    """``count`` real peers (added to ``swarms``) and a round that the first of them coordinates while the others
+    work on it: the coordinator's record stays behind, so it forms the group and is no member of it. Returns the
+    round, the coordinator and the members (in id order)."""
+    join_swarms(run_id, count, config, swarms)
+    for s in swarms:
+        s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
+    assert all(s.wait_for_peers(count, 30) == count for s in swarms)
+    ids = {s.peer_id for s in swarms}
+    round_index = next(r for r in range(2, 1000) if best_coordinator(ids, r) == swarms[0].peer_id)
+    coordinator, members = swarms[0], sorted(swarms[1:], key=lambda s: s.peer_id)
+    for s in members:
+        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+    assert all(s.flush() for s in swarms)
+    return round_index, coordinator, members
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("answered", [1, 2])
 def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_the_next_coordinator(answered):
@@ -645,17 +662,8 @@ def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_t
                          ban_rounds=0)
     swarms = []
     try:
-        join_swarms("dead-coordinator", 4, config, swarms)
-        for s in swarms:
-            s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
-        assert all(s.wait_for_peers(4, 30) == 4 for s in swarms)
+        round_index, coordinator, members = coordinator_and_members("dead-coordinator", 4, config, swarms)
         ids = {s.peer_id for s in swarms}
-        round_index = next(r for r in range(2, 1000) if best_coordinator(ids, r) == swarms[0].peer_id)
-        coordinator, members = swarms[0], sorted(swarms[1:], key=lambda s: s.peer_id)
-        # The members work on the round; the coordinator's record stays behind: it forms the group, no more.
-        for s in members:
-            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
-        assert all(s.flush() for s in swarms)
         holders = {s.peer_id for s in members[:answered]}
         matchmaker = coordinator.communicator.matchmaker
         join_here, released = matchmaker._join_here, asyncio.Event()
@@ -698,16 +706,7 @@ def test_a_coordinator_that_leaves_decides_the_round_of_the_group_it_formed_firs
                          ban_rounds=0)
     swarms = []
     try:
-        join_swarms("leaving-coordinator", 3, config, swarms)
-        for s in swarms:
-            s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
-        assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)
-        ids = {s.peer_id for s in swarms}
-        round_index = next(r for r in range(2, 1000) if best_coordinator(ids, r) == swarms[0].peer_id)
-        coordinator, members = swarms[0], sorted(swarms[1:], key=lambda s: s.peer_id)
-        for s in members:
-            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
-        assert all(s.flush() for s in swarms)
+        round_index, coordinator, members = coordinator_and_members("leaving-coordinator", 3, config, swarms)
         released = threading.Event()  # the members reduce only once their coordinator is leaving
         for s in members:
             run = s.communicator.butterfly.run
