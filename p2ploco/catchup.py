@@ -52,27 +52,37 @@ class CatchUp:
         seeds = schedule.worker.seed_sha256
         targets = swarm.swarm_state(round_index, slices, seeds,
                                     fresh=standing.unsettled is not None or standing.doubtful or first)
+        if standing.doubtful and targets and min(t.round for t in targets.values()) < round_index:
+            # A doubtful state ranks below one that a peer applied: a peer still in a round this one did not apply
+            # (a replica that trained on alone while its pipeline groups failed) may come out of it with a newer
+            # state. Wait for it rather than clear the doubt: two failed stages once did, outvoted the replica's
+            # state, and it lost two rounds.
+            targets = self._look_until(lambda looked: all(t.round >= round_index for t in looked.values()),
+                                       round_index, slices, seeds, deadline)
+            if targets is None:
+                return standing
         if not behind(targets, round_index, slices):
             return replace(standing, doubtful=False)
         if standing.unsettled is None and not standing.doubtful:  # joining or restarted: let the round under way
             # end, then start the next with all
-            targets = self._after_round_under_way(targets, round_index, slices, seeds, deadline)
+            under_way = max(t.round for t in targets.values())
+            targets = self._look_until(lambda looked: not looked or max(t.round for t in looked.values()) > under_way,
+                                       round_index, slices, seeds, deadline)
             if targets is None:
                 return standing
             if not behind(targets, round_index, slices):
                 return replace(standing, doubtful=False)
         return self._fetch(schedule, standing, targets)
 
-    def _after_round_under_way(self, targets: dict[str, SwarmState], round_index: int, slices: dict[str, str],
-                               seeds: dict[str, str], deadline: float) -> dict[str, SwarmState] | None:
-        """The swarm's state once the others have ended the round under way (the latest of ``targets``) or
-        ``deadline`` passed, from a fresh look; None if this node stops meanwhile."""
-        under_way = max(t.round for t in targets.values())
+    def _look_until(self, done: Callable[[dict[str, SwarmState]], bool], round_index: int, slices: dict[str, str],
+                    seeds: dict[str, str], deadline: float) -> dict[str, SwarmState] | None:
+        """The swarm's state from fresh looks, once ``done`` holds of it or ``deadline`` passed; None if this node
+        stops meanwhile."""
         latest: list[dict[str, SwarmState]] = []  # the last look passed() took: acted on at once, rounds may be short
 
         def passed() -> bool:
             latest[:] = [self.swarm.swarm_state(round_index, slices, seeds)]
-            return not latest[0] or max(t.round for t in latest[0].values()) > under_way
+            return done(latest[0])
 
         return latest[0] if self._wait(passed, deadline) else None
 

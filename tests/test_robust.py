@@ -130,7 +130,7 @@ def test_a_minority_of_sign_flipped_contributions_is_left_out(flipped):
     names = [f"p{i}" for i in range(8)]
     exchange = DenseMean([inputs[0]], policy=DEFENDED)  # p0's
     reduction = reduce_span(exchange, range(4000), [(n, tensor_to_bytes(t)) for n, t in zip(names, inputs)])
-    assert reduction.opposed == names[8 - flipped :]
+    assert reduction.opposed == reduction.struck == names[8 - flipped :]
     assert reduction.included == names[: 8 - flipped]
     honest_mean = torch.stack(inputs[: 8 - flipped]).sum(0) / (8 - flipped)
     exchange.receive(range(4000), reduction.result_for(exchange, "p0"), reduction.receipt_for("p0"))
@@ -142,13 +142,35 @@ def test_a_minority_of_sign_flipped_contributions_is_left_out(flipped):
 
 def test_a_majority_is_never_left_out():
     def left_out(inputs: list[torch.Tensor]) -> list[int]:
-        return robust.opposed([robust.Vector(t.numpy()) for t in inputs], [robust.norm(t.numpy()) for t in inputs])
+        return robust.direction([robust.Vector(t.numpy()) for t in inputs],
+                                [robust.norm(t.numpy()) for t in inputs]).opposed
 
     # four of seven point one way, three the other: the three are left out, never the four
     assert left_out(honest_and_flipped(7, 3)) == [4, 5, 6]
     # four flipped of seven are the majority: they decide, and the three others are left out (at most (n - 1) // 2)
     assert left_out(honest_and_flipped(7, 4)) == [0, 1, 2]
     assert left_out(honest_and_flipped(2, 1)) == []  # two cannot tell which one is wrong
+
+
+def test_an_honest_contribution_of_another_kind_left_out_barely_negative_earns_no_strike_and_its_flip_does():
+    """A full replica beside two pipeline groups agrees with them less than they with each other (their updates
+    share a subspace), and is left out now and then with an agreement near zero (the soak: an honest replica was
+    struck in 3 of 10 rounds and banned, and lost 22 rounds). Left out, not struck; sign-flipped, struck."""
+    generator = torch.Generator().manual_seed(11)
+    common = torch.randn(4000, generator=generator)
+    groups = [common + torch.randn(4000, generator=generator) for _ in range(2)]  # pairwise cosine ~0.5
+    units = [g / g.norm() for g in groups]
+    noise = torch.randn(4000, generator=generator)
+    for unit in units:  # orthogonal to both groups (Gram-Schmidt over their span), then a hair against them
+        noise -= (noise @ unit) * unit
+    basis = units[1] - (units[1] @ units[0]) * units[0]
+    noise -= (noise @ basis) / (basis @ basis) * basis
+    replica = noise - 0.01 * noise.norm() * (units[0] + units[1])
+    for contribution, struck in ((replica, []), (-groups[0], [2])):
+        inputs = [*groups, contribution]
+        vectors, norms = [robust.Vector(t.numpy()) for t in inputs], [robust.norm(t.numpy()) for t in inputs]
+        assert robust.agreements(vectors, norms)[2] < 0
+        assert robust.direction(vectors, norms) == robust.Direction(opposed=[2], struck=struck)
 
 
 @pytest.mark.parametrize("colluders", [2, 3])
@@ -162,7 +184,8 @@ def test_hostile_keys_sending_one_vector_between_them_are_left_out_and_no_honest
     for hostile in (-1.9 * honest[0], -common):  # copies of one flipped update; copies of the consensus, flipped
         inputs = honest + [hostile.clone() for _ in range(colluders)]
         norms = [robust.norm(t.numpy()) for t in inputs]
-        assert robust.opposed([robust.Vector(t.numpy()) for t in inputs], norms) == list(range(8 - colluders, 8))
+        assert robust.direction([robust.Vector(t.numpy()) for t in inputs], norms).opposed == list(
+            range(8 - colluders, 8))
 
 
 def test_agreement_is_the_same_for_a_sparse_vector_as_for_its_dense_copy():

@@ -175,6 +175,7 @@ class SpanReduction:
     rejected: dict[str, str] = field(default_factory=dict)  # sender -> why it was dropped as malformed
     clipped: list[str] = field(default_factory=list)  # senders whose contribution was scaled down
     opposed: list[str] = field(default_factory=list)  # senders left out: their contribution pointed against the rest
+    struck: list[str] = field(default_factory=list)  # of the opposed, those that earn a strike (robust.direction)
 
     def own_position(self, recipient: str) -> int | None:
         return self.included.index(recipient) if recipient in self.included else None
@@ -205,13 +206,14 @@ def reduce_span(exchange: Exchange, span: Span, contributions: Sequence[tuple[st
     if not parsed:
         raise PayloadError(f"no valid contribution for span {span.start}:{span.stop}: {rejected}")
     norms = [p.norm for p in parsed]
-    against = set(robust.opposed([p.vector for p in parsed], norms)) if exchange.policy.drop_opposed else set()
-    kept = [i for i in range(len(parsed)) if i not in against]
+    direction = (robust.direction([p.vector for p in parsed], norms) if exchange.policy.drop_opposed
+                 else robust.Direction([], []))
+    kept = [i for i in range(len(parsed)) if i not in direction.opposed]
     weights = [tokens[senders[i]] if tokens else 1 for i in kept]
     factors, clipped = robust.weights([norms[i] for i in kept], weights, exchange.policy.clip_factor)
     return SpanReduction(exchange.combine(span, [parsed[i] for i in kept], factors), [senders[i] for i in kept],
                          [norms[i] for i in kept], weights, rejected, [senders[kept[i]] for i in clipped],
-                         [senders[i] for i in sorted(against)])
+                         [senders[i] for i in direction.opposed], [senders[i] for i in direction.struck])
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ error) apart.
 A reducer drops a sender from its span, at once and with the reason logged, when:
 
 - its message is malformed (a header that is not a p2ploco map, a field of the wrong type, a span
-  that is not ours, an oversized or undecodable payload, an absurd norm), or it is banned here for
-  having sent such a message. The sender is *rejected*: it is out of the round (it votes "dropped")
+  that is not ours, an oversized or undecodable payload, an absurd norm), or it is banned here (for
+  such a message, or for what ``swarm/bans.py`` lists). The sender is *rejected*: it is out of the round (it votes "dropped")
   and banned here for ``swarm.ban_rounds`` rounds (``swarm/bans.py``), even if the message came before
   this peer knew the group, or named no group at all;
 - its stream breaks or ends mid-message, this peer cannot reach it to deliver our own contribution,
@@ -41,8 +41,8 @@ named for its own is the true one, that the result is no longer than those contr
 point against its own contribution (``Exchange.check``), and votes on a digest that covers the named norms, so
 the members that commit held the same ones. A result that fails is refused like a malformed one: the reducer is
 rejected from this member's spans, banned here, and accused in its vote (two accusers and the reducer's vote no
-longer counts: the round is redone without it). A sender that a reducer leaves out as pointing against the others
-is struck; ``STRIKES`` such rounds within ``STRIKE_ROUNDS`` earn it a ban here (``swarm/bans.py``).
+longer counts: the round is redone without it). A sender that a reducer leaves out as pointing clearly against the others
+(``robust.direction``) is struck; ``STRIKES`` such rounds within ``STRIKE_ROUNDS`` earn it a ban here (``swarm/bans.py``).
 
 A contribution to a piece, a wire message (``swarm/wire.py``) on a stream of its own, whose payload is
 the slice's encoding of the piece::
@@ -212,7 +212,7 @@ class _ReducerSession:
     # senders not in, through no fault of theirs -> (what this reducer saw go wrong, or None where our own send to
     # them failed: that failure is counted once, by the send), why
     missed: dict[str, tuple[Failure | None, str]] = field(default_factory=dict)
-    rejected: dict[str, str] = field(default_factory=dict)  # dropped for malformed data (or banned here for it)
+    rejected: dict[str, str] = field(default_factory=dict)  # dropped for malformed data (or banned here)
     connected: set[str] = field(default_factory=set)  # senders that opened a stream to us
     settled: set[str] = field(default_factory=set)  # senders whose stream with us has ended
     bytes_in: int = 0
@@ -238,7 +238,7 @@ class _ReducerSession:
             self._check()
 
     def reject(self, sender: str, reason: str) -> None:
-        """Drop ``sender`` for sending malformed data (or for being banned here for it): it is out of the round."""
+        """Drop ``sender`` for sending malformed data (or for being banned here): it is out of the round."""
         if self._pending(sender):
             self.rejected[sender] = reason
             logger.warning(f"round {self.group.round_index}: dropped {sender[-8:]} from span "
@@ -354,7 +354,7 @@ class ButterflyAllReduce:
                 for piece in pieces(part, spans[index])]
             for session in ours:
                 for peer in session.senders & self.bans.active(group.round_index):
-                    session.reject(peer, "banned here for sending malformed data")
+                    session.reject(peer, f"banned here: {self.bans.reason(peer)}")
                 pending = self._sessions.setdefault((group.group_id, slice_name, session.span.start),
                                                     loop.create_future())
                 if not pending.done():
@@ -419,8 +419,10 @@ class ButterflyAllReduce:
             self.clip_streaks.clipped(sender, round_index)
         for sender in reduction.opposed:
             reason = f"its contribution to span {where} pointed against the others'"
-            logger.warning(f"round {round_index}: left out the contribution of {sender[-8:]}: {reason}")
-            if sender != self.me:
+            struck = sender != self.me and sender in reduction.struck
+            logger.warning(f"round {round_index}: left out the contribution of {sender[-8:]}: {reason}"
+                           + (" (clearly: a strike)" if struck else ""))
+            if struck:
                 self.bans.strike(sender, round_index, reason)
         await faults.hit_async("allreduce.reduce", session.group.round_index)
         session.result.set_result(reduction)

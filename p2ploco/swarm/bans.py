@@ -26,6 +26,7 @@ class Bans:
     def __init__(self, rounds: int):
         self.rounds = rounds
         self._until: dict[str, int] = {}  # peer -> the first round it may take part in again
+        self._reasons: dict[str, str] = {}  # peer -> why it is banned
         self._strikes: dict[str, list[int]] = {}  # peer -> the recent rounds in which it was struck
 
     def ban(self, peer: str, round_index: int, reason: str) -> None:
@@ -34,7 +35,7 @@ class Bans:
             if not self.banned(peer, round_index):
                 logger.warning(f"round {round_index}: leaving {peer[-8:]} out of this node's rounds until round "
                                f"{until}: {reason}")
-            self._until[peer] = until
+            self._until[peer], self._reasons[peer] = until, reason
 
     def strike(self, peer: str, round_index: int, reason: str) -> None:
         """``peer`` was caught in ``round_index`` at what an honest peer does rarely (``reason``); a ban at the
@@ -48,8 +49,13 @@ class Bans:
     def banned(self, peer: str, round_index: int) -> bool:
         return self._until.get(peer, -1) > round_index
 
+    def reason(self, peer: str) -> str:
+        """Why ``peer`` is banned here (the latest ban's reason)."""
+        return self._reasons[peer]
+
     def active(self, round_index: int) -> set[str]:
         """The peers banned in ``round_index`` (expired bans, and strikes too old to count, are forgotten)."""
         self._until = {p: until for p, until in self._until.items() if until > round_index}
+        self._reasons = {p: reason for p, reason in self._reasons.items() if p in self._until}
         self._strikes = {p: rounds for p, rounds in self._strikes.items() if rounds[-1] > round_index - STRIKE_ROUNDS}
         return set(self._until)
