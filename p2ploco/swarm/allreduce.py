@@ -15,8 +15,8 @@ A reducer drops a sender from its span, at once and with the reason logged, when
 
 - its message is malformed (a header that is not a p2ploco map, a field of the wrong type, a span
   that is not ours, an oversized or undecodable payload, an absurd norm), or it is banned here (for
-  such a message, or for what ``swarm/bans.py`` lists). The sender is *rejected*: it is out of the round (it votes "dropped")
-  and banned here for ``swarm.ban_rounds`` rounds (``swarm/bans.py``), even if the message came before
+  such a message, or for what ``swarm/bans.py`` lists). The sender is *rejected*: it is out of the round (it votes
+  "dropped") and banned here for ``swarm.ban_rounds`` rounds (``swarm/bans.py``), even if the message came before
   this peer knew the group, or named no group at all;
 - its stream breaks or ends mid-message, this peer cannot reach it to deliver our own contribution,
   or it sends nothing within the round's transfer deadline (``swarm/deadlines.py``:
@@ -41,8 +41,9 @@ named for its own is the true one, that the result is no longer than those contr
 point against its own contribution (``Exchange.check``), and votes on a digest that covers the named norms, so
 the members that commit held the same ones. A result that fails is refused like a malformed one: the reducer is
 rejected from this member's spans, banned here, and accused in its vote (two accusers and the reducer's vote no
-longer counts: the round is redone without it). A sender that a reducer leaves out as pointing clearly against the others
-(``robust.direction``) is struck; ``STRIKES`` such rounds within ``STRIKE_ROUNDS`` earn it a ban here (``swarm/bans.py``).
+longer counts: the round is redone without it). A sender that a reducer leaves out as pointing clearly against the
+others (``robust.direction``) is struck; ``STRIKES`` such rounds within ``STRIKE_ROUNDS`` earn it a ban here
+(``swarm/bans.py``).
 
 A contribution to a piece, a wire message (``swarm/wire.py``) on a stream of its own, whose payload is
 the slice's encoding of the piece::
