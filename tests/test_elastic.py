@@ -160,7 +160,10 @@ def test_survivors_agree_whenever_a_peer_is_killed(tmp_path):
     victims = {f"v{r + 1}": f"{point}@{r + 1}=kill" for r, point in enumerate(KILL_POINTS)}
     last = len(KILL_POINTS) + 2
     with LocalSwarm(tmp_path) as swarm:
+        # Every victim trains its round: one whose step outlasted the others' H steps on a busy machine sat the
+        # round out (budget.py), never reached its fault point, and finished the run instead.
         nodes = {name: swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(last),
+                                        "--set", "inner.fixed_steps=true",
                                         "--set", f"swarm.allreduce_timeout={KILL_TIMEOUT}",
                                         "--set", f"swarm.min_peers={2 + len(victims)}",
                                         env={"P2PLOCO_FAULTS": victims[name]} if name in victims else None)
