@@ -1,0 +1,75 @@
+"""Catching up (``p2ploco/catchup.py``) among real peers: when a node whose state is doubtful follows whom."""
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from helpers import join_swarms
+
+from p2ploco.build import build_replica
+from p2ploco.catchup import CatchUp
+from p2ploco.config import SwarmConfig, load_config
+from p2ploco.data import ShardSampler
+from p2ploco.launch import TINY_CONFIG
+from p2ploco.metrics import state_sha256
+from p2ploco.presence import Presence
+from p2ploco.schedules import build_schedule
+from p2ploco.standing import Membership, Standing
+from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.state import Snapshot
+from p2ploco.testing.swarm import CPU
+from p2ploco.worker import Worker
+
+SWARM = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
+
+
+@dataclass
+class HeldWorker:  # what Presence reads of a role: the worker whose state it announces
+    worker: Worker
+
+
+def moved(snapshot: Snapshot, round_index: int, step: float) -> Snapshot:
+    """``snapshot``'s slice with every parameter moved by ``step``, as the state of ``round_index``."""
+    params = {name: tensor + step for name, tensor in snapshot.params.items()}
+    return Snapshot(round_index, snapshot.slice, params, snapshot.shared, state_sha256(params, snapshot.shared))
+
+
+@pytest.mark.timeout(120)
+def test_a_doubtful_peer_waits_for_a_holder_still_in_a_round_it_did_not_apply_and_follows_its_newer_state():
+    """Two stages whose pipeline groups failed round 5 move to round 6 with their old state, doubtful; the full replica
+    that holds their slice trained round 5 alone and is still in it. The stages used to see nothing newer than their
+    own state at round 6, clear their doubt, outvote the replica's state once it came, and cost it two rounds. Now
+    a doubtful peer waits for the replica to come out of round 5 and fetches its state."""
+    config = load_config(TINY_CONFIG, ["swarm.matchmaking_timeout=5", "swarm.allreduce_timeout=2"])
+    tokens = np.arange(20_000, dtype=np.uint16) % config.model.vocab_size
+    worker = build_replica(config, CPU, ShardSampler(tokens, config.data.seq_len, 1, config.run_id, "me"))
+    schedule = build_schedule(config, worker)
+    (old,) = worker.snapshots(6)
+    replica_round_5, replica_round_6 = moved(old, 5, 0.01), moved(old, 6, 0.02)
+    swarms = []
+    try:
+        replica, stage, me = join_swarms("catchup-test", 3, SWARM, swarms)
+        replica.serve_state([replica_round_5])
+        replica.announce_progress(5, PeerState.TRAINING, replica_round_5.state_sha256,
+                                  {old.slice: replica_round_5.state_sha256})
+        stage.announce_progress(6, PeerState.TRAINING, old.state_sha256, {old.slice: old.state_sha256},
+                                unsettled=True)
+        assert replica.flush() and stage.flush()
+
+        def replica_ends_round_5() -> None:
+            replica.serve_state([replica_round_6])
+            replica.announce_progress(6, PeerState.TRAINING, replica_round_6.state_sha256,
+                                      {old.slice: replica_round_6.state_sha256})
+
+        later = threading.Timer(2.0, replica_ends_round_5)
+        later.start()
+        standing = Standing(6, Membership(6, "peer"), unsettled=5, doubtful=True)
+        caught_up = CatchUp(config, me, Presence(me, HeldWorker(worker)), threading.Event(), print)(
+            schedule, standing, first=False)
+        later.join()
+        assert worker.slice_sha256 == {old.slice: replica_round_6.state_sha256}
+        assert (caught_up.round, caught_up.membership.source, caught_up.doubtful) == (6, "peer", False)
+    finally:
+        for swarm in swarms:
+            swarm.leave()
