@@ -9,7 +9,7 @@ from helpers import join_swarms
 
 from p2ploco.build import build_replica
 from p2ploco.catchup import CatchUp
-from p2ploco.config import SwarmConfig, load_config
+from p2ploco.config import Config, SwarmConfig, load_config
 from p2ploco.data import ShardSampler
 from p2ploco.launch import TINY_CONFIG
 from p2ploco.metrics import state_sha256
@@ -35,15 +35,19 @@ def moved(snapshot: Snapshot, round_index: int, step: float) -> Snapshot:
     return Snapshot(round_index, snapshot.slice, params, snapshot.shared, state_sha256(params, snapshot.shared))
 
 
+def tiny_worker() -> tuple[Config, Worker]:
+    config = load_config(TINY_CONFIG, ["swarm.matchmaking_timeout=5", "swarm.allreduce_timeout=2"])
+    tokens = np.arange(20_000, dtype=np.uint16) % config.model.vocab_size
+    return config, build_replica(config, CPU, ShardSampler(tokens, config.data.seq_len, 1, config.run_id, "me"))
+
+
 @pytest.mark.timeout(120)
 def test_a_doubtful_peer_waits_for_a_holder_still_in_a_round_it_did_not_apply_and_follows_its_newer_state():
     """Two stages whose pipeline groups failed round 5 move to round 6 with their old state, doubtful; the full replica
     that holds their slice trained round 5 alone and is still in it. The stages used to see nothing newer than their
     own state at round 6, clear their doubt, outvote the replica's state once it came, and cost it two rounds. Now
     a doubtful peer waits for the replica to come out of round 5 and fetches its state."""
-    config = load_config(TINY_CONFIG, ["swarm.matchmaking_timeout=5", "swarm.allreduce_timeout=2"])
-    tokens = np.arange(20_000, dtype=np.uint16) % config.model.vocab_size
-    worker = build_replica(config, CPU, ShardSampler(tokens, config.data.seq_len, 1, config.run_id, "me"))
+    config, worker = tiny_worker()
     schedule = build_schedule(config, worker)
     (old,) = worker.snapshots(6)
     replica_round_5, replica_round_6 = moved(old, 5, 0.01), moved(old, 6, 0.02)
@@ -70,6 +74,26 @@ def test_a_doubtful_peer_waits_for_a_holder_still_in_a_round_it_did_not_apply_an
         later.join()
         assert worker.slice_sha256 == {old.slice: replica_round_6.state_sha256}
         assert (caught_up.round, caught_up.membership.source, caught_up.doubtful) == (6, "peer", False)
+    finally:
+        for swarm in swarms:
+            swarm.leave()
+
+
+@pytest.mark.timeout(120)
+def test_a_newcomer_moved_to_its_pipeline_mates_round_does_not_say_it_trains_that_round_on_the_seeds_state():
+    """A newcomer stage moved to the round its mates are in (its state doubtful) compared its state there by
+    announcing that it trained that round, with the seed's state: its mates started the round with it and waited
+    30 s for its activations while it stood by for a trained state. The seed's state has no say; it stays on standby."""
+    config, worker = tiny_worker()
+    swarms = []
+    try:
+        (me,) = join_swarms("catchup-newcomer", 1, SWARM, swarms)
+        presence = Presence(me, HeldWorker(worker))
+        presence.announce_standby(6)
+        standing = Standing(6, Membership(6, "init"), unsettled=5, doubtful=True)
+        CatchUp(config, me, presence, threading.Event(), print)(build_schedule(config, worker), standing, first=True)
+        assert me.flush()
+        assert (me.directory.me.round, me.directory.me.state) == (6, PeerState.STANDBY)
     finally:
         for swarm in swarms:
             swarm.leave()
