@@ -22,9 +22,10 @@ a line per round; the table comes at the end, and ``--json`` prints its rows as 
     python benchmarks/soak.py --rounds 200 --cpu-hogs 2 --replicas 1 --groups 2 --replace-stages 2
 
 ``--replace-stages K`` kills stage 1 of every group K times, evenly spaced over the rounds (SIGKILL, as a crash), and
-starts a newcomer for the slot at once; a table then gives, per replacement, the replica's round when the newcomer
-started, the newcomer's first round and the first round its group applied whole again (the newcomer's first applied
-round: a stage applies a round only with its whole group).
+starts a newcomer for the slot at once; a table then gives, per replacement, the replica's round under way when the
+newcomer started (the first it recorded after; the kill ends that round for the group), the newcomer's first round
+and the first round its group applied whole again (the newcomer's first applied round: a stage applies a round only
+with its whole group).
 """
 
 from __future__ import annotations
@@ -131,18 +132,19 @@ class Replacement:
     group: str
     killed: str  # the node killed (SIGKILL, as a crash)
     newcomer: str
-    started_at: int  # the full replica's last recorded round when the newcomer was started
+    started: float  # when the newcomer was started (time.time(), as the records' timestamps)
+    started_in: int | None = None  # the full replica's round under way then: the first it recorded after
     joined: int | None = None  # the newcomer's first recorded round (after its catch-up)
     whole: int | None = None  # the first round its group applied whole again, with the newcomer
 
     def row(self) -> tuple[object, ...]:
-        after = "never" if self.whole is None else f"{self.whole - self.started_at}"
-        return (self.group, self.killed, self.newcomer, self.started_at, "-" if self.joined is None else self.joined,
-                "never" if self.whole is None else self.whole, after)
+        after = "never" if self.whole is None or self.started_in is None else f"{self.whole - self.started_in}"
+        return (self.group, self.killed, self.newcomer, "-" if self.started_in is None else self.started_in,
+                "-" if self.joined is None else self.joined, "never" if self.whole is None else self.whole, after)
 
 
-REPLACEMENT_HEADER = ("group", "killed", "newcomer", "started at round", "its first round", "group whole again at",
-                      "rounds after its start")
+REPLACEMENT_HEADER = ("group", "killed", "newcomer", "started in round", "its first round", "group whole again at",
+                      "rounds after the one it started in")
 
 
 def run_with_replacements(replicas: int, groups: int, rounds: int, times: int, workdir: Path, settings: list[str]
@@ -188,13 +190,15 @@ def run_with_replacements(replicas: int, groups: int, rounds: int, times: int, w
                     newcomer = f"{group}s1-{len(replacements) // groups + 1}"
                     swarm.start_node(newcomer, PIPELINE_CONFIG, "--role", "stage", "--group", group, "--stage", "1",
                                      *common)
-                    replacements.append(Replacement(group, victim, newcomer, replica_round))
+                    replacements.append(Replacement(group, victim, newcomer, time.time()))
                     current[group] = newcomer
                     print(f"round {replica_round}: killed {victim}, started {newcomer} in its place", flush=True)
             time.sleep(POLL_SECONDS)
         codes = {name: child.process.returncode for name, child in swarm.nodes.items()}
         records = {name: swarm.records(name) for name in swarm.nodes}
     for replacement in replacements:
+        replacement.started_in = next((r["round"] for r in records["node0"] if r["timestamp"] > replacement.started),
+                                      None)
         mine = records[replacement.newcomer]
         replacement.joined = mine[0]["round"] if mine else None
         whole = [r["round"] for r in mine if r["applied"]]  # a stage applies a round only with its whole group
