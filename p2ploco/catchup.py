@@ -43,16 +43,13 @@ class CatchUp:
         swarm, slices, round_index = self.swarm, schedule.worker.slice_sha256, standing.round
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
-        seeds = schedule.worker.seed_sha256
         if standing.unsettled is not None:
-            if not (first and slices == seeds):  # our state, to compare. A newcomer's seed has no say
-                # (``ranked_states``), and a newcomer stage that said it trained the round its mates had moved it to
-                # got them to start that round and wait for its activations (30 s) while it stood by for a state
-                self.presence.announce_own_state(round_index, standing.doubtful)
+            self.presence.announce_own_state(round_index, standing.doubtful)  # our state, to compare
             if not self._wait(lambda: swarm.settled(standing.unsettled), deadline):
                 return standing
         # Between two rounds that went well the heartbeat's view will do (a peer behind is also told so at its next
         # join, and catches up then); a peer that starts, or after a round that went otherwise, looks afresh.
+        seeds = schedule.worker.seed_sha256
         targets = swarm.swarm_state(round_index, slices, seeds,
                                     fresh=standing.unsettled is not None or standing.doubtful or first)
         if standing.doubtful and targets and min(t.round for t in targets.values()) < round_index:
