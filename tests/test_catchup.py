@@ -78,22 +78,3 @@ def test_a_doubtful_peer_waits_for_a_holder_still_in_a_round_it_did_not_apply_an
         for swarm in swarms:
             swarm.leave()
 
-
-@pytest.mark.timeout(120)
-def test_a_newcomer_moved_to_its_pipeline_mates_round_does_not_say_it_trains_that_round_on_the_seeds_state():
-    """A newcomer stage moved to the round its mates are in (its state doubtful) compared its state there by
-    announcing that it trained that round, with the seed's state: its mates started the round with it and waited
-    30 s for its activations while it stood by for a trained state. The seed's state has no say; it stays on standby."""
-    config, worker = tiny_worker()
-    swarms = []
-    try:
-        (me,) = join_swarms("catchup-newcomer", 1, SWARM, swarms)
-        presence = Presence(me, HeldWorker(worker))
-        presence.announce_standby(6)
-        standing = Standing(6, Membership(6, "init"), unsettled=5, doubtful=True)
-        CatchUp(config, me, presence, threading.Event(), print)(build_schedule(config, worker), standing, first=True)
-        assert me.flush()
-        assert (me.directory.me.round, me.directory.me.state) == (6, PeerState.STANDBY)
-    finally:
-        for swarm in swarms:
-            swarm.leave()
