@@ -44,7 +44,10 @@ class CatchUp:
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
         if standing.unsettled is not None:
-            self.presence.announce_own_state(round_index, standing.doubtful)  # our state, to compare
+            # Our state, to compare, served as the record claims it: a replica alone in the swarm waited here ~14 s a
+            # round while its record named a round it did not serve yet, and newcomers that probed it never followed it
+            self.presence.serve(round_index)
+            self.presence.announce_own_state(round_index, standing.doubtful)
             if not self._wait(lambda: swarm.settled(standing.unsettled), deadline):
                 return standing
         # Between two rounds that went well the heartbeat's view will do (a peer behind is also told so at its next

@@ -1,6 +1,7 @@
 """Catching up (``p2ploco/catchup.py``) among real peers: when a node whose state is doubtful follows whom."""
 
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,3 +79,34 @@ def test_a_doubtful_peer_waits_for_a_holder_still_in_a_round_it_did_not_apply_an
         for swarm in swarms:
             swarm.leave()
 
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_waiting_for_its_unsettled_round_to_settle_serves_the_state_its_record_claims():
+    """A replica that trained a round alone announces the state it holds for the next round and waits for the others
+    to finish theirs (here: a peer stuck a round behind). It used to serve that state only once its round began: a
+    newcomer that probed it meanwhile found a record claiming a round it did not serve, and never followed it."""
+    config, worker = tiny_worker()
+    swarms = []
+    try:
+        me, behind, newcomer = join_swarms("catchup-serve", 3, SWARM, swarms)
+        (held,) = worker.snapshots(6)
+        behind.announce_progress(5, PeerState.TRAINING, "b" * 64, {held.slice: "b" * 64})
+        assert behind.flush()
+        standing = Standing(6, Membership(6, "peer"), unsettled=5)
+        waiting = threading.Thread(target=CatchUp(config, me, Presence(me, HeldWorker(worker)), threading.Event(),
+                                                  print), args=(build_schedule(config, worker), standing, False))
+        waiting.start()
+        try:
+            followed = {}
+            deadline = time.monotonic() + 8  # the catch-up waits 11 s for the peer behind
+            while time.monotonic() < deadline:  # until the newcomer sees the record (its own state, at round 0, before)
+                followed = newcomer.swarm_state(0, {held.slice: "fresh"})
+                if followed[held.slice].round > 0:
+                    break
+        finally:
+            waiting.join()
+        assert [(t.round, t.state_sha256) for t in followed.values()] == [(6, held.state_sha256)]
+    finally:
+        for swarm in swarms:
+            swarm.leave()
