@@ -25,17 +25,16 @@ STRIKE_ROUNDS = 10  # ... within this many rounds
 class Bans:
     def __init__(self, rounds: int):
         self.rounds = rounds
-        self._until: dict[str, int] = {}  # peer -> the first round it may take part in again
-        self._reasons: dict[str, str] = {}  # peer -> why it is banned
+        self._bans: dict[str, tuple[int, str]] = {}  # peer -> (the first round it may take part in again, why)
         self._strikes: dict[str, list[int]] = {}  # peer -> the recent rounds in which it was struck
 
     def ban(self, peer: str, round_index: int, reason: str) -> None:
         until = round_index + 1 + self.rounds
-        if self._until.get(peer, -1) < until:
+        if self._bans.get(peer, (-1, ""))[0] < until:
             if not self.banned(peer, round_index):
                 logger.warning(f"round {round_index}: leaving {peer[-8:]} out of this node's rounds until round "
                                f"{until}: {reason}")
-            self._until[peer], self._reasons[peer] = until, reason
+            self._bans[peer] = until, reason
 
     def strike(self, peer: str, round_index: int, reason: str) -> None:
         """``peer`` was caught in ``round_index`` at what an honest peer does rarely (``reason``); a ban at the
@@ -47,15 +46,14 @@ class Bans:
             del self._strikes[peer]
 
     def banned(self, peer: str, round_index: int) -> bool:
-        return self._until.get(peer, -1) > round_index
+        return self._bans.get(peer, (-1, ""))[0] > round_index
 
     def reason(self, peer: str) -> str:
         """Why ``peer`` is banned here (the latest ban's reason)."""
-        return self._reasons[peer]
+        return self._bans[peer][1]
 
     def active(self, round_index: int) -> set[str]:
         """The peers banned in ``round_index`` (expired bans, and strikes too old to count, are forgotten)."""
-        self._until = {p: until for p, until in self._until.items() if until > round_index}
-        self._reasons = {p: reason for p, reason in self._reasons.items() if p in self._until}
+        self._bans = {p: ban for p, ban in self._bans.items() if ban[0] > round_index}
         self._strikes = {p: rounds for p, rounds in self._strikes.items() if rounds[-1] > round_index - STRIKE_ROUNDS}
-        return set(self._until)
+        return set(self._bans)
