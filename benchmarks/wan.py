@@ -738,9 +738,9 @@ def main() -> int:
                                     "in aggregates", "share", "work applied", "in rounds", "median round s",
                                     "trained work applied"), host_table))
                 if baseline_rounds:
-                    print(f"h0's median round {statistics.median(h0_rounds):.2f} s against "
-                          f"{statistics.median(baseline_rounds):.2f} s of 2 hosts none slowed, held or NATed (rounds "
-                          f"1..R-2 of {attempt + 1} run(s) each, alternating): {row['h0_vs_baseline']:.2f}x")
+                    print(f"h0's median round {h0:.2f} s against {baseline:.2f} s of 2 hosts none slowed, held or "
+                          f"NATed (rounds 1..R-2 of {attempt + 1} run(s) each, alternating): "
+                          f"{row['h0_vs_baseline']:.2f}x")
                 print()
     if args.json:
         print(json.dumps(rows))
