@@ -425,27 +425,6 @@ def test_a_formation_waits_for_a_peer_still_finishing_the_previous_round(trio):
     assert [len(s.peers) for s in stats] == [3, 3, 3] and all(s.committed for s in stats)
 
 
-def test_a_formation_never_waits_for_a_peer_that_sits_rounds_out(trio):
-    """A peer whose record says it sits rounds out (its one step outlasts a round) and shows the round (it brings a
-    step's work, or catches up to it) is not waited for: the group of the others closes as soon as they have joined,
-    leaving nobody out. Waiting for its catch-up held the fast peers of `wan.py --slow 1 1 10` a third of their
-    round whenever it came back."""
-    next(rounds)
-    round_index = next(rounds)
-    early, sitting = trio[:2], trio[2]
-    sitting.update_record(sits_out=True)
-    for s in trio:
-        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
-    try:
-        assert all(s.flush() for s in trio)
-        stats = all_reduce_at(early, [DenseMean(random_tensors(70 + i)) for i in range(2)], round_index)
-        assert all(len(s.peers) == 2 and s.committed and Failure.SMALLER_GROUP not in s.failures for s in stats), \
-            [s.failures for s in stats]
-    finally:
-        sitting.update_record(sits_out=False)
-        assert sitting.flush()
-
-
 def test_the_coordinator_of_a_round_does_not_follow_the_state_it_starts_from(trio):
     """Reducers shape the next round's starting state: were its coordinator seeded by that state's hash, a
     reducer could try low-bit variants of its span until the hash picked it, every round (grinding). Here the

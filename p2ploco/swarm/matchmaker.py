@@ -495,10 +495,7 @@ class Matchmaker:
         runs_here = {p for p, r in live.items() if r.fingerprint == config
                      and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
                      and self.directory.fresh(p) and p not in banned}
-        # A peer that sits rounds out (``budget.py``: its one step outlasts the round) is never waited for, also when
-        # it brings a step's work: it joins if it is there before the group closes, else its work waits for the next
-        # round. Waiting for its catch-up held the fast peers a third of their round whenever it came back.
-        claim = {p for p in runs_here if live[p].round == round_index and live[p].slices and not live[p].sits_out
+        claim = {p for p in runs_here if live[p].round == round_index and live[p].slices
                  and all(chosen.get(k) == v for k, v in live[p].slices.items())}
         expected = {p for p in claim if self._missed[p] < STRAGGLER_MISSES}
         # Peers moving to this round are awaited like joiners, for the joiners' grace only: one still finishing the
@@ -506,8 +503,8 @@ class Matchmaker:
         # fetches the swarm's state now). A round's all-reduce need not come at its end: Streaming DiLoCo syncs its
         # first fragment a step or two into the round, and a peer a step behind (or catching up, every round anew)
         # would miss it every time.
-        moving = {p for p in runs_here if not live[p].sits_out and (live[p].round == round_index - 1
-                  or (live[p].round == round_index and p not in expected))} if joiners_welcome else set()
+        moving = {p for p in runs_here if live[p].round == round_index - 1
+                  or (live[p].round == round_index and p not in expected)} if joiners_welcome else set()
         formation.awaited = (expected | moving) - formation.dead - set(formation.members)
         formation.waited_for |= formation.awaited | (claim - expected)  # a straggler still misses this round
         return chosen, runs_here
