@@ -384,10 +384,9 @@ class Node:
         swarm.update_record(sits_out=sits_out)
         if sits_out:
             if worker.outer.unapplied_tokens:
-                # The work it kept, contributed in this round without a step. Nobody waits for it (matchmaker.py):
-                # it joins before the others may be done with their steps, yet not so early that the formation
-                # closes a matchmaking timeout after its join, before them. Their round began about as its
-                # catch-up did.
+                # The work it kept, contributed in this round without a step. It joins once the others may be done
+                # with their steps (a formation closes a matchmaking timeout after its first join: one that came
+                # early would close before them). Their round began about as its catch-up did.
                 self.stopping.wait(max(0.0, budget.others_round_seconds() - membership.catchup_seconds
                                        - c.swarm.matchmaking_timeout / 2))
                 budget = FixedSteps(0)
