@@ -175,7 +175,7 @@ JOIN = {"round": 1, "name": "p", "config": "c", "state": "s", "slices": {S: ["fp
     ({**JOIN, "pipeline": 3}, "JoinRequest: pipeline: Input should be a valid string"),
     ({**JOIN, "pipeline": b"g0"}, "JoinRequest: pipeline: Input should be a valid string"),
     ({k: v for k, v in JOIN.items() if k != "state"}, "JoinRequest: state: Field required"),
-    ({**JOIN, "tokens": 0}, "JoinRequest: tokens: Input should be greater than or equal to 1"),
+    ({**JOIN, "tokens": -1}, "JoinRequest: tokens: Input should be greater than or equal to 0"),
     ({**JOIN, "tokens": 1 << 60}, "JoinRequest: tokens: Input should be less than or equal to"),
     ({**JOIN, "dial_out": "yes"}, "JoinRequest: dial_out: Input should be a valid boolean"),
     ({**JOIN, "follows": "f" * 129}, "JoinRequest: follows: String should have at most 128 characters"),
@@ -242,7 +242,7 @@ def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends(
                 {**answer, "holdings": {A: [S]}}, {**answer, "holdings": {A: [S], B: []}},
                 {**answer, "pipelines": {"intruder": "g0"}}, {**answer, "left_out": {A: "a member"}},
                 {**answer, "left_out": {C: 3}}, {**answer, "status": "grouped"}, {**answer, "status": ["group"]},
-                {**answer, "tokens": {A: 3000}}, {**answer, "tokens": {A: 3000, B: 0}},  # a member without weight
+                {**answer, "tokens": {A: 3000}}, {**answer, "tokens": {A: 3000, B: -1}},  # a member of negative weight
                 {**answer, "dial_out": [C]},  # a non-member behind a NAT
                 {"status": "redirect"}):
         with pytest.raises(PayloadError, match="^JoinAnswer: "):

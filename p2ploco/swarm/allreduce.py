@@ -207,6 +207,7 @@ class _ReducerSession:
     span: Span
     exchange: Exchange
     senders: set[str]  # remote group members that owe us a contribution
+    listeners: set[str]  # remote helpers (no contribution: ``Group.contributors``) that take the result all the same
     transfer: float  # seconds any one transfer of this round may take (``swarm/deadlines.py``)
     deadline: float  # time.monotonic() by which every contribution must be in (all pieces of a span alike)
     payloads: dict[str, bytes] = field(default_factory=dict)
@@ -265,7 +266,7 @@ class _ReducerSession:
         out = set(self.missed) | set(self.rejected)
         if self.senders <= set(self.payloads) | out:
             self.arrived.set()
-        if self.senders <= self.settled | (out - self.connected):
+        if self.senders | self.listeners <= self.settled | (out - self.connected):
             self.served.set()
 
 
@@ -295,7 +296,7 @@ class ButterflyAllReduce:
         loop = asyncio.get_running_loop()
         self.current_round = group.round_index
         for slice_name, part in exchange.parts.items():  # off the event loop: it may compress again
-            await loop.run_in_executor(None, part.fit_group, len(group.holders(slice_name)))
+            await loop.run_in_executor(None, part.fit_group, len(group.contributors(slice_name)))
         plan = self._plan(group, exchange)
         sessions = plan.sessions
         sends = [asyncio.create_task(self._contribute(*send)) for send in plan.sends]
@@ -304,8 +305,10 @@ class ButterflyAllReduce:
         error: AllReduceError | None = None
         try:
             for session in sessions:
-                own = await loop.run_in_executor(None, session.exchange.encode, session.span)
-                own_bytes += len(own)
+                own = None
+                if self.me in group.contributors(session.slice):
+                    own = await loop.run_in_executor(None, session.exchange.encode, session.span)
+                    own_bytes += len(own)
                 reduction = await self._reduce(session, own)
                 reductions.append(reduction)
                 result = reduction.result_for(session.exchange, self.me)
@@ -348,10 +351,12 @@ class ButterflyAllReduce:
         deadline = time.monotonic() + transfer
         for slice_name, part in exchange.parts.items():
             holders, reducers = group.holders(slice_name), group.reducers(slice_name)
+            contributors = set(group.contributors(slice_name))
             index = reducers.index(self.me) if self.me in reducers else None  # None: this peer only dials out
             spans = part.partition(len(reducers))
             ours = [] if index is None else [
-                _ReducerSession(group, slice_name, piece, part, set(holders) - {self.me}, transfer, deadline)
+                _ReducerSession(group, slice_name, piece, part, contributors - {self.me},
+                                set(holders) - contributors - {self.me}, transfer, deadline)
                 for piece in pieces(part, spans[index])]
             for session in ours:
                 for peer in session.senders & self.bans.active(group.round_index):
@@ -394,14 +399,15 @@ class ButterflyAllReduce:
             failures=failures, error=error,
             elsewhere=frozenset(d.reducer for d in deliveries if isinstance(d.error, ReducerElsewhere)))
 
-    async def _reduce(self, session: _ReducerSession, own: bytes) -> SpanReduction:
+    async def _reduce(self, session: _ReducerSession, own: bytes | None) -> SpanReduction:
+        """Combine the span's contributions (``own``: this peer's, None for a helper's, which sends none)."""
         try:
             await asyncio.wait_for(session.arrived.wait(), max(0.0, session.deadline - time.monotonic()))
         except TimeoutError:
             for sender in session.senders:
                 session.miss(sender, Failure.TIMEOUT, f"sent nothing within {session.transfer:.0f} s")
-        contributions = [(p, own if p == self.me else session.payloads[p])
-                         for p in session.group.peers if p == self.me or p in session.payloads]
+        contributions = [(p, own if p == self.me else session.payloads[p]) for p in session.group.peers
+                         if (p == self.me and own is not None) or p in session.payloads]
         try:
             reduction = await asyncio.get_running_loop().run_in_executor(
                 None, reduce_span, session.exchange, session.span, contributions, session.group.tokens_of())
@@ -443,7 +449,8 @@ class ButterflyAllReduce:
     async def _send_piece(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span) -> Delivery:
         group, exchange = route.group, route.exchange
         loop = asyncio.get_running_loop()
-        payload = await loop.run_in_executor(None, exchange.encode, span)
+        listens = self.me not in group.contributors(route.slice)  # a helper: it sends nothing, takes the result
+        payload = b"" if listens else await loop.run_in_executor(None, exchange.encode, span)
         sent, received, left_out, opposed_ours, accused = 0, 0, frozenset(), False, False
         error: AllReduceError | None = None
         writer: asyncio.StreamWriter | None = None
@@ -454,7 +461,7 @@ class ButterflyAllReduce:
                 reader, writer = await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name),
                                                         self.timeout)
                 header = {"group_id": group.group_id, "round": group.round_index, "slice": route.slice,
-                          "span": [span.start, span.stop], "coordinator": group.coordinator}
+                          "span": [span.start, span.stop], "coordinator": group.coordinator, "listen": listens}
                 await asyncio.wait_for(wire.write_message(writer, header, payload), route.transfer)
             sent = len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
@@ -462,14 +469,14 @@ class ButterflyAllReduce:
             # takes another.
             reply, result = await asyncio.wait_for(
                 wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * route.transfer)
-            receipt, included = parse_reply(reply, group, self.me)
-            if receipt.own is None:
+            receipt, included = parse_reply(reply, group, self.me, contributed=not listens)
+            if receipt.own is None and not listens:
                 opposed_ours = True
                 logger.warning(f"round {group.round_index}: reducer {peer[-8:]} left this peer's contribution to span "
                                f"{span.start}:{span.stop} out: it points against the others'")
             await loop.run_in_executor(None, exchange.receive, span, result, receipt)
             received = len(result)
-            left_out = frozenset(group.holders(route.slice)) - set(included) - {self.me}
+            left_out = frozenset(group.contributors(route.slice)) - set(included) - {self.me}
         except AllReduceError as e:  # the reducer refused our contribution or went on without it (or failed before)
             if isinstance(e, ReducerElsewhere):  # it sends us nothing either
                 for piece in ours:
@@ -510,6 +517,10 @@ class ButterflyAllReduce:
             round_index, span = contribution.round, contribution.span
             session = await self._session_of(contribution, sender)
             session.connected.add(sender)
+            if contribution.listen != (sender in session.listeners):
+                raise PayloadError("a helper's contribution, or a member's request for the result without one")
+            if contribution.listen and length:
+                raise PayloadError("a request for the result that carries a payload")
             refusal = session.refusal(sender)
             if refusal is not None:  # dropped already (unreachable, banned, too late): no new offence
                 raise _Refused(*refusal)
@@ -519,10 +530,11 @@ class ButterflyAllReduce:
             if span != expected or round_index != session.group.round_index:
                 raise PayloadError(f"contribution for span {span} of round {round_index}, this peer reduces "
                                    f"{expected} of round {session.group.round_index}")
-            limit = session.exchange.max_payload_bytes(session.span)
-            payload = await asyncio.wait_for(wire.read_payload(reader, length, limit), session.transfer)
-            session.bytes_in += len(payload)
-            session.deliver(sender, payload)
+            if not contribution.listen:
+                limit = session.exchange.max_payload_bytes(session.span)
+                payload = await asyncio.wait_for(wire.read_payload(reader, length, limit), session.transfer)
+                session.bytes_in += len(payload)
+                session.deliver(sender, payload)
             try:
                 reduction: SpanReduction = await asyncio.wait_for(asyncio.shield(session.result),
                                                                   2 * session.transfer)
@@ -601,7 +613,7 @@ class ButterflyAllReduce:
             raise
         finally:
             self._awaited_by.pop(key, None)
-        if sender not in session.senders:
+        if sender not in session.senders | session.listeners:
             raise PayloadError(f"{sender[-8:]} is not a member of this group")
         return session
 
@@ -622,6 +634,7 @@ class Contribution(Message):
     slice: SliceName
     span: Annotated[list[Annotated[int, Field(ge=0, le=MAX_UNITS)]], Field(min_length=2, max_length=2)]  # [start, stop]
     coordinator: PeerId = ""  # who formed the sender's group ("": not said; the reducer waits for the group)
+    listen: bool = False  # a helper's request for the span's result: no payload (``Group.contributors``)
 
 
 class ReduceAnswer(Message):
@@ -641,12 +654,12 @@ class ReduceAnswer(Message):
         return self
 
 
-def parse_reply(reply: dict[str, Any], group: Group, me: str) -> tuple[Receipt, list[str]]:
+def parse_reply(reply: dict[str, Any], group: Group, me: str, contributed: bool = True) -> tuple[Receipt, list[str]]:
     """What a reducer's answer says of the aggregate that follows it, and the members whose contributions make it
     up; DroppedFromRound if the reducer rejected ours as malformed, ReducerElsewhere if it takes part in this round
     in another group, AllReduceError if it went on without it, PayloadError if the answer is malformed: it leaves
-    this peer out, names non-members, or leaves out as many contributions as it keeps (at most a minority may point
-    against the others)."""
+    this peer out (where it ``contributed``: a helper sends none), names non-members, or leaves out as many
+    contributions as it keeps (at most a minority may point against the others)."""
     answer = decode(ReduceAnswer, reply)
     if answer.status == ReduceStatus.REJECTED:
         raise DroppedFromRound(f"a reducer rejected this peer's contribution: {answer.reason[:200]}", Failure.REJECTED)
@@ -659,12 +672,14 @@ def parse_reply(reply: dict[str, Any], group: Group, me: str) -> tuple[Receipt, 
         raise PayloadError(f"an aggregate that names member places beyond the group's {len(group.peers)}")
     members = [group.peers[i] for i in answer.included]
     included, opposed = set(members), {group.peers[i] for i in answer.opposed}
-    if me not in included | opposed or included & opposed:
+    if (contributed and me not in included | opposed) or included & opposed:
         raise PayloadError("the aggregate leaves this peer out, or both keeps and leaves out a member")
+    tokens = group.tokens_of()
+    if any(tokens.get(p, 1) == 0 for p in included | opposed):
+        raise PayloadError("an aggregate that names a contribution of a helper, which sends none")
     if len(opposed) > (len(included) + len(opposed) - 1) // 2:
         raise PayloadError(f"an aggregate that leaves out {len(opposed)} contributions as pointing against the "
                            f"others and keeps {len(included)}: only a minority may be left out")
-    tokens = group.tokens_of()
     own = members.index(me) if me in included else None
     return Receipt(tuple(answer.norms), tuple(tokens[p] for p in members), own, len(opposed)), members
 
