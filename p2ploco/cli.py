@@ -146,8 +146,10 @@ def node() -> None:
 @click.option("--resume", is_flag=True,
               help="Continue from the checkpoint in --log-dir, then catch up with the swarm.")
 @click.option("--name", default="", help="Name shown by `p2ploco peers` [derived from the peer id].")
-@click.option("--role", type=click.Choice(["replica", "stage"]), default="replica", show_default=True,
-              help="Train the whole model, or one stage of a pipeline group (needs pipeline.stages >= 2).")
+@click.option("--role", type=click.Choice(["replica", "stage", "helper"]), default="replica", show_default=True,
+              help="Train the whole model, one stage of a pipeline group (needs pipeline.stages >= 2), or nothing: "
+                   "a helper holds the model and coordinates and reduces rounds for trainers that cannot be dialled "
+                   "(a public machine).")
 @click.option("--group", "pipeline_group", help="With --role stage: join this pipeline group [any with a free slot].")
 @click.option("--stage", type=click.IntRange(min=0), help="With --role stage: hold this stage [any free one].")
 @click.option("--status-port", type=click.IntRange(0, 65535),
@@ -180,7 +182,7 @@ def node_start(config_path: str | None, initial_peers: tuple[str, ...], host_mad
     if status_port is None and click.get_current_context().get_parameter_source("status_host") \
             != click.core.ParameterSource.DEFAULT:
         raise ConfigError("--status-host goes with --status-port PORT (0: any free port)")
-    if role == "replica" and (pipeline_group is not None or stage is not None):
+    if role != "stage" and (pipeline_group is not None or stage is not None):
         raise ConfigError("--group and --stage go with --role stage")
     if pipeline_group is not None and not 0 < len(pipeline_group) <= 64:
         raise ConfigError("--group must be a name of 1 to 64 characters")

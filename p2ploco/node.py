@@ -36,7 +36,7 @@ from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.outer.base import Synced
 from p2ploco.presence import Presence
-from p2ploco.roles import REPLICA, STAGE, ReplicaRole, Role, RoleOptions, StageRole
+from p2ploco.roles import HELPER, REPLICA, STAGE, HelperRole, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.rundir import RunDirectory
 from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
 from p2ploco.standing import Membership, Standing
@@ -162,6 +162,12 @@ class Node:
         stages, stage = config.pipeline.stages, self.role_options.stage
         if self.role_options.kind == STAGE and stages < 2:
             raise ConfigError("--role stage needs a config with pipeline.stages >= 2 (e.g. configs/tiny-pipeline.yaml)")
+        outer = config.outer
+        if self.role_options.kind == HELPER and (outer.algorithm == "streaming" or outer.overlap is not None):
+            overlapped = " with overlap" if outer.overlap is not None else ""
+            raise ConfigError(f"--role helper takes part in blocking rounds only; this run's outer is "
+                              f"{outer.algorithm}{overlapped}: use SparseLoCo, DiLoCo or LoCo without overlap, or run "
+                              f"this machine as a replica")
         if stage is not None and stage >= stages:
             raise ConfigError(f"--stage {stage}: this config has pipeline.stages={stages} (stages 0 to {stages - 1})")
         return load_training_data(config)
@@ -286,8 +292,10 @@ class Node:
         """This node's role with its worker placed, resumed from ``saved`` (the run directory's checkpoint, if asked
         to resume), and where the node stands then: the round to train first and how it came by its state."""
         c = self.config
-        role: Role = (ReplicaRole(c, device, data, swarm) if self.role_options.kind == REPLICA
-                      else StageRole(c, device, data, swarm, self.role_options))
+        kind = self.role_options.kind
+        role: Role = (ReplicaRole(c, device, data, swarm) if kind == REPLICA else
+                      HelperRole(c, device, data, swarm) if kind == HELPER else
+                      StageRole(c, device, data, swarm, self.role_options))
         if saved is not None and isinstance(role, StageRole):
             role.pin(*saved.extras.get("slot", (None, None)))
         role.place()
@@ -442,10 +450,13 @@ class Node:
                            catchup_seconds=membership.catchup_seconds, timestamp=time.time(),
                            reachability=str(swarm.reachability), **role.record_fields())
 
-    def _budget(self, swarm: Swarm, role: Role) -> WallClockBudget | None:
+    def _budget(self, swarm: Swarm, role: Role) -> WallClockBudget | FixedSteps | None:
         """How many inner steps fit in a round (``budget.py``): as many as the swarm's round budget allows (for a
-        pipeline stage, as its group's slowest stage's budget allows), unless this peer trains a fixed H."""
+        pipeline stage, as its group's slowest stage's budget allows), unless this peer trains a fixed H, or none (a
+        helper)."""
         c = self.config
+        if role.kind == HELPER:
+            return FixedSteps(0)
         if c.inner.fixed_steps:
             return None
         return WallClockBudget(c.inner.steps, role.worker.inner.step_times, swarm.step_seconds, c.inner.round_seconds)
