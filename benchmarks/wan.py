@@ -331,10 +331,13 @@ class Setting:
     reachability: list[str] = field(default_factory=list)  # per host: its node's --reachability (none: the default)
     subnet: str = SUBNET  # the bridge's /24
     nat_inbound: str = "reject"  # NAT routers refuse connections dialled at them, or drop them unanswered
+    helpers: int = 0  # helper nodes (``--role helper``) on the bootstrap's machine
 
     @property
     def label(self) -> str:
         extra = [f"{self.nat} NATed"] if self.nat else []
+        if self.helpers:
+            extra.append(f"{self.helpers} helper{'s' if self.helpers > 1 else ''} on the bootstrap's machine")
         if any(f != 1 for f in self.slow):
             extra.append("slow " + ",".join(f"{f:g}" for f in self.slow))
         if any(self.hold):
@@ -377,7 +380,7 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                 "dht", "--host-maddrs", f"/ip4/{network.bridge_address}/tcp/0")), workdir / "bootstrap.log")
             children.append(bootstrap)
             address = bootstrap.wait_for_line(ADDRESS, timeout=60).group(1)
-            sets = [f"swarm.min_peers={hosts}", f"outer.algorithm={setting.algorithm}", *overrides]
+            sets = [f"swarm.min_peers={hosts + setting.helpers}", f"outer.algorithm={setting.algorithm}", *overrides]
             for i, host in enumerate(network.hosts):
                 argv = cli("node", "start", "--config", config_path, "--initial-peers", address, "--host-maddrs",
                            f"/ip4/{host.address}/tcp/0", "--log-dir", str(workdir / f"h{i}"), "--max-rounds",
@@ -386,6 +389,13 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                            "--set", f"swarm.bandwidth_mbit={setting.rates[i]:g}", *setting.node_args(i))
                 children.append(Child(f"h{i}", network.run_in(host.namespace, argv), workdir / f"h{i}.log",
                                       metrics_dir=workdir / f"h{i}", env=setting.node_env(i)))
+            for j in range(setting.helpers):  # public, and uncapped: the bootstrap's own machine
+                argv = cli("node", "start", "--config", config_path, "--initial-peers", address, "--host-maddrs",
+                           f"/ip4/{network.bridge_address}/tcp/0", "--log-dir", str(workdir / f"helper{j}"),
+                           "--max-rounds", str(rounds), "--identity", str(workdir / f"helper{j}.key"), "--role",
+                           "helper", "--reachability", "public", *[item for s in sets for item in ("--set", s)])
+                children.append(Child(f"helper{j}", network.run_in(network.bridge, argv), workdir / f"helper{j}.log",
+                                      metrics_dir=workdir / f"helper{j}"))
             return watch(setting, children[1:], rounds, timeout)
         finally:
             stop_all(children)
@@ -479,10 +489,16 @@ def transfer_seconds(rows: list[dict], rates: list[float]) -> float:
     return max(max(r["bytes_sent"], r["bytes_received"]) * 8 / (rate * 1e6) for r, rate in zip(rows, rates))
 
 
-def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple[list[tuple], dict]:
-    """Per-round table rows, and the setting's JSON row (means over rounds 1.., or all if there is one)."""
-    hosts = len(records)
+def summarise(setting: Setting, everyone: list[list[dict]], params: int
+              ) -> tuple[list[tuple], list[tuple], list[tuple], dict]:
+    """Per-round table rows, per-host rows, per-helper rows and the setting's JSON row (means over rounds 1.., or all
+    if there is one). ``everyone``: the hosts' records, then the helpers'; the means are the hosts', whether the
+    params agree is everyone's."""
+    hosts = len(setting.rates)
+    records, helpers = everyone[:hosts], everyone[hosts:]
     per_round = [by_round(records, i) for i in sorted({r["round"] for got in records for r in got})]
+    agree = {rows[0]["round"]: (hashes_agree(all_rows, len(everyone)), appliers_agree(all_rows))
+             for rows in per_round for all_rows in [by_round(everyone, rows[0]["round"])]}
     table = []
     for rows in per_round:
         table.append((rows[0]["round"], human_bytes(mean(r["bytes_sent"] + r["bytes_received"] for r in rows)),
@@ -490,7 +506,7 @@ def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple
                       f"{mean(r['inner_seconds'] for r in rows):.2f}",
                       f"{mean(r['compute_utilisation'] for r in rows):.2f}",
                       f"{transfer_seconds(rows, setting.rates):.2f}", contributors(rows, hosts),
-                      "yes" if hashes_agree(rows, hosts) else "NO", "yes" if appliers_agree(rows) else "NO"))
+                      "yes" if agree[rows[0]["round"]][0] else "NO", "yes" if agree[rows[0]["round"]][1] else "NO"))
     measured = per_round[1:] or per_round
     flat = [r for rows in measured for r in rows]
     uniform = len(set(setting.rates)) == 1
@@ -503,8 +519,8 @@ def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple
         "inner_seconds": round(mean(r["inner_seconds"] for r in flat), 3),
         "utilisation": round(mean(r["compute_utilisation"] for r in flat), 3),
         "transfer_seconds": round(mean(transfer_seconds(rows, setting.rates) for rows in measured), 3),
-        "hashes_equal": all(hashes_agree(rows, hosts) for rows in per_round),
-        "appliers_agree": all(appliers_agree(rows) for rows in per_round),
+        "hashes_equal": all(equal for equal, _ in agree.values()),
+        "appliers_agree": all(appliers for _, appliers in agree.values()),
     }
     table.append(("mean 1..", human_bytes(row["bytes_per_round"]), f"{row['comm_seconds']:.2f}",
                   f"{row['round_seconds']:.2f}", f"{row['inner_seconds']:.2f}", f"{row['utilisation']:.2f}",
@@ -522,7 +538,23 @@ def summarise(setting: Setting, records: list[list[dict]], params: int) -> tuple
     if setting.nat or any(f != 1 for f in setting.slow):
         row["nat"], row["slow"] = setting.nat, [setting.slowdown(i) for i in range(hosts)]
     host_table, row["per_host"] = host_summary(setting, records)
-    return table, host_table, row
+    helper_table, row["per_helper"] = helper_summary(helpers)
+    return table, host_table, helper_table, row
+
+
+def helper_summary(helpers: list[list[dict]]) -> tuple[list[tuple], list[dict]]:
+    """A row per helper: the rounds it applied, and what its machine's link carried for them a round (sent +
+    received: the cost of helping, on the bootstrap's machine), median over rounds 1 .. R-2."""
+    table, details = [], []
+    for j, got in enumerate(helpers):
+        middle = middle_rounds(got) if got else []
+        traffic = statistics.median(r["bytes_sent"] + r["bytes_received"] for r in middle) if middle else 0
+        timed = statistics.median(r["round_seconds"] for r in middle) if middle else 0.0
+        applied = sum(bool(r["applied"]) for r in got)
+        details.append({"helper": j, "rounds": len(got), "rounds_applied": applied,
+                        "median_bytes_per_round": round(traffic), "median_round_seconds": round(timed, 3)})
+        table.append((f"helper{j}", f"{applied}/{len(got)}", human_bytes(traffic), f"{timed:.2f}"))
+    return table, details
 
 
 def worked(record: dict) -> bool:
@@ -650,8 +682,13 @@ def main() -> int:
                         choices=["auto", "public", "relayed", "client"],
                         help="per host: pass --reachability MODE to its node (later hosts: the node's default)")
     parser.add_argument("--baseline", action="store_true",
-                        help="first run each setting with 2 hosts, none slowed, held or NATed, and print h0's median "
-                             "round against theirs")
+                        help="first run each setting with --baseline-hosts hosts, none slowed, held or NATed, and "
+                             "print h0's median round against theirs")
+    parser.add_argument("--baseline-hosts", type=int, default=2, metavar="N", help="hosts of the baseline [2]")
+    parser.add_argument("--helpers", type=int, default=0, metavar="N",
+                        help="run N helpers (`p2ploco node start --role helper`: they train nothing, coordinate and "
+                             "reduce) on the bootstrap's machine, public and uncapped; with --nat equal to --hosts "
+                             "every trainer is behind a NAT and the bootstrap's machine is the only public one [0]")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run each setting (after its baseline, with --baseline) N times, and compare h0's median "
                              "round over all of them with the baselines' over all of theirs [1]")
@@ -668,6 +705,8 @@ def main() -> int:
         raise SystemExit(f"error: --subnet takes the first three numbers of a /24 outside {LAN_SUBNET}.0.0/16")
     if not 2 <= args.hosts <= 200 or args.rounds < 1 or args.repeat < 1:
         raise SystemExit("error: --hosts must be in [2, 200], and --rounds and --repeat at least 1")
+    if not 2 <= args.baseline_hosts <= 200 or not 0 <= args.helpers <= 8:
+        raise SystemExit("error: --baseline-hosts must be in [2, 200] and --helpers in [0, 8]")
     if not 0 <= args.nat <= args.hosts:
         raise SystemExit("error: --nat must be in [0, --hosts]")
     if len(args.reachability) > args.hosts:
@@ -676,7 +715,7 @@ def main() -> int:
         slow = parse_slow(args.slow, args.hosts)
         hold = parse_hold(args.hold, slow)
         settings = [Setting(a, text, parse_rates(text, args.hosts), args.nat, slow, hold, args.reachability,
-                            args.subnet, args.nat_inbound) for a in args.algorithm for text in args.rate]
+                            args.subnet, args.nat_inbound, args.helpers) for a in args.algorithm for text in args.rate]
         params = count_params(args.config, args.overrides)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
@@ -711,14 +750,14 @@ def main() -> int:
         for attempt in range(args.repeat):
             name = f"{setting.algorithm}-{setting.rate_text.replace(',', '+')}" + (f"-{attempt}" if attempt else "")
             if args.baseline:
-                alone = Setting(setting.algorithm, setting.rate_text, parse_rates(setting.rate_text, 2),
-                                subnet=args.subnet)
+                alone = Setting(setting.algorithm, setting.rate_text,
+                                parse_rates(setting.rate_text, args.baseline_hosts), subnet=args.subnet)
                 if (records := run(alone, workdir / f"baseline-{name}", f"baseline {setting.label}")) is not None:
                     baseline_rounds += [r["round_seconds"] for got in records for r in middle_rounds(got)]
             if (records := run(setting, workdir / name, setting.label)) is None:
                 continue
             h0_rounds += [r["round_seconds"] for r in middle_rounds(records[0])]
-            table, host_table, row = summarise(setting, records, params)
+            table, host_table, helper_table, row = summarise(setting, records, params)
             if baseline_rounds:
                 baseline, h0 = statistics.median(baseline_rounds), statistics.median(h0_rounds)
                 row.update(baseline_median_round_seconds=round(baseline, 3), h0_vs_baseline=round(h0 / baseline, 3),
@@ -737,9 +776,13 @@ def main() -> int:
                 print(format_table(("host", "link", "Mbit/s", "slow", "reachability", "applied", "tokens trained",
                                     "in aggregates", "share", "work applied", "in rounds", "median round s",
                                     "trained work applied"), host_table))
+                if helper_table:
+                    print("\nhelpers (on the bootstrap's machine, uncapped; bytes: sent + received a round, median of "
+                          "rounds 1..R-2)")
+                    print(format_table(("helper", "applied", "bytes/round", "median round s"), helper_table))
                 if baseline_rounds:
-                    print(f"h0's median round {h0:.2f} s against {baseline:.2f} s of 2 hosts none slowed, held or "
-                          f"NATed (rounds 1..R-2 of {attempt + 1} run(s) each, alternating): "
+                    print(f"h0's median round {h0:.2f} s against {baseline:.2f} s of {args.baseline_hosts} hosts none "
+                          f"slowed, held or NATed (rounds 1..R-2 of {attempt + 1} run(s) each, alternating): "
                           f"{row['h0_vs_baseline']:.2f}x")
                 print()
     if args.json:
