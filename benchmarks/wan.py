@@ -331,13 +331,13 @@ class Setting:
     reachability: list[str] = field(default_factory=list)  # per host: its node's --reachability (none: the default)
     subnet: str = SUBNET  # the bridge's /24
     nat_inbound: str = "reject"  # NAT routers refuse connections dialled at them, or drop them unanswered
-    helpers: int = 0  # helper nodes (``--role helper``) on the bootstrap's machine
+    hubs: int = 0  # hub nodes (``--role hub``) on the bootstrap's machine
 
     @property
     def label(self) -> str:
         extra = [f"{self.nat} NATed"] if self.nat else []
-        if self.helpers:
-            extra.append(f"{self.helpers} helper{'s' if self.helpers > 1 else ''} on the bootstrap's machine")
+        if self.hubs:
+            extra.append(f"{self.hubs} hub{'s' if self.hubs > 1 else ''} on the bootstrap's machine")
         if any(f != 1 for f in self.slow):
             extra.append("slow " + ",".join(f"{f:g}" for f in self.slow))
         if any(self.hold):
@@ -380,7 +380,7 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                 "dht", "--host-maddrs", f"/ip4/{network.bridge_address}/tcp/0")), workdir / "bootstrap.log")
             children.append(bootstrap)
             address = bootstrap.wait_for_line(ADDRESS, timeout=60).group(1)
-            sets = [f"swarm.min_peers={hosts + setting.helpers}", f"outer.algorithm={setting.algorithm}", *overrides]
+            sets = [f"swarm.min_peers={hosts + setting.hubs}", f"outer.algorithm={setting.algorithm}", *overrides]
             for i, host in enumerate(network.hosts):
                 argv = cli("node", "start", "--config", config_path, "--initial-peers", address, "--host-maddrs",
                            f"/ip4/{host.address}/tcp/0", "--log-dir", str(workdir / f"h{i}"), "--max-rounds",
@@ -389,13 +389,13 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                            "--set", f"swarm.bandwidth_mbit={setting.rates[i]:g}", *setting.node_args(i))
                 children.append(Child(f"h{i}", network.run_in(host.namespace, argv), workdir / f"h{i}.log",
                                       metrics_dir=workdir / f"h{i}", env=setting.node_env(i)))
-            for j in range(setting.helpers):  # public, and uncapped: the bootstrap's own machine
+            for j in range(setting.hubs):  # public, and uncapped: the bootstrap's own machine
                 argv = cli("node", "start", "--config", config_path, "--initial-peers", address, "--host-maddrs",
-                           f"/ip4/{network.bridge_address}/tcp/0", "--log-dir", str(workdir / f"helper{j}"),
-                           "--max-rounds", str(rounds), "--identity", str(workdir / f"helper{j}.key"), "--role",
-                           "helper", "--reachability", "public", *[item for s in sets for item in ("--set", s)])
-                children.append(Child(f"helper{j}", network.run_in(network.bridge, argv), workdir / f"helper{j}.log",
-                                      metrics_dir=workdir / f"helper{j}"))
+                           f"/ip4/{network.bridge_address}/tcp/0", "--log-dir", str(workdir / f"hub{j}"),
+                           "--max-rounds", str(rounds), "--identity", str(workdir / f"hub{j}.key"), "--role",
+                           "hub", "--reachability", "public", *[item for s in sets for item in ("--set", s)])
+                children.append(Child(f"hub{j}", network.run_in(network.bridge, argv), workdir / f"hub{j}.log",
+                                      metrics_dir=workdir / f"hub{j}"))
             return watch(setting, children[1:], rounds, timeout)
         finally:
             stop_all(children)
@@ -491,11 +491,11 @@ def transfer_seconds(rows: list[dict], rates: list[float]) -> float:
 
 def summarise(setting: Setting, everyone: list[list[dict]], params: int
               ) -> tuple[list[tuple], list[tuple], list[tuple], dict]:
-    """Per-round table rows, per-host rows, per-helper rows and the setting's JSON row (means over rounds 1.., or all
-    if there is one). ``everyone``: the hosts' records, then the helpers'; the means are the hosts', whether the
+    """Per-round table rows, per-host rows, per-hub rows and the setting's JSON row (means over rounds 1.., or all
+    if there is one). ``everyone``: the hosts' records, then the hubs'; the means are the hosts', whether the
     params agree is everyone's."""
     hosts = len(setting.rates)
-    records, helpers = everyone[:hosts], everyone[hosts:]
+    records, hubs = everyone[:hosts], everyone[hosts:]
     per_round = [by_round(records, i) for i in sorted({r["round"] for got in records for r in got})]
     agree = {rows[0]["round"]: (hashes_agree(all_rows, len(everyone)), appliers_agree(all_rows))
              for rows in per_round for all_rows in [by_round(everyone, rows[0]["round"])]}
@@ -538,22 +538,22 @@ def summarise(setting: Setting, everyone: list[list[dict]], params: int
     if setting.nat or any(f != 1 for f in setting.slow):
         row["nat"], row["slow"] = setting.nat, [setting.slowdown(i) for i in range(hosts)]
     host_table, row["per_host"] = host_summary(setting, records)
-    helper_table, row["per_helper"] = helper_summary(helpers)
-    return table, host_table, helper_table, row
+    hub_table, row["per_hub"] = hub_summary(hubs)
+    return table, host_table, hub_table, row
 
 
-def helper_summary(helpers: list[list[dict]]) -> tuple[list[tuple], list[dict]]:
-    """A row per helper: the rounds it applied, and what its machine's link carried for them a round (sent +
+def hub_summary(hubs: list[list[dict]]) -> tuple[list[tuple], list[dict]]:
+    """A row per hub: the rounds it applied, and what its machine's link carried for them a round (sent +
     received: the cost of helping, on the bootstrap's machine), median over rounds 1 .. R-2."""
     table, details = [], []
-    for j, got in enumerate(helpers):
+    for j, got in enumerate(hubs):
         middle = middle_rounds(got) if got else []
         traffic = statistics.median(r["bytes_sent"] + r["bytes_received"] for r in middle) if middle else 0
         timed = statistics.median(r["round_seconds"] for r in middle) if middle else 0.0
         applied = sum(bool(r["applied"]) for r in got)
-        details.append({"helper": j, "rounds": len(got), "rounds_applied": applied,
+        details.append({"hub": j, "rounds": len(got), "rounds_applied": applied,
                         "median_bytes_per_round": round(traffic), "median_round_seconds": round(timed, 3)})
-        table.append((f"helper{j}", f"{applied}/{len(got)}", human_bytes(traffic), f"{timed:.2f}"))
+        table.append((f"hub{j}", f"{applied}/{len(got)}", human_bytes(traffic), f"{timed:.2f}"))
     return table, details
 
 
@@ -685,8 +685,8 @@ def main() -> int:
                         help="first run each setting with --baseline-hosts hosts, none slowed, held or NATed, and "
                              "print h0's median round against theirs")
     parser.add_argument("--baseline-hosts", type=int, default=2, metavar="N", help="hosts of the baseline [2]")
-    parser.add_argument("--helpers", type=int, default=0, metavar="N",
-                        help="run N helpers (`p2ploco node start --role helper`: they train nothing, coordinate and "
+    parser.add_argument("--hubs", type=int, default=0, metavar="N",
+                        help="run N hubs (`p2ploco node start --role hub`: they train nothing, coordinate and "
                              "reduce) on the bootstrap's machine, public and uncapped; with --nat equal to --hosts "
                              "every trainer is behind a NAT and the bootstrap's machine is the only public one [0]")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
@@ -705,8 +705,8 @@ def main() -> int:
         raise SystemExit(f"error: --subnet takes the first three numbers of a /24 outside {LAN_SUBNET}.0.0/16")
     if not 2 <= args.hosts <= 200 or args.rounds < 1 or args.repeat < 1:
         raise SystemExit("error: --hosts must be in [2, 200], and --rounds and --repeat at least 1")
-    if not 2 <= args.baseline_hosts <= 200 or not 0 <= args.helpers <= 8:
-        raise SystemExit("error: --baseline-hosts must be in [2, 200] and --helpers in [0, 8]")
+    if not 2 <= args.baseline_hosts <= 200 or not 0 <= args.hubs <= 8:
+        raise SystemExit("error: --baseline-hosts must be in [2, 200] and --hubs in [0, 8]")
     if not 0 <= args.nat <= args.hosts:
         raise SystemExit("error: --nat must be in [0, --hosts]")
     if len(args.reachability) > args.hosts:
@@ -715,7 +715,7 @@ def main() -> int:
         slow = parse_slow(args.slow, args.hosts)
         hold = parse_hold(args.hold, slow)
         settings = [Setting(a, text, parse_rates(text, args.hosts), args.nat, slow, hold, args.reachability,
-                            args.subnet, args.nat_inbound, args.helpers) for a in args.algorithm for text in args.rate]
+                            args.subnet, args.nat_inbound, args.hubs) for a in args.algorithm for text in args.rate]
         params = count_params(args.config, args.overrides)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
@@ -757,7 +757,7 @@ def main() -> int:
             if (records := run(setting, workdir / name, setting.label)) is None:
                 continue
             h0_rounds += [r["round_seconds"] for r in middle_rounds(records[0])]
-            table, host_table, helper_table, row = summarise(setting, records, params)
+            table, host_table, hub_table, row = summarise(setting, records, params)
             if baseline_rounds:
                 baseline, h0 = statistics.median(baseline_rounds), statistics.median(h0_rounds)
                 row.update(baseline_median_round_seconds=round(baseline, 3), h0_vs_baseline=round(h0 / baseline, 3),
@@ -776,10 +776,10 @@ def main() -> int:
                 print(format_table(("host", "link", "Mbit/s", "slow", "reachability", "applied", "tokens trained",
                                     "in aggregates", "share", "work applied", "in rounds", "median round s",
                                     "trained work applied"), host_table))
-                if helper_table:
-                    print("\nhelpers (on the bootstrap's machine, uncapped; bytes: sent + received a round, median of "
+                if hub_table:
+                    print("\nhubs (on the bootstrap's machine, uncapped; bytes: sent + received a round, median of "
                           "rounds 1..R-2)")
-                    print(format_table(("helper", "applied", "bytes/round", "median round s"), helper_table))
+                    print(format_table(("hub", "applied", "bytes/round", "median round s"), hub_table))
                 if baseline_rounds:
                     print(f"h0's median round {h0:.2f} s against {baseline:.2f} s of {args.baseline_hosts} hosts none "
                           f"slowed, held or NATed (rounds 1..R-2 of {attempt + 1} run(s) each, alternating): "

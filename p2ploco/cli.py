@@ -146,9 +146,9 @@ def node() -> None:
 @click.option("--resume", is_flag=True,
               help="Continue from the checkpoint in --log-dir, then catch up with the swarm.")
 @click.option("--name", default="", help="Name shown by `p2ploco peers` [derived from the peer id].")
-@click.option("--role", type=click.Choice(["replica", "stage", "helper"]), default="replica", show_default=True,
+@click.option("--role", type=click.Choice(["replica", "stage", "hub"]), default="replica", show_default=True,
               help="Train the whole model, one stage of a pipeline group (needs pipeline.stages >= 2), or nothing: "
-                   "a helper holds the model and coordinates and reduces rounds for trainers that cannot be dialled "
+                   "a hub holds the model and coordinates and reduces rounds for trainers that cannot be dialled "
                    "(a public machine).")
 @click.option("--group", "pipeline_group", help="With --role stage: join this pipeline group [any with a free slot].")
 @click.option("--stage", type=click.IntRange(min=0), help="With --role stage: hold this stage [any free one].")

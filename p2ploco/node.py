@@ -36,7 +36,7 @@ from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.outer.base import Synced
 from p2ploco.presence import Presence
-from p2ploco.roles import HELPER, REPLICA, STAGE, HelperRole, ReplicaRole, Role, RoleOptions, StageRole
+from p2ploco.roles import HUB, REPLICA, STAGE, HubRole, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.rundir import RunDirectory
 from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
 from p2ploco.standing import Membership, Standing
@@ -163,9 +163,9 @@ class Node:
         if self.role_options.kind == STAGE and stages < 2:
             raise ConfigError("--role stage needs a config with pipeline.stages >= 2 (e.g. configs/tiny-pipeline.yaml)")
         outer = config.outer
-        if self.role_options.kind == HELPER and (outer.algorithm == "streaming" or outer.overlap is not None):
+        if self.role_options.kind == HUB and (outer.algorithm == "streaming" or outer.overlap is not None):
             overlapped = " with overlap" if outer.overlap is not None else ""
-            raise ConfigError(f"--role helper takes part in blocking rounds only; this run's outer is "
+            raise ConfigError(f"--role hub takes part in blocking rounds only; this run's outer is "
                               f"{outer.algorithm}{overlapped}: use SparseLoCo, DiLoCo or LoCo without overlap, or run "
                               f"this machine as a replica")
         if stage is not None and stage >= stages:
@@ -294,7 +294,7 @@ class Node:
         c = self.config
         kind = self.role_options.kind
         role: Role = (ReplicaRole(c, device, data, swarm) if kind == REPLICA else
-                      HelperRole(c, device, data, swarm) if kind == HELPER else
+                      HubRole(c, device, data, swarm) if kind == HUB else
                       StageRole(c, device, data, swarm, self.role_options))
         if saved is not None and isinstance(role, StageRole):
             role.pin(*saved.extras.get("slot", (None, None)))
@@ -453,9 +453,9 @@ class Node:
     def _budget(self, swarm: Swarm, role: Role) -> WallClockBudget | FixedSteps | None:
         """How many inner steps fit in a round (``budget.py``): as many as the swarm's round budget allows (for a
         pipeline stage, as its group's slowest stage's budget allows), unless this peer trains a fixed H, or none (a
-        helper)."""
+        hub)."""
         c = self.config
-        if role.kind == HELPER:
+        if role.kind == HUB:
             return FixedSteps(0)
         if c.inner.fixed_steps:
             return None

@@ -1,4 +1,4 @@
-"""What a node trains as: a full replica, one stage of a pipeline group, or a helper that trains nothing.
+"""What a node trains as: a full replica, one stage of a pipeline group, or a hub that trains nothing.
 
 ``Node`` keeps the lifecycle (join, catch up, rounds, records, checkpoints, leave); a role owns the
 worker and decides when it may train a round. A replica holds the whole model and may always train.
@@ -8,7 +8,7 @@ complete and every stage of it has reached that round; it then links to the grou
 hivemind streams (``pipeline/links.py``). Until then it waits as standby, keeping its slice up to date,
 and it serves that slice to peers catching up like any holder.
 
-A helper is a public machine that helps trainers who cannot be dialled (behind home routers: ``swarm/reachability.py``)
+A hub is a public machine that helps trainers who cannot be dialled (behind home routers: ``swarm/reachability.py``)
 train together. It holds a full replica and trains no step: it joins every round with no contribution
 (``Group.contributors``), coordinates, reduces its spans of the trainers' contributions and takes every result, so it
 ends each round with the same global state as they do, and serves that state to peers catching up.
@@ -42,14 +42,14 @@ from p2ploco.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-REPLICA, STAGE, HELPER = "replica", "stage", "helper"
+REPLICA, STAGE, HUB = "replica", "stage", "hub"
 IN_ROUND = (PeerState.TRAINING, PeerState.AVERAGING)  # a stage that announced it is in for its round
 ASSEMBLY_POLL = 0.25  # seconds between looks at whether the other stages of a group are in for the round
 
 
 @dataclass(frozen=True)
 class RoleOptions:
-    kind: str = REPLICA  # replica (the whole model), stage (one stage of a pipeline group) or helper (trains nothing)
+    kind: str = REPLICA  # replica (the whole model), stage (one stage of a pipeline group) or hub (trains nothing)
     group: str | None = None  # a stage's pinned pipeline group (None: any)
     stage: int | None = None  # a stage's pinned stage (None: any)
 
@@ -108,14 +108,14 @@ class ReplicaRole(Role):
         return f"full replica, {sum(p.numel() for p in self.worker.model.parameters()) / 1e6:.2f}M params"
 
 
-class HelperRole(ReplicaRole):
+class HubRole(ReplicaRole):
     """A full replica that trains nothing (module docstring): its rounds have no inner step (``Node._budget``), and it
-    leaves scoring the held-out data to the trainers (a helper is a machine lent for its link, not its compute)."""
+    leaves scoring the held-out data to the trainers (a hub is a machine lent for its link, not its compute)."""
 
-    kind, evaluates, trains_alone = HELPER, False, False
+    kind, evaluates, trains_alone = HUB, False, False
 
     def describe(self) -> str:
-        return (f"helper: a full replica that trains nothing, "
+        return (f"hub: a full replica that trains nothing, "
                 f"{sum(p.numel() for p in self.worker.model.parameters()) / 1e6:.2f}M params")
 
 

@@ -1,6 +1,6 @@
 """Peers that cannot be dialled and peers of unequal speed, with real node processes on loopback: a peer in client
 mode (as behind a NAT) trains in every round without reducing a span, trainers that all are so train together
-through a helper, a slowed peer trains fewer steps in the
+through a hub, a slowed peer trains fewer steps in the
 round's time budget while its work, weighted by its tokens, is applied every round, and a peer whose one step
 outlasts the round sits rounds out while the others train on without it, and its work is applied after all."""
 
@@ -43,20 +43,20 @@ def test_a_peer_that_only_dials_out_takes_part_in_every_round(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_trainers_that_all_only_dial_out_train_together_through_a_helper(tmp_path):
-    """Both trainers are in client mode (as behind home routers): neither can coordinate or reduce. With a helper
-    (``--role helper``: a public machine that trains nothing) they apply every round together, and the helper ends
+def test_trainers_that_all_only_dial_out_train_together_through_a_hub(tmp_path):
+    """Both trainers are in client mode (as behind home routers): neither can coordinate or reduce. With a hub
+    (``--role hub``: a public machine that trains nothing) they apply every round together, and the hub ends
     each with their params; it trains and contributes nothing. Without it, no round of theirs would have a
     coordinator."""
     with LocalSwarm(tmp_path) as swarm:
-        nodes = [swarm.start_node("h", TINY_CONFIG, *FAST, "--max-rounds", str(ROUNDS), "--role", "helper")]
+        nodes = [swarm.start_node("h", TINY_CONFIG, *FAST, "--max-rounds", str(ROUNDS), "--role", "hub")]
         nodes += [swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(ROUNDS), "--reachability", "client")
                   for name in "ab"]
         for node in nodes:
             assert node.process.wait(240) == 0
         runs = {name: swarm.records(name) for name in "hab"}
     identical_every_round(list(runs.values()))
-    assert all(r["tokens"] == 0 and r["contributed_tokens"] == 0 and r["role"] == "helper" for r in runs["h"])
+    assert all(r["tokens"] == 0 and r["contributed_tokens"] == 0 and r["role"] == "hub" for r in runs["h"])
     for name in "ab":
         assert all(r["reachability"] == "client" and r["contributed_tokens"] == r["tokens"] > 0 for r in runs[name])
 

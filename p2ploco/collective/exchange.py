@@ -82,7 +82,7 @@ class Exchange(ABC):
         """Largest valid result for ``span`` in a group of ``group_size``: anything longer is refused unread."""
 
     def fit_group(self, holders: int) -> None:
-        """The group is formed: ``holders`` members contribute to the spans (itself among them; a helper, which
+        """The group is formed: ``holders`` members contribute to the spans (itself among them; a hub, which
         contributes nothing, is not counted: ``Group.contributors``).
         Called before anything is encoded, and again for each redo, which changes nothing (a redo's group is part of
         the first, and what every member sends stays what it was). Only a ``SparseExchange`` with resparsified

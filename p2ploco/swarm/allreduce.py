@@ -207,7 +207,7 @@ class _ReducerSession:
     span: Span
     exchange: Exchange
     senders: set[str]  # remote group members that owe us a contribution
-    listeners: set[str]  # remote helpers (no contribution: ``Group.contributors``) that take the result all the same
+    listeners: set[str]  # remote hubs (no contribution: ``Group.contributors``) that take the result all the same
     transfer: float  # seconds any one transfer of this round may take (``swarm/deadlines.py``)
     deadline: float  # time.monotonic() by which every contribution must be in (all pieces of a span alike)
     payloads: dict[str, bytes] = field(default_factory=dict)
@@ -400,7 +400,7 @@ class ButterflyAllReduce:
             elsewhere=frozenset(d.reducer for d in deliveries if isinstance(d.error, ReducerElsewhere)))
 
     async def _reduce(self, session: _ReducerSession, own: bytes | None) -> SpanReduction:
-        """Combine the span's contributions (``own``: this peer's, None for a helper's, which sends none)."""
+        """Combine the span's contributions (``own``: this peer's, None for a hub's, which sends none)."""
         try:
             await asyncio.wait_for(session.arrived.wait(), max(0.0, session.deadline - time.monotonic()))
         except TimeoutError:
@@ -449,7 +449,7 @@ class ButterflyAllReduce:
     async def _send_piece(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span) -> Delivery:
         group, exchange = route.group, route.exchange
         loop = asyncio.get_running_loop()
-        listens = self.me not in group.contributors(route.slice)  # a helper: it sends nothing, takes the result
+        listens = self.me not in group.contributors(route.slice)  # a hub: it sends nothing, takes the result
         payload = b"" if listens else await loop.run_in_executor(None, exchange.encode, span)
         sent, received, left_out, opposed_ours, accused = 0, 0, frozenset(), False, False
         error: AllReduceError | None = None
@@ -518,7 +518,7 @@ class ButterflyAllReduce:
             session = await self._session_of(contribution, sender)
             session.connected.add(sender)
             if contribution.listen != (sender in session.listeners):
-                raise PayloadError("a helper's contribution, or a member's request for the result without one")
+                raise PayloadError("a hub's contribution, or a member's request for the result without one")
             if contribution.listen and length:
                 raise PayloadError("a request for the result that carries a payload")
             refusal = session.refusal(sender)
@@ -634,7 +634,7 @@ class Contribution(Message):
     slice: SliceName
     span: Annotated[list[Annotated[int, Field(ge=0, le=MAX_UNITS)]], Field(min_length=2, max_length=2)]  # [start, stop]
     coordinator: PeerId = ""  # who formed the sender's group ("": not said; the reducer waits for the group)
-    listen: bool = False  # a helper's request for the span's result: no payload (``Group.contributors``)
+    listen: bool = False  # a hub's request for the span's result: no payload (``Group.contributors``)
 
 
 class ReduceAnswer(Message):
@@ -658,7 +658,7 @@ def parse_reply(reply: dict[str, Any], group: Group, me: str, contributed: bool 
     """What a reducer's answer says of the aggregate that follows it, and the members whose contributions make it
     up; DroppedFromRound if the reducer rejected ours as malformed, ReducerElsewhere if it takes part in this round
     in another group, AllReduceError if it went on without it, PayloadError if the answer is malformed: it leaves
-    this peer out (where it ``contributed``: a helper sends none), names non-members, or leaves out as many
+    this peer out (where it ``contributed``: a hub sends none), names non-members, or leaves out as many
     contributions as it keeps (at most a minority may point against the others)."""
     answer = decode(ReduceAnswer, reply)
     if answer.status == ReduceStatus.REJECTED:
@@ -676,7 +676,7 @@ def parse_reply(reply: dict[str, Any], group: Group, me: str, contributed: bool 
         raise PayloadError("the aggregate leaves this peer out, or both keeps and leaves out a member")
     tokens = group.tokens_of()
     if any(tokens.get(p, 1) == 0 for p in included | opposed):
-        raise PayloadError("an aggregate that names a contribution of a helper, which sends none")
+        raise PayloadError("an aggregate that names a contribution of a hub, which sends none")
     if len(opposed) > (len(included) + len(opposed) - 1) // 2:
         raise PayloadError(f"an aggregate that leaves out {len(opposed)} contributions as pointing against the "
                            f"others and keeps {len(included)}: only a minority may be left out")

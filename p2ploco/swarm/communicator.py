@@ -164,8 +164,8 @@ class SwarmCommunicator(Communicator):
                      ) -> AllReduceResult:
         """A group of one: its own update, through the same codec, if nobody else could apply this round without it
         (``Matchmaker.working_on``); else nothing (a solitary commit would split this peer from the others: it
-        catches up with them instead). A helper has no update of its own: alone, it applies nothing."""
-        if self.matchmaker.helper:  # it brought nothing of its own: alone, it has nothing to apply
+        catches up with them instead). A hub has no update of its own: alone, it applies nothing."""
+        if self.matchmaker.hub:  # it brought nothing of its own: alone, it has nothing to apply
             return AllReduceResult([self.matchmaker.me], committed=False, failures=failures,
                                    traffic=Traffic(seconds=time.perf_counter() - started))
         others = await self.matchmaker.working_on(round_index)

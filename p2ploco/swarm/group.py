@@ -39,7 +39,7 @@ class Group:
     holdings: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (peer, the slices it holds), in peer order
     pipeline_groups: tuple[tuple[str, str], ...] = ()  # (stage peer, its pipeline group), in peer order
     left_out: tuple[tuple[str, str], ...] = ()  # (peer, why): joined or expected, and not in the group
-    # (peer, tokens its contribution carries: its weight; 0: a helper's, which sends none), in peer order
+    # (peer, tokens its contribution carries: its weight; 0: a hub's, which sends none), in peer order
     tokens: tuple[tuple[str, int], ...] = ()
     dial_out: tuple[str, ...] = ()  # members that can only dial out: they reduce no span
 
@@ -68,7 +68,7 @@ class Group:
 
     def contributors(self, slice_name: str) -> tuple[str, ...]:
         """The holders of ``slice_name`` that send a contribution to each of its spans, in canonical order: all but
-        the helpers (``roles.py``: a public peer that trains nothing joins with no tokens; it reduces spans and takes
+        the hubs (``roles.py``: a public peer that trains nothing joins with no tokens; it reduces spans and takes
         the results, and sends nothing of its own)."""
         tokens = dict(self.tokens)  # none listed: equal weights, every holder contributes
         return tuple(peer for peer in self.holders(slice_name) if tokens.get(peer, 1) > 0)

@@ -97,7 +97,7 @@ KEEP_JOINS = 8  # this peer's latest joins it keeps, to ask again at the next co
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
-HELPER_PATIENCE = 3600.0  # seconds a helper's join waits for a round's first contribution (a round may be long)
+HUB_PATIENCE = 3600.0  # seconds a hub's join waits for a round's first contribution (a round may be long)
 
 
 def rendezvous(round_index: int, peer: str) -> bytes:
@@ -128,7 +128,7 @@ class _Formation:
     closed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def contributed(self) -> bool:
-        """Whether some member brings a contribution: a formation of helpers alone has nothing to reduce."""
+        """Whether some member brings a contribution: a formation of hubs alone has nothing to reduce."""
         return any(m.tokens for m in self.members.values())
 
 
@@ -142,7 +142,7 @@ class Matchmaker:
         self.p2p, self.directory, self.timeout, self.bans = p2p, directory, timeout, bans
         self.stages, self.book, self.round_tokens, self.dial_out = stages, book, round_tokens, dial_out
         self.me = directory.me.peer_id
-        self.helper = directory.me.role == "helper"  # it trains nothing: it joins with no tokens (``roles.py``)
+        self.hub = directory.me.role == "hub"  # it trains nothing: it joins with no tokens (``roles.py``)
         self.handler_name = f"p2ploco/{run_id}/join"
         self._forming: dict[FormationKey, _Formation] = {}
         self._missed: Counter[str] = Counter()  # rounds each peer was waited for in vain here, in a row
@@ -222,9 +222,9 @@ class Matchmaker:
                     ) -> Group | None:
         """Ask coordinators in rendezvous order, less those in ``unreachable`` (coordinators tried in vain, and
         why), for a group of the sync ``name`` of ``round_index`` (``form_group``)."""
-        # The coordinator may wait `timeout` for others after the first contribution; a helper joins as the round
+        # The coordinator may wait `timeout` for others after the first contribution; a hub joins as the round
         # begins, and waits for that first contribution too
-        deadline = time.monotonic() + self.timeout + 5.0 + (HELPER_PATIENCE if self.helper else 0.0)
+        deadline = time.monotonic() + self.timeout + 5.0 + (HUB_PATIENCE if self.hub else 0.0)
         hints: set[str] = set()
         while time.monotonic() < deadline and not self.leaving.is_set():
             candidates = self.candidates(set(unreachable)) | (hints - set(unreachable))
@@ -284,7 +284,7 @@ class Matchmaker:
             state_digest, _ = round_state(await self.directory.refresh(), me, round_index, banned)
         return {"round": round_index, "name": name, "config": me.fingerprint, "state": state_digest,
                 "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline_group,
-                "unreachable": [], "tokens": 0 if self.helper else max(1, tokens), "dial_out": self.dial_out,
+                "unreachable": [], "tokens": 0 if self.hub else max(1, tokens), "dial_out": self.dial_out,
                 "follows": base.digest if base else ""}
 
     async def _accept(self, group: Group, slices: dict[str, tuple[str, str]], failures: list[Failure]) -> Group:
@@ -310,13 +310,13 @@ class Matchmaker:
         is leaving, less the stage peers whose pipeline group has no such peer for some stage (a group acts as one
         replica or not at all), and less the peers that sit rounds out (``budget.py``: one whose short step of a
         round it sat out is over shows a later round, yet applied none; one that contributes a step's work does so
-        in a group, whose other members count), and less the helpers (they train nothing: without a contribution they
+        in a group, whose other members count), and less the hubs (they train nothing: without a contribution they
         apply no round). Those further behind follow this peer's state once they reach it."""
         live = await self.directory.refresh()
         banned = self.bans.active(round_index)
         ahead = sorted(p for p, r in live.items() if p != self.me and r.round >= round_index - 1
                        and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
-                       and not r.sits_out and r.role != "helper"
+                       and not r.sits_out and r.role != "hub"
                        and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)
                        and p not in banned and self._leavers.get(p, -1) < round_index)
         # A peer behind a NAT cannot be dialled: its fresh record is all there is to go by.
@@ -410,9 +410,9 @@ class Matchmaker:
             if member.rejoins:  # it joins the others where they are, and never forms a group of its own here
                 return {"status": JoinStatus.LATE, "reason": f"no group of round {round_index} is forming at "
                                                              f"coordinator {self.me[-8:]}"}
-            # A helper's join does not start the wait: it joins as the round begins, and the formation waits for
-            # the first contribution (for HELPER_PATIENCE at most)
-            formation = _Formation(key, time.monotonic() + (self.timeout if member.tokens else HELPER_PATIENCE))
+            # A hub's join does not start the wait: it joins as the round begins, and the formation waits for
+            # the first contribution (for HUB_PATIENCE at most)
+            formation = _Formation(key, time.monotonic() + (self.timeout if member.tokens else HUB_PATIENCE))
             self._forming[key] = formation
             asyncio.get_running_loop().create_task(self._close_when_complete(formation))
         if member.tokens and not formation.contributed():  # the first contribution: the wait starts now
@@ -429,7 +429,7 @@ class Matchmaker:
             return {"status": JoinStatus.LEFT_OUT, "reason": formation.refused[sender]}
         if not any(tokens for _, tokens in outcome.tokens):
             return {"status": JoinStatus.LATE, "reason": f"no contribution to round {round_index} came to coordinator "
-                                                         f"{self.me[-8:]} while its helpers waited"}
+                                                         f"{self.me[-8:]} while its hubs waited"}
         return group_answer(outcome, self.following, member.follows)
 
     async def _refusal(self, sender: str, key: FormationKey) -> str | None:

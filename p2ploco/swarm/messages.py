@@ -34,7 +34,7 @@ SliceName = Annotated[str, StringConstraints(min_length=1, max_length=32)]
 Digest = Annotated[str, StringConstraints(max_length=128)]  # a hash, a fingerprint or a group id
 Name = Annotated[str, StringConstraints(max_length=64)]  # an all-reduce's or a pipeline group's name
 Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]
-# tokens a contribution was trained on: its weight (0: a helper's join, which contributes nothing)
+# tokens a contribution was trained on: its weight (0: a hub's join, which contributes nothing)
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 Norm = Annotated[float, Field(ge=0.0, lt=2.0**64, allow_inf_nan=False)]  # of a contribution (collective/robust.py)
 Reason = Annotated[str, AfterValidator(lambda text: shown(text, MAX_REASON))]  # escaped, cut (not refused)

@@ -87,8 +87,8 @@ class PeerRecord(BaseModel):
                       Field(max_length=MAX_SLICES)] = {}  # slice name -> hash of its global parameters, same time
     version: Short = ""
     name: Short = ""  # short human name
-    # a full replica, a pipeline stage, a helper (a replica that trains nothing: ``roles.py``), a bootstrap peer
-    role: Literal["replica", "stage", "helper", "bootstrap"] = "replica"
+    # a full replica, a pipeline stage, a hub (a replica that trains nothing: ``roles.py``), a bootstrap peer
+    role: Literal["replica", "stage", "hub", "bootstrap"] = "replica"
     device: Text = ""
     inner_step: Count = 0  # inner steps done in the current round
     loss: Amount | None = None  # mean inner loss of the last finished round

@@ -1,7 +1,7 @@
-"""Helpers: public peers that train nothing, coordinate and reduce the spans of trainers that cannot be dialled.
+"""Hubs: public peers that train nothing, coordinate and reduce the spans of trainers that cannot be dialled.
 
 Real daemons on loopback: the trainers say they only dial out (``reachability: client``, as behind a home router),
-so no trainer can coordinate or reduce, and a round happens only through the helper."""
+so no trainer can coordinate or reduce, and a round happens only through the hub."""
 
 import threading
 import time
@@ -40,47 +40,47 @@ def in_process_mean(tensor_lists):
 
 @pytest.fixture(scope="module")
 def helped():
-    """A helper and two trainers that only dial out; (helper, trainers)."""
+    """A hub and two trainers that only dial out; (hub, trainers)."""
     swarms = []
     try:
-        helper = Swarm.join("helped", CONFIG, run_document(), host_maddrs=LOOPBACK, role="helper")
-        swarms.append(helper)
+        hub = Swarm.join("helped", CONFIG, run_document(), host_maddrs=LOOPBACK, role="hub")
+        swarms.append(hub)
         client = CONFIG.model_copy(update={"reachability": "client"})
         for _ in range(2):
-            swarms.append(Swarm.join("helped", client, run_document(), initial_peers=helper.addresses(),
+            swarms.append(Swarm.join("helped", client, run_document(), initial_peers=hub.addresses(),
                                      host_maddrs=LOOPBACK))
         for s in swarms:
             s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
         assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)
-        yield helper, swarms[1:]
+        yield hub, swarms[1:]
     finally:
         for s in swarms:
             s.leave()
 
 
-def run_round(helper, trainers, round_index, seed, helper_first: threading.Event | None = None):
-    """One all-reduce of the helper (no contribution: zeros, never sent) and the trainers; their results and
-    exchanges, helper first."""
-    for s in (helper, *trainers):
+def run_round(hub, trainers, round_index, seed, hub_first: threading.Event | None = None):
+    """One all-reduce of the hub (no contribution: zeros, never sent) and the trainers; their results and
+    exchanges, hub first."""
+    for s in (hub, *trainers):
         s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
-    assert all(s.flush() for s in (helper, *trainers))
+    assert all(s.flush() for s in (hub, *trainers))
     exchanges = [DenseMean([torch.zeros(shape) for shape in SHAPES])] + [
         DenseMean(tensors(seed + i)) for i in range(len(trainers))]
     with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(helper.communicator.all_reduce, exchanges[0], round_index, "params")]
-        if helper_first is not None:
-            helper_first.wait(30)
+        futures = [pool.submit(hub.communicator.all_reduce, exchanges[0], round_index, "params")]
+        if hub_first is not None:
+            hub_first.wait(30)
         futures += [pool.submit(s.communicator.all_reduce, e, round_index, "params")
                     for s, e in zip(trainers, exchanges[1:])]
         return [f.result(timeout=60) for f in futures], exchanges
 
 
 @pytest.mark.timeout(120)
-def test_trainers_that_cannot_be_dialled_all_reduce_through_a_helper_to_the_mean_of_their_contributions(helped):
-    """Neither trainer can be dialled: the helper coordinates and reduces every span. It sends no contribution, so
-    every peer ends the round with the mean of the trainers' two, bit for bit as in process, the helper too."""
-    helper, trainers = helped
-    results, exchanges = run_round(helper, trainers, 1, seed=10)
+def test_trainers_that_cannot_be_dialled_all_reduce_through_a_hub_to_the_mean_of_their_contributions(helped):
+    """Neither trainer can be dialled: the hub coordinates and reduces every span. It sends no contribution, so
+    every peer ends the round with the mean of the trainers' two, bit for bit as in process, the hub too."""
+    hub, trainers = helped
+    results, exchanges = run_round(hub, trainers, 1, seed=10)
     assert all(r.committed and len(r.peers) == 3 for r in results), [r.failures for r in results]
     assert all(not r.dropped and not r.failures for r in results), [(r.dropped, r.failures) for r in results]
     expected = in_process_mean([tensors(10), tensors(11)])
@@ -90,34 +90,34 @@ def test_trainers_that_cannot_be_dialled_all_reduce_through_a_helper_to_the_mean
 
 
 @pytest.mark.timeout(120)
-def test_a_helpers_join_does_not_start_the_formations_wait_the_first_contribution_does(helped):
-    """The helper joins as the round begins, long before the trainers have finished their steps: the formation it
-    opens waits for the trainers (here 2 matchmaking timeouts after the helper joined), then closes with them.
-    Started at the helper's join, the wait would have closed a group of the helper alone, and the trainers would
+def test_a_hubs_join_does_not_start_the_formations_wait_the_first_contribution_does(helped):
+    """The hub joins as the round begins, long before the trainers have finished their steps: the formation it
+    opens waits for the trainers (here 2 matchmaking timeouts after the hub joined), then closes with them.
+    Started at the hub's join, the wait would have closed a group of the hub alone, and the trainers would
     have been told they were late."""
-    helper, trainers = helped
-    matchmaker = helper.communicator.matchmaker
+    hub, trainers = helped
+    matchmaker = hub.communicator.matchmaker
     opened = threading.Event()
 
-    def wait_for_the_helpers_formation():
+    def wait_for_the_hubs_formation():
         deadline = time.monotonic() + 30
         while not any(key[0] == 2 for key in list(matchmaker._forming)) and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(2 * CONFIG.matchmaking_timeout)  # the time that passes is what is tested
         opened.set()
 
-    waiter = threading.Thread(target=wait_for_the_helpers_formation)
+    waiter = threading.Thread(target=wait_for_the_hubs_formation)
     waiter.start()
-    results, exchanges = run_round(helper, trainers, 2, seed=20, helper_first=opened)
+    results, exchanges = run_round(hub, trainers, 2, seed=20, hub_first=opened)
     waiter.join()
     assert all(r.committed and len(r.peers) == 3 for r in results), [r.failures for r in results]
     expected = in_process_mean([tensors(20), tensors(21)])
     assert all(torch.equal(a, b) for e in exchanges for a, b in zip(e.mean(), expected, strict=True))
 
 
-def test_a_reducers_answer_that_names_a_helpers_contribution_is_refused():
-    """A helper sends no contribution, so an aggregate that names one (included, or left out as opposed) was not
-    made from what the group sent: refused like any malformed answer. The helper itself takes an answer that names
+def test_a_reducers_answer_that_names_a_hubs_contribution_is_refused():
+    """A hub sends no contribution, so an aggregate that names one (included, or left out as opposed) was not
+    made from what the group sent: refused like any malformed answer. The hub itself takes an answer that names
     only the trainers' contributions."""
     peers = ("a", "b", "h")
     group = Group("g", 3, "params", peers, "h", holdings=tuple((p, ("params",)) for p in peers),
@@ -127,5 +127,5 @@ def test_a_reducers_answer_that_names_a_helpers_contribution_is_refused():
     receipt, included = parse_reply(honest, group, "h", contributed=False)
     assert included == ["a", "b"] and receipt.own is None and receipt.tokens == (100, 100)
     for lie in ({**honest, "included": [0, 1, 2], "norms": [1.0, 2.0, 0.0]}, {**honest, "opposed": [2]}):
-        with pytest.raises(PayloadError, match="names a contribution of a helper"):
+        with pytest.raises(PayloadError, match="names a contribution of a hub"):
             parse_reply(lie, group, "a")
