@@ -15,6 +15,11 @@ the bridge (the router's 10.77.0.<i+1>), which masquerades what the host sends o
 hosts; nobody can dial it, not even another NATed host. Its cap stays on its own link (host to router). A
 connection dialled at a router's own address is refused (a reset); `--nat-inbound drop` drops it unanswered
 instead, as a "stealth" router does.
+`--hubs N` runs N hubs (`p2ploco node start --role hub`: full replicas that train nothing, coordinate, reduce the
+trainers' spans and take every result) on the bootstrap's machine, public and uncapped: with `--nat` equal to
+`--hosts`, every trainer is behind a NAT of its own and that machine is the only public one. A table of the hubs
+follows the hosts' (the rounds each applied, the bytes its link carried a round); `--kill-hub R` SIGKILLs the last
+hub, daemon and all, as round R begins.
 `--slow F0 F1 ...` stretches host i's inner steps to F_i times their compute time (the fault
 ``inner.step=slow:F`` in its node's P2PLOCO_FAULTS); `--hold S0 S1 ...` holds host i S_i seconds before each
 inner step instead (``inner.step=stall:S``: a data loader that waits, a device another job holds);
@@ -33,12 +38,12 @@ reachability as its node saw it (``reachability`` of its records), the rounds it
 rounds), that share, the rounds its work was applied in (applied with ``contributed_tokens`` > 0), its median round,
 and of the rounds it trained in how many had their work applied, then or carried into a later applied round (a step
 it sat rounds out for), and how many trained after the other hosts had applied their last round (`--json`:
-``per_host``). `--baseline` first runs each setting with 2 hosts, none slowed, held or NATed, and prints h0's median
-round against theirs (`h0_vs_baseline`); `--repeat N` runs baseline and setting N times, alternating, and compares
-the medians of all their runs' rounds (one run's baseline moved from 0.38 to 0.61 s on 2 cores). The summary lines
-(and `--json`) leave out round 0, which includes start-up: means over rounds 1.., and medians over every node's rounds
-1 .. R-2 (the last round also evaluates and writes the exit checkpoint; `median_utilisation`,
-`median_round_minus_inner`). Settings run one after another; each gets fresh namespaces.
+``per_host``). `--baseline` first runs each setting with 2 hosts (`--baseline-hosts`), none slowed, held or NATed,
+and prints h0's median round against theirs (`h0_vs_baseline`); `--repeat N` runs baseline and setting N times,
+alternating, and compares the medians of all their runs' rounds (one run's baseline moved from 0.38 to 0.61 s on 2
+cores). The summary lines (and `--json`) leave out round 0, which includes start-up: means over rounds 1.., and
+medians over every node's rounds 1 .. R-2 (the last round also evaluates and writes the exit checkpoint;
+`median_utilisation`, `median_round_minus_inner`). Settings run one after another; each gets fresh namespaces.
 
 Needs root (network namespaces and tc; with --nat, iptables or nft too). Where they cannot be made it says so in
 one line and exits 0.
@@ -55,6 +60,9 @@ removed by the next run.
     sudo python benchmarks/wan.py --slow 1 3 10 --rounds 12         # h1 computes 3x, h2 10x slower
     sudo python benchmarks/wan.py --hold 0 0 1.5 --rounds 12        # h2 held 1.5 s before each step
     sudo python benchmarks/wan.py --slow 1 3 10 --rounds 12 --baseline   # h0's rounds against 2 hosts alone
+    sudo python benchmarks/wan.py --nat 3 --hubs 1 --rounds 12 --baseline --baseline-hosts 3
+                                                # every trainer NATed, a hub on the bootstrap's machine
+    sudo python benchmarks/wan.py --hosts 6 --nat 6 --hubs 2 --kill-hub 6 --rounds 12   # one of 2 hubs dies
 """
 
 from __future__ import annotations
@@ -332,12 +340,15 @@ class Setting:
     subnet: str = SUBNET  # the bridge's /24
     nat_inbound: str = "reject"  # NAT routers refuse connections dialled at them, or drop them unanswered
     hubs: int = 0  # hub nodes (``--role hub``) on the bootstrap's machine
+    kill_hub: int | None = None  # the round at whose start the last hub is SIGKILLed (None: never)
 
     @property
     def label(self) -> str:
         extra = [f"{self.nat} NATed"] if self.nat else []
         if self.hubs:
             extra.append(f"{self.hubs} hub{'s' if self.hubs > 1 else ''} on the bootstrap's machine")
+        if self.kill_hub is not None:
+            extra.append(f"hub{self.hubs - 1} killed at round {self.kill_hub}")
         if any(f != 1 for f in self.slow):
             extra.append("slow " + ",".join(f"{f:g}" for f in self.slow))
         if any(self.hold):
@@ -396,7 +407,8 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                            "hub", "--reachability", "public", *[item for s in sets for item in ("--set", s)])
                 children.append(Child(f"hub{j}", network.run_in(network.bridge, argv), workdir / f"hub{j}.log",
                                       metrics_dir=workdir / f"hub{j}"))
-            return watch(setting, children[1:], rounds, timeout)
+            return watch(setting, children[1:], rounds, timeout,
+                         None if setting.kill_hub is None else (setting.kill_hub, children[-1]))
         finally:
             stop_all(children)
 
@@ -420,21 +432,32 @@ def signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def watch(setting: Setting, nodes: list[Child], rounds: int, timeout: float) -> list[list[dict]]:
+def watch(setting: Setting, nodes: list[Child], rounds: int, timeout: float,
+          kill: tuple[int, Child] | None = None) -> list[list[dict]]:
     """Every node's records once all have exited after their rounds, printing a line per round every node
-    finished; NodeFailed if one exits with an error, TimeoutError past ``timeout``."""
+    finished; NodeFailed if one exits with an error, TimeoutError past ``timeout``. ``kill``: (round, node): SIGKILL
+    that node (its whole session, daemon included: a machine that crashes) once every other node has finished the
+    round before; its exit is no failure."""
     deadline = time.monotonic() + timeout
     shown: set[int] = set()
+    killed: Child | None = None
     while True:
         records = [read_records(node.metrics_dir / "metrics.jsonl") for node in nodes]
-        for round_index in sorted(set.intersection(*({r["round"] for r in got} for got in records)) - shown):
+        if kill is not None and killed is None and all(any(r["round"] >= kill[0] - 1 for r in got)
+                                                       for node, got in zip(nodes, records) if node is not kill[1]):
+            killed = kill[1]
+            killed.signal(signal.SIGKILL)
+            print(f"[{setting.label}] killed {killed.name} (SIGKILL, its daemon too) as round {kill[0]} began",
+                  flush=True)
+        alive = [got for node, got in zip(nodes, records) if node is not killed]
+        for round_index in sorted(set.intersection(*({r["round"] for r in got} for got in alive)) - shown):
             rows = by_round(records, round_index)
             print(f"[{setting.label}] round {round_index}: round {mean(r['round_seconds'] for r in rows):.1f} s, "
                   f"comm {mean(r['comm_seconds'] for r in rows):.1f} s, "
-                  f"{'same params everywhere' if hashes_agree(rows, len(nodes)) else 'PARAMS DIFFER OR NOT APPLIED'}",
+                  f"{'same params everywhere' if hashes_agree(rows, len(alive)) else 'PARAMS DIFFER OR NOT APPLIED'}",
                   flush=True)
             shown.add(round_index)
-        codes = [node.process.poll() for node in nodes]
+        codes = [0 if node is killed and node.process.poll() is not None else node.process.poll() for node in nodes]
         for node, code, got in zip(nodes, codes, records):
             if code not in (None, 0):
                 raise NodeFailed(f"node {node.name} exited with code {code} after {len(got)} of {rounds} rounds: "
@@ -696,6 +719,9 @@ def main() -> int:
                         help=f"the bridge's /24 [{SUBNET}]; libp2p's AutoNAT, relay addresses and hole punching "
                              f"ignore private addresses, so a public-looking one (e.g. 7.77.0: the namespaces reach "
                              f"nothing outside) shows what they do on the Internet")
+    parser.add_argument("--kill-hub", type=int, metavar="ROUND",
+                        help="SIGKILL the last hub (its daemon too) once every other node has finished round ROUND - 1 "
+                             "[never]")
     parser.add_argument("--nat-inbound", default="reject", choices=NAT_INBOUND,
                         help="what the NAT routers do with a connection dialled at their own address: refuse it "
                              "(a reset, the kernel's answer) or drop it unanswered (a 'stealth' router, through which "
@@ -707,6 +733,8 @@ def main() -> int:
         raise SystemExit("error: --hosts must be in [2, 200], and --rounds and --repeat at least 1")
     if not 2 <= args.baseline_hosts <= 200 or not 0 <= args.hubs <= 8:
         raise SystemExit("error: --baseline-hosts must be in [2, 200] and --hubs in [0, 8]")
+    if args.kill_hub is not None and (args.hubs < 2 or not 1 <= args.kill_hub < args.rounds):
+        raise SystemExit("error: --kill-hub ROUND needs --hubs 2 or more (one is killed) and 1 <= ROUND < --rounds")
     if not 0 <= args.nat <= args.hosts:
         raise SystemExit("error: --nat must be in [0, --hosts]")
     if len(args.reachability) > args.hosts:
@@ -715,7 +743,8 @@ def main() -> int:
         slow = parse_slow(args.slow, args.hosts)
         hold = parse_hold(args.hold, slow)
         settings = [Setting(a, text, parse_rates(text, args.hosts), args.nat, slow, hold, args.reachability,
-                            args.subnet, args.nat_inbound, args.hubs) for a in args.algorithm for text in args.rate]
+                            args.subnet, args.nat_inbound, args.hubs, args.kill_hub)
+                    for a in args.algorithm for text in args.rate]
         params = count_params(args.config, args.overrides)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
