@@ -59,8 +59,8 @@ def _left_out(s: Survey) -> str:
 
 
 def peers_text(s: Survey) -> str:
-    title = (f"run '{shown(s.run_id)}': {len(s.trainers)} training peer(s), {len(s.peers) - len(s.trainers)} "
-             f"bootstrap{_left_out(s)}")
+    title = (f"run '{shown(s.run_id)}': {len(s.trainers)} training peer(s), {len(s.hubs)} hub(s), "
+             f"{len(s.peers) - len(s.trainers) - len(s.hubs)} bootstrap{_left_out(s)}")
     return title + "\n" + format_table(COLUMNS, peer_rows(s))
 
 
@@ -86,7 +86,8 @@ def peers_rich(s: Survey, width: int) -> Any:
             fitting.add(column)
             used += needed[column]
     visible = [i for i, c in enumerate(COLUMNS) if c in fitting]
-    table = Table(title=f"run [bold]{escape(shown(s.run_id))}[/]: {len(s.trainers)} training peer(s){_left_out(s)}",
+    table = Table(title=f"run [bold]{escape(shown(s.run_id))}[/]: {len(s.trainers)} training peer(s), "
+                        f"{len(s.hubs)} hub(s){_left_out(s)}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     styles = {"training": "green", "averaging": "cyan", "joining": "yellow", "standby": "yellow", "leaving": "red",
               "serving": "dim"}
@@ -127,7 +128,19 @@ def status_json(s: Survey) -> dict[str, Any]:
             "compression": round(statistics.median(p.compression for p in reported), 1) if reported else None,
         },
         "eval_loss": [[r, round(loss, 4)] for r, loss in _eval_trend(trainers)],
+        "hubs": [hub_load(p) for p in s.hubs],
     }
+
+
+def hub_load(hub: PeerRecord) -> dict[str, Any]:
+    """What a hub's last round took of its link: its bytes, and the busier direction's share of the link's rate over
+    the round (``link_use``; None where its operator stated no rate, ``swarm.bandwidth_mbit``)."""
+    busier = max(hub.bytes_sent, hub.bytes_received)
+    use = (busier * 8 / (hub.bandwidth_mbit * 1e6 * hub.round_seconds)
+           if hub.bandwidth_mbit and hub.round_seconds else None)
+    return {"name": hub.name, "peer_id": hub.peer_id, "bytes_per_round": hub.bytes_sent + hub.bytes_received,
+            "round_seconds": hub.round_seconds, "bandwidth_mbit": hub.bandwidth_mbit,
+            "link_use": None if use is None else round(use, 4)}
 
 
 def status_text(s: Survey) -> str:
@@ -152,5 +165,9 @@ def status_text(s: Survey) -> str:
          f"{last['seconds']:.1f} s; per peer sent {human_bytes(last['bytes_sent'])}, received "
          f"{human_bytes(last['bytes_received'])} ({last['compression']:.0f}x under dense fp32)"),
         ("eval loss", trend),
+        ("hubs", "; ".join(
+            f"{shown(h['name'])}: {human_bytes(h['bytes_per_round'])} a round"
+            + (f", {100 * h['link_use']:.0f}% of its {h['bandwidth_mbit']:g} Mbit/s" if h["link_use"] is not None
+               else " (its link's rate not stated)") for h in j["hubs"]) or "-"),
     ]
     return format_table(("swarm", "now"), rows)

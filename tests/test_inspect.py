@@ -22,7 +22,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
 from p2ploco.metrics import RoundRecord, TensorBoardLog
-from p2ploco.monitor import COLUMNS, peer_rows, peers_rich
+from p2ploco.monitor import COLUMNS, peer_rows, peers_rich, peers_text, status_json, status_text
 from p2ploco.swarm.dht import start_dht_node
 from p2ploco.swarm.identity import Identity, peer_id_of
 from p2ploco.swarm.loop import EventLoopThread
@@ -79,6 +79,23 @@ def test_the_table_names_each_stage_peers_group_and_stage():
     rows = [dict(zip(COLUMNS, row)) for row in peer_rows(Survey("tiny", [replica, stage], {}))]
     assert [(r["role"], r["group"], r["stage"], r["state"]) for r in rows] == [
         ("replica", "-", "-", "training"), ("stage", "g7", "1", "standby")]
+
+
+def test_status_shows_each_hub_and_how_much_of_its_link_its_last_round_took():
+    replica = PeerRecord.parse(valid_value(peer_id="12D3KooWReplica"))
+    hub = PeerRecord.parse(valid_value(peer_id="12D3KooWHub", role="hub", name="calm-heron", bandwidth_mbit=100.0,
+                                       round_seconds=2.0, bytes_sent=5_000_000, bytes_received=1_000_000))
+    unstated = PeerRecord.parse(valid_value(peer_id="12D3KooWHub2", role="hub", name="quiet-lark", round_seconds=2.0,
+                                            bytes_sent=10, bytes_received=10))
+    survey = Survey("tiny", [replica, hub, unstated], {})
+    assert [p.peer_id for p in survey.trainers] == [replica.peer_id]
+    loads = status_json(survey)["hubs"]
+    assert [(h["name"], h["bytes_per_round"], h["link_use"]) for h in loads] == [
+        ("calm-heron", 6_000_000, 0.2), ("quiet-lark", 20, None)]
+    hubs_row = next(line for line in status_text(survey).splitlines() if line.split()[0] == "hubs")
+    assert "calm-heron: 6.0 MB a round, 20% of its 100 Mbit/s" in hubs_row
+    assert "quiet-lark: 20 B a round (its link's rate not stated)" in hubs_row
+    assert peers_text(survey).splitlines()[0] == "run 'tiny': 1 training peer(s), 2 hub(s), 0 bootstrap"
 
 
 def dht_record(subkey: bytes, value: object) -> DHTRecord:

@@ -38,7 +38,12 @@ class Survey:
 
     @property
     def trainers(self) -> list[PeerRecord]:
-        return [p for p in self.peers if p.role != "bootstrap"]
+        return [p for p in self.peers if p.role not in ("bootstrap", "hub")]
+
+    @property
+    def hubs(self) -> list[PeerRecord]:
+        """The public machines that serve the run's rounds without training (``roles.py``)."""
+        return [p for p in self.peers if p.role == "hub"]
 
     @classmethod
     def from_json(cls, document: object) -> Survey:
