@@ -1,7 +1,8 @@
-"""benchmarks/wan.py's scenarios: hosts behind NATs of their own (--nat) and slow hosts (--slow), with real nodes in
-network namespaces, and the per-host summary (reachability, tokens trained, tokens in applied aggregates, the
-rounds a host's work was applied in). The scenario runs are slow (pytest -m slow); they skip, saying why, where
-namespaces or NAT cannot be made (not root, no iproute2, no iptables or nft). They check outcomes, never timings."""
+"""benchmarks/wan.py's scenarios: hosts behind NATs of their own (--nat), hubs for them (--hubs) and slow hosts
+(--slow), with real nodes in network namespaces, and the per-host summary (reachability, tokens trained, tokens in
+applied aggregates, the rounds a host's work was applied in). The scenario runs are slow (pytest -m slow); they skip,
+saying why, where namespaces or NAT cannot be made (not root, no iproute2, no iptables or nft). They check outcomes,
+never timings."""
 
 import importlib.util
 import json
@@ -104,6 +105,33 @@ def test_one_public_and_two_natted_hosts_apply_every_round_with_equal_params(tmp
     # The public host's work is in every aggregate once the first (start-up) round is done.
     public = row["per_host"][0]
     assert public["work_applied_rounds"] and public["contributed_tokens"] > 0, output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_three_natted_trainers_and_a_hub_on_the_bootstraps_machine_apply_every_round_with_equal_params(tmp_path):
+    """Every trainer behind a NAT of its own, the bootstrap's machine the only public one, with a hub on it."""
+    needs_nat()
+    row, output = run_wan(tmp_path, "--hosts", "3", "--nat", "3", "--hubs", "1", "--rounds", "4", *SHORT,
+                          timeout=850)
+    assert_every_round_applied_by_all(row, 3, 4, output)  # the hub applied them too, with the same hash
+    assert all(h["natted"] and h["reachability"] in ("relayed", "client") for h in row["per_host"]), output
+    assert all(h["work_applied_rounds"] == [0, 1, 2, 3] for h in row["per_host"]), output
+    [hub] = row["per_hub"]
+    assert hub["rounds_applied"] == 4 and hub["median_bytes_per_round"] > 0, output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_six_natted_trainers_lose_at_most_one_round_when_one_of_two_hubs_dies(tmp_path):
+    needs_nat()
+    row, output = run_wan(tmp_path, "--hosts", "6", "--nat", "6", "--hubs", "2", "--kill-hub", "3", "--rounds", "6",
+                          *SHORT, timeout=850)
+    assert row["appliers_agree"] is True, output  # every round: those that applied it hold one hash
+    for host in row["per_host"]:
+        assert host["rounds"] == 6 and host["rounds_applied"] >= 5, output
+    survivor, killed = row["per_hub"]
+    assert survivor["rounds_applied"] >= 5 and killed["rounds"] <= 3, output
 
 
 @pytest.mark.slow
