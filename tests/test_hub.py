@@ -3,6 +3,7 @@
 Real daemons on loopback: the trainers say they only dial out (``reachability: client``, as behind a home router),
 so no trainer can coordinate or reduce, and a round happens only through the hub."""
 
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from helpers import LOOPBACK, run_document
 from p2ploco.collective.dense import DenseMean
 from p2ploco.config import SwarmConfig
 from p2ploco.errors import PayloadError
+from p2ploco.launch import TINY_CONFIG, cli
 from p2ploco.swarm.allreduce import parse_reply
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.records import PeerState
@@ -129,3 +131,15 @@ def test_a_reducers_answer_that_names_a_hubs_contribution_is_refused():
     for lie in ({**honest, "included": [0, 1, 2], "norms": [1.0, 2.0, 0.0]}, {**honest, "opposed": [2]}):
         with pytest.raises(PayloadError, match="names a contribution of a hub"):
             parse_reply(lie, group, "a")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting, named", [("outer.algorithm=streaming", "streaming"),
+                                            ("outer.sparseloco.overlap=true", "sparseloco with overlap")])
+def test_a_hub_for_rounds_it_cannot_take_part_in_is_refused_in_one_line(tmp_path, setting, named):
+    result = subprocess.run(cli("node", "start", "--config", str(TINY_CONFIG), "--role", "hub", "--set", setting,
+                                "--log-dir", str(tmp_path)), capture_output=True, text=True, timeout=100)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        f"error: --role hub takes part in blocking rounds only; this run's outer is {named}: use SparseLoCo, DiLoCo "
+        f"or LoCo without overlap, or run this machine as a replica"], result.stderr
