@@ -232,8 +232,11 @@ class _ReducerSession:
 
     def miss(self, sender: str, failure: Failure | None, reason: str) -> None:
         """Go on without ``sender``'s contribution (its link failed, or it is too late), unless it is in already
-        (it then counts). Not the sender's fault: it votes "missing", and a redo takes it along."""
-        if self._pending(sender):
+        (it then counts). Not the sender's fault: it votes "missing", and a redo takes it along. A hub's link that
+        failed: the result is not waited on to reach it."""
+        if sender in self.listeners:
+            self.settle(sender)
+        elif self._pending(sender):
             self.missed[sender] = (failure, reason)
             logger.warning(f"round {self.group.round_index}: going on without {sender[-8:]}'s contribution to span "
                            f"{self.span.start}:{self.span.stop}: {reason}")
