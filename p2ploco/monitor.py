@@ -53,13 +53,18 @@ def peer_rows(s: Survey) -> list[tuple[str, ...]]:
     return [tuple(map(shown, row)) for row in rows]  # a record's strings are anyone's
 
 
+def _hubs(s: Survey) -> str:
+    """What a title says of the run's hubs ("" where it has none)."""
+    return f", {len(s.hubs)} hub(s)" if s.hubs else ""
+
+
 def _left_out(s: Survey) -> str:
     """What a title says of the records a node left out of its status answer (``status_answer``)."""
     return f"; {s.truncated} more left out by the node (over {MAX_STATUS_BYTES >> 20} MiB)" if s.truncated else ""
 
 
 def peers_text(s: Survey) -> str:
-    title = (f"run '{shown(s.run_id)}': {len(s.trainers)} training peer(s), {len(s.hubs)} hub(s), "
+    title = (f"run '{shown(s.run_id)}': {len(s.trainers)} training peer(s){_hubs(s)}, "
              f"{len(s.peers) - len(s.trainers) - len(s.hubs)} bootstrap{_left_out(s)}")
     return title + "\n" + format_table(COLUMNS, peer_rows(s))
 
@@ -86,8 +91,8 @@ def peers_rich(s: Survey, width: int) -> Any:
             fitting.add(column)
             used += needed[column]
     visible = [i for i, c in enumerate(COLUMNS) if c in fitting]
-    table = Table(title=f"run [bold]{escape(shown(s.run_id))}[/]: {len(s.trainers)} training peer(s), "
-                        f"{len(s.hubs)} hub(s){_left_out(s)}",
+    table = Table(title=f"run [bold]{escape(shown(s.run_id))}[/]: {len(s.trainers)} training peer(s){_hubs(s)}"
+                        f"{_left_out(s)}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     styles = {"training": "green", "averaging": "cyan", "joining": "yellow", "standby": "yellow", "leaving": "red",
               "serving": "dim"}
