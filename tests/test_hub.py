@@ -14,7 +14,7 @@ from helpers import LOOPBACK, run_document
 
 from p2ploco.collective.dense import DenseMean
 from p2ploco.config import SwarmConfig
-from p2ploco.errors import PayloadError
+from p2ploco.errors import Failure, PayloadError
 from p2ploco.launch import TINY_CONFIG, cli
 from p2ploco.swarm.allreduce import parse_reply
 from p2ploco.swarm.group import Group
@@ -115,6 +115,20 @@ def test_a_hubs_join_does_not_start_the_formations_wait_the_first_contribution_d
     assert all(r.committed and len(r.peers) == 3 for r in results), [r.failures for r in results]
     expected = in_process_mean([tensors(20), tensors(21)])
     assert all(torch.equal(a, b) for e in exchanges for a, b in zip(e.mean(), expected, strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_a_hub_waiting_for_a_round_the_trainers_have_passed_stops_waiting_and_catches_up(helped):
+    """The hub joins round 30 (its own formation: it coordinates here), but the trainers' records show round 31: no
+    contribution will come to it. It is told it is late within a heartbeat or two, instead of waiting out the
+    hour a hub's join may wait for a round's first contribution."""
+    hub, trainers = helped
+    hub.announce_progress(30, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+    for s in trainers:
+        s.announce_progress(31, PeerState.TRAINING, "start-state", {"params": "start-state"})
+    assert all(s.flush() for s in (hub, *trainers))
+    result = hub.communicator.all_reduce(DenseMean([torch.zeros(shape) for shape in SHAPES]), 30, "params")
+    assert not result.committed and Failure.LATE in result.failures, result.failures
 
 
 def test_a_reducers_answer_that_names_a_hubs_contribution_is_refused():

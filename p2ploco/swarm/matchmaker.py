@@ -68,7 +68,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,10 +235,9 @@ class Matchmaker:
             self.whereabouts.join(round_index, name, coordinator)  # before the ask: its group may reach us first
             try:
                 await faults.hit_async("matchmaking.join", round_index)
-                if coordinator == self.me:
-                    response = await self._join_here(self.me, request)
-                else:
-                    response = await self._ask(coordinator, request, deadline - time.monotonic())
+                asking = (self._join_here(self.me, request) if coordinator == self.me
+                          else self._ask(coordinator, request, deadline - time.monotonic()))
+                response = await (self._unless_passed(round_index, asking) if self.hub else asking)
                 answer = decode(JoinAnswer, response)
                 status = answer.status
                 if status == JoinStatus.GROUP:
@@ -268,6 +267,25 @@ class Matchmaker:
         logger.warning(f"round {round_index}: no coordinator answered ({tried or 'none to ask'})")
         return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),),
                      tokens=((self.me, request["tokens"]),))
+
+    async def _unless_passed(self, round_index: int, asking: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+        """A hub's answer to ``asking``, unless its view shows a trainer of the run at a later round first (then "late":
+        the hub waited for a round's first contribution at a formation the trainers did not come to, its view of
+        the coordinators being another than theirs, and it catches up rather than wait out ``HUB_PATIENCE``)."""
+        def passed() -> bool:
+            return any(r.round > round_index and r.role != "hub" and r.fingerprint == self.directory.me.fingerprint
+                       for r in self.directory.live.values())
+
+        asked = asyncio.ensure_future(asking)
+        try:
+            while not passed():
+                done, _ = await asyncio.wait({asked}, timeout=self.directory.interval)
+                if done:
+                    return asked.result()
+        finally:
+            asked.cancel()
+        return {"status": JoinStatus.LATE, "reason": f"the trainers moved past round {round_index} while this hub "
+                                                     f"waited for its first contribution"}
 
     async def _join_request(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
                             pipeline_group: str, tokens: int, base: Group | None) -> dict[str, Any]:
