@@ -10,4 +10,6 @@ __version__ = "0.1.0"
 # 4: contributions pointing against the others are left out, their senders banned (collective/robust.py).
 # 5: a resparsified result of n contributions keeps min(result_topk, n x topk) values per chunk.
 # 6: with resparsified results, a group of n holders sends max(1, min(topk, result_topk // n)) values per chunk each.
-PROTOCOL_VERSION = 6
+# 7: hubs: a member may join with 0 tokens (it contributes nothing), asks reducers for results with "listen", and
+# records may say role "hub"; a group is fitted to its contributors, not its holders.
+PROTOCOL_VERSION = 7

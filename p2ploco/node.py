@@ -274,7 +274,9 @@ class Node:
 
     def _print_setup(self, swarm: Swarm, role: Role, device: torch.device, data: TrainingData) -> None:
         c = self.config
-        pace = "H every round" if self._budget(swarm, role) is None else "as many of H as fit in the round's time"
+        budget = self._budget(swarm, role)
+        pace = ("H every round" if budget is None else "none: a hub trains nothing" if isinstance(budget, FixedSteps)
+                else "as many of H as fit in the round's time")
         reach = ("can be dialled" if not swarm.reachability.dials_out else
                  f"{swarm.reachability}: cannot be dialled (behind a NAT?), takes part by dialling out")
         self.out(f"[{swarm.peer_id[-8:]}] {role.describe()} on {device}; {data.describe()}; outer {c.outer.algorithm}, "
@@ -393,7 +395,7 @@ class Node:
         if sits_out:
             if worker.outer.unapplied_tokens:
                 # The work it kept, contributed in this round without a step. It joins once the others may be done
-                # with their steps (a formation closes a matchmaking timeout after its first join: one that came
+                # with their steps (a formation closes a matchmaking timeout after its first contribution: one that came
                 # early would close before them). Their round began about as its catch-up did.
                 self.stopping.wait(max(0.0, budget.others_round_seconds() - membership.catchup_seconds
                                        - c.swarm.matchmaking_timeout / 2))

@@ -89,6 +89,9 @@ def test_trainers_that_cannot_be_dialled_all_reduce_through_a_hub_to_the_mean_of
     for exchange in exchanges:
         assert all(torch.equal(a, b) for a, b in zip(exchange.mean(), expected, strict=True))
     assert results[0].traffic.contribution_bytes == 0 and results[1].traffic.contribution_bytes > 0
+    # A trainer that reduces nothing knows its partners from the hub's answers: the other trainer, whose step times
+    # its round budget then goes by (the hub has none)
+    assert trainers[1].peer_id in trainers[0].communicator.partners
 
 
 @pytest.mark.timeout(120)
@@ -129,6 +132,25 @@ def test_a_hub_waiting_for_a_round_the_trainers_have_passed_stops_waiting_and_ca
     assert all(s.flush() for s in (hub, *trainers))
     result = hub.communicator.all_reduce(DenseMean([torch.zeros(shape) for shape in SHAPES]), 30, "params")
     assert not result.committed and Failure.LATE in result.failures, result.failures
+
+
+@pytest.mark.timeout(60)
+def test_a_group_that_weighs_a_trainer_otherwise_than_it_joined_or_not_at_all_is_refused(helped):
+    """A coordinator that gave the trainers no weight would make the group's aggregate its own contribution alone:
+    only a peer whose record says it is a hub may weigh nothing, and a member takes a group only at its own weight."""
+    hub, (me, other) = helped
+    peers = tuple(sorted(s.peer_id for s in (hub, me, other)))
+
+    def accept(tokens: dict[str, int]):
+        group = Group("g", 40, "params", peers, hub.peer_id, holdings=tuple((p, ("params",)) for p in peers),
+                      tokens=tuple((p, tokens[p]) for p in peers), dial_out=(me.peer_id, other.peer_id))
+        return me.loop.run(me.communicator.matchmaker._accept(group, {"params": ("x", "y")}, 100, []), 30)
+
+    assert accept({hub.peer_id: 0, me.peer_id: 100, other.peer_id: 100}).tokens_of()[me.peer_id] == 100
+    with pytest.raises(PayloadError, match="gives 1 member.s. that are no hub no weight"):
+        accept({hub.peer_id: 0, me.peer_id: 100, other.peer_id: 0})
+    with pytest.raises(PayloadError, match="another weight than it joined with"):
+        accept({hub.peer_id: 0, me.peer_id: 0, other.peer_id: 100})
 
 
 def test_a_reducers_answer_that_names_a_hubs_contribution_is_refused():

@@ -49,6 +49,17 @@ def test_a_missing_span_means_a_redo_among_the_voters_not_known_dropped():
     assert decision.redo.coordinator == A and decision.redo.group_id != GROUP.group_id
 
 
+def test_no_redo_among_survivors_of_whom_none_can_reduce_a_slice_or_contribute_to_it():
+    """A hub (C, tokens 0) was the only member others can dial, and died: the NATed trainers who voted "missing"
+    cannot redo the round among themselves (nobody to reduce it: they used to "redo" a butterfly of no spans, all
+    hold the same empty aggregate, and commit it), and two hubs alone have nothing to reduce."""
+    hubbed = Group("g", 5, "params", (A, B, C, D), C, 0, tuple((p, (S,)) for p in (A, B, C, D)),
+                   tokens=((A, 100), (B, 100), (C, 0), (D, 0)), dial_out=(A, B))
+    assert decide(hubbed, {A: MISSING, B: MISSING, D: MISSING}, {}, C).outcome == Outcome.REDO  # D reduces
+    assert decide(hubbed, {A: MISSING, B: MISSING}, {}, C).outcome == Outcome.ABORT  # C and D died
+    assert decide(hubbed, {C: MISSING, D: MISSING}, {}, C).outcome == Outcome.ABORT  # the trainers died
+
+
 def test_one_liar_costs_a_redo_never_the_round():
     redo = group(attempt=1)
     liar = {A: holds(), B: holds(), C: holds(), D: MISSING}

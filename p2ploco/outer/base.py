@@ -156,8 +156,8 @@ class OuterAlgorithm(ABC):
         """The weight of a contribution trained on ``tokens``: those, and the tokens of earlier work that is in it
         because no aggregate applied it yet (given back by ``take`` if this round is not applied either), at most a
         full round's (``round_tokens``: no contribution weighs more than one full peer's, and coordinators refuse
-        more). 0 only for a hub's, which trained nothing and is owed nothing (``roles.py``)."""
-        weight, self.unapplied_tokens = tokens + self.unapplied_tokens, 0
+        more)."""
+        weight, self.unapplied_tokens = max(1, tokens) + self.unapplied_tokens, 0
         return weight if self.round_tokens is None else min(weight, self.round_tokens)
 
     def carried(self, deltas: list[torch.Tensor]) -> list[torch.Tensor]:

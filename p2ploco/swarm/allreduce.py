@@ -48,7 +48,10 @@ others (``robust.direction``) is struck; ``STRIKES`` such rounds within ``STRIKE
 A contribution to a piece, a wire message (``swarm/wire.py``) on a stream of its own, whose payload is
 the slice's encoding of the piece::
 
-    {v, group_id, round, slice, span: [piece start, piece stop], coordinator} + contribution
+    {v, group_id, round, slice, span: [piece start, piece stop], coordinator, listen} + contribution
+
+(``listen``: a hub's request for the piece's result, with no contribution: ``Group.contributors``; it is answered
+as any member is, and never counted in the aggregate.)
 
 answered ``{v, status: ok, included: [members in the aggregate], norms: [their contributions' norms], opposed:
 [members left out as pointing against the others]}`` + result (members by their places in the group's sorted list:
@@ -151,7 +154,8 @@ class Delivery:
     encoded: int  # bytes of our contribution
     sent: int = 0  # of them on the wire (0: it never went out)
     received: int = 0  # bytes of the aggregate that came back
-    left_out: frozenset[str] = frozenset()  # holders of the slice whose contributions are not in that aggregate
+    left_out: frozenset[str] = frozenset()  # contributors to the slice whose contributions are not in that aggregate
+    combined: frozenset[str] = frozenset()  # members whose contributions are in it, as the reducer's answer names them
     opposed_ours: bool = False  # the reducer left our contribution out: it pointed against the others'
     accused: bool = False  # its answer was malformed, or its result pointed against our contribution
     error: AllReduceError | None = None  # None: we hold the piece's aggregate
@@ -395,8 +399,12 @@ class ButterflyAllReduce:
             dropped=frozenset(rejected | {p for s in sessions for p in s.missed}
                               | {p for d in deliveries for p in d.left_out}),
             accused=frozenset(rejected | {d.reducer for d in deliveries if d.accused}),
+            # A member that reduces nothing (behind a NAT) has only the reducers' word for who took part: without it
+            # its partners would be the hubs that reduced for it alone, whose step times are none
             delivered=frozenset(({d.reducer for d in deliveries} - failed)
-                                | ({p for r in reductions for p in (*r.included, *r.opposed)} - {self.me})),
+                                | {p for r in reductions for p in (*r.included, *r.opposed)}
+                                | ({p for d in deliveries if d.error is None for p in d.combined} if not sessions
+                                   else set())) - {self.me},
             clipped=sorted({p for r in reductions for p in r.clipped}),
             opposed=sorted({p for r in reductions for p in r.opposed}),
             failures=failures, error=error,
@@ -407,7 +415,7 @@ class ButterflyAllReduce:
         try:
             await asyncio.wait_for(session.arrived.wait(), max(0.0, session.deadline - time.monotonic()))
         except TimeoutError:
-            for sender in session.senders:
+            for sender in session.senders | (session.listeners - session.connected):  # a hub not there by now: gone
                 session.miss(sender, Failure.TIMEOUT, f"sent nothing within {session.transfer:.0f} s")
         contributions = [(p, own if p == self.me else session.payloads[p]) for p in session.group.peers
                          if (p == self.me and own is not None) or p in session.payloads]
@@ -454,7 +462,7 @@ class ButterflyAllReduce:
         loop = asyncio.get_running_loop()
         listens = self.me not in group.contributors(route.slice)  # a hub: it sends nothing, takes the result
         payload = b"" if listens else await loop.run_in_executor(None, exchange.encode, span)
-        sent, received, left_out, opposed_ours, accused = 0, 0, frozenset(), False, False
+        sent, received, left_out, combined, opposed_ours, accused = 0, 0, frozenset(), frozenset(), False, False
         error: AllReduceError | None = None
         writer: asyncio.StreamWriter | None = None
         try:
@@ -480,6 +488,7 @@ class ButterflyAllReduce:
             await loop.run_in_executor(None, exchange.receive, span, result, receipt)
             received = len(result)
             left_out = frozenset(group.contributors(route.slice)) - set(included) - {self.me}
+            combined = frozenset(included)
         except AllReduceError as e:  # the reducer refused our contribution or went on without it (or failed before)
             if isinstance(e, ReducerElsewhere):  # it sends us nothing either
                 for piece in ours:
@@ -508,7 +517,7 @@ class ButterflyAllReduce:
         finally:
             if writer is not None:
                 writer.close()
-        return Delivery(peer, len(payload), sent, received, left_out, opposed_ours, accused, error)
+        return Delivery(peer, len(payload), sent, received, left_out, combined, opposed_ours, accused, error)
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A group member sends us its contribution to our span; answer with the span's aggregate."""

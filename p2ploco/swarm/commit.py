@@ -237,13 +237,17 @@ def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers
                         reason=f"committed without {left_out}" if left_out else "")
     if group.attempt == 0 and len(counted) >= 2:
         survivors = tuple(sorted(group.whole_pipeline_groups(set(counted))))
-        if len(survivors) >= 2:
+        redo = group.among(secrets.token_hex(8), survivors, me)
+        # Every slice the survivors hold needs a survivor that can be dialled to reduce it, and a contributor: a redo
+        # of NATed trainers whose only hub died would reduce nothing, and "commit" an aggregate nobody holds
+        slices = {name for peer in survivors for name in group.slices_of(peer)}
+        if len(survivors) >= 2 and all(redo.reducers(name) and redo.contributors(name) for name in slices):
             missing = sorted(p[-8:] for p in survivors if counted[p][0] != Vote.HOLDS)
             reason = (f"the all-reduce failed for {', '.join(missing) or 'nobody'} (a span did not arrive, or "
                       f"holders disagree); redoing it among {len(survivors)} of {len(group.peers)} peers"
                       + (f", without {left_out}" if len(survivors) < len(group.peers) else ""))
             logger.info(f"round {group.round_index}: {reason}")  # every member logs it at WARNING
-            return Decision(Outcome.REDO, redo=group.among(secrets.token_hex(8), survivors, me), reason=reason)
+            return Decision(Outcome.REDO, redo=redo, reason=reason)
     majority = {name: digest for name, ballots in held.items()
                 if (digest := plurality(ballots, electorate=holders[name])) is not None}
     counted_slices = {name for peer in counted for name in group.slices_of(peer)}

@@ -14,10 +14,11 @@ A peer that is ready for round r sends the coordinator a join request and waits;
 closes the group when every live peer that works on round r from the same state with the same config
 (or announced that it fetches that state to join round r; and still renews its record and can be dialled:
 a crashed peer is not waited for) has joined, or
-``matchmaking_timeout`` after the first join, and answers every waiting peer with the same ordered
-list. For the first third of that wait it also waits for peers still moving to round r (records at r - 1,
-or at r with another state: they catch up), since a round's all-reduce may come early in it (Streaming
-DiLoCo's first fragment syncs a step or two into the round). Neither side polls the DHT for it: a joiner
+``matchmaking_timeout`` after the first join that brings a contribution (a hub's does not: it joins as the round
+begins, ``roles.py``), and answers every waiting peer with the same ordered list. For the first third of that
+wait it also waits for peers still moving to round r (records at r - 1, or at r with another state: they catch
+up), since a round's all-reduce may come early in it (Streaming DiLoCo's first fragment syncs a step or two into
+the round). Neither side polls the DHT for it: a joiner
 uses the view it holds (``PeerDirectory.view``: taken since it moved to the round, or that of the group it
 follows), the coordinator looks up the records once as the first peer joins and then re-judges on events (a
 join, a heartbeat's lookup, a probe, the end of that grace), so the last join closes the group at once (it
@@ -242,7 +243,7 @@ class Matchmaker:
                 status = answer.status
                 if status == JoinStatus.GROUP:
                     return await self._accept(parse_group(answer.on(base), round_index, name, coordinator), slices,
-                                              failures)
+                                              request["tokens"], failures)
                 if status == JoinStatus.REDIRECT:
                     to = answer.to
                     if rendezvous(round_index, to) >= rendezvous(round_index, coordinator):
@@ -269,21 +270,31 @@ class Matchmaker:
                      tokens=((self.me, request["tokens"]),))
 
     async def _unless_passed(self, round_index: int, asking: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
-        """A hub's answer to ``asking``, unless its view shows a trainer of the run at a later round first (then "late":
-        the hub waited for a round's first contribution at a formation the trainers did not come to, its view of
-        the coordinators being another than theirs, and it catches up rather than wait out ``HUB_PATIENCE``)."""
-        def passed() -> bool:
-            return any(r.round > round_index and r.role != "hub" and r.fingerprint == self.directory.me.fingerprint
-                       for r in self.directory.live.values())
+        """A hub's answer to ``asking``, unless, at a fresh look each heartbeat, most of the run's trainers are at a
+        later round first (then "late": the hub waited for a round's first contribution at a formation the trainers
+        did not come to, its view of the coordinators being another than theirs, and it catches up rather than wait
+        out ``HUB_PATIENCE``; one record at a later round, anyone's to publish, decides nothing), or it starts
+        leaving (then "leaving")."""
+        def passed(live: dict[str, PeerRecord]) -> bool:
+            trainers = [r for p, r in live.items() if r.role != "hub" and r.fingerprint == self.directory.me.fingerprint
+                        and self.directory.fresh(p) and r.state != PeerState.LEAVING]
+            return 2 * sum(r.round > round_index for r in trainers) > len(trainers)
 
         asked = asyncio.ensure_future(asking)
         try:
-            while not passed():
+            while True:
                 done, _ = await asyncio.wait({asked}, timeout=self.directory.interval)
                 if done:
                     return asked.result()
+                if self.leaving.is_set():
+                    return {"status": JoinStatus.LEAVING}
+                if passed(await self.directory.refresh()):
+                    break
         finally:
             asked.cancel()
+        for key, formation in self._forming.items():  # a group formed here later is not one this hub takes part in
+            if key[0] == round_index:
+                formation.members.pop(self.me, None)
         return {"status": JoinStatus.LATE, "reason": f"the trainers moved past round {round_index} while this hub "
                                                      f"waited for its first contribution"}
 
@@ -305,11 +316,14 @@ class Matchmaker:
                 "unreachable": [], "tokens": 0 if self.hub else max(1, tokens), "dial_out": self.dial_out,
                 "follows": base.digest if base else ""}
 
-    async def _accept(self, group: Group, slices: dict[str, tuple[str, str]], failures: list[Failure]) -> Group:
-        """A coordinator's group, once checked against what this peer joined with and against the records
-        (PayloadError if implausible)."""
+    async def _accept(self, group: Group, slices: dict[str, tuple[str, str]], tokens: int, failures: list[Failure]
+                      ) -> Group:
+        """A coordinator's group, once checked against what this peer joined with (its slices, its weight) and
+        against the records (PayloadError if implausible)."""
         if set(group.slices_of(self.me)) != set(slices):
             raise PayloadError("group that says this peer holds other slices")
+        if group.tokens_of().get(self.me) != tokens:
+            raise PayloadError("group that gives this peer another weight than it joined with")
         if any(t > self.round_tokens for _, t in group.tokens):
             raise PayloadError(f"group that gives a member more tokens than a round holds ({self.round_tokens})")
         await self._check_plausible(group)
@@ -361,9 +375,14 @@ class Matchmaker:
             await asyncio.sleep(self.directory.interval)
             known = set(await self.directory.refresh())
         unknown = set(group.peers) - known
-        if not unknown:
-            return
-        raise PayloadError(f"group of {len(group.peers)} names {len(unknown)} peer(s) this peer does not know")
+        if unknown:
+            raise PayloadError(f"group of {len(group.peers)} names {len(unknown)} peer(s) this peer does not know")
+        # Only a hub contributes nothing: a coordinator that gave trainers no weight would make the group's aggregate
+        # its own contribution alone
+        live = self.directory.live
+        weightless = {p for p, t in group.tokens if t == 0 and (p not in live or live[p].role != "hub")}
+        if weightless:
+            raise PayloadError(f"group that gives {len(weightless)} member(s) that are no hub no weight")
 
     async def _ask(self, coordinator: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         """One join request, abandoned at once if this peer starts leaving. A stream that breaks is asked again:
