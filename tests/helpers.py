@@ -2,6 +2,7 @@
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from p2ploco import PROTOCOL_VERSION
+from p2ploco.collective.dense import DenseMean
 from p2ploco.config import Config, OuterConfig, SwarmConfig, load_config
 from p2ploco.data import ShardSampler
 from p2ploco.outer import build_outer
@@ -98,3 +100,14 @@ def ground(workdir: Path, names: str, wanted: Callable[[dict[str, str]], bool]) 
 def coordinated_by(peer_ids: dict[str, str], name: str, rounds: range) -> list[int]:
     """The rounds among ``rounds`` that node ``name`` coordinates while all of ``peer_ids`` are live."""
     return [r for r in rounds if best_coordinator(set(peer_ids.values()), r) == peer_ids[name]]
+
+
+def in_process_mean(tensor_lists: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The mean of ``tensor_lists`` (one list per replica) as an in-process group of dense replicas reduces it: the
+    reference a group over hivemind must match bit for bit."""
+    group = InProcessGroup(len(tensor_lists))
+    exchanges = [DenseMean(t) for t in tensor_lists]
+    with ThreadPoolExecutor(len(exchanges)) as pool:
+        list(pool.map(lambda rank: group.communicator(rank).all_reduce(exchanges[rank], 0, "params"),
+                      range(len(exchanges))))
+    return exchanges[0].mean()

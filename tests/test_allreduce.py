@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from helpers import LOOPBACK, join_swarms, run_document
+from helpers import LOOPBACK, in_process_mean, join_swarms, run_document
 from hivemind.p2p import P2P, PeerID
 
 from p2ploco.budget import StepTimes, WallClockBudget
@@ -79,14 +79,6 @@ def all_reduce_at(swarms, exchanges, round_index):
         futures = [pool.submit(s.communicator.all_reduce, e, round_index, "params") for s, e in zip(swarms, exchanges)]
         return [f.result(timeout=60) for f in futures]
 
-
-def in_process_mean(tensor_lists):
-    group = InProcessGroup(len(tensor_lists))
-    exchanges = [DenseMean(t) for t in tensor_lists]
-    with ThreadPoolExecutor(len(exchanges)) as pool:
-        list(pool.map(lambda rank: group.communicator(rank).all_reduce(exchanges[rank], 0, "params"),
-                      range(len(exchanges))))
-    return exchanges[0].mean()
 
 
 def test_all_peers_get_the_reference_aggregate_bit_for_bit(trio):

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import LOOPBACK, run_document
+from helpers import LOOPBACK, in_process_mean, run_document
 
 from p2ploco.collective.dense import DenseMean
 from p2ploco.config import SwarmConfig
@@ -20,7 +20,6 @@ from p2ploco.swarm.allreduce import parse_reply
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
-from p2ploco.testing.communicator import InProcessGroup
 
 CONFIG = SwarmConfig(matchmaking_timeout=2, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10, ban_rounds=0)
 SHAPES = [(64, 33), (33,), (7, 5)]
@@ -30,14 +29,6 @@ def tensors(seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=generator) for shape in SHAPES]
 
-
-def in_process_mean(tensor_lists):
-    group = InProcessGroup(len(tensor_lists))
-    exchanges = [DenseMean(t) for t in tensor_lists]
-    with ThreadPoolExecutor(len(exchanges)) as pool:
-        list(pool.map(lambda rank: group.communicator(rank).all_reduce(exchanges[rank], 0, "params"),
-                      range(len(exchanges))))
-    return exchanges[0].mean()
 
 
 @pytest.fixture(scope="module")
