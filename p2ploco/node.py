@@ -274,9 +274,8 @@ class Node:
 
     def _print_setup(self, swarm: Swarm, role: Role, device: torch.device, data: TrainingData) -> None:
         c = self.config
-        budget = self._budget(swarm, role)
-        pace = ("H every round" if budget is None else "none: a hub trains nothing" if isinstance(budget, FixedSteps)
-                else "as many of H as fit in the round's time")
+        pace = ("none: a hub trains nothing" if role.kind == HUB else
+                "H every round" if self._budget(swarm, role) is None else "as many of H as fit in the round's time")
         reach = ("can be dialled" if not swarm.reachability.dials_out else
                  f"{swarm.reachability}: cannot be dialled (behind a NAT?), takes part by dialling out")
         self.out(f"[{swarm.peer_id[-8:]}] {role.describe()} on {device}; {data.describe()}; outer {c.outer.algorithm}, "

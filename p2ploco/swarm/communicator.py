@@ -132,7 +132,7 @@ class SwarmCommunicator(Communicator):
                     if regroup is not None:
                         return await self._alone(exchange, round_index, started, failures)
                     return AllReduceResult([me], committed=False, excluded=True, attempts=len(attempts),
-                                           failures=failures, tokens=self._weight(exchange),
+                                           failures=failures, tokens=self.matchmaker.weight(exchange.tokens),
                                            traffic=round_traffic(attempts, time.perf_counter() - started))
                 group, formed = regroup, set(regroup.peers)
                 continue
@@ -149,11 +149,8 @@ class SwarmCommunicator(Communicator):
                 excluded=not committed and (decision.outcome in (Outcome.COMMIT, Outcome.REDO) or bool(dead)),
                 dropped=sorted(attempt.dropped | (formed - set(group.peers))),  # incl. those a redo left out
                 clipped=attempt.clipped, opposed=attempt.opposed, attempts=len(attempts), failures=failures,
-                tokens=self._weight(exchange), traffic=round_traffic(attempts, time.perf_counter() - started))
-
-    def _weight(self, exchange: SlicedExchange) -> int:
-        """What this peer's contribution weighed in the round: a hub sends none (``roles.py``)."""
-        return 0 if self.matchmaker.hub else exchange.tokens
+                tokens=self.matchmaker.weight(exchange.tokens),
+                traffic=round_traffic(attempts, time.perf_counter() - started))
 
     def _applied_with(self, group: Group | None, delivered: Iterable[str] = ()) -> None:
         """This peer applied the round's aggregate with ``group`` (None: it applied none, or its own alone), whose
@@ -185,7 +182,7 @@ class SwarmCommunicator(Communicator):
         except PayloadError as e:
             raise TrainingError(f"this peer's own update is unusable ({e}): training diverged; "
                                 f"lower the inner or outer learning rate") from None
-        return AllReduceResult([self.matchmaker.me], committed=True, failures=failures, tokens=self._weight(exchange),
+        return AllReduceResult([self.matchmaker.me], committed=True, failures=failures, tokens=exchange.tokens,
                                traffic=Traffic(contribution_bytes=uploaded, params=exchange.numel(),
                                                seconds=time.perf_counter() - started))
 

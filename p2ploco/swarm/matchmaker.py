@@ -313,8 +313,13 @@ class Matchmaker:
             state_digest, _ = round_state(await self.directory.refresh(), me, round_index, banned)
         return {"round": round_index, "name": name, "config": me.fingerprint, "state": state_digest,
                 "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline_group,
-                "unreachable": [], "tokens": 0 if self.hub else max(1, tokens), "dial_out": self.dial_out,
+                "unreachable": [], "tokens": self.weight(tokens), "dial_out": self.dial_out,
                 "follows": base.digest if base else ""}
+
+    def weight(self, tokens: int) -> int:
+        """What a contribution trained on ``tokens`` weighs in this peer's joins: at least 1, and 0 for a hub, which
+        sends none (``roles.py``)."""
+        return 0 if self.hub else max(1, tokens)
 
     async def _accept(self, group: Group, slices: dict[str, tuple[str, str]], tokens: int, failures: list[Failure]
                       ) -> Group:
@@ -449,7 +454,7 @@ class Matchmaker:
                                                              f"coordinator {self.me[-8:]}"}
             # A hub's join does not start the wait: it joins as the round begins, and the formation waits for
             # the first contribution (for HUB_PATIENCE at most)
-            formation = _Formation(key, time.monotonic() + (self.timeout if member.tokens else HUB_PATIENCE))
+            formation = _Formation(key, time.monotonic() + HUB_PATIENCE)
             self._forming[key] = formation
             asyncio.get_running_loop().create_task(self._close_when_complete(formation))
         if member.tokens and not formation.contributed():  # the first contribution: the wait starts now
