@@ -392,21 +392,22 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
             children.append(bootstrap)
             address = bootstrap.wait_for_line(ADDRESS, timeout=60).group(1)
             sets = [f"swarm.min_peers={hosts + setting.hubs}", f"outer.algorithm={setting.algorithm}", *overrides]
+
+            def start_node(name: str, namespace: str, listen: str, *extra: str, env: dict[str, str] | None = None
+                           ) -> None:
+                argv = cli("node", "start", "--config", config_path, "--initial-peers", address, "--host-maddrs",
+                           f"/ip4/{listen}/tcp/0", "--log-dir", str(workdir / name), "--max-rounds", str(rounds),
+                           "--identity", str(workdir / f"{name}.key"), *[item for s in sets for item in ("--set", s)],
+                           *extra)
+                children.append(Child(name, network.run_in(namespace, argv), workdir / f"{name}.log",
+                                      metrics_dir=workdir / name, env=env))
+
             for i, host in enumerate(network.hosts):
-                argv = cli("node", "start", "--config", config_path, "--initial-peers", address, "--host-maddrs",
-                           f"/ip4/{host.address}/tcp/0", "--log-dir", str(workdir / f"h{i}"), "--max-rounds",
-                           str(rounds), "--identity", str(workdir / f"h{i}.key"),
-                           *[item for s in sets for item in ("--set", s)],
-                           "--set", f"swarm.bandwidth_mbit={setting.rates[i]:g}", *setting.node_args(i))
-                children.append(Child(f"h{i}", network.run_in(host.namespace, argv), workdir / f"h{i}.log",
-                                      metrics_dir=workdir / f"h{i}", env=setting.node_env(i)))
+                start_node(f"h{i}", host.namespace, host.address, "--set", f"swarm.bandwidth_mbit={setting.rates[i]:g}",
+                           *setting.node_args(i), env=setting.node_env(i))
             for j in range(setting.hubs):  # public, and uncapped: the bootstrap's own machine
-                argv = cli("node", "start", "--config", config_path, "--initial-peers", address, "--host-maddrs",
-                           f"/ip4/{network.bridge_address}/tcp/0", "--log-dir", str(workdir / f"hub{j}"),
-                           "--max-rounds", str(rounds), "--identity", str(workdir / f"hub{j}.key"), "--role",
-                           "hub", "--reachability", "public", *[item for s in sets for item in ("--set", s)])
-                children.append(Child(f"hub{j}", network.run_in(network.bridge, argv), workdir / f"hub{j}.log",
-                                      metrics_dir=workdir / f"hub{j}"))
+                start_node(f"hub{j}", network.bridge, network.bridge_address, "--role", "hub", "--reachability",
+                           "public")
             return watch(setting, children[1:], rounds, timeout,
                          None if setting.kill_hub is None else (setting.kill_hub, children[-1]))
         finally:
@@ -520,8 +521,10 @@ def summarise(setting: Setting, everyone: list[list[dict]], params: int
     hosts = len(setting.rates)
     records, hubs = everyone[:hosts], everyone[hosts:]
     per_round = [by_round(records, i) for i in sorted({r["round"] for got in records for r in got})]
-    agree = {rows[0]["round"]: (hashes_agree(all_rows, len(everyone)), appliers_agree(all_rows))
-             for rows in per_round for all_rows in [by_round(everyone, rows[0]["round"])]}
+    agree = {}  # round -> (hashes equal, appliers agree), over the hosts and the hubs
+    for rows in per_round:
+        everyones = by_round(everyone, rows[0]["round"])
+        agree[rows[0]["round"]] = (hashes_agree(everyones, len(everyone)), appliers_agree(everyones))
     table = []
     for rows in per_round:
         table.append((rows[0]["round"], human_bytes(mean(r["bytes_sent"] + r["bytes_received"] for r in rows)),
