@@ -643,6 +643,7 @@ def host_summary(setting: Setting, records: list[list[dict]]) -> tuple[list[tupl
             "host": i, "natted": natted, "rate_mbit": setting.rates[i], "slow": setting.slowdown(i),
             "reachability": seen[-1] if seen else None, "reachabilities": reachability,
             "rounds": len(got), "rounds_applied": sum(bool(r["applied"]) for r in got),
+            "sat_out_rounds": [r["round"] for r in got if r.get("sat_out")],
             "tokens": tokens, "contributed_tokens": contributed if known else None,
             "work_applied_rounds": work if known else None,
             "work_applied_fraction": round(len(work) / len(got), 3) if known and got else None,
