@@ -15,11 +15,12 @@ the bridge (the router's 10.77.0.<i+1>), which masquerades what the host sends o
 hosts; nobody can dial it, not even another NATed host. Its cap stays on its own link (host to router). A
 connection dialled at a router's own address is refused (a reset); `--nat-inbound drop` drops it unanswered
 instead, as a "stealth" router does.
-`--hubs N` runs N hubs (`p2ploco node start --role hub`: full replicas that train nothing, coordinate, reduce the
-trainers' spans and take every result) on the bootstrap's machine, public and uncapped: with `--nat` equal to
-`--hosts`, every trainer is behind a NAT of its own and that machine is the only public one. A table of the hubs
-follows the hosts' (the rounds each applied, the bytes its link carried a round); `--kill-hub R` SIGKILLs the last
-hub, daemon and all, as round R begins.
+With `--nat` equal to `--hosts`, every trainer is behind a NAT of its own and the bootstrap's machine is the only
+public one; its `p2ploco dht` then hosts a hub, as it does by default (a full replica that trains nothing,
+coordinates, reduces the trainers' spans and takes every result: `hosted_hub.py`; `--no-bootstrap-hub` passes it
+`--no-hub`, `--bootstrap-hub` asks for it in any setting). `--hubs N` runs N more hubs (`p2ploco node start --role
+hub`) on that machine, public and uncapped. A table of the hubs follows the hosts' (the rounds each applied, the
+bytes its link carried a round); `--kill-hub R` SIGKILLs the last of `--hubs`, daemon and all, as round R begins.
 `--slow F0 F1 ...` stretches host i's inner steps to F_i times their compute time (the fault
 ``inner.step=slow:F`` in its node's P2PLOCO_FAULTS); `--hold S0 S1 ...` holds host i S_i seconds before each
 inner step instead (``inner.step=stall:S``: a data loader that waits, a device another job holds);
@@ -60,9 +61,10 @@ removed by the next run.
     sudo python benchmarks/wan.py --slow 1 3 10 --rounds 12         # h1 computes 3x, h2 10x slower
     sudo python benchmarks/wan.py --hold 0 0 1.5 --rounds 12        # h2 held 1.5 s before each step
     sudo python benchmarks/wan.py --slow 1 3 10 --rounds 12 --baseline   # h0's rounds against 2 hosts alone
-    sudo python benchmarks/wan.py --nat 3 --hubs 1 --rounds 12 --baseline --baseline-hosts 3
-                                                # every trainer NATed, a hub on the bootstrap's machine
-    sudo python benchmarks/wan.py --hosts 6 --nat 6 --hubs 2 --kill-hub 6 --rounds 12   # one of 2 hubs dies
+    sudo python benchmarks/wan.py --nat 3 --rounds 12 --baseline --baseline-hosts 3
+                                                # every trainer NATed: the bootstrap the only public machine
+    sudo python benchmarks/wan.py --hosts 6 --nat 6 --hubs 1 --kill-hub 6 --rounds 12
+                                                # the bootstrap's hub and one more; that one dies
 """
 
 from __future__ import annotations
@@ -339,14 +341,23 @@ class Setting:
     reachability: list[str] = field(default_factory=list)  # per host: its node's --reachability (none: the default)
     subnet: str = SUBNET  # the bridge's /24
     nat_inbound: str = "reject"  # NAT routers refuse connections dialled at them, or drop them unanswered
-    hubs: int = 0  # hub nodes (``--role hub``) on the bootstrap's machine
+    hubs: int = 0  # hub nodes (``--role hub``) on the bootstrap's machine, besides the bootstrap's own
     kill_hub: int | None = None  # the round at whose start the last hub is SIGKILLed (None: never)
+    bootstrap_hub: bool = False  # the bootstrap peer hosts its hub (``p2ploco dht``'s default; off: --no-hub)
+
+    @property
+    def hub_names(self) -> list[str]:
+        """The hubs, as their records come after the hosts': the bootstrap's, then the others."""
+        return ["bootstrap"] * self.bootstrap_hub + [f"hub{j}" for j in range(self.hubs)]
 
     @property
     def label(self) -> str:
         extra = [f"{self.nat} NATed"] if self.nat else []
+        if self.bootstrap_hub:
+            extra.append("the bootstrap hosts a hub")
         if self.hubs:
-            extra.append(f"{self.hubs} hub{'s' if self.hubs > 1 else ''} on the bootstrap's machine")
+            extra.append(f"{self.hubs} {'other ' if self.bootstrap_hub else ''}hub{'s' if self.hubs > 1 else ''} on "
+                         f"the bootstrap's machine")
         if self.kill_hub is not None:
             extra.append(f"hub{self.hubs - 1} killed at round {self.kill_hub}")
         if any(f != 1 for f in self.slow):
@@ -387,11 +398,13 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                       f", {natted[0]}..{natted[-1]} behind NATs" if natted else "")
             print(f"[{setting.label}] {hosts} hosts in namespaces {PREFIX}{network.tag}-*, bridge {network.subnet}.0/24"
                   f"{behind + f' ({LAN_SUBNET}.<i>.2)' if natted else ''}; logs in {workdir}", flush=True)
+            hub = ["--hub-log-dir", str(workdir / "bootstrap-hub")] if setting.bootstrap_hub else ["--no-hub"]
             bootstrap = Child("bootstrap", network.run_in(network.bridge, cli(
-                "dht", "--host-maddrs", f"/ip4/{network.bridge_address}/tcp/0")), workdir / "bootstrap.log")
+                "dht", "--host-maddrs", f"/ip4/{network.bridge_address}/tcp/0", *hub)), workdir / "bootstrap.log")
             children.append(bootstrap)
             address = bootstrap.wait_for_line(ADDRESS, timeout=60).group(1)
-            sets = [f"swarm.min_peers={hosts + setting.hubs}", f"outer.algorithm={setting.algorithm}", *overrides]
+            sets = [f"swarm.min_peers={hosts + len(setting.hub_names)}", f"outer.algorithm={setting.algorithm}",
+                    *overrides]
 
             def start_node(name: str, namespace: str, listen: str, *extra: str, env: dict[str, str] | None = None
                            ) -> None:
@@ -408,8 +421,12 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
             for j in range(setting.hubs):  # public, and uncapped: the bootstrap's own machine
                 start_node(f"hub{j}", network.bridge, network.bridge_address, "--role", "hub", "--reachability",
                            "public")
-            return watch(setting, children[1:], rounds, timeout,
-                         None if setting.kill_hub is None else (setting.kill_hub, children[-1]))
+            records = watch(setting, children[1:], rounds, timeout,
+                            None if setting.kill_hub is None else (setting.kill_hub, children[-1]))
+            if setting.bootstrap_hub:  # it serves the run until the bootstrap stops: its rounds of the run
+                served = read_records(workdir / "bootstrap-hub" / run_id(config_path, overrides) / "metrics.jsonl")
+                records[hosts:hosts] = [[r for r in served if r["round"] < rounds]]
+            return records
         finally:
             stop_all(children)
 
@@ -564,22 +581,22 @@ def summarise(setting: Setting, everyone: list[list[dict]], params: int
     if setting.nat or any(f != 1 for f in setting.slow):
         row["nat"], row["slow"] = setting.nat, [setting.slowdown(i) for i in range(hosts)]
     host_table, row["per_host"] = host_summary(setting, records)
-    hub_table, row["per_hub"] = hub_summary(hubs)
+    hub_table, row["per_hub"] = hub_summary(hubs, setting.hub_names)
     return table, host_table, hub_table, row
 
 
-def hub_summary(hubs: list[list[dict]]) -> tuple[list[tuple], list[dict]]:
+def hub_summary(hubs: list[list[dict]], names: list[str]) -> tuple[list[tuple], list[dict]]:
     """A row per hub: the rounds it applied, and what its machine's link carried for them a round (sent +
     received: the cost of helping, on the bootstrap's machine), median over rounds 1 .. R-2."""
     table, details = [], []
-    for j, got in enumerate(hubs):
+    for name, got in zip(names, hubs):
         middle = middle_rounds(got) if got else []
         traffic = statistics.median(r["bytes_sent"] + r["bytes_received"] for r in middle) if middle else 0
         timed = statistics.median(r["round_seconds"] for r in middle) if middle else 0.0
         applied = sum(bool(r["applied"]) for r in got)
-        details.append({"hub": j, "rounds": len(got), "rounds_applied": applied,
+        details.append({"hub": name, "rounds": len(got), "rounds_applied": applied,
                         "median_bytes_per_round": round(traffic), "median_round_seconds": round(timed, 3)})
-        table.append((f"hub{j}", f"{applied}/{len(got)}", human_bytes(traffic), f"{timed:.2f}"))
+        table.append((name, f"{applied}/{len(got)}", human_bytes(traffic), f"{timed:.2f}"))
     return table, details
 
 
@@ -670,6 +687,10 @@ def middle_rounds(got: list[dict]) -> list[dict]:
     return [r for r in got if 0 < r["round"] < last] or got
 
 
+def run_id(config_path: str, overrides: list[str]) -> str:
+    return load_config(config_path, overrides).run_id
+
+
 def count_params(config_path: str, overrides: list[str]) -> int:
     with torch.device("meta"):
         return sum(p.numel() for p in Transformer(load_config(config_path, overrides).model, seed=0).parameters())
@@ -716,6 +737,10 @@ def main() -> int:
                         help="run N hubs (`p2ploco node start --role hub`: they train nothing, coordinate and "
                              "reduce) on the bootstrap's machine, public and uncapped; with --nat equal to --hosts "
                              "every trainer is behind a NAT and the bootstrap's machine is the only public one [0]")
+    parser.add_argument("--bootstrap-hub", action=argparse.BooleanOptionalAction,
+                        help="the bootstrap peer hosts a hub (`p2ploco dht`'s default), or not (its --no-hub) [on "
+                             "when every host is NATed (--nat equal to --hosts): the bootstrap's machine is then the "
+                             "only public one; off otherwise]")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run each setting (after its baseline, with --baseline) N times, and compare h0's median "
                              "round over all of them with the baselines' over all of theirs [1]")
@@ -737,8 +762,11 @@ def main() -> int:
         raise SystemExit("error: --hosts must be in [2, 200], and --rounds and --repeat at least 1")
     if not 2 <= args.baseline_hosts <= 200 or not 0 <= args.hubs <= 8:
         raise SystemExit("error: --baseline-hosts must be in [2, 200] and --hubs in [0, 8]")
-    if args.kill_hub is not None and (args.hubs < 2 or not 1 <= args.kill_hub < args.rounds):
-        raise SystemExit("error: --kill-hub ROUND needs --hubs 2 or more (one is killed) and 1 <= ROUND < --rounds")
+    bootstrap_hub = args.nat == args.hosts if args.bootstrap_hub is None else args.bootstrap_hub
+    if args.kill_hub is not None and (args.hubs + bootstrap_hub < 2 or args.hubs < 1
+                                      or not 1 <= args.kill_hub < args.rounds):
+        raise SystemExit("error: --kill-hub ROUND needs two hubs or more, one of them of --hubs (it is killed), and "
+                         "1 <= ROUND < --rounds")
     if not 0 <= args.nat <= args.hosts:
         raise SystemExit("error: --nat must be in [0, --hosts]")
     if len(args.reachability) > args.hosts:
@@ -747,7 +775,7 @@ def main() -> int:
         slow = parse_slow(args.slow, args.hosts)
         hold = parse_hold(args.hold, slow)
         settings = [Setting(a, text, parse_rates(text, args.hosts), args.nat, slow, hold, args.reachability,
-                            args.subnet, args.nat_inbound, args.hubs, args.kill_hub)
+                            args.subnet, args.nat_inbound, args.hubs, args.kill_hub, bootstrap_hub)
                     for a in args.algorithm for text in args.rate]
         params = count_params(args.config, args.overrides)
     except ConfigError as e:

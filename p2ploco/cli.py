@@ -98,14 +98,33 @@ def main() -> None:
 @click.option("--initial-peers", multiple=True, help="Join an existing DHT through these multiaddrs (repeatable).")
 @with_swarm_options
 @click.option("--name", default="", help="Name shown by `p2ploco peers` [derived from the peer id].")
+@click.option("--no-hub", is_flag=True,
+              help="Serve the DHT only. By default this peer also hosts a hub: a peer that trains nothing and "
+                   "coordinates and reduces the run's rounds, so that trainers behind NAT train together.")
+@click.option("--run-id", help="The run the hub serves [the one run trained in this swarm, once there is one].")
+@click.option("--hub-port", type=click.IntRange(0, 65535),
+              help="TCP port the hub listens on [the bootstrap's port + 1; any free one if that is 0].")
+@click.option("--hub-max-mbit", type=click.FloatRange(min=0), default=0.0,
+              help="The most the hub sends, in Mbit/s, to all peers together; its record states it, so that "
+                   "transfer deadlines allow for it [0: no cap].")
+@click.option("--hub-log-dir", type=click.Path(file_okay=False), default="runs/hub", show_default=True,
+              help="Where the hub's log and metrics go.")
 @reports_errors
 def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...],
-        identity: str | None, name: str) -> None:
-    """A bootstrap-only DHT peer: prints the addresses nodes join through and stays up until stopped."""
+        identity: str | None, name: str, no_hub: bool, run_id: str | None, hub_port: int | None, hub_max_mbit: float,
+        hub_log_dir: str) -> None:
+    """A bootstrap DHT peer, and by default a hub for the run trained through it: prints the addresses nodes join
+    through and stays up until stopped."""
+    from p2ploco.hosted_hub import HostedHub, HubSettings, next_port
     from p2ploco.swarm.bootstrap import start_bootstrap, stop_bootstrap
     from p2ploco.swarm.loop import EventLoopThread
 
+    given = [flag for flag, value in (("--run-id", run_id), ("--hub-port", hub_port),
+                                      ("--hub-max-mbit", hub_max_mbit or None)) if value is not None]
+    if no_hub and given:
+        raise ConfigError(f"{', '.join(given)} set the hub up; drop them, or drop --no-hub")
     loop = EventLoopThread()
+    hub: HostedHub | None = None
     try:
         node, addresses = loop.run(start_bootstrap(initial_peers, host_maddrs, announce_maddrs, identity, name))
         click.echo(f"bootstrap peer {node.peer_id} is up. Nodes join with --initial-peers and one of:")
@@ -115,12 +134,22 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
         stopped = threading.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stopped.set())
+        if not no_hub:
+            settings = HubSettings(run_id, next_port(host_maddrs) if hub_port is None else hub_port, host_maddrs,
+                                   announce_maddrs, identity, Path(hub_log_dir), hub_max_mbit)
+            hub = HostedHub(settings, loop, node, addresses[0], click.echo)
+            hub.start()
         stopped.wait()
         click.echo("bootstrap peer stopping")
+        if hub is not None:
+            hub.stop()  # it leaves its round while the bootstrap still serves the DHT
+            hub = None
         trouble = stop_bootstrap(loop, node)
         if trouble is not None:
             click.echo(trouble, err=True)
     finally:
+        if hub is not None:  # the start failed after it began: its child is reaped all the same
+            hub.stop()
         loop.stop()
 
 

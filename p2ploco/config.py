@@ -316,6 +316,7 @@ class SwarmConfig(Section):
     allreduce_timeout: Wait = 60.0  # longest wait for any one transfer of an all-reduce, plus its bytes' time:
     min_bandwidth_mbit: Number = 10.0  # the slowest link a transfer's deadline allows for (swarm/deadlines.py)
     bandwidth_mbit: Number = 0.0  # this peer's link, published so others' deadlines fit it (0: not stated)
+    max_upload_mbit: Number = 0.0  # the most this peer sends per second, all streams together (0: no cap)
     # cap on any one transfer's deadline, however large its payload; in [allreduce_timeout, MAX_WAIT]
     max_transfer_timeout: Number = 900.0
     heartbeat_interval: Wait = 2.0  # how often a node refreshes its record in the DHT
@@ -331,6 +332,12 @@ class SwarmConfig(Section):
     # public, relayed (only through a circuit relay) or client (it can only dial out) skip the probe
     reachability: Literal["auto", "public", "relayed", "client"] = "auto"
 
+    @property
+    def published_mbit(self) -> float:
+        """The link rate this peer's record states: its link, or its upload cap where that is slower (0: neither
+        stated), so that others' transfer deadlines allow for what it will send."""
+        return min((r for r in (self.bandwidth_mbit, self.max_upload_mbit) if r > 0), default=0.0)
+
     @model_validator(mode="after")
     def _records_outlive_lookups(self) -> SwarmConfig:
         if self.peer_ttl < max(3 * self.heartbeat_interval, MIN_PEER_TTL):
@@ -344,6 +351,10 @@ class SwarmConfig(Section):
         if not (0 < self.min_bandwidth_mbit <= 1e6 and 0 <= self.bandwidth_mbit <= 1e6):
             raise ValueError(f"swarm.min_bandwidth_mbit ({self.min_bandwidth_mbit}) must be in (0, 1e6] and "
                              f"swarm.bandwidth_mbit ({self.bandwidth_mbit}) in [0, 1e6] Mbit/s (0: not stated)")
+        if not 0 <= self.max_upload_mbit <= 1e6 or 0 < self.max_upload_mbit < self.min_bandwidth_mbit:
+            raise ValueError(f"swarm.max_upload_mbit ({self.max_upload_mbit}) must be 0 (no cap) or in "
+                             f"[swarm.min_bandwidth_mbit={self.min_bandwidth_mbit}, 1e6] Mbit/s: a slower sender "
+                             f"would miss the transfer deadlines peers allow for")
         return self
 
     @model_validator(mode="after")
@@ -457,8 +468,9 @@ class Config(Section):
 # (README, "Joining with one address"); every other setting travels with the run and is part of its fingerprint.
 LOCAL_KEYS = frozenset({
     "run_id", "data.paths", "data.prepared", "data.tokenizer", "inner.batch_size", "inner.grad_accum",
-    "inner.fixed_steps", "swarm.bandwidth_mbit", "swarm.min_peers", "swarm.startup_timeout", "swarm.reachability",
-    "training.rounds", "training.device", "training.threads", "training.eval_every", "training.checkpoint_every"})
+    "inner.fixed_steps", "swarm.bandwidth_mbit", "swarm.max_upload_mbit", "swarm.min_peers", "swarm.startup_timeout",
+    "swarm.reachability", "training.rounds", "training.device", "training.threads", "training.eval_every",
+    "training.checkpoint_every"})
 
 
 def document_fingerprint(document: dict[str, Any]) -> str:

@@ -26,14 +26,17 @@ ADDRESS = re.compile(r"(/ip4/\S+/tcp/\d+/p2p/\w+)")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
 LOG_TAIL = 40  # lines of each child's log shown when a swarm's user fails
+HUB_LEAVE_SECONDS = 30.0  # a bootstrap's hub's time to leave its round once stopped, before it is killed
 
 
 class Child:
     """A child process whose output lines are collected by a thread (so reading never blocks)."""
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, metrics_dir: Path | None = None,
-                 env: dict[str, str] | None = None):
-        self.name, self.log_path, self.metrics_dir = name, log_path, metrics_dir
+                 env: dict[str, str] | None = None, keep_lines: bool = True):
+        """``keep_lines``: queue the output lines for ``wait_for_line`` (False for a child that runs for days: they
+        go to ``log_path`` only)."""
+        self.name, self.log_path, self.metrics_dir, self.keep_lines = name, log_path, metrics_dir, keep_lines
         self._log: IO[str] = log_path.open("a")
         self.lines: queue.Queue[str] = queue.Queue()
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -46,7 +49,8 @@ class Child:
         for line in self.process.stdout:
             self._log.write(line)
             self._log.flush()
-            self.lines.put(line)
+            if self.keep_lines:
+                self.lines.put(line)
         self._log.close()
 
     def wait_for_line(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
@@ -96,9 +100,10 @@ def cli(*args: str) -> list[str]:
 
 
 class LocalSwarm:
-    def __init__(self, workdir: Path, bootstrap: str = "p2ploco"):
-        """``bootstrap``: "p2ploco" runs ``p2ploco dht``; "hivemind" runs the stock ``hivemind-dht``."""
-        self.workdir = workdir
+    def __init__(self, workdir: Path, bootstrap: str = "p2ploco", hub: bool = False):
+        """``bootstrap``: "p2ploco" runs ``p2ploco dht``; "hivemind" runs the stock ``hivemind-dht``. ``hub``: the
+        p2ploco bootstrap hosts a hub for the run (``hosted_hub.py``; its records: ``hub_records``)."""
+        self.workdir, self.hub = workdir, hub
         workdir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
         self.nodes: dict[str, Child] = {}
@@ -110,7 +115,8 @@ class LocalSwarm:
             argv = [str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"]
             env = {"HIVEMIND_LOGLEVEL": "INFO"}  # it logs its addresses at INFO; this process may have set WARNING
         else:
-            argv = cli("dht", "--host-maddrs", LOOPBACK)
+            hub = ["--hub-log-dir", str(self.workdir / "hub")] if self.hub else ["--no-hub"]
+            argv = cli("dht", "--host-maddrs", LOOPBACK, *hub)
         child = Child("bootstrap", argv, self.workdir / "bootstrap.log", env=env)
         self.children.append(child)
         return child.wait_for_line(ADDRESS, timeout=60).group(1)
@@ -132,11 +138,16 @@ class LocalSwarm:
     def records(self, name: str) -> list[dict]:
         return read_records(self.nodes[name].metrics_dir / "metrics.jsonl")
 
+    def hub_records(self, run_id: str) -> list[dict]:
+        """The records of the hub the bootstrap hosts (``hub=True``) for ``run_id``."""
+        return read_records(self.workdir / "hub" / run_id / "metrics.jsonl")
+
     def close(self) -> None:
         for child in self.children:  # all leave at once, rather than one after another
             child.terminate()
         for child in reversed(self.children):
-            child.stop()
+            # the bootstrap's hub has HUB_LEAVE_SECONDS to leave its round before the bootstrap kills it
+            child.stop(HUB_LEAVE_SECONDS + 15 if child.name == "bootstrap" and self.hub else 15)
 
     def __enter__(self) -> LocalSwarm:
         return self

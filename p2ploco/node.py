@@ -31,7 +31,7 @@ from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.config import Config, config_of_run, differences, with_overrides
 from p2ploco.data import Batch, TrainingData, eval_batches, load_tokenizer, load_training_data, read_manifest
-from p2ploco.errors import ConfigError, PipelineError, shown
+from p2ploco.errors import ConfigError, PipelineError, SwarmError, shown
 from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.outer.base import Synced
@@ -207,10 +207,10 @@ class Node:
         mine = "" if data is None else own.swarm_fingerprint(data.fingerprint)
         run = arrival.run_document(mine)
         if run is None:
-            if data is None:
-                raise ConfigError(f"no peer of run '{run_id}' answered with its config through --initial-peers; check "
-                                  f"--run-id (`p2ploco peers --initial-peers ADDR` lists the runs), or start the run "
-                                  f"with --config FILE")
+            if data is None:  # swarm trouble (exit 1), not bad input: its peers may have left a moment ago
+                raise SwarmError(f"no peer of run '{run_id}' answered with its config through --initial-peers; check "
+                                 f"--run-id (`p2ploco peers --initial-peers ADDR` lists the runs), or start the run "
+                                 f"with --config FILE")
             return own, data
         if run.fingerprint == mine:
             return own, data

@@ -43,20 +43,21 @@ def test_a_peer_that_only_dials_out_takes_part_in_every_round(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_trainers_that_all_only_dial_out_train_together_through_a_hub(tmp_path):
-    """Both trainers are in client mode (as behind home routers): neither can coordinate or reduce. With a hub
-    (``--role hub``: a public machine that trains nothing) they apply every round together, and the hub ends
-    each with their params; it trains and contributes nothing. Without it, no round of theirs would have a
-    coordinator."""
-    with LocalSwarm(tmp_path) as swarm:
-        nodes = [swarm.start_node("h", TINY_CONFIG, *FAST, "--max-rounds", str(ROUNDS), "--role", "hub")]
-        nodes += [swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(ROUNDS), "--reachability", "client")
-                  for name in "ab"]
+def test_trainers_that_all_only_dial_out_train_together_through_the_bootstraps_hub(tmp_path):
+    """Both trainers are in client mode (as behind home routers): neither can coordinate or reduce. The bootstrap
+    (``p2ploco dht``) hosts a hub by default, a peer that trains nothing: with it they apply every round together,
+    and the hub ends each with their params; it trains and contributes nothing. Without it, no round of theirs
+    would have a coordinator."""
+    with LocalSwarm(tmp_path, hub=True) as swarm:
+        nodes = [swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(ROUNDS), "--reachability", "client")
+                 for name in "ab"]
         for node in nodes:
             assert node.process.wait(240) == 0
-        runs = {name: swarm.records(name) for name in "hab"}
-    identical_every_round(list(runs.values()))
-    assert all(r["tokens"] == 0 and r["contributed_tokens"] == 0 and r["role"] == "hub" for r in runs["h"])
+        hub = swarm.hub_records("tiny")[:ROUNDS]  # it serves the run until the bootstrap stops
+        runs = {"a": swarm.records("a"), "b": swarm.records("b")}
+    identical_every_round([hub, *runs.values()])
+    assert all(r["tokens"] == 0 and r["contributed_tokens"] == 0 and r["role"] == "hub" for r in hub)
+    assert all(r["reachability"] == "public" for r in hub)  # dialled back at the bootstrap's machine
     for name in "ab":
         assert all(r["reachability"] == "client" and r["contributed_tokens"] == r["tokens"] > 0 for r in runs[name])
 

@@ -40,6 +40,7 @@ from p2ploco.swarm.run_config import ConfigServer, RunDocument, fetch_run_docume
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, served_state
 from p2ploco.swarm.status import StatusServer
 from p2ploco.swarm.survey import survey
+from p2ploco.swarm.upload_cap import cap_uploads
 
 logger = logging.getLogger(__name__)
 
@@ -317,10 +318,11 @@ class Arrival:
 
         async def start() -> Swarm:
             p2p, me_id = node.protocol.p2p, str(node.peer_id)
+            cap_uploads(config.max_upload_mbit)
             addresses = await visible_maddrs(node)
             me = PeerRecord(peer_id=me_id, round=0, state=PeerState.JOINING, fingerprint=document_fingerprint(document),
                             version=__version__, name=name or human_name(me_id), device=device, role=role,
-                            bandwidth_mbit=config.bandwidth_mbit, addresses=addresses[:MAX_ADDRESSES])
+                            bandwidth_mbit=config.published_mbit, addresses=addresses[:MAX_ADDRESSES])
             directory = PeerDirectory(node, peers_key(self.run_id), self.owner, me, config.heartbeat_interval,
                                       config.peer_ttl, run_id=self.run_id)
             live = (await directory.refresh()).values()

@@ -28,7 +28,8 @@ async def _patiently(look: Callable[[], Awaitable[T]], enough: Callable[[T], boo
     return answer
 
 
-async def _runs(node: DHTNode) -> list[str]:
+async def runs_trained(node: DHTNode) -> list[str]:
+    """The run ids the DHT lists as trained now (a short look: ``find_run`` looks patiently)."""
     found = await node.get(RUNS_KEY, latest=True)
     value = getattr(found, "value", None)
     return sorted(k for k in value if isinstance(k, str)) if isinstance(value, dict) else []
@@ -37,7 +38,7 @@ async def _runs(node: DHTNode) -> list[str]:
 async def find_run(node: DHTNode, run_id: str | None) -> str:
     """The run to look at: ``run_id`` if someone trains it, or the only run being trained. Its records are
     schema-checked by ``node`` from here on."""
-    runs = await _patiently(lambda: _runs(node), lambda runs: bool(runs) and (run_id is None or run_id in runs))
+    runs = await _patiently(lambda: runs_trained(node), lambda runs: bool(runs) and (run_id is None or run_id in runs))
     if run_id is not None and run_id not in runs:
         if runs:
             raise SwarmError(f"no run '{shown(run_id)}' in this swarm; runs training now: "

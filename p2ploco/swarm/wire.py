@@ -53,6 +53,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from p2ploco import PROTOCOL_VERSION
 from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm.messages import MAX_PEER_ID
+from p2ploco.swarm.upload_cap import CHUNK_BYTES, upload_cap
 
 PREFIX = struct.Struct(">IQ")
 MAX_HEADER_BYTES = 1 << 16
@@ -101,12 +102,22 @@ def _link(doing: str, error: type[TransportError] = TransportError) -> Iterator[
 
 
 async def write_message(writer: asyncio.StreamWriter, header: dict[str, Any], payload: bytes = b"") -> None:
+    """Write one message; at the node's upload cap, if it has one (``upload_cap.py``)."""
     head = msgpack.packb({"v": PROTOCOL_VERSION, **header}, use_bin_type=True)
+    cap = upload_cap()
     with _link("the stream broke while writing"):
-        writer.write(PREFIX.pack(len(head), len(payload)) + head)
-        if payload:
-            writer.write(payload)
-        await writer.drain()
+        if cap is None:
+            writer.write(PREFIX.pack(len(head), len(payload)) + head)
+            if payload:
+                writer.write(payload)
+            await writer.drain()
+            return
+        message = memoryview(PREFIX.pack(len(head), len(payload)) + head + payload)
+        for start in range(0, len(message), CHUNK_BYTES):
+            chunk = message[start:start + CHUNK_BYTES]
+            await cap.take(len(chunk))
+            writer.write(chunk)
+            await writer.drain()
 
 
 async def read_header(reader: asyncio.StreamReader) -> tuple[dict[str, Any], int]:
