@@ -17,8 +17,9 @@ connection dialled at a router's own address is refused (a reset); `--nat-inboun
 instead, as a "stealth" router does.
 With `--nat` equal to `--hosts`, every trainer is behind a NAT of its own and the bootstrap's machine is the only
 public one; its `p2ploco dht` then hosts a hub, as it does by default (a full replica that trains nothing,
-coordinates, reduces the trainers' spans and takes every result: `hosted_hub.py`; `--no-bootstrap-hub` passes it
-`--no-hub`, `--bootstrap-hub` asks for it in any setting). `--hubs N` runs N more hubs (`p2ploco node start --role
+coordinates, reduces the trainers' spans and takes every result: `hosted_hub.py`), given the run's config (`--config`:
+no NATed trainer can be dialled to hand it out); `--no-bootstrap-hub` passes it `--no-hub`, `--bootstrap-hub` asks for
+it in any setting. `--hubs N` runs N more hubs (`p2ploco node start --role
 hub`) on that machine, public and uncapped. A table of the hubs follows the hosts' (the rounds each applied, the
 bytes its link carried a round); `--kill-hub R` SIGKILLs the last of `--hubs`, daemon and all, as round R begins.
 `--slow F0 F1 ...` stretches host i's inner steps to F_i times their compute time (the fault
@@ -398,13 +399,15 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                       f", {natted[0]}..{natted[-1]} behind NATs" if natted else "")
             print(f"[{setting.label}] {hosts} hosts in namespaces {PREFIX}{network.tag}-*, bridge {network.subnet}.0/24"
                   f"{behind + f' ({LAN_SUBNET}.<i>.2)' if natted else ''}; logs in {workdir}", flush=True)
-            hub = ["--hub-log-dir", str(workdir / "bootstrap-hub")] if setting.bootstrap_hub else ["--no-hub"]
+            sets = [f"swarm.min_peers={hosts + len(setting.hub_names)}", f"outer.algorithm={setting.algorithm}",
+                    *overrides]
+            # The bootstrap's hub is given the run's config: NATed trainers cannot be dialled to hand it out.
+            hub = (["--hub-log-dir", str(workdir / "bootstrap-hub"), "--config", config_path,
+                    *[item for s in sets for item in ("--set", s)]] if setting.bootstrap_hub else ["--no-hub"])
             bootstrap = Child("bootstrap", network.run_in(network.bridge, cli(
                 "dht", "--host-maddrs", f"/ip4/{network.bridge_address}/tcp/0", *hub)), workdir / "bootstrap.log")
             children.append(bootstrap)
             address = bootstrap.wait_for_line(ADDRESS, timeout=60).group(1)
-            sets = [f"swarm.min_peers={hosts + len(setting.hub_names)}", f"outer.algorithm={setting.algorithm}",
-                    *overrides]
 
             def start_node(name: str, namespace: str, listen: str, *extra: str, env: dict[str, str] | None = None
                            ) -> None:

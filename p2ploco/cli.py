@@ -101,7 +101,13 @@ def main() -> None:
 @click.option("--no-hub", is_flag=True,
               help="Serve the DHT only. By default this peer also hosts a hub: a peer that trains nothing and "
                    "coordinates and reduces the run's rounds, so that trainers behind NAT train together.")
-@click.option("--run-id", help="The run the hub serves [the one run trained in this swarm, once there is one].")
+@click.option("--run-id", help="The run the hub serves [the config's, with --config; else the one run trained in this "
+                                "swarm, once there is one].")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="The run's config: the hub starts at once and serves it to joiners, so that trainers that are all "
+                   "behind NAT can join with one address [fetched from a trainer that can be dialled].")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="With --config: override a key of it, as `node start --set` does (repeatable).")
 @click.option("--hub-port", type=click.IntRange(0, 65535),
               help="TCP port the hub listens on [the bootstrap's port + 1; any free one if that is 0].")
 @click.option("--hub-max-mbit", type=click.FloatRange(min=0), default=0.0,
@@ -111,18 +117,28 @@ def main() -> None:
               help="Where the hub's log and metrics go.")
 @reports_errors
 def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...],
-        identity: str | None, name: str, no_hub: bool, run_id: str | None, hub_port: int | None, hub_max_mbit: float,
-        hub_log_dir: str) -> None:
+        identity: str | None, name: str, no_hub: bool, run_id: str | None, config_path: str | None,
+        overrides: tuple[str, ...], hub_port: int | None, hub_max_mbit: float, hub_log_dir: str) -> None:
     """A bootstrap DHT peer, and by default a hub for the run trained through it: prints the addresses nodes join
     through and stays up until stopped."""
     from p2ploco.hosted_hub import HostedHub, HubSettings, next_port
     from p2ploco.swarm.bootstrap import start_bootstrap, stop_bootstrap
     from p2ploco.swarm.loop import EventLoopThread
 
-    given = [flag for flag, value in (("--run-id", run_id), ("--hub-port", hub_port),
-                                      ("--hub-max-mbit", hub_max_mbit or None)) if value is not None]
+    given = [flag for flag, value in (("--run-id", run_id), ("--config", config_path), ("--set", overrides or None),
+                                      ("--hub-port", hub_port), ("--hub-max-mbit", hub_max_mbit or None))
+             if value is not None]
     if no_hub and given:
         raise ConfigError(f"{', '.join(given)} set the hub up; drop them, or drop --no-hub")
+    if overrides and config_path is None:
+        raise ConfigError("--set goes with --config (a fetched config is the run's own)")
+    if config_path is not None:  # checked here, in one line, before anything starts
+        from p2ploco.config import load_config
+        from p2ploco.hosted_hub import PLAIN_NAME
+        run_id = load_config(config_path, list(overrides) + ([f"run_id={run_id}"] if run_id else [])).run_id
+        if not PLAIN_NAME.fullmatch(run_id):
+            raise ConfigError(f"run id {run_id!r}: a hub serves runs with plain names only (letters, digits, '.', "
+                              f"'_', '-'; at most 64); rename the run, or pass --no-hub")
     loop = EventLoopThread()
     hub: HostedHub | None = None
     try:
@@ -135,7 +151,8 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stopped.set())
         if not no_hub:
-            settings = HubSettings(run_id, next_port(host_maddrs) if hub_port is None else hub_port, host_maddrs,
+            settings = HubSettings(run_id, config_path, overrides,
+                                   next_port(host_maddrs) if hub_port is None else hub_port, host_maddrs,
                                    announce_maddrs, identity, Path(hub_log_dir), hub_max_mbit)
             hub = HostedHub(settings, loop, node, addresses[0], click.echo)
             hub.start()

@@ -2,12 +2,14 @@
 rounds, so that trainers which are all behind NAT train together (docs/design.md, "Hubs").
 
 The hub is ``p2ploco node start --role hub``, a child process of its own with its own peer id and port (the next
-port after the bootstrap's, by default): it fetches the run's config from the run's peers as any joiner does, and
-a crash or a bad round of it never takes the bootstrap down. It starts once the run has a trainer (before that there
-is no config to fetch), and starts again when it exits, after a pause that grows while it keeps failing. A start the
-hub refuses for its config (a streamed or overlapped run: exit code 2) ends the hosting, and the bootstrap goes on
-alone. Without ``--run-id`` it serves the one run trained in the swarm, once there is exactly one; an operator
-who wants it to serve only their run names it (a key of another run could otherwise be there first).
+port after the bootstrap's, by default), so that a crash or a bad round of it never takes the bootstrap down. Given
+the run's config (``p2ploco dht --config``), it starts at once and serves that config to joiners, so that trainers
+which are all behind NAT (none of whom can be dialled to hand out the config) join with one address. Without one it
+fetches the run's config as any joiner does, from a peer that can be dialled, once the run has a trainer; without
+``--run-id`` too, it serves the one run trained in the swarm once there is exactly one (an operator who wants it to
+serve only their run names it: a key of another run could otherwise be there first). It starts again when it
+exits, after a pause that grows while it keeps failing; a start it refuses for its config (a streamed or overlapped
+run: exit code 2) ends the hosting, and the bootstrap goes on alone.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def next_port(maddrs: Sequence[str]) -> int:
 
 @dataclass(frozen=True)
 class HubSettings:
-    run_id: str | None  # None: the one run the swarm trains
+    run_id: str | None  # None: the one run the swarm trains (or, with ``config``, the config's run id)
+    config: str | None  # the run's config file (None: fetched from the run's peers) and --set on top of it
+    overrides: tuple[str, ...]
     port: int  # 0: any free port (then the hub announces no address of its own: it shows the ones it listens on)
     host_maddrs: tuple[str, ...]  # the bootstrap's; the hub listens on the same interfaces
     announce_maddrs: tuple[str, ...]
@@ -64,7 +68,10 @@ class HubSettings:
         extra = [f"swarm.bandwidth_mbit={self.max_mbit:g}", f"swarm.max_upload_mbit={self.max_mbit:g}"] \
             if self.max_mbit else []
         identity = str(Path(self.identity).with_suffix(".hub.key")) if self.identity else None
-        return cli("node", "start", "--role", "hub", "--run-id", run_id, "--initial-peers", bootstrap_address,
+        config = [a for item in self.overrides for a in ("--set", item)]
+        if self.config is not None:
+            config[:0] = ["--config", self.config]
+        return cli("node", "start", "--role", "hub", "--run-id", run_id, "--initial-peers", bootstrap_address, *config,
                    *[a for m in hub_maddrs(self.host_maddrs, self.port) for a in ("--host-maddrs", m)],
                    *[a for m in announce for a in ("--announce-maddrs", m)],
                    *(["--identity", identity] if identity else []), "--log-dir", str(self.log_dir / run_id),
@@ -103,14 +110,16 @@ class HostedHub:
                 return
             if time.monotonic() - started >= STEADY_SECONDS:
                 pause = RESTART_PAUSES[0]
-            self.out(f"hub: exited with code {code} (its log: {self._log_path(run_id)}); starting it again in "
-                     f"{pause:.0f} s")
+            self.out(f"hub: exited with code {code}: {self._error_line(run_id)}; starting it again in {pause:.0f} s")
             if self.stopping.wait(pause):
                 return
             pause = min(2 * pause, RESTART_PAUSES[1])
 
     def _wait_for_trainer(self) -> str | None:
-        """The run to serve once it has a trainer (its config can be fetched then); None once stopping."""
+        """The run to serve: at once with a config of its own, else once the run has a trainer (its config can be
+        fetched then); None once stopping."""
+        if self.settings.config is not None:
+            return None if self.stopping.is_set() else self.settings.run_id
         said = ""
         while not self.stopping.is_set():
             if self.run_id is None:  # found once: a run the hub served is the one it serves again

@@ -17,18 +17,21 @@ def test_the_hub_listens_on_the_port_after_the_bootstraps_on_the_same_interfaces
     assert next_port(["/ip4/127.0.0.1/tcp/0"]) == 0 and next_port(["/ip4/0.0.0.0/udp/5/quic"]) == 0
     assert hub_maddrs(["/ip4/0.0.0.0/tcp/31337", "/ip6/::/tcp/31337"], 31338) == [
         "/ip4/0.0.0.0/tcp/31338", "/ip6/::/tcp/31338"]
-    settings = HubSettings("my-run", 31338, ("/ip4/0.0.0.0/tcp/31337",), ("/ip4/203.0.113.1/tcp/31337",),
-                           "keys/boot.key", Path("runs/hub"), 50.0)
+    settings = HubSettings("my-run", "configs/150m.yaml", ("inner.lr=1e-4",), 31338, ("/ip4/0.0.0.0/tcp/31337",),
+                           ("/ip4/203.0.113.1/tcp/31337",), "keys/boot.key", Path("runs/hub"), 50.0)
     argv = settings.argv("my-run", "/ip4/203.0.113.1/tcp/31337/p2p/QmBoot")
     assert argv[argv.index("node"):] == [
         "node", "start", "--role", "hub", "--run-id", "my-run", "--initial-peers",
-        "/ip4/203.0.113.1/tcp/31337/p2p/QmBoot", "--host-maddrs", "/ip4/0.0.0.0/tcp/31338",
+        "/ip4/203.0.113.1/tcp/31337/p2p/QmBoot", "--config", "configs/150m.yaml", "--set", "inner.lr=1e-4",
+        "--host-maddrs", "/ip4/0.0.0.0/tcp/31338",
         "--announce-maddrs", "/ip4/203.0.113.1/tcp/31338", "--identity", "keys/boot.hub.key",
         "--log-dir", "runs/hub/my-run", "--set", "swarm.bandwidth_mbit=50", "--set", "swarm.max_upload_mbit=50"]
-    # any free port: it announces nothing of its own (it shows what it listens on); no cap, no key: no such flags
-    loose = HubSettings(None, 0, ("/ip4/127.0.0.1/tcp/0",), ("/ip4/203.0.113.1/tcp/0",), None, Path("h"), 0.0)
+    # any free port: it announces nothing of its own (it shows what it listens on); no config, cap or key: no such
+    # flags (the config is fetched from the run's peers)
+    loose = HubSettings(None, None, (), 0, ("/ip4/127.0.0.1/tcp/0",), ("/ip4/203.0.113.1/tcp/0",), None, Path("h"),
+                        0.0)
     argv = loose.argv("r", "/ip4/127.0.0.1/tcp/5/p2p/QmBoot")
-    assert "--announce-maddrs" not in argv and "--identity" not in argv and "--set" not in argv
+    assert not {"--announce-maddrs", "--identity", "--set", "--config"} & set(argv)
 
 
 @pytest.mark.parametrize("name, plain", [("tiny", True), ("my-run.2", True), ("..", False), ("-x", False),
@@ -38,11 +41,18 @@ def test_a_hub_serves_runs_with_plain_names_only(name, plain):
 
 
 @pytest.mark.timeout(60)
-def test_hub_flags_with_no_hub_are_refused_in_one_line():
-    result = subprocess.run(cli("dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--no-hub", "--run-id", "r",
-                                "--hub-max-mbit", "20"), capture_output=True, text=True, timeout=50)
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == ["error: --run-id, --hub-max-mbit set the hub up; drop them, or drop --no-hub"]
+@pytest.mark.parametrize("args, said", [
+    (["--no-hub", "--run-id", "r", "--hub-max-mbit", "20"],
+     "error: --run-id, --hub-max-mbit set the hub up; drop them, or drop --no-hub"),
+    (["--set", "inner.lr=1e-4"], "error: --set goes with --config (a fetched config is the run's own)"),
+    (["--config", str(TINY_CONFIG), "--set", "inner.lr=x"], "error: --set: inner.lr must be a number; got 'x'"),
+    (["--config", str(TINY_CONFIG), "--run-id", "my run"],
+     "error: run id 'my run': a hub serves runs with plain names only (letters, digits, '.', '_', '-'; at most 64); "
+     "rename the run, or pass --no-hub")])
+def test_hub_settings_are_checked_before_anything_starts_in_one_line(args, said):
+    result = subprocess.run(cli("dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args), capture_output=True,
+                            text=True, timeout=50)
+    assert result.returncode == 2 and result.stderr.splitlines() == [said]
 
 
 @pytest.mark.timeout(240)
