@@ -424,11 +424,12 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
             for j in range(setting.hubs):  # public, and uncapped: the bootstrap's own machine
                 start_node(f"hub{j}", network.bridge, network.bridge_address, "--role", "hub", "--reachability",
                            "public")
+            served = [workdir / "bootstrap-hub" / run_id(config_path, overrides) / "metrics.jsonl"] \
+                if setting.bootstrap_hub else []
             records = watch(setting, children[1:], rounds, timeout,
-                            None if setting.kill_hub is None else (setting.kill_hub, children[-1]))
-            if setting.bootstrap_hub:  # it serves the run until the bootstrap stops: its rounds of the run
-                served = read_records(workdir / "bootstrap-hub" / run_id(config_path, overrides) / "metrics.jsonl")
-                records[hosts:hosts] = [[r for r in served if r["round"] < rounds]]
+                            None if setting.kill_hub is None else (setting.kill_hub, children[-1]), served)
+            for path in served:  # it serves the run until the bootstrap stops: its rounds of the run
+                records[hosts:hosts] = [[r for r in read_records(path) if r["round"] < rounds]]
             return records
         finally:
             stop_all(children)
@@ -454,11 +455,12 @@ def signals_held() -> Iterator[None]:
 
 
 def watch(setting: Setting, nodes: list[Child], rounds: int, timeout: float,
-          kill: tuple[int, Child] | None = None) -> list[list[dict]]:
+          kill: tuple[int, Child] | None = None, also: Sequence[Path] = ()) -> list[list[dict]]:
     """Every node's records once all have exited after their rounds, printing a line per round every node
     finished; NodeFailed if one exits with an error, TimeoutError past ``timeout``. ``kill``: (round, node): SIGKILL
     that node (its whole session, daemon included: a machine that crashes) once every other node has finished the
-    round before; its exit is no failure."""
+    round before; its exit is no failure. ``also``: the metrics of peers that are not waited for (the bootstrap's
+    hub: it serves on once the others are done), read for each round's line."""
     deadline = time.monotonic() + timeout
     shown: set[int] = set()
     killed: Child | None = None
@@ -471,11 +473,13 @@ def watch(setting: Setting, nodes: list[Child], rounds: int, timeout: float,
             print(f"[{setting.label}] killed {killed.name} (SIGKILL, its daemon too) as round {kill[0]} began",
                   flush=True)
         alive = [got for node, got in zip(nodes, records) if node is not killed]
-        for round_index in sorted(set.intersection(*({r["round"] for r in got} for got in alive)) - shown):
+        served = [read_records(path) for path in also]
+        for round_index in sorted(set.intersection(*({r["round"] for r in got} for got in alive + served)) - shown):
             rows = by_round(records, round_index)
+            agree = hashes_agree(rows + by_round(served, round_index), len(alive) + len(served))
             print(f"[{setting.label}] round {round_index}: round {mean(r['round_seconds'] for r in rows):.1f} s, "
                   f"comm {mean(r['comm_seconds'] for r in rows):.1f} s, "
-                  f"{'same params everywhere' if hashes_agree(rows, len(alive)) else 'PARAMS DIFFER OR NOT APPLIED'}",
+                  f"{'same params everywhere' if agree else 'PARAMS DIFFER OR NOT APPLIED'}",
                   flush=True)
             shown.add(round_index)
         codes = [0 if node is killed and node.process.poll() is not None else node.process.poll() for node in nodes]
