@@ -36,7 +36,8 @@ def build_replica(config: Config, device: torch.device, sampler: ShardSampler) -
     model = Transformer(config.model, config.training.seed,
                         token_table=subspace.table if subspace else None).to(device)
     constrained = subspace is not None and config.pipeline.compression == "uniform"
-    return Worker(config, device, model, LocalBatches(model, sampler, config.inner.grad_accum, device),
+    forward = torch.compile(model) if config.training.compile else model  # the same parameters, compiled kernels
+    return Worker(config, device, model, LocalBatches(forward, sampler, config.inner.grad_accum, device),
                   _constraint(config, subspace, model) if constrained else None)
 
 

@@ -78,14 +78,22 @@ class LocalBatches(GradientSource):
         self.tokens_per_step = micro_batches * sampler.batch_size * sampler.seq_len
 
     def accumulate(self, step: int) -> float:
-        total = 0.0
+        losses = []
         for micro in range(self.micro_batches):
-            inputs, targets = self.sampler.batch(step * self.micro_batches + micro)
+            inputs, targets = (on_device(t, self.device) for t in self.sampler.batch(step * self.micro_batches + micro))
             with autocast_for(self.device):
-                loss = self.model(inputs.to(self.device), targets=targets.to(self.device)) / self.micro_batches
+                loss = self.model(inputs, targets=targets) / self.micro_batches
             loss.backward()
-            total += loss.item()
-        return total
+            losses.append(loss.detach())
+        return float(torch.stack(losses).sum())  # one device sync a step, not one a micro-batch
+
+
+def on_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``batch`` on ``device``: to a GPU from pinned memory without waiting for the copy (the step's kernels queue
+    behind it)."""
+    if device.type == "cuda":
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch.to(device)
 
 
 def squared_norm(grads: Sequence[torch.Tensor]) -> float:
@@ -111,9 +119,11 @@ class InnerTrainer:
         self.params = list(model.parameters())
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]  # norm gains
+        # Fused (one kernel for every parameter's update) where the device has it; on the CPU the default
+        # (foreach) update is the one the reference-algorithm tests follow bit for bit
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=config.lr, betas=tuple(config.betas),
+            lr=config.lr, betas=tuple(config.betas), fused=True if device.type == "cuda" else None,
         )
         self.step_in_round = 0  # inner steps done in the round under way (shown in the peer's record)
         self.step_times = StepTimes()  # recent steps' wall time: sizes the swarm's round budget (``budget.py``)

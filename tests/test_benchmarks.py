@@ -174,3 +174,19 @@ def test_six_nodes_under_chaos_agree_on_every_round():
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["kills"] >= 4 and summary["rounds_completed"] == 18 and summary["rounds_dropped"] == 0
     assert summary["rounds_with_differing_hashes"] == 0 and set(summary["exit_codes"].values()) == {0}
+
+
+@pytest.mark.slow  # a benchmark's smoke test of 35 s: the default run keeps to its time
+@pytest.mark.timeout(200)
+def test_throughput_benchmark_times_the_node_against_a_bare_loop_and_whole_runs():
+    rows = json.loads(run("benchmarks/throughput.py", "--models", "tiny", "--repeat", "1", "--steps", "2",
+                          "--rounds", "4", "--whole-runs", "1@3", "2@3+overlap", "--json", "--set",
+                          "training.threads=1"))
+    inner, *runs = rows
+    assert inner["part"] == "inner" and inner["threads"] == 1 and inner["device"] == "cpu" and "mfu" not in inner
+    assert inner["bare_tokens_per_second"] > 0 and inner["node_tokens_per_second"] > 0
+    assert inner["node_vs_bare"] == round(inner["node_tokens_per_second"] / inner["bare_tokens_per_second"], 4)
+    assert [(r["nodes"], r["H"], r["overlap"]) for r in runs] == [(1, 3, False), (2, 3, True)]
+    for row in runs:
+        assert row["params_agree"] and row["tokens_per_second_per_node"] > 0 and "vs_bare" in row
+        assert row["round_seconds"] >= row["inner_seconds"] > 0

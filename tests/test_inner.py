@@ -1,9 +1,11 @@
 import numpy as np
 import torch
 
-from p2ploco.config import InnerConfig, ModelConfig
-from p2ploco.data import ShardSampler
+from p2ploco.build import build_replica
+from p2ploco.config import InnerConfig, ModelConfig, load_config
+from p2ploco.data import ShardSampler, load_training_data
 from p2ploco.inner import InnerTrainer, LocalBatches, clip_coefficient, evaluate
+from p2ploco.launch import TINY_CONFIG
 from p2ploco.model import Transformer
 
 
@@ -44,3 +46,14 @@ def test_clipping_matches_torch_clip_grad_norm():
     assert coefficient < 1.0  # the clip is active at this bound
     for clipped, raw in zip((p.grad for p in trainer.params), grads):
         assert torch.allclose(clipped, raw * coefficient, rtol=1e-6, atol=0)
+
+
+def test_training_compile_compiles_the_forward_over_the_workers_own_parameters():
+    config = load_config(TINY_CONFIG, ["training.compile=true"])
+    data = load_training_data(config)
+    sampler = ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, "p")
+    worker = build_replica(config, torch.device("cpu"), sampler)
+    forward = worker.inner.gradients.model
+    assert isinstance(forward, torch._dynamo.eval_frame.OptimizedModule) and forward._orig_mod is worker.model
+    assert not isinstance(build_replica(load_config(TINY_CONFIG), torch.device("cpu"), sampler).inner.gradients.model,
+                          torch._dynamo.eval_frame.OptimizedModule)

@@ -1,0 +1,224 @@
+"""The node's speed against the plain PyTorch loop it wraps, on whatever device it finds.
+
+    python benchmarks/throughput.py                       # inner steps and whole runs, tiny.yaml and 21.4M
+    python benchmarks/throughput.py --models 21m --parts inner --repeat 5
+    python benchmarks/throughput.py --json
+
+**Inner steps** (in this process, one device, ``training.threads`` threads): a bare loop (the model, AdamW with
+the run's hyperparameters and weight-decay groups, the same micro-batches, backward, clipping at the run's norm,
+step) against the node's inner loop (``build_replica``'s Worker: ``InnerTrainer.run_round``, as a node trains),
+over the same number of steps after the same warm-up. Tokens per second, the median of ``--repeat`` runs (bare and
+node alternate, so that what else the machine does weighs on both), and node / bare.
+
+**Whole runs** (``p2ploco demo``'s local swarm: real node processes, ``training.threads=1``, eval off): a lone node,
+and 2 nodes blocking and overlapped, at H = 3 and H = 30. Tokens per wall second per node over rounds 1 .. R-2
+(round 0 includes start-up, the last round the exit checkpoint), against the bare loop's tokens per second at one
+thread; and the medians of round seconds, inner seconds and round - inner.
+
+On CUDA, MFU too: 6 x parameters x tokens per second (plus attention's 12 x layers x d_model x seq_len per
+token) over the device's peak bf16 FLOPs (``--peak-tflops``, or a table of common GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from p2ploco.build import build_replica
+from p2ploco.config import Config, load_config
+from p2ploco.data import ShardSampler, load_training_data
+from p2ploco.demo import run_demo, slices_agree
+from p2ploco.inner import autocast_for
+from p2ploco.launch import TINY_CONFIG
+from p2ploco.metrics import format_table, read_records
+from p2ploco.model import Transformer
+from p2ploco.node import resolve_device
+
+MODELS = {
+    "tiny": [],
+    "21m": ["model.d_model=768", "model.n_layer=3", "model.n_head=12", "inner.batch_size=2", "data.seq_len=64"],
+}
+# whole runs: nodes @ H, + overlap
+WHOLE_RUNS = {"1@3": (1, 3, False), "2@3": (2, 3, False), "2@3+overlap": (2, 3, True), "1@30": (1, 30, False),
+              "2@30": (2, 30, False), "2@30+overlap": (2, 30, True)}
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
+WARMUP_STEPS = 2
+
+
+def config_of(model: str, extra: list[str]) -> Config:
+    return load_config(TINY_CONFIG, [*MODELS[model], "training.eval_every=100000", *extra])
+
+
+def bare_loop(config: Config, sampler: ShardSampler, device: torch.device, steps: int) -> float:
+    """Tokens per second of plain PyTorch: the same model, optimizer groups, micro-batches and clipping."""
+    c = config.inner
+    model = Transformer(config.model, config.training.seed).to(device)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": c.weight_decay},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=c.lr, betas=tuple(c.betas), fused=True if device.type == "cuda" else None)
+    model.train()
+
+    def step(index: int) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for micro in range(c.grad_accum):
+            inputs, targets = sampler.batch(index * c.grad_accum + micro)
+            with autocast_for(device):
+                loss = model(inputs.to(device), targets=targets.to(device)) / c.grad_accum
+            loss.backward()
+        if c.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
+        optimizer.step()
+
+    for index in range(WARMUP_STEPS):
+        step(index)
+    synchronize(device)
+    began = time.perf_counter()
+    for index in range(WARMUP_STEPS, WARMUP_STEPS + steps):
+        step(index)
+    synchronize(device)
+    return steps * c.grad_accum * c.batch_size * config.data.seq_len / (time.perf_counter() - began)
+
+
+def node_loop(config: Config, sampler: ShardSampler, device: torch.device, steps: int) -> float:
+    """Tokens per second of the node's inner loop: a replica's Worker, its rounds of ``steps`` steps."""
+    timed = config.model_copy(update={"inner": config.inner.model_copy(update={"steps": steps})})
+    warm = config.model_copy(update={"inner": config.inner.model_copy(update={"steps": WARMUP_STEPS})})
+    build_replica(warm, device, sampler).inner.run_round(0)  # the same warm-up: allocator, kernels
+    worker = build_replica(timed, device, sampler)
+    synchronize(device)
+    began = time.perf_counter()
+    stats = worker.inner.run_round(1)
+    synchronize(device)
+    return stats.tokens / (time.perf_counter() - began)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def flops_per_token(config: Config, params: int) -> float:
+    m = config.model
+    return 6 * params + 12 * m.n_layer * m.d_model * config.data.seq_len
+
+
+def peak_flops(device: torch.device, given: float | None) -> float | None:
+    if given:
+        return given * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in PEAK_TFLOPS.items() if key in name), None)
+
+
+def measure_inner(model: str, extra: list[str], steps: int, repeat: int, device: torch.device, peak: float | None,
+                  log) -> dict:
+    config = config_of(model, extra)
+    if config.training.threads:
+        torch.set_num_threads(config.training.threads)
+    data = load_training_data(config)
+    sampler = ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, "throughput")
+    bare, node = [], []
+    for attempt in range(repeat):
+        bare.append(bare_loop(config, sampler, device, steps))
+        node.append(node_loop(config, sampler, device, steps))
+        log(f"[inner {model}] run {attempt + 1}/{repeat}: bare {bare[-1]:,.0f} tok/s, node {node[-1]:,.0f} tok/s")
+    params = sum(p.numel() for p in Transformer(config.model, 0).parameters())
+    row = {"part": "inner", "model": model, "params": params, "device": str(device), "steps": steps,
+           "threads": torch.get_num_threads(), "bare_tokens_per_second": round(statistics.median(bare)),
+           "node_tokens_per_second": round(statistics.median(node))}
+    row["node_vs_bare"] = round(row["node_tokens_per_second"] / row["bare_tokens_per_second"], 4)
+    if peak is not None:
+        row["mfu"] = round(row["node_tokens_per_second"] * flops_per_token(config, params) / peak, 4)
+    return row
+
+
+def measure_run(model: str, extra: list[str], nodes: int, steps: int, overlap: bool, rounds: int, log) -> dict:
+    sets = [*MODELS[model], f"inner.steps={steps}", "training.threads=1", "training.eval_every=100000", *extra]
+    if overlap:
+        sets.append("outer.sparseloco.overlap=true")
+    with tempfile.TemporaryDirectory(prefix="p2ploco-throughput-") as workdir:
+        ok = run_demo(nodes, 0, 1, rounds, TINY_CONFIG, Path(workdir), sets, out=log)
+        runs = [read_records(path) for path in sorted(Path(workdir).glob("node*/metrics.jsonl"))]
+    if not ok or len(runs) != nodes:
+        raise SystemExit(f"error: the run of {nodes} node(s), H={steps}{', overlapped' if overlap else ''} failed "
+                         f"(its log above)")
+    rates, middle = [], []
+    for records in runs:
+        records = sorted(records, key=lambda r: r["round"])[: rounds - 1]  # to R-2 (the last writes the checkpoint)
+        rates.append(sum(r["tokens"] for r in records[1:]) / (records[-1]["timestamp"] - records[0]["timestamp"]))
+        middle += records[1:]
+    return {"part": "run", "model": model, "nodes": nodes, "H": steps, "overlap": overlap, "rounds": rounds,
+            "tokens_per_second_per_node": round(statistics.median(rates)),
+            "round_seconds": round(statistics.median(r["round_seconds"] for r in middle), 3),
+            "inner_seconds": round(statistics.median(r["inner_seconds"] for r in middle), 3),
+            "round_minus_inner": round(statistics.median(r["round_seconds"] - r["inner_seconds"] for r in middle), 3),
+            "params_agree": all(slices_agree({f"node{i}": rs for i, rs in enumerate(runs)}).values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--parts", nargs="+", default=["inner", "runs"], choices=["inner", "runs"])
+    parser.add_argument("--repeat", type=int, default=3, help="inner-step runs per model (medians) [3]")
+    parser.add_argument("--steps", type=int, default=20, help="timed inner steps per inner-step run [20]")
+    parser.add_argument("--rounds", type=int, default=12, help="rounds per whole run (rounds 1..R-2 count) [12]")
+    parser.add_argument("--whole-runs", nargs="+", default=list(WHOLE_RUNS), choices=list(WHOLE_RUNS),
+                        metavar="NODES@H[+overlap]", help=f"which whole runs [{' '.join(WHOLE_RUNS)}]")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda[:N] [auto]")
+    parser.add_argument("--peak-tflops", type=float, help="the device's peak bf16 TFLOP/s, for MFU [a table]")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--json", action="store_true", help="print the rows as a JSON list (progress on stderr)")
+    args = parser.parse_args()
+    if args.repeat < 1 or args.steps < 1 or args.rounds < 4:
+        raise SystemExit("error: --repeat and --steps must be at least 1, --rounds at least 4")
+    device = resolve_device(args.device)
+    peak = peak_flops(device, args.peak_tflops)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    rows = []
+    for model in args.models:
+        if "inner" in args.parts:
+            rows.append(measure_inner(model, args.overrides, args.steps, args.repeat, device, peak, log))
+        if "runs" in args.parts:
+            bare = next((r["bare_tokens_per_second"] for r in rows if r["part"] == "inner" and r["model"] == model),
+                        None)
+            for nodes, steps, overlap in (WHOLE_RUNS[name] for name in args.whole_runs):
+                row = measure_run(model, args.overrides, nodes, steps, overlap, args.rounds, log)
+                if bare is not None and torch.get_num_threads() == 1:
+                    row["vs_bare"] = round(row["tokens_per_second_per_node"] / bare, 3)
+                rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    inner = [r for r in rows if r["part"] == "inner"]
+    if inner:
+        print(f"\ninner steps alone on {device} (tokens/s, medians of {args.repeat} runs of {args.steps} steps)")
+        print(format_table(("model", "params", "threads", "bare loop", "node", "node / bare", "MFU"),
+                           [(r["model"], f"{r['params'] / 1e6:.1f}M", r["threads"], f"{r['bare_tokens_per_second']:,}",
+                             f"{r['node_tokens_per_second']:,}", f"{r['node_vs_bare']:.3f}",
+                             f"{r['mfu']:.3f}" if "mfu" in r else "-") for r in inner]))
+    runs = [r for r in rows if r["part"] == "run"]
+    if runs:
+        print(f"\nwhole runs (real nodes, 1 thread each; rounds 1..{args.rounds - 2}; per node; vs bare: against the "
+              f"bare loop at 1 thread, where it ran so)")
+        print(format_table(("model", "nodes", "H", "overlap", "tok/s", "vs bare", "round s", "inner s",
+                            "round - inner s", "params agree"),
+                           [(r["model"], r["nodes"], r["H"], "yes" if r["overlap"] else "no",
+                             f"{r['tokens_per_second_per_node']:,}", f"{r['vs_bare']:.2f}" if "vs_bare" in r else "-",
+                             f"{r['round_seconds']:.2f}", f"{r['inner_seconds']:.2f}", f"{r['round_minus_inner']:.2f}",
+                             "yes" if r["params_agree"] else "NO") for r in runs]))
+
+
+if __name__ == "__main__":
+    main()
