@@ -36,14 +36,16 @@ from p2ploco.config import Config, load_config
 from p2ploco.data import ShardSampler, load_training_data
 from p2ploco.demo import run_demo, slices_agree
 from p2ploco.inner import autocast_for
-from p2ploco.launch import TINY_CONFIG
+from p2ploco.launch import REPO_ROOT, TINY_CONFIG
 from p2ploco.metrics import format_table, read_records
 from p2ploco.model import Transformer
 from p2ploco.node import resolve_device
 
-MODELS = {
-    "tiny": [],
-    "21m": ["model.d_model=768", "model.n_layer=3", "model.n_head=12", "inner.batch_size=2", "data.seq_len=64"],
+MODELS = {  # a config file and --set on top of it
+    "tiny": (TINY_CONFIG, []),
+    "21m": (TINY_CONFIG, ["model.d_model=768", "model.n_layer=3", "model.n_head=12", "inner.batch_size=2",
+                          "data.seq_len=64"]),
+    "150m": (REPO_ROOT / "configs" / "150m.yaml", []),
 }
 # whole runs: nodes @ H, + overlap
 WHOLE_RUNS = {"1@3": (1, 3, False), "2@3": (2, 3, False), "2@3+overlap": (2, 3, True), "1@30": (1, 30, False),
@@ -53,7 +55,8 @@ WARMUP_STEPS = 2
 
 
 def config_of(model: str, extra: list[str]) -> Config:
-    return load_config(TINY_CONFIG, [*MODELS[model], "training.eval_every=100000", *extra])
+    path, sets = MODELS[model]
+    return load_config(path, [*sets, "training.eval_every=100000", *extra])
 
 
 def bare_loop(config: Config, sampler: ShardSampler, device: torch.device, steps: int) -> float:
@@ -142,11 +145,12 @@ def measure_inner(model: str, extra: list[str], steps: int, repeat: int, device:
 
 
 def measure_run(model: str, extra: list[str], nodes: int, steps: int, overlap: bool, rounds: int, log) -> dict:
-    sets = [*MODELS[model], f"inner.steps={steps}", "training.threads=1", "training.eval_every=100000", *extra]
+    path, sets = MODELS[model]
+    sets = [*sets, f"inner.steps={steps}", "training.threads=1", "training.eval_every=100000", *extra]
     if overlap:
         sets.append("outer.sparseloco.overlap=true")
     with tempfile.TemporaryDirectory(prefix="p2ploco-throughput-") as workdir:
-        ok = run_demo(nodes, 0, 1, rounds, TINY_CONFIG, Path(workdir), sets, out=log)
+        ok = run_demo(nodes, 0, 1, rounds, path, Path(workdir), sets, out=log)
         runs = [read_records(path) for path in sorted(Path(workdir).glob("node*/metrics.jsonl"))]
     if not ok or len(runs) != nodes:
         raise SystemExit(f"error: the run of {nodes} node(s), H={steps}{', overlapped' if overlap else ''} failed "
@@ -166,7 +170,8 @@ def measure_run(model: str, extra: list[str], nodes: int, steps: int, overlap: b
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["tiny", "21m"], choices=list(MODELS),
+                        help="tiny.yaml, the 21.4M setting, 150m.yaml (a GPU's) [tiny 21m]")
     parser.add_argument("--parts", nargs="+", default=["inner", "runs"], choices=["inner", "runs"])
     parser.add_argument("--repeat", type=int, default=3, help="inner-step runs per model (medians) [3]")
     parser.add_argument("--steps", type=int, default=20, help="timed inner steps per inner-step run [20]")

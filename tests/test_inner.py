@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import torch
 
 from p2ploco.build import build_replica
@@ -57,3 +58,14 @@ def test_training_compile_compiles_the_forward_over_the_workers_own_parameters()
     assert isinstance(forward, torch._dynamo.eval_frame.OptimizedModule) and forward._orig_mod is worker.model
     assert not isinstance(build_replica(load_config(TINY_CONFIG), torch.device("cpu"), sampler).inner.gradients.model,
                           torch._dynamo.eval_frame.OptimizedModule)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_optimizer_is_fused_and_a_round_trains_from_pinned_batches():
+    config = load_config(TINY_CONFIG)
+    data = load_training_data(config)
+    sampler = ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, "p")
+    worker = build_replica(config, torch.device("cuda"), sampler)
+    assert all(group["fused"] for group in worker.inner.optimizer.param_groups)
+    stats = worker.inner.run_round(0)
+    assert stats.steps == config.inner.steps and np.isfinite(stats.loss)

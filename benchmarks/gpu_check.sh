@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The checks a session runs as they are on a lent GPU machine, in under 8 minutes (from the repository root, after
+# the README's test set-up command): the tests that need CUDA, benchmarks/throughput.py at 150m.yaml (the node's
+# inner loop against a bare PyTorch loop, with MFU), and a 2-node loopback swarm of 150m.yaml with and without
+# overlap (utilisation: round and inner seconds). Each part has a time limit of its own; a part that fails is
+# reported and the next one runs; the exit code is the number of parts that failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+failed=0
+
+part() {  # part SECONDS DESCRIPTION COMMAND...
+    local limit=$1 what=$2
+    shift 2
+    echo "== $what"
+    local started=$SECONDS
+    if timeout "$limit" "$@"; then
+        echo "== $what: done in $((SECONDS - started)) s"
+    else
+        echo "== $what: FAILED (exit $?) after $((SECONDS - started)) s"
+        failed=$((failed + 1))
+    fi
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "no nvidia-smi"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+part 120 "tests that need CUDA" "$PY" -m pytest -q -rs -m "not slow" -k "cuda or gpu" tests/
+part 150 "inner steps at 150m.yaml against a bare loop (MFU)" \
+    "$PY" benchmarks/throughput.py --models 150m --parts inner --repeat 3 --steps 10
+part 180 "2 nodes of 150m.yaml on one GPU, blocking and overlapped" \
+    "$PY" benchmarks/throughput.py --models 150m --parts runs --whole-runs 2@3 2@3+overlap --rounds 6
+exit $failed
