@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from p2ploco.budget import FixedSteps
 from p2ploco.build import build_replica
 from p2ploco.config import Config, load_config
 from p2ploco.data import ShardSampler, load_training_data
@@ -93,9 +94,8 @@ def bare_loop(config: Config, sampler: ShardSampler, device: torch.device, steps
 def node_loop(config: Config, sampler: ShardSampler, device: torch.device, steps: int) -> float:
     """Tokens per second of the node's inner loop: a replica's Worker, its rounds of ``steps`` steps."""
     timed = config.model_copy(update={"inner": config.inner.model_copy(update={"steps": steps})})
-    warm = config.model_copy(update={"inner": config.inner.model_copy(update={"steps": WARMUP_STEPS})})
-    build_replica(warm, device, sampler).inner.run_round(0)  # the same warm-up: allocator, kernels
     worker = build_replica(timed, device, sampler)
+    worker.inner.run_round(0, budget=FixedSteps(WARMUP_STEPS))  # the bare loop's warm-up: optimizer state, kernels
     synchronize(device)
     began = time.perf_counter()
     stats = worker.inner.run_round(1)
