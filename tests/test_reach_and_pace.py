@@ -88,6 +88,7 @@ def test_a_slow_peer_trains_fewer_steps_and_its_tokens_count(tmp_path):
     assert sum(r["inner_steps"] for r in fast[1:]) >= 3 * sum(r["inner_steps"] for r in later)
 
 
+@pytest.mark.slow  # CI's second stage; the default run keeps a slow peer's real-process test (above)
 @pytest.mark.timeout(300)
 def test_a_peer_whose_step_outlasts_the_round_sits_rounds_out_and_its_work_is_applied(tmp_path):
     """A peer held 1.5 s before each step beside peers held 0.1 s, at H = 2 (steps of 1.53-1.8 s against 0.13-0.4 s
