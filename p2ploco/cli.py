@@ -121,7 +121,7 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
         overrides: tuple[str, ...], hub_port: int | None, hub_max_mbit: float, hub_log_dir: str) -> None:
     """A bootstrap DHT peer, and by default a hub for the run trained through it: prints the addresses nodes join
     through and stays up until stopped."""
-    from p2ploco.hosted_hub import HostedHub, HubSettings, next_port
+    from p2ploco.hosted_hub import PLAIN_NAME, HostedHub, HubSettings, next_port
     from p2ploco.swarm.bootstrap import start_bootstrap, stop_bootstrap
     from p2ploco.swarm.loop import EventLoopThread
 
@@ -134,11 +134,10 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
         raise ConfigError("--set goes with --config (a fetched config is the run's own)")
     if config_path is not None:  # checked here, in one line, before anything starts
         from p2ploco.config import load_config
-        from p2ploco.hosted_hub import PLAIN_NAME
         run_id = load_config(config_path, list(overrides) + ([f"run_id={run_id}"] if run_id else [])).run_id
-        if not PLAIN_NAME.fullmatch(run_id):
-            raise ConfigError(f"run id {run_id!r}: a hub serves runs with plain names only (letters, digits, '.', "
-                              f"'_', '-'; at most 64); rename the run, or pass --no-hub")
+    if run_id is not None and not PLAIN_NAME.fullmatch(run_id):  # the config's or the one named, never served
+        raise ConfigError(f"run id {run_id!r}: a hub serves runs with plain names only (letters, digits, '.', "
+                          f"'_', '-'; at most 64); rename the run, or pass --no-hub")
     loop = EventLoopThread()
     hub: HostedHub | None = None
     try:

@@ -68,9 +68,8 @@ class HubSettings:
         extra = [f"swarm.bandwidth_mbit={self.max_mbit:g}", f"swarm.max_upload_mbit={self.max_mbit:g}"] \
             if self.max_mbit else []
         identity = str(Path(self.identity).with_suffix(".hub.key")) if self.identity else None
-        config = [a for item in self.overrides for a in ("--set", item)]
-        if self.config is not None:
-            config[:0] = ["--config", self.config]
+        config = [*(["--config", self.config] if self.config is not None else []),
+                  *[a for item in self.overrides for a in ("--set", item)]]
         return cli("node", "start", "--role", "hub", "--run-id", run_id, "--initial-peers", bootstrap_address, *config,
                    *[a for m in hub_maddrs(self.host_maddrs, self.port) for a in ("--host-maddrs", m)],
                    *[a for m in announce for a in ("--announce-maddrs", m)],
@@ -144,7 +143,8 @@ class HostedHub:
         if chosen is None or chosen not in trained:
             return f"hub: waiting for {'a run' if chosen is None else f'run {shown(chosen)!r}'} to train through " \
                    f"this bootstrap"
-        if not PLAIN_NAME.fullmatch(chosen):  # it names the hub's log folder and goes on its argv
+        if not PLAIN_NAME.fullmatch(chosen):  # a run found in the DHT (a name given is checked at start): it names
+            # the hub's log folder and goes on its argv
             return f"hub: run '{shown(chosen)}' is not a plain name (letters, digits, '.', '_', '-'): not served"
         try:
             self.run_id = self.loop.run(find_run(self.node, chosen))  # its records are schema-checked from now on

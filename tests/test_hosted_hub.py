@@ -48,6 +48,9 @@ def test_a_hub_serves_runs_with_plain_names_only(name, plain):
     (["--config", str(TINY_CONFIG), "--set", "inner.lr=x"], "error: --set: inner.lr must be a number; got 'x'"),
     (["--config", str(TINY_CONFIG), "--run-id", "my run"],
      "error: run id 'my run': a hub serves runs with plain names only (letters, digits, '.', '_', '-'; at most 64); "
+     "rename the run, or pass --no-hub"),
+    (["--run-id", "../x"],
+     "error: run id '../x': a hub serves runs with plain names only (letters, digits, '.', '_', '-'; at most 64); "
      "rename the run, or pass --no-hub")])
 def test_hub_settings_are_checked_before_anything_starts_in_one_line(args, said):
     result = subprocess.run(cli("dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args), capture_output=True,
