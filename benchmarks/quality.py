@@ -250,8 +250,8 @@ class SignFlipped(Communicator):
     well-formed and inside the clip bound, and claims a full round's tokens, the largest weight allowed. Its own
     state (error feedback) is what an honest replica's would be: it attacks every round alike."""
 
-    def __init__(self, inner: Communicator, round_tokens: int):
-        self.inner, self.round_tokens = inner, round_tokens
+    def __init__(self, inner: Communicator, max_tokens: int):
+        self.inner, self.max_tokens = inner, max_tokens
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         sliced = as_sliced(exchange, name)
@@ -264,7 +264,7 @@ class SignFlipped(Communicator):
                 part.values.mul_(HOSTILE_SCALE)
             else:
                 raise SystemExit(f"flipped=K: a hostile {type(part).__name__} is not written (sparseloco, diloco)")
-        return self.inner.all_reduce(SlicedExchange(sliced.parts, self.round_tokens), round_index, name)
+        return self.inner.all_reduce(SlicedExchange(sliced.parts, self.max_tokens), round_index, name)
 
 
 class Setup:
@@ -399,7 +399,7 @@ def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
     config = plan.config
     budgets = [FixedSteps(steps_at(speed, config.inner.steps)) for speed in plan.speeds] if plan.speeds else None
     replicas = len(plan.kinds)
-    hostile = {i: partial(SignFlipped, round_tokens=config.round_tokens)
+    hostile = {i: partial(SignFlipped, max_tokens=config.max_contribution_tokens)
                for i in range(replicas - plan.flipped, replicas)}
     swarm = build_swarm(config, plan.kinds, setup.data.train, landing=plan.landing, budgets=budgets,
                         weighted=plan.weighted, adversaries=hostile)

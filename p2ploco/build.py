@@ -11,11 +11,14 @@ import torch
 
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler
-from p2ploco.inner import LocalBatches
+from p2ploco.inner import GradientSource, InnerTrainer, LocalBatches
 from p2ploco.model import Transformer, stage_layers
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.pipeline.subspace import PlainBoundary, Subspace, SubspaceConstraint, constrained_dims
 from p2ploco.pipeline.transport import StageTransport
+from p2ploco.ranks.data_parallel import DataParallelBatches
+from p2ploco.ranks.group import LocalRanks
+from p2ploco.ranks.leader import Leader
 from p2ploco.worker import Worker
 
 
@@ -30,15 +33,32 @@ def _constraint(config: Config, subspace: Subspace, model: Transformer) -> Subsp
     return SubspaceConstraint(subspace, names, constrained_dims(config.model, config.pipeline.stages))
 
 
-def build_replica(config: Config, device: torch.device, sampler: ShardSampler) -> Worker:
-    """A full replica: the whole model on this peer's own batches; constrained only in uniform mode."""
+def build_replica(config: Config, device: torch.device, sampler: ShardSampler, ranks: LocalRanks | None = None
+                  ) -> Worker:
+    """A full replica: the whole model on this peer's own batches; constrained only in uniform mode. ``ranks``: the
+    node's local ranks, of which this is rank 0 (``p2ploco.ranks``)."""
+    model, gradients, constraint = _replica_parts(config, device, sampler, ranks)
+    return Worker(config, device, model, gradients, constraint, Leader(ranks) if ranks is not None else None)
+
+
+def build_follower(config: Config, device: torch.device, sampler: ShardSampler, ranks: LocalRanks) -> InnerTrainer:
+    """A node's local rank other than 0: its replica's model and inner trainer, which follow rank 0's steps (no
+    outer state: rank 0 alone takes the outer steps)."""
+    model, gradients, constraint = _replica_parts(config, device, sampler, ranks)
+    return InnerTrainer(model, config.inner, gradients, device, config.inner_horizon, constraint)
+
+
+def _replica_parts(config: Config, device: torch.device, sampler: ShardSampler, ranks: LocalRanks | None
+                   ) -> tuple[Transformer, GradientSource, SubspaceConstraint | None]:
     subspace = run_subspace(config, device)
     model = Transformer(config.model, config.training.seed,
                         token_table=subspace.table if subspace else None).to(device)
     constrained = subspace is not None and config.pipeline.compression == "uniform"
     forward = torch.compile(model) if config.training.compile else model  # the same parameters, compiled kernels
-    return Worker(config, device, model, LocalBatches(forward, sampler, config.inner.grad_accum, device),
-                  _constraint(config, subspace, model) if constrained else None)
+    accum = config.inner.grad_accum
+    gradients = (LocalBatches(forward, sampler, accum, device) if ranks is None else
+                 DataParallelBatches(forward, sampler, accum, device, ranks))
+    return model, gradients, _constraint(config, subspace, model) if constrained else None
 
 
 def build_stage(config: Config, device: torch.device, stage: int) -> tuple[Worker, PipelineStage]:

@@ -185,6 +185,9 @@ def node() -> None:
 @click.option("--max-rounds", type=click.IntRange(min=1),
               help="The run's length: stop before round N, counted from the run's start, not from this peer's "
                    "join (sets training.rounds).")
+@click.option("--nproc-per-node", type=click.IntRange(min=1),
+              help="Train on N local devices as one peer: N processes, data parallel, one per GPU (or N on the CPU); "
+                   "the run counts up to training.max_ranks of them (sets training.ranks) [1].")
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Where metrics.jsonl goes [runs/RUN/PEER].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config key, e.g. --set inner.lr=3e-4 (repeatable).")
@@ -208,8 +211,8 @@ def node() -> None:
 @reports_errors
 def node_start(config_path: str | None, initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...],
                announce_maddrs: tuple[str, ...], identity: str | None, run_id: str | None, max_rounds: int | None,
-               log_dir: str | None, overrides: tuple[str, ...], resume: bool, name: str, role: str,
-               pipeline_group: str | None, stage: int | None, status_port: int | None, status_host: str,
+               nproc_per_node: int | None, log_dir: str | None, overrides: tuple[str, ...], resume: bool, name: str,
+               role: str, pipeline_group: str | None, stage: int | None, status_port: int | None, status_host: str,
                reachability: str | None) -> None:
     """Join (or start) a swarm and train."""
     from p2ploco.config import load_config
@@ -217,7 +220,8 @@ def node_start(config_path: str | None, initial_peers: tuple[str, ...], host_mad
     from p2ploco.roles import RoleOptions
 
     extra = ([f"run_id={run_id}"] if run_id else []) + ([f"training.rounds={max_rounds}"] if max_rounds else []) \
-        + ([f"swarm.reachability={reachability}"] if reachability else [])
+        + ([f"swarm.reachability={reachability}"] if reachability else []) \
+        + ([f"training.ranks={nproc_per_node}"] if nproc_per_node else [])
     if config_path is None and not (initial_peers and run_id):
         raise ConfigError("without --config a node trains the config of the run it joins: pass --initial-peers ADDR "
                           "and --run-id RUN, or --config FILE to start a run")

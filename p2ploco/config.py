@@ -366,6 +366,8 @@ class SwarmConfig(Section):
 
 
 THREADS_AND_EVALS = "training.threads must be >= 0 and training.eval_every >= 1"
+MAX_RANKS = 64
+RANKS = f"training.ranks and training.max_ranks must be in [1, {MAX_RANKS}]"
 
 
 class TrainingConfig(Section):
@@ -382,6 +384,13 @@ class TrainingConfig(Section):
     # compile the model's forward and backward with torch.compile (a one-off compile of seconds to minutes at the
     # first step; then faster steps where the device gains from fused kernels: a GPU)
     compile: bool = False
+    # local processes that train this peer's replica together, data parallel, one device each (``p2ploco.ranks``);
+    # `node start --nproc-per-node N` sets it
+    ranks: Annotated[int, bound(lambda n: 1 <= n <= MAX_RANKS, RANKS)] = 1
+    # the most local ranks a peer's contribution counts: it weighs at most this many full rounds' tokens, so that no
+    # key weighs more than this many full peers (``collective/robust.py``); a run that welcomes multi-GPU servers
+    # raises it
+    max_ranks: Annotated[int, bound(lambda n: 1 <= n <= MAX_RANKS, RANKS)] = 1
 
 
 class Config(Section):
@@ -440,12 +449,33 @@ class Config(Section):
                              f"the first stage, the head on the last)")
         return self
 
+    @model_validator(mode="after")
+    def _ranks_count(self) -> Config:
+        t = self.training
+        if t.ranks > t.max_ranks:
+            raise ValueError(f"training.ranks ({t.ranks}) is more than training.max_ranks ({t.max_ranks}), the most "
+                             f"local ranks this run counts in one peer's contribution: train on {t.max_ranks} "
+                             f"rank(s), or start the run with training.max_ranks >= {t.ranks}")
+        return self
+
     @property
     def round_tokens(self) -> int:
-        """What a round can hold: H inner steps of the run's batch. No contribution weighs more (a peer's claim of
-        its tokens is capped by it, ``collective/robust.py``), so every peer of a run must share it."""
+        """What a round holds on one local rank: H inner steps of the run's batch. Every peer of a run must share it
+        (``max_contribution_tokens`` follows from it)."""
         i = self.inner
         return i.steps * i.batch_size * i.grad_accum * self.data.seq_len
+
+    @property
+    def inner_horizon(self) -> int:
+        """The inner step where the learning rate's cosine reaches its floor (0: constant after warm-up)."""
+        return self.inner.total_steps or self.training.rounds * self.inner.steps
+
+    @property
+    def max_contribution_tokens(self) -> int:
+        """The most tokens one contribution may weigh: a full round's on each of the most local ranks the run counts
+        (``training.max_ranks``). A peer's claim is capped by it (``collective/robust.py``) and coordinators leave out
+        a peer that claims more (``swarm/matchmaker.py``)."""
+        return self.round_tokens * self.training.max_ranks
 
     def run_document(self, data: str = "") -> dict[str, Any]:
         """What travels with the run (``swarm/run_config.py``): every setting but this peer's own (``LOCAL_KEYS``),
@@ -473,7 +503,7 @@ LOCAL_KEYS = frozenset({
     "run_id", "data.paths", "data.prepared", "data.tokenizer", "inner.batch_size", "inner.grad_accum",
     "inner.fixed_steps", "swarm.bandwidth_mbit", "swarm.max_upload_mbit", "swarm.min_peers", "swarm.startup_timeout",
     "swarm.reachability", "training.rounds", "training.device", "training.threads", "training.eval_every",
-    "training.checkpoint_every", "training.compile"})
+    "training.checkpoint_every", "training.compile", "training.ranks"})
 
 
 def document_fingerprint(document: dict[str, Any]) -> str:

@@ -54,6 +54,20 @@ class Constraint(Protocol):
         """``tensors`` with the constrained entries replaced by float32 projections on ``device``."""
 
 
+class Followers(Protocol):
+    """Processes that repeat a trainer's inner steps: its node's other local ranks (``p2ploco.ranks.leader``)."""
+
+    def before_step(self, step: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Bring them to ``params`` and ``optimizer``'s state where these changed outside a step; have them take
+        step ``step`` with this trainer."""
+
+    def after_step(self, params: Sequence[torch.Tensor]) -> None:
+        """The step is taken: ``params`` are what they hold too."""
+
+    def optimizer_loaded(self) -> None:
+        """The optimizer's state was replaced (a checkpoint's): theirs must be too."""
+
+
 class GradientSource(ABC):
     """Fills the ``.grad`` of a worker's parameters for one inner step."""
 
@@ -111,12 +125,12 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 class InnerTrainer:
     def __init__(self, model: torch.nn.Module, config: InnerConfig, gradients: GradientSource, device: torch.device,
-                 horizon: int, constraint: Constraint | None = None):
+                 horizon: int, constraint: Constraint | None = None, followers: Followers | None = None):
         """``horizon``: the inner step where the cosine reaches its floor (0: constant after warm-up).
         ``constraint``: keeps subspace-constrained weights in span(U) (gradients projected before the step,
-        weights after it)."""
+        weights after it). ``followers``: the node's other local ranks, which take every step with this one."""
         self.model, self.config, self.gradients, self.device, self.horizon = model, config, gradients, device, horizon
-        self.constraint = constraint
+        self.constraint, self.followers = constraint, followers
         self.params = list(model.parameters())
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]  # norm gains
@@ -146,6 +160,8 @@ class InnerTrainer:
         """One inner step; returns its training loss, and whether everything that trains together wants another
         step this round: asked of each (``wants_another``, as the step's gradients are in) and summed with the
         loss, so that the stages of a pipeline group stop at the same step (the slowest one's budget)."""
+        if self.followers is not None:
+            self.followers.before_step(step, self.params, self.optimizer)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -163,6 +179,8 @@ class InnerTrainer:
         self.optimizer.step()
         if self.constraint is not None:
             self.constraint.project_(self.params)
+        if self.followers is not None:
+            self.followers.after_step(self.params)
         return loss, stop_votes == 0
 
     def run_round(self, round_index: int, should_stop: Callable[[], bool] = lambda: False,
@@ -221,6 +239,8 @@ class InnerTrainer:
             index, _, name = key.partition(".")
             slots.setdefault(int(index), {})[name] = value
         self.optimizer.load_state_dict({"state": slots, "param_groups": settings["param_groups"]})
+        if self.followers is not None:
+            self.followers.optimizer_loaded()
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ def _number(value: float | None, digits: int = 3) -> str:
 
 
 COLUMNS = ("name", "peer", "role", "group", "stage", "state", "reach", "round", "step", "loss", "eval", "tok/s", "sent",
-           "recv", "ratio", "uptime", "device", "address")
+           "recv", "ratio", "uptime", "ranks", "device", "address")
 
 
 def peer_rows(s: Survey) -> list[tuple[str, ...]]:
@@ -48,7 +48,8 @@ def peer_rows(s: Survey) -> list[tuple[str, ...]]:
                      str(p.inner_step) if trains else "-", _number(p.loss), _number(p.eval_loss),
                      f"{p.tokens_per_second / 1e3:.1f}k" if trains else "-",
                      human_bytes(p.bytes_sent) if trains else "-", human_bytes(p.bytes_received) if trains else "-",
-                     f"{p.compression:.0f}x" if p.compression else "-", _duration(p.uptime), p.device or "-",
+                     f"{p.compression:.0f}x" if p.compression else "-", _duration(p.uptime),
+                     str(p.ranks) if trains else "-", p.device or "-",
                      p.addresses[0] if p.addresses else "-"))
     return [tuple(map(shown, row)) for row in rows]  # a record's strings are anyone's
 
@@ -72,7 +73,7 @@ def peers_text(s: Survey) -> str:
 # Columns in the order they are given up when a terminal is too narrow for all (last first).
 PRIORITY = ("name", "state", "round", "loss", "eval", "tok/s", "reach", "role", "group", "stage", "step", "ratio",
             "uptime",
-            "sent", "recv", "peer", "device", "address")
+            "sent", "recv", "peer", "ranks", "device", "address")
 
 
 def peers_rich(s: Survey, width: int) -> Any:
@@ -125,6 +126,8 @@ def status_json(s: Survey) -> dict[str, Any]:
         "roles": dict(Counter(p.role for p in s.peers)),
         "states": dict(Counter(p.state for p in trainers)),
         "reachability": dict(Counter(str(p.reachability) for p in trainers)),
+        "ranks": sum(p.ranks for p in trainers),  # local ranks (devices) training, over all peers
+        "devices": dict(Counter(p.device or "?" for p in trainers)),  # peers by what they train on
         "tokens_per_second": round(sum(p.tokens_per_second for p in trainers), 1),
         "last_round": {
             "seconds": round(statistics.median(p.round_seconds for p in reported), 2) if reported else None,
@@ -165,6 +168,9 @@ def status_text(s: Survey) -> str:
         ("round", "-" if j["round"] is None else str(j["round"])),
         ("peers", f"{roles} ({states}){_left_out(s)}"),
         ("reachability", ", ".join(f"{count} {reach}" for reach, count in sorted(j["reachability"].items())) or "-"),
+        ("devices", f"{j['ranks']} local rank(s) on {j['peers']} peer(s): "
+                    + ", ".join(f"{count} on {shown(device)}" for device, count in sorted(j["devices"].items()))
+         if j["peers"] else "-"),
         ("throughput", f"{j['tokens_per_second'] / 1e3:.1f}k tokens/s in total"),
         ("last round", "-" if last["seconds"] is None else
          f"{last['seconds']:.1f} s; per peer sent {human_bytes(last['bytes_sent'])}, received "

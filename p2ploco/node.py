@@ -36,6 +36,8 @@ from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.outer.base import Synced
 from p2ploco.presence import Presence
+from p2ploco.ranks import LocalRanks, RankError
+from p2ploco.ranks.group import RankSetup
 from p2ploco.roles import HUB, REPLICA, STAGE, HubRole, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.rundir import RunDirectory
 from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
@@ -55,7 +57,13 @@ class SwarmOptions:
     name: str = ""  # shown in `p2ploco peers`; derived from the peer id when empty
 
 
-def describe_device(device: torch.device) -> str:
+def describe_device(device: torch.device, ranks: int = 1) -> str:
+    """``device``, or with ``ranks`` > 1 the devices of the node's local ranks (``cpu x2``, ``cuda:0-3 (NVIDIA
+    H100 80GB HBM3)``)."""
+    if ranks > 1:
+        where = "cpu" if device.type == "cpu" else f"cuda:0-{ranks - 1}"
+        named = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+        return f"{where} x{ranks}{named}" if device.type == "cpu" else f"{where}{named}"
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
@@ -80,12 +88,21 @@ def sync_fields(synced: Synced) -> dict[str, Any]:
             "fragment_bytes": syncs, "peak_sync_bytes": max(syncs)}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, ranks: int = 1) -> torch.device:
+    """Rank 0's device; with ``ranks`` > 1 local ranks, rank r trains on the r-th GPU (``ranks.rank_device``)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"training.device={name} but no CUDA device is visible; use training.device=cpu")
+    if device.type == "cuda" and ranks > 1:
+        if device.index not in (None, 0):
+            raise ConfigError(f"training.device={name} with {ranks} local ranks: ranks train on cuda:0 to "
+                              f"cuda:{ranks - 1}; use training.device=cuda (CUDA_VISIBLE_DEVICES picks the GPUs)")
+        if torch.cuda.device_count() < ranks:
+            raise ConfigError(f"{ranks} local ranks need {ranks} GPUs; {torch.cuda.device_count()} are visible: use "
+                              f"--nproc-per-node {torch.cuda.device_count()}")
+        device = torch.device("cuda", 0)
     return device
 
 
@@ -106,6 +123,7 @@ class Node:
         self.records: list[RoundRecord] = []
         self.stopping = threading.Event()
         self.swarm: Swarm | None = None
+        self.failure: RankError | None = None  # why the node stopped training before it was told to (a rank died)
 
     def stop(self) -> None:
         """Leave after the current round (safe from a signal handler): an unfinished round's inner steps
@@ -118,7 +136,7 @@ class Node:
         c = self.config
         if c.training.threads:
             torch.set_num_threads(c.training.threads)
-        device = resolve_device(c.training.device)
+        device = resolve_device(c.training.device, c.training.ranks)
         # Bad input ends the start-up here, with one line, before any peer has seen this node: its own config and
         # data, the status port; then, once the DHT is up, its config against the run's.
         data = None if self.config_path is None else self._load_data(c)
@@ -127,12 +145,15 @@ class Node:
         c, data, (files, saved) = self.config, self.data, self.run_files
         started = time.perf_counter()
         me = swarm.peer_id[-8:]
+        ranks: LocalRanks | None = None
         try:
-            swarm.update_record(device=describe_device(device))
+            swarm.update_record(device=describe_device(device, c.training.ranks), ranks=c.training.ranks)
             if status is not None:
                 self._serve_status(swarm, *status)
             self._print_join_instructions(swarm)
-            role, standing = self._take_role(swarm, device, data, files, saved)
+            if c.training.ranks > 1:
+                ranks = self._start_ranks(swarm, device)
+            role, standing = self._take_role(swarm, device, data, files, saved, ranks)
             self._print_setup(swarm, role, device, data)
             presence = Presence(swarm, role)
             presence.announce_joining(standing.round)
@@ -152,16 +173,33 @@ class Node:
             try:  # a periodic checkpoint being written is finished, also when stopped at once
                 files.close()
             finally:
-                swarm.leave()
-        if self.stopping.is_set():
+                try:
+                    swarm.leave()
+                finally:
+                    if ranks is not None:
+                        ranks.close()
+        if self.stopping.is_set() or self.failure is not None:
             self.out(f"[{me}] left the swarm after {len(self.records)} round(s)")
         self.out(summary(self.records, time.perf_counter() - started))
+        if self.failure is not None:
+            raise self.failure
         return self.records
+
+    def _start_ranks(self, swarm: Swarm, device: torch.device) -> LocalRanks:
+        c = self.config
+        ranks = LocalRanks.start(c.training.ranks, device, RankSetup(c.model_dump(mode="json"), swarm.peer_id))
+        others = "rank 1" if c.training.ranks == 2 else f"ranks 1-{c.training.ranks - 1}"
+        self.out(f"[{swarm.peer_id[-8:]}] {c.training.ranks} local ranks on {describe_device(device, c.training.ranks)}"
+                 f", data parallel ({others}: pid {', '.join(str(p.pid) for p in ranks.processes)})")
+        return ranks
 
     def _load_data(self, config: Config) -> TrainingData:
         stages, stage = config.pipeline.stages, self.role_options.stage
         if self.role_options.kind == STAGE and stages < 2:
             raise ConfigError("--role stage needs a config with pipeline.stages >= 2 (e.g. configs/tiny-pipeline.yaml)")
+        if self.role_options.kind != REPLICA and config.training.ranks > 1:
+            raise ConfigError(f"--role {self.role_options.kind} runs on one rank; --nproc-per-node "
+                              f"{config.training.ranks} (training.ranks) goes with full replicas")
         outer = config.outer
         if self.role_options.kind == HUB and (outer.algorithm == "streaming" or outer.overlap is not None):
             overlapped = " with overlap" if outer.overlap is not None else ""
@@ -189,7 +227,7 @@ class Node:
                                  lambda line: self.out(f"[{me}] {line}"))
             self.run_files = files, files.saved()
             return arrival.enter(c.swarm, c.run_document(self.data.fingerprint), o.name, role=self.role_options.kind,
-                                 stages=c.pipeline.stages, round_tokens=c.round_tokens)
+                                 stages=c.pipeline.stages, max_tokens=c.max_contribution_tokens)
         except BaseException:  # interrupted too: the status port is free again for the next start
             if status is not None:
                 status[0].close()
@@ -289,12 +327,12 @@ class Node:
             self.out(f"[{me}] {present} peer(s) present; starting")
 
     def _take_role(self, swarm: Swarm, device: torch.device, data: TrainingData, files: RunDirectory,
-                   saved: Checkpoint | None) -> tuple[Role, Standing]:
+                   saved: Checkpoint | None, ranks: LocalRanks | None) -> tuple[Role, Standing]:
         """This node's role with its worker placed, resumed from ``saved`` (the run directory's checkpoint, if asked
         to resume), and where the node stands then: the round to train first and how it came by its state."""
         c = self.config
         kind = self.role_options.kind
-        role: Role = (ReplicaRole(c, device, data, swarm) if kind == REPLICA else
+        role: Role = (ReplicaRole(c, device, data, swarm, ranks) if kind == REPLICA else
                       HubRole(c, device, data, swarm) if kind == HUB else
                       StageRole(c, device, data, swarm, self.role_options))
         if saved is not None and isinstance(role, StageRole):
@@ -351,7 +389,12 @@ class Node:
                     continue
                 standing = self._stand_by(presence, role, standing)
                 continue
-            record = self._round(swarm, presence, role, schedule, standing, held_out)
+            try:
+                record = self._round(swarm, presence, role, schedule, standing, held_out)
+            except RankError as e:  # the node cannot train on: it leaves as it does when stopped, and says why
+                self.out(f"[{me}] round {standing.round}: {e}")
+                self.failure = e
+                break
             if record is None:  # stopped during the inner steps: the round is abandoned
                 break
             files.write(record)

@@ -36,6 +36,7 @@ from p2ploco.errors import shown
 from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch, group_round
 from p2ploco.pipeline.links import RemoteTransport, Schedule, StageLinks, StageLinkServer
 from p2ploco.pipeline.schedule import PipelineStage
+from p2ploco.ranks import LocalRanks
 from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
 from p2ploco.worker import Worker
@@ -99,13 +100,17 @@ class Role(ABC):
 class ReplicaRole(Role):
     kind, evaluates, trains_alone = REPLICA, True, True
 
-    def __init__(self, config: Config, device: torch.device, data: TrainingData, swarm: Swarm):
+    def __init__(self, config: Config, device: torch.device, data: TrainingData, swarm: Swarm,
+                 ranks: LocalRanks | None = None):
+        """``ranks``: the node's local ranks (``p2ploco.ranks``), which train the replica with it."""
         c = config
         sampler = ShardSampler(data.train, c.data.seq_len, c.inner.batch_size, c.run_id, swarm.peer_id)
-        self.worker = build_replica(c, device, sampler)
+        self.worker = build_replica(c, device, sampler, ranks)
+        self.ranks = 1 if ranks is None else ranks.world
 
     def describe(self) -> str:
-        return f"full replica, {sum(p.numel() for p in self.worker.model.parameters()) / 1e6:.2f}M params"
+        on = f" on {self.ranks} local ranks" if self.ranks > 1 else ""
+        return f"full replica{on}, {sum(p.numel() for p in self.worker.model.parameters()) / 1e6:.2f}M params"
 
 
 class HubRole(ReplicaRole):

@@ -34,7 +34,7 @@ from p2ploco.checkpoint import Checkpoint
 from p2ploco.config import Config
 from p2ploco.data import Batch
 from p2ploco.errors import CheckpointError, SwarmError
-from p2ploco.inner import Constraint, GradientSource, InnerTrainer, evaluate
+from p2ploco.inner import Constraint, Followers, GradientSource, InnerTrainer, evaluate
 from p2ploco.metrics import state_sha256
 from p2ploco.model import Transformer
 from p2ploco.outer import build_outer
@@ -56,16 +56,17 @@ class Published:
 
 class Worker:
     def __init__(self, config: Config, device: torch.device, model: Transformer, gradients: GradientSource,
-                 constraint: Constraint | None):
+                 constraint: Constraint | None, followers: Followers | None = None):
+        """``followers``: the node's other local ranks (``p2ploco.ranks``), which repeat its inner steps."""
         c = config
         self.device, self.model, self.constraint = device, model, constraint
         self.names = [name for name, _ in model.named_parameters()]
         streaming = c.outer.algorithm == "streaming"
         self.slices = group_by_slice(self.names, c.model, c.pipeline.stages,
                                      c.outer.streaming.fragments if streaming else 0)
-        self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices, c.round_tokens)
-        horizon = c.inner.total_steps or c.training.rounds * c.inner.steps
-        self.inner = InnerTrainer(model, c.inner, gradients, device, horizon, constraint)
+        self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices,
+                                 c.max_contribution_tokens)
+        self.inner = InnerTrainer(model, c.inner, gradients, device, c.inner_horizon, constraint, followers)
         # Held while the outer algorithm's local state changes (a contribution, a step taken, a round given back),
         # which a round schedule may do on its background thread: a checkpoint reads that state whole.
         self.lock = threading.Lock()

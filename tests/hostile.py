@@ -79,7 +79,7 @@ def flip_contributions(factor: float, start: int) -> None:
 
     async def _all_reduce(self: SwarmCommunicator, exchange: Any, round_index: int, name: str, *args: Any) -> Any:
         if round_index >= start:
-            exchange.tokens = self.matchmaker.round_tokens  # the most a coordinator accepts
+            exchange.tokens = self.matchmaker.max_tokens  # the most a coordinator accepts
         return await scaled(self, exchange, round_index, name, *args)
 
     SwarmCommunicator._all_reduce = _all_reduce

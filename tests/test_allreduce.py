@@ -222,14 +222,14 @@ def test_a_join_that_claims_more_tokens_than_a_round_holds_is_left_out(trio):
     request = {"round": round_index, "name": "params", "config": coordinator.directory.me.fingerprint,
                "state": "start-state", "pipeline": "", "unreachable": [], "tokens": 5001, "dial_out": False,
                "slices": {"params": ["fp", "start-state"]}}
-    coordinator.round_tokens = 5000
+    coordinator.max_tokens = 5000
     try:
         answer, _ = joiner.loop.run(wire.call(joiner.communicator.butterfly.p2p, coordinator.me,
                                               coordinator.handler_name, request), 15)
     finally:
-        coordinator.round_tokens = MAX_TOKENS
+        coordinator.max_tokens = MAX_TOKENS
     assert answer == {"v": wire.PROTOCOL_VERSION, "status": "left out",
-                      "reason": "this peer claims 5001 tokens, more than a round holds (5000)"}
+                      "reason": "this peer claims 5001 tokens, more than a contribution may weigh (5000)"}
 
 
 def test_sparse_all_reduce_over_hivemind_equals_the_in_process_one(trio):

@@ -55,6 +55,10 @@ def test_tiny_config_loads_and_overrides_reach_every_section():
     ("swarm.bandwidth_mbit=-5", "swarm.bandwidth_mbit (-5.0) in [0, 1e6] Mbit/s"),
     ("swarm.max_transfer_timeout=10", "swarm.max_transfer_timeout (10.0) must be in [swarm.allreduce_timeout=30.0"),
     ("outer.clip_factor=0.5", "outer.clip_factor (0.5) must be in [1, 100]"),
+    ("training.ranks=0", "training.ranks and training.max_ranks must be in [1, 64]"),
+    ("training.max_ranks=65", "training.ranks and training.max_ranks must be in [1, 64]"),
+    ("training.ranks=2", "training.ranks (2) is more than training.max_ranks (1), the most local ranks this run counts "
+                         "in one peer's contribution: train on 1 rank(s), or start the run with training.max_ranks >= 2"),
     ("inner", "expected key=value"),
 ])
 def test_bad_overrides_are_rejected_with_one_clear_line(override, message):
@@ -93,6 +97,18 @@ def test_fingerprint_covers_every_setting_but_a_peers_own():
     other_batch = load_config(None, ["inner.batch_size=4"])
     assert base.swarm_fingerprint() != other_batch.swarm_fingerprint()
     assert other_batch.round_tokens * 2 == base.round_tokens
+
+
+def test_a_peers_ranks_are_its_own_and_the_runs_max_ranks_caps_what_a_contribution_weighs():
+    base = load_config(TINY)
+    assert load_config(TINY, ["training.max_ranks=4", "training.ranks=2"]).swarm_fingerprint() == load_config(
+        TINY, ["training.max_ranks=4"]).swarm_fingerprint() != base.swarm_fingerprint()
+    assert load_config(TINY, ["training.max_ranks=4"]).max_contribution_tokens == 4 * base.round_tokens
+    assert base.max_contribution_tokens == base.round_tokens
+    # a peer with more ranks than the run counts is refused as it takes the run's config, in one line
+    run = load_config(TINY).run_document()["settings"]
+    with pytest.raises(ConfigError, match=r"^training.ranks \(2\) is more than training.max_ranks \(1\)"):
+        config_of_run(run, load_config(TINY, ["training.ranks=2", "training.max_ranks=2"]))
 
 
 def test_a_run_document_rebuilds_the_run_with_the_peers_own_settings_on_top():

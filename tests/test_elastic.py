@@ -20,10 +20,10 @@ FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--se
 CAUGHT_UP = re.compile(r"caught up to round (\d+)")
 
 
-def round_tokens(algorithm: str) -> int:
-    """What one contribution may weigh at most in these swarms (``Config.round_tokens``)."""
+def max_tokens(algorithm: str) -> int:
+    """What one contribution may weigh at most in these swarms (``Config.max_contribution_tokens``)."""
     return load_config(TINY_CONFIG, [setting for setting in (*FAST, *chosen(algorithm)) if setting != "--set"]
-                       ).round_tokens
+                       ).max_contribution_tokens
 
 
 def applied_with(peers: int) -> re.Pattern[str]:
@@ -131,7 +131,7 @@ def test_crash_leave_join_and_rejoin(tmp_path, algorithm):
         tmp_path / "e.log").read_text()
     if algorithm != "streaming":
         trained = sum(r["tokens"] for r in runs["e"] if r["round"] <= entered["round"])
-        assert 0 < entered["contributed_tokens"] == min(trained, round_tokens(algorithm)), runs["e"][:2]
+        assert 0 < entered["contributed_tokens"] == min(trained, max_tokens(algorithm)), runs["e"][:2]
     assert entered["round"] <= joined + 1
     assert {r["params_sha256"] for name in "ab" for r in runs[name] if r["round"] == entered["round"]} == {
         entered["params_sha256"]}

@@ -45,6 +45,7 @@ def valid_value(**changes) -> dict:
     {"round": -1}, {"round": 1.0}, {"round": True}, {"state": "dancing"}, {"role": "king"}, {"loss": math.nan},
     {"tokens_per_second": math.inf}, {"bytes_sent": -5}, {"name": "x" * 65}, {"addresses": ["a"] * 17},
     {"addresses": "not a list"}, {"eval_history": [[1, 2.0, 3.0]]}, {"peer_id": ""}, {"peer_id": None},
+    {"ranks": 0}, {"ranks": 1025}, {"ranks": "2"},
 ])
 def test_records_that_break_the_schema_are_refused(changes):
     assert PeerRecord.parse(valid_value()) is not None
@@ -79,6 +80,18 @@ def test_the_table_names_each_stage_peers_group_and_stage():
     rows = [dict(zip(COLUMNS, row)) for row in peer_rows(Survey("tiny", [replica, stage], {}))]
     assert [(r["role"], r["group"], r["stage"], r["state"]) for r in rows] == [
         ("replica", "-", "-", "training"), ("stage", "g7", "1", "standby")]
+
+
+def test_peers_and_status_show_each_nodes_local_ranks_and_devices():
+    two = PeerRecord.parse(valid_value(peer_id="12D3KooWTwo", ranks=2, device="cpu x2"))
+    ones = [PeerRecord.parse(valid_value(peer_id=f"12D3KooWOne{i}", device="cpu")) for i in range(2)]
+    survey = Survey("tiny", [two, *ones], {})
+    rows = [dict(zip(COLUMNS, row)) for row in peer_rows(survey)]
+    assert [(r["peer"][-3:], r["ranks"], r["device"]) for r in rows] == [
+        ("Two", "2", "cpu x2"), ("ne0", "1", "cpu"), ("ne1", "1", "cpu")]
+    assert (status_json(survey)["ranks"], status_json(survey)["devices"]) == (4, {"cpu x2": 1, "cpu": 2})
+    devices_row = next(line for line in status_text(survey).splitlines() if line.split()[0] == "devices")
+    assert devices_row.split(None, 1)[1] == "4 local rank(s) on 3 peer(s): 2 on cpu, 1 on cpu x2"
 
 
 def test_status_shows_each_hub_and_how_much_of_its_link_its_last_round_took():

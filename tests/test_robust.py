@@ -346,7 +346,7 @@ def test_a_non_finite_global_update_is_refused_and_nothing_changes():
 
 
 def test_a_contribution_weighs_at_most_a_full_round_of_tokens():
-    algorithm = DiLoCo([torch.zeros(4)], DiLoCoConfig(), round_tokens=1000)
+    algorithm = DiLoCo([torch.zeros(4)], DiLoCoConfig(), max_tokens=1000)
     assert algorithm.weigh(300) == 300
     algorithm.unapplied_tokens = 900  # a round not applied: its tokens are owed to the next contribution
     assert algorithm.weigh(300) == 1000 and algorithm.unapplied_tokens == 0

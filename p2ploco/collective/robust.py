@@ -15,8 +15,9 @@ and a recipient of a relayed result, which recombines the contributions itself):
    One left out by more than ``STRIKE_SHARE`` of the kept ones' agreement earns its sender a strike
    (``swarm/bans.py``): an honest full replica beside pipeline groups is left out now and then, barely negative.
 2. **Weight** (``weights``). Each kept contribution weighs the tokens its peer trained, as the group lists them,
-   capped by what a round can hold (``inner.steps`` of the run's batch, at the join: ``swarm/matchmaker.py``), so that
-   one key weighs at most one full peer: its factor in the mean is ``m * w_i / sum(w)`` over the m kept.
+   capped by what a contribution may weigh (``inner.steps`` of the run's batch on each of ``training.max_ranks``
+   local ranks, 1 unless the run raises it; at the join: ``swarm/matchmaker.py``), so that one key weighs at most
+   that many full peers: its factor in the mean is ``m * w_i / sum(w)`` over the m kept.
 3. **Norm for the tokens trained** (``weights``). A pseudo-gradient grows about as the square root of the steps
    behind it (the noise of H steps adds up so; measured on the pace suite, ``docs/design.md``), so a contribution
    may have at most ``clip_factor`` times the lower median of the kept contributions' norms scaled to the most

@@ -113,11 +113,11 @@ class OuterAlgorithm(ABC):
     shared_kinds: tuple[str, ...] = ()  # list attributes of per-parameter shared state
 
     def __init__(self, global_params: Sequence[torch.Tensor], slices: Mapping[str, Sequence[int]] | None = None,
-                 policy: Policy = UNBOUNDED, round_tokens: int | None = None):
+                 policy: Policy = UNBOUNDED, max_tokens: int | None = None):
         """``slices``: slice name -> positions in ``global_params``; by default one slice of everything. ``policy``:
-        how reducers weigh and bound contributions (``collective/robust.py``); ``round_tokens``: the most tokens a
-        contribution may weigh, a full round's (None: uncapped)."""
-        self.policy, self.round_tokens = policy, round_tokens
+        how reducers weigh and bound contributions (``collective/robust.py``); ``max_tokens``: the most tokens a
+        contribution may weigh (``Config.max_contribution_tokens``; None: uncapped)."""
+        self.policy, self.max_tokens = policy, max_tokens
         self.params = [p.detach().to(CPU, torch.float32).clone() for p in global_params]
         self.slices = {name: list(positions) for name, positions in (slices or whole(len(self.params))).items()}
         if sorted(i for positions in self.slices.values() for i in positions) != list(range(len(self.params))):
@@ -154,11 +154,11 @@ class OuterAlgorithm(ABC):
 
     def weigh(self, tokens: int) -> int:
         """The weight of a contribution trained on ``tokens``: those, and the tokens of earlier work that is in it
-        because no aggregate applied it yet (given back by ``take`` if this round is not applied either), at most a
-        full round's (``round_tokens``: no contribution weighs more than one full peer's, and coordinators refuse
-        more)."""
+        because no aggregate applied it yet (given back by ``take`` if this round is not applied either), at most
+        ``max_tokens`` (the run's ``training.max_ranks`` full rounds: no contribution weighs more than that many full
+        peers', and coordinators refuse more)."""
         weight, self.unapplied_tokens = max(1, tokens) + self.unapplied_tokens, 0
-        return weight if self.round_tokens is None else min(weight, self.round_tokens)
+        return weight if self.max_tokens is None else min(weight, self.max_tokens)
 
     def carried(self, deltas: list[torch.Tensor]) -> list[torch.Tensor]:
         """``deltas`` plus the pseudo-gradient of rounds not applied (an algorithm without error feedback keeps it

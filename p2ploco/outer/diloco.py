@@ -19,8 +19,8 @@ class DiLoCo(OuterAlgorithm):
 
     def __init__(self, global_params: Sequence[torch.Tensor], config: DiLoCoConfig,
                  slices: Mapping[str, Sequence[int]] | None = None, policy: Policy = UNBOUNDED,
-                 round_tokens: int | None = None):
-        super().__init__(global_params, slices, policy, round_tokens)
+                 max_tokens: int | None = None):
+        super().__init__(global_params, slices, policy, max_tokens)
         self.config = config
         self.momentum = [torch.zeros_like(p) for p in self.params]
 

@@ -41,8 +41,8 @@ class LoCo(OuterAlgorithm):
 
     def __init__(self, global_params: Sequence[torch.Tensor], config: LoCoConfig, device: torch.device,
                  slices: Mapping[str, Sequence[int]] | None = None, policy: Policy = UNBOUNDED,
-                 round_tokens: int | None = None):
-        super().__init__(global_params, slices, policy, round_tokens)
+                 max_tokens: int | None = None):
+        super().__init__(global_params, slices, policy, max_tokens)
         self.config, self.device = config, device
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.layouts = {name: GroupLayout([self.params[i].shape for i in positions], config.group_size)

@@ -53,8 +53,8 @@ class SparseRound(OuterSync):
 class SparseLoCo(OuterAlgorithm):
     def __init__(self, global_params: Sequence[torch.Tensor], config: SparseLoCoConfig, device: torch.device,
                  slices: Mapping[str, Sequence[int]] | None = None, policy: Policy = UNBOUNDED,
-                 round_tokens: int | None = None):
-        super().__init__(global_params, slices, policy, round_tokens)
+                 max_tokens: int | None = None):
+        super().__init__(global_params, slices, policy, max_tokens)
         self.config, self.device = config, device
         self.grids = [chunk_grid(tuple(p.shape), config.chunk_size, config.topk) for p in self.params]
         self.layouts = {name: SparseLayout([self.grids[i] for i in positions])

@@ -45,9 +45,9 @@ class StreamingDiLoCo(OuterAlgorithm):
 
     def __init__(self, global_params: Sequence[torch.Tensor], config: StreamingConfig,
                  slices: Mapping[str, Sequence[int]] | None = None, policy: Policy = UNBOUNDED,
-                 round_tokens: int | None = None):
+                 max_tokens: int | None = None):
         """``slices``: the fragments, in order (one slice: a single fragment)."""
-        super().__init__(global_params, slices, policy, round_tokens)
+        super().__init__(global_params, slices, policy, max_tokens)
         self.config = config
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.fragments = list(self.slices)

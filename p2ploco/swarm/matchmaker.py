@@ -136,12 +136,12 @@ class _Formation:
 
 class Matchmaker:
     def __init__(self, p2p: P2P, directory: PeerDirectory, run_id: str, timeout: float, bans: Bans, stages: int,
-                 book: GroupBook, round_tokens: int, dial_out: bool = False):
-        """``stages``: slices of a pipeline group, all of which it must bring to a round; ``round_tokens``: the most
-        tokens a member's contribution may weigh (``Config.round_tokens``); ``dial_out``: this peer cannot be dialled
-        (``swarm/reachability.py``): it never coordinates, and reduces no span."""
+                 book: GroupBook, max_tokens: int, dial_out: bool = False):
+        """``stages``: slices of a pipeline group, all of which it must bring to a round; ``max_tokens``: the most
+        tokens a member's contribution may weigh (``Config.max_contribution_tokens``); ``dial_out``: this peer cannot
+        be dialled (``swarm/reachability.py``): it never coordinates, and reduces no span."""
         self.p2p, self.directory, self.timeout, self.bans = p2p, directory, timeout, bans
-        self.stages, self.book, self.round_tokens, self.dial_out = stages, book, round_tokens, dial_out
+        self.stages, self.book, self.max_tokens, self.dial_out = stages, book, max_tokens, dial_out
         self.me = directory.me.peer_id
         self.hub = directory.me.role == "hub"  # it trains nothing: it joins with no tokens (``roles.py``)
         self.handler_name = f"p2ploco/{run_id}/join"
@@ -329,8 +329,9 @@ class Matchmaker:
             raise PayloadError("group that says this peer holds other slices")
         if group.tokens_of().get(self.me) != tokens:
             raise PayloadError("group that gives this peer another weight than it joined with")
-        if any(t > self.round_tokens for _, t in group.tokens):
-            raise PayloadError(f"group that gives a member more tokens than a round holds ({self.round_tokens})")
+        if any(t > self.max_tokens for _, t in group.tokens):
+            raise PayloadError(f"group that gives a member more tokens than a contribution may weigh "
+                               f"({self.max_tokens})")
         await self._check_plausible(group)
         if group.left_out:
             failures.append(Failure.SMALLER_GROUP)
@@ -421,9 +422,9 @@ class Matchmaker:
         if self.bans.banned(sender, round_index):
             return {"status": JoinStatus.BANNED, "reason": f"coordinator {self.me[-8:]} has banned this peer for what "
                                                            f"it sent (its log says what)"}
-        if member.tokens > self.round_tokens:  # no honest peer claims more: its weight is capped as it contributes
+        if member.tokens > self.max_tokens:  # no honest peer claims more: its weight is capped as it contributes
             return {"status": JoinStatus.LEFT_OUT, "reason": f"this peer claims {member.tokens} tokens, more than a "
-                                                             f"round holds ({self.round_tokens})"}
+                                                             f"contribution may weigh ({self.max_tokens})"}
         self._missed.pop(sender, None)  # it asks: late perhaps, but no straggler
         self._missed_round.pop(sender, None)
         # Kept around this peer's own round, never the sender's: a join for a made-up far round must neither grow

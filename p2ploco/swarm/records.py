@@ -49,6 +49,7 @@ MAX_COUNT = 1 << 62
 MAX_TEXT = 256  # longest string field (an address, a device name)
 MAX_ADDRESSES = 16
 MAX_STAGES = 1024
+MAX_RANKS = 1024
 EVAL_HISTORY = 16  # (round, eval loss) pairs a record keeps, for the trend in `p2ploco status`
 
 
@@ -90,6 +91,9 @@ class PeerRecord(BaseModel):
     # a full replica, a pipeline stage, a hub (a replica that trains nothing: ``roles.py``), a bootstrap peer
     role: Literal["replica", "stage", "hub", "bootstrap"] = "replica"
     device: Text = ""
+    # local processes that train it together (``p2ploco.ranks``): shown only, it weighs nothing (a contribution's
+    # weight is capped by the run's ``training.max_ranks``, whatever a record says)
+    ranks: Annotated[int, Field(ge=1, le=MAX_RANKS)] = 1
     inner_step: Count = 0  # inner steps done in the current round
     loss: Amount | None = None  # mean inner loss of the last finished round
     eval_loss: Amount | None = None  # eval loss after the last finished round

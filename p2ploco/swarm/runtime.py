@@ -66,12 +66,12 @@ class Swarm:
     def join(cls, run_id: str, config: SwarmConfig, document: dict[str, Any], initial_peers: Sequence[str] = (),
              host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS, announce_maddrs: Sequence[str] = (),
              identity_path: str | None = None, name: str = "", device: str = "", role: str = "replica",
-             stages: int = 1, round_tokens: int = MAX_TOKENS) -> Swarm:
+             stages: int = 1, max_tokens: int = MAX_TOKENS) -> Swarm:
         """Arrive (``Arrival``) and enter at once: for a peer whose config is settled (``document``: its run
         document, ``Config.run_document``)."""
         arrival = Arrival.start(run_id, config.reachability, initial_peers, host_maddrs, announce_maddrs,
                                 identity_path)
-        return arrival.enter(config, document, name, device, role, stages, round_tokens)
+        return arrival.enter(config, document, name, device, role, stages, max_tokens)
 
 
     @property
@@ -310,10 +310,10 @@ class Arrival:
         self.loop.run(tell_conflict(self.node.protocol.p2p, self.run_id, run, mine))
 
     def enter(self, config: SwarmConfig, document: dict[str, Any], name: str = "", device: str = "",
-              role: str = "replica", stages: int = 1, round_tokens: int = MAX_TOKENS) -> Swarm:
+              role: str = "replica", stages: int = 1, max_tokens: int = MAX_TOKENS) -> Swarm:
         """Publish this peer's record (carrying ``document``'s fingerprint) and serve rounds, state and the run's
-        config. ``stages``: how many slices a pipeline group of this run brings to a round; ``round_tokens``: the
-        most tokens one contribution may weigh (``Config.round_tokens``)."""
+        config. ``stages``: how many slices a pipeline group of this run brings to a round; ``max_tokens``: the
+        most tokens one contribution may weigh (``Config.max_contribution_tokens``)."""
         node, identity, loop = self.node, self.identity, self.loop
 
         async def start() -> Swarm:
@@ -340,7 +340,7 @@ class Arrival:
             bans = Bans(config.ban_rounds)
             book = GroupBook()
             matchmaker = Matchmaker(p2p, directory, self.run_id, config.matchmaking_timeout, bans, stages, book,
-                                    round_tokens, reachability.dials_out)
+                                    max_tokens, reachability.dials_out)
             deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
                                          config.max_transfer_timeout)
             butterfly = ButterflyAllReduce(p2p, me_id, self.run_id, deadlines, bans, directory.rates,

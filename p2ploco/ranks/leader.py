@@ -1,0 +1,42 @@
+"""Rank 0's side of its node's inner steps: before each, it brings the other ranks to what it changed outside a
+step, then has them take the step with it.
+
+Params changed outside a step are found by their version counters (every in-place write bumps one): after its own
+step rank 0 notes them, and any that moved since (the global params loaded at a round's start, a catch-up, an eager
+overlapped round's correction) are sent before the next step, all of them. The inner optimizer's state changes
+outside a step only when a checkpoint is loaded (``InnerTrainer.load_optimizer_state``), which says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from p2ploco.ranks.group import Command, LocalRanks
+
+
+class Leader:
+    """The ``inner.Followers`` of rank 0's ``InnerTrainer``."""
+
+    def __init__(self, ranks: LocalRanks):
+        self.ranks = ranks
+        self.versions: list[int] | None = None  # the params' version counters after rank 0's last step
+        self.optimizer_changed = False
+
+    def before_step(self, step: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        self.ranks.check()
+        if self.versions != [p._version for p in params]:
+            self.ranks.command(Command.PARAMS)
+            self.ranks.share_params(params)
+        if self.optimizer_changed:
+            self.ranks.command(Command.OPTIMIZER)
+            self.ranks.share_optimizer(optimizer)
+            self.optimizer_changed = False
+        self.ranks.command(Command.STEP, step)
+
+    def after_step(self, params: Sequence[torch.Tensor]) -> None:
+        self.versions = [p._version for p in params]
+
+    def optimizer_loaded(self) -> None:
+        self.optimizer_changed = True
