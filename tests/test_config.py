@@ -57,8 +57,9 @@ def test_tiny_config_loads_and_overrides_reach_every_section():
     ("outer.clip_factor=0.5", "outer.clip_factor (0.5) must be in [1, 100]"),
     ("training.ranks=0", "training.ranks and training.max_ranks must be in [1, 64]"),
     ("training.max_ranks=65", "training.ranks and training.max_ranks must be in [1, 64]"),
-    ("training.ranks=2", "training.ranks (2) is more than training.max_ranks (1), the most local ranks this run counts "
-                         "in one peer's contribution: train on 1 rank(s), or start the run with training.max_ranks >= 2"),
+    ("training.ranks=2", "training.ranks (2) is more than training.max_ranks (1), the most local ranks this run "
+                         "counts in one peer's contribution: train on 1 rank(s), or start the run with "
+                         "training.max_ranks >= 2"),
     ("inner", "expected key=value"),
 ])
 def test_bad_overrides_are_rejected_with_one_clear_line(override, message):
