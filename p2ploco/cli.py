@@ -508,14 +508,17 @@ def sample(checkpoints: tuple[Path, ...], prompt: str, max_new_tokens: int, temp
 @click.option("--groups", type=click.IntRange(0, 8),
               help="Pipeline groups to start, one stage peer per stage [0; 1 with a pipeline config].")
 @click.option("--rounds", default=16, show_default=True, type=click.IntRange(min=1), help="Outer rounds to train.")
+@click.option("--nproc-per-node", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="node0 trains on this many local ranks, data parallel, as one peer (`node start "
+                   "--nproc-per-node`); the run counts them all (training.max_ranks).")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
               help="Run config [configs/tiny.yaml].")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Where logs and metrics go [a new temp folder].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config key on every node, e.g. --set data.paths=corpus.txt (repeatable).")
 @reports_errors
-def demo(replicas: int | None, groups: int | None, rounds: int, config_path: str | None, workdir: str | None,
-         overrides: tuple[str, ...]) -> None:
+def demo(replicas: int | None, groups: int | None, rounds: int, nproc_per_node: int, config_path: str | None,
+         workdir: str | None, overrides: tuple[str, ...]) -> None:
     """The main job on one machine: a bootstrap peer and nodes (full replicas, and the stage peers of pipeline
     groups) training together on loopback."""
     from p2ploco.config import load_config
@@ -533,9 +536,11 @@ def demo(replicas: int | None, groups: int | None, rounds: int, config_path: str
                           f"configs/tiny-pipeline.yaml")
     if replicas + groups * stages == 0:
         raise ConfigError("--replicas 0 --groups 0 starts nobody")
+    if nproc_per_node > 1 and not replicas:
+        raise ConfigError("--nproc-per-node goes to node0, a full replica: pass --replicas 1 or more")
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="p2ploco-demo-"))
     try:
-        ok = run_demo(replicas, groups, stages, rounds, config, folder, overrides)
+        ok = run_demo(replicas, groups, stages, rounds, config, folder, overrides, ranks=nproc_per_node)
     except KeyboardInterrupt:
         click.echo("demo interrupted; all nodes stopped")
         sys.exit(130)

@@ -14,14 +14,19 @@ SAMPLE_TOKENS = 80  # tokens of the sample that ends the demo
 
 
 def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path, workdir: Path,
-             overrides: Sequence[str] = (), out: Callable[[str], None] = print) -> bool:
+             overrides: Sequence[str] = (), out: Callable[[str], None] = print, ranks: int = 1) -> bool:
     """Run the swarm to completion, printing a line per round and a summary; True if all went well.
     ``groups`` pipeline groups get one stage peer per stage (pinned, so the run is the same every time).
-    ``overrides`` (``key=value``) go to every node as ``--set``."""
-    members = [(f"node{i}", ()) for i in range(replicas)]
+    ``overrides`` (``key=value``) go to every node as ``--set``. ``ranks``: node0 trains on that many local ranks
+    (``p2ploco.ranks``), and the run counts them all (``training.max_ranks``)."""
+    members = [(f"node{i}", ("--nproc-per-node", str(ranks)) if i == 0 and ranks > 1 else ())
+               for i in range(replicas)]
+    if ranks > 1:
+        overrides = [f"training.max_ranks={ranks}", *overrides]
     members += [(f"g{g}s{s}", ("--role", "stage", "--group", f"g{g}", "--stage", str(s)))
                 for g in range(groups) for s in range(stages)]
-    what = f"{replicas} full replica(s)" + (f" and {groups} pipeline group(s) of {stages} stages" if groups else "")
+    what = (f"{replicas} full replica(s)" + (f" (node0 on {ranks} local ranks)" if ranks > 1 else "")
+            + (f" and {groups} pipeline group(s) of {stages} stages" if groups else ""))
     out(f"p2ploco demo: a bootstrap peer, {what} on loopback, {rounds} rounds of {config.name}")
     out(f"logs and metrics: {workdir}")
     started = time.monotonic()
@@ -113,7 +118,7 @@ def _summary(records: dict[str, list[dict]], seconds: float) -> str:
 
         traffic = per_round("bytes_sent") + per_round("bytes_received")
         rows.append((
-            name, rs[-1]["role"] if rs else "-", len(rs),
+            name, rs[-1]["role"] if rs else "-", len(rs), f"{per_round('tokens'):,.0f}",
             f"{evals[0]:.3f} -> {evals[-1]:.3f}" if evals else "-",
             human_bytes(traffic), human_bytes(per_round("peak_sync_bytes")), human_bytes(per_round("dense_fp32_bytes")),
             f"{per_round('dense_fp32_bytes') / traffic:.0f}x" if traffic else "-",
@@ -123,7 +128,7 @@ def _summary(records: dict[str, list[dict]], seconds: float) -> str:
             f"{per_round('inner_seconds'):.1f}", f"{per_round('comm_seconds'):.2f}",
             f"{per_round('round_seconds'):.1f}", f"{per_round('compute_utilisation'):.2f}",
         ))
-    table = format_table(("node", "role", "rounds", "eval loss first -> last", "bytes/round", "peak/sync",
+    table = format_table(("node", "role", "rounds", "tokens/round", "eval loss first -> last", "bytes/round", "peak/sync",
                           "dense fp32/round", "saving", "upload bits/param", "boundary/round", "inner s/round",
                           "comm s/round", "round s", "utilisation"), rows)
     return f"{table}\nwall time {seconds:.1f} s"
