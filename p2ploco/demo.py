@@ -128,7 +128,7 @@ def _summary(records: dict[str, list[dict]], seconds: float) -> str:
             f"{per_round('inner_seconds'):.1f}", f"{per_round('comm_seconds'):.2f}",
             f"{per_round('round_seconds'):.1f}", f"{per_round('compute_utilisation'):.2f}",
         ))
-    table = format_table(("node", "role", "rounds", "tokens/round", "eval loss first -> last", "bytes/round", "peak/sync",
-                          "dense fp32/round", "saving", "upload bits/param", "boundary/round", "inner s/round",
-                          "comm s/round", "round s", "utilisation"), rows)
+    table = format_table(("node", "role", "rounds", "tokens/round", "eval loss first -> last", "bytes/round",
+                          "peak/sync", "dense fp32/round", "saving", "upload bits/param", "boundary/round",
+                          "inner s/round", "comm s/round", "round s", "utilisation"), rows)
     return f"{table}\nwall time {seconds:.1f} s"
