@@ -94,9 +94,8 @@ def _applied_alike(runs: dict[str, list[dict]], rounds: int) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rounds", [3, pytest.param(10, marks=pytest.mark.slow)])  # 10: the must-show
-def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_twice_the_tokens(tmp_path: Path,
-                                                                                                rounds: int):
+def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_twice_the_tokens(tmp_path: Path):
+    rounds = 10
     with LocalSwarm(tmp_path) as swarm:
         nodes = {name: swarm.start_node(name, TINY_CONFIG, "--max-rounds", str(rounds), *SWARM, *extra)
                  for name, extra in (("two", ["--nproc-per-node", "2"]), ("a", []), ("b", []))}
@@ -111,6 +110,7 @@ def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_tw
     assert "Traceback" not in log
 
 
+@pytest.mark.slow  # CI's second stage: a 2-rank node training with others is in the default run (above)
 @pytest.mark.timeout(240)
 def test_a_killed_rank_takes_its_node_out_cleanly_while_the_others_train_on(tmp_path: Path):
     rounds = 6
