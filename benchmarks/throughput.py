@@ -8,7 +8,8 @@
 the run's hyperparameters and weight-decay groups, the same micro-batches, backward, clipping at the run's norm,
 step) against the node's inner loop (``build_replica``'s Worker: ``InnerTrainer.run_round``, as a node trains),
 over the same number of steps after the same warm-up. Tokens per second, the median of ``--repeat`` runs (bare and
-node alternate, so that what else the machine does weighs on both), and node / bare.
+node alternate, so that what else the machine does weighs on both), and node / bare. This process sets the host
+allocator as a node does (``host_memory.keep_freed_memory``), so the bare loop runs with it too.
 
 **Whole runs** (``p2ploco demo``'s local swarm: real node processes, ``training.threads=1``, eval off): a lone node,
 and 2 nodes blocking and overlapped, at H = 3 and H = 30. Tokens per wall second per node over rounds 1 .. R-2
@@ -36,6 +37,7 @@ from p2ploco.build import build_replica
 from p2ploco.config import Config, load_config
 from p2ploco.data import ShardSampler, load_training_data
 from p2ploco.demo import run_demo, slices_agree
+from p2ploco.host_memory import keep_freed_memory
 from p2ploco.inner import autocast_for
 from p2ploco.launch import REPO_ROOT, TINY_CONFIG
 from p2ploco.metrics import format_table, read_records
@@ -125,6 +127,7 @@ def peak_flops(device: torch.device, given: float | None) -> float | None:
 def measure_inner(model: str, extra: list[str], steps: int, repeat: int, device: torch.device, peak: float | None,
                   log) -> dict:
     config = config_of(model, extra)
+    keep_freed_memory()  # as a node's process does
     if config.training.threads:
         torch.set_num_threads(config.training.threads)
     data = load_training_data(config)

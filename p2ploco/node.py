@@ -32,6 +32,7 @@ from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.config import Config, config_of_run, differences, with_overrides
 from p2ploco.data import Batch, TrainingData, eval_batches, load_tokenizer, load_training_data, read_manifest
 from p2ploco.errors import ConfigError, PipelineError, SwarmError, shown
+from p2ploco.host_memory import keep_freed_memory
 from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.outer.base import Synced
@@ -134,6 +135,7 @@ class Node:
 
     def run(self) -> list[RoundRecord]:
         c = self.config
+        keep_freed_memory()
         if c.training.threads:
             torch.set_num_threads(c.training.threads)
         device = resolve_device(c.training.device, c.training.ranks)

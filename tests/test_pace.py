@@ -48,7 +48,7 @@ def test_weights_are_the_tokens_share_and_a_claim_weighs_at_most_a_full_round():
     assert weights([1.0, 1.0, 1.0], [1000, 1000, 4000], 0.0)[0] == [0.5, 0.5, 2.0]
     assert weights([1.0, 1.0], [5, 5], 2.0)[0] == [1.0, 1.0] and weights([], [], 2.0) == ([], [])
     # A peer that owes a missed round's tokens claims them with the next contribution, up to a round's worth.
-    outer = DiLoCo([torch.zeros(3)], DiLoCoConfig(), round_tokens=4000)
+    outer = DiLoCo([torch.zeros(3)], DiLoCoConfig(), max_tokens=4000)
     outer.unapplied_tokens = 10**12
     assert outer.weigh(1000) == 4000
 

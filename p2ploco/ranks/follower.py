@@ -19,12 +19,14 @@ import torch.distributed as dist
 from p2ploco.build import build_follower
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler, load_training_data
+from p2ploco.host_memory import keep_freed_memory
 from p2ploco.ranks.group import Command, LocalRanks, RankError
 
 PR_SET_PDEATHSIG = 1
 
 
 def follow(port: int, rank: int, world: int, kind: str) -> None:
+    keep_freed_memory()
     ranks, setup = LocalRanks.join(port, rank, world, kind)
     config = Config.model_validate(setup.config)
     if config.training.threads:
