@@ -173,15 +173,18 @@ class LocalRanks:
             raise
 
     def close(self) -> None:
-        """Rank 0: tell the other ranks to exit, reap them (killed after EXIT_SECONDS), and leave the group."""
+        """Rank 0: tell the other ranks to exit and reap them (killed after EXIT_SECONDS), and leave the group. Once
+        one has exited the others cannot be told (a command goes to all): they are killed at once."""
+        told = False
         try:
             if not self.exited():
                 with contextlib.suppress(RankError, RuntimeError):
                     self.command(Command.EXIT)
+                    told = True
         finally:
             for process in self.processes:
                 try:
-                    process.wait(timeout=EXIT_SECONDS)
+                    process.wait(timeout=EXIT_SECONDS if told else 0)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
