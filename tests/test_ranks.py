@@ -84,6 +84,12 @@ SWARM = ["--set", "swarm.min_peers=3", "--set", "training.max_ranks=2", "--set",
          "--set", "training.checkpoint_every=0", "--set", "inner.fixed_steps=true"]
 
 
+def start_three(swarm: LocalSwarm, rounds: int) -> dict:
+    """A 2-rank node ("two") and two 1-rank nodes, for ``rounds`` rounds."""
+    return {name: swarm.start_node(name, TINY_CONFIG, "--max-rounds", str(rounds), *SWARM, *extra)
+            for name, extra in (("two", ["--nproc-per-node", "2"]), ("a", []), ("b", []))}
+
+
 def _applied_alike(runs: dict[str, list[dict]], rounds: int) -> None:
     """Every node applied rounds 0..rounds-1 in a group of all 3, with one hash a round."""
     for name, records in runs.items():
@@ -97,8 +103,7 @@ def _applied_alike(runs: dict[str, list[dict]], rounds: int) -> None:
 def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_twice_the_tokens(tmp_path: Path):
     rounds = 10
     with LocalSwarm(tmp_path) as swarm:
-        nodes = {name: swarm.start_node(name, TINY_CONFIG, "--max-rounds", str(rounds), *SWARM, *extra)
-                 for name, extra in (("two", ["--nproc-per-node", "2"]), ("a", []), ("b", []))}
+        nodes = start_three(swarm, rounds)
         assert {name: node.process.wait(260) for name, node in nodes.items()} == {"two": 0, "a": 0, "b": 0}
         runs = {name: swarm.records(name) for name in nodes}
         log = nodes["two"].log_path.read_text()
@@ -115,8 +120,7 @@ def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_tw
 def test_a_killed_rank_takes_its_node_out_cleanly_while_the_others_train_on(tmp_path: Path):
     rounds = 6
     with LocalSwarm(tmp_path) as swarm:
-        nodes = {name: swarm.start_node(name, TINY_CONFIG, "--max-rounds", str(rounds), *SWARM, *extra)
-                 for name, extra in (("two", ["--nproc-per-node", "2"]), ("a", []), ("b", []))}
+        nodes = start_three(swarm, rounds)
         follower = int(nodes["two"].wait_for_line(re.compile(r"data parallel \(rank 1: pid (\d+)\)"), 120)[1])
         nodes["two"].wait_for_line(re.compile(r"round\s+1 \|"), 120)
         os.kill(follower, signal.SIGKILL)
