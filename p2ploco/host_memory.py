@@ -3,8 +3,9 @@
 An inner step frees its gradients and activations and allocates them again at the next step. glibc's malloc hands
 chunks above its mmap threshold to the kernel on free, and trims the top of its heap once that much is free, so on
 a CPU each step pays for page faults on memory it had a moment ago (the 21.4M model's inner loop ran at 0.90x a bare
-loop's in the node, which also holds the outer state; with the thresholds raised, at 1.03x: docs/design.md, "A node
-at the speed of plain PyTorch"). A training process keeps what it freed instead: it needs the same memory again.
+loop's in the node, which also holds the outer state; with the thresholds raised, at 0.92-1.03x across runs, as
+near as this machine's noise tells: docs/design.md, "A node at the speed of plain PyTorch"). A training process
+keeps what it freed instead: it needs the same memory again.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ MMAP_THRESHOLD = 32 << 20  # bytes: glibc's largest on 64-bit; chunks above it a
 TRIM_THRESHOLD = 1 << 30  # bytes free at the heap's top before it is given back
 
 
-def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds for this process (fixed: glibc's dynamic threshold is off then); False
-    where the C library is not glibc (its allocator is left as it is)."""
+def keep_freed_memory() -> None:
+    """Raise glibc's mmap and trim thresholds for this process (fixed: glibc's dynamic threshold is off then); where
+    the C library is not glibc, its allocator is left as it is."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        return
+    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)

@@ -61,10 +61,10 @@ class SwarmOptions:
 def describe_device(device: torch.device, ranks: int = 1) -> str:
     """``device``, or with ``ranks`` > 1 the devices of the node's local ranks (``cpu x2``, ``cuda:0-3 (NVIDIA
     H100 80GB HBM3)``)."""
+    if ranks > 1 and device.type == "cpu":
+        return f"cpu x{ranks}"
     if ranks > 1:
-        where = "cpu" if device.type == "cpu" else f"cuda:0-{ranks - 1}"
-        named = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
-        return f"{where} x{ranks}{named}" if device.type == "cpu" else f"{where}{named}"
+        return f"cuda:0-{ranks - 1} ({torch.cuda.get_device_name(device)})"
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
@@ -90,7 +90,7 @@ def sync_fields(synced: Synced) -> dict[str, Any]:
 
 
 def resolve_device(name: str, ranks: int = 1) -> torch.device:
-    """Rank 0's device; with ``ranks`` > 1 local ranks, rank r trains on the r-th GPU (``ranks.rank_device``)."""
+    """Rank 0's device; with ``ranks`` > 1 local ranks, rank r trains on the r-th GPU (``ranks.group.rank_device``)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)

@@ -20,8 +20,7 @@ def build_outer(config: OuterConfig, global_params: Sequence[torch.Tensor], devi
                 ) -> OuterAlgorithm:
     """The configured algorithm over ``global_params`` cut into named ``slices`` (default: one; Streaming
     DiLoCo's fragments for it); ``device`` is where its per-replica working state lives (the training device);
-    ``max_tokens``: the most tokens a
-    contribution may weigh (``Config.max_contribution_tokens``; None: uncapped)."""
+    ``max_tokens``: the most tokens a contribution may weigh (``Config.max_contribution_tokens``; None: uncapped)."""
     policy = Policy(config.clip_factor, config.drop_opposed)
     cpu = torch.device("cpu")
     if config.algorithm == "diloco":

@@ -13,6 +13,6 @@ A rank that dies breaks the next collective: rank 0 raises ``RankError`` and the
 after writing its checkpoint; the other peers lose at most the round it was in.
 """
 
-from p2ploco.ranks.group import LocalRanks, RankError, rank_device
+from p2ploco.ranks.group import LocalRanks, RankError
 
-__all__ = ["LocalRanks", "RankError", "rank_device"]
+__all__ = ["LocalRanks", "RankError"]

@@ -47,7 +47,6 @@ class DataParallelBatches(GradientSource):
         """[loss, squared norm, stop votes]: the loss is the mean of the ranks', the votes their sum; the norm is
         every rank's own (of the averaged gradients)."""
         loss_share, squared_norm, stop_vote = values
-        summed = self.ranks.sum_(torch.tensor([loss_share, stop_vote], dtype=torch.float64,
-                                              device=self.ranks.device if self.device.type == "cuda" else "cpu"))
+        summed = self.ranks.sum_(torch.tensor([loss_share, stop_vote], dtype=torch.float64, device=self.device))
         return [float(summed[0]) / self.ranks.world, squared_norm, float(summed[1])]
 

@@ -20,7 +20,7 @@ from p2ploco.build import build_follower
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler, load_training_data
 from p2ploco.host_memory import keep_freed_memory
-from p2ploco.ranks.group import Command, LocalRanks, RankError
+from p2ploco.ranks.group import Command, LocalRanks
 
 PR_SET_PDEATHSIG = 1
 
@@ -53,7 +53,7 @@ def main() -> None:
     port, rank, world, kind = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     try:
         follow(port, rank, world, kind)
-    except (RankError, dist.DistError) as e:  # rank 0 is gone or broke the group off: nothing to train for
+    except dist.DistError as e:  # rank 0 is gone or broke the group off: nothing to train for
         print(f"local rank {rank} stops: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
         sys.exit(1)
 

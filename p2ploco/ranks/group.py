@@ -84,7 +84,7 @@ class LocalRanks:
                                         f"(its error is in this node's log, above)")
             _init(device, store, 0, world)
             ranks = cls(0, world, device, processes)
-            dist.broadcast_object_list([setup], src=0, device=ranks._object_device)
+            dist.broadcast_object_list([setup], src=0, device=ranks.device)
             return ranks
         except BaseException:
             for process in processes:
@@ -104,18 +104,14 @@ class LocalRanks:
         device = rank_device(torch.device(kind), rank)
         _init(device, store, rank, world)
         ranks = cls(rank, world, device, ())
-        dist.broadcast_object_list(received, src=0, device=ranks._object_device)
+        dist.broadcast_object_list(received, src=0, device=ranks.device)
         return ranks, received[0]
-
-    @property
-    def _object_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     # -- rank 0's commands, and what goes with them (every rank calls these in the same order) --
 
     def command(self, kind: Command = Command.STEP, value: int = 0) -> tuple[Command, int]:
         """Rank 0 sends (``kind``, ``value``); every other rank receives and returns it."""
-        message = torch.tensor([int(kind), value], dtype=torch.int64, device=self._object_device)
+        message = torch.tensor([int(kind), value], dtype=torch.int64, device=self.device)
         with self.failures():
             dist.broadcast(message, src=0, group=self.control)
         return Command(int(message[0])), int(message[1])
@@ -134,7 +130,7 @@ class LocalRanks:
             torch.save(_on_cpu(optimizer.state_dict()), buffer)
             state[0] = buffer.getvalue()
         with self.failures():
-            dist.broadcast_object_list(state, src=0, group=self.control, device=self._object_device)
+            dist.broadcast_object_list(state, src=0, group=self.control, device=self.device)
         if self.rank != 0:
             optimizer.load_state_dict(torch.load(io.BytesIO(state[0]), weights_only=True))
 
