@@ -66,7 +66,7 @@ from p2ploco.swarm.reachability import DialBackRequest, parse_dial_back
 from p2ploco.swarm.records import PeerRecord, peers_key
 from p2ploco.swarm.schema import RecordSchema, record_validator
 from p2ploco.swarm.state import Snapshot, StateRequest, parse_description
-from p2ploco.swarm.status import answer_head
+from p2ploco.swarm.status import Answer, answer_head
 from p2ploco.swarm.status_client import parse_answer
 from p2ploco.swarm.status_document import Survey, status_answer
 
@@ -132,7 +132,7 @@ RECORD = PeerRecord(peer_id=peer_id_of(OWNER), round=3, state="training", finger
                     name="swift-otter", addresses=["/ip4/1.2.3.4/tcp/1"], eval_history=[[1, 4.5]]).to_value()
 SCHEMA = RecordSchema([peers_key("fuzz")])
 STATUS_BODY = status_answer(Survey("fuzz", [PeerRecord.parse(RECORD)], {RECORD["peer_id"]: 9.5}))
-STATUS_ANSWER = answer_head(200, STATUS_BODY) + STATUS_BODY  # what a node's status endpoint serves
+STATUS_ANSWER = answer_head(Answer(200, STATUS_BODY)) + STATUS_BODY  # what a node's status endpoint serves
 RECORD_KEY = DHTID.generate(source=peers_key("fuzz")).to_bytes()
 SIGNED = VALIDATOR.sign_value(DHTRecord(RECORD_KEY, MSGPackSerializer.dumps(OWNER), MSGPackSerializer.dumps(RECORD),
                                         get_dht_time() + 10))
@@ -279,7 +279,7 @@ def status_documents() -> st.SearchStrategy[bytes]:
         changes, record_changes = args
         body = _as_json({**document, **changes, "peers": [{**document["peers"][0], **record_changes}]}
                         if record_changes else {**document, **changes})
-        return answer_head(200, body) + body
+        return answer_head(Answer(200, body)) + body
 
     return st.tuples(st.dictionaries(st.sampled_from(sorted(document)), odd, max_size=2),
                      st.dictionaries(st.sampled_from(sorted(document["peers"][0])), odd, max_size=2)).map(answer)

@@ -20,9 +20,9 @@ from p2ploco.swarm import status
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerRecord
 from p2ploco.swarm.schema import MAX_RECORD_BYTES
-from p2ploco.swarm.status import MAX_CONNECTIONS, MAX_PER_ADDRESS, StatusServer, listen
+from p2ploco.swarm.status import MAX_CONNECTIONS, MAX_PER_ADDRESS, StatusServer, Surveyed, listen
 from p2ploco.swarm.status_client import MAX_ANSWER_HEAD, read_status
-from p2ploco.swarm.status_document import MAX_STATUS_BYTES, Survey, status_answer
+from p2ploco.swarm.status_document import MAX_STATUS_BYTES, STATUS_PATH, Survey, status_answer
 
 
 def honest(i: int) -> PeerRecord:
@@ -57,7 +57,7 @@ def endpoint(peers: list[PeerRecord], host: str = "127.0.0.1", look: Callable | 
         return survey_of(peers)
 
     loop = EventLoopThread("status-endpoint")
-    server = StatusServer(look or survey, refresh_interval=60.0)
+    server = StatusServer({STATUS_PATH: Surveyed(look or survey, refresh_interval=60.0)})
     listening, address = listen(host, 0)
     try:
         loop.run(server.start(listening), 10)
@@ -236,7 +236,7 @@ def test_the_client_gives_up_on_an_answer_sent_a_byte_at_a_time_within_its_timeo
 
     with answering(trickle) as address:
         started = time.monotonic()
-        with pytest.raises(SwarmError, match=f"^http://{address}/peers did not send its status within 1 s$"):
+        with pytest.raises(SwarmError, match=f"^http://{address}/peers did not answer within 1 s$"):
             read_status(address, timeout=1.0)
         assert time.monotonic() - started < 2.0
 

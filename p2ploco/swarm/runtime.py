@@ -8,7 +8,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -38,7 +38,8 @@ from p2ploco.swarm.reachability import DialBack, detect
 from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachability, parse_records, peers_key
 from p2ploco.swarm.run_config import ConfigServer, RunDocument, fetch_run_document, tell_conflict
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, served_state
-from p2ploco.swarm.status import StatusServer
+from p2ploco.swarm.status import Route, StatusServer, Surveyed
+from p2ploco.swarm.status_document import PEERS_DOCUMENT, STATUS_PATH
 from p2ploco.swarm.survey import survey
 from p2ploco.swarm.upload_cap import cap_uploads
 
@@ -61,6 +62,7 @@ class Swarm:
         self._refusals: dict[tuple[str, int, str, str], float] = {}  # a lone claim its holder did not serve -> when
         self._dht_bytes_taken = (0, 0)  # ``directory.dht_bytes`` at the last ``take_dht_bytes``
         self.status_server: StatusServer | None = None
+        self.surveyed: Surveyed | None = None  # the status server's survey (``serve_status``)
 
     @classmethod
     def join(cls, run_id: str, config: SwarmConfig, document: dict[str, Any], initial_peers: Sequence[str] = (),
@@ -212,10 +214,11 @@ class Swarm:
 
         return self.loop.run(look(), CALL_TIMEOUT)
 
-    def serve_status(self, listening: socket.socket) -> None:
-        """Serve the run's survey over HTTP on ``listening`` (``swarm/status.py``)."""
-        self.status_server = StatusServer(partial(survey, self.node, self.directory.run_id),
-                                          self.config.heartbeat_interval)
+    def serve_status(self, listening: socket.socket, routes: Mapping[str, Route]) -> None:
+        """Serve the run's survey over HTTP on ``listening`` at ``STATUS_PATH`` and ``PEERS_DOCUMENT``, and what
+        ``routes`` name at their paths (``swarm/status.py``)."""
+        self.surveyed = Surveyed(partial(survey, self.node, self.directory.run_id), self.config.heartbeat_interval)
+        self.status_server = StatusServer({STATUS_PATH: self.surveyed, PEERS_DOCUMENT: self.surveyed, **routes})
         self.loop.run(self.status_server.start(listening), CALL_TIMEOUT)
 
     def request_leave(self) -> None:
@@ -231,6 +234,7 @@ class Swarm:
         async def stop() -> None:
             if self.status_server is not None:  # first: its requests look the DHT up
                 await self.status_server.stop()
+                await self.surveyed.close()
             # Either step may hang if the daemon is already gone (e.g. SIGTERM to the whole process group).
             try:
                 if not await finishes_within(self.directory.update(state=PeerState.LEAVING), FAREWELL_TIMEOUT):

@@ -36,29 +36,34 @@ def _host_and_port(address: str) -> tuple[str, int]:
 
 
 def read_status(address: str, timeout: float = STATUS_TIMEOUT) -> Survey:
-    """The survey a node serves at ``address`` (HOST:PORT, its ``--status-port``), read within ``timeout`` in all.
-    A plain socket, not urllib: a node is dialled directly, never through a proxy the environment names, and a
-    redirect is not followed."""
+    """The survey a node serves at ``address`` (HOST:PORT, its ``--status-port``), read within ``timeout`` in all."""
+    return parse_answer(f"http://{address}{STATUS_PATH}", read_answer(address, STATUS_PATH, timeout))
+
+
+def read_answer(address: str, target: str, timeout: float = STATUS_TIMEOUT) -> bytes:
+    """The whole HTTP answer of the node at ``address`` (HOST:PORT) to ``GET target`` (a path and its query), read
+    within ``timeout`` in all; SwarmError in one line if there is none to read. A plain socket, not urllib: a node is
+    dialled directly, never through a proxy the environment names, and a redirect is not followed."""
     host, port = _host_and_port(address)
-    url = f"http://{address}{STATUS_PATH}"
+    url = f"http://{address}{target}"
     try:
-        received = _receive(host, port, address, time.monotonic() + timeout)
+        received = _receive(host, port, address, target, time.monotonic() + timeout)
     except TimeoutError:
-        raise SwarmError(f"{url} did not send its status within {timeout:.0f} s") from None
+        raise SwarmError(f"{url} did not answer within {timeout:.0f} s") from None
     except (OSError, UnicodeError) as e:  # refused, unreachable, unknown host (or one IDNA cannot encode)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise SwarmError(f"cannot read {url} ({shown(why, 200)}): is a node started with --status-port {port} "
                          f"running there?") from None
     if received is None:
         raise SwarmError(f"{url} answered more than {MAX_STATUS_BYTES >> 20} MiB: not a p2ploco status")
-    return parse_answer(url, received)
+    return received
 
 
-def _receive(host: str, port: int, address: str, deadline: float) -> bytes | None:
-    """What the node at ``host``, ``port`` answers to ``GET STATUS_PATH``, up to the end of the connection (a node
-    closes it after its answer); None if that is more than a status answer may be. TimeoutError at ``deadline``:
-    the bound is on the whole answer, not on each read (a server that sends a byte at a time would otherwise hold
-    the client for as long as it likes)."""
+def _receive(host: str, port: int, address: str, target: str, deadline: float) -> bytes | None:
+    """What the node at ``host``, ``port`` answers to ``GET target``, up to the end of the connection (a node closes
+    it after its answer); None if that is more than a status answer may be. TimeoutError at ``deadline``: the bound
+    is on the whole answer, not on each read (a server that sends a byte at a time would otherwise hold the client
+    for as long as it likes)."""
     def left() -> float:
         seconds = deadline - time.monotonic()
         if seconds <= 0:
@@ -68,7 +73,7 @@ def _receive(host: str, port: int, address: str, deadline: float) -> bytes | Non
     received = bytearray()
     with socket.create_connection((host, port), timeout=left()) as connection:
         connection.settimeout(left())
-        connection.sendall(f"GET {STATUS_PATH} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n".encode())
+        connection.sendall(f"GET {target} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n".encode())
         while len(received) <= MAX_ANSWER_HEAD + MAX_STATUS_BYTES:
             connection.settimeout(left())
             if not (piece := connection.recv(1 << 16)):
@@ -91,6 +96,15 @@ def parse_answer(url: str, received: bytes) -> Survey:
     """The survey in ``received``, the whole HTTP answer a node at ``url`` gave; SwarmError in one line if it is
     not one."""
     try:
+        return Survey.from_json(answer_json(url, received))
+    except PayloadError as e:
+        raise SwarmError(f"{url} did not answer with a p2ploco status ({shown(str(e), 200)})") from None
+
+
+def answer_json(url: str, received: bytes) -> object:
+    """The JSON document in ``received``, the whole HTTP answer a node at ``url`` gave; SwarmError in one line if it
+    is not a 200 answer of JSON within MAX_STATUS_BYTES."""
+    try:
         answer = http.client.HTTPResponse(_Received(received))  # type: ignore[arg-type]
         answer.begin()
         if answer.status != 200:
@@ -104,6 +118,6 @@ def parse_answer(url: str, received: bytes) -> Survey:
         raise SwarmError(f"{url} did not answer in HTTP ({type(e).__name__}): is this a p2ploco node's "
                          f"--status-port?") from None
     try:
-        return Survey.from_json(json.loads(body))
-    except (ValueError, RecursionError, PayloadError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise SwarmError(f"{url} did not answer with a p2ploco status ({shown(str(e), 200)})") from None

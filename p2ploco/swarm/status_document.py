@@ -21,6 +21,7 @@ from p2ploco.swarm.messages import decode
 from p2ploco.swarm.records import Amount, Count, PeerRecord
 
 STATUS_PATH = "/peers"  # what a node's status endpoint serves: ``status_answer`` of its survey
+PEERS_DOCUMENT = "/api/v1/peers"  # the same, among the dashboard's documents (``dashboard/documents.py``)
 STATUS_FORMAT = 1  # of the status document (above)
 # What a node's status answer holds at most, and what a client reads: about 3,500 honest records (about 1.2 KB of
 # JSON each); records padded out to 24 KB each are left out first.
