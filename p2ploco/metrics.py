@@ -32,6 +32,8 @@ class RoundRecord:
     # the weight its contribution to the round's all-reduce carried: its tokens, plus those of earlier work that no
     # aggregate had applied yet (docs/design.md, "Slow peers"); in the aggregate if ``applied``
     contributed_tokens: int = 0
+    # the tokens the aggregate it applied weighed, every member's (0 if it applied none): the run's tokens so far
+    aggregate_tokens: int = 0
     reachability: str = "public"  # whether others could dial it: public, relayed or client (swarm/reachability.py)
     inner_seconds: float = 0.0
     comm_seconds: float = 0.0

@@ -46,6 +46,9 @@ def test_demo_three_nodes_train_together_with_identical_params(tmp_path):
         assert sum(r["dht_bytes_received"] for r in records) > 0
     for round_index in range(3):
         assert len({records[round_index]["params_sha256"] for records in runs}) == 1
+        # The aggregate every node applied weighed every member's contribution: the tokens the dashboard plots
+        weighed = sum(records[round_index]["contributed_tokens"] for records in runs)
+        assert {records[round_index]["aggregate_tokens"] for records in runs} == {weighed} and weighed > 0
     assert len({records[0]["peer_id"] for records in runs}) == 3
 
 

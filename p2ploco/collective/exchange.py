@@ -249,6 +249,9 @@ class AllReduceResult:
     failures: list[Failure] = field(default_factory=list)  # what went wrong here, one entry per event
     tokens: int = 0  # the weight this peer's contribution carried: tokens trained for it (0: it sent none)
     traffic: Traffic = field(default_factory=Traffic)
+    # the committed aggregate's weights: each member whose contribution is in it, and its tokens as the group settled
+    # them (a hub's 0 left out); empty when nothing was committed
+    weights: dict[str, int] = field(default_factory=dict)
 
 
 def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int | None) -> int:

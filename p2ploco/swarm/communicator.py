@@ -143,6 +143,7 @@ class SwarmCommunicator(Communicator):
                 failures.append(Failure.ABORTED)
             committed = vote == Vote.HOLDS and decision.applies(digests)
             self._applied_with(group if committed else None, attempt.delivered)
+            weights = {p: t for p, t in group.tokens_of().items() if t > 0 and p not in attempt.dropped}
             return AllReduceResult(
                 list(group.peers), committed,
                 # Others applied an aggregate this peer does not hold (or redid the round without it).
@@ -150,7 +151,7 @@ class SwarmCommunicator(Communicator):
                 dropped=sorted(attempt.dropped | (formed - set(group.peers))),  # incl. those a redo left out
                 clipped=attempt.clipped, opposed=attempt.opposed, attempts=len(attempts), failures=failures,
                 tokens=self.matchmaker.weight(exchange.tokens),
-                traffic=round_traffic(attempts, time.perf_counter() - started))
+                traffic=round_traffic(attempts, time.perf_counter() - started), weights=weights if committed else {})
 
     def _applied_with(self, group: Group | None, delivered: Iterable[str] = ()) -> None:
         """This peer applied the round's aggregate with ``group`` (None: it applied none, or its own alone), whose
@@ -184,7 +185,8 @@ class SwarmCommunicator(Communicator):
                                 f"lower the inner or outer learning rate") from None
         return AllReduceResult([self.matchmaker.me], committed=True, failures=failures, tokens=exchange.tokens,
                                traffic=Traffic(contribution_bytes=uploaded, params=exchange.numel(),
-                                               seconds=time.perf_counter() - started))
+                                               seconds=time.perf_counter() - started),
+                               weights={self.matchmaker.me: exchange.tokens})
 
 
 def round_traffic(attempts: list[Attempt], seconds: float) -> Traffic:
