@@ -467,6 +467,28 @@ def status(initial_peers: tuple[str, ...], status_from: str | None, run_id: str 
 
 
 @main.command()
+@click.option("--from", "status_from", required=True, metavar="HOST:PORT",
+              help="The --status-port of a node of the run (its own machine serves the same page at /).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="Port to serve the page on (0: any free one).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to serve it on (0.0.0.0: every interface of this machine).")
+@reports_errors
+def dashboard(status_from: str, port: int, host: str) -> None:
+    """Serve the live dashboard of a node's run on this machine: loss, peers, rounds, traffic, how to join."""
+    from p2ploco.dashboard.relay import serve_dashboard
+
+    def say(line: str) -> None:
+        click.echo(line)
+        sys.stdout.flush()  # the address, at once, to whoever reads this output through a pipe
+
+    try:
+        serve_dashboard(status_from, host, port, say)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
 @click.argument("checkpoints", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory to write the exported model to (created if missing).")
@@ -516,9 +538,11 @@ def sample(checkpoints: tuple[Path, ...], prompt: str, max_new_tokens: int, temp
 @click.option("--workdir", type=click.Path(file_okay=False), help="Where logs and metrics go [a new temp folder].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config key on every node, e.g. --set data.paths=corpus.txt (repeatable).")
+@click.option("--status-port", type=click.IntRange(0, 65535),
+              help="node0 serves its status and the live dashboard on this loopback port (0: any free one).")
 @reports_errors
 def demo(replicas: int | None, groups: int | None, rounds: int, nproc_per_node: int, config_path: str | None,
-         workdir: str | None, overrides: tuple[str, ...]) -> None:
+         workdir: str | None, overrides: tuple[str, ...], status_port: int | None) -> None:
     """The main job on one machine: a bootstrap peer and nodes (full replicas, and the stage peers of pipeline
     groups) training together on loopback."""
     from p2ploco.config import load_config
@@ -540,7 +564,8 @@ def demo(replicas: int | None, groups: int | None, rounds: int, nproc_per_node: 
         raise ConfigError("--nproc-per-node goes to node0, a full replica: pass --replicas 1 or more")
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="p2ploco-demo-"))
     try:
-        ok = run_demo(replicas, groups, stages, rounds, config, folder, overrides, ranks=nproc_per_node)
+        ok = run_demo(replicas, groups, stages, rounds, config, folder, overrides, ranks=nproc_per_node,
+                      status_port=status_port)
     except KeyboardInterrupt:
         click.echo("demo interrupted; all nodes stopped")
         sys.exit(130)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -11,19 +12,25 @@ from p2ploco.metrics import format_table, human_bytes
 
 POLL_SECONDS = 0.5  # how often the demo looks at the nodes' metrics files to print progress
 SAMPLE_TOKENS = 80  # tokens of the sample that ends the demo
+DASHBOARD_AT = re.compile(r"dashboard at (http://\S+)")  # what a node prints once it serves its status port
+STARTUP_SECONDS = 120.0  # for a node to start and print it
 
 
 def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path, workdir: Path,
-             overrides: Sequence[str] = (), out: Callable[[str], None] = print, ranks: int = 1) -> bool:
+             overrides: Sequence[str] = (), out: Callable[[str], None] = print, ranks: int = 1,
+             status_port: int | None = None) -> bool:
     """Run the swarm to completion, printing a line per round and a summary; True if all went well.
     ``groups`` pipeline groups get one stage peer per stage (pinned, so the run is the same every time).
     ``overrides`` (``key=value``) go to every node as ``--set``. ``ranks``: node0 trains on that many local ranks
-    (``p2ploco.ranks``), and the run counts them all (``training.max_ranks``)."""
-    members = [(f"node{i}", ("--nproc-per-node", str(ranks)) if i == 0 and ranks > 1 else ())
-               for i in range(replicas)]
+    (``p2ploco.ranks``), and the run counts them all (``training.max_ranks``). ``status_port``: the first node serves
+    its status and the dashboard there, on loopback (0: a port the OS picks; None: not served)."""
+    serves = ("--status-port", str(status_port)) if status_port is not None else ()  # the first node started
+    members = [("node0", (("--nproc-per-node", str(ranks)) if ranks > 1 else ()) + serves)] if replicas else []
+    members += [(f"node{i}", ()) for i in range(1, replicas)]
     if ranks > 1:
         overrides = [f"training.max_ranks={ranks}", *overrides]
-    members += [(f"g{g}s{s}", ("--role", "stage", "--group", f"g{g}", "--stage", str(s)))
+    members += [(f"g{g}s{s}", ("--role", "stage", "--group", f"g{g}", "--stage", str(s))
+                 + (serves if not replicas and g == s == 0 else ()))
                 for g in range(groups) for s in range(stages)]
     what = (f"{replicas} full replica(s)" + (f" (node0 on {ranks} local ranks)" if ranks > 1 else "")
             + (f" and {groups} pipeline group(s) of {stages} stages" if groups else ""))
@@ -36,6 +43,9 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
         for name, role in members:
             swarm.start_node(name, config, *role, "--max-rounds", str(rounds), "--set", f"swarm.min_peers={len(names)}",
                              *(arg for item in overrides for arg in ("--set", item)))
+        if status_port is not None:  # printed before the node joins: a port that is taken ends it at once
+            url = swarm.nodes[names[0]].wait_for_line(DASHBOARD_AT, STARTUP_SECONDS).group(1)
+            out(f"dashboard: {url} (open it in a browser: it draws the run as it trains, until the demo ends)")
         shown = 0
         while True:
             done = all(swarm.nodes[n].process.poll() is not None for n in names)

@@ -30,6 +30,8 @@ from p2ploco.catchup import CatchUp
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.config import Config, config_of_run, differences, with_overrides
+from p2ploco.dashboard.documents import ROUNDS_DOCUMENT, RUN_DOCUMENT, RoundsFeed, config_rows, run_document
+from p2ploco.dashboard.page import PAGE_PATH, page_routes
 from p2ploco.data import Batch, TrainingData, eval_batches, load_tokenizer, load_training_data, read_manifest
 from p2ploco.errors import ConfigError, PipelineError, SwarmError, shown
 from p2ploco.host_memory import keep_freed_memory
@@ -45,7 +47,7 @@ from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
 from p2ploco.standing import Membership, Standing
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.runtime import Arrival, Swarm
-from p2ploco.swarm.status import WILDCARDS, listen
+from p2ploco.swarm.status import WILDCARDS, Answer, constant, listen
 from p2ploco.swarm.status_document import STATUS_PATH
 
 
@@ -80,8 +82,9 @@ def sync_fields(synced: Synced) -> dict[str, Any]:
     result, traffic = synced.all_reduce, synced.all_reduce.traffic
     syncs = traffic.sync_bytes or [traffic.bytes_sent + traffic.bytes_received]
     return {"peers": len(result.peers), "applied": synced.applied, "excluded": result.excluded,
-            "contributed_tokens": result.tokens, "dropped_peers": result.dropped, "clipped_peers": result.clipped,
-            "opposed_peers": result.opposed, "attempts": result.attempts,
+            "contributed_tokens": result.tokens, "dropped_peers": result.dropped,
+            "aggregate_tokens": sum(result.weights.values()) if synced.applied else 0,
+            "clipped_peers": result.clipped, "opposed_peers": result.opposed, "attempts": result.attempts,
             "failures": dict(Counter(str(failure) for failure in result.failures)),
             "bytes_sent": traffic.bytes_sent, "bytes_received": traffic.bytes_received,
             "dense_fp32_bytes": traffic.dense_fp32_bytes, "comm_seconds": traffic.seconds,
@@ -122,6 +125,8 @@ class Node:
         self.status_address = status_address
         self.log_dir, self.resume, self.role_options = log_dir, resume, role or RoleOptions()
         self.records: list[RoundRecord] = []
+        # the members of the newest aggregate this node applied, and the tokens each weighed: the dashboard's shares
+        self.weights: dict[str, int] = {}
         self.stopping = threading.Event()
         self.swarm: Swarm | None = None
         self.failure: RankError | None = None  # why the node stopped training before it was told to (a rank died)
@@ -307,10 +312,15 @@ class Node:
         files.finish(schedule.checkpoint(standing.round, role.checkpoint_extras()))
 
     def _serve_status(self, swarm: Swarm, listening: socket.socket, address: str) -> None:
-        swarm.serve_status(listening)
+        """Serve the run's survey, this node's rounds and the run's config, and the dashboard that draws them."""
+        c = self.config
+        run = run_document(c.run_id, swarm.peer_id, swarm.directory.me.name, c.swarm.peer_ttl,
+                           join_command(c.run_id, swarm.addresses()), config_rows(c))
+        swarm.serve_status(listening, {**page_routes(), RUN_DOCUMENT: constant(Answer(200, run)),
+                                       ROUNDS_DOCUMENT: RoundsFeed(swarm.peer_id, self.records, lambda: self.weights)})
         where = f"THIS_MACHINE:{address.rpartition(':')[2]}" if self.status_address[0] in WILDCARDS else address
         self.out(f"[{swarm.peer_id[-8:]}] status served at http://{address}{STATUS_PATH}; read it with "
-                 f"`p2ploco peers --from {where}`")
+                 f"`p2ploco peers --from {where}`; dashboard at http://{address}{PAGE_PATH}")
 
     def _print_setup(self, swarm: Swarm, role: Role, device: torch.device, data: TrainingData) -> None:
         c = self.config
@@ -458,7 +468,7 @@ class Node:
                 if outcome is None:
                     return None
                 return self._record(swarm, role, round_index, membership, started, **inner_fields(outcome.inner),
-                                    **sync_fields(outcome.comm), sat_out=True)
+                                    **self._synced(outcome.comm), sat_out=True)
         # The announcement names this round with the state it starts from, taken now (not before the role was ready:
         # an overlapped round in flight may have landed while a stage waited for its pipeline group).
         in_for_round = presence.in_for_round(round_index, standing.doubtful)
@@ -479,8 +489,14 @@ class Node:
         evaluated = role.evaluates and (round_index % c.training.eval_every == 0
                                         or round_index + 1 == c.training.rounds)
         return self._record(swarm, role, round_index, membership, started, **inner_fields(outcome.inner),
-                            **sync_fields(synced), eval_loss=worker.evaluate(held_out) if evaluated else None,
+                            **self._synced(synced), eval_loss=worker.evaluate(held_out) if evaluated else None,
                             density=worker.outer.density, update_norm=worker.outer.take_update_norm())
+
+    def _synced(self, synced: Synced) -> dict[str, Any]:
+        """``sync_fields(synced)``, keeping the weights of its aggregate if it was applied."""
+        if synced.applied:
+            self.weights = dict(synced.all_reduce.weights)
+        return sync_fields(synced)
 
     def _record(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
                 **fields: Any) -> RoundRecord:
@@ -520,13 +536,17 @@ class Node:
         addresses = swarm.addresses()
         self.out(f"[{swarm.peer_id[-8:]}] peer {swarm.peer_id} joined run '{self.config.run_id}'")
         self.out("To join this swarm from another machine, run:")
-        self.out(f"  p2ploco node start --run-id {self.config.run_id} "
-                 + " ".join(f"--initial-peers {a}" for a in addresses))
+        self.out(f"  {join_command(self.config.run_id, addresses)}")
         d = self.config.data
         for key, path in (("data.prepared", d.prepared), ("data.tokenizer", d.tokenizer)):
             if path:
                 self.out(f"  (the run's config comes from its peers; its {key.split('.')[1]} {path} does not: add "
                          f"--set {key}=PATH, your copy of it)")
+
+
+def join_command(run_id: str, addresses: Sequence[str]) -> str:
+    """The command that starts a peer of run ``run_id`` from another machine, through ``addresses``."""
+    return f"p2ploco node start --run-id {run_id} " + " ".join(f"--initial-peers {a}" for a in addresses)
 
 
 def progress_line(peer_id: str, r: RoundRecord) -> str:
