@@ -1,5 +1,6 @@
 """Peer records are signed and schema-checked; `p2ploco peers` and `p2ploco status` against real swarms."""
 
+import importlib.util
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
@@ -32,6 +34,13 @@ from p2ploco.swarm.status_document import Survey
 
 JOINED = re.compile(r"peer (\w+) joined run")
 STATUS_AT = re.compile(r"status served at http://(\S+)/peers")
+# The benchmarks' headless Chromium driver (the dashboard's benchmark uses it too).
+_spec = importlib.util.spec_from_file_location("browser", Path(__file__).parents[1] / "benchmarks" / "browser.py")
+browser_driver = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(browser_driver)
+Browser, find_browser = browser_driver.Browser, browser_driver.find_browser
+# node c's name in its record: markup that would run if a page wrote it as HTML
+HOSTILE_NAME = "<img src=x onerror=injected=1><script>injected=2</script>"
 NOBODY = "12D3KooWJFBvJXaPgQ1XAX5u5MCmZYfgVUgvyeTA2BwcCGJhu78u"  # a well-formed peer id nobody runs
 
 
@@ -302,7 +311,8 @@ def swarm(tmp_path_factory):
     with LocalSwarm(folder) as local:
         nodes = {name: local.start_node(name, TINY_CONFIG, "--set", "swarm.min_peers=3", "--set", "inner.steps=5",
                                         "--set", "swarm.heartbeat_interval=0.5",
-                                        *(["--status-port", "0"] if name == "a" else [])) for name in "abc"}
+                                        *(["--status-port", "0"] if name == "a" else []),
+                                        *(["--name", HOSTILE_NAME] if name == "c" else [])) for name in "abc"}
         status_address = nodes["a"].wait_for_line(STATUS_AT, 60).group(1)  # printed before it joins
         ids = {name: node.wait_for_line(JOINED, 60).group(1) for name, node in nodes.items()}
         for node in nodes.values():
@@ -356,7 +366,7 @@ def test_a_forged_record_is_never_listed(swarm):
 
 
 def test_status_sums_up_the_run(swarm):
-    local, _, _ = swarm
+    local, _, status_address = swarm
     result = run_cli("status", "--initial-peers", local.bootstrap_address, "--json")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
@@ -364,7 +374,7 @@ def test_status_sums_up_the_run(swarm):
     assert status["round"] >= 1 and status["tokens_per_second"] > 0 and status["last_round"]["compression"] > 1
     losses = [loss for _, loss in status["eval_loss"]]
     assert len(losses) >= 2 and losses[-1] < losses[0]
-    text = run_cli("status", "--initial-peers", local.bootstrap_address)
+    text = run_cli("status", "--from", status_address)  # the same summary, read fast (the DHT's: above)
     assert text.returncode == 0 and "eval loss" in text.stdout
     assert re.search(r", falling: -\d", text.stdout), text.stdout  # not "not falling", which also holds "falling"
 
@@ -399,6 +409,79 @@ def test_a_nodes_status_port_lists_the_peers_the_dht_lists_without_hivemind_or_t
         capture_output=True, text=True, timeout=60)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.splitlines()[-1] == "[]", loaded.stdout
+
+
+def test_the_dashboard_draws_the_run_live_in_a_browser_and_shows_what_peers_wrote_as_text(swarm, tmp_path):
+    executable = find_browser()
+    if executable is None:
+        if os.environ.get("P2PLOCO_REQUIRE_BROWSER"):  # .ci/run installs one: there, a missing browser is a failure
+            pytest.fail("no Chromium found, and P2PLOCO_REQUIRE_BROWSER is set")
+        pytest.skip("no Chromium here (apt-get install chromium): the dashboard's browser test needs one")
+    local, ids, status_address = swarm
+    with Browser(executable) as browser:
+        browser.open(f"http://{status_address}/")
+        loaded = browser.wait_for("window.p2plocoDashboard && p2plocoDashboard.updates >= 1"
+                                  " && p2plocoDashboard.rounds.map((r) => r.round)", 60)
+        # Live: without a reload, the page draws 3 rounds more than it first held.
+        drawn = browser.wait_for(f"p2plocoDashboard.charts.lossByRound.data[0].length >= {len(loaded) + 3}"
+                                 " && p2plocoDashboard.charts.lossByRound.data", 60)
+        peers = browser.evaluate("Array.from(document.querySelectorAll('#peers tbody tr')).map((row) => "
+                                 "Object.fromEntries([['id', row.dataset.peer], ...Array.from(row.cells).map("
+                                 "(cell) => [cell.dataset.key, cell.textContent])]))")
+        injected = browser.evaluate("[typeof window.injected, document.querySelectorAll('#peers img, #peers script')"
+                                    ".length]")
+        # A click on a column's head sorts the table by it, and a second click the other way.
+        names = []
+        for _ in range(2):
+            names.append(browser.evaluate("document.querySelector('#peers th[data-key=name]').click(), Array.from("
+                                          "document.querySelectorAll('#peers td[data-key=name]')).map((c) => "
+                                          "c.textContent)"))
+        browser.screenshot(tmp_path / "dashboard.png")
+        console = list(browser.console)
+    # The loss chart has a point for each of those rounds: node a's loss, as its metrics hold it.
+    by_round = {r["round"]: r["loss"] for r in local.records("a")}
+    rounds, losses = drawn[0], drawn[1]
+    assert len(rounds) >= len(loaded) + 3 and rounds == sorted(set(rounds))
+    assert losses == [by_round[r] for r in rounds]
+    # Every peer with its role; node c's name is shown as the text it is, and nothing it holds ran.
+    shown = {row["id"]: row for row in peers}
+    assert {peer_id: shown[peer_id]["role"] for peer_id in ids.values()} == dict.fromkeys(ids.values(), "replica")
+    assert [row["role"] for row in peers].count("bootstrap") == 1 and len(peers) == 4
+    assert shown[ids["c"]]["name"] == HOSTILE_NAME and shown[ids["a"]]["name"] != HOSTILE_NAME
+    assert injected == ["undefined", 0]
+    assert names[0] == sorted(names[0]) and names[1] == sorted(names[0], reverse=True) and len(names[0]) == 4
+    # Each trainer's share of the serving node's last aggregate: what its tokens weighed there, all of it shared.
+    shares = [float(shown[peer_id]["share"].removesuffix(" %")) for peer_id in ids.values()]
+    assert abs(sum(shares) - 100) < 0.2 and all(share > 0 for share in shares), shares
+    assert console == []  # no script error, no refused resource, nothing the page's policy blocked
+    assert (tmp_path / "dashboard.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_dashboard_of_a_remote_node_is_served_without_hivemind_or_torch(swarm):
+    _, _, status_address = swarm
+    # The command in a process that says, once stopped, which of hivemind and torch it loaded.
+    relay = subprocess.Popen([sys.executable, "-c", (
+        "import sys\nfrom p2ploco.cli import main\n"
+        f"try:\n    main(['dashboard', '--from', {status_address!r}, '--port', '0'])\nexcept SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'hivemind', 'torch'}), flush=True)")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = relay.stdout.readline()
+        served_at = re.fullmatch(rf"dashboard of run 'tiny' \(the node at {re.escape(status_address)}\) at "
+                                 r"http://(\S+)/; Ctrl-C stops it\n", line)
+        assert served_at, (line, relay.stderr.read() if relay.poll() is not None else "")
+        page = ask(served_at.group(1), b"GET / HTTP/1.1\r\n\r\n")
+        assert page.startswith(b"HTTP/1.1 200 ") and b"<title>p2ploco dashboard</title>" in page
+        run = ask(served_at.group(1), b"GET /api/v1/run HTTP/1.1\r\n\r\n").split(b"\r\n\r\n", 1)[1]
+        from_node = ask(status_address, b"GET /api/v1/run HTTP/1.1\r\n\r\n").split(b"\r\n\r\n", 1)[1]
+        assert json.loads(run) == json.loads(from_node) and json.loads(run)["run_id"] == "tiny"
+        assert json.loads(run)["join_command"].startswith("p2ploco node start --run-id tiny --initial-peers /ip4/")
+    finally:
+        relay.send_signal(signal.SIGINT)
+        out, err = relay.communicate(timeout=30)
+    assert relay.returncode == 0, err
+    assert out.splitlines()[-1] == "[]", out
 
 
 def ask(address: str, request: bytes) -> bytes:
