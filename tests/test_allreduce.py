@@ -641,7 +641,7 @@ def coordinator_and_members(run_id: str, count: int, config: SwarmConfig, swarms
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("answered", [1, 2])
+@pytest.mark.parametrize("answered", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: in CI's second stage
 def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_the_next_coordinator(answered):
     """The coordinator of a round closes its group of three and dies after answering ``answered`` of them: the
     others' asks break, and they join the round at the next coordinator. A member that holds the dead group learns

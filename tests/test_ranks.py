@@ -99,6 +99,7 @@ def _applied_alike(runs: dict[str, list[dict]], rounds: int) -> None:
         assert len({records[r]["params_sha256"] for records in runs.values()}) == 1, r
 
 
+@pytest.mark.slow  # CI's second stage: a 2-rank node's real processes are in the default run (above)
 @pytest.mark.timeout(300)
 def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_twice_the_tokens(tmp_path: Path):
     rounds = 10
@@ -115,7 +116,7 @@ def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_tw
     assert "Traceback" not in log
 
 
-@pytest.mark.slow  # CI's second stage: a 2-rank node training with others is in the default run (above)
+@pytest.mark.slow  # CI's second stage, with the swarm above; a 2-rank node's processes: the default run's test
 @pytest.mark.timeout(240)
 def test_a_killed_rank_takes_its_node_out_cleanly_while_the_others_train_on(tmp_path: Path):
     rounds = 6

@@ -42,6 +42,7 @@ def test_a_peer_that_only_dials_out_takes_part_in_every_round(tmp_path):
         assert public_round["bytes_sent"] > public_round["bits_per_param"] * params / 8 + 1
 
 
+@pytest.mark.slow  # CI's second stage; the default run keeps a peer that only dials out (above) and hubs in process
 @pytest.mark.timeout(300)
 def test_trainers_that_all_only_dial_out_train_together_through_the_bootstraps_hub(tmp_path):
     """Both trainers are in client mode (as behind home routers): neither can coordinate or reduce. The bootstrap
