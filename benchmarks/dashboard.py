@@ -111,15 +111,16 @@ def main() -> None:
         processes.append(relay)
         rows = []
         with Browser(executable) as browser:
-            for where, url in (("node0's status port", page), ("p2ploco dashboard --from node0", relayed)):
-                for tab in ("new", "same"):
-                    rows.append({"served_by": where, "tab": tab,
-                                 **measure(browser, url, args.loads, args.updates, tab)})
             if args.screenshot:
                 browser.open(page)
                 browser.wait_for(f"window.p2plocoDashboard && p2plocoDashboard.rounds.length >= {args.rounds}",
                                  30 + 5 * args.rounds)
                 browser.screenshot(args.screenshot)
+                browser.close_page()
+            for where, url in (("node0's status port", page), ("p2ploco dashboard --from node0", relayed)):
+                for tab in ("new", "same"):
+                    rows.append({"served_by": where, "tab": tab,
+                                 **measure(browser, url, args.loads, args.updates, tab)})
     finally:
         for process in reversed(processes):
             stop(process)

@@ -5,7 +5,7 @@
 
 const FORMAT = 1;
 const REFRESH_MS = 2000;
-const ROUNDS_SHOWN = 50; // rows of the rounds table
+const ROUNDS_SHOWN = 20; // rows of the rounds table
 
 const state = {
   run: null, // the run document
@@ -48,7 +48,7 @@ function tokens(count) {
 }
 
 async function read(path) {
-  const answer = await fetch(path, { cache: "no-store" });
+  const answer = await fetch(path); // the node says no-store: nothing is cached
   if (!answer.ok) throw new Error(`${path} answered ${answer.status}: ${(await answer.text()).slice(0, 200)}`);
   const document_ = await answer.json();
   if (document_.format !== FORMAT) throw new Error(`${path} is in format ${document_.format}; this page reads ${FORMAT}`);
