@@ -51,8 +51,8 @@ MODELS = {  # a config file and --set on top of it
     "150m": (REPO_ROOT / "configs" / "150m.yaml", []),
 }
 # whole runs: nodes @ H, + overlap
-WHOLE_RUNS = {"1@3": (1, 3, False), "2@3": (2, 3, False), "2@3+overlap": (2, 3, True), "1@30": (1, 30, False),
-              "2@30": (2, 30, False), "2@30+overlap": (2, 30, True)}
+WHOLE_RUNS = {"1@3": (1, 3, False), "1@3+overlap": (1, 3, True), "2@3": (2, 3, False), "2@3+overlap": (2, 3, True),
+              "1@30": (1, 30, False), "2@30": (2, 30, False), "2@30+overlap": (2, 30, True)}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
 WARMUP_STEPS = 2
 
