@@ -13,7 +13,6 @@ next is one value (``standing.py``).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
@@ -47,7 +46,7 @@ from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
 from p2ploco.standing import Membership, Standing
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.runtime import Arrival, Swarm
-from p2ploco.swarm.status import WILDCARDS, Answer, constant, listen
+from p2ploco.swarm.status import WILDCARDS, Answer, constant, listen, why_not_listening
 from p2ploco.swarm.status_document import STATUS_PATH
 
 
@@ -528,9 +527,8 @@ class Node:
         try:
             return listen(host, port)
         except OSError as e:  # the port is taken, or the host is not one of this machine's addresses
-            why = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)  # not Python's long form
-            raise ConfigError(f"--status-host {host} --status-port {port}: cannot listen there ({why}); pick another "
-                              f"port (0: any free one) or host") from None
+            raise ConfigError(f"--status-host {host} --status-port {port}: cannot listen there "
+                              f"({why_not_listening(e)}); pick another port (0: any free one) or host") from None
 
     def _print_join_instructions(self, swarm: Swarm) -> None:
         addresses = swarm.addresses()

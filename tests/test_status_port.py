@@ -170,6 +170,41 @@ def test_when_every_slot_waits_on_a_survey_a_newcomer_is_answered_503_at_once():
                 assert connection.recv(1 << 16).startswith(b"HTTP/1.1 200 ")
 
 
+def test_a_survey_a_few_intervals_old_is_served_while_a_newer_one_is_looked_up_in_the_background(monkeypatch):
+    """A page refreshing every few seconds never waits on the DHT: past one interval, the last survey is served at
+    once while one lookup runs behind it; past STALE_INTERVALS, a request waits for a lookup of its own."""
+    lookups: list[int] = []
+    let_through = threading.Event()  # the second lookup hangs until the test lets it through
+
+    async def look() -> Survey:
+        lookups.append(len(lookups) + 1)
+        if len(lookups) == 2:
+            await asyncio.get_running_loop().run_in_executor(None, let_through.wait, 30)
+        return survey_of(HONEST[:len(lookups)])  # as many peers as lookups so far
+
+    def peers(answer: status.Answer) -> int:
+        assert answer.status == 200, answer
+        return len(json.loads(answer.body)["peers"])
+
+    loop = EventLoopThread("surveyed")
+    route = Surveyed(look, refresh_interval=1.0)
+    try:
+        assert peers(loop.run(route(""), 10)) == 1
+        time.sleep(1.1)  # the survey ages past one interval: the age is what is tested, not a wait for something
+        assert peers(loop.run(route(""), 10)) == 1 and lookups == [1, 2]  # at once, the second lookup hanging
+        assert peers(loop.run(route(""), 10)) == 1 and lookups == [1, 2]  # one lookup behind, not one a request
+        let_through.set()
+        loop.run(asyncio.wait({route._refreshing}), 30)
+        assert peers(loop.run(route(""), 10)) == 2 and lookups == [1, 2]
+        monkeypatch.setattr(status, "STALE_INTERVALS", 1)  # no answer is served stale any more
+        time.sleep(1.1)
+        assert peers(loop.run(route(""), 10)) == 3 and lookups == [1, 2, 3]  # it waited for its own lookup
+    finally:
+        let_through.set()
+        loop.run(route.close(), 10)
+        loop.stop()
+
+
 def test_a_request_head_sent_a_byte_at_a_time_is_cut_off_at_the_head_timeout(monkeypatch):
     monkeypatch.setattr(status, "HEAD_TIMEOUT", 1.0)
     with endpoint(HONEST) as (_, _, address), connect(address) as slow:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from p2ploco.dashboard.documents import DOCUMENT_FORMAT, ROUNDS_DOCUMENT, RUN_DOCUMENT, parse_after
 from p2ploco.dashboard.page import PAGE_PATH, page_routes
 from p2ploco.errors import SwarmError, shown
-from p2ploco.swarm.status import Answer, Route, StatusServer, listen
+from p2ploco.swarm.status import Answer, Route, StatusServer, listen, why_not_listening
 from p2ploco.swarm.status_client import answer_json, read_answer
 from p2ploco.swarm.status_document import PEERS_DOCUMENT
 
@@ -84,8 +84,8 @@ def serve_dashboard(address: str, host: str, port: int, out: Callable[[str], Non
     try:
         listening, served_at = listen(host, port)
     except OSError as e:
-        raise SwarmError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); pick another port "
-                         f"(0: any free one)") from None
+        raise SwarmError(f"--host {host} --port {port}: cannot listen there ({why_not_listening(e)}); pick another "
+                         f"port (0: any free one) or host") from None
 
     async def serve() -> None:
         server = StatusServer(relay_routes(address))

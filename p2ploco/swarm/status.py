@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -72,6 +73,12 @@ SECURITY_HEADERS = ("Content-Security-Policy: default-src 'none'; script-src 'se
                     "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
                     "frame-ancestors 'none'\r\nX-Content-Type-Options: nosniff\r\nReferrer-Policy: no-referrer\r\n")
 WILDCARDS = ("0.0.0.0", "::")  # hosts that mean "every address of this machine"
+
+
+def why_not_listening(error: OSError) -> str:
+    """Why ``listen`` failed, in the OS's few words (not Python's long form): the port is taken, the host is not
+    one of this machine's addresses, ..."""
+    return os.strerror(error.errno) if error.errno and error.errno > 0 else error.strerror or str(error)
 
 
 def listen(host: str, port: int) -> tuple[socket.socket, str]:
@@ -188,7 +195,11 @@ class Surveyed:
                 return
             # not wait_for: a hivemind call into a daemon that hangs may not honour a cancellation
             looking = asyncio.ensure_future(self.look())
-            done, _ = await asyncio.wait({looking}, timeout=LOOKUP_TIMEOUT)
+            try:
+                done, _ = await asyncio.wait({looking}, timeout=LOOKUP_TIMEOUT)
+            except asyncio.CancelledError:  # closed while looking in the background: the lookup goes too
+                looking.cancel()
+                raise
             self._looked = (time.monotonic(), None)
             if not done:
                 looking.cancel()
