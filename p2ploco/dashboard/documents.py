@@ -60,8 +60,7 @@ def outcome_of(r: RoundRecord) -> str:
 def round_entry(r: RoundRecord) -> dict[str, Any]:
     return {"round": r.round, "time": r.timestamp, "peers": r.peers, "loss": finite(r.loss),
             "eval_loss": finite(r.eval_loss), "tokens": r.tokens, "aggregate_tokens": r.aggregate_tokens,
-            "applied": r.applied,
-            "outcome": outcome_of(r), "attempts": r.attempts, "inner_seconds": r.inner_seconds,
+            "applied": r.applied, "outcome": outcome_of(r), "attempts": r.attempts, "inner_seconds": r.inner_seconds,
             "comm_seconds": r.comm_seconds, "round_seconds": r.round_seconds, "bytes_sent": r.bytes_sent,
             "bytes_received": r.bytes_received, "dense_fp32_bytes": r.dense_fp32_bytes,
             "dropped": len(r.dropped_peers), "clipped": len(r.clipped_peers), "opposed": len(r.opposed_peers)}
@@ -118,11 +117,10 @@ def run_document(run_id: str, peer_id: str, name: str, peer_ttl: float, join_com
 def config_rows(c: Config) -> list[tuple[str, str]]:
     """The run's settings a person watching it asks about first, as (label, text) rows of RUN_DOCUMENT."""
     outer = c.outer.algorithm
-    settings = getattr(c.outer, outer)
-    overlap = ", overlapped" if getattr(settings, "overlap", False) else ""
+    overlap = f", overlapped ({c.outer.overlap})" if c.outer.overlap is not None else ""
     m, i, d = c.model, c.inner, c.data
     return [("run", c.run_id),
-            ("outer algorithm", f"{outer}, outer lr {settings.lr}{overlap}"),
+            ("outer algorithm", f"{outer}, outer lr {getattr(c.outer, outer).lr}{overlap}"),
             ("model", f"{m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, vocabulary {m.vocab_size}"),
             ("inner steps", f"H = {i.steps} AdamW steps a round, lr {i.lr}"
                             + (" (fixed)" if i.fixed_steps else ", as many as the round's time allows")),

@@ -14,8 +14,7 @@ const state = {
   weights: {}, // the newest applied aggregate's weights, by peer
   sort: { key: "round", up: false },
   charts: {},
-  // ms: navigation to this script, to the first full render; each update's fetch + render
-  timings: { script: performance.now(), firstLoad: null, updates: [] },
+  timings: { firstLoad: null, updates: [] }, // ms: navigation to the first full render; each update's fetch + render
   updates: 0,
 };
 window.p2plocoDashboard = state; // what a test or a curious person reads
