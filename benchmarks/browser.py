@@ -103,7 +103,10 @@ class Browser:
         message = {"id": number, "method": method, "params": params or {}}
         if session and self.session is not None:
             message["sessionId"] = self.session
-        os.write(self._commands, json.dumps(message).encode() + b"\0")
+        try:
+            os.write(self._commands, json.dumps(message).encode() + b"\0")
+        except BrokenPipeError:
+            raise BrowserError(f"{method}: the browser exited (code {self.process.poll()})") from None
         try:
             reply = answer.get(timeout=timeout)
         except queue.Empty:

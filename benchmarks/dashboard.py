@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from browser import Browser, find_browser
@@ -43,11 +44,14 @@ def start(argv: list[str], pattern: str, log: Path) -> tuple[subprocess.Popen, s
     process = subprocess.Popen([sys.executable, "-m", "p2ploco.cli", *argv], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    with log.open("a") as out:
-        for line in process.stdout:
-            out.write(line)
-            if pattern in line and (match := URL.search(line)):
-                return process, match.group(1)
+    out = log.open("a")
+    for line in process.stdout:
+        out.write(line)
+        if pattern in line and (match := URL.search(line)):
+            # the rest to the log as it comes: a full pipe would stop the demo's round lines, and the demo with them
+            threading.Thread(target=lambda: (out.writelines(process.stdout), out.close()), daemon=True).start()
+            return process, match.group(1)
+    out.close()
     raise SystemExit(f"{' '.join(argv[:2])} ended before it served a page (see {log})")
 
 
