@@ -563,6 +563,7 @@ def demo(replicas: int | None, groups: int | None, rounds: int, nproc_per_node: 
     if nproc_per_node > 1 and not replicas:
         raise ConfigError("--nproc-per-node goes to node0, a full replica: pass --replicas 1 or more")
     folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="p2ploco-demo-"))
+    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the swarm it started is stopped, none of it left running
     try:
         ok = run_demo(replicas, groups, stages, rounds, config, folder, overrides, ranks=nproc_per_node,
                       status_port=status_port)
