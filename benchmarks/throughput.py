@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                       # inner steps and whole runs, tiny.yaml and 21.4M
     python benchmarks/throughput.py --models 21m --parts inner --repeat 5
+    python benchmarks/throughput.py --models 21m --parts outer --rounds 6
     python benchmarks/throughput.py --json
 
 **Inner steps** (in this process, one device, ``training.threads`` threads): a bare loop (the model, AdamW with
@@ -11,10 +12,15 @@ over the same number of steps after the same warm-up. Tokens per second, the med
 node alternate, so that what else the machine does weighs on both), and node / bare. This process sets the host
 allocator as a node does (``host_memory.keep_freed_memory``), so the bare loop runs with it too.
 
-**Whole runs** (``p2ploco demo``'s local swarm: real node processes, ``training.threads=1``, eval off): a lone node,
-and 2 nodes blocking and overlapped, at H = 3 and H = 30. Tokens per wall second per node over rounds 1 .. R-2
-(round 0 includes start-up, the last round the exit checkpoint), against the bare loop's tokens per second at one
-thread; and the medians of round seconds, inner seconds and round - inner.
+**A round's outer parts** (``--parts outer``, in this process): one replica of a group of 1 or 2, each part of a
+round outside the inner steps timed with the device synchronized after it (on CUDA, the outer step's timings as
+the device sees them): contribute, its reducer's span, receive, prepare, take, hash, load.
+
+**Whole runs** (``p2ploco demo``'s local swarm: real node processes, eval off; one thread a node on a CPU, the
+cores shared among the nodes on a GPU): a lone node, and 2 nodes blocking and overlapped, at H = 3 and H = 30.
+Tokens per wall second per node over rounds 1 .. R-2 (round 0 includes start-up, the last round the exit
+checkpoint), against the bare loop's tokens per second at one thread; and the medians of round seconds, inner
+seconds and round - inner.
 
 On CUDA, MFU too: 6 x parameters x tokens per second (plus attention's 12 x layers x d_model x seq_len per
 token) over the device's peak bf16 FLOPs (``--peak-tflops``, or a table of common GPUs).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -34,6 +41,8 @@ import torch
 
 from p2ploco.budget import FixedSteps
 from p2ploco.build import build_replica
+from p2ploco.collective.exchange import reduce_span
+from p2ploco.collective.sliced import reduce_alone
 from p2ploco.config import Config, load_config
 from p2ploco.data import ShardSampler, load_training_data
 from p2ploco.demo import run_demo, slices_agree
@@ -105,6 +114,97 @@ def node_loop(config: Config, sampler: ShardSampler, device: torch.device, steps
     return stats.tokens / (time.perf_counter() - began)
 
 
+OUTER_PHASES = ("contribute", "reduce", "receive", "prepare", "take", "hash", "load")
+
+
+class Laps:
+    """Seconds of the parts of one round, each from the end of the last (``start`` restarts the clock), the device
+    synchronized at each mark."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, {}
+        self.start()
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.at = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[phase], self.at = now - self.at, now
+
+
+def outer_phases(config: Config, sampler: ShardSampler, device: torch.device, peers: int, rounds: int,
+                 log) -> dict[str, float]:
+    """Seconds of each part of a round outside the inner steps, for one of ``peers`` replicas in process (medians
+    over ``rounds`` rounds after one warm-up round): its contribution (pseudo-gradient, error feedback, Top-k, on the
+    device), its reducer's span of the butterfly (1 peer: ``reduce_alone``), taking every span's result, the outer
+    step (CPU), taking it, hashing the published state and loading it into the model. The group's other replicas
+    train, contribute, reduce and step too, untimed."""
+    workers = [build_replica(config, device, sampler) for _ in range(peers)]
+    names = [f"peer{i}" for i in range(peers)]
+    times: dict[str, list[float]] = {phase: [] for phase in OUTER_PHASES}
+    for round_index in range(rounds + 1):
+        for worker in workers:
+            worker.inner.run_round(round_index, budget=FixedSteps(1))
+        laps = Laps(device)
+        syncs = [workers[0].outer.contribute(list(workers[0].model.parameters()), round_index)]
+        laps.lap("contribute")
+        syncs += [worker.outer.contribute(list(worker.model.parameters()), round_index) for worker in workers[1:]]
+        parts = [sync.exchange.parts["stage0"] for sync in syncs]
+        if peers == 1:
+            laps.start()
+            reduce_alone(syncs[0].exchange)
+            laps.lap("reduce")
+            laps.lap("receive")
+        else:
+            for part in parts:
+                part.fit_group(peers)
+            spans = parts[0].partition(peers)
+            reductions = []
+            for j, span in enumerate(spans):  # reducer j reduces span j; replica 0's is timed
+                payloads = [(name, part.encode(span)) for name, part in zip(names, parts)]
+                laps.start()
+                reductions.append(reduce_span(parts[j], span, payloads))
+                if j == 0:
+                    laps.lap("reduce")
+            for i, part in enumerate(parts):
+                laps.start()
+                for span, reduction in zip(spans, reductions):
+                    part.receive(span, reduction.result_for(part, names[i]), reduction.receipt_for(names[i]))
+                if i == 0:
+                    laps.lap("receive")
+        for i, (worker, sync) in enumerate(zip(workers, syncs)):
+            laps.start()
+            step = worker.outer.prepare(sync)
+            laps.lap("prepare")
+            worker.outer.take(sync, step)
+            laps.lap("take")
+            worker.refresh_published()
+            laps.lap("hash")
+            worker.load_into_model()
+            laps.lap("load")
+            if i == 0 and round_index > 0:  # round 0 warms up
+                for phase in OUTER_PHASES:
+                    times[phase].append(laps.seconds[phase])
+                log(f"[outer {peers} peer(s)] round {round_index}: "
+                    + " ".join(f"{phase} {laps.seconds[phase]:.3f}" for phase in OUTER_PHASES))
+    return {phase: round(statistics.median(seconds), 4) for phase, seconds in times.items()}
+
+
+def measure_outer(model: str, extra: list[str], peers: int, rounds: int, device: torch.device, log) -> dict:
+    config = config_of(model, extra)
+    keep_freed_memory()
+    if config.training.threads:
+        torch.set_num_threads(config.training.threads)
+    data = load_training_data(config)
+    sampler = ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, "throughput")
+    phases = outer_phases(config, sampler, device, peers, rounds, log)
+    return {"part": "outer", "model": model, "device": str(device), "peers": peers, "rounds": rounds,
+            "threads": torch.get_num_threads(), "seconds": phases, "total_seconds": round(sum(phases.values()), 4)}
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -147,9 +247,14 @@ def measure_inner(model: str, extra: list[str], steps: int, repeat: int, device:
     return row
 
 
-def measure_run(model: str, extra: list[str], nodes: int, steps: int, overlap: bool, rounds: int, log) -> dict:
+def measure_run(model: str, extra: list[str], nodes: int, steps: int, overlap: bool, rounds: int,
+                device: torch.device, log) -> dict:
     path, sets = MODELS[model]
-    sets = [*sets, f"inner.steps={steps}", "training.threads=1", "training.eval_every=100000", *extra]
+    # On a CPU one thread a node (the bare loop's, and 2 nodes share 2 cores); on a GPU the CPU does the outer step
+    # and its reducer's work: each node gets its share of the cores.
+    threads = 1 if device.type == "cpu" else max(1, (os.cpu_count() or 1) // nodes)
+    sets = [*sets, f"inner.steps={steps}", f"training.threads={threads}", f"training.device={device}",
+            "training.eval_every=100000", *extra]
     if overlap:
         sets.append("outer.sparseloco.overlap=true")
     with tempfile.TemporaryDirectory(prefix="p2ploco-throughput-") as workdir:
@@ -164,6 +269,7 @@ def measure_run(model: str, extra: list[str], nodes: int, steps: int, overlap: b
         rates.append(sum(r["tokens"] for r in records[1:]) / (records[-1]["timestamp"] - records[0]["timestamp"]))
         middle += records[1:]
     return {"part": "run", "model": model, "nodes": nodes, "H": steps, "overlap": overlap, "rounds": rounds,
+            "threads": threads,
             "tokens_per_second_per_node": round(statistics.median(rates)),
             "round_seconds": round(statistics.median(r["round_seconds"] for r in middle), 3),
             "inner_seconds": round(statistics.median(r["inner_seconds"] for r in middle), 3),
@@ -175,7 +281,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "21m"], choices=list(MODELS),
                         help="tiny.yaml, the 21.4M setting, 150m.yaml (a GPU's) [tiny 21m]")
-    parser.add_argument("--parts", nargs="+", default=["inner", "runs"], choices=["inner", "runs"])
+    parser.add_argument("--parts", nargs="+", default=["inner", "runs"], choices=["inner", "outer", "runs"],
+                        help="inner steps against a bare loop; a round's outer parts timed in process; whole runs "
+                             "[inner runs]")
+    parser.add_argument("--outer-peers", nargs="+", type=int, default=[1, 2], metavar="N",
+                        help="group sizes of the outer part [1 2]")
     parser.add_argument("--repeat", type=int, default=3, help="inner-step runs per model (medians) [3]")
     parser.add_argument("--steps", type=int, default=20, help="timed inner steps per inner-step run [20]")
     parser.add_argument("--rounds", type=int, default=12, help="rounds per whole run (rounds 1..R-2 count) [12]")
@@ -198,11 +308,14 @@ def main() -> None:
     for model in args.models:
         if "inner" in args.parts:
             rows.append(measure_inner(model, args.overrides, args.steps, args.repeat, device, peak, log))
+        if "outer" in args.parts:
+            rows += [measure_outer(model, args.overrides, peers, args.rounds, device, log)
+                     for peers in args.outer_peers]
         if "runs" in args.parts:
             bare = next((r["bare_tokens_per_second"] for r in rows if r["part"] == "inner" and r["model"] == model),
                         None)
             for nodes, steps, overlap in (WHOLE_RUNS[name] for name in args.whole_runs):
-                row = measure_run(model, args.overrides, nodes, steps, overlap, args.rounds, log)
+                row = measure_run(model, args.overrides, nodes, steps, overlap, args.rounds, device, log)
                 if bare is not None and torch.get_num_threads() == 1:
                     row["vs_bare"] = round(row["tokens_per_second_per_node"] / bare, 3)
                 rows.append(row)
@@ -216,13 +329,20 @@ def main() -> None:
                            [(r["model"], f"{r['params'] / 1e6:.1f}M", r["threads"], f"{r['bare_tokens_per_second']:,}",
                              f"{r['node_tokens_per_second']:,}", f"{r['node_vs_bare']:.3f}",
                              f"{r['mfu']:.3f}" if "mfu" in r else "-") for r in inner]))
+    outer = [r for r in rows if r["part"] == "outer"]
+    if outer:
+        print(f"\na round's parts outside the inner steps on {device}, one replica of a group of N in process "
+              f"(seconds, medians of {args.rounds} rounds, the device synchronized after each part)")
+        print(format_table(("model", "N", "threads", *OUTER_PHASES, "total"),
+                           [(r["model"], r["peers"], r["threads"], *(f"{r['seconds'][p]:.3f}" for p in OUTER_PHASES),
+                             f"{r['total_seconds']:.3f}") for r in outer]))
     runs = [r for r in rows if r["part"] == "run"]
     if runs:
-        print(f"\nwhole runs (real nodes, 1 thread each; rounds 1..{args.rounds - 2}; per node; vs bare: against the "
-              f"bare loop at 1 thread, where it ran so)")
-        print(format_table(("model", "nodes", "H", "overlap", "tok/s", "vs bare", "round s", "inner s",
+        print(f"\nwhole runs (real nodes on {device}; rounds 1..{args.rounds - 2}; per node; vs bare: against the bare "
+              f"loop at 1 thread, where it ran so)")
+        print(format_table(("model", "nodes", "threads", "H", "overlap", "tok/s", "vs bare", "round s", "inner s",
                             "round - inner s", "params agree"),
-                           [(r["model"], r["nodes"], r["H"], "yes" if r["overlap"] else "no",
+                           [(r["model"], r["nodes"], r["threads"], r["H"], "yes" if r["overlap"] else "no",
                              f"{r['tokens_per_second_per_node']:,}", f"{r['vs_bare']:.2f}" if "vs_bare" in r else "-",
                              f"{r['round_seconds']:.2f}", f"{r['inner_seconds']:.2f}", f"{r['round_minus_inner']:.2f}",
                              "yes" if r["params_agree"] else "NO") for r in runs]))

@@ -383,3 +383,43 @@ def test_checkpointed_buffers_load_across_result_settings():
     assert all(not buffer.any() for buffer in again.reducer_feedback)
     with pytest.raises(ValueError):
         again.load_local_state(state | {"reducer_error.0": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("result_topk, fitted, relabelled", [(256, True, True), (32, True, True), (32, False, False)])
+def test_a_span_of_one_contribution_is_its_own_result_and_leaves_the_reducers_buffer_as_it_was(result_topk, fitted,
+                                                                                                 relabelled):
+    """Of two contributions one is malformed, so the reducer combines one: its result is that contribution's bytes
+    under the result's kind, both peers take exactly its values, and the reducer's buffer stays as it was (nothing
+    was reduced). Only where the cap keeps fewer values than a contribution holds (one never fitted to a group, as a
+    lone peer's: 64 against 32) is the result a Top-k again, whose rounding the buffer keeps."""
+    generator = torch.Generator().manual_seed(5)
+    params = [torch.randn(s, generator=generator) for s in SHAPES]
+    config = SparseLoCoConfig(result_topk=result_topk)
+    a, b = (SparseLoCo(params, config, torch.device("cpu")) for _ in range(2))
+    for buffer in a.reducer_feedback:  # what earlier rounds left to the reducer
+        buffer.copy_(0.01 * torch.randn(buffer.shape, generator=generator))
+    held = [buffer.clone() for buffer in a.reducer_feedback]
+    syncs = [outer.contribute([p + 0.05 * torch.randn(p.shape, generator=generator) for p in params], 0)
+             for outer in (a, b)]
+    parts = [sync.exchange.parts["stage0"] for sync in syncs]
+    for part in parts if fitted else []:
+        part.fit_group(2)
+    span = range(parts[0].num_units)
+    own = parts[0].encode(span)
+    reduction = reduce_span(parts[0], span, [("a", own), ("b", b"\x00" * 40)])
+    assert reduction.included == ["a"] and list(reduction.rejected) == ["b"]
+    result = reduction.result_for(parts[0], "b")
+    assert (result == fmt.as_resparsified(own)) is relabelled
+    for part, name in zip(parts, "ab"):
+        part.receive(span, reduction.result_for(part, name), reduction.receipt_for(name))
+    assert parts[0].aggregate_digest() == parts[1].aggregate_digest()
+    sent = fmt.decode_contribution(parts[0].layout, span, own)
+    taken = np.concatenate([index for index, _ in parts[1].updates()])
+    if relabelled:
+        assert len(taken) == len(sent.positions)
+        assert np.array_equal(parts[1].output[sent.positions], sent.values)
+    else:
+        assert len(taken) < len(sent.positions)
+    a.take(syncs[0], a.prepare(syncs[0]))
+    kept = all(torch.equal(buffer, before) for buffer, before in zip(a.reducer_feedback, held))
+    assert kept is relabelled

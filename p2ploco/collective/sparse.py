@@ -29,7 +29,9 @@ error-feedback buffer of the reducer's own for the span (e = decay * e + mean, e
 LoCo's reducer), at ``result_error_decay`` 0.5: kept whole (1) it is counted twice, as the global parameters did
 not move that way and the senders' next pseudo-gradients bring it again; dropped (0) loses too much at 128
 values per chunk (docs/design.md, "Hundreds of peers"). The reducer's new buffer rows are staged here and kept
-by the outer algorithm only if the round is applied; a redo's spans supersede an earlier attempt's.
+by the outer algorithm only if the round is applied; a redo's spans supersede an earlier attempt's. A span of one
+contribution is its own result (relabelled; the reducer's buffer is left as it is): a lone peer's round costs one
+Top-k, its own.
 """
 
 from __future__ import annotations
@@ -223,10 +225,19 @@ class SparseExchange(Exchange):
 
     def combine(self, span: Span, contributions: Sequence[_Parsed], factors: Sequence[float]
                 ) -> _Aggregate | _Resparsified:
-        values = self._aggregate(span, [c.values for c in contributions], factors)
-        combined = (self._resparsify(span, values, len(contributions),
-                                     self.limit(factors, [c.norm for c in contributions]))
-                    if self.resparsified else _Aggregate(self.layout, span, [c.payload for c in contributions], values))
+        # A span of one contribution (a lone peer's every span: ``reduce_alone``): its mean is that contribution,
+        # whose k values per chunk on their 2-bit grid a result of one keeps (unless the cap keeps fewer), so the
+        # result is the contribution itself. A Top-k again would only round its values twice and leave the rounding
+        # in the reducer's buffer, whose rows for the span stay as they are: nothing was reduced.
+        if (self.resparsified and len(contributions) == 1 and factors[0] == 1.0
+                and self.results.for_contributions(1).digest == self.layout.digest):
+            combined = _Resparsified(fmt.as_resparsified(contributions[0].payload), contributions[0].values, [])
+        else:
+            values = self._aggregate(span, [c.values for c in contributions], factors)
+            combined = (self._resparsify(span, values, len(contributions),
+                                         self.limit(factors, [c.norm for c in contributions]))
+                        if self.resparsified else _Aggregate(self.layout, span, [c.payload for c in contributions],
+                                                             values))
         self._combined[span] = combined
         return combined
 

@@ -189,6 +189,13 @@ def encode_resparsified(layout: SparseLayout, span: range, parts: Sequence[Compr
     return _encode(layout, RESPARSIFIED, layout.slices(span), parts)
 
 
+def as_resparsified(contribution: bytes) -> bytes:
+    """A (parsed, valid) contribution as the resparsified result that holds exactly its values, for a result layout
+    that chunks and keeps as the contribution's does: the same bytes under the result's kind."""
+    magic, version, _, digest = HEADER.unpack_from(contribution)
+    return HEADER.pack(magic, version, RESPARSIFIED, digest) + contribution[HEADER.size :]
+
+
 def _encode(layout: SparseLayout, kind: int, slices: Sequence[TensorSlice], parts: Sequence[CompressedTensor]
             ) -> bytes:
     side, gaps, widths, codes = [], [], [], []
