@@ -2,9 +2,9 @@
 # The checks a session runs as they are on a lent GPU machine, in under 8 minutes (from the repository root, after
 # the README's test set-up command): the tests that need CUDA, benchmarks/throughput.py at 150m.yaml (the node's
 # inner loop against a bare PyTorch loop, with MFU; a round's outer parts timed with the GPU synchronized), and a
-# 2-node loopback swarm of 150m.yaml with and without overlap (utilisation: round and inner seconds); with 2 GPUs or more, a node on 2 local ranks (NCCL). Each part
-# has a time limit of its own; a part that fails is reported and the next one runs; the exit code is the number of
-# parts that failed.
+# 2-node loopback swarm of 150m.yaml with and without overlap (utilisation: round and inner seconds); with 2 GPUs
+# or more, a node on 2 local ranks (NCCL). Each part has a time limit of its own; a part that fails is reported and
+# the next one runs; the exit code is the number of parts that failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
