@@ -14,6 +14,7 @@ from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange,
 from p2ploco.collective.sliced import reduce_alone
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression import sparse_format as fmt
+from p2ploco.compression import topk
 from p2ploco.compression.bitcodes import rice_decode, rice_encode
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.sparse_format import SparseLayout, SparseValues
@@ -28,7 +29,8 @@ SHAPES = [(128, 192), (257, 64), (192,), (96, 100)]
 
 
 @pytest.mark.parametrize("n, k", [(4096, 64), (4096, 128), (3072, 48), (4096, 16), (64, 1)])
-def test_top_positions_are_the_topk_of_every_row(n, k):
+def test_top_positions_are_the_topk_of_every_row(n, k, monkeypatch):
+    monkeypatch.setattr(topk, "ROWS_PER_BLOCK", 64)  # 5 blocks of rows
     generator = torch.Generator().manual_seed(n + k)
     rows = torch.randn(300, n, generator=generator) * torch.rand(300, 1, generator=generator) * 10
     rows[3] = 0.0  # every value tied: more candidates than the bounded path takes

@@ -122,10 +122,14 @@ def top_positions(chunked: torch.Tensor, k: int) -> torch.Tensor:
 def _bounded_top_positions(chunked: torch.Tensor, k: int, group: int, scratch: tuple[torch.Tensor, torch.Tensor],
                            ) -> torch.Tensor:
     rows, n = chunked.shape
-    magnitudes = torch.abs(chunked, out=scratch[0][:rows])
+    magnitudes = torch.from_numpy(np.abs(chunked.numpy(), out=scratch[0][:rows].numpy()))
     group_max = magnitudes.view(rows, n // group, group).amax(dim=2)
     bound = torch.topk(group_max, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-    flat = np.flatnonzero(torch.ge(magnitudes, bound, out=scratch[1][:rows]).numpy())  # by row, ascending
+    # A bound of 0 (a row of fewer than k groups with a value: a reducer's buffer in its first rounds is the sparse
+    # mean) would make every element a candidate: such a row takes the plain path (no candidates: infinity).
+    bound.masked_fill_(bound <= 0, float("inf"))
+    above = np.greater_equal(magnitudes.numpy(), bound.numpy(), out=scratch[1][:rows].numpy())  # numpy's: 2x torch's
+    flat = np.flatnonzero(above)  # by row, ascending
     row = flat // n
     counts = np.bincount(row, minlength=rows)
     width = min(int(counts.max()), MAX_CANDIDATES * k) if len(flat) else k
