@@ -29,7 +29,7 @@ part 90 "tests that need CUDA" "$PY" -m pytest -q -rs -m "not slow" -k "cuda or 
 part 90 "inner steps at 150m.yaml against a bare loop (MFU)" \
     "$PY" benchmarks/throughput.py --models 150m --parts inner --repeat 3 --steps 10
 part 100 "a round's outer parts at 150m.yaml, the GPU synchronized after each" \
-    "$PY" benchmarks/throughput.py --models 150m --parts outer --outer-peers 1 2 --rounds 3
+    "$PY" benchmarks/throughput.py --models 150m --parts outer --outer-peers 1 2 --rounds 4
 part 200 "2 nodes of 150m.yaml on one GPU, blocking and overlapped" \
     "$PY" benchmarks/throughput.py --models 150m --parts runs --whole-runs 2@3 2@3+overlap --rounds 5
 gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")

@@ -180,9 +180,13 @@ def test_six_nodes_under_chaos_agree_on_every_round():
 @pytest.mark.timeout(200)
 def test_throughput_benchmark_times_the_node_against_a_bare_loop_and_whole_runs():
     rows = json.loads(run("benchmarks/throughput.py", "--models", "tiny", "--repeat", "1", "--steps", "2",
-                          "--rounds", "4", "--whole-runs", "1@3", "2@3+overlap", "--json", "--set",
-                          "training.threads=1"))
-    inner, *runs = rows
+                          "--rounds", "4", "--parts", "inner", "outer", "runs", "--whole-runs", "1@3", "2@3+overlap",
+                          "--json", "--set", "training.threads=1"))
+    inner, alone, pair, *runs = rows
+    for row, peers in ((alone, 1), (pair, 2)):
+        assert row["part"] == "outer" and row["peers"] == peers and row["rounds"] == 4
+        assert list(row["seconds"]) == ["contribute", "reduce", "receive", "prepare", "take", "hash", "load"]
+        assert min(row["seconds"].values()) >= 0 and row["seconds"]["contribute"] > 0
     assert inner["part"] == "inner" and inner["threads"] == 1 and inner["device"] == "cpu" and "mfu" not in inner
     assert inner["bare_tokens_per_second"] > 0 and inner["node_tokens_per_second"] > 0
     assert inner["node_vs_bare"] == round(inner["node_tokens_per_second"] / inner["bare_tokens_per_second"], 4)
