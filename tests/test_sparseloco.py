@@ -423,3 +423,43 @@ def test_a_span_of_one_contribution_is_its_own_result_and_leaves_the_reducers_bu
     a.take(syncs[0], a.prepare(syncs[0]))
     kept = all(torch.equal(buffer, before) for buffer, before in zip(a.reducer_feedback, held))
     assert kept is relabelled
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_a_reducer_selects_on_the_training_device_and_keeps_the_rest_on_the_cpu(device):
+    """A reducer's Top-k runs where its replica trains (on CUDA, the GPU's): every chunk of its result holds the
+    largest magnitudes of decay x buffer + mean, both members take the same bits, and the buffer rows it stages (on
+    the CPU) are those values less what the result sent."""
+    generator = torch.Generator().manual_seed(11)
+    params = [torch.randn(s, generator=generator) for s in SHAPES]
+    outers = [SparseLoCo(params, SparseLoCoConfig(), torch.device(device)) for _ in range(2)]
+    for buffer in outers[0].reducer_feedback:  # what earlier rounds left to the reducer
+        buffer.copy_(0.01 * torch.randn(buffer.shape, generator=generator))
+    syncs = [outer.contribute([(p + 0.05 * torch.randn(p.shape, generator=generator)).to(device) for p in params], 0)
+             for outer in outers]
+    parts = [sync.exchange.parts["stage0"] for sync in syncs]
+    for part in parts:
+        part.fit_group(2)
+    assert parts[0].selecting == torch.device(device)
+    span = range(parts[0].num_units)  # one reducer, every chunk
+    reduction = reduce_span(parts[0], span, [(name, part.encode(span)) for name, part in zip("ab", parts)])
+    result = reduction.result_for(parts[0], "b")
+    for part, name in zip(parts, "ab"):
+        part.receive(span, reduction.result_for(part, name), reduction.receipt_for(name))
+    assert parts[0].aggregate_digest() == parts[1].aggregate_digest()
+    layout = parts[0].results.for_contributions(2)
+    sent = fmt.decode_resparsified(layout, span, result)
+    staged = {rows.tensor: rows.rows for rows in parts[0].reduced()}
+    checked = 0
+    for s in layout.slices(span):
+        n, k = s.grid.chunk_numel, s.grid.k
+        lo, hi = np.searchsorted(sent.positions, [s.offset, s.offset + s.chunks * n])
+        local = torch.from_numpy(sent.positions[lo:hi] - s.offset).view(s.chunks, k) % n
+        rows = staged[s.tensor]
+        assert rows.device.type == "cpu"
+        before = rows.clone().scatter_add_(1, local, torch.from_numpy(sent.values[lo:hi]).view(s.chunks, k))
+        if k < n:
+            assert torch.equal(local, torch.topk(before.abs(), k, dim=1).indices.sort(dim=1).values)
+            checked += 1
+    assert checked == 3  # the three matrices; the vector's chunks are sent whole

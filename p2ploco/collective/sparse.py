@@ -52,6 +52,7 @@ from p2ploco.compression.sparse_format import SparseLayout, SparseValues
 from p2ploco.compression.topk import CompressedTensor, choose, take_
 from p2ploco.errors import PayloadError
 
+CPU = torch.device("cpu")
 SPAN_HEADER = struct.Struct("<3q")  # span start, span stop, positions: hashed before each span's aggregate
 
 
@@ -155,15 +156,18 @@ class SparseExchange(Exchange):
     def __init__(self, layout: SparseLayout, compressed: Sequence[CompressedTensor], mode: str,
                  policy: robust.Policy = robust.UNBOUNDED, results: ResultLayouts | None = None,
                  reducer_feedback: Sequence[torch.Tensor] | None = None, decay: float = 0.0,
-                 resend: Callable[[SparseLayout], list[CompressedTensor]] | None = None):
+                 resend: Callable[[SparseLayout], list[CompressedTensor]] | None = None, selecting: torch.device = CPU):
         """``policy``: how reducers weigh and bound contributions (``collective/robust.py``). ``results``:
         resparsified results, chunked as these layouts say for the contributions combined; None: exact results.
         ``resend``: this replica's contribution compressed again at a layout's (lower) density, what ``compressed``
         took from the sender's buffers given back (required with ``results``: a large group sends fewer values).
         ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one (chunks, chunk_numel) CPU
         float32 tensor per tensor of the layout (read, never written here), decayed by ``decay`` each time; None:
-        what a result leaves out is dropped."""
+        what a result leaves out is dropped. ``selecting``: the device a reducer's Top-k runs on (the training device:
+        on a GPU many times the CPU's speed; the buffer and the result stay on the CPU, and since every member
+        decodes the reducer's bytes, where it selected does not matter to their bits)."""
         self.layout, self.compressed, self.mode, self.policy = layout, list(compressed), mode, policy
+        self.selecting = selecting
         self.results, self.reducer_feedback, self.decay = results, reducer_feedback, decay
         self.resend, self.configured = resend, layout  # configured: the layout before the group was known
         self.num_units = layout.num_chunks
@@ -264,7 +268,7 @@ class SparseExchange(Exchange):
             at = torch.from_numpy(mean.positions[lo:hi] - s.offset)
             flat[at] = flat[at] + torch.from_numpy(mean.values[lo:hi])  # positions are unique: no accumulation order
             buffers.append((s, rows))
-            choices.append(choose(rows, s.grid))
+            choices.append(choose(rows.to(self.selecting), s.grid).to(CPU))
 
         def quantize(scale: float) -> tuple[np.ndarray, float]:
             decoded = [choice.scaled(scale).decode().reshape(-1).numpy() for choice in choices]

@@ -55,6 +55,12 @@ class Choice:
     selected: torch.Tensor  # the buffer's values there
     quantized: Quantized
 
+    def to(self, device: torch.device) -> Choice:
+        """The same choice with its tensors on ``device`` (the same bits)."""
+        q = self.quantized
+        return Choice(self.grid, self.indices.to(device), self.selected.to(device),
+                      Quantized(q.codes.to(device), q.shift.to(device), q.table.to(device)))
+
     def scaled(self, scale: float) -> Quantized:
         """The quantized values times ``scale`` (the decode table and shift scaled: the codes stay)."""
         q = self.quantized

@@ -65,7 +65,8 @@ class SparseLoCo(OuterAlgorithm):
             self.result_layouts = {name: ResultLayouts(self.layouts[name], SparseLayout([caps[i] for i in positions]))
                                    for name, positions in self.slices.items()}
         self.feedback = [torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32, device=device) for g in self.grids]
-        # As a reducer: on the CPU, where reducers combine (None: no buffer, what a result leaves out is dropped).
+        # As a reducer: on the CPU, where reducers combine (None: no buffer, what a result leaves out is dropped); its
+        # Top-k runs on the training device.
         self.reducer_feedback = ([torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32) for g in self.grids]
                                  if config.result == "resparsified" and config.result_error_decay > 0 else None)
         self.density = sum(g.k * g.chunks for g in self.grids) / sum(g.numel for g in self.grids)
@@ -88,7 +89,8 @@ class SparseLoCo(OuterAlgorithm):
                                                         self.result_layouts.get(name),
                                                         None if feedback is None else [feedback[i] for i in positions],
                                                         self.config.result_error_decay,
-                                                        functools.partial(self._resend, taken, positions))
+                                                        functools.partial(self._resend, taken, positions),
+                                                        self.device)
                                    for name, positions in self.slices.items()}, self.weigh(tokens))
         return SparseRound(round_index, exchange, taken=taken)
 
