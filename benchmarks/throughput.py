@@ -193,13 +193,18 @@ def outer_phases(config: Config, sampler: ShardSampler, device: torch.device, pe
     return {phase: round(statistics.median(seconds), 4) for phase, seconds in times.items()}
 
 
-def measure_outer(model: str, extra: list[str], peers: int, rounds: int, device: torch.device, log) -> dict:
+def in_process(model: str, extra: list[str]) -> tuple[Config, ShardSampler]:
+    """``model``'s config and its batches, with this process set up as a node's (its host allocator and threads)."""
     config = config_of(model, extra)
-    keep_freed_memory()
+    keep_freed_memory()  # as a node's process does
     if config.training.threads:
         torch.set_num_threads(config.training.threads)
     data = load_training_data(config)
-    sampler = ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, "throughput")
+    return config, ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, "throughput")
+
+
+def measure_outer(model: str, extra: list[str], peers: int, rounds: int, device: torch.device, log) -> dict:
+    config, sampler = in_process(model, extra)
     phases = outer_phases(config, sampler, device, peers, rounds, log)
     return {"part": "outer", "model": model, "device": str(device), "peers": peers, "rounds": rounds,
             "threads": torch.get_num_threads(), "seconds": phases, "total_seconds": round(sum(phases.values()), 4)}
@@ -226,12 +231,7 @@ def peak_flops(device: torch.device, given: float | None) -> float | None:
 
 def measure_inner(model: str, extra: list[str], steps: int, repeat: int, device: torch.device, peak: float | None,
                   log) -> dict:
-    config = config_of(model, extra)
-    keep_freed_memory()  # as a node's process does
-    if config.training.threads:
-        torch.set_num_threads(config.training.threads)
-    data = load_training_data(config)
-    sampler = ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, "throughput")
+    config, sampler = in_process(model, extra)
     bare, node = [], []
     for attempt in range(repeat):
         bare.append(bare_loop(config, sampler, device, steps))
