@@ -19,6 +19,7 @@ from p2ploco.pipeline.transport import StageTransport
 from p2ploco.ranks.data_parallel import DataParallelBatches
 from p2ploco.ranks.group import LocalRanks
 from p2ploco.ranks.leader import Leader
+from p2ploco.ranks.sharded import ShardedBatches, ShardedLeader, ShardedState, shard_model
 from p2ploco.worker import Worker
 
 
@@ -36,9 +37,19 @@ def _constraint(config: Config, subspace: Subspace, model: Transformer) -> Subsp
 def build_replica(config: Config, device: torch.device, sampler: ShardSampler, ranks: LocalRanks | None = None
                   ) -> Worker:
     """A full replica: the whole model on this peer's own batches; constrained only in uniform mode. ``ranks``: the
-    node's local ranks, of which this is rank 0 (``p2ploco.ranks``)."""
+    node's local ranks, of which this is rank 0 (``p2ploco.ranks``); where they shard the model (``training.shard``)
+    the outer step reads a whole copy of it in host memory."""
     model, gradients, constraint = _replica_parts(config, device, sampler, ranks)
-    return Worker(config, device, model, gradients, constraint, Leader(ranks) if ranks is not None else None)
+    c = config
+    if ranks is not None and c.training.shard:
+        cpu = torch.device("cpu")
+        whole = _seeded_model(c, cpu, run_subspace(c, cpu))
+        leader = ShardedLeader(ranks, ShardedState(ranks, list(model.parameters())), list(whole.parameters()))
+        return Worker(c, cpu, whole, InnerTrainer(model, c.inner, gradients, device, c.inner_horizon,
+                                                  followers=leader), None)
+    followers = Leader(ranks) if ranks is not None else None
+    return Worker(c, device, model, InnerTrainer(model, c.inner, gradients, device, c.inner_horizon, constraint,
+                                                 followers), constraint)
 
 
 def build_follower(config: Config, device: torch.device, sampler: ShardSampler, ranks: LocalRanks) -> InnerTrainer:
@@ -48,16 +59,26 @@ def build_follower(config: Config, device: torch.device, sampler: ShardSampler, 
     return InnerTrainer(model, config.inner, gradients, device, config.inner_horizon, constraint)
 
 
+def _seeded_model(config: Config, device: torch.device, subspace: Subspace | None) -> Transformer:
+    return Transformer(config.model, config.training.seed, token_table=subspace.table if subspace else None).to(device)
+
+
 def _replica_parts(config: Config, device: torch.device, sampler: ShardSampler, ranks: LocalRanks | None
                    ) -> tuple[Transformer, GradientSource, SubspaceConstraint | None]:
     subspace = run_subspace(config, device)
-    model = Transformer(config.model, config.training.seed,
-                        token_table=subspace.table if subspace else None).to(device)
-    constrained = subspace is not None and config.pipeline.compression == "uniform"
+    model = _seeded_model(config, device, subspace)
+    sharded = ranks is not None and config.training.shard
+    if sharded:
+        shard_model(model, ranks)  # before compiling: torch.compile traces FSDP2's gathers with the model
+    constrained = config.pipeline.compressed and config.pipeline.compression == "uniform"
     forward = torch.compile(model) if config.training.compile else model  # the same parameters, compiled kernels
     accum = config.inner.grad_accum
-    gradients = (LocalBatches(forward, sampler, accum, device) if ranks is None else
-                 DataParallelBatches(forward, sampler, accum, device, ranks))
+    if ranks is None:
+        gradients: GradientSource = LocalBatches(forward, sampler, accum, device)
+    elif sharded:
+        gradients = ShardedBatches(model, forward, sampler, accum, ranks)
+    else:
+        gradients = DataParallelBatches(forward, sampler, accum, device, ranks)
     return model, gradients, _constraint(config, subspace, model) if constrained else None
 
 
@@ -73,7 +94,9 @@ def build_stage(config: Config, device: torch.device, stage: int) -> tuple[Worke
     codec = subspace if subspace is not None else PlainBoundary(c.model.d_model)
     gradients = PipelineStage(model, codec, stage, c.pipeline.stages, c.inner.grad_accum, c.inner.batch_size,
                               c.data.seq_len, c.pipeline.wire_dtype, device)
-    return Worker(c, device, model, gradients, _constraint(c, subspace, model) if subspace else None), gradients
+    constraint = _constraint(c, subspace, model) if subspace else None
+    return Worker(c, device, model, InnerTrainer(model, c.inner, gradients, device, c.inner_horizon, constraint),
+                  constraint), gradients
 
 
 def build_linked_stage(config: Config, device: torch.device, transport: StageTransport,

@@ -187,7 +187,8 @@ def node() -> None:
                    "join (sets training.rounds).")
 @click.option("--nproc-per-node", type=click.IntRange(min=1),
               help="Train on N local devices as one peer: N processes, data parallel, one per GPU (or N on the CPU); "
-                   "the run counts up to training.max_ranks of them (sets training.ranks) [1].")
+                   "the run counts up to training.max_ranks of them (sets training.ranks) [1]. With --set "
+                   "training.shard=true they shard the model (FSDP2), for one that does not fit a device.")
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Where metrics.jsonl goes [runs/RUN/PEER].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config key, e.g. --set inner.lr=3e-4 (repeatable).")

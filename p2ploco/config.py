@@ -391,6 +391,10 @@ class TrainingConfig(Section):
     # key weighs more than this many full peers (``collective/robust.py``); a run that welcomes multi-GPU servers
     # raises it
     max_ranks: Annotated[int, bound(lambda n: 1 <= n <= MAX_RANKS, RANKS)] = 1
+    # shard the replica's params, gradients and inner AdamW state over the local ranks (FSDP2), for a model whose
+    # training does not fit one device; rank 0 keeps the whole params in host memory for the outer step
+    # (``ranks/sharded.py``). A node on one rank has nothing to shard it over and trains it whole.
+    shard: bool = False
 
 
 class Config(Section):
@@ -456,6 +460,9 @@ class Config(Section):
             raise ValueError(f"training.ranks ({t.ranks}) is more than training.max_ranks ({t.max_ranks}), the most "
                              f"local ranks this run counts in one peer's contribution: train on {t.max_ranks} "
                              f"rank(s), or start the run with training.max_ranks >= {t.ranks}")
+        if t.shard and self.pipeline.compressed and self.pipeline.compression == "uniform":
+            raise ValueError("training.shard does not go with pipeline.compression=uniform (whose replicas project "
+                             "their weights whole): use selective compression, or training.shard=false")
         return self
 
     @property
@@ -503,7 +510,7 @@ LOCAL_KEYS = frozenset({
     "run_id", "data.paths", "data.prepared", "data.tokenizer", "inner.batch_size", "inner.grad_accum",
     "inner.fixed_steps", "swarm.bandwidth_mbit", "swarm.max_upload_mbit", "swarm.min_peers", "swarm.startup_timeout",
     "swarm.reachability", "training.rounds", "training.device", "training.threads", "training.eval_every",
-    "training.checkpoint_every", "training.compile", "training.ranks"})
+    "training.checkpoint_every", "training.compile", "training.ranks", "training.shard"})
 
 
 def document_fingerprint(document: dict[str, Any]) -> str:

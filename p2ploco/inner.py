@@ -64,8 +64,15 @@ class Followers(Protocol):
     def after_step(self, params: Sequence[torch.Tensor]) -> None:
         """The step is taken: ``params`` are what they hold too."""
 
-    def optimizer_loaded(self) -> None:
-        """The optimizer's state was replaced (a checkpoint's): theirs must be too."""
+    def gather(self) -> None:
+        """Bring the steps' result into the params the node's outer step reads, where these are not the trained
+        ones (a sharded replica's whole copy)."""
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state dict as one process training the whole model holds it (for a checkpoint)."""
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Replace ``optimizer``'s state with ``state`` (a checkpoint's), and theirs."""
 
 
 class GradientSource(ABC):
@@ -77,6 +84,11 @@ class GradientSource(ABC):
     def accumulate(self, step: int) -> float:
         """Accumulate the step's gradients over its micro-batches (each loss scaled by 1 / micro-batches);
         return this worker's share of the step's loss (0.0 where the loss is computed elsewhere)."""
+
+    def held_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The gradients of ``params`` this worker holds, as plain tensors: each whole (a shard of each where a
+        node's ranks shard the model, whose ``reduce`` sums their norms)."""
+        return [p.grad for p in params]
 
     def reduce(self, step: int, values: Sequence[float]) -> list[float]:
         """Sum ``values`` over everything that trains this step together: a whole model is alone; the
@@ -166,7 +178,7 @@ class InnerTrainer:
             group["lr"] = self.lr_at(step)
         self.optimizer.zero_grad(set_to_none=True)
         loss_share = self.gradients.accumulate(step)
-        grads = [p.grad for p in self.params]
+        grads = self.gradients.held_grads(self.params)
         if self.constraint is not None:
             self.constraint.project_(grads)
         present = [g for g in grads if g is not None]
@@ -228,7 +240,8 @@ class InnerTrainer:
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """AdamW's moments as named tensors, and its settings as JSON, for a checkpoint."""
-        state = self.optimizer.state_dict()
+        state = (self.optimizer.state_dict() if self.followers is None
+                 else self.followers.optimizer_state(self.optimizer))
         tensors = {f"{index}.{key}": value for index, slots in state["state"].items()
                    for key, value in slots.items() if torch.is_tensor(value)}
         return tensors, {"param_groups": state["param_groups"]}
@@ -238,9 +251,11 @@ class InnerTrainer:
         for key, value in tensors.items():
             index, _, name = key.partition(".")
             slots.setdefault(int(index), {})[name] = value
-        self.optimizer.load_state_dict({"state": slots, "param_groups": settings["param_groups"]})
-        if self.followers is not None:
-            self.followers.optimizer_loaded()
+        state = {"state": slots, "param_groups": settings["param_groups"]}
+        if self.followers is None:
+            self.optimizer.load_state_dict(state)
+        else:
+            self.followers.load_optimizer_state(self.optimizer, state)
 
 
 @torch.no_grad()

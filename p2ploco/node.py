@@ -195,8 +195,9 @@ class Node:
         c = self.config
         ranks = LocalRanks.start(c.training.ranks, device, RankSetup(c.model_dump(mode="json"), swarm.peer_id))
         others = "rank 1" if c.training.ranks == 2 else f"ranks 1-{c.training.ranks - 1}"
+        how = "sharded (FSDP2), data parallel" if c.training.shard else "data parallel"
         self.out(f"[{swarm.peer_id[-8:]}] {c.training.ranks} local ranks on {describe_device(device, c.training.ranks)}"
-                 f", data parallel ({others}: pid {', '.join(str(p.pid) for p in ranks.processes)})")
+                 f", {how} ({others}: pid {', '.join(str(p.pid) for p in ranks.processes)})")
         return ranks
 
     def _load_data(self, config: Config) -> TrainingData:

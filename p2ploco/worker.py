@@ -34,7 +34,7 @@ from p2ploco.checkpoint import Checkpoint
 from p2ploco.config import Config
 from p2ploco.data import Batch
 from p2ploco.errors import CheckpointError, SwarmError
-from p2ploco.inner import Constraint, Followers, GradientSource, InnerTrainer, evaluate
+from p2ploco.inner import Constraint, InnerTrainer, evaluate
 from p2ploco.metrics import state_sha256
 from p2ploco.model import Transformer
 from p2ploco.outer import build_outer
@@ -55,18 +55,19 @@ class Published:
 
 
 class Worker:
-    def __init__(self, config: Config, device: torch.device, model: Transformer, gradients: GradientSource,
-                 constraint: Constraint | None, followers: Followers | None = None):
-        """``followers``: the node's other local ranks (``p2ploco.ranks``), which repeat its inner steps."""
+    def __init__(self, config: Config, device: torch.device, model: Transformer, inner: InnerTrainer,
+                 constraint: Constraint | None):
+        """``model``: the local params the outer step reads and writes, on ``device``; ``inner``: what trains them,
+        the same model, or (a node's ranks sharding it, ``p2ploco.ranks.sharded``) shards of a copy, which its
+        followers bring back into ``model`` when asked (``local_params``)."""
         c = config
-        self.device, self.model, self.constraint = device, model, constraint
+        self.device, self.model, self.constraint, self.inner = device, model, constraint, inner
         self.names = [name for name, _ in model.named_parameters()]
         streaming = c.outer.algorithm == "streaming"
         self.slices = group_by_slice(self.names, c.model, c.pipeline.stages,
                                      c.outer.streaming.fragments if streaming else 0)
         self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices,
                                  c.max_contribution_tokens)
-        self.inner = InnerTrainer(model, c.inner, gradients, device, c.inner_horizon, constraint, followers)
         # Held while the outer algorithm's local state changes (a contribution, a step taken, a round given back),
         # which a round schedule may do on its background thread: a checkpoint reads that state whole.
         self.lock = threading.Lock()
@@ -136,11 +137,19 @@ class Worker:
         return [Snapshot(round_index, name, *self._named(state.params, state.shared, members),
                          state.slice_sha256[name]) for name, members in self.slices.items()]
 
+    def local_params(self) -> list[torch.Tensor]:
+        """The model's params as the inner steps left them (gathered from the ranks' shards first where a node's
+        ranks shard it): what a round's pseudo-gradient is measured from; a write to them is what the next step
+        starts from."""
+        if self.inner.followers is not None:
+            self.inner.followers.gather()
+        return list(self.model.parameters())
+
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:
         """The eval loss of the published global params (projected where constrained), lent to the model: its
         own local params are put back after."""
-        params = list(self.model.parameters())
+        params = self.local_params()
         local = [p.detach().clone() for p in params]
         self._load(self.published.params)
         loss = evaluate(self.model, batches, self.device)

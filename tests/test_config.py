@@ -170,3 +170,12 @@ def test_a_value_is_checked_where_it_is_set_and_its_bounds_once_all_are(tmp_path
     low = tmp_path / "low.yaml"
     low.write_text("inner:\n  lr: -1\n")
     assert load_config(low, ["inner.lr=1e-3"]).inner.lr == 1e-3
+
+
+def test_a_sharded_replica_is_refused_where_replicas_project_their_weights_whole():
+    pipeline = "configs/tiny-pipeline.yaml"
+    load_config(pipeline, ["training.shard=true"])  # selective compression: replicas train unconstrained
+    with pytest.raises(ConfigError) as error:
+        load_config(pipeline, ["training.shard=true", "pipeline.compression=uniform"])
+    assert str(error.value) == ("training.shard does not go with pipeline.compression=uniform (whose replicas project "
+                                "their weights whole): use selective compression, or training.shard=false")

@@ -42,14 +42,18 @@ ROUNDS = textwrap.dedent("""
     try:
         sampler = ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, sys.argv[2])
         worker = build_replica(config, cpu, sampler, ranks)
-        start = [p.detach().clone() for p in worker.model.parameters()]
+        start = [p.detach().clone() for p in worker.local_params()]
         stats = [worker.inner.run_round(0)]
         saved = copy.deepcopy(worker.checkpoint(1))  # as written: the live optimizer state moves on
         worker.load_into_model()
         stats.append(worker.inner.run_round(1))
         worker.restore(saved, Path("memory"))
         stats.append(worker.inner.run_round(1))
-        torch.save({"start": start, "params": [p.detach() for p in worker.model.parameters()],
+        def held(t):  # the elements this process holds of t: all, or its shard
+            return (t.to_local() if hasattr(t, "to_local") else t).numel()
+        moments = [v for slots in worker.inner.optimizer.state.values() for v in slots.values() if v.dim() > 0]
+        torch.save({"start": start, "params": [p.detach() for p in worker.local_params()],
+                    "held": [sum(held(p) for p in worker.inner.params), sum(held(m) for m in moments)],
                     "tokens": [s.tokens for s in stats], "losses": [s.loss for s in stats]}, sys.argv[3])
     finally:
         if ranks is not None:
@@ -64,8 +68,9 @@ def trained(tmp_path: Path, name: str, settings: list[str]) -> dict:
     return torch.load(out)
 
 
-def test_a_two_rank_node_trains_what_one_rank_trains_on_twice_the_batch(tmp_path: Path):
-    two = trained(tmp_path, "two", ["training.ranks=2", "training.max_ranks=2"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["data-parallel", "sharded"])
+def test_a_two_rank_node_trains_what_one_rank_trains_on_twice_the_batch(tmp_path: Path, sharded: bool):
+    two = trained(tmp_path, "two", ["training.ranks=2", "training.max_ranks=2", f"training.shard={sharded}"])
     one = trained(tmp_path, "one", ["inner.grad_accum=2"])
     assert two["tokens"] == one["tokens"] == [4 * 2 * 4 * 32] * 3  # H steps of 2 ranks' batches
     # Within float reduction order: DDP sums the two ranks' gradients where one process adds its micro-batches one by
@@ -74,6 +79,13 @@ def test_a_two_rank_node_trains_what_one_rank_trains_on_twice_the_batch(tmp_path
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert two["losses"][1] == pytest.approx(two["losses"][2], rel=1e-6)  # round 1 again, from the same state
+    # where the ranks shard the model, rank 0 trains the first half of every parameter's rows (the larger, where
+    # they are odd: 257 of the embedding's) and holds AdamW's moments of those alone
+    total = sum(p.numel() for p in one["params"])
+    first_half = sum((p.shape[0] + 1) // 2 * p[0].numel() for p in one["params"])
+    assert one["held"] == [total, 2 * total]
+    assert two["held"] == ([first_half, 2 * first_half] if sharded else [total, 2 * total])
+    assert first_half < 0.51 * total
     # the tolerance is far below how far round 1 moved the params from the start
     assert max(float((p - s).abs().max()) for p, s in zip(one["params"], one["start"])) > 100 * 1e-5
 
@@ -84,10 +96,12 @@ SWARM = ["--set", "swarm.min_peers=3", "--set", "training.max_ranks=2", "--set",
          "--set", "training.checkpoint_every=0", "--set", "inner.fixed_steps=true"]
 
 
-def start_three(swarm: LocalSwarm, rounds: int) -> dict:
-    """A 2-rank node ("two") and two 1-rank nodes, for ``rounds`` rounds."""
+def start_three(swarm: LocalSwarm, rounds: int, sharded: bool = False) -> dict:
+    """A 2-rank node ("two", its replica sharded over its ranks or not) and two 1-rank nodes, for ``rounds``
+    rounds."""
+    two = ["--nproc-per-node", "2", "--set", f"training.shard={sharded}"]
     return {name: swarm.start_node(name, TINY_CONFIG, "--max-rounds", str(rounds), *SWARM, *extra)
-            for name, extra in (("two", ["--nproc-per-node", "2"]), ("a", []), ("b", []))}
+            for name, extra in (("two", two), ("a", []), ("b", []))}
 
 
 def _applied_alike(runs: dict[str, list[dict]], rounds: int) -> None:
@@ -101,10 +115,12 @@ def _applied_alike(runs: dict[str, list[dict]], rounds: int) -> None:
 
 @pytest.mark.slow  # CI's second stage: a 2-rank node's real processes are in the default run (above)
 @pytest.mark.timeout(300)
-def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_twice_the_tokens(tmp_path: Path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["data-parallel", "sharded"])
+def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_twice_the_tokens(tmp_path: Path,
+                                                                                               sharded: bool):
     rounds = 10
     with LocalSwarm(tmp_path) as swarm:
-        nodes = start_three(swarm, rounds)
+        nodes = start_three(swarm, rounds, sharded)
         assert {name: node.process.wait(260) for name, node in nodes.items()} == {"two": 0, "a": 0, "b": 0}
         runs = {name: swarm.records(name) for name in nodes}
         log = nodes["two"].log_path.read_text()
@@ -112,7 +128,8 @@ def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_tw
     for two, one in zip(runs["two"], runs["a"]):
         assert two["tokens"] == 2 * one["tokens"] > 0
         assert two["contributed_tokens"] == 2 * one["contributed_tokens"] == two["tokens"]  # its weight: not capped
-    assert "2 local ranks on cpu x2, data parallel" in log and "full replica on 2 local ranks" in log
+    how = "sharded (FSDP2), data parallel" if sharded else "data parallel"
+    assert f"2 local ranks on cpu x2, {how} (rank 1" in log and "full replica on 2 local ranks" in log
     assert "Traceback" not in log
 
 

@@ -2,9 +2,10 @@
 (``LocalRanks.start``); never by hand.
 
 It builds its share of the node's replica from rank 0's setup and repeats what rank 0 leads (``leader.py``): takes
-its params or optimizer state, takes each inner step with it, until told to exit. Rank 0 owns its lifetime: the
-signals a terminal or a supervisor sends the node's process group are rank 0's to act on (it leaves the swarm, then
-tells the ranks to exit), and the kernel kills a follower whose rank 0 died.
+its params or optimizer state (or its shards of them, and sends them back: ``sharded.py``), takes each inner step
+with it, until told to exit. Rank 0 owns its lifetime: the signals a terminal or a supervisor sends the node's
+process group are rank 0's to act on (it leaves the swarm, then tells the ranks to exit), and the kernel kills a
+follower whose rank 0 died.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from p2ploco.config import Config
 from p2ploco.data import ShardSampler, load_training_data
 from p2ploco.host_memory import keep_freed_memory
 from p2ploco.ranks.group import Command, LocalRanks
+from p2ploco.ranks.sharded import ShardedState, follow_sharded
 
 PR_SET_PDEATHSIG = 1
 
@@ -34,16 +36,21 @@ def follow(port: int, rank: int, world: int, kind: str) -> None:
     data = load_training_data(config)
     sampler = ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, setup.peer_id)
     trainer = build_follower(config, ranks.device, sampler, ranks)
+    sharded = ShardedState(ranks, trainer.params) if config.training.shard else None
     while True:
         kind_of, value = ranks.command()
         if kind_of is Command.STEP:
             trainer.step(value)
+        elif kind_of is Command.EXIT:
+            return
+        elif sharded is not None:
+            follow_sharded(kind_of, sharded, trainer.optimizer)
         elif kind_of is Command.PARAMS:
             ranks.share_params(trainer.params)
         elif kind_of is Command.OPTIMIZER:
             ranks.share_optimizer(trainer.optimizer)
         else:
-            return
+            raise ValueError(f"{kind_of.name} is not a replicated state's command")
 
 
 def main() -> None:

@@ -38,9 +38,11 @@ class Command(enum.IntEnum):
     """What rank 0 tells the other ranks, with a value."""
 
     STEP = 1  # take inner step ``value``
-    PARAMS = 2  # take rank 0's local params (broadcast next)
-    OPTIMIZER = 3  # take rank 0's inner optimizer state (broadcast next)
+    PARAMS = 2  # take rank 0's local params (broadcast, or scattered to the shards, next)
+    OPTIMIZER = 3  # take rank 0's inner optimizer state (broadcast, or scattered to the shards, next)
     EXIT = 4
+    GATHER_PARAMS = 5  # send the local params' shards to rank 0 (``training.shard``)
+    GATHER_OPTIMIZER = 6  # send the inner optimizer state's shards to rank 0 (``training.shard``)
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,15 @@ step, then has them take the step with it.
 Params changed outside a step are found by their version counters (every in-place write bumps one): after its own
 step rank 0 notes them, and any that moved since (the global params loaded at a round's start, a catch-up, an eager
 overlapped round's correction) are sent before the next step, all of them. The inner optimizer's state changes
-outside a step only when a checkpoint is loaded (``InnerTrainer.load_optimizer_state``), which says so.
+outside a step only when a checkpoint is loaded (``InnerTrainer.load_optimizer_state``), which says so. Rank 0's
+params are the ones it trains, so they are never behind its steps (``gather`` has nothing to do); a sharded replica's
+are not (``sharded.ShardedLeader``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -38,5 +41,12 @@ class Leader:
     def after_step(self, params: Sequence[torch.Tensor]) -> None:
         self.versions = [p._version for p in params]
 
-    def optimizer_loaded(self) -> None:
+    def gather(self) -> None:
+        pass
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
         self.optimizer_changed = True

@@ -44,7 +44,7 @@ class BlockingRounds(RoundSchedule):
         worker = self.worker
         # A constrained worker trained a projection of the global params: its progress is measured from that.
         start = worker.start_params() if worker.constraint is not None else None
-        synced = worker.outer.sync(list(worker.model.parameters()), comm, round_index, start, tokens)
+        synced = worker.outer.sync(worker.local_params(), comm, round_index, start, tokens)
         if synced.applied:
             worker.refresh_published()
         worker.load_into_model()

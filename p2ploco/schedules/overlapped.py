@@ -108,7 +108,6 @@ class RoundUnderWay:
     """The round the training thread runs, as its inner-step boundaries see it."""
 
     hooks: RoundHooks
-    params: list[torch.Tensor]  # the local params
     announced: bool = False
     landed: Synced | None = None  # the round in flight, once it has landed during this one
 
@@ -133,20 +132,20 @@ class OverlappedRounds(RoundSchedule):
         self.adopted = 0
 
     def run(self, round_index: int, comm: Communicator, hooks: RoundHooks) -> RoundOutcome | None:
-        current = RoundUnderWay(hooks, list(self.worker.model.parameters()))
+        current = RoundUnderWay(hooks)
         self._between_steps(current, 0)
         inner = self.worker.inner.run_round(round_index, hooks.stopping, partial(self._between_steps, current),
                                             hooks.budget)
         if inner is None:
             return None  # the round in flight lands at finish_in_flight
         if self.eager and self.flight is not None:  # not landed yet, so more than one round late: waited for here
-            current.landed = self._perform_sync(current.params)
-        trained = [p.detach().clone() for p in current.params]
+            current.landed = self._perform_sync(self.worker.local_params())
+        trained = [p.detach().clone() for p in self.worker.local_params()]
         if not self.eager and self.flight is not None:  # one round late, the local params moved by its step too
-            current.landed = self._perform_sync(current.params)
+            current.landed = self._perform_sync(self.worker.local_params())
         current.announce()
         self.flight = self._prepare_sync(round_index, comm, trained, inner.tokens)
-        self.start = trained if self.eager else [p.detach().clone() for p in current.params]
+        self.start = trained if self.eager else [p.detach().clone() for p in self.worker.local_params()]
         return RoundOutcome(inner, current.landed)
 
     def _between_steps(self, current: RoundUnderWay, steps_done: int) -> None:
@@ -156,7 +155,7 @@ class OverlappedRounds(RoundSchedule):
         if flight is None or flight.grouped():
             current.announce()
         if self.eager and flight is not None and self.landing.now(steps_done, flight.landing.done()):
-            current.landed = self._perform_sync(current.params)
+            current.landed = self._perform_sync(self.worker.local_params())
 
     def _prepare_sync(self, round_index: int, comm: Communicator, trained: list[torch.Tensor], tokens: int,
                       ) -> Flight:
@@ -238,7 +237,7 @@ class OverlappedRounds(RoundSchedule):
     def finish_in_flight(self) -> Synced | None:
         if self.flight is None:
             return None
-        synced = self._perform_sync(list(self.worker.model.parameters()))
+        synced = self._perform_sync(self.worker.local_params())
         self.start = None
         self.worker.load_into_model()
         return synced

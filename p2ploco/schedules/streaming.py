@@ -41,7 +41,6 @@ class StreamingRounds(RoundSchedule):
 
     def run(self, round_index: int, comm: Communicator, hooks: RoundHooks) -> RoundOutcome | None:
         worker, outer = self.worker, self.outer
-        local = list(worker.model.parameters())
         syncing: dict[str, Future[Landed]] = {}
         synced: dict[str, Synced] = {}
         hashes = dict(worker.slice_sha256)
@@ -54,14 +53,14 @@ class StreamingRounds(RoundSchedule):
         def between(steps_done: int) -> None:
             for name, (start, apply) in schedule.items():
                 if steps_done == start:
-                    sync = outer.contribute_fragments([name], local, round_index, tokens=tokens)
+                    sync = outer.contribute_fragments([name], worker.local_params(), round_index, tokens=tokens)
                     sync.start(comm, name)
                     syncing[name] = self.background.when(sync.all_reduce.result, partial(self._land, sync, name))
                 if steps_done == apply:
                     landed = syncing.pop(name).result()
                     synced[name] = self.background.take(landed)
                     if landed.step is not None:
-                        outer.merge(local, [name])
+                        outer.merge(worker.local_params(), [name])
                         hashes[name] = landed.slice_sha256
 
         hooks.announce()

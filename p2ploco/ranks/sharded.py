@@ -1,0 +1,213 @@
+"""A replica sharded over the node's local ranks (FSDP2, ``training.shard``): for a model whose params, gradients and
+inner AdamW state do not fit one device.
+
+Every rank holds a shard of each parameter (``fully_shard`` on each block, then on the model: dim 0 cut in ``world``
+chunks) and of its AdamW moments, and trains its share of each step's micro-batches as with DDP
+(``data_parallel.py``): FSDP gathers a block's params for its forward and backward and reduce-scatters the
+gradients, averaged, so every rank steps its shard from the same mean gradient.
+
+Rank 0's outer step reads and writes the whole local params: it keeps them in host memory (the *whole copy*, the
+``Worker``'s model, on the CPU beside the global params and the outer state) and moves them to and from the shards
+only when they are read or written (``ShardedLeader``). A write (a round's start loads the global params, a catch-up,
+a merged fragment) is scattered to the shards before the next step; the steps' result is gathered into the whole copy
+when the node reads it (``Worker.local_params``): once a round where only the round's end reads it, not once a step.
+The optimizer's moments are gathered for a checkpoint and scattered when one is loaded. The pseudo-gradient, error
+feedback and compression then run on rank 0 as on any node, on its CPU; per shard they would need shards cut at
+SparseLoCo's 64 x 64 tiles and a contribution assembled from N ranks' parts (docs/design.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from p2ploco.data import ShardSampler
+from p2ploco.inner import GradientSource, autocast_for, on_device
+from p2ploco.model import Transformer
+from p2ploco.ranks.group import Command, LocalRanks
+
+
+def shard_model(model: Transformer, ranks: LocalRanks) -> None:
+    """Shard ``model``'s params over ``ranks`` in place: each block a unit of its own (gathered for its forward and
+    backward alone), the embedding, final norm and head the model's."""
+    mesh = DeviceMesh.from_group(ranks.train, ranks.device.type)
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class ShardedBatches(GradientSource):
+    def __init__(self, model: Transformer, forward: torch.nn.Module, sampler: ShardSampler, micro_batches: int,
+                 ranks: LocalRanks):
+        """``model``: sharded (``shard_model``); ``forward``: it, or its compiled forward (``training.compile``)."""
+        assert isinstance(model, FSDPModule)
+        self.model, self.forward, self.sampler, self.micro_batches, self.ranks = (model, forward, sampler,
+                                                                                  micro_batches, ranks)
+        self.device = ranks.device
+        self.tokens_per_step = ranks.world * micro_batches * sampler.batch_size * sampler.seq_len
+
+    def accumulate(self, step: int) -> float:
+        """As ``DataParallelBatches``: rank r's micro-batches are a one-rank node's at positions r x micro_batches."""
+        losses = []
+        first = (step * self.ranks.world + self.ranks.rank) * self.micro_batches
+        with self.ranks.failures():
+            for micro in range(self.micro_batches):
+                inputs, targets = (on_device(t, self.device) for t in self.sampler.batch(first + micro))
+                # the gradients are reduce-scattered once, with the last micro-batch's backward
+                self.model.set_requires_gradient_sync(micro == self.micro_batches - 1)
+                with autocast_for(self.device):
+                    loss = self.forward(inputs, targets=targets) / self.micro_batches
+                loss.backward()
+                losses.append(loss.detach())
+        return float(torch.stack(losses).sum())
+
+    def held_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """This rank's shard of each gradient (a view: clipping it clips the gradient)."""
+        return [None if p.grad is None else p.grad.to_local() for p in params]
+
+    def reduce(self, step: int, values: Sequence[float]) -> list[float]:
+        """[loss, squared norm, stop votes]: the loss is the mean of the ranks', the squared norm and the votes their
+        sums (each rank's norm is of its shards)."""
+        loss_share, squared_norm, stop_vote = values
+        summed = self.ranks.sum_(torch.tensor([loss_share, squared_norm, stop_vote], dtype=torch.float64,
+                                              device=self.device))
+        return [float(summed[0]) / self.ranks.world, float(summed[1]), float(summed[2])]
+
+
+class ShardedState:
+    """Moves a sharded replica's state between rank 0's whole copy and every rank's shards. Every rank calls each
+    method in the same order (rank 0 as it leads, the others as told); the whole copy is rank 0's argument, None on
+    the others."""
+
+    def __init__(self, ranks: LocalRanks, params: Sequence[torch.Tensor]):
+        """``params``: this rank's sharded params (DTensors), in the model's order."""
+        self.ranks, self.params = ranks, list(params)
+
+    @torch.no_grad()
+    def scatter_params(self, whole: Sequence[torch.Tensor] | None) -> None:
+        """Every rank's shards <- rank 0's ``whole`` params."""
+        with self.ranks.failures():
+            for i, param in enumerate(self.params):
+                param.to_local().copy_(self._scattered(param, None if whole is None else whole[i]).to_local())
+
+    @torch.no_grad()
+    def gather_params(self, whole: Sequence[torch.Tensor] | None) -> None:
+        """Rank 0's ``whole`` params <- every rank's shards."""
+        with self.ranks.failures():
+            for i, param in enumerate(self.params):
+                gathered = param.full_tensor()
+                if whole is not None:
+                    whole[i].copy_(gathered)
+
+    def scatter_optimizer(self, optimizer: torch.optim.Optimizer, whole: dict[str, Any] | None) -> None:
+        """Every rank's ``optimizer`` state <- rank 0's ``whole`` state dict (as one rank holding the whole model
+        keeps it): a moment shaped as its param is cut as the param is; the rest (the step count, the settings)
+        sent whole."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # the state dict's order
+        layout: list = [None]
+        if whole is not None:
+            layout[0] = {"param_groups": whole["param_groups"],
+                         "state": {i: {key: ("shard", value.dtype) if _cut(params[i], value) else value
+                                       for key, value in slots.items()}
+                                   for i, slots in whole["state"].items()}}
+        with self.ranks.failures():
+            dist.broadcast_object_list(layout, src=0, group=self.ranks.control, device=self.ranks.device)
+            state: dict[int, dict[str, Any]] = {}
+            for i, slots in sorted(layout[0]["state"].items()):
+                state[i] = {}
+                for key, value in sorted(slots.items()):
+                    if isinstance(value, tuple) and value[:1] == ("shard",):
+                        source = None if whole is None else whole["state"][i][key]
+                        state[i][key] = self._scattered(params[i], source, value[1])
+                    else:
+                        state[i][key] = value
+        optimizer.load_state_dict({"state": state, "param_groups": layout[0]["param_groups"]})
+
+    def gather_optimizer(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state dict with every sharded moment whole, on the CPU (of use on rank 0)."""
+        state = optimizer.state_dict()
+        with self.ranks.failures():
+            slots = {i: {key: value.full_tensor().cpu() if isinstance(value, DTensor) else value
+                         for key, value in sorted(values.items())}
+                     for i, values in sorted(state["state"].items())}
+        return {"state": slots, "param_groups": state["param_groups"]}
+
+    def _scattered(self, param: torch.Tensor, source: torch.Tensor | None, dtype: torch.dtype | None = None
+                   ) -> DTensor:
+        """``source`` (rank 0's; None on the others) cut as ``param`` is, each rank's part sent to it."""
+        device = self.ranks.device
+        whole = (torch.empty(param.shape, dtype=dtype or param.dtype, device=device) if source is None
+                 else source.to(device))
+        return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=0)
+
+
+class ShardedLeader:
+    """The ``inner.Followers`` of rank 0's ``InnerTrainer`` when the replica is sharded: it keeps rank 0's whole copy
+    of the local params (``whole``, the model its outer step reads) and the shards the ranks train in step."""
+
+    def __init__(self, ranks: LocalRanks, state: ShardedState, whole: Sequence[torch.Tensor]):
+        self.ranks, self.state, self.whole = ranks, state, list(whole)
+        self.versions: list[int] | None = None  # the whole copy's version counters when it last matched the shards
+        self.stepped = False  # steps moved the shards since the whole copy was gathered
+        self.loaded_optimizer: dict[str, Any] | None = None  # a checkpoint's state, scattered before the next step
+
+    def before_step(self, step: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        self.ranks.check()
+        if self.versions != self._versions():  # written since: the writes win over the steps since the gather
+            self.ranks.command(Command.PARAMS)
+            self.state.scatter_params(self.whole)
+            self.versions, self.stepped = self._versions(), False
+        if self.loaded_optimizer is not None:
+            self.ranks.command(Command.OPTIMIZER)
+            self.state.scatter_optimizer(optimizer, self.loaded_optimizer)
+            self.loaded_optimizer = None
+        self.ranks.command(Command.STEP, step)
+
+    def after_step(self, params: Sequence[torch.Tensor]) -> None:
+        self.stepped = True
+
+    def gather(self) -> None:
+        if not self.stepped:
+            return
+        self.ranks.check()
+        self.ranks.command(Command.GATHER_PARAMS)
+        self.state.gather_params(self.whole)
+        self.versions, self.stepped = self._versions(), False
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self.loaded_optimizer is not None:
+            return self.loaded_optimizer
+        self.ranks.check()
+        self.ranks.command(Command.GATHER_OPTIMIZER)
+        return self.state.gather_optimizer(optimizer)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        self.loaded_optimizer = state
+
+    def _versions(self) -> list[int]:
+        return [p._version for p in self.whole]
+
+
+def follow_sharded(kind: Command, state: ShardedState, optimizer: torch.optim.Optimizer) -> None:
+    """Rank 1..N-1's part in rank 0's command ``kind`` (not a step's)."""
+    if kind is Command.PARAMS:
+        state.scatter_params(None)
+    elif kind is Command.OPTIMIZER:
+        state.scatter_optimizer(optimizer, None)
+    elif kind is Command.GATHER_PARAMS:
+        state.gather_params(None)
+    elif kind is Command.GATHER_OPTIMIZER:
+        state.gather_optimizer(optimizer)
+    else:
+        raise ValueError(f"{kind.name} is not a sharded state's command")
+
+
+def _cut(param: torch.Tensor, value: object) -> bool:
+    """Whether ``value``, a state entry of ``param``, is cut as ``param`` is (a moment, not the step count)."""
+    return torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) == tuple(param.shape)
