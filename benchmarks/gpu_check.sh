@@ -3,7 +3,7 @@
 # the README's test set-up command): the tests that need CUDA, benchmarks/throughput.py at 150m.yaml (the node's
 # inner loop against a bare PyTorch loop, with MFU; a round's outer parts timed with the GPU synchronized), and a
 # 2-node loopback swarm of 150m.yaml with and without overlap (utilisation: round and inner seconds); with 2 GPUs
-# or more, a node on 2 local ranks (NCCL). Each part has a time limit of its own; a part that fails is reported and
+# or more, a node on 2 local ranks (NCCL), data parallel and sharded. Each part has a time limit of its own; a part that fails is reported and
 # the next one runs; the exit code is the number of parts that failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,9 @@ gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then  # a node on 2 local ranks (NCCL) beside a 1-rank node: p2ploco.ranks on GPUs
     part 150 "node0 on 2 GPUs (--nproc-per-node 2) and a 1-rank node, tiny.yaml" \
         "$PY" -m p2ploco.cli demo --replicas 2 --nproc-per-node 2 --rounds 4 --set inner.fixed_steps=true
+    part 150 "node0 sharded over 2 GPUs (training.shard, FSDP2) and a 1-rank node, tiny.yaml" \
+        "$PY" -m p2ploco.cli demo --replicas 2 --nproc-per-node 2 --rounds 4 --set inner.fixed_steps=true \
+        --set training.shard=true
 else
     echo "== a node on 2 local ranks: skipped, $gpus GPU(s) visible (it needs 2)"
 fi
