@@ -169,10 +169,14 @@ class Node:
             schedule = build_schedule(c, role.worker)
             try:
                 standing, schedule = self._loop(swarm, presence, role, schedule, files, held_out, standing)
-                self._save_on_exit(swarm, role, schedule, files, standing)
+                if self.failure is not None and c.training.shard:
+                    self.out(f"[{me}] no exit checkpoint: the rank that left held shards of the model and of its "
+                             f"optimizer state; the last checkpoint in {files.checkpoints} stands")
+                else:
+                    self._save_on_exit(swarm, role, schedule, files, standing)
+                    self.out(f"[{me}] checkpoint of round {standing.round} written to {files.checkpoints}")
             finally:
                 schedule.close()
-            self.out(f"[{me}] checkpoint of round {standing.round} written to {files.checkpoints}")
         except KeyboardInterrupt:  # a second signal: stop now, keep the last periodic checkpoint
             self.out(f"[{me}] stopped at once after {len(self.records)} round(s); no exit checkpoint")
         finally:
@@ -418,7 +422,12 @@ class Node:
                 # has its group, whose formation reads our record
                 schedule.settle(c.swarm.matchmaking_timeout + c.swarm.allreduce_timeout)
             if c.training.checkpoint_every and standing.round % c.training.checkpoint_every == 0:
-                files.save(schedule.checkpoint(standing.round, role.checkpoint_extras()))
+                try:  # a sharded replica's checkpoint gathers its ranks' shards
+                    files.save(schedule.checkpoint(standing.round, role.checkpoint_extras()))
+                except RankError as e:
+                    self.out(f"[{me}] checkpoint of round {standing.round}: {e}")
+                    self.failure = e
+                    break
         return standing, schedule
 
     def _past_last_round(self, round_index: int) -> bool:

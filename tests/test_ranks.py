@@ -135,10 +135,11 @@ def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_tw
 
 @pytest.mark.slow  # CI's second stage, with the swarm above; a 2-rank node's processes: the default run's test
 @pytest.mark.timeout(240)
-def test_a_killed_rank_takes_its_node_out_cleanly_while_the_others_train_on(tmp_path: Path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["data-parallel", "sharded"])
+def test_a_killed_rank_takes_its_node_out_cleanly_while_the_others_train_on(tmp_path: Path, sharded: bool):
     rounds = 6
     with LocalSwarm(tmp_path) as swarm:
-        nodes = start_three(swarm, rounds)
+        nodes = start_three(swarm, rounds, sharded)
         follower = int(nodes["two"].wait_for_line(re.compile(r"data parallel \(rank 1: pid (\d+)\)"), 120)[1])
         nodes["two"].wait_for_line(re.compile(r"round\s+1 \|"), 120)
         os.kill(follower, signal.SIGKILL)
@@ -148,7 +149,9 @@ def test_a_killed_rank_takes_its_node_out_cleanly_while_the_others_train_on(tmp_
     assert codes == {"two": 1, "a": 0, "b": 0}
     assert re.search(r"round [2-9]: local rank 1 exited \(code -9\); the node cannot train without it and leaves the "
                      r"swarm: start it again \(with --resume to go on from its checkpoint\)", log)
-    assert "checkpoint of round" in log and "left the swarm after" in log and "summary" in log
+    exit_checkpoint = ("no exit checkpoint: the rank that left held shards of the model and of its optimizer state; "
+                       "the last checkpoint in" if sharded else "checkpoint of round")
+    assert exit_checkpoint in log and "left the swarm after" in log and "summary" in log
     assert log.rstrip().splitlines()[-1].startswith("error: local rank 1 exited (code -9)")
     assert "Traceback" not in log
     for name, records in runs.items():  # the others applied every round, without it once it had gone
