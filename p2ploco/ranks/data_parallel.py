@@ -1,4 +1,5 @@
-"""Each rank's share of an inner step: data parallel over the node's local ranks (DDP).
+"""Each rank's share of an inner step: data parallel over the node's local ranks (DDP; sharded, FSDP2, in
+``sharded.py``).
 
 The node's step trains on ``ranks x inner.grad_accum`` micro-batches of its shard: rank r takes those a one-rank
 node with ``ranks x grad_accum`` micro-batches would take in positions ``r * grad_accum ...`` of the step, so the
@@ -10,6 +11,7 @@ taken of the averaged gradients, which every rank holds alike.
 from __future__ import annotations
 
 import contextlib
+from abc import abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -20,15 +22,19 @@ from p2ploco.inner import GradientSource, autocast_for, on_device
 from p2ploco.ranks.group import LocalRanks
 
 
-class DataParallelBatches(GradientSource):
-    def __init__(self, forward: torch.nn.Module, sampler: ShardSampler, micro_batches: int, device: torch.device,
-                 ranks: LocalRanks):
-        """``forward``: the model, or its compiled forward (``training.compile``); wrapped in DDP over ``ranks``."""
-        self.sampler, self.micro_batches, self.device, self.ranks = sampler, micro_batches, device, ranks
-        with ranks.failures():  # DDP's start broadcasts rank 0's params and buffers to every rank
-            self.ddp = DistributedDataParallel(forward, device_ids=[device] if device.type == "cuda" else None,
-                                               process_group=ranks.train, forward_sync_buffers=False)
-        self.tokens_per_step = ranks.world * micro_batches * sampler.batch_size * sampler.seq_len
+class RankBatches(GradientSource):
+    """A local rank's share of each step's micro-batches, through ``forward``; the ranks' gradients are averaged
+    with the last micro-batch's backward (``gradient_sync``)."""
+
+    forward: torch.nn.Module
+    sampler: ShardSampler
+    micro_batches: int
+    device: torch.device
+    ranks: LocalRanks
+
+    @abstractmethod
+    def gradient_sync(self, on: bool) -> contextlib.AbstractContextManager:
+        """Where a micro-batch's backward runs: averaging the ranks' gradients (``on``) or only adding its own."""
 
     def accumulate(self, step: int) -> float:
         losses = []
@@ -36,12 +42,25 @@ class DataParallelBatches(GradientSource):
         with self.ranks.failures():
             for micro in range(self.micro_batches):
                 inputs, targets = (on_device(t, self.device) for t in self.sampler.batch(first + micro))
-                last = micro == self.micro_batches - 1
-                with self.ddp.no_sync() if not last else contextlib.nullcontext(), autocast_for(self.device):
-                    loss = self.ddp(inputs, targets=targets) / self.micro_batches
-                loss.backward()  # the last micro-batch's backward averages the ranks' gradients
+                with self.gradient_sync(micro == self.micro_batches - 1), autocast_for(self.device):
+                    loss = self.forward(inputs, targets=targets) / self.micro_batches
+                loss.backward()
                 losses.append(loss.detach())
         return float(torch.stack(losses).sum())
+
+
+class DataParallelBatches(RankBatches):
+    def __init__(self, forward: torch.nn.Module, sampler: ShardSampler, micro_batches: int, device: torch.device,
+                 ranks: LocalRanks):
+        """``forward``: the model, or its compiled forward (``training.compile``); wrapped in DDP over ``ranks``."""
+        self.sampler, self.micro_batches, self.device, self.ranks = sampler, micro_batches, device, ranks
+        with ranks.failures():  # DDP's start broadcasts rank 0's params and buffers to every rank
+            self.forward = DistributedDataParallel(forward, device_ids=[device] if device.type == "cuda" else None,
+                                                   process_group=ranks.train, forward_sync_buffers=False)
+        self.tokens_per_step = ranks.world * micro_batches * sampler.batch_size * sampler.seq_len
+
+    def gradient_sync(self, on: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if on else self.forward.no_sync()
 
     def reduce(self, step: int, values: Sequence[float]) -> list[float]:
         """[loss, squared norm, stop votes]: the loss is the mean of the ranks', the votes their sum; the norm is

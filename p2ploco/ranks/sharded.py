@@ -18,6 +18,7 @@ SparseLoCo's 64 x 64 tiles and a contribution assembled from N ranks' parts (doc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,8 +29,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from p2ploco.data import ShardSampler
-from p2ploco.inner import GradientSource, autocast_for, on_device
 from p2ploco.model import Transformer
+from p2ploco.ranks.data_parallel import RankBatches
 from p2ploco.ranks.group import Command, LocalRanks
 
 
@@ -42,7 +43,7 @@ def shard_model(model: Transformer, ranks: LocalRanks) -> None:
     fully_shard(model, mesh=mesh)
 
 
-class ShardedBatches(GradientSource):
+class ShardedBatches(RankBatches):
     def __init__(self, model: Transformer, forward: torch.nn.Module, sampler: ShardSampler, micro_batches: int,
                  ranks: LocalRanks):
         """``model``: sharded (``shard_model``); ``forward``: it, or its compiled forward (``training.compile``)."""
@@ -52,20 +53,9 @@ class ShardedBatches(GradientSource):
         self.device = ranks.device
         self.tokens_per_step = ranks.world * micro_batches * sampler.batch_size * sampler.seq_len
 
-    def accumulate(self, step: int) -> float:
-        """As ``DataParallelBatches``: rank r's micro-batches are a one-rank node's at positions r x micro_batches."""
-        losses = []
-        first = (step * self.ranks.world + self.ranks.rank) * self.micro_batches
-        with self.ranks.failures():
-            for micro in range(self.micro_batches):
-                inputs, targets = (on_device(t, self.device) for t in self.sampler.batch(first + micro))
-                # the gradients are reduce-scattered once, with the last micro-batch's backward
-                self.model.set_requires_gradient_sync(micro == self.micro_batches - 1)
-                with autocast_for(self.device):
-                    loss = self.forward(inputs, targets=targets) / self.micro_batches
-                loss.backward()
-                losses.append(loss.detach())
-        return float(torch.stack(losses).sum())
+    def gradient_sync(self, on: bool) -> contextlib.AbstractContextManager:
+        self.model.set_requires_gradient_sync(on)  # off: the backward keeps the whole gradients, reduce-scattered later
+        return contextlib.nullcontext()
 
     def held_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """This rank's shard of each gradient (a view: clipping it clips the gradient)."""
