@@ -19,7 +19,6 @@ from p2ploco.pipeline.transport import StageTransport
 from p2ploco.ranks.data_parallel import DataParallelBatches
 from p2ploco.ranks.group import LocalRanks
 from p2ploco.ranks.leader import Leader
-from p2ploco.ranks.sharded import ShardedBatches, ShardedLeader, ShardedState, shard_model
 from p2ploco.worker import Worker
 
 
@@ -42,6 +41,8 @@ def build_replica(config: Config, device: torch.device, sampler: ShardSampler, r
     model, gradients, constraint = _replica_parts(config, device, sampler, ranks)
     c = config
     if ranks is not None and c.training.shard:
+        from p2ploco.ranks.sharded import ShardedLeader, ShardedState  # see _replica_parts
+
         cpu = torch.device("cpu")
         whole = _seeded_model(c, cpu, run_subspace(c, cpu))
         leader = ShardedLeader(ranks, ShardedState(ranks, list(model.parameters())), list(whole.parameters()))
@@ -69,6 +70,9 @@ def _replica_parts(config: Config, device: torch.device, sampler: ShardSampler, 
     model = _seeded_model(config, device, subspace)
     sharded = ranks is not None and config.training.shard
     if sharded:
+        # imported here: torch.distributed.tensor takes most of a second to import, at every node's start otherwise
+        from p2ploco.ranks.sharded import ShardedBatches, shard_model
+
         shard_model(model, ranks)  # before compiling: torch.compile traces FSDP2's gathers with the model
     constrained = config.pipeline.compressed and config.pipeline.compression == "uniform"
     forward = torch.compile(model) if config.training.compile else model  # the same parameters, compiled kernels

@@ -22,7 +22,6 @@ from p2ploco.config import Config
 from p2ploco.data import ShardSampler, load_training_data
 from p2ploco.host_memory import keep_freed_memory
 from p2ploco.ranks.group import Command, LocalRanks
-from p2ploco.ranks.sharded import ShardedState, follow_sharded
 
 PR_SET_PDEATHSIG = 1
 
@@ -36,7 +35,11 @@ def follow(port: int, rank: int, world: int, kind: str) -> None:
     data = load_training_data(config)
     sampler = ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, setup.peer_id)
     trainer = build_follower(config, ranks.device, sampler, ranks)
-    sharded = ShardedState(ranks, trainer.params) if config.training.shard else None
+    sharded = None
+    if config.training.shard:
+        from p2ploco.ranks.sharded import ShardedState  # as build.py: its imports take a second
+
+        sharded = ShardedState(ranks, trainer.params)
     while True:
         kind_of, value = ranks.command()
         if kind_of is Command.STEP:
@@ -44,7 +47,7 @@ def follow(port: int, rank: int, world: int, kind: str) -> None:
         elif kind_of is Command.EXIT:
             return
         elif sharded is not None:
-            follow_sharded(kind_of, sharded, trainer.optimizer)
+            sharded.follow(kind_of, trainer.optimizer)
         elif kind_of is Command.PARAMS:
             ranks.share_params(trainer.params)
         elif kind_of is Command.OPTIMIZER:

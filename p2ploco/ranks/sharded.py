@@ -44,10 +44,9 @@ def shard_model(model: Transformer, ranks: LocalRanks) -> None:
 
 
 class ShardedBatches(RankBatches):
-    def __init__(self, model: Transformer, forward: torch.nn.Module, sampler: ShardSampler, micro_batches: int,
+    def __init__(self, model: FSDPModule, forward: torch.nn.Module, sampler: ShardSampler, micro_batches: int,
                  ranks: LocalRanks):
         """``model``: sharded (``shard_model``); ``forward``: it, or its compiled forward (``training.compile``)."""
-        assert isinstance(model, FSDPModule)
         self.model, self.forward, self.sampler, self.micro_batches, self.ranks = (model, forward, sampler,
                                                                                   micro_batches, ranks)
         self.device = ranks.device
@@ -128,6 +127,19 @@ class ShardedState:
                      for i, values in sorted(state["state"].items())}
         return {"state": slots, "param_groups": state["param_groups"]}
 
+    def follow(self, kind: Command, optimizer: torch.optim.Optimizer) -> None:
+        """A rank 1..N-1's part in rank 0's command ``kind`` (not a step's)."""
+        if kind is Command.PARAMS:
+            self.scatter_params(None)
+        elif kind is Command.OPTIMIZER:
+            self.scatter_optimizer(optimizer, None)
+        elif kind is Command.GATHER_PARAMS:
+            self.gather_params(None)
+        elif kind is Command.GATHER_OPTIMIZER:
+            self.gather_optimizer(optimizer)
+        else:
+            raise ValueError(f"{kind.name} is not a sharded state's command")
+
     def _scattered(self, param: torch.Tensor, source: torch.Tensor | None, dtype: torch.dtype | None = None
                    ) -> DTensor:
         """``source`` (rank 0's; None on the others) cut as ``param`` is, each rank's part sent to it."""
@@ -183,19 +195,6 @@ class ShardedLeader:
     def _versions(self) -> list[int]:
         return [p._version for p in self.whole]
 
-
-def follow_sharded(kind: Command, state: ShardedState, optimizer: torch.optim.Optimizer) -> None:
-    """Rank 1..N-1's part in rank 0's command ``kind`` (not a step's)."""
-    if kind is Command.PARAMS:
-        state.scatter_params(None)
-    elif kind is Command.OPTIMIZER:
-        state.scatter_optimizer(optimizer, None)
-    elif kind is Command.GATHER_PARAMS:
-        state.gather_params(None)
-    elif kind is Command.GATHER_OPTIMIZER:
-        state.gather_optimizer(optimizer)
-    else:
-        raise ValueError(f"{kind.name} is not a sharded state's command")
 
 
 def _cut(param: torch.Tensor, value: object) -> bool:
