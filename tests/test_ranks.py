@@ -54,6 +54,7 @@ ROUNDS = textwrap.dedent("""
         moments = [v for slots in worker.inner.optimizer.state.values() for v in slots.values() if v.dim() > 0]
         torch.save({"start": start, "params": [p.detach() for p in worker.local_params()],
                     "held": [sum(held(p) for p in worker.inner.params), sum(held(m) for m in moments)],
+                    "saved": {key: (tuple(t.shape), t.dtype) for key, t in saved.local.items()},
                     "tokens": [s.tokens for s in stats], "losses": [s.loss for s in stats]}, sys.argv[3])
     finally:
         if ranks is not None:
@@ -84,6 +85,7 @@ def test_a_two_rank_node_trains_what_one_rank_trains_on_twice_the_batch(tmp_path
     total = sum(p.numel() for p in one["params"])
     first_half = sum((p.shape[0] + 1) // 2 * p[0].numel() for p in one["params"])
     assert one["held"] == [total, 2 * total]
+    assert two["saved"] == one["saved"]  # its checkpoint's optimizer state is whole, as a 1-rank node's
     assert two["held"] == ([first_half, 2 * first_half] if sharded else [total, 2 * total])
     assert first_half < 0.51 * total
     # the tolerance is far below how far round 1 moved the params from the start
