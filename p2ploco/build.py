@@ -74,7 +74,7 @@ def _replica_parts(config: Config, device: torch.device, sampler: ShardSampler, 
         from p2ploco.ranks.sharded import ShardedBatches, shard_model
 
         shard_model(model, ranks)  # before compiling: torch.compile traces FSDP2's gathers with the model
-    constrained = config.pipeline.compressed and config.pipeline.compression == "uniform"
+    constrained = subspace is not None and config.pipeline.compression == "uniform"
     forward = torch.compile(model) if config.training.compile else model  # the same parameters, compiled kernels
     accum = config.inner.grad_accum
     if ranks is None:

@@ -27,10 +27,10 @@ class RankBatches(GradientSource):
     with the last micro-batch's backward (``gradient_sync``)."""
 
     forward: torch.nn.Module
-    sampler: ShardSampler
-    micro_batches: int
-    device: torch.device
-    ranks: LocalRanks
+
+    def __init__(self, sampler: ShardSampler, micro_batches: int, device: torch.device, ranks: LocalRanks):
+        self.sampler, self.micro_batches, self.device, self.ranks = sampler, micro_batches, device, ranks
+        self.tokens_per_step = ranks.world * micro_batches * sampler.batch_size * sampler.seq_len
 
     @abstractmethod
     def gradient_sync(self, on: bool) -> contextlib.AbstractContextManager:
@@ -53,11 +53,10 @@ class DataParallelBatches(RankBatches):
     def __init__(self, forward: torch.nn.Module, sampler: ShardSampler, micro_batches: int, device: torch.device,
                  ranks: LocalRanks):
         """``forward``: the model, or its compiled forward (``training.compile``); wrapped in DDP over ``ranks``."""
-        self.sampler, self.micro_batches, self.device, self.ranks = sampler, micro_batches, device, ranks
+        super().__init__(sampler, micro_batches, device, ranks)
         with ranks.failures():  # DDP's start broadcasts rank 0's params and buffers to every rank
             self.forward = DistributedDataParallel(forward, device_ids=[device] if device.type == "cuda" else None,
                                                    process_group=ranks.train, forward_sync_buffers=False)
-        self.tokens_per_step = ranks.world * micro_batches * sampler.batch_size * sampler.seq_len
 
     def gradient_sync(self, on: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if on else self.forward.no_sync()

@@ -47,10 +47,8 @@ class ShardedBatches(RankBatches):
     def __init__(self, model: FSDPModule, forward: torch.nn.Module, sampler: ShardSampler, micro_batches: int,
                  ranks: LocalRanks):
         """``model``: sharded (``shard_model``); ``forward``: it, or its compiled forward (``training.compile``)."""
-        self.model, self.forward, self.sampler, self.micro_batches, self.ranks = (model, forward, sampler,
-                                                                                  micro_batches, ranks)
-        self.device = ranks.device
-        self.tokens_per_step = ranks.world * micro_batches * sampler.batch_size * sampler.seq_len
+        super().__init__(sampler, micro_batches, ranks.device, ranks)
+        self.model, self.forward = model, forward
 
     def gradient_sync(self, on: bool) -> contextlib.AbstractContextManager:
         self.model.set_requires_gradient_sync(on)  # off: the backward keeps the whole gradients, reduce-scattered later
@@ -194,7 +192,6 @@ class ShardedLeader:
 
     def _versions(self) -> list[int]:
         return [p._version for p in self.whole]
-
 
 
 def _cut(param: torch.Tensor, value: object) -> bool:
