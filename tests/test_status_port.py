@@ -175,10 +175,12 @@ def test_a_survey_a_few_intervals_old_is_served_while_a_newer_one_is_looked_up_i
     once while one lookup runs behind it; past STALE_INTERVALS, a request waits for a lookup of its own."""
     lookups: list[int] = []
     let_through = threading.Event()  # the second lookup hangs until the test lets it through
+    second_began = threading.Event()  # the answer may come back before the loop has run the task it started
 
     async def look() -> Survey:
         lookups.append(len(lookups) + 1)
         if len(lookups) == 2:
+            second_began.set()
             await asyncio.get_running_loop().run_in_executor(None, let_through.wait, 30)
         return survey_of(HONEST[:len(lookups)])  # as many peers as lookups so far
 
@@ -191,7 +193,8 @@ def test_a_survey_a_few_intervals_old_is_served_while_a_newer_one_is_looked_up_i
     try:
         assert peers(loop.run(route(""), 10)) == 1
         time.sleep(1.1)  # the survey ages past one interval: the age is what is tested, not a wait for something
-        assert peers(loop.run(route(""), 10)) == 1 and lookups == [1, 2]  # at once, the second lookup hanging
+        assert peers(loop.run(route(""), 10)) == 1  # at once, the second lookup hanging
+        assert second_began.wait(10) and lookups == [1, 2]
         assert peers(loop.run(route(""), 10)) == 1 and lookups == [1, 2]  # one lookup behind, not one a request
         let_through.set()
         loop.run(asyncio.wait({route._refreshing}), 30)
