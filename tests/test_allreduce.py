@@ -270,6 +270,25 @@ def test_a_group_too_large_for_its_results_sends_fewer_values_over_hivemind_as_i
         assert all(torch.equal(a, b) for a, b in zip(exchange.aggregate(), in_process[0].aggregate()))
 
 
+def test_a_member_fitted_to_a_group_that_died_fits_its_contribution_to_the_next_group(trio):
+    """The first member fitted its contribution to a group of 4 that died (24 values per chunk) and joins the round's
+    group of 3 at the next coordinator, whose other members fitted to no group before: it sends 32 values as they do,
+    and all three end with the in-process aggregate. It used to keep the dead group's layout, and the others refused
+    its contributions as malformed ("layout digest differs") and banned it."""
+    over_hivemind = fitted_contributions()
+    over_hivemind[0].fit_group(4)
+    assert over_hivemind[0].layout.grids[0].k == 24
+    stats = all_reduce(trio, over_hivemind)
+    in_process = fitted_contributions()
+    group = InProcessGroup(3)
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda rank: group.communicator(rank).all_reduce(in_process[rank], 0, "params"), range(3)))
+    assert [(s.committed, s.dropped) for s in stats] == [(True, [])] * 3
+    for exchange in over_hivemind:
+        assert exchange.layout.grids[0].k == 32
+        assert all(torch.equal(a, b) for a, b in zip(exchange.aggregate(), in_process[0].aggregate()))
+
+
 def test_sparse_contribution_with_nan_side_info_is_dropped(trio):
     layout = SparseLayout([chunk_grid(s, 64, 64) for s in [(128, 192), (192,)]])
     exchanges = sparse_exchanges(range(3), layout)

@@ -16,7 +16,7 @@ from p2ploco.compression.quantize import quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import OuterConfig, SparseLoCoConfig
-from p2ploco.outer.sparseloco import SparseLoCo
+from p2ploco.outer.sparseloco import SparseLoCo, SparseRound
 from p2ploco.swarm.messages import MAX_PEERS
 
 SHAPES = [(128, 192), (257, 64), (192,), (96, 100)]
@@ -221,31 +221,43 @@ def test_a_large_group_sends_fewer_values_each_so_that_a_result_holds_them_all()
 
 
 @pytest.mark.parametrize("holders, k", [(3, 32), (MAX_PEERS, 1)])
-def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_a_redo_keeps_it(holders, k):
+def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_fits_each_group_again(holders, k):
     """Fitted to 3 holders under a cap of 96, a contribution sends 32 values per chunk; to a group a coordinator
     padded to the most members a group may have, 1: either way its buffer plus what it sends is what the buffer held
-    before, the exchange's fingerprint (what joiners compare) stays, a redo's smaller group changes nothing, and a
-    round not applied gives every value back."""
+    before, and the exchange's fingerprint (what joiners compare) stays. Fitted then to a group of 2 (its first group
+    died, and the next coordinator's has 2 holders), it sends 48, bit for bit what a peer whose first group that is
+    sends, and still loses nothing; a round not applied gives every value back."""
     generator = torch.Generator().manual_seed(3)
     params = [torch.randn(s, generator=generator) for s in SHAPES]
-    outer = SparseLoCo(params, SparseLoCoConfig(result_topk=96), torch.device("cpu"))
     local = [p + 0.05 * torch.randn(p.shape, generator=generator) for p in params]
-    before = [(p - q) * outer.config.lr for p, q in zip(params, local)]  # an empty buffer's content
-    sync = outer.contribute(local, 0)
-    part = sync.exchange.parts["stage0"]
+    before = [(p - q) * SparseLoCoConfig().lr for p, q in zip(params, local)]  # an empty buffer's content
+
+    def fitted(holders: int) -> tuple[SparseLoCo, SparseRound, SparseExchange]:
+        outer = SparseLoCo(params, SparseLoCoConfig(result_topk=96), torch.device("cpu"))
+        sync = outer.contribute(local, 0)
+        part = sync.exchange.parts["stage0"]
+        part.fit_group(holders)
+        return outer, sync, part
+
+    def assert_nothing_lost(outer: SparseLoCo, part: SparseExchange) -> None:
+        span = range(part.num_units)
+        sent = fmt.decode_contribution(part.layout, span, part.encode(span))
+        dense = torch.zeros(part.layout.total_numel)  # what was sent, in chunk order
+        dense[torch.from_numpy(sent.positions)] = torch.from_numpy(sent.values)
+        for i, grid in enumerate(outer.grids):
+            lo = sum(g.numel for g in outer.grids[:i])
+            held = outer.feedback[i] + dense[lo : lo + grid.numel].view(grid.chunks, grid.chunk_numel)
+            assert torch.allclose(grid.from_chunks(held), before[i], atol=1e-6)
+
+    outer, sync, part = fitted(holders)
     fingerprint, span = part.fingerprint(), range(part.num_units)
-    part.fit_group(holders)
     assert part.layout.grids[0].k == k and sync.taken[0].indices.shape[1] == k
-    sent = fmt.decode_contribution(part.layout, span, part.encode(span))
-    dense = torch.zeros(part.layout.total_numel)  # what was sent, in chunk order
-    dense[torch.from_numpy(sent.positions)] = torch.from_numpy(sent.values)
-    for i, grid in enumerate(outer.grids):
-        lo = sum(g.numel for g in outer.grids[:i])
-        held = outer.feedback[i] + dense[lo : lo + grid.numel].view(grid.chunks, grid.chunk_numel)
-        assert torch.allclose(grid.from_chunks(held), before[i], atol=1e-6)
-    payload = part.encode(span)
+    assert_nothing_lost(outer, part)
     part.fit_group(2)
-    assert part.fingerprint() == fingerprint and part.encode(span) == payload and part.layout.grids[0].k == k
+    assert part.layout.grids[0].k == 48 and sync.taken[0].indices.shape[1] == 48
+    assert part.fingerprint() == fingerprint
+    assert_nothing_lost(outer, part)
+    assert part.encode(span) == fitted(2)[2].encode(span)
     outer.give_back(sync)
     assert all(torch.allclose(e, b, atol=1e-6) for e, b in zip(outer.errors, before))
 

@@ -84,9 +84,9 @@ class Exchange(ABC):
     def fit_group(self, holders: int) -> None:
         """The group is formed: ``holders`` members contribute to the spans (itself among them; a hub, which
         contributes nothing, is not counted: ``Group.contributors``).
-        Called before anything is encoded, and again for each redo, which changes nothing (a redo's group is part of
-        the first, and what every member sends stays what it was). Only a ``SparseExchange`` with resparsified
-        results sends otherwise in a larger group (fewer values each, so that a result holds all of them)."""
+        Called for each attempt's group (a redo's too), before anything is encoded for it. Only a ``SparseExchange``
+        with resparsified results sends otherwise in a larger group (fewer values each, so that a result holds all
+        of them)."""
         return None
 
     @abstractmethod

@@ -21,7 +21,7 @@ compresses its pseudo-gradient: Top-k of every chunk in 2 bits, k = min(``result
 k) for the n contributions it combined (``ResultLayouts``), so a small group's result holds every value its
 contributions selected and a large group's has a fixed size whatever n: per-peer traffic is about one
 contribution and one result each way. A group of n holders whose n x k values would not fit sends
-``result_topk`` // n values per chunk each instead (``fit_group``, once the group is formed): what a result's Top-k
+``result_topk`` // n values per chunk each instead (``fit_group``, once a group is formed): what a result's Top-k
 dropped would be lost to the senders, whose error feedback counts it as sent, while what a sender does not select
 stays in its own buffer. Every member (the reducer too) decodes the same bytes, so all stay
 bit-identical. What a result leaves out goes to an
@@ -169,9 +169,9 @@ class SparseExchange(Exchange):
         self.layout, self.compressed, self.mode, self.policy = layout, list(compressed), mode, policy
         self.selecting = selecting
         self.results, self.reducer_feedback, self.decay = results, reducer_feedback, decay
-        self.resend, self.configured = resend, layout  # configured: the layout before the group was known
+        # configured: the layouts before the group was known
+        self.resend, self.configured, self.configured_results = resend, layout, results
         self.num_units = layout.num_chunks
-        self._fitted = False
         self._encoded: dict[Span, bytes] = {}
         self._combined: dict[Span, _Aggregate | _Resparsified] = {}  # spans this replica reduced
         self._received: dict[Span, tuple[SparseValues, bytes]] = {}  # every span's aggregate taken, and its digest
@@ -191,17 +191,21 @@ class SparseExchange(Exchange):
 
     def fit_group(self, holders: int) -> None:
         """With resparsified results, a group of more holders than the cap's k / the contributions' k sends fewer
-        values each (``ResultLayouts.shared``): the contribution is compressed again, once, at the first attempt's
-        group (a redo's is part of it, and every member keeps the first's layout)."""
-        if self.results is None or self._fitted:
+        values each (``ResultLayouts.shared``): the contribution is compressed again for the group's holders. Every
+        member of a group fits to it alike, whatever group it fitted to before: after a dead group, the next
+        coordinator's group joins peers that fitted to groups of other sizes, or to none (they once kept the first
+        group's layout, and their reducers refused each other's contributions as malformed)."""
+        if self.results is None:
             return
-        self._fitted = True
-        shared = self.results.shared(holders)
-        if shared is not self.results:
-            if self.resend is None:
-                raise RuntimeError("a SparseExchange with resparsified results needs a resend function")
-            self.compressed = self.resend(shared.contributions)
-            self.layout, self.results = shared.contributions, shared
+        shared = self.configured_results.shared(holders)
+        if shared.contributions.digest == self.layout.digest:
+            return
+        if self.resend is None:
+            raise RuntimeError("a SparseExchange with resparsified results needs a resend function")
+        self.compressed = self.resend(shared.contributions)
+        self.layout, self.results = shared.contributions, shared
+        self._encoded.clear()  # bytes of the layout fitted before: none is sent again
+        self._combined.clear()
 
     def numel(self, span: Span) -> int:
         return self.layout.numel(span)
