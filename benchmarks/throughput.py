@@ -19,8 +19,9 @@ the device sees them): contribute, its reducer's span, receive, prepare, take, h
 **Whole runs** (``p2ploco demo``'s local swarm: real node processes, eval off; one thread a node on a CPU, the
 cores shared among the nodes on a GPU): a lone node, and 2 nodes blocking and overlapped, at H = 3 and H = 30.
 Tokens per wall second per node over rounds 1 .. R-2 (round 0 includes start-up, the last round the exit
-checkpoint), against the bare loop's tokens per second at one thread; and the medians of round seconds, inner
-seconds and round - inner.
+checkpoint), against the bare loop's tokens per second at one thread and, on a CPU, against N bare loops run at once
+(one process and one thread each, as N nodes share the cores: what is left of the gap is the nodes' own); and the
+medians of round seconds, inner seconds and round - inner.
 
 On CUDA, MFU too: 6 x parameters x tokens per second (plus attention's 12 x layers x d_model x seq_len per
 token) over the device's peak bf16 FLOPs (``--peak-tflops``, or a table of common GPUs).
@@ -30,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,8 +74,10 @@ def config_of(model: str, extra: list[str]) -> Config:
     return load_config(path, [*sets, "training.eval_every=100000", *extra])
 
 
-def bare_loop(config: Config, sampler: ShardSampler, device: torch.device, steps: int) -> float:
-    """Tokens per second of plain PyTorch: the same model, optimizer groups, micro-batches and clipping."""
+def bare_loop(config: Config, sampler: ShardSampler, device: torch.device, steps: int,
+              warmed: Callable[[], None] = lambda: None) -> float:
+    """Tokens per second of plain PyTorch: the same model, optimizer groups, micro-batches and clipping. ``warmed``
+    is called after the warm-up, before the timed steps."""
     c = config.inner
     model = Transformer(config.model, config.training.seed).to(device)
     params = list(model.parameters())
@@ -95,11 +100,37 @@ def bare_loop(config: Config, sampler: ShardSampler, device: torch.device, steps
     for index in range(WARMUP_STEPS):
         step(index)
     synchronize(device)
+    warmed()
     began = time.perf_counter()
     for index in range(WARMUP_STEPS, WARMUP_STEPS + steps):
         step(index)
     synchronize(device)
     return steps * c.grad_accum * c.batch_size * config.data.seq_len / (time.perf_counter() - began)
+
+
+def bare_loops_side_by_side(model: str, extra: list[str], count: int, steps: int) -> float:
+    """The median tokens per second of ``count`` bare loops on the CPU at once, one process and one thread each, their
+    timed steps started together: what ``count`` nodes' compute gets of this machine, with no node around it."""
+    context = multiprocessing.get_context("spawn")
+    together, results = context.Barrier(count), context.Queue()
+    loops = [context.Process(target=_bare_loop_process, args=(model, extra, steps, together, results))
+             for _ in range(count)]
+    for loop in loops:
+        loop.start()
+    try:
+        rates = [results.get(timeout=600) for _ in loops]
+    finally:
+        for loop in loops:
+            loop.join(60)
+            if loop.is_alive():
+                loop.kill()
+                loop.join()
+    return statistics.median(rates)
+
+
+def _bare_loop_process(model: str, extra: list[str], steps: int, together, results) -> None:
+    config, sampler = in_process(model, [*extra, "training.threads=1"])
+    results.put(bare_loop(config, sampler, torch.device("cpu"), steps, warmed=lambda: together.wait(300)))
 
 
 def node_loop(config: Config, sampler: ShardSampler, device: torch.device, steps: int) -> float:
@@ -314,10 +345,17 @@ def main() -> None:
         if "runs" in args.parts:
             bare = next((r["bare_tokens_per_second"] for r in rows if r["part"] == "inner" and r["model"] == model),
                         None)
+            side_by_side: dict[int, float] = {}  # nodes -> a bare loop's tokens/s among as many at once
             for nodes, steps, overlap in (WHOLE_RUNS[name] for name in args.whole_runs):
                 row = measure_run(model, args.overrides, nodes, steps, overlap, args.rounds, device, log)
                 if bare is not None and torch.get_num_threads() == 1:
                     row["vs_bare"] = round(row["tokens_per_second_per_node"] / bare, 3)
+                if device.type == "cpu" and nodes > 1:
+                    if nodes not in side_by_side:
+                        side_by_side[nodes] = bare_loops_side_by_side(model, args.overrides, nodes, args.steps)
+                        log(f"[runs {model}] {nodes} bare loops side by side: {side_by_side[nodes]:,.0f} tok/s each")
+                    row["bare_side_by_side_tokens_per_second"] = round(side_by_side[nodes])
+                    row["vs_bare_side_by_side"] = round(row["tokens_per_second_per_node"] / side_by_side[nodes], 3)
                 rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -339,11 +377,12 @@ def main() -> None:
     runs = [r for r in rows if r["part"] == "run"]
     if runs:
         print(f"\nwhole runs (real nodes on {device}; rounds 1..{args.rounds - 2}; per node; vs bare: against the bare "
-              f"loop at 1 thread, where it ran so)")
-        print(format_table(("model", "nodes", "threads", "H", "overlap", "tok/s", "vs bare", "round s", "inner s",
-                            "round - inner s", "params agree"),
+              f"loop at 1 thread, where it ran so; vs bare xN: against N bare loops at once, one a node, on a CPU)")
+        print(format_table(("model", "nodes", "threads", "H", "overlap", "tok/s", "vs bare", "vs bare xN", "round s",
+                            "inner s", "round - inner s", "params agree"),
                            [(r["model"], r["nodes"], r["threads"], r["H"], "yes" if r["overlap"] else "no",
                              f"{r['tokens_per_second_per_node']:,}", f"{r['vs_bare']:.2f}" if "vs_bare" in r else "-",
+                             f"{r['vs_bare_side_by_side']:.2f}" if "vs_bare_side_by_side" in r else "-",
                              f"{r['round_seconds']:.2f}", f"{r['inner_seconds']:.2f}", f"{r['round_minus_inner']:.2f}",
                              "yes" if r["params_agree"] else "NO") for r in runs]))
 
