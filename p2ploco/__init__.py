@@ -12,4 +12,6 @@ __version__ = "0.1.0"
 # 6: with resparsified results, a group of n holders sends max(1, min(topk, result_topk // n)) values per chunk each.
 # 7: hubs: a member may join with 0 tokens (it contributes nothing), asks reducers for results with "listen", and
 # records may say role "hub"; a group is fitted to its contributors, not its holders.
-PROTOCOL_VERSION = 7
+# 8: a contribution is fitted to every attempt's group (a redo's, the next coordinator's after a dead group), not
+# only to the first group a peer took part in.
+PROTOCOL_VERSION = 8
