@@ -44,6 +44,31 @@ def record(peer, round_index, digest, state="training", fingerprint="cfg", slice
                       slices=slices if slices is not None else ({S: digest} if digest else {}))
 
 
+def test_a_state_digest_is_one_value_whatever_the_threads_and_moves_with_any_value_name_or_shape():
+    """The state is hashed in 16 MiB blocks on the torch threads: a tensor of two blocks gives one digest on 1 and on
+    2 threads, and the digest moves with a value in its second block, a shared tensor's value, a name, or a shape
+    that holds the same bytes."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"embed": torch.randn(5 << 20, generator=generator), "bias": torch.randn(7, generator=generator)}
+    shared = {"momentum.bias": torch.randn(7, generator=generator)}
+    threads = torch.get_num_threads()
+    try:
+        digests = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            digests.append(state_sha256(params, shared))
+    finally:
+        torch.set_num_threads(threads)
+    assert digests[0] == digests[1]
+    last = params["embed"].clone()
+    last[-1] += 1.0
+    changed = [state_sha256({**params, "embed": last}, shared),
+               state_sha256(params, {"momentum.bias": shared["momentum.bias"] + 1.0}),
+               state_sha256({"embedding": params["embed"], "bias": params["bias"]}, shared),
+               state_sha256({**params, "embed": params["embed"].view(5, 1 << 20)}, shared)]
+    assert len({digests[0], *changed}) == 5
+
+
 def test_only_states_two_peers_vouch_for_are_followed():
     me = record("m", 3, "old")
     live = {r.peer_id: r for r in [record("a", 5, "x"), record("b", 5, "x"), record("c", 5, "y"),
