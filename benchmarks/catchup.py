@@ -49,9 +49,9 @@ def donor(config_path: str, initial_peers: list[str], pipe: Connection) -> None:
     swarm = Swarm.join(RUN_ID, config.swarm, config.run_document(), initial_peers)
     try:
         swarm.serve_state([snapshot])
-        swarm.announce_progress(ROUND, PeerState.TRAINING, snapshot.state_sha256, {SLICE: snapshot.state_sha256})
+        swarm.announce_progress(ROUND, PeerState.TRAINING, snapshot.state_digest, {SLICE: snapshot.state_digest})
         swarm.flush()  # the record goes out in the background: the joiner looks for it at once
-        pipe.send(snapshot.state_sha256)
+        pipe.send(snapshot.state_digest)
         pipe.recv()  # returns or raises EOFError when the benchmark is done
     except EOFError:
         pass

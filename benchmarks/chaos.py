@@ -159,7 +159,7 @@ def summarise(chaos: Run, calm: Run | None, rounds: int, allreduce_timeout: floa
 
 def group_hashes(records: list[dict]) -> set[str]:
     """The parameter hashes that nodes averaging in a group (not alone) applied."""
-    return {r["params_sha256"] for r in records if r["applied"] and r["peers"] > 1}
+    return {r["params_digest"] for r in records if r["applied"] and r["peers"] > 1}
 
 
 def round_table(chaos: Run, normal: float) -> str:

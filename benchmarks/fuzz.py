@@ -128,7 +128,7 @@ STAGE_PAYLOAD = (torch.zeros(2, 17, dtype=torch.int32).numpy().astype(np.uint16)
 IDENTITY = Identity.fresh()
 IDENTITY.release()  # no daemon: only its key signs
 VALIDATOR, OWNER = record_validator(IDENTITY.key, "fuzz")
-RECORD = PeerRecord(peer_id=peer_id_of(OWNER), round=3, state="training", fingerprint="f" * 16, params_sha256="a" * 64,
+RECORD = PeerRecord(peer_id=peer_id_of(OWNER), round=3, state="training", fingerprint="f" * 16, params_digest="a" * 64,
                     name="swift-otter", addresses=["/ip4/1.2.3.4/tcp/1"], eval_history=[[1, 4.5]]).to_value()
 SCHEMA = RecordSchema([peers_key("fuzz")])
 STATUS_BODY = status_answer(Survey("fuzz", [PeerRecord.parse(RECORD)], {RECORD["peer_id"]: 9.5}))
@@ -150,7 +150,7 @@ HEADERS = {
     "vote": {"group_id": "g", "vote": "holds", "digests": {"stage0": "d"}, "drops": [OTHER]},
     "decision": {"outcome": "redo", "digests": {}, "group_id": "h", "peers": [ME], "reason": "a span is missing"},
     "reply": {"status": "ok", "included": [0, 1], "norms": [1.5, 2.0], "opposed": []},
-    "state": {"status": "ok", "round": 7, "slice": "stage0", "total": 100, "state_sha256": "p"},
+    "state": {"status": "ok", "round": 7, "slice": "stage0", "total": 100, "state_digest": "p"},
     "stage": {"kind": "activations", "group": "g0", "epoch": 1, "step": 3, "micro": 1,
               "shapes": [[2, 17], [2, 16, 8]], "dtypes": ["uint16", "bfloat16"]},
     "contribution": {"group_id": "g", "round": 3, "slice": "stage0", "span": [0, 40]},

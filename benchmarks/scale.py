@@ -20,7 +20,7 @@ From the nodes' round records (``metrics.jsonl``, ``p2ploco.metrics.RoundRecord`
 - the median round time (``round_seconds``) and all-reduce time (``comm_seconds``) over the steady node-rounds;
 - the rounds completed by all N (every node wrote its record of the round) out of R;
 - hashes equal: in every one of the R rounds all N nodes applied it, in one group of N, and hold the same
-  ``params_sha256`` after it (``wan.hashes_agree``);
+  ``params_digest`` after it (``wan.hashes_agree``);
 - the setting's wall time, start-up included.
 
 Settings every node gets before any ``--set`` of yours (they change neither the traffic nor what is applied):

@@ -106,7 +106,7 @@ def summarise(run: str, rounds: int, records: dict[str, list[dict]], seconds: fl
         hashes: dict[str, set[str]] = {}
         for r in got:
             if r is not None and r["applied"]:
-                for slice_name, digest in r["slice_sha256"].items():
+                for slice_name, digest in r["slice_digest"].items():
                     hashes.setdefault(slice_name, set()).add(digest)
         soak.splits += any(len(digests) > 1 for digests in hashes.values())
     return soak

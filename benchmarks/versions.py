@@ -27,6 +27,7 @@ from p2ploco.metrics import format_table
 # -P: the working directory is not put first on sys.path, so each node imports p2ploco from its PYTHONPATH
 PROGRAM = [sys.executable, "-P", "-m", "p2ploco.cli"]
 REFUSAL = "has peers of another config"  # swarm/runtime.py's line, in both versions
+RENAMED = {"params_sha256": "params_digest", "slice_sha256": "slice_digest"}  # record fields before PROTOCOL_VERSION 9
 SETTINGS = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=6",
             "--set", "swarm.heartbeat_interval=0.5", "--set", "swarm.startup_timeout=60",
             "--set", "training.checkpoint_every=0"]
@@ -39,6 +40,11 @@ def version_of(checkout: Path) -> str:
                            env={**os.environ, "PYTHONPATH": str(checkout)}, capture_output=True, text=True, check=True)
     version, _, where = found.stdout.strip().partition(" ")
     return f"protocol {version}, from {Path(where).parent.parent}"
+
+
+def in_current_names(record: dict) -> dict:
+    """A record of either version with this version's field names."""
+    return {RENAMED.get(key, key): value for key, value in record.items()}
 
 
 def main() -> None:
@@ -63,14 +69,14 @@ def main() -> None:
                                         env={"PYTHONPATH": str(checkout)})
                  for name, checkout in checkouts.items()}
         codes = {name: node.process.wait(120 + 60 * args.rounds) for name, node in nodes.items()}
-        records = {name: swarm.records(name) for name in nodes}
+        records = {name: [in_current_names(r) for r in swarm.records(name)] for name in nodes}
     refusals = {name: line for name in nodes for line in (workdir / f"{name}.log").read_text().splitlines()
                 if REFUSAL in line}
     # One swarm if nobody refused anyone; else two, each of which must agree within itself.
     sides = [list(nodes)] if not refusals else [[n for n in nodes if n.startswith(side)] for side in ("other", "this")]
     soaks = [summarise("+".join(side), args.rounds, {name: records[name] for name in side},
                        time.monotonic() - started, all(codes[name] == 0 for name in side)) for side in sides if side]
-    rows = [(k, *(next((f"{r['peers']} {'applied' if r['applied'] else 'NOT applied'} {r['params_sha256'][:8]}"
+    rows = [(k, *(next((f"{r['peers']} {'applied' if r['applied'] else 'NOT applied'} {r['params_digest'][:8]}"
                          for r in records[name] if r["round"] == k), "-") for name in nodes))
             for k in range(args.rounds)]
     print(format_table(("round", *nodes), rows))

@@ -518,18 +518,18 @@ def hashes_agree(rows: list[dict], hosts: int) -> bool:
         return not r["applied"] and r["peers"] == 1 and r["bytes_sent"] + r["bytes_received"] == 0
 
     if len(rows) == hosts and all(map(landed_nothing, rows)):
-        return len({r["params_sha256"] for r in rows}) == 1
+        return len({r["params_digest"] for r in rows}) == 1
     applied = [r for r in rows if r["applied"]]
     return (bool(applied) and all(r["peers"] == len(applied) for r in applied)
             and all(r.get("sat_out") for r in rows if not r["applied"])
-            and len({r["params_sha256"] for r in applied}) == 1)
+            and len({r["params_digest"] for r in applied}) == 1)
 
 
 def appliers_agree(rows: list[dict]) -> bool:
     """The nodes that applied the round did so in one group and hold one hash after it (however many others
     missed it: a node late for the round applies nothing and catches up)."""
     applied = [r for r in rows if r["applied"]]
-    return all(r["peers"] == len(applied) for r in applied) and len({r["params_sha256"] for r in applied}) <= 1
+    return all(r["peers"] == len(applied) for r in applied) and len({r["params_digest"] for r in applied}) <= 1
 
 
 def transfer_seconds(rows: list[dict], rates: list[float]) -> float:

@@ -40,7 +40,7 @@ class CatchUp:
         the others to finish the round they are in, so that it starts the next one with them rather than late.
         ``first``: this node has trained no round yet. Returns where this node stands then: the round to train, how
         it came by its state, and whether that state is still doubtful."""
-        swarm, slices, round_index = self.swarm, schedule.worker.slice_sha256, standing.round
+        swarm, slices, round_index = self.swarm, schedule.worker.slice_digest, standing.round
         s = self.config.swarm
         deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
         if standing.unsettled is not None:
@@ -52,7 +52,7 @@ class CatchUp:
                 return standing
         # Between two rounds that went well the heartbeat's view will do (a peer behind is also told so at its next
         # join, and catches up then); a peer that starts, or after a round that went otherwise, looks afresh.
-        seeds = schedule.worker.seed_sha256
+        seeds = schedule.worker.seed_digest
         targets = swarm.swarm_state(round_index, slices, seeds,
                                     fresh=standing.unsettled is not None or standing.doubtful or first)
         if standing.doubtful and targets and min(t.round for t in targets.values()) < round_index:
@@ -102,12 +102,12 @@ class CatchUp:
             return replace(standing, doubtful=True)
         # A slice whose state this peer holds already (a full replica may be behind in one slice only) is kept.
         own = {snapshot.slice: snapshot for snapshot in worker.snapshots(round_index)}
-        fetch = {name: t for name, t in targets.items() if (t.round, t.state_sha256) != (round_index,
-                                                                                          own[name].state_sha256)}
+        fetch = {name: t for name, t in targets.items() if (t.round, t.state_digest) != (round_index,
+                                                                                          own[name].state_digest)}
         donors = {peer for t in fetch.values() for peer in t.holders} - {swarm.peer_id}
         self.out(f"[{me}] the swarm is at round {top} (this peer: {round_index}); fetching the state of "
                  f"{', '.join(sorted(fetch))} from {len(donors)} peer(s)")
-        self.presence.announce_catching_up(top, {t.slice: t.state_sha256 for t in targets.values()})
+        self.presence.announce_catching_up(top, {t.slice: t.state_digest for t in targets.values()})
         started = time.perf_counter()
         try:
             fetched = {name: swarm.fetch_state(t, worker.state_bytes(name)) for name, t in fetch.items()}
@@ -133,5 +133,5 @@ class CatchUp:
 def behind(targets: dict[str, SwarmState], round_index: int, slices: dict[str, str]) -> bool:
     """Whether the swarm's state (``targets``) is ahead of this peer's (``slices`` at ``round_index``), or another
     at its round."""
-    return any(t.round > round_index or (t.round == round_index and t.state_sha256 != slices[t.slice])
+    return any(t.round > round_index or (t.round == round_index and t.state_digest != slices[t.slice])
                for t in targets.values())

@@ -66,7 +66,7 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
         out(f"{name} exited with code {codes[name]}{f' ({errors[-1]})' if errors else ''}; its log: {log}")
     agreement = slices_agree(records)
     for slice_name, agree in agreement.items():
-        holders = sum(any(slice_name in r["slice_sha256"] for r in rs) for rs in records.values())
+        holders = sum(any(slice_name in r["slice_digest"] for r in rs) for rs in records.values())
         which = f"all {holders} nodes" if len(agreement) == 1 else f"all {holders} holders of {slice_name}"
         out(f"identical global parameters on {which} after every round: {'yes' if agree else 'NO'}")
     ok = not failed and all(agreement.values()) and all(len(r) == rounds for r in records.values())
@@ -112,7 +112,7 @@ def slices_agree(records: dict[str, list[dict]]) -> dict[str, bool]:
         for r in node_records:
             if not r["applied"]:
                 continue
-            for slice_name, digest in r["slice_sha256"].items():
+            for slice_name, digest in r["slice_digest"].items():
                 seen.setdefault((slice_name, r["round"]), set()).add(digest)
     names = sorted({slice_name for slice_name, _ in seen})
     return {name: all(len(d) == 1 for (n, _), d in seen.items() if n == name) for name in names}

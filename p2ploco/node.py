@@ -382,7 +382,7 @@ class Node:
                              f"from the run's start")
                 break
             seeded = standing.membership.source == "init" and standing.round > 0 and not self.records
-            if seeded and (trained := swarm.trained_elsewhere(role.worker.seed_sha256)):
+            if seeded and (trained := swarm.trained_elsewhere(role.worker.seed_digest)):
                 # It holds the seed's state where others hold trained ones (it could not fetch theirs yet): it
                 # trains nothing on it, and tries again (a group trained on a newcomer's seed once, and the swarm
                 # followed it)
@@ -515,7 +515,7 @@ class Node:
         return RoundRecord(round=round_index, **{"peers": 1, "eval_loss": None, **fields},
                            dht_bytes_sent=dht_sent, dht_bytes_received=dht_received,
                            compute_utilisation=utilisation,
-                           params_sha256=worker.params_sha256, slice_sha256=dict(worker.slice_sha256),
+                           params_digest=worker.params_digest, slice_digest=dict(worker.slice_digest),
                            round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id,
                            joined_round=membership.joined_round, state_source=membership.source,
                            catchup_seconds=membership.catchup_seconds, timestamp=time.time(),
@@ -572,7 +572,7 @@ def progress_line(peer_id: str, r: RoundRecord) -> str:
     return (f"[{peer_id[-8:]}] round {r.round:>4} | peers {r.peers} | loss {r.loss:.3f} | eval {evaluated} | "
             f"{rate / 1e3:.1f}k tok/s | sent {human_bytes(r.bytes_sent)} recv {human_bytes(r.bytes_received)} "
             f"({r.bits_per_param:.3f} bits/param{saving}) | inner {r.inner_seconds:.1f}s comm {r.comm_seconds:.1f}s"
-            f"{notes} | {r.params_sha256[:10]}")
+            f"{notes} | {r.params_digest[:10]}")
 
 
 def summary(records: Sequence[RoundRecord], seconds: float) -> str:
@@ -589,6 +589,6 @@ def summary(records: Sequence[RoundRecord], seconds: float) -> str:
         ("tokens trained", f"{sum(r.tokens for r in records):,}"),
         ("time (inner / comm / total)", f"{sum(r.inner_seconds for r in records):.1f} s / "
                                         f"{sum(r.comm_seconds for r in records):.1f} s / {seconds:.1f} s"),
-        ("final params sha256", records[-1].params_sha256[:16]),
+        ("final params digest", records[-1].params_digest[:16]),
     ]
     return format_table(("summary", "value"), rows)

@@ -42,8 +42,8 @@ class Presence:
         (``RoundHooks.announce``; a stage makes it earlier too, to assemble its pipeline group). The state digests are
         taken now: an overlapped round in flight may land before the announcement is made."""
         worker = self.role.worker
-        return partial(self.swarm.announce_progress, round_index, PeerState.TRAINING, worker.params_sha256,
-                       dict(worker.slice_sha256), doubtful)
+        return partial(self.swarm.announce_progress, round_index, PeerState.TRAINING, worker.params_digest,
+                       dict(worker.slice_digest), doubtful)
 
     def announce_standby(self, round_index: int) -> None:
         """This peer sits ``round_index`` out: nobody waits for its join."""
@@ -59,7 +59,7 @@ class Presence:
 
     def _announce(self, round_index: int, phase: PeerState, doubtful: bool = False) -> None:
         worker = self.role.worker
-        self.swarm.announce_progress(round_index, phase, worker.params_sha256, worker.slice_sha256, doubtful)
+        self.swarm.announce_progress(round_index, phase, worker.params_digest, worker.slice_digest, doubtful)
 
 
 def public_fields(records: Sequence[RoundRecord]) -> dict[str, object]:

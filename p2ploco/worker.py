@@ -35,7 +35,7 @@ from p2ploco.config import Config
 from p2ploco.data import Batch
 from p2ploco.errors import CheckpointError, SwarmError
 from p2ploco.inner import Constraint, InnerTrainer, evaluate
-from p2ploco.metrics import state_sha256
+from p2ploco.metrics import state_digest
 from p2ploco.model import Transformer
 from p2ploco.outer import build_outer
 from p2ploco.outer.base import OuterStep, OuterSync, split_key
@@ -50,8 +50,8 @@ class Published:
 
     params: tuple[torch.Tensor, ...]
     shared: dict[str, torch.Tensor]  # ``kind.position`` -> tensor
-    slice_sha256: dict[str, str]  # slice -> ``metrics.state_sha256`` of its params and shared state
-    params_sha256: str  # of every slice: the slice's own hash when there is one
+    slice_digest: dict[str, str]  # slice -> ``metrics.state_digest`` of its params and shared state
+    params_digest: str  # of every slice: the slice's own hash when there is one
 
 
 class Worker:
@@ -73,27 +73,27 @@ class Worker:
         self.lock = threading.Lock()
         self.published = self.state_of(self.outer.params, self.outer.shared_state())
         # Each slice's hash as the run's seed makes it: a state nobody trained (``consensus.ranked_states``)
-        self.seed_sha256 = dict(self.published.slice_sha256)
+        self.seed_digest = dict(self.published.slice_digest)
         self.load_into_model()
 
     @property
-    def params_sha256(self) -> str:
-        return self.published.params_sha256
+    def params_digest(self) -> str:
+        return self.published.params_digest
 
     @property
-    def slice_sha256(self) -> dict[str, str]:
-        return self.published.slice_sha256
+    def slice_digest(self) -> dict[str, str]:
+        return self.published.slice_digest
 
     def state_of(self, params: Sequence[torch.Tensor], shared: dict[str, torch.Tensor],
-                 slice_sha256: dict[str, str] | None = None) -> Published:
-        """``params`` and ``shared`` as a published state, hashed (per slice, unless ``slice_sha256`` already says);
+                 slice_digest: dict[str, str] | None = None) -> Published:
+        """``params`` and ``shared`` as a published state, hashed (per slice, unless ``slice_digest`` already says);
         reads nothing else, so any thread may call it."""
-        if slice_sha256 is None:
-            slice_sha256 = {name: state_sha256(*self._named(params, shared, positions))
+        if slice_digest is None:
+            slice_digest = {name: state_digest(*self._named(params, shared, positions))
                             for name, positions in self.slices.items()}
-        whole = (next(iter(slice_sha256.values())) if len(slice_sha256) == 1 else
-                 hashlib.sha256(";".join(f"{k}={v}" for k, v in slice_sha256.items()).encode()).hexdigest())
-        return Published(tuple(params), dict(shared), dict(slice_sha256), whole)
+        whole = (next(iter(slice_digest.values())) if len(slice_digest) == 1 else
+                 hashlib.sha256(";".join(f"{k}={v}" for k, v in slice_digest.items()).encode()).hexdigest())
+        return Published(tuple(params), dict(shared), dict(slice_digest), whole)
 
     def after(self, step: OuterStep) -> Published:
         """The published state as ``step`` will leave it once taken (hashed here, on the calling thread)."""
@@ -101,7 +101,7 @@ class Worker:
 
     def slice_hash(self, step: OuterStep, slice_name: str) -> str:
         """The hash of ``slice_name``'s state once ``step`` is taken (on the calling thread)."""
-        return state_sha256(*self._named(*self._stepped(step), self.slices[slice_name]))
+        return state_digest(*self._named(*self._stepped(step), self.slices[slice_name]))
 
     def refresh_published(self) -> None:
         """The published state <- the outer algorithm's global state as it is now (hashed)."""
@@ -135,7 +135,7 @@ class Worker:
         up (its tensors are never written, so the snapshots need no copies)."""
         state = self.published
         return [Snapshot(round_index, name, *self._named(state.params, state.shared, members),
-                         state.slice_sha256[name]) for name, members in self.slices.items()]
+                         state.slice_digest[name]) for name, members in self.slices.items()]
 
     def local_params(self) -> list[torch.Tensor]:
         """The model's params as the inner steps left them (gathered from the ranks' shards first where a node's
@@ -218,7 +218,7 @@ class Worker:
         local.update({f"inner/{k}": v for k, v in inner_tensors.items()})
         state = self.published
         return Checkpoint(round_index, dict(zip(self.names, state.params)), dict(state.shared), local,
-                          {"inner": inner_settings, "slices": state.slice_sha256, "unapplied_tokens": owed,
+                          {"inner": inner_settings, "slices": state.slice_digest, "unapplied_tokens": owed,
                            **(extras or {})})
 
     def restore(self, saved: Checkpoint, where: Path) -> None:

@@ -195,7 +195,7 @@ def serve_a_false_state(start: int) -> None:
                 blob = bytearray(snapshot.blob())
                 blob[-1] ^= 1  # the last tensor's last byte; the manifest is computed from this blob
                 forged.append(Snapshot(snapshot.round, snapshot.slice, snapshot.params, snapshot.shared,
-                                       snapshot.state_sha256, bytes(blob)))
+                                       snapshot.state_digest, bytes(blob)))
             snapshots = forged
         honest(self, snapshots)
 
@@ -221,7 +221,7 @@ def describe_a_huge_state(start: int) -> None:
             if snapshot is not None and not request.length:
                 await wire.write_message(writer, {"status": str(StateStatus.OK), "round": snapshot.round,
                                                   "slice": snapshot.slice, "total": 2**62,
-                                                  "state_sha256": snapshot.state_sha256})
+                                                  "state_digest": snapshot.state_digest})
         except (PayloadError, TransportError):
             pass
         finally:
@@ -327,7 +327,7 @@ def send_odd_sums(start_step: int) -> None:
 def claim_a_poisoned_next_round(start: int) -> None:
     import torch
 
-    from p2ploco.metrics import state_sha256
+    from p2ploco.metrics import state_digest
     from p2ploco.swarm.runtime import Swarm
     from p2ploco.swarm.state import Snapshot
 
@@ -340,16 +340,16 @@ def claim_a_poisoned_next_round(start: int) -> None:
                 params = {name: torch.full_like(t, 0.5) for name, t in snapshot.params.items()}
                 shared = {name: torch.zeros_like(t) for name, t in snapshot.shared.items()}
                 poisoned[snapshot.slice] = Snapshot(snapshot.round + 1, snapshot.slice, params, shared,
-                                                    state_sha256(params, shared))
+                                                    state_digest(params, shared))
             snapshots = list(poisoned.values())
         honest_serve(self, snapshots)
 
-    def announce_progress(self: Swarm, round_index: int, state: Any, params_sha256: str, slices: dict[str, str],
+    def announce_progress(self: Swarm, round_index: int, state: Any, params_digest: str, slices: dict[str, str],
                           unsettled: bool = False) -> None:
         if round_index >= start and poisoned:
-            round_index, slices = round_index + 1, {name: s.state_sha256 for name, s in poisoned.items()}
-            params_sha256, unsettled = next(iter(slices.values())), False
-        honest_progress(self, round_index, state, params_sha256, slices, unsettled)
+            round_index, slices = round_index + 1, {name: s.state_digest for name, s in poisoned.items()}
+            params_digest, unsettled = next(iter(slices.values())), False
+        honest_progress(self, round_index, state, params_digest, slices, unsettled)
 
     Swarm.serve_state, Swarm.announce_progress = serve_state, announce_progress
 

@@ -13,7 +13,7 @@ from p2ploco.catchup import CatchUp
 from p2ploco.config import Config, SwarmConfig, load_config
 from p2ploco.data import ShardSampler
 from p2ploco.launch import TINY_CONFIG
-from p2ploco.metrics import state_sha256
+from p2ploco.metrics import state_digest
 from p2ploco.presence import Presence
 from p2ploco.schedules import build_schedule
 from p2ploco.standing import Membership, Standing
@@ -33,7 +33,7 @@ class HeldWorker:  # what Presence reads of a role: the worker whose state it an
 def moved(snapshot: Snapshot, round_index: int, step: float) -> Snapshot:
     """``snapshot``'s slice with every parameter moved by ``step``, as the state of ``round_index``."""
     params = {name: tensor + step for name, tensor in snapshot.params.items()}
-    return Snapshot(round_index, snapshot.slice, params, snapshot.shared, state_sha256(params, snapshot.shared))
+    return Snapshot(round_index, snapshot.slice, params, snapshot.shared, state_digest(params, snapshot.shared))
 
 
 def tiny_worker() -> tuple[Config, Worker]:
@@ -56,16 +56,16 @@ def test_a_doubtful_peer_waits_for_a_holder_still_in_a_round_it_did_not_apply_an
     try:
         replica, stage, me = join_swarms("catchup-test", 3, SWARM, swarms)
         replica.serve_state([replica_round_5])
-        replica.announce_progress(5, PeerState.TRAINING, replica_round_5.state_sha256,
-                                  {old.slice: replica_round_5.state_sha256})
-        stage.announce_progress(6, PeerState.TRAINING, old.state_sha256, {old.slice: old.state_sha256},
+        replica.announce_progress(5, PeerState.TRAINING, replica_round_5.state_digest,
+                                  {old.slice: replica_round_5.state_digest})
+        stage.announce_progress(6, PeerState.TRAINING, old.state_digest, {old.slice: old.state_digest},
                                 unsettled=True)
         assert replica.flush() and stage.flush()
 
         def replica_ends_round_5() -> None:
             replica.serve_state([replica_round_6])
-            replica.announce_progress(6, PeerState.TRAINING, replica_round_6.state_sha256,
-                                      {old.slice: replica_round_6.state_sha256})
+            replica.announce_progress(6, PeerState.TRAINING, replica_round_6.state_digest,
+                                      {old.slice: replica_round_6.state_digest})
 
         later = threading.Timer(2.0, replica_ends_round_5)
         later.start()
@@ -73,7 +73,7 @@ def test_a_doubtful_peer_waits_for_a_holder_still_in_a_round_it_did_not_apply_an
         caught_up = CatchUp(config, me, Presence(me, HeldWorker(worker)), threading.Event(), print)(
             schedule, standing, first=False)
         later.join()
-        assert worker.slice_sha256 == {old.slice: replica_round_6.state_sha256}
+        assert worker.slice_digest == {old.slice: replica_round_6.state_digest}
         assert (caught_up.round, caught_up.membership.source, caught_up.doubtful) == (6, "peer", False)
     finally:
         for swarm in swarms:
@@ -106,7 +106,7 @@ def test_a_peer_waiting_for_its_unsettled_round_to_settle_serves_the_state_its_r
                     break
         finally:
             waiting.join()
-        assert [(t.round, t.state_sha256) for t in followed.values()] == [(6, held.state_sha256)]
+        assert [(t.round, t.state_digest) for t in followed.values()] == [(6, held.state_digest)]
     finally:
         for swarm in swarms:
             swarm.leave()

@@ -20,7 +20,7 @@ from p2ploco.swarm.status import Answer, Route, StatusServer, constant, listen
 
 
 def record(round_index: int, **changes: object) -> RoundRecord:
-    fields = {"peers": 3, "loss": 3.0 - round_index / 10, "eval_loss": None, "params_sha256": "a" * 64,
+    fields = {"peers": 3, "loss": 3.0 - round_index / 10, "eval_loss": None, "params_digest": "a" * 64,
               "round_seconds": 1.5, "tokens": 100, "inner_seconds": 1.0, "comm_seconds": 0.5,
               "aggregate_tokens": 250, **changes}
     return RoundRecord(round=round_index, **fields)

@@ -22,7 +22,7 @@ def assert_trained_together(runs: dict[str, list[dict]], rounds: int) -> None:
         assert all(r["applied"] and r["peers"] == len(runs) for r in records)
         assert records[-1]["eval_loss"] < records[0]["eval_loss"] - 0.3
     for round_index in range(rounds):
-        assert len({records[round_index]["params_sha256"] for records in runs.values()}) == 1
+        assert len({records[round_index]["params_digest"] for records in runs.values()}) == 1
 
 
 @pytest.mark.swarm

@@ -37,7 +37,7 @@ def assert_agreement(runs: dict[str, list[dict]]) -> None:
     for records in runs.values():
         for r in records:
             if r["applied"]:
-                by_round.setdefault(r["round"], set()).add(r["params_sha256"])
+                by_round.setdefault(r["round"], set()).add(r["params_digest"])
     assert by_round and all(len(hashes) == 1 for hashes in by_round.values()), by_round
 
 
@@ -71,7 +71,7 @@ def test_a_clean_leave_costs_the_others_no_round(tmp_path):
     for records in runs.values():
         assert [r["round"] for r in records] == list(range(rounds))
         assert all(r["applied"] for r in records), [(r["round"], r["peers"]) for r in records if not r["applied"]]
-    assert [r["params_sha256"] for r in runs["a"]] == [r["params_sha256"] for r in runs["b"]]
+    assert [r["params_digest"] for r in runs["a"]] == [r["params_digest"] for r in runs["b"]]
     survivors = (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
     assert "could apply this round without it" not in survivors
 
@@ -133,8 +133,8 @@ def test_crash_leave_join_and_rejoin(tmp_path, algorithm):
         trained = sum(r["tokens"] for r in runs["e"] if r["round"] <= entered["round"])
         assert 0 < entered["contributed_tokens"] == min(trained, max_tokens(algorithm)), runs["e"][:2]
     assert entered["round"] <= joined + 1
-    assert {r["params_sha256"] for name in "ab" for r in runs[name] if r["round"] == entered["round"]} == {
-        entered["params_sha256"]}
+    assert {r["params_digest"] for name in "ab" for r in runs[name] if r["round"] == entered["round"]} == {
+        entered["params_digest"]}
     # The restarted peer resumed from its checkpoint, caught up, and contributed again.
     restarted = [r for r in runs["d"] if r["round"] >= rejoined]
     assert restarted[0]["state_source"] == "peer" and any(r["peers"] == 4 and r["applied"] for r in restarted)
@@ -186,9 +186,9 @@ def test_survivors_agree_whenever_a_peer_is_killed(tmp_path):
                  if len(records) > round_index}
         outside = {name for name, (_, r) in ended.items()
                    if not r["applied"] and set(r["failures"]) & OUTSIDE_THE_DECISION}
-        outcomes = {(r["applied"], r["params_sha256"]) for name, (_, r) in ended.items() if name not in outside}
+        outcomes = {(r["applied"], r["params_digest"]) for name, (_, r) in ended.items() if name not in outside}
         assert len(outcomes) <= 1, (round_index, outcomes, outside)
-        assert all(ended[name][1]["params_sha256"] == ended[name][0]["params_sha256"] for name in outside), (
+        assert all(ended[name][1]["params_digest"] == ended[name][0]["params_digest"] for name in outside), (
             round_index, outside)
     assert all(r["applied"] and r["peers"] == 2 for name in "ab" for r in runs[name] if r["round"] == last - 1)
     # Reducers fail a peer they cannot reach at once and votes carry drops: one wait at most, never two
@@ -217,7 +217,7 @@ def test_a_whole_swarm_resumes_from_its_checkpoints(tmp_path, algorithm):
         assert [r["state_source"] for r in records[3:]] == ["checkpoint", "checkpoint"]
         assert all(r["peers"] == 2 and r["applied"] for r in records)
     assert_agreement(runs)
-    assert [r["params_sha256"] for r in runs["a"]] == [r["params_sha256"] for r in runs["b"]]
+    assert [r["params_digest"] for r in runs["a"]] == [r["params_digest"] for r in runs["b"]]
 
 
 def node_start(*args: str) -> subprocess.CompletedProcess:

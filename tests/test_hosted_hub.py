@@ -76,5 +76,5 @@ def test_a_run_the_hub_refuses_leaves_the_bootstrap_serving_its_trainers(tmp_pat
         runs = [swarm.records(name) for name in "ab"]
         assert bootstrap.process.poll() is None  # still serving
     assert [r["round"] for r in runs[0]] == [r["round"] for r in runs[1]] == [0, 1, 2]
-    assert [a["params_sha256"] for a in runs[0]] == [b["params_sha256"] for b in runs[1]]
+    assert [a["params_digest"] for a in runs[0]] == [b["params_digest"] for b in runs[1]]
     assert not (tmp_path / "hub" / "tiny" / "metrics.jsonl").exists()  # the hub never took part in a round

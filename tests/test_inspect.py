@@ -46,7 +46,7 @@ NOBODY = "12D3KooWJFBvJXaPgQ1XAX5u5MCmZYfgVUgvyeTA2BwcCGJhu78u"  # a well-formed
 
 def valid_value(**changes) -> dict:
     record = PeerRecord(peer_id="12D3KooWExample", round=3, state="training", fingerprint="f" * 16,
-                        params_sha256="a" * 64, name="swift-otter-mple", eval_history=[[1, 4.5], [2, 4.0]])
+                        params_digest="a" * 64, name="swift-otter-mple", eval_history=[[1, 4.5], [2, 4.0]])
     return {**record.to_value(), **changes}
 
 
@@ -210,7 +210,7 @@ def test_round_records_reach_tensorboard(tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     board = TensorBoardLog(tmp_path)
     for round_index, loss in enumerate((4.0, 3.5)):
-        board.write(RoundRecord(round=round_index, peers=3, loss=loss, eval_loss=loss + 0.1, params_sha256="x",
+        board.write(RoundRecord(round=round_index, peers=3, loss=loss, eval_loss=loss + 0.1, params_digest="x",
                                 bytes_sent=100, bytes_received=200, dense_fp32_bytes=30000, density=1 / 64,
                                 bits_per_param=0.15, tokens=4096, inner_seconds=1.0, comm_seconds=0.5,
                                 round_seconds=2.0))

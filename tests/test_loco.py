@@ -376,7 +376,7 @@ def test_three_real_nodes_train_with_loco_and_agree_every_round(tmp_path):
             assert 4.2 < r["bits_per_param"] < 4.3
             assert 6 * (r["bytes_sent"] + r["bytes_received"]) < r["dense_fp32_bytes"]
     for round_index in range(6):
-        assert len({records[round_index]["params_sha256"] for records in runs}) == 1
+        assert len({records[round_index]["params_digest"] for records in runs}) == 1
 
 
 def test_a_worker_checkpoints_its_buffers_and_drops_them_when_it_takes_the_swarms_state(tmp_path):
@@ -394,18 +394,18 @@ def test_a_worker_checkpoints_its_buffers_and_drops_them_when_it_takes_the_swarm
 
     run_in_threads(2, replica)
     worker = workers[0]
-    assert worker.params_sha256 == workers[1].params_sha256
+    assert worker.params_digest == workers[1].params_digest
     local = {k: v.clone() for k, v in worker.outer.local_state().items()}
     assert any(bool(v.any()) for k, v in local.items() if k.startswith("reducer_error."))
     checkpoint.save(tmp_path, worker.checkpoint(2), "run", "fp")
     resumed = build_replica(config, CPU, sampler(config))
     resumed.restore(checkpoint.load(tmp_path, "run", "fp"), tmp_path)
-    assert resumed.params_sha256 == worker.params_sha256
+    assert resumed.params_digest == worker.params_digest
     assert all(torch.equal(v, local[k]) for k, v in resumed.outer.local_state().items())
     assert all(torch.equal(v, worker.outer.shared_state()[k]) for k, v in resumed.outer.shared_state().items())
     joiner = build_replica(config, CPU, sampler(config))
     joiner.outer.load_local_state(local)
     joiner.adopt({s.slice: s for s in worker.snapshots(2)})  # newer state from a peer: the buffers no longer apply
-    assert joiner.params_sha256 == worker.params_sha256
+    assert joiner.params_digest == worker.params_digest
     assert not any(bool(v.any()) for v in joiner.outer.local_state().values())
     assert all(torch.equal(v, worker.outer.shared_state()[k]) for k, v in joiner.outer.shared_state().items())

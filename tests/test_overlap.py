@@ -21,7 +21,7 @@ from p2ploco.build import build_replica
 from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
 from p2ploco.config import ConfigError, load_config
 from p2ploco.data import ShardSampler
-from p2ploco.metrics import read_records, state_sha256
+from p2ploco.metrics import read_records, state_digest
 from p2ploco.schedules import Landing, RoundHooks
 from p2ploco.schedules.overlapped import OverlappedRounds
 from p2ploco.swarm.state import Snapshot
@@ -269,7 +269,7 @@ def test_a_checkpoint_or_a_state_download_taken_while_a_step_is_in_flight_holds_
     def served(round_index: int) -> Snapshot:
         (snapshot,) = worker.snapshots(round_index)
         fetched = Snapshot.from_blob(round_index, snapshot.slice, snapshot.blob())
-        assert state_sha256(fetched.params, fetched.shared) == snapshot.state_sha256 == worker.params_sha256
+        assert state_digest(fetched.params, fetched.shared) == snapshot.state_digest == worker.params_digest
         return fetched
 
     try:
@@ -280,11 +280,11 @@ def test_a_checkpoint_or_a_state_download_taken_while_a_step_is_in_flight_holds_
         checkpoint.save(tmp_path, schedule.checkpoint(1), "run", "fp")
         resumed = replica(config)
         resumed.restore(checkpoint.load(tmp_path, "run", "fp"), tmp_path)
-        assert resumed.params_sha256 == before.params_sha256
+        assert resumed.params_digest == before.params_digest
     finally:
         release.set()
     assert schedule.finish_in_flight().applied
-    assert worker.params_sha256 != before.params_sha256
+    assert worker.params_digest != before.params_digest
     fetched = served(2)
     assert all(torch.equal(fetched.params[n], p) for n, p in zip(worker.names, worker.outer.params))
     schedule.close()
@@ -327,8 +327,8 @@ def test_three_real_nodes_overlap_rounds_with_identical_params(tmp_path):
         assert all(r["peers"] == 3 and r["applied"] and r["bytes_sent"] > 0 for r in records[1:])
         assert records[-1]["eval_loss"] < records[0]["eval_loss"]
     for round_index in range(4):
-        assert len({records[round_index]["params_sha256"] for records in runs}) == 1
-    assert len({records[1]["params_sha256"], records[2]["params_sha256"], records[3]["params_sha256"]}) == 3
+        assert len({records[round_index]["params_digest"] for records in runs}) == 1
+    assert len({records[1]["params_digest"], records[2]["params_digest"], records[3]["params_digest"]}) == 3
     for i in range(3):
         log = (tmp_path / f"node{i}.log").read_text()
         assert re.search(r"outer step landed on exit \(applied, 3 peer\(s\)\)", log), log[-2000:]

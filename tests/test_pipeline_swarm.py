@@ -23,7 +23,7 @@ def held_hashes(runs: dict[str, list[dict]]) -> dict[tuple[str, int], set[str]]:
     for records in runs.values():
         for r in records:
             if r["applied"]:
-                for name, digest in r["slice_sha256"].items():
+                for name, digest in r["slice_digest"].items():
                     held.setdefault((name, r["round"]), set()).add(digest)
     return held
 
@@ -43,13 +43,13 @@ def test_a_full_replica_and_a_group_of_two_stage_peers_train_through_a_stock_hiv
     assert all(len(hashes) == 1 for hashes in held.values()), held
     for name, index in (("s0", 0), ("s1", 1)):  # each stage holds its slice, trains with the group, averages it
         assert all(r["role"] == "stage" and r["group"] == "g0" and r["stage"] == index for r in runs[name])
-        assert all(set(r["slice_sha256"]) == {f"stage{index}"} and r["applied"] and r["peers"] == 3
+        assert all(set(r["slice_digest"]) == {f"stage{index}"} and r["applied"] and r["peers"] == 3
                    for r in runs[name])
         assert all(r["boundary_bytes_sent"] > 0 and r["boundary_bytes_received"] > 0 for r in runs[name])
         assert all(r["eval_loss"] is None for r in runs[name])
     full = runs["full"]
     assert all(r["role"] == "replica" and r["group"] is None and r["peers"] == 3 for r in full)
-    assert set(full[0]["slice_sha256"]) == {"stage0", "stage1"}
+    assert set(full[0]["slice_digest"]) == {"stage0", "stage1"}
     assert full[-1]["eval_loss"] < full[0]["eval_loss"]
 
 
@@ -87,6 +87,6 @@ def test_a_group_that_loses_a_stage_re_forms_with_a_newcomer_while_the_replica_t
     assert 3 not in s0 or not s0[3]["applied"] and s0[3]["excluded"]
     first = runs["new"][0]
     assert first["role"] == "stage" and (first["group"], first["stage"]) == ("g0", 1) and first["round"] >= caught_up
-    assert first["state_source"] == "peer" and set(first["slice_sha256"]) == {"stage1"}
+    assert first["state_source"] == "peer" and set(first["slice_digest"]) == {"stage1"}
     trained_again = [r for r in runs["new"] if r["applied"] and r["peers"] == 3]
     assert trained_again and all(s0[r["round"]]["applied"] for r in trained_again)  # the group, whole again

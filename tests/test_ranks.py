@@ -112,7 +112,7 @@ def _applied_alike(runs: dict[str, list[dict]], rounds: int) -> None:
         assert [r["round"] for r in records] == list(range(rounds)), name
         assert all(r["applied"] and r["peers"] == 3 for r in records), name
     for r in range(rounds):
-        assert len({records[r]["params_sha256"] for records in runs.values()}) == 1, r
+        assert len({records[r]["params_digest"] for records in runs.values()}) == 1, r
 
 
 @pytest.mark.slow  # CI's second stage: a 2-rank node's real processes are in the default run (above)
@@ -160,4 +160,4 @@ def test_a_killed_rank_takes_its_node_out_cleanly_while_the_others_train_on(tmp_
         assert [r["round"] for r in records] == list(range(rounds)) and all(r["applied"] for r in records), name
         assert records[-1]["peers"] == 2, name
     for r in range(rounds):
-        assert runs["a"][r]["params_sha256"] == runs["b"][r]["params_sha256"], r
+        assert runs["a"][r]["params_digest"] == runs["b"][r]["params_digest"], r

@@ -18,7 +18,7 @@ def identical_every_round(runs: list[list[dict]]) -> None:
     for index in range(ROUNDS):
         rows = [records[index] for records in runs]
         assert all(r["round"] == index and r["applied"] and r["peers"] == 3 for r in rows), rows
-        assert len({r["params_sha256"] for r in rows}) == 1, rows
+        assert len({r["params_digest"] for r in rows}) == 1, rows
 
 
 @pytest.mark.timeout(300)
@@ -123,5 +123,5 @@ def test_a_peer_whose_step_outlasts_the_round_sits_rounds_out_and_its_work_is_ap
         assert len(between) == 1, [(r["round"], r["applied"], r["sat_out"]) for r in slow]
         assert between[0]["peers"] == 3 and between[0]["inner_steps"] == 0
         assert between[0]["contributed_tokens"] >= step["tokens"]
-    ends = {r["round"]: r["params_sha256"] for r in runs["a"]}
-    assert all(ends[r["round"]] == r["params_sha256"] for r in slow if r["applied"])
+    ends = {r["round"]: r["params_digest"] for r in runs["a"]}
+    assert all(ends[r["round"]] == r["params_digest"] for r in slow if r["applied"])

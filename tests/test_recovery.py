@@ -48,7 +48,7 @@ def test_failed_rounds_cost_a_redo_or_the_failing_peers_round_and_the_swarm_come
 
     # Never a split, and never a solitary commit: every round ends with one state among those who applied it.
     for r in range(ROUNDS):
-        hashes = {runs[name][r]["params_sha256"] for name in "abc" if applied(name, r)}
+        hashes = {runs[name][r]["params_digest"] for name in "abc" if applied(name, r)}
         assert len(hashes) <= 1, (r, hashes)
         assert not any(applied(name, r) and runs[name][r]["peers"] == 1 for name in "abc"), r
 

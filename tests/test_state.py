@@ -14,7 +14,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from p2ploco import faults
 from p2ploco.config import SwarmConfig
 from p2ploco.errors import SwarmError
-from p2ploco.metrics import state_sha256
+from p2ploco.metrics import state_digest
 from p2ploco.swarm import state as state_module
 from p2ploco.swarm.consensus import (
     SwarmState,
@@ -40,14 +40,13 @@ S = "stage0"  # the one slice of a model not cut into stages
 
 
 def record(peer, round_index, digest, state="training", fingerprint="cfg", slices=None):
-    return PeerRecord(peer_id=peer, round=round_index, state=state, fingerprint=fingerprint, params_sha256=digest,
+    return PeerRecord(peer_id=peer, round=round_index, state=state, fingerprint=fingerprint, params_digest=digest,
                       slices=slices if slices is not None else ({S: digest} if digest else {}))
 
 
 def test_a_state_digest_is_one_value_whatever_the_threads_and_moves_with_any_value_name_or_shape():
-    """The state is hashed in 16 MiB blocks on the torch threads: a tensor of two blocks gives one digest on 1 and on
-    2 threads, and the digest moves with a value in its second block, a shared tensor's value, a name, or a shape
-    that holds the same bytes."""
+    """BLAKE3 spreads a large state over the torch threads: a 20 MB tensor gives one digest on 1 and on 2 threads, and
+    the digest moves with its last value, a shared tensor's value, a name, or a shape that holds the same bytes."""
     generator = torch.Generator().manual_seed(0)
     params = {"embed": torch.randn(5 << 20, generator=generator), "bias": torch.randn(7, generator=generator)}
     shared = {"momentum.bias": torch.randn(7, generator=generator)}
@@ -56,16 +55,16 @@ def test_a_state_digest_is_one_value_whatever_the_threads_and_moves_with_any_val
         digests = []
         for count in (1, 2):
             torch.set_num_threads(count)
-            digests.append(state_sha256(params, shared))
+            digests.append(state_digest(params, shared))
     finally:
         torch.set_num_threads(threads)
     assert digests[0] == digests[1]
     last = params["embed"].clone()
     last[-1] += 1.0
-    changed = [state_sha256({**params, "embed": last}, shared),
-               state_sha256(params, {"momentum.bias": shared["momentum.bias"] + 1.0}),
-               state_sha256({"embedding": params["embed"], "bias": params["bias"]}, shared),
-               state_sha256({**params, "embed": params["embed"].view(5, 1 << 20)}, shared)]
+    changed = [state_digest({**params, "embed": last}, shared),
+               state_digest(params, {"momentum.bias": shared["momentum.bias"] + 1.0}),
+               state_digest({"embedding": params["embed"], "bias": params["bias"]}, shared),
+               state_digest({**params, "embed": params["embed"].view(5, 1 << 20)}, shared)]
     assert len({digests[0], *changed}) == 5
 
 
@@ -76,14 +75,14 @@ def test_only_states_two_peers_vouch_for_are_followed():
                                    record("f", 4, "w"), record("g", 9, "", state="joining"),
                                    record("liar", 10**6, "forged")]}
     target = swarm_state(live, me, S)  # the state most peers hold, whatever round others claim
-    assert (target.round, target.slice, target.state_sha256, target.holders) == (5, S, "x", ("a", "b"))
+    assert (target.round, target.slice, target.state_digest, target.holders) == (5, S, "x", ("a", "b"))
     assert swarm_state({}, me, S) is None
     tie = {r.peer_id: r for r in [record("a", 5, "x"), record("c", 5, "y")]}
     assert swarm_state(tie, record("m", 5, "x"), S).holders == ("a", "m")  # my own state, vouched by "a"
     assert swarm_state(tie, record("m", 2, "q"), S) is None  # nobody agrees with anybody: nothing is vouched
     # Then every lone claim is ranked (furthest round, most holders, larger hash) for the caller to probe.
     ranked = ranked_states(tie, record("m", 2, "q"), S)
-    assert [(s.round, s.state_sha256, s.vouched) for s in ranked] == [(5, "y", False), (5, "x", False),
+    assert [(s.round, s.state_digest, s.vouched) for s in ranked] == [(5, "y", False), (5, "x", False),
                                                                      (2, "q", False)]
 
 
@@ -94,10 +93,10 @@ def test_a_seeds_state_has_no_say_where_anyone_else_holds_the_slice():
     replica = record("replica", 68, "trained").model_copy(update={"unsettled": True})
     other_newcomer, newcomer = record("other", 68, "seed"), record("new", 68, "seed")
     live = {"replica": replica, "other": other_newcomer}
-    assert ranked_states(live, newcomer, S)[0].state_sha256 == "seed"  # what they followed
+    assert ranked_states(live, newcomer, S)[0].state_digest == "seed"  # what they followed
     ranked = ranked_states(live, newcomer, S, seed="seed")
-    assert [(s.state_sha256, s.holders) for s in ranked] == [("trained", ("replica",))]
-    assert ranked_states({"other": other_newcomer}, newcomer, S, seed="seed")[0].state_sha256 == "seed"  # run start
+    assert [(s.state_digest, s.holders) for s in ranked] == [("trained", ("replica",))]
+    assert ranked_states({"other": other_newcomer}, newcomer, S, seed="seed")[0].state_digest == "seed"  # run start
 
 
 def test_records_that_claim_a_round_ahead_of_everyone_do_not_move_the_swarm():
@@ -108,11 +107,11 @@ def test_records_that_claim_a_round_ahead_of_everyone_do_not_move_the_swarm():
     liars = [record(p, 10**6, "forged") for p in ("liar1", "liar2")]
     live = {r.peer_id: r for r in honest + liars}
     joiner = record("new", 0, "init")
-    assert [(s.round, s.state_sha256) for s in ranked_states(live, joiner, S)][:2] == [(5, "x"), (10**6, "forged")]
+    assert [(s.round, s.state_digest) for s in ranked_states(live, joiner, S)][:2] == [(5, "x"), (10**6, "forged")]
     moving = {**live, "a": record("a", 6, "x6"), "b": record("b", 6, "x6")}
-    assert swarm_state(moving, joiner, S).state_sha256 == "x6"  # 2 against 2: the earlier round wins the tie
+    assert swarm_state(moving, joiner, S).state_digest == "x6"  # 2 against 2: the earlier round wins the tie
     moving["c"] = record("c", 6, "x6")
-    assert swarm_state(moving, joiner, S).state_sha256 == "x6"
+    assert swarm_state(moving, joiner, S).state_digest == "x6"
 
 
 def test_states_are_followed_per_slice_and_the_round_state_combines_them():
@@ -123,7 +122,7 @@ def test_states_are_followed_per_slice_and_the_round_state_combines_them():
                                    record("t1", 5, "x1", slices={"stage1": "x1"})]}
     joiner = record("new", 0, "init", slices={"stage1": "init"})
     target = swarm_state(live, joiner, "stage1")
-    assert (target.round, target.state_sha256, target.holders) == (5, "x1", ("full", "t1"))
+    assert (target.round, target.state_digest, target.holders) == (5, "x1", ("full", "t1"))
     assert swarm_state(live, joiner, "stage0").holders == ("full", "s0")  # holders of each slice, whoever asks
     digest, chosen = round_state(live, full, 5)
     assert chosen == {"stage0": "x0", "stage1": "x1"}  # s1 is at round 4: not counted for round 5
@@ -149,12 +148,12 @@ def test_a_peer_that_missed_its_last_round_has_no_say_on_the_swarms_state():
     live = {"a": a, "b": b}
     for me in (a, b):
         assert round_state(live, me, 5)[1] == {S: "aaa"}
-        assert [s.state_sha256 for s in ranked_states(live, me, S)] == ["aaa", "zzz"]
+        assert [s.state_digest for s in ranked_states(live, me, S)] == ["aaa", "zzz"]
     members = {"a": Member(((S, ("fp", "aaa")),)), "b": Member(((S, ("fp", "zzz")),))}
     assert set(admit(members, 1, round_state(live, b, 5)[1])[0]) == {"a"}
     # Two unsettled peers vouch for the stale state together, and still lose to the one that applied the round.
     c = record("c", 5, "zzz").model_copy(update={"unsettled": True})
-    assert [s.state_sha256 for s in ranked_states({**live, "c": c}, b, S)] == ["aaa", "zzz"]
+    assert [s.state_digest for s in ranked_states({**live, "c": c}, b, S)] == ["aaa", "zzz"]
     assert round_state({**live, "c": c}, b, 5)[1] == {S: "aaa"}
     # Nobody settled: the greater hash, the same for both.
     unsure = {"a": a.model_copy(update={"unsettled": True}), "b": b}
@@ -388,7 +387,7 @@ def big_snapshot(round_index: int) -> Snapshot:
     generator = torch.Generator().manual_seed(round_index)
     params = {f"layer{i}.weight": torch.randn(512, 1024, generator=generator) for i in range(5)}  # 10 MB, 3 parts
     shared = {"momentum.0": torch.randn(64, generator=generator)}
-    return Snapshot(round_index, S, params, shared, state_sha256(params, shared))
+    return Snapshot(round_index, S, params, shared, state_digest(params, shared))
 
 
 def tensor_bytes(snapshot: Snapshot) -> int:
@@ -400,7 +399,7 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
     snapshot = big_snapshot(5)
     for donor in donors:
         donor.serve_state([big_snapshot(5)])
-        donor.announce_progress(5, PeerState.TRAINING, snapshot.state_sha256, {S: snapshot.state_sha256})
+        donor.announce_progress(5, PeerState.TRAINING, snapshot.state_digest, {S: snapshot.state_digest})
         assert donor.flush()  # records go out in the background: the joiner must see them
     donors[0].loop.loop.call_soon_threadsafe(time.sleep, 8)  # this donor's event loop hangs: a stalled peer
     target = joiner.swarm_state(0, {S: "fresh"})[S]
@@ -408,7 +407,7 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
     started = time.monotonic()
     fetched = joiner.fetch_state(target, tensor_bytes(snapshot))
     assert time.monotonic() - started < 8  # did not wait for the stalled donor to wake up
-    assert fetched.state_sha256 == snapshot.state_sha256
+    assert fetched.state_digest == snapshot.state_digest
     assert all(torch.equal(fetched.params[k], snapshot.params[k]) for k in snapshot.params)
     assert torch.equal(fetched.shared["momentum.0"], snapshot.shared["momentum.0"])
     assert state_module.PART_BYTES * 2 < len(snapshot.blob())  # really fetched in several parts
@@ -420,7 +419,7 @@ def test_a_state_nobody_holds_is_refused(donors_and_joiner):
     with pytest.raises(SwarmError, match="no donor served stage0 of round 5 with the vouched hash"):
         joiner.fetch_state(SwarmState(5, S, "f" * 64, tuple(d.peer_id for d in donors[1:])), size)
     with pytest.raises(SwarmError, match="no donor served stage1 of round 5"):  # a slice they do not hold
-        joiner.fetch_state(SwarmState(5, "stage1", big_snapshot(5).state_sha256, tuple(d.peer_id for d in donors)),
+        joiner.fetch_state(SwarmState(5, "stage1", big_snapshot(5).state_digest, tuple(d.peer_id for d in donors)),
                            size)
 
 
@@ -430,13 +429,13 @@ def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner
     donors, joiner = donors_and_joiner
     served = big_snapshot(6)
     donors[0].serve_state([served])
-    donors[0].announce_progress(6, PeerState.TRAINING, served.state_sha256, {S: served.state_sha256})
+    donors[0].announce_progress(6, PeerState.TRAINING, served.state_digest, {S: served.state_digest})
     donors[1].announce_progress(10**6, PeerState.TRAINING, "f" * 64, {S: "f" * 64})  # a liar: claims a round far ahead
     donors[2].announce_progress(8, PeerState.TRAINING, "e" * 64, {S: "e" * 64})  # serves round 5 at most, not this
     assert all(donor.flush() for donor in donors)
     target = joiner.swarm_state(0, {S: "fresh"})[S]
-    assert (target.round, target.state_sha256, target.holders) == (6, served.state_sha256, (donors[0].peer_id,))
-    assert joiner.fetch_state(target, tensor_bytes(served)).state_sha256 == served.state_sha256
+    assert (target.round, target.state_digest, target.holders) == (6, served.state_digest, (donors[0].peer_id,))
+    assert joiner.fetch_state(target, tensor_bytes(served)).state_digest == served.state_digest
 
 
 def test_a_lone_holder_past_its_record_is_followed_to_the_round_it_serves(donors_and_joiner):
@@ -446,15 +445,15 @@ def test_a_lone_holder_past_its_record_is_followed_to_the_round_it_serves(donors
     donors, joiner = donors_and_joiner
     claimed = big_snapshot(10)
     donors[0].serve_state([claimed])
-    donors[0].announce_progress(10, PeerState.TRAINING, claimed.state_sha256, {S: claimed.state_sha256})
+    donors[0].announce_progress(10, PeerState.TRAINING, claimed.state_digest, {S: claimed.state_digest})
     for other in donors[1:]:
         other.announce_progress(3, PeerState.TRAINING, "d" * 64, {S: other.peer_id[-8:] * 8})  # lone, behind
     assert all(donor.flush() for donor in donors)
     donors[0].serve_state([big_snapshot(11)])
     donors[0].serve_state([latest := big_snapshot(12)])  # round 10 is no longer held (KEEP_SNAPSHOTS = 2)
     target = joiner.swarm_state(0, {S: "fresh"})[S]
-    assert (target.round, target.state_sha256, target.holders) == (12, latest.state_sha256, (donors[0].peer_id,))
-    assert joiner.fetch_state(target, tensor_bytes(latest)).state_sha256 == latest.state_sha256
+    assert (target.round, target.state_digest, target.holders) == (12, latest.state_digest, (donors[0].peer_id,))
+    assert joiner.fetch_state(target, tensor_bytes(latest)).state_digest == latest.state_digest
 
 
 def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
@@ -467,7 +466,7 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
         snapshot = big_snapshot(7)
         for donor in donors:
             donor.serve_state([big_snapshot(7)])
-            donor.announce_progress(7, PeerState.TRAINING, snapshot.state_sha256, {S: snapshot.state_sha256})
+            donor.announce_progress(7, PeerState.TRAINING, snapshot.state_digest, {S: snapshot.state_digest})
             assert donor.flush()
 
         async def victim_dies(point: str, round_index: int) -> None:
@@ -480,7 +479,7 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
         target = joiner.swarm_state(0, {S: "fresh"})[S]
         assert set(target.holders) == {d.peer_id for d in donors}
         fetched = joiner.fetch_state(target, tensor_bytes(snapshot))
-        assert killed == [7] and fetched.state_sha256 == snapshot.state_sha256
+        assert killed == [7] and fetched.state_digest == snapshot.state_digest
         assert all(torch.equal(fetched.params[k], snapshot.params[k]) for k in snapshot.params)
     finally:
         for s in swarms:
@@ -506,12 +505,12 @@ def test_a_donor_that_serves_or_describes_the_state_falsely_is_banned_and_routed
         invented._blob = bytes(corrupted)
         for donor, snapshot in ((flipper, flipped), (inventor, invented), (honest, big_snapshot(9))):
             donor.serve_state([snapshot])
-            donor.announce_progress(9, PeerState.TRAINING, true.state_sha256, {S: true.state_sha256})
+            donor.announce_progress(9, PeerState.TRAINING, true.state_digest, {S: true.state_digest})
             assert donor.flush()
         target = joiner.swarm_state(0, {S: "fresh"})[S]
         assert set(target.holders) == {flipper.peer_id, inventor.peer_id, honest.peer_id}
         fetched = joiner.fetch_state(target, tensor_bytes(true))
-        assert fetched.blob() == true.blob() and fetched.state_sha256 == true.state_sha256
+        assert fetched.blob() == true.blob() and fetched.state_digest == true.state_digest
         assert joiner.bans.banned(flipper.peer_id, 9) and joiner.bans.banned(inventor.peer_id, 9)
         assert not joiner.bans.banned(honest.peer_id, 9)
     finally:

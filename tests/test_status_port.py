@@ -27,7 +27,7 @@ from p2ploco.swarm.status_document import MAX_STATUS_BYTES, STATUS_PATH, Survey,
 
 def honest(i: int) -> PeerRecord:
     return PeerRecord(peer_id=f"12D3KooWHonest{i:04d}", round=1234, state="training", fingerprint="f" * 16,
-                      params_sha256="a" * 64, slices={"stage0": "b" * 64}, name=f"swift-otter-{i:04d}", device="cpu",
+                      params_digest="a" * 64, slices={"stage0": "b" * 64}, name=f"swift-otter-{i:04d}", device="cpu",
                       loss=2.884, addresses=[f"/ip4/10.0.0.{i % 250}/tcp/31337/p2p/12D3KooWHonest{i:04d}"],
                       eval_history=[[r, 2.5 + r / 1000] for r in range(16)])
 
@@ -36,7 +36,7 @@ def padded(i: int) -> PeerRecord:
     """A record the DHT accepts (under 4 KiB), every string of it control characters: six bytes of JSON each."""
     c = "\x01"
     record = PeerRecord(peer_id=f"12D3KooWPadded{i:06d}", round=3, state="training", fingerprint=c * 64,
-                        params_sha256=c * 64, version=c * 64, name=c * 64, device=c * 256, addresses=[c * 256] * 11,
+                        params_digest=c * 64, version=c * 64, name=c * 64, device=c * 256, addresses=[c * 256] * 11,
                         group=c * 64, schedule=c * 64, slices={f"s{j}": c * 64 for j in range(2)})
     assert len(MSGPackSerializer.dumps(record.to_value())) <= MAX_RECORD_BYTES
     return record

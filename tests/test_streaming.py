@@ -201,7 +201,7 @@ def schedule_of(worker):
 
 
 def train_rounds(workers, rounds: int, group=None, start: int = 0):
-    """``rounds`` rounds of every worker in its own thread; each round's stats and params_sha256 per worker."""
+    """``rounds`` rounds of every worker in its own thread; each round's stats and params_digest per worker."""
     group = group or InProcessGroup(len(workers), timeout=60)
     stats, hashes = [[] for _ in workers], [[] for _ in workers]
     errors = []
@@ -211,7 +211,7 @@ def train_rounds(workers, rounds: int, group=None, start: int = 0):
         try:
             for r in range(start, start + rounds):
                 stats[rank].append(schedule.run(r, group.communicator(rank), RoundHooks()).comm)
-                hashes[rank].append(workers[rank].params_sha256)
+                hashes[rank].append(workers[rank].params_digest)
         except BaseException as e:
             errors.append(e)
             group.abort()
@@ -306,7 +306,7 @@ def test_fragments_of_a_round_they_do_not_divide_sync_at_its_floor_points_and_bo
         # started after inner steps 1 and 4 (as in the test above, the next step may be under way)
         assert recorder.log[0][2] in (0, 1) and recorder.log[1][2] in (3, 4)
         assert outcome.comm.applied and outcome.inner.steps == 5
-    assert workers[0].params_sha256 == workers[1].params_sha256
+    assert workers[0].params_digest == workers[1].params_digest
 
 
 def test_a_peer_whose_budget_fits_fewer_steps_spreads_its_fragment_syncs_over_them_and_weighs_its_tokens():
@@ -336,7 +336,7 @@ def test_a_peer_whose_budget_fits_fewer_steps_spreads_its_fragment_syncs_over_th
     starts = [[step for _, _, step, _ in recorder.log] for recorder in recorders]
     assert starts[0][0] in (2, 3) and starts[0][1] in (6, 7) and starts[1][0] in (0, 1) and starts[1][1] in (2, 3)
     assert all(outcome.comm.applied for outcome in outcomes)
-    assert workers[0].params_sha256 == workers[1].params_sha256
+    assert workers[0].params_digest == workers[1].params_digest
 
 
 def test_more_fragments_than_inner_steps_get_a_one_line_error():
@@ -360,20 +360,20 @@ def test_checkpoints_and_joiners_get_every_fragments_state(tmp_path):
     workers = replicas(2, "outer.algorithm=streaming", "outer.streaming.fragments=2")
     train_rounds(workers, 2)
     worker = workers[0]
-    assert set(worker.slice_sha256) == {"fragment0", "fragment1"}
+    assert set(worker.slice_digest) == {"fragment0", "fragment1"}
     checkpoint.save(tmp_path, worker.checkpoint(2), "run", "fp")
     resumed = replicas(1, "outer.algorithm=streaming", "outer.streaming.fragments=2")[0]
     resumed.restore(checkpoint.load(tmp_path, "run", "fp"), tmp_path)
     joiner = replicas(1, "outer.algorithm=streaming", "outer.streaming.fragments=2")[0]
     joiner.adopt({s.slice: s for s in worker.snapshots(2)})
     for other in (resumed, joiner):
-        assert other.params_sha256 == worker.params_sha256 and other.slice_sha256 == worker.slice_sha256
+        assert other.params_digest == worker.params_digest and other.slice_digest == worker.slice_digest
         assert all(torch.equal(a, b) for a, b in zip(other.outer.momentum, worker.outer.momentum))
         assert any(bool(m.any()) for m in other.outer.momentum)
         assert all(torch.equal(p, g) for p, g in zip(other.model.parameters(), other.outer.params))
     # and they go on with the swarm, bit-identical
     _, hashes = train_rounds([workers[1], joiner], 1, start=2)
-    assert hashes[0] == hashes[1] and hashes[0] != [worker.params_sha256]
+    assert hashes[0] == hashes[1] and hashes[0] != [worker.params_digest]
 
 
 # ---- real nodes ----------------------------------------------------------------------------------------------
@@ -398,4 +398,4 @@ def test_three_real_nodes_stream_fragments_and_agree_every_round(tmp_path):
             assert sum(r["fragment_bytes"]) == r["bytes_sent"] + r["bytes_received"]
             assert 4.2 < r["bits_per_param"] < 4.3  # E3M0 values and a float32 scale per 128
     for round_index in range(6):
-        assert len({records[round_index]["params_sha256"] for records in runs}) == 1
+        assert len({records[round_index]["params_digest"] for records in runs}) == 1

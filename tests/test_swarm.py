@@ -12,7 +12,7 @@ from p2ploco.launch import TINY_CONFIG, LocalSwarm
 from p2ploco.metrics import read_records
 
 PEER_ID = "12D3KooWJ4cJv1Dk5qw6xcEgp53RK6D3ijRbFuB8UvPLECdd6ED9"
-FIELDS = {"round", "peers", "loss", "eval_loss", "params_sha256", "bytes_sent", "bytes_received", "dense_fp32_bytes",
+FIELDS = {"round", "peers", "loss", "eval_loss", "params_digest", "bytes_sent", "bytes_received", "dense_fp32_bytes",
           "tokens", "inner_seconds", "comm_seconds", "round_seconds"}
 
 
@@ -45,7 +45,7 @@ def test_demo_three_nodes_train_together_with_identical_params(tmp_path):
             assert r["dht_bytes_sent"] > 0  # its record, stored at least as it moved to the round
         assert sum(r["dht_bytes_received"] for r in records) > 0
     for round_index in range(3):
-        assert len({records[round_index]["params_sha256"] for records in runs}) == 1
+        assert len({records[round_index]["params_digest"] for records in runs}) == 1
         # The aggregate every node applied weighed every member's contribution: the tokens the dashboard plots
         weighed = sum(records[round_index]["contributed_tokens"] for records in runs)
         assert {records[round_index]["aggregate_tokens"] for records in runs} == {weighed} and weighed > 0
@@ -61,7 +61,7 @@ def test_nodes_join_through_a_stock_hivemind_dht(tmp_path):
         assert [node.process.wait(200) for node in nodes] == [0, 0]
         a, b = swarm.records("a"), swarm.records("b")
     assert [r["peers"] for r in a] == [2, 2]
-    assert [r["params_sha256"] for r in a] == [r["params_sha256"] for r in b]
+    assert [r["params_digest"] for r in a] == [r["params_digest"] for r in b]
 
 
 @pytest.mark.slow  # a clean leave on SIGTERM is in the default run (test_elastic.py: crash, leave, join and rejoin)

@@ -123,9 +123,9 @@ def test_a_round_agrees_when_every_node_applied_it_in_one_group_with_one_hash(mo
     wan = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "wan", wan)  # its dataclasses look their module up there
     spec.loader.exec_module(wan)
-    row = {"applied": True, "peers": 3, "bytes_sent": 10, "bytes_received": 10, "params_sha256": "a"}
+    row = {"applied": True, "peers": 3, "bytes_sent": 10, "bytes_received": 10, "params_digest": "a"}
     assert wan.hashes_agree([row] * 3, 3)
-    assert not wan.hashes_agree([row, row, {**row, "params_sha256": "b"}], 3)  # split
+    assert not wan.hashes_agree([row, row, {**row, "params_digest": "b"}], 3)  # split
     assert not wan.hashes_agree([row, row, {**row, "peers": 2}], 3)  # left out, yet the same hash
     assert not wan.hashes_agree([row, row], 3)  # a node missing
     first = {**row, "applied": False, "peers": 1, "bytes_sent": 0, "bytes_received": 0}  # overlapped: round 0
@@ -134,14 +134,14 @@ def test_a_round_agrees_when_every_node_applied_it_in_one_group_with_one_hash(mo
     assert not wan.hashes_agree([first, row, row], 3)
     # A node whose step outlasts the round sits it out (or has no record of it: a longer step): the others agree.
     two = {**row, "peers": 2}
-    sat = {**first, "sat_out": True, "params_sha256": "old"}
+    sat = {**first, "sat_out": True, "params_digest": "old"}
     assert wan.hashes_agree([two, two, sat], 3) and wan.hashes_agree([two, two], 3)
     assert not wan.hashes_agree([two, two, {**sat, "sat_out": False}], 3)  # not applied, and not sat out
-    assert not wan.hashes_agree([two, two, {**row, "peers": 1, "params_sha256": "b"}], 3)  # applied alone: a split
+    assert not wan.hashes_agree([two, two, {**row, "peers": 1, "params_digest": "b"}], 3)  # applied alone: a split
     # A node late for the round applied nothing: not every host took part, yet those that applied agree.
-    late = {**first, "params_sha256": "old"}
+    late = {**first, "params_digest": "old"}
     assert not wan.hashes_agree([two, two, late], 3) and wan.appliers_agree([two, two, late])
-    assert not wan.appliers_agree([two, {**two, "params_sha256": "b"}, late])
+    assert not wan.appliers_agree([two, {**two, "params_digest": "b"}, late])
     assert not wan.appliers_agree([two, {**row, "peers": 1}, late])  # one applied alone beside a group of two
 
 

@@ -265,7 +265,7 @@ def test_per_host_summary_counts_tokens_of_applied_rounds_with_the_hosts_work(mo
     def record(round_index, applied, contributed, reachability="public", tokens=100, seconds=1.0):
         return {"round": round_index, "applied": applied, "contributed_tokens": contributed, "tokens": tokens,
                 "reachability": reachability, "peers": 2, "bytes_sent": 1, "bytes_received": 1,
-                "params_sha256": "x", "round_seconds": seconds}
+                "params_digest": "x", "round_seconds": seconds}
 
     public = [record(0, True, 100), record(1, True, 100), record(2, True, 100)]
     slow = [record(0, True, 0, "client", 50, 3.0), record(1, False, 50, "client", 50, 2.0),
@@ -296,7 +296,7 @@ def test_per_host_summary_counts_tokens_of_applied_rounds_with_the_hosts_work(mo
 def test_records_without_the_new_fields_show_unknown_rather_than_zero(monkeypatch):
     wan = load_wan(monkeypatch)
     old = [{"round": 0, "applied": True, "tokens": 10, "peers": 2, "bytes_sent": 1, "bytes_received": 1,
-            "params_sha256": "x"}]
+            "params_digest": "x"}]
     table, [detail] = wan.host_summary(wan.Setting("diloco", "100", [100.0]), [old])
     assert detail["reachability"] is None and detail["contributed_tokens"] is None
     assert detail["work_applied_rounds"] is None and detail["token_fraction"] is None

@@ -34,7 +34,7 @@ class Landed:
     outer_sync: OuterSync
     result: AllReduceResult
     step: OuterStep | None
-    slice_sha256: str = ""  # the hash of the synced slice once stepped (a Streaming DiLoCo fragment)
+    slice_digest: str = ""  # the hash of the synced slice once stepped (a Streaming DiLoCo fragment)
 
 
 class Background:

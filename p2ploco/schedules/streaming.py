@@ -43,7 +43,7 @@ class StreamingRounds(RoundSchedule):
         worker, outer = self.worker, self.outer
         syncing: dict[str, Future[Landed]] = {}
         synced: dict[str, Synced] = {}
-        hashes = dict(worker.slice_sha256)
+        hashes = dict(worker.slice_digest)
 
         # The steps that fit this peer's round budget (H without one), the fragments' syncs spread over them
         steps = max(outer.fewest_steps, hooks.budget.planned_steps() if hooks.budget is not None
@@ -61,7 +61,7 @@ class StreamingRounds(RoundSchedule):
                     synced[name] = self.background.take(landed)
                     if landed.step is not None:
                         outer.merge(worker.local_params(), [name])
-                        hashes[name] = landed.slice_sha256
+                        hashes[name] = landed.slice_digest
 
         hooks.announce()
         inner = worker.inner.run_round(round_index, lambda: False, between, FixedSteps(steps))
@@ -76,7 +76,7 @@ class StreamingRounds(RoundSchedule):
     def _land(self, sync: OuterSync, name: str) -> Landed:
         landed = self.background.land(sync)
         if landed.step is not None:
-            landed.slice_sha256 = self.worker.slice_hash(landed.step, name)
+            landed.slice_digest = self.worker.slice_hash(landed.step, name)
         return landed
 
     def close(self) -> None:

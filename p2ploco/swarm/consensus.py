@@ -94,7 +94,7 @@ class SwarmState:
 
     round: int
     slice: str
-    state_sha256: str  # ``metrics.state_sha256`` of the slice
+    state_digest: str  # ``metrics.state_digest`` of the slice
     holders: tuple[str, ...]
 
     @property

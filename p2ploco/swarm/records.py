@@ -83,7 +83,7 @@ class PeerRecord(BaseModel):
     round: Annotated[int, Field(ge=0, le=MAX_ROUND)]  # the round this peer is working on
     state: status_of(PeerState)
     fingerprint: Short  # of the config parts every peer of a round must share (Config.swarm_fingerprint)
-    params_sha256: Short = ""  # hash of the global parameters this peer holds, at the start of `round`
+    params_digest: Short = ""  # hash of the global parameters this peer holds, at the start of `round`
     slices: Annotated[dict[Annotated[str, StringConstraints(max_length=32)], Short],
                       Field(max_length=MAX_SLICES)] = {}  # slice name -> hash of its global parameters, same time
     version: Short = ""

@@ -105,13 +105,13 @@ class Swarm:
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)
 
-    def announce_progress(self, round_index: int, phase: PeerState, params_sha256: str, slices: dict[str, str],
+    def announce_progress(self, round_index: int, phase: PeerState, params_digest: str, slices: dict[str, str],
                           unsettled: bool = False) -> None:
         """Announce where this peer is: its phase, the round it works on and the state digests it started from (of all
         it holds, and of each slice), and whether that state is unsettled (its last round may have ended otherwise
         for the others, and it has not caught up since: the state then has no say on the swarm's). Returns at
         once: the record is stored in the background (a round's join waits for it, ``flush`` too)."""
-        self.update_record(round=round_index, state=phase, params_sha256=params_sha256, slices=dict(slices),
+        self.update_record(round=round_index, state=phase, params_digest=params_digest, slices=dict(slices),
                            unsettled=unsettled)
 
     def update_record(self, **changes: object) -> None:
@@ -167,7 +167,7 @@ class Swarm:
         """The state ``claim``'s lone holder serves, the claimed one or a later round's (``state.served_state``);
         None if neither. A refusal is remembered for a while (a record that lies is not asked about again and
         again); a state served is asked for afresh at every look, as its holder moves on."""
-        key = (claim.holders[0], claim.round, claim.slice, claim.state_sha256)
+        key = (claim.holders[0], claim.round, claim.slice, claim.state_digest)
         now = time.monotonic()
         self._refusals = {k: when for k, when in self._refusals.items() if now - when < PROBE_MEMORY}
         if key in self._refusals:

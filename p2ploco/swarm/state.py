@@ -8,7 +8,7 @@ slice, from any holder: a full replica or the same stage of another group.
 
 Nothing a donor says is taken on its word. The state to fetch is the one the swarm vouches for
 (``consensus.ranked_states``: by the number of peers whose signed records hold it, never by how far ahead a
-claim is), and its hash covers the parameters and the shared outer state alike (``metrics.state_sha256``).
+claim is), and its hash covers the parameters and the shared outer state alike (``metrics.state_digest``).
 Each donor first describes the blob: its size and a manifest, the sha256 of every ``RANGE_BYTES`` of it.
 The manifest most donors describe is fetched first, in ranges from all of its donors at once (two streams per
 donor, so a donor's link does not idle a round trip per range), and every range is checked against it as it
@@ -21,7 +21,7 @@ A range request, a wire message (``swarm/wire.py``) with no payload::
 
     {v, round: the round the state starts, or -1 for the latest, slice, offset, length: <= 4 MiB}
 
-answered ``{v, status: ok, round, slice, total, state_sha256}`` + the bytes of the range, or, for a length of 0
+answered ``{v, status: ok, round, slice, total, state_digest}`` + the bytes of the range, or, for a length of 0
 (the joiner's first question), + the manifest; ``{v, status: moved, round: the latest held}``; or
 ``{v, status: empty}`` (no state of that slice). A range starts at a multiple of ``RANGE_BYTES``.
 """
@@ -47,7 +47,7 @@ from safetensors.torch import save as save_tensors
 
 from p2ploco import faults
 from p2ploco.errors import PayloadError, SwarmError, TransportError
-from p2ploco.metrics import state_sha256
+from p2ploco.metrics import state_digest
 from p2ploco.swarm import wire
 from p2ploco.swarm.consensus import SwarmState
 from p2ploco.swarm.deadlines import TransferDeadline
@@ -79,7 +79,7 @@ class Snapshot:
     slice: str  # the slice these parameters make up
     params: dict[str, torch.Tensor]  # CPU tensors that nobody writes (a published state, or fetched)
     shared: dict[str, torch.Tensor]
-    state_sha256: str  # ``metrics.state_sha256`` of params and shared: what the records vouch for
+    state_digest: str  # ``metrics.state_digest`` of params and shared: what the records vouch for
     _blob: bytes | None = field(default=None, repr=False)
     _manifest: bytes | None = field(default=None, repr=False)
 
@@ -112,7 +112,7 @@ class Snapshot:
             if tensor.dtype != torch.float32 or not torch.isfinite(tensor).all():
                 raise PayloadError(f"state tensor {key[:64]!r} is not finite float32")
             (params if section == "param" else shared)[name] = tensor
-        return cls(round_index, slice_name, params, shared, state_sha256(params, shared), blob)
+        return cls(round_index, slice_name, params, shared, state_digest(params, shared), blob)
 
 
 def manifest_of(blob: bytes) -> bytes:
@@ -161,7 +161,7 @@ class StateServer:
             else:  # the joiner's first question: how big, and the hash of every range
                 payload = await loop.run_in_executor(None, snapshot.manifest)
             answer = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": len(blob),
-                      "state_sha256": snapshot.state_sha256}
+                      "state_digest": snapshot.state_digest}
             await asyncio.wait_for(wire.write_message(writer, answer, payload), self.deadline.seconds(len(payload)))
 
 
@@ -177,7 +177,7 @@ class StateAnswer(Message):
     round: Round = 0  # with ok: the state's round; with moved: the latest the donor holds
     slice: SliceName = "-"
     total: Annotated[int, Field(ge=0, le=MAX_STATE_BYTES)] = 0  # with ok: the blob's size
-    state_sha256: Digest = ""
+    state_digest: Digest = ""
 
 
 @dataclass(frozen=True)
@@ -204,8 +204,8 @@ def parse_description(header: dict[str, Any], payload: bytes, target: SwarmState
 
 
 def _answers_for(answer: StateAnswer, target: SwarmState) -> bool:
-    return answer.status == StateStatus.OK and (answer.round, answer.slice, answer.state_sha256) == (
-        target.round, target.slice, target.state_sha256)
+    return answer.status == StateStatus.OK and (answer.round, answer.slice, answer.state_digest) == (
+        target.round, target.slice, target.state_digest)
 
 
 async def _request(p2p: P2P, handler: str, donor: str, round_index: int, slice_name: str, offset: int, length: int,
@@ -223,8 +223,8 @@ async def served_state(p2p: P2P, handler: str, claim: SwarmState, timeout: float
     try:
         header, payload = await _request(p2p, handler, donor, LATEST, claim.slice, 0, 0, timeout)
         answer = decode(StateAnswer, header)
-        served = SwarmState(answer.round, claim.slice, answer.state_sha256, (donor,))
-        if answer.round < claim.round or (answer.round == claim.round and answer.state_sha256 != claim.state_sha256):
+        served = SwarmState(answer.round, claim.slice, answer.state_digest, (donor,))
+        if answer.round < claim.round or (answer.round == claim.round and answer.state_digest != claim.state_digest):
             return None
         return served if parse_description(header, payload, served) is not None else None
     except (PayloadError, TransportError, TimeoutError):
@@ -270,7 +270,7 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, donors: Sequen
             continue
         try:
             snapshot = Snapshot.from_blob(target.round, target.slice, blob)
-            if snapshot.state_sha256 != target.state_sha256:
+            if snapshot.state_digest != target.state_digest:
                 raise PayloadError("its contents do not hash to the state the swarm vouches for")
         except PayloadError as e:  # every range matched the manifest: the manifest itself was false
             for donor in agreeing:
