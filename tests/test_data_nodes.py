@@ -54,7 +54,9 @@ def test_a_node_joins_with_one_address_trains_the_runs_config_and_a_conflicting_
     assert f"{tmp_path / 'ours'} (prepared)" in b_log and "H=4" in b_log
     assert (tmp_path / "swarm" / "a.log").read_text().count("with another config of its own") == 1
     assert_trained_together(runs, rounds)
-    assert max(r["inner_steps"] for r in runs["b"]) == 4  # H as the run's, or fewer where the round's pace says
+    # the run's H (tiny.yaml's own is 5), or fewer where the round's pace says: how many is the host's timing (a
+    # fresh clone's run on a loaded host trained 2, 1, 1, 2), so only the bound is asserted, and "H=4" above
+    assert all(1 <= r["inner_steps"] <= 4 for r in runs["b"])
 
 
 @pytest.mark.slow
