@@ -13,6 +13,6 @@ __version__ = "0.1.0"
 # 7: hubs: a member may join with 0 tokens (it contributes nothing), asks reducers for results with "listen", and
 # records may say role "hub"; a group is fitted to its contributors, not its holders.
 # 8: a contribution is fitted to every attempt's group (a redo's, the next coordinator's after a dead group), not
-# only to the first group a peer took part in; state digests hash 16 MiB blocks in parallel (metrics.state_digest).
+# only to the first group a peer took part in; state digests hashed 16 MiB blocks of SHA-256 in parallel.
 # 9: state digests are BLAKE3 (metrics.state_digest); records say params_digest, claims state_digest.
 PROTOCOL_VERSION = 9

@@ -137,14 +137,7 @@ def read_records(path: Path) -> list[dict]:
 
 def params_sha256(names: Sequence[str], tensors: Iterable[torch.Tensor]) -> str:
     """Digest of parameters by name, shape and float32 bits: equal exactly when the parameters are."""
-    import torch  # here, not at the top: `p2ploco peers --from` formats with this module and must start fast
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(zip(names, tensors), key=lambda item: item[0]):
-        values = tensor.detach().to("cpu", torch.float32).contiguous()
-        digest.update(f"{name}:{tuple(values.shape)};".encode())
-        digest.update(values.view(torch.uint8).numpy())  # hashed in place: no copy of the model
-    return digest.hexdigest()
+    return _hexdigest(hashlib.sha256(), sorted(zip(names, tensors), key=lambda item: item[0]))
 
 
 def state_digest(params: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]) -> str:
@@ -160,7 +153,13 @@ def state_digest(params: dict[str, torch.Tensor], shared: dict[str, torch.Tensor
 
     named = sorted([(f"param/{name}", t) for name, t in params.items()]
                    + [(f"shared/{key}", t) for key, t in shared.items()], key=lambda item: item[0])
-    digest = blake3.blake3(max_threads=torch.get_num_threads())
+    return _hexdigest(blake3.blake3(max_threads=torch.get_num_threads()), named)
+
+
+def _hexdigest(digest, named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """``digest`` (a hashlib or blake3 object) of each named tensor in turn: its name, shape and float32 bytes."""
+    import torch  # here, not at the top: `p2ploco peers --from` formats with this module and must start fast
+
     for name, tensor in named:
         values = tensor.detach().to("cpu", torch.float32).contiguous()
         digest.update(f"{name}:{tuple(values.shape)};".encode())
