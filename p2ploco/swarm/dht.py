@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 from collections.abc import Sequence
 
 from hivemind.dht.node import DHTNode
@@ -17,6 +20,7 @@ from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.schema import record_validator
 
 EXAMPLE = "/ip4/203.0.113.7/tcp/31337/p2p/Qm..."
+DAEMON_LOG = logging.getLogger("hivemind.p2p.p2p_daemon")  # where hivemind logs what its p2p daemon prints
 
 
 def check_multiaddrs(values: Sequence[str], option: str, need_peer_id: bool) -> list[str]:
@@ -50,7 +54,10 @@ async def start_dht_node(
     signed with ``identity``'s key, the one behind the peer id (a client that publishes nothing may go without:
     its daemon makes up a key), and validated for ``run_id``'s key too if given. Returns the node and the subkey
     its records are stored under. An ephemeral identity's key file is gone once this returns (a claimed one is
-    the caller's to release)."""
+    the caller's to release). What the daemon logs while it starts is shown once it has started, or if it fails in a
+    way this does not explain; a daemon that fails as expected (a port in use, no bootstrap peer) is one line."""
+    reapers, held, explained = _reapers(), _HeldRecords(), False
+    DAEMON_LOG.addFilter(held)
     try:
         initial_peers = check_multiaddrs(initial_peers, "--initial-peers", need_peer_id=True)
         host_maddrs = check_multiaddrs(host_maddrs, "--host-maddrs", need_peer_id=False)
@@ -74,6 +81,8 @@ async def start_dht_node(
             **({"dht_mode": dht_mode} if dht_mode is not None else {}),
         ), owner
     except P2PDaemonError as e:
+        explained = True  # its last words (e.g. a listener closed as it exits) would only bury the error's line
+        await _reaped(_reapers() - reapers)
         text = str(e)
         if "failed to connect to bootstrap peers" in text:
             raise SwarmError(f"could not reach any bootstrap peer in {', '.join(initial_peers)}: "
@@ -91,8 +100,40 @@ async def start_dht_node(
                              f"is it a hivemind DHT peer of a compatible version?") from None
         raise
     finally:
+        DAEMON_LOG.removeFilter(held)
+        if not explained:
+            for record in held.records:
+                DAEMON_LOG.handle(record)
         if identity is not None and identity.ephemeral:
             identity.release()
+
+
+class _HeldRecords(logging.Filter):
+    """Keeps a logger's records instead of letting them through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+def _reapers() -> set[threading.Thread]:
+    """asyncio's threads (Python 3.11's child watcher) that wait for this process's children to exit."""
+    return {thread for thread in threading.enumerate() if thread.name.startswith("asyncio-waitpid-")}
+
+
+async def _reaped(reapers: set[threading.Thread], timeout: float = 5.0) -> None:
+    """Wait, with the loop running, until ``reapers`` have reported their children's exit to it. Hivemind leaves a
+    daemon that failed to start to its reaper, and the node stops at once with a one-line error: a report that comes
+    after the loop closed is a stray warning line under it. (Python 3.12+ watches children on the loop: no threads.)"""
+    def join() -> None:
+        for thread in reapers:
+            thread.join(timeout)
+
+    await asyncio.to_thread(join)
 
 
 async def start_serving(node: DHTNode) -> None:
