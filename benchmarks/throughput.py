@@ -20,8 +20,9 @@ the device sees them): contribute, its reducer's span, receive, prepare, take, h
 cores shared among the nodes on a GPU): a lone node, and 2 nodes blocking and overlapped, at H = 3 and H = 30.
 Tokens per wall second per node over rounds 1 .. R-2 (round 0 includes start-up, the last round the exit
 checkpoint), against the bare loop's tokens per second at one thread and, on a CPU, against N bare loops run at once
-(one process and one thread each, as N nodes share the cores: what is left of the gap is the nodes' own); and the
-medians of round seconds, inner seconds and round - inner.
+(one process and one thread each, as N nodes share the cores: what is left of the gap is the nodes' own; the mean of
+such a measure right before and right after the run, as a shared host's speed drifts); and the medians of round
+seconds, inner seconds and round - inner.
 
 On CUDA, MFU too: 6 x parameters x tokens per second (plus attention's 12 x layers x d_model x seq_len per
 token) over the device's peak bf16 FLOPs (``--peak-tflops``, or a table of common GPUs).
@@ -345,17 +346,20 @@ def main() -> None:
         if "runs" in args.parts:
             bare = next((r["bare_tokens_per_second"] for r in rows if r["part"] == "inner" and r["model"] == model),
                         None)
-            side_by_side: dict[int, float] = {}  # nodes -> a bare loop's tokens/s among as many at once
             for nodes, steps, overlap in (WHOLE_RUNS[name] for name in args.whole_runs):
+                # A shared host's speed drifts by more than the gap measured: N bare loops run right before and
+                # right after the run, and the run is held against their mean.
+                side_by_side = device.type == "cpu" and nodes > 1
+                before = bare_loops_side_by_side(model, args.overrides, nodes, args.steps) if side_by_side else 0.0
                 row = measure_run(model, args.overrides, nodes, steps, overlap, args.rounds, device, log)
                 if bare is not None and torch.get_num_threads() == 1:
                     row["vs_bare"] = round(row["tokens_per_second_per_node"] / bare, 3)
-                if device.type == "cpu" and nodes > 1:
-                    if nodes not in side_by_side:
-                        side_by_side[nodes] = bare_loops_side_by_side(model, args.overrides, nodes, args.steps)
-                        log(f"[runs {model}] {nodes} bare loops side by side: {side_by_side[nodes]:,.0f} tok/s each")
-                    row["bare_side_by_side_tokens_per_second"] = round(side_by_side[nodes])
-                    row["vs_bare_side_by_side"] = round(row["tokens_per_second_per_node"] / side_by_side[nodes], 3)
+                if side_by_side:
+                    after = bare_loops_side_by_side(model, args.overrides, nodes, args.steps)
+                    log(f"[runs {model}] {nodes} bare loops side by side: {before:,.0f} tok/s each before the run, "
+                        f"{after:,.0f} after")
+                    row["bare_side_by_side_tokens_per_second"] = round((before + after) / 2)
+                    row["vs_bare_side_by_side"] = round(row["tokens_per_second_per_node"] * 2 / (before + after), 3)
                 rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))
