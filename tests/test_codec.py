@@ -37,6 +37,7 @@ def test_top_positions_are_the_topk_of_every_row(n, k, monkeypatch):
     rows[4, : n // 2] = 1.0  # ties at the k-th largest
     rows[5, -n // 8 :] = 50.0 + torch.arange(n // 8)  # the whole Top-k in one corner of the chunk
     rows[6, 5] = float("nan")  # NaN counts as the largest, as in torch.topk
+    rows[7, torch.arange(min(k, 8)) * (n // 8) + 3] = float("nan")  # NaNs in several groups, at most k of them
     got = top_positions(rows, k)
     expected = torch.topk(rows.abs(), k, dim=1).indices.sort(dim=1).values
     assert got.shape == (300, k) and bool((got.diff(dim=1) > 0).all())  # sorted, no repeats
