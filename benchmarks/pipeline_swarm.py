@@ -18,13 +18,13 @@ from their round records, leaving out the first round (it includes forming the g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
 from p2ploco.config import load_config, with_overrides
-from p2ploco.demo import run_demo
+from p2ploco.demo import run_demo, scratch_folder
 from p2ploco.metrics import format_table, read_records
 from p2ploco.pipeline.transport import id_dtype
 
@@ -35,13 +35,15 @@ def median(records: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in records)
 
 
-def measure(config_path: Path, rounds: int, overrides: list[str], workdir: Path) -> dict:
-    """Run the swarm and reduce its round records to the benchmark's figures."""
+def measure(config_path: Path, rounds: int, overrides: list[str], workdir: Path, scratch: bool) -> dict:
+    """Run the swarm and reduce its round records to the benchmark's figures (``scratch``: ``workdir`` is a
+    ``scratch_folder``)."""
     config = with_overrides(load_config(config_path), overrides)
     if config.pipeline.stages != 2:
         raise SystemExit(f"error: {config_path} has pipeline.stages={config.pipeline.stages}; this benchmark runs "
                          f"a 2-stage group (use configs/tiny-pipeline.yaml or --set pipeline.stages=2)")
-    ok = run_demo(1, 1, 2, rounds, config_path, workdir, overrides, out=lambda line: print(line, flush=True))
+    ok = run_demo(1, 1, 2, rounds, config_path, workdir, overrides, out=lambda line: print(line, flush=True),
+                  scratch=scratch)
     if not ok:
         raise SystemExit(f"error: the swarm did not finish every round with identical slices; logs in {workdir}")
     records = {name: [r for r in read_records(workdir / name / "metrics.jsonl") if r["round"] > 0]
@@ -79,8 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error("--rounds must be at least 2 (the first round is left out of the figures)")
-    with tempfile.TemporaryDirectory(prefix="p2ploco-pipeline-swarm-") as scratch:
-        figures = measure(args.config, args.rounds, args.overrides, args.workdir or Path(scratch))
+    with contextlib.nullcontext(args.workdir) if args.workdir else scratch_folder("p2ploco-pipeline-swarm-") as workdir:
+        figures = measure(args.config, args.rounds, args.overrides, workdir, scratch=args.workdir is None)
     if args.json:
         print(json.dumps(figures))
         return

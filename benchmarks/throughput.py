@@ -36,10 +36,8 @@ import multiprocessing
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -49,7 +47,7 @@ from p2ploco.collective.exchange import reduce_span
 from p2ploco.collective.sliced import reduce_alone
 from p2ploco.config import Config, load_config
 from p2ploco.data import ShardSampler, load_training_data
-from p2ploco.demo import run_demo, slices_agree
+from p2ploco.demo import run_demo, scratch_folder, slices_agree
 from p2ploco.host_memory import keep_freed_memory
 from p2ploco.inner import autocast_for
 from p2ploco.launch import REPO_ROOT, TINY_CONFIG
@@ -289,12 +287,12 @@ def measure_run(model: str, extra: list[str], nodes: int, steps: int, overlap: b
             "training.eval_every=100000", *extra]
     if overlap:
         sets.append("outer.sparseloco.overlap=true")
-    with tempfile.TemporaryDirectory(prefix="p2ploco-throughput-") as workdir:
-        ok = run_demo(nodes, 0, 1, rounds, path, Path(workdir), sets, out=log)
-        runs = [read_records(path) for path in sorted(Path(workdir).glob("node*/metrics.jsonl"))]
-    if not ok or len(runs) != nodes:
-        raise SystemExit(f"error: the run of {nodes} node(s), H={steps}{', overlapped' if overlap else ''} failed "
-                         f"(its log above)")
+    with scratch_folder("p2ploco-throughput-") as workdir:
+        ok = run_demo(nodes, 0, 1, rounds, path, workdir, sets, out=log, scratch=True)
+        runs = [read_records(path) for path in sorted(workdir.glob("node*/metrics.jsonl"))]
+        if not ok or len(runs) != nodes:
+            raise SystemExit(f"error: the run of {nodes} node(s), H={steps}{', overlapped' if overlap else ''} "
+                             f"failed (its log above; its nodes' logs in {workdir})")
     rates, middle = [], []
     for records in runs:
         records = sorted(records, key=lambda r: r["round"])[: rounds - 1]  # to R-2 (the last writes the checkpoint)

@@ -21,10 +21,8 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
-from pathlib import Path
 
-from p2ploco.demo import run_demo, slices_agree
+from p2ploco.demo import run_demo, scratch_folder, slices_agree
 from p2ploco.launch import TINY_CONFIG
 from p2ploco.metrics import format_table, read_records
 
@@ -35,13 +33,13 @@ SETTING_21M = ["model.d_model=768", "model.n_layer=3", "model.n_head=12", "inner
 def measure(setting: str, algorithm: str, nodes: int, rounds: int, overrides: list[str], log) -> dict:
     overlap = [] if setting == "none" else [f"outer.{algorithm}.overlap=true",
                                             f"outer.{algorithm}.overlap_update={setting}"]
-    with tempfile.TemporaryDirectory(prefix="p2ploco-utilisation-") as workdir:
-        ok = run_demo(nodes, 0, 1, rounds, TINY_CONFIG, Path(workdir),
-                      [*SETTING_21M, f"outer.algorithm={algorithm}", *overlap, *overrides], out=log)
-        records = {f"node{i}": read_records(Path(workdir) / f"node{i}" / "metrics.jsonl") for i in range(nodes)}
-    middle = [r for rs in records.values() for r in rs if 1 <= r["round"] <= rounds - 2]
-    if not ok or not middle:
-        raise SystemExit(f"the {setting} run did not complete (see the lines above)")
+    with scratch_folder("p2ploco-utilisation-") as workdir:
+        ok = run_demo(nodes, 0, 1, rounds, TINY_CONFIG, workdir,
+                      [*SETTING_21M, f"outer.algorithm={algorithm}", *overlap, *overrides], out=log, scratch=True)
+        records = {f"node{i}": read_records(workdir / f"node{i}" / "metrics.jsonl") for i in range(nodes)}
+        middle = [r for rs in records.values() for r in rs if 1 <= r["round"] <= rounds - 2]
+        if not ok or not middle:
+            raise SystemExit(f"the {setting} run did not complete (see the lines above; its nodes' logs in {workdir})")
 
     def median(key) -> float:
         return statistics.median(key(r) for r in middle)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+import shutil
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from p2ploco.launch import LocalSwarm
@@ -18,12 +21,13 @@ STARTUP_SECONDS = 120.0  # for a node to start and print it
 
 def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path, workdir: Path,
              overrides: Sequence[str] = (), out: Callable[[str], None] = print, ranks: int = 1,
-             status_port: int | None = None) -> bool:
+             status_port: int | None = None, scratch: bool = False) -> bool:
     """Run the swarm to completion, printing a line per round and a summary; True if all went well.
     ``groups`` pipeline groups get one stage peer per stage (pinned, so the run is the same every time).
     ``overrides`` (``key=value``) go to every node as ``--set``. ``ranks``: node0 trains on that many local ranks
     (``p2ploco.ranks``), and the run counts them all (``training.max_ranks``). ``status_port``: the first node serves
-    its status and the dashboard there, on loopback (0: a port the OS picks; None: not served)."""
+    its status and the dashboard there, on loopback (0: a port the OS picks; None: not served). ``scratch``: ``workdir``
+    is a benchmark's ``scratch_folder``, removed once read if the run went well."""
     serves = ("--status-port", str(status_port)) if status_port is not None else ()  # the first node started
     members = [("node0", (("--nproc-per-node", str(ranks)) if ranks > 1 else ()) + serves)] if replicas else []
     members += [(f"node{i}", ()) for i in range(1, replicas)]
@@ -71,12 +75,22 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
         out(f"identical global parameters on {which} after every round: {'yes' if agree else 'NO'}")
     ok = not failed and all(agreement.values()) and all(len(r) == rounds for r in records.values())
     size = sum(path.stat().st_size for path in workdir.rglob("*") if path.is_file())
-    out(f"logs, metrics and checkpoints: {workdir} ({human_bytes(size)}; it stays until you delete it)")
+    fate = "removed once the benchmark has read it" if scratch and ok else "it stays until you delete it"
+    out(f"logs, metrics and checkpoints: {workdir} ({human_bytes(size)}; {fate})")
     if ok:
         # A replica's final checkpoint, or the stages' of the first pipeline group: the model the swarm trained.
         sources = [workdir / "node0"] if replicas else [workdir / f"g0s{s}" for s in range(stages)]
         out(_sample(sources))
     return ok
+
+
+@contextlib.contextmanager
+def scratch_folder(prefix: str) -> Iterator[Path]:
+    """A new folder for a benchmark's run (``run_demo(..., scratch=True)``): removed when the block ends, kept
+    when it raises, as a benchmark does for a run that failed (its logs are what to read then)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    yield folder
+    shutil.rmtree(folder)
 
 
 def _sample(log_dirs: list[Path]) -> str:

@@ -2,16 +2,30 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
+
+from p2ploco.demo import scratch_folder
 
 
 def run(*args: str) -> str:
     result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
     return result.stdout
+
+
+def test_a_benchmark_run_folder_is_removed_once_read_and_kept_when_the_run_failed():
+    with scratch_folder("p2ploco-test-") as read:
+        (read / "node0.log").write_text("trained")
+    assert not read.exists()
+    with pytest.raises(SystemExit, match="the run failed"), scratch_folder("p2ploco-test-") as failed:
+        (failed / "node0.log").write_text("error: something")
+        raise SystemExit("the run failed")
+    assert (failed / "node0.log").read_text() == "error: something"  # its logs, for the person reading the failure
+    shutil.rmtree(failed)
 
 
 @pytest.mark.timeout(260)
