@@ -45,7 +45,7 @@ def build_replica(config: Config, device: torch.device, sampler: ShardSampler, r
 
         cpu = torch.device("cpu")
         whole = _seeded_model(c, cpu, run_subspace(c, cpu))
-        leader = ShardedLeader(ranks, ShardedState(ranks, list(model.parameters())), list(whole.parameters()))
+        leader = ShardedLeader(ranks, ShardedState(ranks, model), list(whole.parameters()))
         return Worker(c, cpu, whole, InnerTrainer(model, c.inner, gradients, device, c.inner_horizon,
                                                   followers=leader), None)
     followers = Leader(ranks) if ranks is not None else None

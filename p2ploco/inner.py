@@ -26,7 +26,7 @@ import torch
 from p2ploco import faults
 from p2ploco.budget import RoundBudget, StepTimes
 from p2ploco.config import InnerConfig
-from p2ploco.data import ShardSampler
+from p2ploco.data import Batch, ShardSampler
 
 
 @dataclass
@@ -73,6 +73,10 @@ class Followers(Protocol):
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Replace ``optimizer``'s state with ``state`` (a checkpoint's), and theirs."""
+
+    def evaluate(self, model: torch.nn.Module, batches: list[Batch]) -> float:
+        """The mean next-token loss of ``batches`` under the params the node's outer step reads, scored with the
+        trainer's ``model`` (on this rank alone, or on every rank, each its share, where the ranks hold shards)."""
 
 
 class GradientSource(ABC):
@@ -195,6 +199,13 @@ class InnerTrainer:
             self.followers.after_step(self.params)
         return loss, stop_votes == 0
 
+    def evaluate(self, batches: list[Batch]) -> float:
+        """The mean next-token loss of ``batches`` under the params the node's outer step reads: the model's, or,
+        where the node's ranks shard it, theirs (``Followers.evaluate``)."""
+        if self.followers is None:
+            return evaluate(self.model, batches, self.device)
+        return self.followers.evaluate(self.model, batches)
+
     def run_round(self, round_index: int, should_stop: Callable[[], bool] = lambda: False,
                   between: Callable[[int], None] | None = None, budget: RoundBudget | None = None
                   ) -> InnerStats | None:
@@ -258,9 +269,16 @@ class InnerTrainer:
             self.followers.load_optimizer_state(self.optimizer, state)
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+def evaluate(model: torch.nn.Module, batches: list[Batch], device: torch.device) -> float:
     """Mean next-token loss over the held-out batches."""
+    total, count = loss_sums(model, batches, device)
+    return total / count
+
+
+@torch.no_grad()
+def loss_sums(model: torch.nn.Module, batches: list[Batch], device: torch.device) -> tuple[float, int]:
+    """The next-token loss summed over every target of ``batches``, and how many targets (the model left in eval
+    mode)."""
     model.eval()
     total, count = 0.0, 0
     for inputs, targets in batches:
@@ -268,4 +286,4 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
             loss = model(inputs.to(device), targets=targets.to(device))
         total += loss.item() * targets.numel()
         count += targets.numel()
-    return total / count
+    return total, count

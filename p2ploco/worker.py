@@ -34,7 +34,7 @@ from p2ploco.checkpoint import Checkpoint
 from p2ploco.config import Config
 from p2ploco.data import Batch
 from p2ploco.errors import CheckpointError, SwarmError
-from p2ploco.inner import Constraint, InnerTrainer, evaluate
+from p2ploco.inner import Constraint, InnerTrainer
 from p2ploco.metrics import state_digest
 from p2ploco.model import Transformer
 from p2ploco.outer import build_outer
@@ -152,7 +152,7 @@ class Worker:
         params = self.local_params()
         local = [p.detach().clone() for p in params]
         self._load(self.published.params)
-        loss = evaluate(self.model, batches, self.device)
+        loss = self.inner.evaluate(batches)
         for param, mine in zip(params, local):
             param.copy_(mine)
         self.model.train()

@@ -17,12 +17,14 @@ from p2ploco.launch import TINY_CONFIG, LocalSwarm
 pytestmark = pytest.mark.timeout(180)
 
 SETTINGS = ["inner.steps=4", "inner.warmup_steps=2", "inner.grad_clip=0.5", "model.n_layer=1", "model.d_model=64",
-            "data.seq_len=32", "inner.batch_size=4", "training.threads=1"]
+            "data.seq_len=32", "inner.batch_size=4", "training.threads=1", "data.eval_sequences=40"]
 PEER = "12D3KooWRankTestPeer"  # whose shard of the data both train
 
-# A node's inner steps as a node takes them, on training.ranks local ranks: round 0; round 1 from the global params
-# (as a round's start loads them); then round 1 again from round 0's checkpoint (its params and inner optimizer state:
-# the other ranks must take both, or they step from another state). It saves the params it ends with.
+# A node's inner steps as a node takes them, on training.ranks local ranks: round 0; an evaluation of the global
+# params (lent to the model: its local params are put back after); round 0 again, on from the local params; round 1
+# from the global params (as a round's start loads them); then round 1 again from the checkpoint taken before it (its
+# params and inner optimizer state: the other ranks must take both, or they step from another state). It saves the
+# params it ends with.
 ROUNDS = textwrap.dedent("""
     import copy
     import sys
@@ -30,7 +32,8 @@ ROUNDS = textwrap.dedent("""
     import torch
     from p2ploco.build import build_replica
     from p2ploco.config import load_config
-    from p2ploco.data import ShardSampler, load_training_data
+    from p2ploco.data import ShardSampler, eval_batches, load_training_data
+    from p2ploco.inner import evaluate
     from p2ploco.ranks import LocalRanks
     from p2ploco.ranks.group import RankSetup
 
@@ -44,6 +47,11 @@ ROUNDS = textwrap.dedent("""
         worker = build_replica(config, cpu, sampler, ranks)
         start = [p.detach().clone() for p in worker.local_params()]
         stats = [worker.inner.run_round(0)]
+        held_out = eval_batches(data.eval, config.data.seq_len, config.data.eval_sequences)
+        worker.local_params()  # the steps' result in the model the outer step reads (a sharded node's whole copy)
+        local_eval = evaluate(worker.model, held_out, cpu)  # in this process, on that model
+        evaluated = worker.evaluate(held_out)
+        stats.append(worker.inner.run_round(0))
         saved = copy.deepcopy(worker.checkpoint(1))  # as written: the live optimizer state moves on
         worker.load_into_model()
         stats.append(worker.inner.run_round(1))
@@ -55,7 +63,8 @@ ROUNDS = textwrap.dedent("""
         torch.save({"start": start, "params": [p.detach() for p in worker.local_params()],
                     "held": [sum(held(p) for p in worker.inner.params), sum(held(m) for m in moments)],
                     "saved": {key: (tuple(t.shape), t.dtype) for key, t in saved.local.items()},
-                    "tokens": [s.tokens for s in stats], "losses": [s.loss for s in stats]}, sys.argv[3])
+                    "tokens": [s.tokens for s in stats], "losses": [s.loss for s in stats],
+                    "eval": evaluated, "local_eval": local_eval}, sys.argv[3])
     finally:
         if ranks is not None:
             ranks.close()
@@ -73,13 +82,18 @@ def trained(tmp_path: Path, name: str, settings: list[str]) -> dict:
 def test_a_two_rank_node_trains_what_one_rank_trains_on_twice_the_batch(tmp_path: Path, sharded: bool):
     two = trained(tmp_path, "two", ["training.ranks=2", "training.max_ranks=2", f"training.shard={sharded}"])
     one = trained(tmp_path, "one", ["inner.grad_accum=2"])
-    assert two["tokens"] == one["tokens"] == [4 * 2 * 4 * 32] * 3  # H steps of 2 ranks' batches
+    assert two["tokens"] == one["tokens"] == [4 * 2 * 4 * 32] * 4  # H steps of 2 ranks' batches
     # Within float reduction order: DDP sums the two ranks' gradients where one process adds its micro-batches one by
     # one, so the sums differ in the last bits, and AdamW's steps carry that on.
     for mine, theirs in zip(two["params"], one["params"]):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    assert two["losses"][1] == pytest.approx(two["losses"][2], rel=1e-6)  # round 1 again, from the same state
+    assert two["losses"][2] == pytest.approx(two["losses"][3], rel=1e-6)  # round 1 again, from the same state
+    # the global params' loss on 3 held-out batches (a sharded node's ranks score 2 and 1, and run 2 forwards each),
+    # within float summation order; the local params' (round 0's steps from them) is far from it
+    assert two["eval"] == pytest.approx(one["eval"], rel=1e-5)
+    assert two["local_eval"] == pytest.approx(one["local_eval"], rel=1e-4)
+    assert abs(one["eval"] - one["local_eval"]) > 100 * 1e-5 * one["eval"]
     # where the ranks shard the model, rank 0 trains the first half of every parameter's rows (the larger, where
     # they are odd: 257 of the embedding's) and holds AdamW's moments of those alone
     total = sum(p.numel() for p in one["params"])

@@ -39,7 +39,7 @@ def follow(port: int, rank: int, world: int, kind: str) -> None:
     if config.training.shard:
         from p2ploco.ranks.sharded import ShardedState  # as build.py: its imports take a second
 
-        sharded = ShardedState(ranks, trainer.params)
+        sharded = ShardedState(ranks, trainer.model)
     while True:
         kind_of, value = ranks.command()
         if kind_of is Command.STEP:

@@ -43,6 +43,7 @@ class Command(enum.IntEnum):
     EXIT = 4
     GATHER_PARAMS = 5  # send the local params' shards to rank 0 (``training.shard``)
     GATHER_OPTIMIZER = 6  # send the inner optimizer state's shards to rank 0 (``training.shard``)
+    EVALUATE = 7  # take rank 0's whole params into the shards, score a share of held-out batches (``training.shard``)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from p2ploco.data import Batch
+from p2ploco.inner import evaluate
 from p2ploco.ranks.group import Command, LocalRanks
 
 
@@ -50,3 +52,7 @@ class Leader:
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
         self.optimizer_changed = True
+
+    def evaluate(self, model: torch.nn.Module, batches: list[Batch]) -> float:
+        """On rank 0 alone: it holds the whole model, and the others wait for its next command."""
+        return evaluate(model, batches, self.ranks.device)

@@ -11,8 +11,9 @@ Rank 0's outer step reads and writes the whole local params: it keeps them in ho
 only when they are read or written (``ShardedLeader``). A write (a round's start loads the global params, a catch-up,
 a merged fragment) is scattered to the shards before the next step; the steps' result is gathered into the whole copy
 when the node reads it (``Worker.local_params``): once a round where only the round's end reads it, not once a step.
-The optimizer's moments are gathered for a checkpoint and scattered when one is loaded. The pseudo-gradient, error
-feedback and compression then run on rank 0 as on any node, on its CPU; per shard they would need shards cut at
+The optimizer's moments are gathered for a checkpoint and scattered when one is loaded. An evaluation scatters the
+whole copy (the global params, lent to it) and every rank scores a share of the held-out batches. The pseudo-gradient,
+error feedback and compression run on rank 0 as on any node, on its CPU; per shard they would need shards cut at
 SparseLoCo's 64 x 64 tiles and a contribution assembled from N ranks' parts (docs/design.md).
 """
 
@@ -28,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from p2ploco.data import ShardSampler
+from p2ploco.data import Batch, ShardSampler
+from p2ploco.inner import loss_sums
 from p2ploco.model import Transformer
 from p2ploco.ranks.data_parallel import RankBatches
 from p2ploco.ranks.group import Command, LocalRanks
@@ -72,9 +74,9 @@ class ShardedState:
     method in the same order (rank 0 as it leads, the others as told); the whole copy is rank 0's argument, None on
     the others."""
 
-    def __init__(self, ranks: LocalRanks, params: Sequence[torch.Tensor]):
-        """``params``: this rank's sharded params (DTensors), in the model's order."""
-        self.ranks, self.params = ranks, list(params)
+    def __init__(self, ranks: LocalRanks, model: torch.nn.Module):
+        """``model``: this rank's sharded model (``shard_model``; its params are DTensors)."""
+        self.ranks, self.model, self.params = ranks, model, list(model.parameters())
 
     @torch.no_grad()
     def scatter_params(self, whole: Sequence[torch.Tensor] | None) -> None:
@@ -125,6 +127,28 @@ class ShardedState:
                      for i, values in sorted(state["state"].items())}
         return {"state": slots, "param_groups": state["param_groups"]}
 
+    def evaluate(self, batches: list[Batch] | None) -> float:
+        """The mean next-token loss of rank 0's ``batches`` (None on the others) under the params the shards hold,
+        each rank scoring every world-th batch. A forward gathers each block's params from every rank, so every rank
+        runs as many forwards: one with a batch fewer repeats the first, unscored."""
+        shared: list = [batches]
+        device, world = self.ranks.device, self.ranks.world
+        with self.ranks.failures():
+            dist.broadcast_object_list(shared, src=0, group=self.ranks.control, device=device)
+        everyone = shared[0]
+        mine = everyone[self.ranks.rank :: world]
+        total, count = loss_sums(self.model, mine, device)
+        loss_sums(self.model, everyone[:1] * (-(-len(everyone) // world) - len(mine)), device)
+        self.model.train()
+        # FSDP2 keeps the root's params (embedding, final norm, head) gathered after a forward, for the backward that
+        # reshards them; no backward follows here, and the next step's forward would read these gathered params, not
+        # the shards scattered before it
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        summed = self.ranks.sum_(torch.tensor([total, count], dtype=torch.float64, device=device))
+        return float(summed[0]) / float(summed[1])
+
     def follow(self, kind: Command, optimizer: torch.optim.Optimizer) -> None:
         """A rank 1..N-1's part in rank 0's command ``kind`` (not a step's)."""
         if kind is Command.PARAMS:
@@ -135,6 +159,9 @@ class ShardedState:
             self.gather_params(None)
         elif kind is Command.GATHER_OPTIMIZER:
             self.gather_optimizer(optimizer)
+        elif kind is Command.EVALUATE:
+            self.scatter_params(None)
+            self.evaluate(None)
         else:
             raise ValueError(f"{kind.name} is not a sharded state's command")
 
@@ -189,6 +216,18 @@ class ShardedLeader:
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         self.loaded_optimizer = state
+
+    def evaluate(self, model: torch.nn.Module, batches: list[Batch]) -> float:
+        """On every rank, each its share of ``batches`` (``ShardedState.evaluate``), the whole copy's params scattered
+        to the shards first. The steps' result must be in the whole copy already (``Worker.evaluate`` gathers it):
+        the shards are overwritten."""
+        if self.stepped:
+            raise RuntimeError("a sharded replica evaluated with steps not gathered into its whole copy")
+        self.ranks.check()
+        self.ranks.command(Command.EVALUATE)
+        self.state.scatter_params(self.whole)
+        self.versions = self._versions()  # the shards hold the whole copy: written again, it is scattered again
+        return self.state.evaluate(batches)
 
     def _versions(self) -> list[int]:
         return [p._version for p in self.whole]
