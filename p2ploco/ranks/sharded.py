@@ -133,12 +133,12 @@ class ShardedState:
         runs as many forwards: one with a batch fewer repeats the first, unscored."""
         shared: list = [batches]
         device, world = self.ranks.device, self.ranks.world
-        with self.ranks.failures():
+        with self.ranks.failures():  # the forwards' gathers too: a rank that dies mid-way is named
             dist.broadcast_object_list(shared, src=0, group=self.ranks.control, device=device)
-        everyone = shared[0]
-        mine = everyone[self.ranks.rank :: world]
-        total, count = loss_sums(self.model, mine, device)
-        loss_sums(self.model, everyone[:1] * (-(-len(everyone) // world) - len(mine)), device)
+            everyone = shared[0]
+            mine = everyone[self.ranks.rank :: world]
+            total, count = loss_sums(self.model, mine, device)
+            loss_sums(self.model, everyone[:1] * (-(-len(everyone) // world) - len(mine)), device)
         self.model.train()
         # FSDP2 keeps the root's params (embedding, final norm, head) gathered after a forward, for the backward that
         # reshards them; no backward follows here, and the next step's forward would read these gathered params, not
