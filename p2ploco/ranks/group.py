@@ -43,7 +43,7 @@ class Command(enum.IntEnum):
     EXIT = 4
     GATHER_PARAMS = 5  # send the local params' shards to rank 0 (``training.shard``)
     GATHER_OPTIMIZER = 6  # send the inner optimizer state's shards to rank 0 (``training.shard``)
-    EVALUATE = 7  # take rank 0's whole params into the shards, score a share of held-out batches (``training.shard``)
+    EVALUATE = 7  # score a share of rank 0's held-out batches with the params the shards hold (``training.shard``)
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ only when they are read or written (``ShardedLeader``). A write (a round's start
 a merged fragment) is scattered to the shards before the next step; the steps' result is gathered into the whole copy
 when the node reads it (``Worker.local_params``): once a round where only the round's end reads it, not once a step.
 The optimizer's moments are gathered for a checkpoint and scattered when one is loaded. An evaluation scatters the
-whole copy (the global params, lent to it) and every rank scores a share of the held-out batches. The pseudo-gradient,
-error feedback and compression run on rank 0 as on any node, on its CPU; per shard they would need shards cut at
-SparseLoCo's 64 x 64 tiles and a contribution assembled from N ranks' parts (docs/design.md).
+whole copy (the global params, lent to it) as before a step, then every rank scores a share of the held-out batches.
+The pseudo-gradient, error feedback and compression run on rank 0 as on any node, on its CPU; per shard they would
+need shards cut at SparseLoCo's 64 x 64 tiles and a contribution assembled from N ranks' parts (docs/design.md).
 """
 
 from __future__ import annotations
@@ -160,7 +160,6 @@ class ShardedState:
         elif kind is Command.GATHER_OPTIMIZER:
             self.gather_optimizer(optimizer)
         elif kind is Command.EVALUATE:
-            self.scatter_params(None)
             self.evaluate(None)
         else:
             raise ValueError(f"{kind.name} is not a sharded state's command")
@@ -186,10 +185,7 @@ class ShardedLeader:
 
     def before_step(self, step: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         self.ranks.check()
-        if self.versions != self._versions():  # written since: the writes win over the steps since the gather
-            self.ranks.command(Command.PARAMS)
-            self.state.scatter_params(self.whole)
-            self.versions, self.stepped = self._versions(), False
+        self._scatter_writes()
         if self.loaded_optimizer is not None:
             self.ranks.command(Command.OPTIMIZER)
             self.state.scatter_optimizer(optimizer, self.loaded_optimizer)
@@ -219,15 +215,22 @@ class ShardedLeader:
 
     def evaluate(self, model: torch.nn.Module, batches: list[Batch]) -> float:
         """On every rank, each its share of ``batches`` (``ShardedState.evaluate``), the whole copy's params scattered
-        to the shards first. The steps' result must be in the whole copy already (``Worker.evaluate`` gathers it):
-        the shards are overwritten."""
+        to the shards first, as before a step. The steps' result must be in the whole copy already (``Worker.evaluate``
+        gathers it): the shards are overwritten."""
         if self.stepped:
             raise RuntimeError("a sharded replica evaluated with steps not gathered into its whole copy")
         self.ranks.check()
+        self._scatter_writes()
         self.ranks.command(Command.EVALUATE)
-        self.state.scatter_params(self.whole)
-        self.versions = self._versions()  # the shards hold the whole copy: written again, it is scattered again
         return self.state.evaluate(batches)
+
+    def _scatter_writes(self) -> None:
+        """The shards <- the whole copy, if it was written since they last matched (the writes win over any steps
+        since the gather)."""
+        if self.versions != self._versions():
+            self.ranks.command(Command.PARAMS)
+            self.state.scatter_params(self.whole)
+            self.versions, self.stepped = self._versions(), False
 
     def _versions(self) -> list[int]:
         return [p._version for p in self.whole]
