@@ -1,9 +1,12 @@
 """A node's local ranks (``p2ploco.ranks``): a 2-rank node's inner steps against a 1-rank node's on twice the batch,
 and rank 0's view of a rank that dies, with real processes (gloo on the loopback)."""
 
+import contextlib
+import ipaddress
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -104,6 +107,90 @@ def test_a_two_rank_node_trains_what_one_rank_trains_on_twice_the_batch(tmp_path
     assert first_half < 0.51 * total
     # the tolerance is far below how far round 1 moved the params from the start
     assert max(float((p - s).abs().max()) for p, s in zip(one["params"], one["start"])) > 100 * 1e-5
+
+
+# A node's replica on 2 local ranks, built, their pids printed, and held until this script's stdin closes.
+HELD = textwrap.dedent("""
+    import sys
+    import torch
+    from p2ploco.build import build_replica
+    from p2ploco.config import load_config
+    from p2ploco.data import ShardSampler, load_training_data
+    from p2ploco.ranks import LocalRanks
+    from p2ploco.ranks.group import RankSetup
+
+    config = load_config(sys.argv[1], sys.argv[3:])
+    cpu = torch.device("cpu")
+    ranks = LocalRanks.start(2, cpu, RankSetup(config.model_dump(mode="json"), sys.argv[2]))
+    try:
+        data = load_training_data(config)
+        build_replica(config, cpu, ShardSampler(data.train, config.data.seq_len, config.inner.batch_size,
+                                                config.run_id, sys.argv[2]), ranks)
+        print(" ".join(str(p) for p in [0, *(process.pid for process in ranks.processes)]), flush=True)
+        sys.stdin.read()
+    finally:
+        ranks.close()
+""")
+
+
+def listening_ports(pid: int) -> list[tuple[str, int]]:
+    """The (address, port) of every TCP socket process ``pid`` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                host = (socket.inet_ntop(socket.AF_INET, raw[::-1]) if width == 8 else
+                        socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))))
+                found.append((host, int(port, 16)))
+    return found
+
+
+def another_address() -> str | None:
+    """An address of this machine that is not a loopback one (the one a route out leaves from), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: the kernel only picks the source address
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads listening sockets from Linux's /proc")
+@pytest.mark.timeout(120)
+def test_a_nodes_ranks_listen_on_the_loopback_only(tmp_path: Path):
+    """A TCPStore listened on every interface whatever host it was given, for as long as the node ran, and took 8 MiB
+    writes from anyone who reached it (rank 0 grew by 350 MB); gloo bound where the host name resolved. Now no rank
+    listens on anything but the loopback: a connection from another address of this machine is refused."""
+    other = another_address()
+    if other is None:
+        pytest.skip("this machine has no address but the loopback to connect from")
+    corpus = tmp_path / "corpus.txt"  # a small one: a rank reads its corpus before it takes rank 0's first command
+    corpus.write_text(textwrap.dedent(HELD) * 2000)
+    node = subprocess.Popen([sys.executable, "-c", HELD, str(TINY_CONFIG), PEER, *SETTINGS, f"data.paths={corpus}",
+                             "training.ranks=2", "training.max_ranks=2"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [node.pid if int(p) == 0 else int(p) for p in node.stdout.readline().split()]
+        assert len(pids) == 2
+        listening = [found for pid in pids for found in listening_ports(pid)]
+        assert listening, "the ranks' collectives listen nowhere: nothing was checked"
+        assert all(ipaddress.ip_address(host).is_loopback for host, _ in listening), listening
+        for _, port in listening:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((other, port), timeout=5).close()
+    finally:
+        node.stdin.close()
+        assert node.wait(60) == 0
 
 
 # fixed_steps: every node trains H steps every round, however busy the machine (its 2-rank node's two processes

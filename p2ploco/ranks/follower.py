@@ -1,4 +1,4 @@
-"""A node's rank 1..N-1: ``python -m p2ploco.ranks.follower PORT RANK WORLD KIND``, started by rank 0
+"""A node's rank 1..N-1: ``python -m p2ploco.ranks.follower RENDEZVOUS RANK WORLD KIND``, started by rank 0
 (``LocalRanks.start``); never by hand.
 
 It builds its share of the node's replica from rank 0's setup and repeats what rank 0 leads (``leader.py``): takes
@@ -26,9 +26,9 @@ from p2ploco.ranks.group import Command, LocalRanks
 PR_SET_PDEATHSIG = 1
 
 
-def follow(port: int, rank: int, world: int, kind: str) -> None:
+def follow(rendezvous: str, rank: int, world: int, kind: str) -> None:
     keep_freed_memory()
-    ranks, setup = LocalRanks.join(port, rank, world, kind)
+    ranks, setup = LocalRanks.join(rendezvous, rank, world, kind)
     config = Config.model_validate(setup.config)
     if config.training.threads:
         torch.set_num_threads(config.training.threads)
@@ -60,9 +60,9 @@ def main() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    port, rank, world, kind = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    rendezvous, rank, world, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     try:
-        follow(port, rank, world, kind)
+        follow(rendezvous, rank, world, kind)
     except dist.DistError as e:  # rank 0 is gone or broke the group off: nothing to train for
         print(f"local rank {rank} stops: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
         sys.exit(1)

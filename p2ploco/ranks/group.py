@@ -1,5 +1,11 @@
 """A node's local ranks as a torch.distributed group: rank 0 (the node) starts the others as processes, on loopback.
 
+Nothing of it listens beyond this machine's loopback. The ranks meet through a ``FileStore`` in a directory only this
+user can enter (a ``TCPStore`` listens on every interface whatever host it is given, and takes writes from anyone who
+reaches it: rendezvous keys written there could point a rank at another process, whose bytes it unpickles), and the
+collectives' own sockets are bound to the loopback interface (gloo's by ``GLOO_SOCKET_IFNAME``, NCCL's bootstrap by
+``NCCL_SOCKET_IFNAME``; both default to the address the host name resolves to, a LAN address on a typical machine).
+
 Two process groups. ``control`` carries rank 0's commands and what it sends with them (``Command``); the other ranks
 wait on it between rounds as long as the node takes (a catch-up, a round that waits for peers), so its timeout is
 long. ``train`` carries each step's collectives (DDP's gradients, the step's sums) and times out in minutes: a rank
@@ -12,8 +18,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import io
+import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,7 +37,7 @@ START_TIMEOUT = timedelta(seconds=120)  # for every rank to start and join the g
 CONTROL_TIMEOUT = timedelta(days=7)  # the longest a rank waits for rank 0's next command
 STEP_TIMEOUT = timedelta(minutes=10)  # the longest one collective of an inner step may wait
 EXIT_SECONDS = 30  # for the other ranks to exit once told to, before they are killed
-HOST = "127.0.0.1"
+STORE_FILE = "store"  # the ranks' rendezvous, in a directory of rank 0's that only this user can enter
 
 
 class RankError(TrainingError):
@@ -65,9 +75,12 @@ def _backend(device: torch.device) -> str:
 
 
 class LocalRanks:
-    def __init__(self, rank: int, world: int, device: torch.device, processes: Sequence[subprocess.Popen]):
-        """``processes``: the other ranks' (rank 0 only). The default process group is this node's."""
+    def __init__(self, rank: int, world: int, device: torch.device, processes: Sequence[subprocess.Popen],
+                 rendezvous: str = ""):
+        """``processes``: the other ranks' (rank 0 only), ``rendezvous``: the directory of their store (rank 0 only,
+        removed on ``close``). The default process group is this node's."""
         self.rank, self.world, self.device, self.processes = rank, world, device, list(processes)
+        self.rendezvous = rendezvous
         self.control = dist.group.WORLD
         self.train = dist.new_group(backend=_backend(device), timeout=STEP_TIMEOUT)
 
@@ -75,8 +88,10 @@ class LocalRanks:
     def start(cls, world: int, device: torch.device, setup: RankSetup) -> LocalRanks:
         """Rank 0: start ranks 1..world-1 (``python -m p2ploco.ranks.follower``) on the loopback and send them
         ``setup``. A rank that exits before it joins ends the start with RankError."""
-        store = dist.TCPStore(HOST, 0, world, is_master=True, timeout=START_TIMEOUT, wait_for_workers=False)
-        processes = [subprocess.Popen([sys.executable, "-m", "p2ploco.ranks.follower", str(store.port), str(rank),
+        rendezvous = tempfile.mkdtemp(prefix="p2ploco-ranks-")  # mode 0700: this user's processes alone
+        store = dist.FileStore(os.path.join(rendezvous, STORE_FILE), world)
+        store.set_timeout(START_TIMEOUT)
+        processes = [subprocess.Popen([sys.executable, "-m", "p2ploco.ranks.follower", rendezvous, str(rank),
                                        str(world), device.type], stdin=subprocess.DEVNULL) for rank in range(1, world)]
         try:
             for rank, process in enumerate(processes, start=1):
@@ -86,7 +101,7 @@ class LocalRanks:
                         raise RankError(f"local rank {rank} exited with code {process.returncode} as it started "
                                         f"(its error is in this node's log, above)")
             _init(device, store, 0, world)
-            ranks = cls(0, world, device, processes)
+            ranks = cls(0, world, device, processes, rendezvous)
             dist.broadcast_object_list([setup], src=0, device=ranks.device)
             return ranks
         except BaseException:
@@ -95,13 +110,15 @@ class LocalRanks:
                 process.wait()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            shutil.rmtree(rendezvous, ignore_errors=True)
             raise
 
     @classmethod
-    def join(cls, port: int, rank: int, world: int, kind: str) -> tuple[LocalRanks, RankSetup]:
+    def join(cls, rendezvous: str, rank: int, world: int, kind: str) -> tuple[LocalRanks, RankSetup]:
         """Rank ``rank`` > 0 on a device of ``kind`` (rank 0's: cpu or cuda): join rank 0's group through its store
-        at ``port``; the setup it sends."""
-        store = dist.TCPStore(HOST, port, world, is_master=False, timeout=START_TIMEOUT)
+        in ``rendezvous``; the setup it sends."""
+        store = dist.FileStore(os.path.join(rendezvous, STORE_FILE), world)
+        store.set_timeout(START_TIMEOUT)
         store.set(f"up/{rank}", "1")
         received: list = [None]
         device = rank_device(torch.device(kind), rank)
@@ -188,9 +205,18 @@ class LocalRanks:
                     process.kill()
                     process.wait()
             dist.destroy_process_group()
+            shutil.rmtree(self.rendezvous, ignore_errors=True)
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface: ``lo`` on Linux, ``lo0`` on BSD and macOS."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), "lo")
 
 
 def _init(device: torch.device, store: dist.Store, rank: int, world: int) -> None:
+    # The collectives' sockets on the loopback, never where the host name resolves (module docstring)
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = loopback_interface()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(_backend(device), store=store, rank=rank, world_size=world, timeout=CONTROL_TIMEOUT)
