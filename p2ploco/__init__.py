@@ -15,4 +15,7 @@ __version__ = "0.1.0"
 # 8: a contribution is fitted to every attempt's group (a redo's, the next coordinator's after a dead group), not
 # only to the first group a peer took part in; state digests hashed 16 MiB blocks of SHA-256 in parallel.
 # 9: state digests are BLAKE3 (metrics.state_digest); records say params_digest, claims state_digest.
-PROTOCOL_VERSION = 9
+# 10: reducers sign every result and coordinators every group they hand out (swarm/evidence.py); contributions and
+# votes name the group's digest; votes list each piece's digest with its reducer's signature, and the refusals both
+# ways; decisions carry proofs, and a redo's passive members; a commit needs a majority of the group's holders.
+PROTOCOL_VERSION = 10

@@ -488,15 +488,11 @@ class Config(Section):
         """What travels with the run (``swarm/run_config.py``): every setting but this peer's own (``LOCAL_KEYS``),
         by dotted key; what a round holds (``round_tokens``: a peer may split it into batch and accumulation as its
         memory allows); ``data``, ``TrainingData.fingerprint`` (a prepared corpus's digest, a non-default
-        tokenizer's, or ""); the protocol version the run's messages speak; and ``hints``, where this peer keeps its
-        prepared corpus and tokenizer: a joiner looks there first (the digest in ``data`` decides; hints are no part
-        of the fingerprint, as each peer keeps its files where it likes)."""
+        tokenizer's, or ""); and the protocol version the run's messages speak. Never where this peer keeps its
+        files: a joiner names its own copy, and the digest decides."""
         settings = {key: value for key, value in _flattened(self.model_dump(mode="json")).items()
                     if key not in LOCAL_KEYS}
-        hints = {key: path for key, path in (("data.prepared", self.data.prepared),
-                                             ("data.tokenizer", self.data.tokenizer)) if path}
-        return {"settings": settings, "round_tokens": self.round_tokens, "data": data, "protocol": PROTOCOL_VERSION,
-                "hints": hints}
+        return {"settings": settings, "round_tokens": self.round_tokens, "data": data, "protocol": PROTOCOL_VERSION}
 
     def swarm_fingerprint(self, data: str = "") -> str:
         """Digest of the run's document (``run_document``): what every peer of a round shares, so that their global
@@ -514,9 +510,8 @@ LOCAL_KEYS = frozenset({
 
 
 def document_fingerprint(document: dict[str, Any]) -> str:
-    """The digest of a run document (``Config.run_document``) but its hints."""
-    shared = {key: value for key, value in document.items() if key != "hints"}
-    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+    """The digest of a run document (``Config.run_document``)."""
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _flattened(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -22,6 +22,13 @@ def ffn_width(config: ModelConfig) -> int:
     return 64 * math.ceil(8 * config.d_model / 3 / 64)
 
 
+def parameter_count(config: ModelConfig) -> int:
+    """The parameters of the whole model of ``config``, as ``Transformer`` holds them (counted, not built)."""
+    d, vocab = config.d_model, config.vocab_size
+    block = 2 * d + 4 * d * d + 3 * d * ffn_width(config)  # two norms, attention's qkv and out, SwiGLU's three
+    return vocab * d * (1 if config.tie_embeddings else 2) + config.n_layer * block + d
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

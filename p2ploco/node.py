@@ -12,7 +12,6 @@ next is one value (``standing.py``).
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -31,11 +30,12 @@ from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.config import Config, config_of_run, differences, with_overrides
 from p2ploco.dashboard.documents import ROUNDS_DOCUMENT, RUN_DOCUMENT, RoundsFeed, config_rows, run_document
 from p2ploco.dashboard.page import PAGE_PATH, page_routes
-from p2ploco.data import Batch, TrainingData, eval_batches, load_tokenizer, load_training_data, read_manifest
-from p2ploco.errors import ConfigError, PipelineError, SwarmError, shown
-from p2ploco.host_memory import keep_freed_memory
+from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
+from p2ploco.errors import ConfigError, PipelineError, SwarmError
+from p2ploco.host_memory import host_bytes_needed, keep_freed_memory, total_memory
 from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
+from p2ploco.model import parameter_count
 from p2ploco.outer.base import Synced
 from p2ploco.presence import Presence
 from p2ploco.ranks import LocalRanks, RankError
@@ -89,6 +89,18 @@ def sync_fields(synced: Synced) -> dict[str, Any]:
             "dense_fp32_bytes": traffic.dense_fp32_bytes, "comm_seconds": traffic.seconds,
             "bits_per_param": 8 * traffic.contribution_bytes / traffic.params if traffic.params else 0.0,
             "fragment_bytes": syncs, "peak_sync_bytes": max(syncs)}
+
+
+def fits_memory(config: Config, device: torch.device) -> None:
+    """ConfigError, in one line, if the model of ``config`` needs more host memory to train on ``device`` than this
+    machine has (``host_memory.host_bytes_needed``): a run's document sets its model's size, and a newcomer takes it
+    from peers it does not know."""
+    parameters, memory = parameter_count(config.model), total_memory()
+    needed = host_bytes_needed(parameters, device.type)
+    if needed > memory:
+        raise ConfigError(f"run '{config.run_id}' trains a model of {parameters / 1e6:,.1f}M parameters: at least "
+                          f"{human_bytes(needed)} of training state in this machine's memory, which holds "
+                          f"{human_bytes(memory)}; join a run of a smaller model, or use a machine with more memory")
 
 
 def resolve_device(name: str, ranks: int = 1) -> torch.device:
@@ -147,7 +159,7 @@ class Node:
         # data, the status port; then, once the DHT is up, its config against the run's.
         data = None if self.config_path is None else self._load_data(c)
         status = self._listen_for_status(*self.status_address) if self.status_address is not None else None
-        swarm = self.swarm = self._join(data, status)
+        swarm = self.swarm = self._join(data, status, device)
         c, data, (files, saved) = self.config, self.data, self.run_files
         started = time.perf_counter()
         me = swarm.peer_id[-8:]
@@ -221,16 +233,17 @@ class Node:
             raise ConfigError(f"--stage {stage}: this config has pipeline.stages={stages} (stages 0 to {stages - 1})")
         return load_training_data(config)
 
-    def _join(self, data: TrainingData | None, status: tuple[socket.socket, str] | None) -> Swarm:
-        """Join the swarm with the run's config (``_settle``); the p2p daemon is a child process: started before CUDA
-        is initialised in this one."""
+    def _join(self, data: TrainingData | None, status: tuple[socket.socket, str] | None, device: torch.device
+              ) -> Swarm:
+        """Join the swarm with the run's config (``_settle``) to train on ``device``; the p2p daemon is a child process:
+        started before CUDA is initialised in this one."""
         c, o = self.config, self.options
         arrival: Arrival | None = None
         files: RunDirectory | None = None
         try:
             arrival = Arrival.start(c.run_id, c.swarm.reachability, o.initial_peers, o.host_maddrs, o.announce_maddrs,
                                     o.identity_path)
-            self.config, self.data = self._settle(arrival, data)
+            self.config, self.data = self._settle(arrival, data, device)
             c = self.config
             # the checkpoint to resume from, checked before any peer has seen this node
             me, fingerprint = arrival.peer_id[-8:], c.swarm_fingerprint(self.data.fingerprint)
@@ -248,9 +261,11 @@ class Node:
                 arrival.abandon()
             raise
 
-    def _settle(self, arrival: Arrival, data: TrainingData | None) -> tuple[Config, TrainingData]:
+    def _settle(self, arrival: Arrival, data: TrainingData | None, device: torch.device
+                ) -> tuple[Config, TrainingData]:
         """The config and data this node trains with: its own (``data`` loaded for it), or, without a config file,
-        the run's as its peers serve it. ConfigError if they differ from what most of the run trains with, naming
+        the run's as its peers serve it (ConfigError, before anything is built, if its model would not fit this
+        machine's memory on ``device``). ConfigError if they differ from what most of the run trains with, naming
         the first keys that do, unless no peer of the run serves a config (this node starts the run)."""
         own, run_id = self.config, self.config.run_id
         mine = "" if data is None else own.swarm_fingerprint(data.fingerprint)
@@ -264,8 +279,9 @@ class Node:
         if run.fingerprint == mine:
             return own, data
         if data is None:
-            config = self._with_run_data(with_overrides(config_of_run(run.document["settings"], own), self.overrides),
-                                         run.document)
+            config = with_overrides(config_of_run(run.document["settings"], own), self.overrides)
+            fits_memory(config, device)
+            self._needs_run_data(config, run.document)
             data = self._load_data(config)
             theirs = config.swarm_fingerprint(data.fingerprint)
             if theirs == run.fingerprint:
@@ -283,28 +299,16 @@ class Node:
                           f"peer(s) train: {shown_keys}; {fix}")
 
     @staticmethod
-    def _with_run_data(config: Config, document: dict[str, Any]) -> Config:
-        """``config`` with the run's prepared corpus or tokenizer where this node was not given one: the run's
-        peer's path if that holds, here, the files of the run's digest (a peer's path is only a hint: another
-        machine may keep other files there); ConfigError if not."""
+    def _needs_run_data(config: Config, document: dict[str, Any]) -> None:
+        """ConfigError if the run trains on a prepared corpus or a tokenizer of its own (``document["data"]``) and this
+        node was not given its copy: peers never say where they keep their files (the path would be a stranger's
+        to read), so a joiner names its own, which the run's digest then checks."""
         kind, _, digest = document["data"].partition(":")
         for key, needed in (("data.prepared", "prepared"), ("data.tokenizer", "tokenizer")):
-            if kind != needed or getattr(config.data, key.split(".")[1]):
-                continue
-            what = "a prepared corpus" if needed == "prepared" else "a tokenizer of its own"
-            hint = document.get("hints", {}).get(key, "")
-            fix = f"pass --set {key}=PATH, your copy of it"
-            if not hint or not Path(hint).expanduser().exists():
-                where = shown(hint, 200) if hint else "?"
-                raise ConfigError(f"run '{config.run_id}' trains on {what} (digest {digest[:16]}), kept by its peer at "
-                                  f"{where}, which is not here; {fix}")
-            here = Path(hint).expanduser()
-            found = read_manifest(here).digest if needed == "prepared" else load_tokenizer(str(here)).digest
-            if found != digest:
-                raise ConfigError(f"run '{config.run_id}' trains on {what} (digest {digest[:16]}), kept by its peer at "
-                                  f"{shown(hint, 200)}, which here holds another (digest {found[:16]}); {fix}")
-            config = with_overrides(config, [f"{key}={json.dumps(hint)}"])
-        return config
+            if kind == needed and not getattr(config.data, key.split(".")[1]):
+                what = "a prepared corpus" if needed == "prepared" else "a tokenizer of its own"
+                raise ConfigError(f"run '{config.run_id}' trains on {what} (digest {digest[:16]}); pass --set "
+                                  f"{key}=PATH, your copy of it (its digest must be the run's)")
 
     def _save_on_exit(self, swarm: Swarm, role: Role, schedule: RoundSchedule, files: RunDirectory,
                       standing: Standing) -> None:
@@ -320,8 +324,9 @@ class Node:
         c = self.config
         run = run_document(c.run_id, swarm.peer_id, swarm.directory.me.name, c.swarm.peer_ttl,
                            join_command(c.run_id, swarm.addresses()), config_rows(c))
-        swarm.serve_status(listening, {**page_routes(), RUN_DOCUMENT: constant(Answer(200, run)),
-                                       ROUNDS_DOCUMENT: RoundsFeed(swarm.peer_id, self.records, lambda: self.weights)})
+        swarm.serve_status(listening, self.status_address[0], {
+            **page_routes(), RUN_DOCUMENT: constant(Answer(200, run)),
+            ROUNDS_DOCUMENT: RoundsFeed(swarm.peer_id, self.records, lambda: self.weights)})
         where = f"THIS_MACHINE:{address.rpartition(':')[2]}" if self.status_address[0] in WILDCARDS else address
         self.out(f"[{swarm.peer_id[-8:]}] status served at http://{address}{STATUS_PATH}; read it with "
                  f"`p2ploco peers --from {where}`; dashboard at http://{address}{PAGE_PATH}")

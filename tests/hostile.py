@@ -173,9 +173,9 @@ def redo_forever(start: int) -> None:
 
     honest = commit.decide
 
-    def decide(group: Any, votes: Any, accusers: Any, me: str) -> Any:
+    def decide(group: Any, votes: Any, me: str, *args: Any) -> Any:
         if group.round_index < start:
-            return honest(group, votes, accusers, me)
+            return honest(group, votes, me, *args)
         return commit.Decision(commit.Outcome.REDO, redo=group.among(secrets.token_hex(8), group.peers, me),
                                reason="redoing, on purpose")
 

@@ -14,6 +14,7 @@ import torch
 from helpers import LOOPBACK, in_process_mean, join_swarms, run_document
 from hivemind.p2p import P2P, PeerID
 
+from p2ploco import faults
 from p2ploco.budget import StepTimes, WallClockBudget
 from p2ploco.collective import exchange as exchange_module
 from p2ploco.collective.dense import DenseMean, tensor_to_bytes
@@ -29,6 +30,7 @@ from p2ploco.errors import Failure, PayloadError
 from p2ploco.outer.sparseloco import SparseLoCo
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import ReducerElsewhere, ReduceStatus, parse_reply
+from p2ploco.swarm.communicator import PARTNER_ROUNDS
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.matchmaker import best_coordinator
 from p2ploco.swarm.messages import MAX_TOKENS
@@ -182,12 +184,15 @@ def test_spans_reduced_in_pieces_give_the_in_process_aggregate_bit_for_bit(trio,
 
 
 class ScalingReducer(DenseMean):
-    """A hostile reducer: it answers every member with its span's mean times ``factor`` (well-formed, finite)."""
+    """A hostile reducer: it answers every member with its span's mean times ``factor`` (well-formed, finite), and
+    takes that as the mean it made."""
 
     factor = 1e4
 
-    def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
-        return (np.frombuffer(aggregate, dtype=np.float32) * np.float32(self.factor)).tobytes()
+    def combine(self, span, contributions, factors) -> bytes:
+        mean = super().combine(span, contributions, factors)
+        self._combined[span] = (np.frombuffer(mean, dtype=np.float32) * np.float32(self.factor)).tobytes()
+        return self._combined[span]
 
 
 def test_a_reducer_whose_result_is_longer_than_what_it_combined_is_refused_and_the_round_redone_without_it(trio):
@@ -350,7 +355,7 @@ def test_a_reducer_that_takes_part_in_the_round_elsewhere_refuses_a_contribution
 
     def send(coordinator: str, group_id: str):
         header = {"group_id": group_id, "round": round_index, "slice": "params", "span": [0, 10],
-                  "coordinator": coordinator}
+                  "coordinator": coordinator, "version": "0" * 64}
         return asyncio.run_coroutine_threadsafe(wire.call(butterfly.p2p, reducer.peer_id, butterfly.handler_name,
                                                           header, payload=bytes(40)), sender.loop.loop)
 
@@ -595,6 +600,30 @@ def test_the_round_budget_goes_by_the_step_times_of_recent_partners_not_of_any_r
         assert me.step_seconds() == [0.1, 0.1]
     finally:
         liar.leave()
+
+
+def test_rounds_a_peer_does_not_apply_leave_its_partners_as_they_were(trio, monkeypatch):
+    """After four rounds that aborted, a peer's partners used to be none, and its round budget went by every record of
+    the run again: a few records claiming fast steps shortened its rounds up to 16x. A round it does not apply now
+    leaves its partners as they were."""
+    me, others = trio[0], {s.peer_id for s in trio[1:]}
+
+    def all_reduce_now(seed: int) -> list:
+        round_index = next(rounds)
+        for s in trio:
+            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        assert all(s.flush() for s in trio)
+        return round_index, [DenseMean(random_tensors(seed + i)) for i in range(3)]
+
+    round_index, exchanges = all_reduce_now(110)
+    assert all(s.committed for s in all_reduce_at(trio, exchanges, round_index))
+    partners = me.communicator.partners  # the others (and peers of earlier tests' rounds)
+    assert others <= partners
+    for attempt in range(PARTNER_ROUNDS + 1):
+        round_index, exchanges = all_reduce_now(120 + 3 * attempt)
+        monkeypatch.setitem(faults.ACTIVE, ("commit.vote", round_index), faults.Fault("fail"))  # no decision
+        assert not any(s.committed for s in all_reduce_at(trio, exchanges, round_index))
+    assert me.communicator.partners == partners
 
 
 @pytest.mark.timeout(120)

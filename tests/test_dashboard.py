@@ -16,7 +16,7 @@ from p2ploco.dashboard.page import page_routes
 from p2ploco.dashboard.relay import relay_routes
 from p2ploco.metrics import RoundRecord
 from p2ploco.swarm.loop import EventLoopThread
-from p2ploco.swarm.status import Answer, Route, StatusServer, constant, listen
+from p2ploco.swarm.status import Answer, Host, Route, StatusServer, constant, listen
 
 
 def record(round_index: int, **changes: object) -> RoundRecord:
@@ -73,7 +73,7 @@ def test_a_rounds_outcome_says_how_it_ended_in_a_few_words(changes, outcome):
 def serving(routes: dict[str, Route]):
     """A status server with ``routes`` on its own event loop; yields its HOST:PORT."""
     loop = EventLoopThread("dashboard-server")
-    server = StatusServer(routes)
+    server = StatusServer(routes, Host("127.0.0.1"))
     listening, address = listen("127.0.0.1", 0)
     try:
         loop.run(server.start(listening), 10)
@@ -88,7 +88,7 @@ def get(address: str, target: str, method: str = "GET") -> tuple[int, dict[str, 
     """The status, headers and body of the server's answer to ``method target``."""
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as connection:
-        connection.sendall(f"{method} {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        connection.sendall(f"{method} {target} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
         answer = b""
         while piece := connection.recv(1 << 20):
             answer += piece

@@ -29,9 +29,9 @@ def assert_trained_together(runs: dict[str, list[dict]], rounds: int) -> None:
 @pytest.mark.timeout(300)
 def test_a_node_joins_with_one_address_trains_the_runs_config_and_a_conflicting_one_stops(tmp_path):
     """A run started with overrides (a prepared corpus with a tokenizer of its own, its vocabulary, H = 4); a node
-    given only --initial-peers and --run-id (and how long it stays) fetches the run's config from it and trains
-    every round with it, identical; a node whose --set conflicts exits 2 with one line naming the key, and the
-    first node logs that once."""
+    given only --initial-peers and --run-id (its copy of the corpus, and how long it stays) fetches the run's config
+    from it and trains every round with it, identical; a node whose --set conflicts exits 2 with one line naming
+    the key, and the first node logs that once."""
     modules = sorted(STDLIB.glob("*.py"))[:60]
     tokenizer = train_bpe((path.read_text(errors="replace") for path in modules), 300, tmp_path / "tokenizer.json")
     prepare([str(path) for path in modules], tmp_path / "ours", tokenizer, 2.0)
@@ -41,9 +41,10 @@ def test_a_node_joins_with_one_address_trains_the_runs_config_and_a_conflicting_
                              f"data.prepared={tmp_path / 'ours'}", "--set", "model.vocab_size=300", "--set",
                              "inner.steps=4")
         a.wait_for_line(re.compile(r"  p2ploco node start --run-id ours --initial-peers /ip4/\S+$"), 60)
-        conflicting = swarm.start_node("c", None, *run, "--set", "inner.lr=0.01")
+        corpus = ["--set", f"data.prepared={tmp_path / 'ours'}"]  # a joiner names its own copy
+        conflicting = swarm.start_node("c", None, *run, *corpus, "--set", "inner.lr=0.01")
         assert conflicting.process.wait(60) == 2
-        b = swarm.start_node("b", None, *run)
+        b = swarm.start_node("b", None, *run, *corpus)
         assert [a.process.wait(180), b.process.wait(60)] == [0, 0]
         runs = {name: swarm.records(name) for name in "ab"}
     refused = (tmp_path / "swarm" / "c.log").read_text().strip().splitlines()

@@ -3,6 +3,7 @@
 Real daemons on loopback: the trainers say they only dial out (``reachability: client``, as behind a home router),
 so no trainer can coordinate or reduce, and a round happens only through the hub."""
 
+import dataclasses
 import subprocess
 import threading
 import time
@@ -17,6 +18,7 @@ from p2ploco.config import SwarmConfig
 from p2ploco.errors import Failure, PayloadError
 from p2ploco.launch import TINY_CONFIG, cli
 from p2ploco.swarm.allreduce import parse_reply
+from p2ploco.swarm.evidence import group_statement
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.records import PeerState
 from p2ploco.swarm.runtime import Swarm
@@ -135,7 +137,9 @@ def test_a_group_that_weighs_a_trainer_otherwise_than_it_joined_or_not_at_all_is
     def accept(tokens: dict[str, int]):
         group = Group("g", 40, "params", peers, hub.peer_id, holdings=tuple((p, ("params",)) for p in peers),
                       tokens=tuple((p, tokens[p]) for p in peers), dial_out=(me.peer_id, other.peer_id))
-        return me.loop.run(me.communicator.matchmaker._accept(group, {"params": ("x", "y")}, 100, []), 30)
+        signed = dataclasses.replace(group, grant=hub.communicator.matchmaker.signer.sign(
+            group_statement("helped", group.group_id, bytes.fromhex(group.digest))))  # as the hub hands it out
+        return me.loop.run(me.communicator.matchmaker._accept(signed, {"params": ("x", "y")}, 100, []), 30)
 
     assert accept({hub.peer_id: 0, me.peer_id: 100, other.peer_id: 100}).tokens_of()[me.peer_id] == 100
     with pytest.raises(PayloadError, match="gives 1 member.s. that are no hub no weight"):
@@ -152,8 +156,8 @@ def test_a_reducers_answer_that_names_a_hubs_contribution_is_refused():
     group = Group("g", 3, "params", peers, "h", holdings=tuple((p, ("params",)) for p in peers),
                   tokens=(("a", 100), ("b", 100), ("h", 0)), dial_out=("a", "b"))
     assert group.contributors("params") == ("a", "b") and group.reducers("params") == ("h",)
-    honest = {"v": 1, "status": "ok", "included": [0, 1], "norms": [1.0, 2.0], "opposed": []}
-    receipt, included = parse_reply(honest, group, "h", contributed=False)
+    honest = {"v": 1, "status": "ok", "included": [0, 1], "norms": [1.0, 2.0], "opposed": [], "signature": b"s"}
+    receipt, included, _ = parse_reply(honest, group, "h", contributed=False)
     assert included == ["a", "b"] and receipt.own is None and receipt.tokens == (100, 100)
     for lie in ({**honest, "included": [0, 1, 2], "norms": [1.0, 2.0, 0.0]}, {**honest, "opposed": [2]}):
         with pytest.raises(PayloadError, match="names a contribution of a hub"):

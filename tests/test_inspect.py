@@ -503,16 +503,20 @@ def test_the_status_port_refuses_broken_requests_and_keeps_serving_and_training(
     try:
         answers = {
             "garbage": ask(status_address, b"\x00\xff\xfe not http\r\n\r\n"),
-            "unfinished": ask(status_address, b"GET /peers HTTP/1.1\r\nHost: x"),
+            "unfinished": ask(status_address, b"GET /peers HTTP/1.1\r\nHost: localhost"),
             "a head too long": ask(status_address, b"GET /peers HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n"),
             "another path": ask(status_address, b"GET /../../etc/passwd HTTP/1.1\r\n\r\n"),
             "a write": ask(status_address, b"POST /peers HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"),
+            # a page of another site whose name was made to resolve to this node (DNS rebinding)
+            "another site": ask(status_address, f"GET /peers HTTP/1.1\r\nHost: rebound.example:{port}\r\n\r\n"
+                                                .encode()),
         }
-        expected = {"garbage": 400, "unfinished": 400, "a head too long": 400, "another path": 404, "a write": 405}
+        expected = {"garbage": 400, "unfinished": 400, "a head too long": 400, "another path": 404, "a write": 405,
+                    "another site": 403}
         for what, code in expected.items():
             assert answers[what].startswith(f"HTTP/1.1 {code} ".encode()), (what, answers[what][:80])
         rounds_before = max(r["round"] for r in local.records("a"))
-        good = ask(status_address, b"GET /peers HTTP/1.1\r\nHost: x\r\n\r\n")
+        good = ask(status_address, b"GET /peers HTTP/1.1\r\nHost: localhost\r\n\r\n")
     finally:
         silent.close()
     head, body = good.split(b"\r\n\r\n", 1)

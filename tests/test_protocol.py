@@ -7,11 +7,15 @@ import logging
 
 import msgpack
 import pytest
+from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ploco.errors import PayloadError
+from p2ploco.swarm import wire
+from p2ploco.swarm.allreduce import Evidence
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.commit import Outcome, Vote, _Ballot, decide, parse_decision, parse_vote
+from p2ploco.swarm.commit import Cast, Outcome, Vote, _Ballot, decide, examine, parse_decision, parse_vote
 from p2ploco.swarm.consensus import admit
+from p2ploco.swarm.evidence import Claim, Signer, owner_of, result_statement
 from p2ploco.swarm.group import KEEP_PER_PEER, Group, GroupBook, Member
 from p2ploco.swarm.join import JoinAnswer, group_answer, parse_group, parse_join
 from p2ploco.swarm.matchmaker import best_coordinator, rendezvous
@@ -23,28 +27,35 @@ S = "stage0"
 
 def group(peers=(A, B, C, D), attempt=0, holdings=None, pipeline_groups=()):
     holdings = holdings or {p: (S,) for p in peers}
-    return Group("g", 5, "params", tuple(peers), A, attempt, tuple((p, holdings[p]) for p in peers), pipeline_groups)
+    return Group("g", 5, "params", tuple(peers), A, attempt, tuple((p, holdings[p]) for p in peers), pipeline_groups,
+                 tokens=tuple((p, 1) for p in peers))
 
 
 GROUP = group()
 
 
-def holds(digest="d"):
-    return (Vote.HOLDS, {S: digest})
+def holds(digest="d", drops=()):
+    return Cast(Vote.HOLDS, {S: digest}, drops=frozenset(drops))
 
 
-MISSING, DROPPED = (Vote.MISSING, {}), (Vote.DROPPED, {})
+MISSING, DROPPED = Cast(Vote.MISSING), Cast(Vote.DROPPED)
+
+
+def refused_by(*reducers):
+    return Cast(Vote.DROPPED, refused_by=frozenset(reducers))
 
 
 def test_every_holder_agreeing_commits_and_the_dead_need_not_vote():
-    decision = decide(GROUP, {A: holds(), B: holds(), C: holds()}, {}, A)  # D died after delivering its span
+    decision = decide(GROUP, {A: holds(), B: holds(), C: holds()}, A)  # D died after delivering its span
     assert (decision.outcome, decision.digests) == (Outcome.COMMIT, {S: "d"})
     assert decision.applies({S: "d"}) and not decision.applies({S: "other"})
+    # ... but only while the holders are a strict majority of the group: two of four decide nothing
+    assert decide(group(attempt=1), {A: holds(), B: holds()}, A).outcome == Outcome.ABORT
 
 
 def test_a_missing_span_means_a_redo_among_the_voters_not_known_dropped():
     votes = {A: holds(), B: MISSING, C: holds(), D: DROPPED}
-    decision = decide(GROUP, votes, {}, A)
+    decision = decide(GROUP, votes, A)
     assert decision.outcome == Outcome.REDO and decision.redo.peers == (A, B, C) and decision.redo.attempt == 1
     assert decision.redo.coordinator == A and decision.redo.group_id != GROUP.group_id
 
@@ -55,49 +66,77 @@ def test_no_redo_among_survivors_of_whom_none_can_reduce_a_slice_or_contribute_t
     hold the same empty aggregate, and commit it), and two hubs alone have nothing to reduce."""
     hubbed = Group("g", 5, "params", (A, B, C, D), C, 0, tuple((p, (S,)) for p in (A, B, C, D)),
                    tokens=((A, 100), (B, 100), (C, 0), (D, 0)), dial_out=(A, B))
-    assert decide(hubbed, {A: MISSING, B: MISSING, D: MISSING}, {}, C).outcome == Outcome.REDO  # D reduces
-    assert decide(hubbed, {A: MISSING, B: MISSING}, {}, C).outcome == Outcome.ABORT  # C and D died
-    assert decide(hubbed, {C: MISSING, D: MISSING}, {}, C).outcome == Outcome.ABORT  # the trainers died
+    assert decide(hubbed, {A: MISSING, B: MISSING, D: MISSING}, C).outcome == Outcome.REDO  # D reduces
+    assert decide(hubbed, {A: MISSING, B: MISSING}, C).outcome == Outcome.ABORT  # C and D died
+    assert decide(hubbed, {C: MISSING, D: MISSING}, C).outcome == Outcome.ABORT  # the trainers died
 
 
 def test_one_liar_costs_a_redo_never_the_round():
     redo = group(attempt=1)
     liar = {A: holds(), B: holds(), C: holds(), D: MISSING}
-    assert decide(GROUP, liar, {}, A).outcome == Outcome.REDO
-    decision = decide(redo, liar, {}, A)  # it lies again in the redo: the majority commits
+    assert decide(GROUP, liar, A).outcome == Outcome.REDO
+    decision = decide(redo, liar, A)  # it lies again in the redo: the majority commits
     assert (decision.outcome, decision.digests) == (Outcome.COMMIT, {S: "d"})
     forged = {A: holds(), B: holds(), C: holds(), D: holds("forged")}
-    assert decide(redo, forged, {}, A).digests == {S: "d"}
+    assert decide(redo, forged, A).digests == {S: "d"}
     split = {A: holds("x"), B: holds("y"), C: MISSING, D: MISSING}
-    assert decide(redo, split, {}, A).outcome == Outcome.ABORT  # no majority for anything
+    assert decide(redo, split, A).outcome == Outcome.ABORT  # no majority for anything
 
 
 def test_a_member_whose_link_broke_is_waited_for_and_redone_with():
     """A reducer that lost B's stream reports nothing about B (it did nothing wrong): the coordinator waits for B's
     vote ("missing") and redoes the round with it. Only a reducer's rejection of malformed data spares the wait."""
     async def ballots():  # a ballot's decision is a future of the coordinator's event loop
-        return _Ballot(GROUP, deadline=0.0), _Ballot(GROUP, deadline=0.0, accusers={B: {A}})
+        return _Ballot(GROUP, deadline=0.0), _Ballot(GROUP, deadline=0.0)
 
     ballot, rejected = asyncio.run(ballots())
     ballot.votes.update({A: holds(), C: holds(), D: holds()})
     assert ballot.waiting_for() == [B]
     ballot.votes[B] = MISSING
-    assert decide(GROUP, ballot.votes, ballot.accusers, A).redo.peers == (A, B, C, D)
-    rejected.votes.update({A: holds(), C: holds(), D: holds()})
+    assert decide(GROUP, ballot.votes, A).redo.peers == (A, B, C, D)
+    rejected.votes.update({A: holds(drops={B}), C: holds(), D: holds()})
     assert rejected.waiting_for() == []
 
 
-def test_two_accusers_push_a_peer_out_one_only_spares_a_wait():
-    votes = {A: holds(), B: holds(), C: holds(), D: holds("garbage-sender's")}
-    assert decide(GROUP, votes, {D: {A, B}}, A).outcome == Outcome.COMMIT  # D is out: the rest agree
-    assert decide(GROUP, votes, {D: {A}}, A).outcome == Outcome.REDO  # one accuser: D's vote still counts
+def test_a_peer_in_conflict_with_two_others_is_out_and_one_conflict_costs_a_redo_in_which_its_reducer_is_passive():
+    votes = {A: holds(drops={D}), B: holds(drops={D}), C: holds(), D: holds("garbage-sender's")}
+    assert decide(GROUP, votes, A).outcome == Outcome.COMMIT  # D is out: the rest agree
+    one = {A: holds(drops={D}), B: holds(), C: holds(), D: holds("garbage-sender's")}
+    decision = decide(GROUP, one, A)  # one accuser: D's vote still counts, and A reduces nothing in the redo
+    assert decision.outcome == Outcome.REDO and decision.redo.peers == (A, B, C, D) and decision.redo.passive == (A,)
+    assert decision.redo.reducers(S) == (B, C, D) and A in decision.redo.contributors(S)
     two = group((A, B))
-    assert decide(two, {A: holds(), B: holds("other")}, {B: {A}}, A).redo.peers == (A, B)
+    assert decide(two, {A: holds(), B: holds("other", drops={A})}, A).redo.passive == (B,)
+
+
+def test_a_reducer_that_refuses_every_honest_member_is_out_never_the_one_voter_left():
+    """X answered A, B and C "banned here": each voted "dropped", and X's lone vote used to commit its own state for
+    everyone. Now X is in conflict with three members: out of the redo, in which the honest three commit."""
+    X = "peerX"
+    four = group((A, B, C, X))
+    votes = {A: refused_by(X), B: refused_by(X), C: refused_by(X), X: holds("x's own", drops={A, B, C})}
+    decision = decide(four, votes, A)
+    assert decision.outcome == Outcome.REDO and decision.redo.peers == (A, B, C) and X in decision.reason
+    assert decide(group((A, B, C, X), attempt=1), votes, A).outcome == Outcome.ABORT  # never X's commit alone
+    # a member the others do not dispute, refused by one reducer: a redo with that reducer passive, not the round
+    votes = {A: refused_by(X), B: holds(), C: holds(), X: holds(drops={A})}
+    decision = decide(four, votes, A)
+    assert decision.outcome == Outcome.REDO and decision.redo.passive == (X,)
+
+
+def test_a_commit_needs_a_strict_majority_of_the_groups_holders_by_count_and_by_weight():
+    weighted = Group("g", 5, "params", (A, B, C, D), A, 1, tuple((p, (S,)) for p in (A, B, C, D)),
+                     tokens=((A, 100), (B, 100), (C, 100), (D, 1000)))
+    assert decide(weighted, {A: holds(), B: holds(), C: holds(), D: holds("e")}, A).outcome == Outcome.ABORT
+    assert decide(weighted, {A: holds(), B: holds(), D: holds()}, A).digests == {S: "d"}
+    # a proven equivocator is out: its vote neither counts nor blocks
+    assert decide(group(attempt=1), {A: holds(), B: holds(), C: holds(), D: holds("e")}, A,
+                  convicted=frozenset({D})).digests == {S: "d"}
 
 
 def test_everyone_dropped_or_silent_aborts():
-    assert decide(GROUP, {A: DROPPED, B: DROPPED}, {}, A).outcome == Outcome.ABORT
-    assert decide(GROUP, {A: MISSING}, {}, A).outcome == Outcome.ABORT
+    assert decide(GROUP, {A: DROPPED, B: DROPPED}, A).outcome == Outcome.ABORT
+    assert decide(GROUP, {A: MISSING}, A).outcome == Outcome.ABORT
 
 
 # a full replica A holds both slices; a pipeline group of B (stage 0) and C (stage 1); another full replica D
@@ -106,16 +145,18 @@ MIXED = group(holdings={A: ("stage0", "stage1"), B: ("stage0",), C: ("stage1",),
 
 
 def test_each_slice_is_judged_among_its_holders():
-    full, s0, s1 = (Vote.HOLDS, {"stage0": "x", "stage1": "y"}), (Vote.HOLDS, {"stage0": "x"}), (Vote.HOLDS,
-                                                                                                   {"stage1": "y"})
-    decision = decide(MIXED, {A: full, B: s0, C: s1, D: full}, {}, A)
+    full, s0, s1 = (Cast(Vote.HOLDS, {"stage0": "x", "stage1": "y"}), Cast(Vote.HOLDS, {"stage0": "x"}),
+                    Cast(Vote.HOLDS, {"stage1": "y"}))
+    decision = decide(MIXED, {A: full, B: s0, C: s1, D: full}, A)
     assert decision.digests == {"stage0": "x", "stage1": "y"} and decision.applies({"stage1": "y"})
     # a stage of the group misses its slice's aggregate: the redo leaves the whole group out, not just C
-    decision = decide(MIXED, {A: full, B: s0, C: MISSING, D: full}, {}, A)
+    decision = decide(MIXED, {A: full, B: s0, C: MISSING, D: full}, A)
     assert decision.outcome == Outcome.REDO and decision.redo.peers == (A, B, C, D)  # C voted: it is counted
-    decision = decide(MIXED, {A: full, B: s0, D: full}, {C: {A, D}}, A)  # C accused twice: out, with its group
+    accused = {A: Cast(Vote.HOLDS, full.digests, drops=frozenset({C})), B: s0,
+               D: Cast(Vote.HOLDS, full.digests, drops=frozenset({C}))}
+    decision = decide(MIXED, accused, A)  # C accused twice: out, with its group
     assert decision.outcome == Outcome.COMMIT  # the full replicas and B agree on every slice they hold
-    redo = decide(MIXED, {A: full, B: s0, C: DROPPED, D: (Vote.HOLDS, {"stage0": "x", "stage1": "z"})}, {}, A).redo
+    redo = decide(MIXED, {A: full, B: s0, C: DROPPED, D: Cast(Vote.HOLDS, {"stage0": "x", "stage1": "z"})}, A).redo
     assert redo.peers == (A, D) and redo.holders("stage1") == (A, D) and redo.pipeline_groups == ()
 
 
@@ -203,9 +244,10 @@ def test_a_group_answered_relative_to_the_group_the_joiner_follows_is_small_and_
                  tokens=tuple((p, 10240) for p in peers[:-1]))
     members = peers[1:]  # the first has left, the last has joined, one trained fewer tokens
     now = Group("now", 5, "params", tuple(members), peers[1], 0, tuple((p, (S,)) for p in members),
-                tokens=tuple((p, 5120 if p == peers[7] else 10240) for p in members), dial_out=(peers[-1],))
+                tokens=tuple((p, 5120 if p == peers[7] else 10240) for p in members), dial_out=(peers[-1],),
+                grant=b"s" * 256)
     full, relative = group_answer(now), group_answer(now, last, last.digest)
-    assert len(msgpack.packb(full)) > 150_000 and len(msgpack.packb(relative)) < 500  # O(N) against O(changes)
+    assert len(msgpack.packb(full)) > 150_000 and len(msgpack.packb(relative)) < 800  # O(N) against O(changes)
     as_given = parse_group(decode(JoinAnswer, relative).on(last), 5, "params", peers[1])
     assert as_given == parse_group(decode(JoinAnswer, full).on(None), 5, "params", peers[1])
     assert as_given.tokens_of()[peers[7]] == 5120 and as_given.reducers(S) == tuple(members[:-1])
@@ -229,7 +271,7 @@ def test_a_joiner_that_follows_another_version_of_the_coordinators_group_is_answ
 
     hostile, honest = version(1 << 40), version(10240)
     now = Group("now", 5, "params", members, A, 0, tuple((p, (S,)) for p in members),
-                tokens=tuple((p, 10240) for p in members))
+                tokens=tuple((p, 10240) for p in members), grant=b"signed")
     assert hostile.digest != honest.digest and honest.digest == version(10240).digest
     _, _, joiner = parse_join({**JOIN, "follows": hostile.digest})
     answer = decode(JoinAnswer, group_answer(now, honest, joiner.follows))
@@ -245,7 +287,8 @@ def test_a_joiner_that_follows_another_version_of_the_coordinators_group_is_answ
 
 def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends():
     answer = {"status": "group", "group_id": "g", "peers": [A, B], "holdings": {A: [S], B: [S]}, "pipelines": {},
-              "left_out": {C: "it did not join within 20 s"}, "tokens": {A: 3000, B: 1000}, "dial_out": [B]}
+              "left_out": {C: "it did not join within 20 s"}, "tokens": {A: 3000, B: 1000}, "dial_out": [B],
+              "grant": b"signed"}
     group = parse_group(decode(JoinAnswer, answer), 1, "params", A)
     assert group.holders(S) == (A, B) and group.without() == "peerC (it did not join within 20 s)"
     assert group.reducers(S) == (A,) and group.tokens_of() == {A: 3000, B: 1000}
@@ -255,30 +298,69 @@ def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends(
                 {**answer, "left_out": {C: 3}}, {**answer, "status": "grouped"}, {**answer, "status": ["group"]},
                 {**answer, "tokens": {A: 3000}}, {**answer, "tokens": {A: 3000, B: -1}},  # a member of negative weight
                 {**answer, "dial_out": [C]},  # a non-member behind a NAT
+                {**answer, "grant": b""},  # a group its coordinator did not sign
                 {"status": "redirect"}):
         with pytest.raises(PayloadError, match="^JoinAnswer: "):
             decode(JoinAnswer, bad)
-    relative = {"status": "group", "group_id": "h", "base": "g", "changed": {}, "removed": [], "left_out": {}}
+    relative = {"status": "group", "group_id": "h", "base": "g", "changed": {}, "removed": [], "left_out": {},
+                "grant": b"signed"}
     for bad in ({**relative, "peers": [A]}, {**relative, "status": "late"},  # a relative answer lists no member
                 {**relative, "changed": {C: {"holdings": [], "pipeline": "", "tokens": 1, "dial_out": False}}}):
         with pytest.raises(PayloadError, match="^JoinAnswer: "):
             decode(JoinAnswer, bad)
-    vote = {"group_id": "g", "vote": "holds", "digests": {S: "d"}, "drops": [B]}
-    assert parse_vote(vote) == ("g", Vote.HOLDS, {S: "d"}, {B})
+    vote = {"group_id": "g", "version": "f" * 64, "vote": "holds", "drops": [B], "refused": [], "refused_by": []}
+    pieces = wire.pack([[S, 0, 10, 1, b"d" * 32, b"s" * 256]])
+    parsed, entries = parse_vote(vote, pieces)
+    assert (parsed.group_id, parsed.vote, parsed.drops, entries) == ("g", Vote.HOLDS, [B], [(S, 0, 10, 1, b"d" * 32,
+                                                                                                b"s" * 256)])
     with pytest.raises(PayloadError, match="VoteRequest: vote: Value error, not one of holds, missing, dropped"):
-        parse_vote({**vote, "vote": "maybe"})
-    with pytest.raises(PayloadError, match="VoteRequest: digests.stage0: Input should be a valid string"):
-        parse_vote({**vote, "digests": {S: 3}})
+        parse_vote({**vote, "vote": "maybe"}, pieces)
+    with pytest.raises(PayloadError, match="VoteRequest: version: String should match pattern"):
+        parse_vote({**vote, "version": "g"}, pieces)
+    for bad, message in ((wire.pack([[S, 0, 10, 1, "d", b"s"]]), "pieces.0.4: Input should be a valid bytes"),
+                         (wire.pack([[S, 10, 0, 1, b"d", b"s"]]), "a piece that ends before it starts"),
+                         (wire.pack([[S, 0, 10, 1, b"d", b"s" * 600]]), "pieces.0.5: Data should have at most 512"),
+                         (wire.pack({"a": 1}), "pieces: Input should be a valid list"), (b"\xc1", "not valid msgpack")):
+        with pytest.raises(PayloadError, match=message):
+            parse_vote(vote, bad)
     with pytest.raises(PayloadError, match="outside the round's group"):
-        parse_decision({"outcome": "redo", "group_id": "h", "peers": ["intruder"], "reason": ""}, GROUP, A)
+        parse_decision({"outcome": "redo", "group_id": "h", "peers": ["intruder"], "reason": "", "grant": b"s"},
+                       GROUP, A)
+    with pytest.raises(PayloadError, match="a redo without the survivors' signed group"):
+        parse_decision({"outcome": "redo", "group_id": "h", "peers": [A, B], "reason": ""}, GROUP, A)
     assert parse_decision({"outcome": "commit", "digests": {S: "d"}, "reason": ""}, GROUP, A).digests == {S: "d"}
     with pytest.raises(PayloadError, match="DecisionAnswer: reason: Field required"):
         parse_decision({"outcome": "abort", "digests": {}}, GROUP, A)
 
 
+def test_a_reducer_that_signed_two_results_for_one_piece_is_proven_and_a_voter_naming_an_unsigned_one_lies():
+    """Two members hold different results of one piece, each signed by the piece's reducer X: a proof against X that
+    anyone checks with X's key. A third names a result X did not sign: its vote does not count, and X is not
+    accused by it (a proof needs X's own signatures)."""
+    signer = Signer(RSAPrivateKey())
+    X = owner_of(signer.public_key)
+    four = group((A, B, C, X))
+
+    def signed(digest):
+        return Evidence(S, range(0, 10), X, digest, signer.sign(result_statement("run", four.digest, S, 0, 10,
+                                                                                   digest)))
+
+    keys = {X: signer.public_key}.get
+    votes = {A: Cast(Vote.HOLDS, evidence=(signed(b"1" * 32),)), B: Cast(Vote.HOLDS, evidence=(signed(b"2" * 32),)),
+             C: Cast(Vote.HOLDS, evidence=(Evidence(S, range(0, 10), X, b"3" * 32, b"forged"),))}
+    proofs, liars = examine("run", four, votes, keys)
+    assert [p.accused for p in proofs] == [X] and proofs[0].claim == Claim.RESULT and liars == {C}
+    assert proofs[0].holds("run") and not proofs[0].holds("another run")
+    assert not proofs[0].model_copy(update={"accused": A}).holds("run")  # X's key is no other peer's
+    # one result, one signature each: nobody is accused, and no honest reducer can be framed
+    assert examine("run", four, {A: votes[A], B: Cast(Vote.HOLDS, evidence=(signed(b"1" * 32),))}, keys) == ([], set())
+    _, liars = examine("run", four, {A: votes[A], C: votes[C]}, keys)
+    assert liars == {C}
+
+
 def test_a_coordinator_that_asks_for_a_second_redo_is_not_followed():
     """Members redo a round once: a coordinator answering "redo" forever used to keep its group redoing."""
-    redo = {"outcome": "redo", "group_id": "h", "peers": [A, B], "reason": "again"}
+    redo = {"outcome": "redo", "group_id": "h", "peers": [A, B], "reason": "again", "grant": b"signed"}
     assert parse_decision(redo, GROUP, A).redo.attempt == 1
     with pytest.raises(PayloadError, match="a second redo of one round"):
         parse_decision(redo, group(attempt=1), A)
@@ -305,13 +387,14 @@ def test_a_peers_text_reaches_the_log_escaped_bounded_and_in_one_line(caplog):
     assert decision.reason.startswith("\\x1b[2J\\x1b[31mevery peer is banned\\n12:00:00 WARNING p2ploco: a forged "
                                       "line\\u202exxx")
     assert decision.reason.isprintable() and len(decision.reason) == MAX_REASON
+    vote = {"group_id": "g", "version": "f" * 64, "vote": "holds", "drops": [], "refused": [], "refused_by": []}
     with pytest.raises(PayloadError) as malformed:
-        parse_vote({"group_id": "g", "vote": "holds", "digests": {"\x1b[2J\n": 3}, "drops": []})
+        parse_vote(vote, wire.pack([["\x1b[2J\n" * 10, 0, 1, 0, b"d", b"s"]]))
     with caplog.at_level(logging.WARNING, logger="p2ploco.swarm.bans"):
         Bans(rounds=3).ban(B, 10, str(malformed.value))
     logged = caplog.records[-1].getMessage()
-    assert logged.endswith(": VoteRequest: digests.\\x1b[2J\\n: Input should be a valid string")
+    assert logged.endswith(": VoteEvidence: pieces.0.0: String should have at most 32 characters")
     assert logged.isprintable()
     # a peer id is base58 text, whose tail a node logs: one with a terminal's escape in it is no peer id
     with pytest.raises(PayloadError, match="^VoteRequest: drops.0: String should match pattern"):
-        parse_vote({"group_id": "g", "vote": "holds", "digests": {}, "drops": ["\x1b[2J"]})
+        parse_vote({**vote, "drops": ["\x1b[2J"]}, wire.pack([]))

@@ -1,52 +1,58 @@
-"""Where a node that came without a config finds its run's files (``Node._with_run_data``): a run peer's path is a
-hint, taken only where it holds, here, the files of the run's digest."""
-
-import sysconfig
-from pathlib import Path
+"""What a node that came without a config needs of its run's files (``Node._needs_run_data``): peers never say where
+they keep theirs, so a joiner of a run on a prepared corpus or a tokenizer of its own names its copy."""
 
 import pytest
+import torch
 
 from p2ploco.config import Config, with_overrides
-from p2ploco.data import prepare, read_manifest, train_bpe
 from p2ploco.errors import ConfigError
-from p2ploco.node import Node
+from p2ploco.host_memory import total_memory
+from p2ploco.metrics import human_bytes
+from p2ploco.model import Transformer, parameter_count
+from p2ploco.node import Node, fits_memory
+from p2ploco.swarm.messages import decode
+from p2ploco.swarm.run_config import Document
 
-STDLIB = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-
-
-@pytest.fixture(scope="module")
-def corpora(tmp_path_factory):
-    """Two prepared corpora of one tokenizer: the run's, and another a peer's path could hold on this machine."""
-    root = tmp_path_factory.mktemp("corpora")
-    tokenizer = train_bpe((path.read_text(errors="replace") for path in STDLIB[:10]), 300, root / "tokenizer.json")
-    prepare([str(path) for path in STDLIB[:10]], root / "runs", tokenizer, 2.0)
-    prepare([str(path) for path in STDLIB[10:20]], root / "other", tokenizer, 2.0)
-    return root
+DIGEST = "ab" * 32
 
 
-def document(corpora: Path, hint: Path) -> dict:
-    run = with_overrides(Config(), [f"data.prepared={hint}", "model.vocab_size=300", "run_id=ours"])
-    return run.run_document(f"prepared:{read_manifest(corpora / 'runs').digest}")
+def document(data: str) -> dict:
+    return with_overrides(Config(), ["model.vocab_size=300", "run_id=ours"]).run_document(data)
 
 
-def test_the_run_peers_path_is_taken_where_it_holds_the_runs_corpus(corpora):
-    config = Node._with_run_data(with_overrides(Config(), ["run_id=ours"]), document(corpora, corpora / "runs"))
-    assert config.data.prepared == str(corpora / "runs")
+def test_a_run_document_names_no_path_of_its_peer():
+    run = with_overrides(Config(), ["data.prepared=/home/someone/corpus", "data.tokenizer=/home/someone/t.json"])
+    served = str(run.run_document(f"prepared:{DIGEST}"))
+    assert "/home/someone" not in served
+    decode(Document, run.run_document(f"prepared:{DIGEST}"))
 
 
-def test_a_peers_path_that_here_holds_another_corpus_is_refused_with_one_line(corpora):
-    digest, other = (read_manifest(corpora / name).digest for name in ("runs", "other"))
+@pytest.mark.parametrize("data, key, what", [(f"prepared:{DIGEST}", "data.prepared", "a prepared corpus"),
+                                             (f"tokenizer:{DIGEST}", "data.tokenizer", "a tokenizer of its own")])
+def test_a_joiner_without_its_copy_of_the_runs_files_is_told_in_one_line(data, key, what):
     with pytest.raises(ConfigError) as refused:
-        Node._with_run_data(with_overrides(Config(), ["run_id=ours"]), document(corpora, corpora / "other"))
-    assert str(refused.value) == (f"run 'ours' trains on a prepared corpus (digest {digest[:16]}), kept by its peer at "
-                                  f"{corpora / 'other'}, which here holds another (digest {other[:16]}); pass --set "
-                                  f"data.prepared=PATH, your copy of it")
+        Node._needs_run_data(with_overrides(Config(), ["run_id=ours"]), document(data))
+    assert str(refused.value) == (f"run 'ours' trains on {what} (digest {DIGEST[:16]}); pass --set {key}=PATH, "
+                                  f"your copy of it (its digest must be the run's)")
+    Node._needs_run_data(with_overrides(Config(), ["run_id=ours", f"{key}=/mine"]), document(data))
+    Node._needs_run_data(with_overrides(Config(), ["run_id=ours"]), document(""))  # the default corpus: nothing
 
 
-def test_a_peers_path_that_is_not_here_is_refused_with_one_line(corpora):
-    digest = read_manifest(corpora / "runs").digest
+@pytest.mark.parametrize("overrides", [[], ["model.tie_embeddings=false"], ["model.d_ff=100", "model.n_layer=3"]])
+def test_a_models_parameters_are_counted_as_it_holds_them(overrides):
+    config = with_overrides(Config(), overrides).model
+    assert parameter_count(config) == sum(p.numel() for p in Transformer(config, seed=0).parameters())
+
+
+def test_a_run_whose_model_would_not_fit_this_machines_memory_is_refused_in_one_line():
+    """A run document sets its model's size, and a newcomer takes it from peers it does not know: one naming a model
+    of 10^14 parameters used to be built, and exhaust the machine."""
+    huge = with_overrides(Config(), ["run_id=ours", "model.d_model=1048576", "model.n_head=1024", "model.n_layer=64"])
     with pytest.raises(ConfigError) as refused:
-        Node._with_run_data(with_overrides(Config(), ["run_id=ours"]), document(corpora, corpora / "gone"))
-    assert str(refused.value) == (f"run 'ours' trains on a prepared corpus (digest {digest[:16]}), kept by its peer at "
-                                  f"{corpora / 'gone'}, which is not here; pass --set data.prepared=PATH, your copy "
-                                  f"of it")
+        fits_memory(huge, torch.device("cpu"))
+    needed = parameter_count(huge.model) * 24
+    assert str(refused.value) == (f"run 'ours' trains a model of {parameter_count(huge.model) / 1e6:,.1f}M parameters: "
+                                  f"at least {human_bytes(needed)} of training state in this machine's memory, which "
+                                  f"holds {human_bytes(total_memory())}; join a run of a smaller model, or use a "
+                                  f"machine with more memory")
+    fits_memory(with_overrides(Config(), ["run_id=ours"]), torch.device("cpu"))

@@ -20,7 +20,7 @@ from p2ploco.swarm import status
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerRecord
 from p2ploco.swarm.schema import MAX_RECORD_BYTES
-from p2ploco.swarm.status import MAX_CONNECTIONS, MAX_PER_ADDRESS, StatusServer, Surveyed, listen
+from p2ploco.swarm.status import MAX_CONNECTIONS, MAX_PER_ADDRESS, Host, StatusServer, Surveyed, listen
 from p2ploco.swarm.status_client import MAX_ANSWER_HEAD, read_status
 from p2ploco.swarm.status_document import MAX_STATUS_BYTES, STATUS_PATH, Survey, status_answer
 
@@ -57,7 +57,7 @@ def endpoint(peers: list[PeerRecord], host: str = "127.0.0.1", look: Callable | 
         return survey_of(peers)
 
     loop = EventLoopThread("status-endpoint")
-    server = StatusServer({STATUS_PATH: Surveyed(look or survey, refresh_interval=60.0)})
+    server = StatusServer({STATUS_PATH: Surveyed(look or survey, refresh_interval=60.0)}, Host(host))
     listening, address = listen(host, 0)
     try:
         loop.run(server.start(listening), 10)
@@ -87,13 +87,29 @@ def pushed_out(connection: socket.socket) -> bool:
 def fetch(address: str) -> bytes:
     """The body of the server's answer to ``GET /peers``, read to the end."""
     with connect(address) as connection:
-        connection.sendall(b"GET /peers HTTP/1.1\r\nHost: x\r\n\r\n")
+        connection.sendall(b"GET /peers HTTP/1.1\r\nHost: localhost\r\n\r\n")
         answer = b""
         while piece := connection.recv(1 << 20):
             answer += piece
     head, body = answer.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 200 "), head
     return body
+
+
+def test_a_request_for_another_host_than_the_one_served_is_refused():
+    """A page of another site whose name a browser was made to resolve to this node (DNS rebinding) names its own
+    host: refused. Loopback names, the address served, and any IP address where every address is served, pass."""
+    assert all(Host("127.0.0.1").serves(h) for h in ("localhost:80", "LOCALHOST", "a.localhost:1", "127.0.0.1:8765",
+                                                      "[::1]:8765", "127.0.0.2"))
+    assert not any(Host("127.0.0.1").serves(h) for h in ("rebound.example:8765", "10.0.0.1:8765", "", "[fe80::1]:1"))
+    assert Host("0.0.0.0").serves("203.0.113.7:8765") and Host("::").serves("[2001:db8::1]:80")
+    assert not Host("0.0.0.0").serves("rebound.example:8765")
+    assert Host("node.example").serves("Node.Example:8765") and not Host("node.example").serves("other.example")
+    with endpoint(HONEST) as (_, _, address):
+        for host, code in ((b"rebound.example", b"403"), (address.encode(), b"200"), (b"localhost", b"200")):
+            with connect(address) as connection:
+                connection.sendall(b"GET /peers HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+                assert connection.recv(64).startswith(b"HTTP/1.1 " + code), host
 
 
 def test_idle_sockets_from_one_address_do_not_deny_another_client(monkeypatch):

@@ -94,24 +94,22 @@ class DenseMean(Exchange):
     def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
         return aggregate  # every recipient gets the same mean
 
-    def receive(self, span: Span, result: bytes, receipt: Receipt) -> None:
+    def receive(self, span: Span, result: bytes, receipt: Receipt) -> bytes:
+        """The span's digest: sha256 of its receipt and result bytes (every recipient of a span gets the same), hashed
+        as they arrive, in parallel, and in the wire dtype, rather than the whole float32 output at the end."""
         values = self._decode(span, result)
         if result != self._combined.get(span):  # not the mean this replica made as the span's reducer
             self.check(span, robust.Vector(values.numpy()), receipt)
         self.output[span.start : span.stop] = values
+        digest = hashlib.sha256(receipt.digest() + result).digest()
         if len(span):  # an empty span holds nothing (a group larger than the units makes some)
-            digest = hashlib.sha256(receipt.digest() + result).digest()
             with self._taking:
                 supersede(self._digests, span)
                 self._digests[span] = digest
+        return digest
 
-    def aggregate_digest(self) -> str:
-        """sha256 of the spans' receipts and result bytes (every recipient of a span gets the same), in span order:
-        hashed as they arrive, in parallel, and in the wire dtype, rather than the whole float32 output at the end."""
-        digest = hashlib.sha256()
-        for span in sorted(self._digests, key=lambda s: s.start):
-            digest.update(f"{span.start}:{span.stop}:".encode() + self._digests[span])
-        return digest.hexdigest()
+    def piece_digests(self) -> dict[Span, bytes]:
+        return dict(self._digests)
 
     def mean(self) -> list[torch.Tensor]:
         """The aggregate, shaped like the input tensors (float32, CPU)."""

@@ -9,11 +9,12 @@ combine / receive code, so what a test measures in process is what the swarm doe
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -115,10 +116,11 @@ class Exchange(ABC):
         among them). A result may leave out what the recipient already holds, such as its own payload."""
 
     @abstractmethod
-    def receive(self, span: Span, result: bytes, receipt: Receipt) -> None:
-        """Take a span's aggregate from ``result_for(..., omit=receipt.own)``; raise PayloadError if it is malformed,
-        longer than the contributions the reducer's ``receipt`` names allow, or points against this replica's own
-        contribution (``check``)."""
+    def receive(self, span: Span, result: bytes, receipt: Receipt) -> bytes:
+        """Take a span's aggregate from ``result_for(..., omit=receipt.own)`` and return its digest (sha256 of the
+        aggregate and the receipt: equal on every replica that took the same, whichever encoding brought it); raise
+        PayloadError if it is malformed, longer than the contributions the reducer's ``receipt`` names allow, or
+        points against this replica's own contribution (``check``)."""
 
     def check(self, span: Span, values: robust.Vector, receipt: Receipt) -> None:
         """PayloadError unless a reducer's result (``values``) is what its ``receipt`` allows: the norm it names for
@@ -137,8 +139,21 @@ class Exchange(ABC):
             robust.check_direction(own.vector, values)
 
     @abstractmethod
+    def piece_digests(self) -> dict[Span, bytes]:
+        """The digest of every non-empty span taken so far (``receive``), by span."""
+
     def aggregate_digest(self) -> str:
         """Hash of the whole received aggregate: equal on every replica that received the same one."""
+        return aggregate_digest(self.piece_digests().items())
+
+
+def aggregate_digest(pieces: Iterable[tuple[Span, bytes]]) -> str:
+    """One digest of an aggregate from the digests of its spans (``Exchange.receive``), in span order: what a
+    replica holds, and what a coordinator finds its members vote for from the spans' digests they list."""
+    digest = hashlib.sha256()
+    for span, piece in sorted(pieces, key=lambda item: item[0].start):
+        digest.update(struct.pack("<qq", span.start, span.stop) + piece)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

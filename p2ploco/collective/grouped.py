@@ -41,7 +41,7 @@ class GroupedMean(Exchange):
         self.layout, self.policy = layout, policy
         self.num_units = layout.num_groups
         self.output = torch.full((layout.numel,), float("nan"))  # NaN marks spans not yet received
-        self._receipts: dict[Span, bytes] = {}  # every span received -> its receipt's digest
+        self._digests: dict[Span, bytes] = {}  # sha256 of every span received (its receipt and result bytes)
         self.combined: dict[Span, bytes] = {}  # the result of every span this replica reduced (``combine`` fills it)
         self._taking = threading.Lock()  # spans are received in parallel (executor threads)
 
@@ -73,23 +73,22 @@ class GroupedMean(Exchange):
     def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
         return aggregate  # every recipient gets the same quantized mean
 
-    def receive(self, span: Span, result: bytes, receipt: Receipt) -> None:
+    def receive(self, span: Span, result: bytes, receipt: Receipt) -> bytes:
+        """The span's digest: sha256 of its receipt and result bytes (every recipient of a span gets the same)."""
         values = self.decode(RESULT, span, result)
         if result != self.combined.get(span):  # not the result this replica made as the span's reducer
             self.check(span, robust.Vector(values), receipt)
         elements = self.layout.element_range(span)
         self.output[elements.start : elements.stop] = torch.from_numpy(values)
+        digest = hashlib.sha256(receipt.digest() + result).digest()
         if len(span):  # an empty span holds nothing (a group larger than the units makes some)
             with self._taking:
-                supersede(self._receipts, span)
-                self._receipts[span] = receipt.digest()
+                supersede(self._digests, span)
+                self._digests[span] = digest
+        return digest
 
-    def aggregate_digest(self) -> str:
-        """sha256 of the received aggregate and every span's receipt, in span order."""
-        digest = hashlib.sha256(self.output.numpy().tobytes())
-        for span in sorted(self._receipts, key=lambda span: span.start):
-            digest.update(self._receipts[span])
-        return digest.hexdigest()
+    def piece_digests(self) -> dict[Span, bytes]:
+        return dict(self._digests)
 
     def mean(self) -> list[torch.Tensor]:
         """The aggregate, shaped like the input tensors (float32, CPU)."""

@@ -300,7 +300,7 @@ class SparseExchange(Exchange):
             return aggregate.union
         return fmt.encode_relay(self.layout, [p for i, p in enumerate(aggregate.payloads) if i != omit])
 
-    def receive(self, span: Span, result: bytes, receipt: Receipt) -> None:
+    def receive(self, span: Span, result: bytes, receipt: Receipt) -> bytes:
         combined = self._combined.get(span)
         ours = combined is not None and result == self.result_for(combined, receipt.own)
         if ours:  # the aggregate we made
@@ -313,14 +313,15 @@ class SparseExchange(Exchange):
             else:
                 values = fmt.decode_union(self.layout, span, result)
             self.check(span, robust.Vector(values.values, values.positions), receipt)
+        digest = self._span_digest(span, values, receipt)
         if len(span):  # an empty span holds nothing (a group larger than the units makes some)
-            digest = self._span_digest(span, values, receipt)
             with self._taking:
                 supersede(self._received, span)
                 self._received[span] = values, digest
                 supersede(self._reduced, span)
                 if ours and isinstance(combined, _Resparsified) and combined.feedback:
                     self._reduced[span] = combined.feedback
+        return digest
 
     def _recombine(self, span: Span, result: bytes, receipt: Receipt) -> SparseValues:
         """A relayed result's aggregate, combined here as its reducer did: the relayed contributions (and this
@@ -350,10 +351,8 @@ class SparseExchange(Exchange):
         digest.update(values.values.astype("<f4", copy=False))
         return digest.digest()
 
-    def aggregate_digest(self) -> str:
-        """sha256 of the spans' digests in span order: the same on every replica that received the same
-        aggregate, whichever encoding (relay or union) brought each span."""
-        return hashlib.sha256(b"".join(self._received[span][1] for span in self._spans())).hexdigest()
+    def piece_digests(self) -> dict[Span, bytes]:
+        return {span: digest for span, (_, digest) in self._received.items()}
 
     def _spans(self) -> list[Span]:
         return sorted(self._received, key=lambda span: span.start)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from p2ploco.dashboard.documents import DOCUMENT_FORMAT, ROUNDS_DOCUMENT, RUN_DOCUMENT, parse_after
 from p2ploco.dashboard.page import PAGE_PATH, page_routes
 from p2ploco.errors import SwarmError, shown
-from p2ploco.swarm.status import Answer, Route, StatusServer, listen, why_not_listening
+from p2ploco.swarm.status import Answer, Host, Route, StatusServer, listen, why_not_listening
 from p2ploco.swarm.status_client import answer_json, read_answer
 from p2ploco.swarm.status_document import PEERS_DOCUMENT
 
@@ -88,7 +88,7 @@ def serve_dashboard(address: str, host: str, port: int, out: Callable[[str], Non
                          f"port (0: any free one) or host") from None
 
     async def serve() -> None:
-        server = StatusServer(relay_routes(address))
+        server = StatusServer(relay_routes(address), Host(host))
         await server.start(listening)
         out(f"dashboard of run '{shown(str(run.get('run_id')), 64)}' (the node at {address}) at "
             f"http://{served_at}{PAGE_PATH}; Ctrl-C stops it")

@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from hivemind.p2p import P2P
-from pydantic import Field, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
 from p2ploco import faults
 from p2ploco.collective.exchange import (
@@ -99,6 +99,15 @@ from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.clip_streaks import ClipStreaks
 from p2ploco.swarm.deadlines import TransferDeadline
+from p2ploco.swarm.evidence import (
+    MAX_SIGNATURE,
+    Claim,
+    Proof,
+    Signed,
+    Signer,
+    result_statement,
+    signed_by,
+)
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.messages import (
     MAX_PEERS,
@@ -142,8 +151,30 @@ class DroppedFromRound(AllReduceError):
 
 
 class ReducerElsewhere(AllReduceError):
-    """A reducer takes part in this round in a group another coordinator formed: it never takes part in this
-    peer's group, sends it nothing, and reduces nothing for it."""
+    """A reducer takes part in this round in a group another coordinator formed, or in another version of this
+    group: it never takes part in this peer's group, sends it nothing, and reduces nothing for it."""
+
+
+class OtherVersion(ReducerElsewhere):
+    """A reducer holds another version of this peer's group: ``version`` (its digest), which the coordinator signed
+    (``grant``) as it signed this peer's: with both, the coordinator is proven to have handed out two."""
+
+    def __init__(self, message: str, version: str, grant: bytes):
+        super().__init__(message, Failure.MISSED)
+        self.version, self.grant = version, grant
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """A piece's aggregate as this peer took it: its reducer, its digest (``Exchange.receive``) and the reducer's
+    signature of it (``evidence.result_statement``). A vote lists them, so that a reducer that answered members
+    different results is caught by its own signatures."""
+
+    slice: str
+    span: Span
+    reducer: str
+    digest: bytes
+    signature: bytes
 
 
 @dataclass(frozen=True)
@@ -159,6 +190,7 @@ class Delivery:
     opposed_ours: bool = False  # the reducer left our contribution out: it pointed against the others'
     accused: bool = False  # its answer was malformed, or its result pointed against our contribution
     error: AllReduceError | None = None  # None: we hold the piece's aggregate
+    evidence: Evidence | None = None  # the piece's aggregate as we took it, with the reducer's signature
 
 
 @dataclass(frozen=True)
@@ -167,7 +199,8 @@ class Attempt:
 
     traffic: Traffic  # this attempt's bytes and parameters (the communicator times the whole round)
     dropped: frozenset[str]  # members left out of some span's aggregate
-    accused: frozenset[str]  # members rejected from our spans for malformed data, or whose result we refused
+    rejected: frozenset[str]  # members whose contributions to our spans we rejected as malformed (or banned here)
+    refused: frozenset[str]  # reducers whose result we refused (malformed, too long, against our contribution)
     # members whose contributions are in our aggregates, and reducers that sent us theirs: they took part with a
     # daemon of their own (a member the coordinator named that has none delivers nothing)
     delivered: frozenset[str]
@@ -176,6 +209,16 @@ class Attempt:
     failures: list[Failure]  # what went wrong here, one entry per event
     error: AllReduceError | None = None  # None: the exchange holds the aggregate of every span
     elsewhere: frozenset[str] = frozenset()  # reducers that take part in this round in another group
+    refused_by: frozenset[str] = frozenset()  # reducers that rejected our contribution as malformed
+    evidence: tuple[Evidence, ...] = ()  # every non-empty piece's aggregate we took, in slice and span order
+
+
+@dataclass(frozen=True)
+class _Reduced:
+    """A piece this peer reduced: what it combined, and the result it answers every member, signed."""
+
+    reduction: SpanReduction
+    evidence: Evidence
 
 
 @dataclass(frozen=True)
@@ -278,13 +321,15 @@ class _ReducerSession:
 
 
 class ButterflyAllReduce:
-    def __init__(self, p2p: P2P, me: str, run_id: str, deadline: TransferDeadline, bans: Bans,
-                 rates: Callable[[Iterable[str]], list[float]] = lambda peers: [],
+    def __init__(self, p2p: P2P, me: str, run_id: str, deadline: TransferDeadline, bans: Bans, signer: Signer,
+                 keys: Callable[[str], bytes | None], rates: Callable[[Iterable[str]], list[float]] = lambda peers: [],
                  whereabouts: Whereabouts | None = None):
-        """``rates``: the link rates (Mbit/s, 0: not stated) the given peers report; ``whereabouts``: where this peer
-        takes part in each round (the matchmaker's notes), so that a contribution for a group it never takes part
-        in is refused at once."""
-        self.p2p, self.me, self.deadline, self.bans, self.rates = p2p, me, deadline, bans, rates
+        """``signer``: signs the results this peer answers; ``keys``: a peer's public key, as its record names it
+        (None: unknown), which its signatures are checked with; ``rates``: the link rates (Mbit/s, 0: not stated) the
+        given peers report; ``whereabouts``: where this peer takes part in each round (the matchmaker's notes), so
+        that a contribution for a group it never takes part in is refused at once."""
+        self.p2p, self.me, self.run_id, self.deadline, self.bans, self.rates = p2p, me, run_id, deadline, bans, rates
+        self.signer, self.keys = signer, keys
         self.whereabouts = whereabouts if whereabouts is not None else Whereabouts()
         self.timeout = deadline.base  # for what does not grow with the payload: headers, answers, lookups
         self.handler_name = f"p2ploco/{run_id}/reduce"
@@ -307,7 +352,7 @@ class ButterflyAllReduce:
         plan = self._plan(group, exchange)
         sessions = plan.sessions
         sends = [asyncio.create_task(self._contribute(*send)) for send in plan.sends]
-        reductions: list[SpanReduction] = []
+        reduced: list[_Reduced] = []
         own_bytes = 0
         error: AllReduceError | None = None
         try:
@@ -316,11 +361,7 @@ class ButterflyAllReduce:
                 if self.me in group.contributors(session.slice):
                     own = await loop.run_in_executor(None, session.exchange.encode, session.span)
                     own_bytes += len(own)
-                reduction = await self._reduce(session, own)
-                reductions.append(reduction)
-                result = reduction.result_for(session.exchange, self.me)
-                await loop.run_in_executor(None, session.exchange.receive, session.span, result,
-                                           reduction.receipt_for(self.me))
+                reduced.append(await self._reduce(session, own))
             # Every contribution is delivered (or fails) before we report, even after a reducer refused us.
             await asyncio.gather(*sends, return_exceptions=True)
             for session in sessions:  # results handed to every sender
@@ -340,7 +381,7 @@ class ButterflyAllReduce:
         traffic = Traffic(sum(d.sent for d in deliveries) + sum(s.bytes_out for s in sessions),
                           sum(d.received for d in deliveries) + sum(s.bytes_in for s in sessions),
                           plan.dense_fp32_bytes, own_bytes + sum(d.encoded for d in deliveries), plan.params)
-        return self._attempt(sessions, reductions, deliveries, traffic, error)
+        return self._attempt(sessions, reduced, deliveries, traffic, error)
 
     def _plan(self, group: Group, exchange: SlicedExchange) -> _Plan:
         """Who reduces what among ``group``: our sessions for the pieces we reduce (open from now on to their
@@ -381,10 +422,11 @@ class ButterflyAllReduce:
                     sends += [(ours, peer, route, piece) for piece in pieces(part, span)]
         return _Plan(sessions, sends, dense, params)
 
-    def _attempt(self, sessions: list[_ReducerSession], reductions: list[SpanReduction], deliveries: list[Delivery],
+    def _attempt(self, sessions: list[_ReducerSession], reduced: list[_Reduced], deliveries: list[Delivery],
                 traffic: Traffic, error: AllReduceError | None) -> Attempt:
         """The attempt as it went: who was left out or accused, what went wrong, and the error that decides this
         peer's vote (``error``: our own spans' failure, which outranks the others)."""
+        reductions = [r.reduction for r in reduced]
         errors = [d.error for d in deliveries if d.error is not None]
         failures = [Failure.OPPOSED for d in deliveries if d.opposed_ours]
         failures += [failure for s in sessions for failure, _ in s.missed.values() if failure is not None]
@@ -398,7 +440,7 @@ class ButterflyAllReduce:
             traffic,
             dropped=frozenset(rejected | {p for s in sessions for p in s.missed}
                               | {p for d in deliveries for p in d.left_out}),
-            accused=frozenset(rejected | {d.reducer for d in deliveries if d.accused}),
+            rejected=frozenset(rejected), refused=frozenset(d.reducer for d in deliveries if d.accused),
             # A member that reduces nothing (behind a NAT) has only the reducers' word for who took part: without it
             # its partners would be the hubs that reduced for it alone, whose step times are none
             delivered=frozenset(({d.reducer for d in deliveries} - failed)
@@ -408,10 +450,14 @@ class ButterflyAllReduce:
             clipped=sorted({p for r in reductions for p in r.clipped}),
             opposed=sorted({p for r in reductions for p in r.opposed}),
             failures=failures, error=error,
-            elsewhere=frozenset(d.reducer for d in deliveries if isinstance(d.error, ReducerElsewhere)))
+            elsewhere=frozenset(d.reducer for d in deliveries if isinstance(d.error, ReducerElsewhere)),
+            refused_by=frozenset(d.reducer for d in deliveries if isinstance(d.error, DroppedFromRound)),
+            evidence=tuple(sorted((e for e in [*(r.evidence for r in reduced), *(d.evidence for d in deliveries)]
+                                   if e is not None and len(e.span)), key=lambda e: (e.slice, e.span.start))))
 
-    async def _reduce(self, session: _ReducerSession, own: bytes | None) -> SpanReduction:
-        """Combine the span's contributions (``own``: this peer's, None for a hub's, which sends none)."""
+    async def _reduce(self, session: _ReducerSession, own: bytes | None) -> _Reduced:
+        """Combine the span's contributions (``own``: this peer's, None for a hub's, which sends none), take the result
+        as every member does, and sign its digest: the one result this peer answers for the piece."""
         try:
             await asyncio.wait_for(session.arrived.wait(), max(0.0, session.deadline - time.monotonic()))
         except TimeoutError:
@@ -419,9 +465,13 @@ class ButterflyAllReduce:
                 session.miss(sender, Failure.TIMEOUT, f"sent nothing within {session.transfer:.0f} s")
         contributions = [(p, own if p == self.me else session.payloads[p]) for p in session.group.peers
                          if (p == self.me and own is not None) or p in session.payloads]
+        loop = asyncio.get_running_loop()
         try:
-            reduction = await asyncio.get_running_loop().run_in_executor(
-                None, reduce_span, session.exchange, session.span, contributions, session.group.tokens_of())
+            reduction = await loop.run_in_executor(None, reduce_span, session.exchange, session.span, contributions,
+                                                   session.group.tokens_of())
+            digest = await loop.run_in_executor(None, session.exchange.receive, session.span,
+                                                reduction.result_for(session.exchange, self.me),
+                                                reduction.receipt_for(self.me))
         except PayloadError as e:
             session.result.set_exception(e)
             session.result.exception()  # retrieved here; handlers re-raise it to their senders
@@ -443,8 +493,12 @@ class ButterflyAllReduce:
             if struck:
                 self.bans.strike(sender, round_index, reason)
         await faults.hit_async("allreduce.reduce", session.group.round_index)
-        session.result.set_result(reduction)
-        return reduction
+        span = session.span
+        signature = self.signer.sign(result_statement(self.run_id, session.group.digest, session.slice, span.start,
+                                                      span.stop, digest))
+        reduced = _Reduced(reduction, Evidence(session.slice, span, self.me, digest, signature))
+        session.result.set_result(reduced)
+        return reduced
 
     async def _contribute(self, ours: list[_ReducerSession], peer: str, route: _Route, span: Span) -> Delivery:
         """Send our contribution to the piece ``span`` to its reducer ``peer`` (after our earlier pieces to it) and
@@ -464,6 +518,7 @@ class ButterflyAllReduce:
         payload = b"" if listens else await loop.run_in_executor(None, exchange.encode, span)
         sent, received, left_out, combined, opposed_ours, accused = 0, 0, frozenset(), frozenset(), False, False
         error: AllReduceError | None = None
+        evidence: Evidence | None = None
         writer: asyncio.StreamWriter | None = None
         try:
             async with route.turn:  # one piece on the wire to a reducer at a time: it reduces one as the next comes
@@ -472,7 +527,8 @@ class ButterflyAllReduce:
                 reader, writer = await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name),
                                                         self.timeout)
                 header = {"group_id": group.group_id, "round": group.round_index, "slice": route.slice,
-                          "span": [span.start, span.stop], "coordinator": group.coordinator, "listen": listens}
+                          "span": [span.start, span.stop], "coordinator": group.coordinator, "listen": listens,
+                          "version": group.digest}
                 await asyncio.wait_for(wire.write_message(writer, header, payload), route.transfer)
             sent = len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
@@ -480,12 +536,17 @@ class ButterflyAllReduce:
             # takes another.
             reply, result = await asyncio.wait_for(
                 wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * route.transfer)
-            receipt, included = parse_reply(reply, group, self.me, contributed=not listens)
+            receipt, included, signature = parse_reply(reply, group, self.me, contributed=not listens)
             if receipt.own is None and not listens:
                 opposed_ours = True
                 logger.warning(f"round {group.round_index}: reducer {peer[-8:]} left this peer's contribution to span "
                                f"{span.start}:{span.stop} out: it points against the others'")
-            await loop.run_in_executor(None, exchange.receive, span, result, receipt)
+            digest = await loop.run_in_executor(None, exchange.receive, span, result, receipt)
+            key = self.keys(peer)
+            if key is None or not signed_by(key, result_statement(self.run_id, group.digest, route.slice, span.start,
+                                                                  span.stop, digest), signature):
+                raise PayloadError("a result that its reducer's key did not sign")
+            evidence = Evidence(route.slice, span, peer, digest, signature)
             received = len(result)
             left_out = frozenset(group.contributors(route.slice)) - set(included) - {self.me}
             combined = frozenset(included)
@@ -493,6 +554,8 @@ class ButterflyAllReduce:
             if isinstance(e, ReducerElsewhere):  # it sends us nothing either
                 for piece in ours:
                     piece.miss(peer, None, "it takes part in this round in another group")
+            if isinstance(e, OtherVersion):
+                self._convict_coordinator(group, e)
             error = e
         except TransportError as e:  # the reducer crashed, or the link to it broke: it will not send us its part
             for piece in ours:
@@ -517,7 +580,18 @@ class ButterflyAllReduce:
         finally:
             if writer is not None:
                 writer.close()
-        return Delivery(peer, len(payload), sent, received, left_out, combined, opposed_ours, accused, error)
+        return Delivery(peer, len(payload), sent, received, left_out, combined, opposed_ours, accused, error, evidence)
+
+    def _convict_coordinator(self, group: Group, other: OtherVersion) -> None:
+        """A reducer answered that it holds another version of ``group``, signed by its coordinator as ours is: the
+        two signatures prove that the coordinator handed out two versions of one group."""
+        key = self.keys(group.coordinator)
+        if key is None or not group.grant or group.coordinator == self.me:
+            return
+        proof = Proof(claim=Claim.GROUP, accused=group.coordinator, key=key, group_id=group.group_id,
+                      first=Signed(digest=bytes.fromhex(group.digest), signature=group.grant),
+                      second=Signed(digest=bytes.fromhex(other.version), signature=other.grant))
+        self.bans.convict(proof, group.round_index)
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A group member sends us its contribution to our span; answer with the span's aggregate."""
@@ -548,24 +622,25 @@ class ButterflyAllReduce:
                 session.bytes_in += len(payload)
                 session.deliver(sender, payload)
             try:
-                reduction: SpanReduction = await asyncio.wait_for(asyncio.shield(session.result),
-                                                                  2 * session.transfer)
+                reduced: _Reduced = await asyncio.wait_for(asyncio.shield(session.result), 2 * session.transfer)
             except PayloadError as e:  # this reducer could not combine its span at all: not the sender's fault
                 raise _Refused(ReduceStatus.MISSED, f"the span could not be reduced: {e}") from None
+            reduction = reduced.reduction
             refusal = session.refusal(sender) or (
                 (ReduceStatus.REJECTED, reduction.rejected[sender]) if sender in reduction.rejected else None)
             if refusal is not None:
                 raise _Refused(*refusal)
             place = {peer: i for i, peer in enumerate(session.group.peers)}
             reply = {"status": ReduceStatus.OK, "included": [place[p] for p in reduction.included],
-                     "norms": reduction.norms, "opposed": [place[p] for p in reduction.opposed]}
+                     "norms": reduction.norms, "opposed": [place[p] for p in reduction.opposed],
+                     "signature": reduced.evidence.signature}
             result = reduction.result_for(session.exchange, sender)
             await asyncio.wait_for(wire.write_message(writer, reply, result), session.transfer)
             session.bytes_out += len(result)
         except _Refused as e:
             await _refuse(writer, e.status, e.reason)
-        except _UnknownGroup as e:  # a group this peer never joined (it was late, or refused it)
-            await _refuse(writer, ReduceStatus.MISSED, str(e), e.elsewhere)
+        except _UnknownGroup as e:  # a group this peer never joined (it was late, or refused it), or another version
+            await _refuse(writer, ReduceStatus.MISSED, str(e), e.elsewhere, e.version)
         except (TransportError, TimeoutError) as e:  # the sender's link failed, or it is too slow
             reason = f"its link failed ({e})" if isinstance(e, TransportError) else "it timed out"
             if session is not None:
@@ -625,6 +700,11 @@ class ButterflyAllReduce:
             raise
         finally:
             self._awaited_by.pop(key, None)
+        if contribution.version != session.group.digest:  # the coordinator handed out two versions of the group: the
+            # sender's shows ours (signed) and the coordinator is proven; neither member is at fault
+            session.miss(sender, None, "it holds another version of the group")
+            raise _UnknownGroup(f"contribution for another version of group {group_id[:32]!r}", elsewhere=True,
+                                version=session.group)
         if sender not in session.senders | session.listeners:
             raise PayloadError(f"{sender[-8:]} is not a member of this group")
         return session
@@ -640,6 +720,10 @@ class ButterflyAllReduce:
                                 f"{contribution.round} at coordinator {at[-8:]}", elsewhere=True)
 
 
+GroupDigest = Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")]  # ``Group.digest``
+Signature = Annotated[bytes, Field(max_length=MAX_SIGNATURE)]
+
+
 class Contribution(Message):
     group_id: Digest
     round: Round
@@ -647,6 +731,7 @@ class Contribution(Message):
     span: Annotated[list[Annotated[int, Field(ge=0, le=MAX_UNITS)]], Field(min_length=2, max_length=2)]  # [start, stop]
     coordinator: PeerId = ""  # who formed the sender's group ("": not said; the reducer waits for the group)
     listen: bool = False  # a hub's request for the span's result: no payload (``Group.contributors``)
+    version: GroupDigest  # the digest of the group as the sender holds it: a reducer holding another refuses it
 
 
 class ReduceAnswer(Message):
@@ -655,7 +740,10 @@ class ReduceAnswer(Message):
     included: Positions = []  # with ok: the members whose contributions make up the aggregate that follows
     norms: Annotated[list[Norm], Field(max_length=MAX_PEERS)] = []  # of the included contributions, in order
     opposed: Positions = []  # with ok: members whose contributions it left out as pointing against the others
-    elsewhere: bool = False  # with missed: the reducer takes part in this round in another group
+    signature: Signature = b""  # with ok: the reducer's signature of the result (``evidence.result_statement``)
+    elsewhere: bool = False  # with missed: the reducer takes part in this round in another group ...
+    version: GroupDigest | None = None  # ... or in another version of this group, which its coordinator signed:
+    grant: Signature = b""
 
     @model_validator(mode="after")
     def _aligned(self) -> ReduceAnswer:
@@ -663,18 +751,27 @@ class ReduceAnswer(Message):
             raise ValueError("norms that do not name one norm per included contribution")
         if self.elsewhere and self.status != ReduceStatus.MISSED:
             raise ValueError("elsewhere, with another status than missed")
+        if self.status == ReduceStatus.OK and not self.signature:
+            raise ValueError("a result without its reducer's signature")
+        if self.version is not None and not (self.elsewhere and self.grant):
+            raise ValueError("another version of the group, not elsewhere or not signed")
         return self
 
 
-def parse_reply(reply: dict[str, Any], group: Group, me: str, contributed: bool = True) -> tuple[Receipt, list[str]]:
-    """What a reducer's answer says of the aggregate that follows it, and the members whose contributions make it
-    up; DroppedFromRound if the reducer rejected ours as malformed, ReducerElsewhere if it takes part in this round
-    in another group, AllReduceError if it went on without it, PayloadError if the answer is malformed: it leaves
-    this peer out (where it ``contributed``: a hub sends none), names non-members, or leaves out as many
-    contributions as it keeps (at most a minority may point against the others)."""
+def parse_reply(reply: dict[str, Any], group: Group, me: str, contributed: bool = True
+                ) -> tuple[Receipt, list[str], bytes]:
+    """What a reducer's answer says of the aggregate that follows it, the members whose contributions make it up,
+    and the reducer's signature of it; DroppedFromRound if the reducer rejected ours as malformed, ReducerElsewhere
+    if it takes part in this round in another group (OtherVersion: in another version of this one), AllReduceError
+    if it went on without it, PayloadError if the answer is malformed: it leaves this peer out (where it
+    ``contributed``: a hub sends none), names non-members, or leaves out as many contributions as it keeps (at most a
+    minority may point against the others)."""
     answer = decode(ReduceAnswer, reply)
     if answer.status == ReduceStatus.REJECTED:
         raise DroppedFromRound(f"a reducer rejected this peer's contribution: {answer.reason[:200]}", Failure.REJECTED)
+    if answer.version is not None and answer.version != group.digest:
+        raise OtherVersion(f"a reducer holds another version of this peer's group: {answer.reason[:200]}",
+                           answer.version, answer.grant)
     if answer.elsewhere:
         raise ReducerElsewhere(f"a reducer is not in this peer's group: {answer.reason[:200]}", Failure.MISSED)
     if answer.status == ReduceStatus.MISSED:
@@ -693,7 +790,7 @@ def parse_reply(reply: dict[str, Any], group: Group, me: str, contributed: bool 
         raise PayloadError(f"an aggregate that leaves out {len(opposed)} contributions as pointing against the "
                            f"others and keeps {len(included)}: only a minority may be left out")
     own = members.index(me) if me in included else None
-    return Receipt(tuple(answer.norms), tuple(tokens[p] for p in members), own, len(opposed)), members
+    return Receipt(tuple(answer.norms), tuple(tokens[p] for p in members), own, len(opposed)), members, answer.signature
 
 
 class _Refused(Exception):
@@ -706,19 +803,24 @@ class _Refused(Exception):
 
 class _UnknownGroup(Exception):
     """A contribution for a group this peer never joined (it was late, or refused it): not the sender's fault.
-    ``elsewhere``: this peer takes part in the round in another group, and never joins that one."""
+    ``elsewhere``: this peer takes part in the round in another group, and never joins that one; ``version``: the
+    version of the sender's group that this peer holds, where it holds another."""
 
-    def __init__(self, reason: str, elsewhere: bool = False):
+    def __init__(self, reason: str, elsewhere: bool = False, version: Group | None = None):
         super().__init__(reason)
-        self.elsewhere = elsewhere
+        self.elsewhere, self.version = elsewhere, version
 
 
-async def _refuse(writer: asyncio.StreamWriter, status: ReduceStatus, reason: str, elsewhere: bool = False) -> None:
+async def _refuse(writer: asyncio.StreamWriter, status: ReduceStatus, reason: str, elsewhere: bool = False,
+                  version: Group | None = None) -> None:
     """Tell a sender why its contribution is not in the aggregate (``elsewhere``: this peer takes part in the round
-    in another group); it may have hung up already."""
+    in another group; ``version``: in this version of the sender's group, signed by its coordinator); it may have
+    hung up already."""
     answer: dict[str, Any] = {"status": status, "reason": reason[:200]}
     if elsewhere:
         answer["elsewhere"] = True
+    if version is not None and version.grant:
+        answer.update(version=version.digest, grant=version.grant)
     try:
         await asyncio.wait_for(wire.write_message(writer, answer), 1.0)
     except (TransportError, TimeoutError):

@@ -10,11 +10,18 @@ Malformed content earns a ban at once; a stream cut short or a timeout (a crash,
 contribution that points against the others' (``collective/robust.py``) is left out of the aggregate and earns a
 *strike*: an honest peer's does so rarely (noisy data), a sign-flipping peer's every round, so ``STRIKES`` rounds
 with a strike within the last ``STRIKE_ROUNDS`` earn a ban.
+
+A key proven to have told peers different things (``swarm/evidence.py``: two different values it signed for one
+question) is *convicted*: banned for the rest of the run, here and, as the proof travels, everywhere. Only a proof
+that this node checked itself convicts; an accusation alone never does.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+
+from p2ploco.swarm.evidence import Proof
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +30,11 @@ STRIKE_ROUNDS = 10  # ... within this many rounds
 
 
 class Bans:
-    def __init__(self, rounds: int):
-        self.rounds = rounds
-        self._bans: dict[str, tuple[int, str]] = {}  # peer -> (the first round it may take part in again, why)
+    def __init__(self, rounds: int, run_id: str = ""):
+        self.rounds, self.run_id = rounds, run_id
+        self._bans: dict[str, tuple[float, str]] = {}  # peer -> (the first round it may take part in again, why)
         self._strikes: dict[str, list[int]] = {}  # peer -> the recent rounds in which it was struck
+        self.proofs: dict[str, Proof] = {}  # convicted peer -> the proof against it (checked here)
 
     def ban(self, peer: str, round_index: int, reason: str) -> None:
         until = round_index + 1 + self.rounds
@@ -35,6 +43,17 @@ class Bans:
                 logger.warning(f"round {round_index}: leaving {peer[-8:]} out of this node's rounds until round "
                                f"{until}: {reason}")
             self._bans[peer] = until, reason
+
+    def convict(self, proof: Proof, round_index: int) -> bool:
+        """Ban the key ``proof`` accuses for the rest of the run if the proof holds (checked here: it is anyone's word
+        until then); whether it convicted someone new."""
+        if proof.accused in self.proofs or not proof.holds(self.run_id):
+            return False
+        self.proofs[proof.accused] = proof
+        logger.warning(f"round {round_index}: leaving {proof.accused[-8:]} out of this run for good: "
+                       f"{proof.describe()} (it signed both)")
+        self._bans[proof.accused] = math.inf, proof.describe()
+        return True
 
     def strike(self, peer: str, round_index: int, reason: str) -> None:
         """``peer`` was caught in ``round_index`` at what an honest peer does rarely (``reason``); a ban at the

@@ -1,41 +1,54 @@
 """A round's outcome, the same for every survivor: commit, redo among the survivors, or abort.
 
-After the butterfly every member votes: it holds the aggregate of every span of every slice it holds
-(and sends a digest per slice), some span's aggregate is missing (a link failed, or a reducer went on
-without it), or a reducer rejected its contribution as malformed. Each vote also lists the peers the voter
-rejected from its own spans for malformed data. The group's coordinator decides once, when every member has
-voted, or ``timeout`` after the first vote. It does not wait for a member that some reducer rejected for
-malformed data (it cannot hold every span), nor for one whose daemon cannot be dialled any more (the
-coordinator tries every few seconds: it crashed). A member whose link to some reducer broke is waited for:
-it is alive, and votes "missing".
+After the butterfly every member votes on the version of the group it holds (its digest): it holds the aggregate of
+every span of every slice it holds, some span's aggregate is missing (a link failed, or a reducer went on without
+it), or a reducer rejected its contribution as malformed. Each vote also lists, for every piece it took, the piece's
+digest and its reducer's signature of it (``swarm/evidence.py``), whom the voter rejected as malformed from its own
+spans, whose result it refused, and which reducers rejected its contribution. The group's coordinator decides once,
+when every member has voted, or ``timeout`` after the first vote. It does not wait for a member that some reducer
+rejected for malformed data (it cannot hold every span), nor for one whose daemon cannot be dialled any more (the
+coordinator tries every few seconds: it crashed). A member whose link to some reducer broke is waited for: it is
+alive, and votes "missing".
 
-- commit, if every counted vote holds, and all holders of each slice hold one digest of it; members
-  that died after delivering their span do not vote and need not;
-- otherwise, on a first attempt, redo among the counted voters (the dead cannot vote), less the stage
-  peers of a pipeline group that is no longer whole among them (a group acts as one replica or not at
-  all): they run the butterfly again with the same pseudo-gradients and a fresh group id. A member that
-  only missed a span (a broken stream) is in the redo: one broken stream costs a redo, never the round;
-- otherwise commit, for every slice, the digest held by a strict majority of its counted holders (a
-  single liar that votes "missing" costs a redo, never the round; ``consensus.plurality`` with the holders as
-  its electorate), or abort if some slice has none: nobody applies anything this round.
+Before it decides, the coordinator looks for reducers that answered members different results: two digests of one
+piece that the same reducer signed are a proof (``evidence.Proof``). A proven reducer is out of the round and of
+the run, and the decision carries the proof, which every member checks and passes on. A vote whose evidence for a
+disputed piece does not hold (a signature its reducer did not make) is a liar's, and does not count.
 
-A member applies the aggregate only if the decision names the digest it holds of each of its slices.
-The coordinator judges every vote against its own record of the group it formed (or of the redo it
-decided), never against what a voter claims the group is. A vote is not counted if its voter says it was
-rejected, or if two reducers report rejecting it: one accuser alone (a liar) cannot push an honest peer
-out; it can only spare the others a wait. A redo or commit without some members comes with the reason,
-which every member logs. Only the coordinator decides. A member whose vote's stream breaks asks again (the
-coordinator answers a second ask with the same decision); one that cannot reach it at all applies nothing
-(as if aborted) and, if the others committed, catches up from them before the next round, unless it can join the
-round where the others form it at the next coordinator (``SwarmCommunicator``: a formation already open there,
-never one of its own). A second judge would let two halves of a group decide differently.
+Refusals are conflicts between two members: a reducer that rejected a member's contribution, a member that refused
+a reducer's result. Nobody can tell from one conflict which side is at fault, so a member in conflict with two or
+more others is out (the most conflicted first: ``ACCUSERS``), and in a redo the reducer of each remaining conflict
+reduces nothing (it stays a member; its span goes to the others). So a reducer that refuses every honest member is
+out of the redo, never the one voter left, and a lone liar costs a redo.
 
-The vote request, a wire message (``swarm/wire.py``) with no payload::
+- commit, if every counted vote holds one digest of each slice, and those are a strict majority of the slice's
+  holders in the group, by count and by the tokens they joined with (members that died after delivering their span
+  need not vote, while the others are such a majority);
+- otherwise, on a first attempt, redo among the members neither out nor silent, less the stage peers of a pipeline
+  group that is no longer whole among them (a group acts as one replica or not at all), with the reducers of the
+  remaining conflicts passive: they run the butterfly again with the same pseudo-gradients and a fresh group id. A
+  member that only missed a span (a broken stream) is in the redo: one broken stream costs a redo, never the round;
+- otherwise commit, for every slice, the digest held by a strict majority of its holders in the group, by count and
+  weight (a plurality, or the votes of those some reducer refused, decide nothing: ``consensus.plurality`` with the
+  holders as its electorate), or abort if some slice has none: nobody applies anything this round.
 
-    {v, group_id, vote: holds|missing|dropped, digests: {slice: digest}, drops: [peers rejected as malformed]}
+A member applies the aggregate only if the decision names the digest it holds of each of its slices. The coordinator
+judges every vote against its own record of the group it formed (or of the redo it decided), never against what a
+voter claims the group is: a vote on another version of the group does not count. A decision that goes on without
+some members comes with the reason, which every member logs. Only the coordinator decides. A member whose vote's
+stream breaks asks again (the coordinator answers a second ask with the same decision); one that cannot reach it at
+all applies nothing (as if aborted) and, if the others committed, catches up from them before the next round, unless
+it can join the round where the others form it at the next coordinator (``SwarmCommunicator``: a formation already
+open there, never one of its own). A second judge would let two halves of a group decide differently.
 
-and the decision: ``{v, outcome: commit|redo|abort, digests: {slice: digest}, reason}`` (+ ``group_id,
-peers`` for a redo).
+The vote request, a wire message (``swarm/wire.py``)::
+
+    {v, group_id, version: the group's digest, vote: holds|missing|dropped, drops: [peers rejected as malformed],
+     refused: [reducers whose result it refused], refused_by: [reducers that rejected its contribution]}
+    + msgpack [[slice, start, stop, reducer's place in the group, digest, signature], ...]
+
+and the decision: ``{v, outcome: commit|redo|abort, digests: {slice: digest}, reason, proofs: [...]}`` (+ ``group_id,
+peers, passive, grant`` for a redo: the coordinator's signature of the redo's group).
 """
 
 from __future__ import annotations
@@ -45,29 +58,45 @@ import enum
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from hivemind.p2p import P2P
-from pydantic import model_validator
+from pydantic import Field, StringConstraints, model_validator
 
 from p2ploco import faults
+from p2ploco.collective.exchange import aggregate_digest
 from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
+from p2ploco.swarm.allreduce import Evidence
+from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import Ballot, plurality
+from p2ploco.swarm.evidence import (
+    MAX_SIGNATURE,
+    Claim,
+    Proof,
+    Signed,
+    Signer,
+    group_statement,
+    result_statement,
+    signed_by,
+)
 from p2ploco.swarm.group import Group, GroupBook
-from p2ploco.swarm.messages import Digest, Digests, Message, PeerIds, Reason, decode, status_of
+from p2ploco.swarm.messages import MAX_PEERS, Digest, Message, PeerIds, Reason, SliceName, decode, status_of
 
 logger = logging.getLogger(__name__)
 
 KEEP_BALLOTS = 16
 PROBE_EVERY = 2.0  # seconds between looks at whether awaited voters are still reachable
-ACCUSERS = 2  # reducers that must report rejecting a peer before its own vote stops counting
+ACCUSERS = 2  # members in conflict with a peer (refusals either way) that put it out of the round
+MAX_PIECES = 1 << 16  # pieces one vote may list evidence for
+MAX_PROOFS = 8  # proofs one decision may carry
+PIECE_ENTRY_BYTES = 600  # a piece's evidence in a vote's payload, at most (a 256-byte signature: ~330)
 
 
 class Vote(enum.StrEnum):
-    HOLDS = "holds"  # this member holds the aggregate of every span (its digest comes with the vote)
+    HOLDS = "holds"  # this member holds the aggregate of every span (its evidence comes with the vote)
     MISSING = "missing"  # some span's aggregate did not arrive, or a reducer went on without this member
     DROPPED = "dropped"  # a reducer rejected this member's contribution as malformed: it is out of the round
 
@@ -79,37 +108,65 @@ class Outcome(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class Cast:
+    """One member's vote as its coordinator reads it."""
+
+    vote: Vote
+    digests: dict[str, str] = field(default_factory=dict)  # with holds: the aggregate of each slice it holds
+    drops: frozenset[str] = frozenset()  # members whose contributions it rejected as malformed, as a reducer
+    refused: frozenset[str] = frozenset()  # reducers whose results it refused (malformed, too long, opposed)
+    refused_by: frozenset[str] = frozenset()  # reducers that rejected its contribution
+    evidence: tuple[Evidence, ...] = ()  # the pieces it took, with their reducers' signatures
+
+
+@dataclass(frozen=True)
 class Decision:
     outcome: Outcome
     digests: dict[str, str] = field(default_factory=dict)  # with commit: the aggregate of each slice to apply
     redo: Group | None = None  # with redo: the survivors' group
     reason: str = ""  # why the decision leaves members out, or drops the round (empty: it does neither)
+    proofs: tuple[Proof, ...] = ()  # reducers that answered members different results (they are out)
 
     def applies(self, digests: dict[str, str]) -> bool:
         """Whether a member that holds ``digests`` (per slice) applies this round."""
         return self.outcome == Outcome.COMMIT and all(self.digests.get(k) == v for k, v in digests.items())
 
 
+def slice_digests(evidence: Iterable[Evidence]) -> dict[str, str]:
+    """The digest of each slice's aggregate (``exchange.aggregate_digest``) from its pieces' evidence."""
+    pieces: dict[str, list[tuple[range, bytes]]] = {}
+    for e in evidence:
+        pieces.setdefault(e.slice, []).append((e.span, e.digest))
+    return {name: aggregate_digest(spans) for name, spans in pieces.items()}
+
+
 @dataclass
 class _Ballot:
     group: Group
     deadline: float
-    votes: dict[str, tuple[Vote, dict[str, str]]] = field(default_factory=dict)  # voter -> (vote, digest per slice)
-    accusers: dict[str, set[str]] = field(default_factory=dict)  # peer -> the voters that rejected it as malformed
+    votes: dict[str, Cast] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)  # members the coordinator could not reach while waiting for them
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     decided: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
+    def rejected(self, peer: str) -> bool:
+        """Whether some reducer rejected ``peer``'s contribution as malformed (it cannot hold every span)."""
+        return any(peer in cast.drops for cast in self.votes.values())
+
     def waiting_for(self) -> list[str]:
         """Members that have not voted, less those a reducer rejected as malformed (they cannot hold every span)
         and those the coordinator found dead (they cannot vote)."""
-        return [p for p in self.group.peers if p not in self.votes and not self.accusers.get(p) and p not in self.dead]
+        return [p for p in self.group.peers if p not in self.votes and not self.rejected(p) and p not in self.dead]
 
 
 class RoundCommit:
-    def __init__(self, p2p: P2P, me: str, run_id: str, timeout: float, book: GroupBook):
-        """``book``: the groups this peer coordinates (the matchmaker adds them; redos decided here too)."""
-        self.p2p, self.me, self.timeout, self.book = p2p, me, timeout, book
+    def __init__(self, p2p: P2P, me: str, run_id: str, timeout: float, book: GroupBook, bans: Bans, signer: Signer,
+                 keys: Callable[[str], bytes | None]):
+        """``book``: the groups this peer coordinates (the matchmaker adds them; redos decided here too); ``bans``:
+        who is out here, and the proofs this peer holds; ``signer``: signs the redo groups it decides; ``keys``: a
+        peer's public key as its record names it (None: unknown)."""
+        self.p2p, self.me, self.run_id, self.timeout, self.book = p2p, me, run_id, timeout, book
+        self.bans, self.signer, self.keys = bans, signer, keys
         self.handler_name = f"p2ploco/{run_id}/vote"
         self._ballots: dict[str, _Ballot] = {}
         self._decided = asyncio.Event()  # set whenever a ballot is decided (``judge_to_the_end`` waits on it)
@@ -117,26 +174,41 @@ class RoundCommit:
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_vote)
 
-    async def vote(self, group: Group, vote: Vote, digests: dict[str, str], malformed: set[str]
-                   ) -> tuple[Decision, Failure | None]:
-        """Tell the coordinator what this member holds (a digest per slice) and whom it rejected as malformed; its
-        decision, or abort (and what went wrong) if none arrives. A vote whose stream broke is asked again: the
-        coordinator answers the same decision twice."""
-        request = {"group_id": group.group_id, "vote": vote, "digests": digests,
-                   "drops": sorted(malformed & set(group.peers))}
+    async def vote(self, group: Group, vote: Vote, evidence: tuple[Evidence, ...], drops: set[str],
+                   refused: set[str], refused_by: set[str]) -> tuple[Decision, Failure | None]:
+        """Tell the coordinator what this member holds (``evidence``: every piece it took, signed by its reducer),
+        whose contributions it rejected as malformed, whose results it refused and which reducers rejected its
+        contribution; its decision, or abort (and what went wrong) if none arrives. A vote whose stream broke is
+        asked again: the coordinator answers the same decision twice. The proofs a decision carries are checked
+        here, and convict."""
+        members = set(group.peers)
+        request = {"group_id": group.group_id, "version": group.digest, "vote": vote,
+                   "drops": sorted(drops & members), "refused": sorted(refused & members),
+                   "refused_by": sorted(refused_by & members)}
+        place = {peer: i for i, peer in enumerate(group.peers)}
+        pieces = wire.pack([[e.slice, e.span.start, e.span.stop, place[e.reducer], e.digest, e.signature]
+                            for e in evidence])
         judge = group.coordinator
         try:
             await faults.hit_async("commit.vote", group.round_index)
             if judge == self.me:
-                response = await self._decide_here(self.me, request)
+                response = await self._decide_here(self.me, request, pieces)
             else:
                 response, _ = await asyncio.wait_for(
-                    wire.call(self.p2p, judge, self.handler_name, request, attempts=2), 2 * self.timeout + 5)
-            return parse_decision(response, group, judge), None
+                    wire.call(self.p2p, judge, self.handler_name, request, payload=pieces, attempts=2),
+                    2 * self.timeout + 5)
+            decision = parse_decision(response, group, judge)
+            if decision.redo is not None and judge != self.me and not signed_by(
+                    self.keys(judge) or b"", group_statement(self.run_id, decision.redo.group_id,
+                                                             bytes.fromhex(decision.redo.digest)), decision.redo.grant):
+                raise PayloadError("a redo its coordinator's key did not sign")
         except (PayloadError, TransportError, TimeoutError) as e:  # unreachable or confused: apply nothing, catch up
             logger.warning(f"round {group.round_index}: no decision from the coordinator {judge[-8:]} ({e!r}); "
                            f"applying nothing")
             return Decision(Outcome.ABORT), wire.failure_of(e)
+        for proof in decision.proofs:
+            self.bans.convict(proof, group.round_index)
+        return decision, None
 
     async def judge_to_the_end(self) -> None:
         """This peer is leaving: first decide the rounds of the groups it formed that are still voting (a peer that
@@ -153,17 +225,21 @@ class RoundCommit:
     async def _serve_vote(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         voter = str(stream_info.peer_id)
         async with wire.serving(logger, "vote", voter, reader, writer, self.timeout):
-            request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.timeout)
-            await wire.write_message(writer, await self._decide_here(voter, request))
+            request, pieces = await asyncio.wait_for(
+                wire.read_message(reader, max_payload=MAX_PIECES * PIECE_ENTRY_BYTES), self.timeout)
+            await wire.write_message(writer, await self._decide_here(voter, request, pieces))
 
-    async def _decide_here(self, voter: str, request: dict[str, Any]) -> dict[str, Any]:
-        group_id, vote, digests, drops = parse_vote(request)
-        group = self.book.get(group_id)
+    async def _decide_here(self, voter: str, request: dict[str, Any], pieces: bytes) -> dict[str, Any]:
+        vote, entries = parse_vote(request, pieces)
+        group = self.book.get(vote.group_id)
         if group is None:
             raise PayloadError("vote for a group this peer does not coordinate")
         if voter not in group.peers:
             raise PayloadError(f"{voter[-8:]} is not a member of the group it votes for")
-        if vote == Vote.HOLDS and set(digests) != set(group.slices_of(voter)):
+        if vote.version != group.digest:
+            raise PayloadError(f"{voter[-8:]} votes on another version of the group than this coordinator formed")
+        cast = cast_of(vote, entries, group)
+        if cast.vote == Vote.HOLDS and set(cast.digests) != set(group.slices_of(voter)):
             raise PayloadError(f"{voter[-8:]} votes for other slices than it holds")
         ballot = self._ballots.get(group.group_id)
         if ballot is None:
@@ -172,15 +248,14 @@ class RoundCommit:
             for old in list(self._ballots)[:-KEEP_BALLOTS]:
                 del self._ballots[old]
         if voter not in ballot.votes:
-            ballot.votes[voter] = (vote, digests)
-            for peer in drops & set(group.peers):
-                ballot.accusers.setdefault(peer, set()).add(voter)
+            ballot.votes[voter] = cast
         ballot.changed.set()
         decision: Decision = await asyncio.wait_for(asyncio.shield(ballot.decided), 2 * self.timeout)
         response: dict[str, Any] = {"outcome": decision.outcome, "digests": decision.digests,
-                                    "reason": decision.reason}
+                                    "reason": decision.reason, "proofs": [p.to_value() for p in decision.proofs]}
         if decision.redo is not None:
-            response.update(group_id=decision.redo.group_id, peers=list(decision.redo.peers))
+            response.update(group_id=decision.redo.group_id, peers=list(decision.redo.peers),
+                            passive=list(decision.redo.passive), grant=decision.redo.grant)
         return response
 
     async def _close(self, ballot: _Ballot) -> None:
@@ -194,11 +269,31 @@ class RoundCommit:
                     pass
         finally:
             prober.cancel()
-            decision = decide(ballot.group, ballot.votes, ballot.accusers, self.me)
+            group = ballot.group
+            proofs, liars = examine(self.run_id, group, ballot.votes, self.keys)
+            for proof in proofs:
+                self.bans.convict(proof, group.round_index)
+            for liar in liars:
+                self.bans.ban(liar, group.round_index, "its vote listed a result its reducer did not sign")
+            decision = decide(group, {p: c for p, c in ballot.votes.items() if p not in liars}, self.me,
+                              frozenset(p.accused for p in proofs) | self._convicted(group))
+            decision = Decision(decision.outcome, decision.digests, self._granted(decision.redo), decision.reason,
+                                tuple(proofs))
             if decision.redo is not None:
                 self.book.add(decision.redo)
             ballot.decided.set_result(decision)
             self._decided.set()
+
+    def _convicted(self, group: Group) -> frozenset[str]:
+        """The members of ``group`` convicted here (a proof reached this peer since it formed the group)."""
+        return frozenset(p for p in group.peers if p in self.bans.proofs)
+
+    def _granted(self, redo: Group | None) -> Group | None:
+        """``redo`` with this coordinator's signature of it."""
+        if redo is None:
+            return None
+        return redo.among(redo.group_id, redo.peers, redo.coordinator, redo.passive, self.signer.sign(
+            group_statement(self.run_id, redo.group_id, bytes.fromhex(redo.digest))))
 
     async def _probe(self, ballot: _Ballot) -> None:
         """Every PROBE_EVERY seconds, try to open a stream to each member still awaited: one whose daemon cannot
@@ -217,91 +312,214 @@ class RoundCommit:
                     ballot.changed.set()
 
 
-def decide(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], accusers: dict[str, set[str]],
-           me: str) -> Decision:
-    """The coordinator's rule (module docstring), a pure function of the votes."""
-    def out(peer: str) -> bool:
-        return votes[peer][0] == Vote.DROPPED or len(accusers.get(peer, ())) >= ACCUSERS
+def examine(run_id: str, group: Group, votes: dict[str, Cast], keys: Callable[[str], bytes | None]
+            ) -> tuple[list[Proof], set[str]]:
+    """The reducers proven to have answered members different results for a piece (``Proof``), and the voters whose
+    evidence for such a piece does not hold (liars). Only disputed pieces are checked: a signature is checked where
+    two digests of one piece meet."""
+    held: dict[tuple[str, int, int], dict[tuple[str, bytes], list[tuple[str, bytes]]]] = {}
+    for voter, cast in votes.items():
+        for e in cast.evidence:
+            held.setdefault((e.slice, e.span.start, e.span.stop), {}).setdefault((e.reducer, e.digest), []).append(
+                (voter, e.signature))
+    proofs: dict[str, Proof] = {}
+    liars: set[str] = set()
+    for (slice_name, start, stop), claims in held.items():
+        if len({digest for _, digest in claims}) < 2:
+            continue
+        signed: dict[str, list[Signed]] = {}  # reducer -> the different digests it signed for this piece
+        for (reducer, digest), voters in sorted(claims.items()):
+            key = keys(reducer)
+            if key is None:  # its record left this view: nothing to check it by
+                continue
+            statement = result_statement(run_id, group.digest, slice_name, start, stop, digest)
+            valid = [(voter, signature) for voter, signature in voters if signed_by(key, statement, signature)]
+            # a voter that names a result its reducer did not sign lies (or names another reducer than the piece's)
+            liars |= {voter for voter, _ in voters} - {voter for voter, _ in valid}
+            if valid:
+                signed.setdefault(reducer, []).append(Signed(digest=digest, signature=valid[0][1]))
+        for reducer, results in signed.items():
+            if len(results) >= 2 and reducer not in proofs:
+                proofs[reducer] = Proof(claim=Claim.RESULT, accused=reducer, key=keys(reducer), group_id=group.group_id,
+                                        group=group.digest, slice=slice_name, span=[start, stop], first=results[0],
+                                        second=results[1])
+    return list(proofs.values())[:MAX_PROOFS], liars - set(proofs)
 
-    counted = {peer: v for peer, v in votes.items() if not out(peer)}
-    left_out = _why_left_out(group, votes, out)
-    held: dict[str, list[Ballot[str]]] = {}  # slice -> the digests its counted holders hold, all in good standing
-    for peer, (vote, digests) in counted.items():
-        for slice_name in group.slices_of(peer):
-            if vote == Vote.HOLDS:
-                held.setdefault(slice_name, []).append((digests[slice_name], True))
-    holders = {name: sum(name in group.slices_of(peer) for peer in counted) for name in held}
-    if counted and all(vote == Vote.HOLDS for vote, _ in counted.values()) and all(
-            len({digest for digest, _ in ballots}) == 1 for ballots in held.values()):
-        return Decision(Outcome.COMMIT, {name: ballots[0][0] for name, ballots in held.items()},
-                        reason=f"committed without {left_out}" if left_out else "")
-    if group.attempt == 0 and len(counted) >= 2:
+
+def conflicts(votes: dict[str, Cast]) -> set[tuple[str, str]]:
+    """The (reducer, member) pairs in conflict, as either side's vote says: the reducer rejected the member's
+    contribution, or the member refused the reducer's result."""
+    pairs = set()
+    for voter, cast in votes.items():
+        pairs |= {(voter, member) for member in cast.drops}
+        pairs |= {(reducer, voter) for reducer in cast.refused | cast.refused_by}
+    return {(r, m) for r, m in pairs if r != m}
+
+
+def in_conflict(pairs: set[tuple[str, str]]) -> set[str]:
+    """The peers in conflict with ``ACCUSERS`` or more others, the most conflicted first: after they are set aside,
+    the conflicts left are counted again (a reducer that rightly rejected two garbage senders is in conflict with two,
+    but they with every honest reducer)."""
+    out: set[str] = set()
+    while True:
+        others: dict[str, set[str]] = {}
+        for a, b in pairs:
+            if a not in out and b not in out:
+                others.setdefault(a, set()).add(b)
+                others.setdefault(b, set()).add(a)
+        most = max((len(v) for v in others.values()), default=0)
+        if most < ACCUSERS:
+            return out
+        out |= {peer for peer, v in others.items() if len(v) == most}
+
+
+def decide(group: Group, votes: dict[str, Cast], me: str, convicted: frozenset[str] = frozenset()) -> Decision:
+    """The coordinator's rule (module docstring), a pure function of the votes; ``convicted``: members proven to have
+    told members different things, out of the round."""
+    pairs = conflicts(votes)
+    out = set(convicted) | in_conflict(pairs) | {p for p, c in votes.items() if c.vote == Vote.DROPPED
+                                                 and not c.refused_by}  # it says it was dropped, naming nobody
+    counted = {peer: cast for peer, cast in votes.items() if peer not in out}
+    left_out = _why_left_out(group, votes, out, convicted)
+    majority = _majority(group, counted)
+    counted_slices = {name for peer in counted for name in group.slices_of(peer)}
+    held = {name: {c.digests[name] for p, c in counted.items() if c.vote == Vote.HOLDS and name in c.digests}
+            for name in counted_slices}
+    if counted and all(c.vote == Vote.HOLDS for c in counted.values()) and all(len(d) == 1 for d in held.values()) \
+            and set(majority) == counted_slices:
+        return Decision(Outcome.COMMIT, majority, reason=f"committed without {left_out}" if left_out else "")
+    if group.attempt == 0:
         survivors = tuple(sorted(group.whole_pipeline_groups(set(counted))))
-        redo = group.among(secrets.token_hex(8), survivors, me)
+        passive = tuple(sorted({r for r, m in pairs if r in survivors and m in survivors}))
+        redo = group.among(secrets.token_hex(8), survivors, me, passive)
         # Every slice the survivors hold needs a survivor that can be dialled to reduce it, and a contributor: a redo
         # of NATed trainers whose only hub died would reduce nothing, and "commit" an aggregate nobody holds
         slices = {name for peer in survivors for name in group.slices_of(peer)}
         if len(survivors) >= 2 and all(redo.reducers(name) and redo.contributors(name) for name in slices):
-            missing = sorted(p[-8:] for p in survivors if counted[p][0] != Vote.HOLDS)
+            missing = sorted(p[-8:] for p in survivors if counted[p].vote != Vote.HOLDS)
             reason = (f"the all-reduce failed for {', '.join(missing) or 'nobody'} (a span did not arrive, or "
                       f"holders disagree); redoing it among {len(survivors)} of {len(group.peers)} peers"
-                      + (f", without {left_out}" if len(survivors) < len(group.peers) else ""))
+                      + (f", without {left_out}" if len(survivors) < len(group.peers) else "")
+                      + (f"; {', '.join(p[-8:] for p in passive)} reduce nothing in it (refused without proof)"
+                         if passive else ""))
             logger.info(f"round {group.round_index}: {reason}")  # every member logs it at WARNING
             return Decision(Outcome.REDO, redo=redo, reason=reason)
-    majority = {name: digest for name, ballots in held.items()
-                if (digest := plurality(ballots, electorate=holders[name])) is not None}
-    counted_slices = {name for peer in counted for name in group.slices_of(peer)}
     if majority and set(majority) == counted_slices:
-        reason = "a majority of each slice's holders hold the same aggregate; committed for them, the others catch up"
+        reason = ("a majority of each slice's holders hold the same aggregate; committed for them, the others catch up"
+                  + (f" (without {left_out})" if left_out else ""))
         logger.info(f"round {group.round_index}: {reason}")  # every member logs it at WARNING
         return Decision(Outcome.COMMIT, majority, reason=reason)
-    reason = "the all-reduce failed and no aggregate is held by a majority; the round is dropped by every survivor"
+    reason = ("the all-reduce failed and no aggregate is held by a majority of the group; the round is dropped by "
+              "every survivor" + (f" (without {left_out})" if left_out else ""))
     logger.info(f"round {group.round_index}: {reason}")  # every member logs it at WARNING
     return Decision(Outcome.ABORT, reason=reason)
 
 
-def _why_left_out(group: Group, votes: dict[str, tuple[Vote, dict[str, str]]], out: Callable[[str], bool]) -> str:
+def _majority(group: Group, counted: dict[str, Cast]) -> dict[str, str]:
+    """For each slice, the digest its counted voters hold that a strict majority of the slice's holders in the group
+    hold, by count and by the tokens they joined with (a hub's 0 counts by count alone)."""
+    tokens = group.tokens_of()
+    majority = {}
+    for name in sorted({name for peer in group.peers for name in group.slices_of(peer)}):
+        holders = group.holders(name)
+        ballots: list[Ballot[str]] = [(c.digests[name], True) for p, c in counted.items()
+                                      if c.vote == Vote.HOLDS and name in c.digests]
+        digest = plurality(ballots, electorate=len(holders))
+        if digest is None:
+            continue
+        weight = sum(tokens.get(p, 1) for p, c in counted.items() if c.vote == Vote.HOLDS and c.digests.get(name) ==
+                     digest)
+        total = sum(tokens.get(p, 1) for p in holders)
+        if 2 * weight > total or total == 0:
+            majority[name] = digest
+    return majority
+
+
+def _why_left_out(group: Group, votes: dict[str, Cast], out: set[str], convicted: frozenset[str]) -> str:
     """The members a decision goes on without, and why ("" if none)."""
-    reasons = [f"{peer[-8:]} (" + ("it did not vote" if peer not in votes else "it was rejected as malformed") + ")"
-               for peer in group.peers if peer not in votes or out(peer)]
-    return ", ".join(reasons)
+    def why(peer: str) -> str:
+        if peer in convicted:
+            return "it answered members different results, as its own signatures show"
+        if peer not in votes:
+            return "it did not vote"
+        if votes[peer].vote == Vote.DROPPED and not votes[peer].refused_by:
+            return "it was rejected as malformed"
+        return f"it is in conflict with {ACCUSERS} or more members: refusals without a proof"
+
+    return ", ".join(f"{peer[-8:]} ({why(peer)})" for peer in group.peers if peer not in votes or peer in out)
+
+
+Signature = Annotated[bytes, Field(max_length=MAX_SIGNATURE)]
+PieceEntry = tuple[SliceName, Annotated[int, Field(ge=0, le=1 << 40)], Annotated[int, Field(ge=0, le=1 << 40)],
+                   Annotated[int, Field(ge=0, lt=MAX_PEERS)], Annotated[bytes, Field(min_length=1, max_length=64)],
+                   Signature]
+GroupDigest = Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")]
 
 
 class VoteRequest(Message):
     group_id: Digest
+    version: GroupDigest  # the digest of the group the voter holds
     vote: status_of(Vote)
-    digests: Digests  # with holds: the aggregate of each slice the voter holds
-    drops: PeerIds  # the members the voter rejected as malformed from its spans
+    drops: PeerIds  # the members whose contributions the voter rejected as malformed from its spans
+    refused: PeerIds  # the reducers whose results the voter refused
+    refused_by: PeerIds  # the reducers that rejected the voter's contribution
+
+
+class VoteEvidence(Message):
+    pieces: Annotated[list[PieceEntry], Field(max_length=MAX_PIECES)]
 
 
 class DecisionAnswer(Message):
     outcome: status_of(Outcome)
-    digests: Digests = {}  # with commit
+    digests: Annotated[dict[SliceName, Digest], Field(max_length=64)] = {}  # with commit
     reason: Reason
-    group_id: Digest = ""  # with redo: the survivors' group
+    proofs: Annotated[list[Proof], Field(max_length=MAX_PROOFS)] = []
+    group_id: Digest = ""  # with redo: the survivors' group, its passive members and the coordinator's signature
     peers: PeerIds = []
+    passive: PeerIds = []
+    grant: Signature = b""
 
     @model_validator(mode="after")
     def _complete(self) -> DecisionAnswer:
-        if self.outcome == Outcome.REDO and not (self.group_id and self.peers):
-            raise ValueError("a redo without the survivors' group")
+        if self.outcome == Outcome.REDO and not (self.group_id and self.peers and self.grant):
+            raise ValueError("a redo without the survivors' signed group")
         return self
 
 
-def parse_vote(request: dict[str, Any]) -> tuple[str, Vote, dict[str, str], set[str]]:
-    """A vote request's group id, vote, digest per slice and reported drops; PayloadError if malformed."""
+def parse_vote(request: dict[str, Any], pieces: bytes) -> tuple[VoteRequest, list[PieceEntry]]:
+    """A vote request and its evidence (``cast_of`` reads them against the group); PayloadError if malformed."""
     vote = decode(VoteRequest, request)
-    return vote.group_id, vote.vote, vote.digests, set(vote.drops)
+    raw = wire.unpack(pieces, "a vote's evidence")
+    # an entry is a msgpack array: a tuple to the strict model, which takes no list for one
+    entries = decode(VoteEvidence, {"pieces": [tuple(e) if isinstance(e, list) else e for e in raw]
+                                    if isinstance(raw, list) else raw}).pieces
+    if any(start > stop for _, start, stop, *_ in entries):
+        raise PayloadError("a vote's evidence names a piece that ends before it starts")
+    return vote, entries
+
+
+def cast_of(vote: VoteRequest, entries: list[PieceEntry], group: Group) -> Cast:
+    """The vote as ``group``'s coordinator counts it: its evidence's reducers named by their places in the group, and,
+    for holds, the digest of each slice it lists evidence for; PayloadError for a place beyond the group."""
+    if any(place >= len(group.peers) for _, _, _, place, _, _ in entries):
+        raise PayloadError("a vote's evidence names a reducer beyond the group")
+    evidence = tuple(Evidence(name, range(start, stop), group.peers[place], digest, signature)
+                     for name, start, stop, place, digest, signature in entries)
+    return Cast(vote.vote, slice_digests(evidence) if vote.vote == Vote.HOLDS else {}, frozenset(vote.drops),
+                frozenset(vote.refused), frozenset(vote.refused_by), evidence)
 
 
 def parse_decision(response: dict[str, Any], group: Group, judge: str) -> Decision:
     """The coordinator's answer to a vote; PayloadError if malformed."""
     answer = decode(DecisionAnswer, response)
+    proofs = tuple(answer.proofs)
     if answer.outcome == Outcome.REDO:
         if group.attempt >= 1:  # members redo a round once: a coordinator that answers "redo" forever stalls nobody
             raise PayloadError("a second redo of one round")
-        if not set(answer.peers) <= set(group.peers):
+        if not set(answer.peers) <= set(group.peers) or not set(answer.passive) <= set(answer.peers):
             raise PayloadError("redo group names peers outside the round's group")
-        return Decision(answer.outcome, redo=group.among(answer.group_id, tuple(answer.peers), judge),
-                        reason=answer.reason)
-    return Decision(answer.outcome, answer.digests if answer.outcome == Outcome.COMMIT else {}, reason=answer.reason)
+        return Decision(answer.outcome, redo=group.among(answer.group_id, tuple(answer.peers), judge,
+                                                         tuple(answer.passive), answer.grant),
+                        reason=answer.reason, proofs=proofs)
+    return Decision(answer.outcome, answer.digests if answer.outcome == Outcome.COMMIT else {}, reason=answer.reason,
+                    proofs=proofs)

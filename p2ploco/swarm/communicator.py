@@ -40,7 +40,7 @@ from p2ploco.collective.exchange import (
 from p2ploco.collective.sliced import SlicedExchange, as_sliced, reduce_alone
 from p2ploco.errors import Failure, PayloadError, TrainingError
 from p2ploco.swarm.allreduce import Attempt, ButterflyAllReduce, DroppedFromRound
-from p2ploco.swarm.commit import Decision, Outcome, RoundCommit, Vote
+from p2ploco.swarm.commit import Decision, Outcome, RoundCommit, Vote, slice_digests
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.matchmaker import Matchmaker
@@ -48,7 +48,7 @@ from p2ploco.swarm.records import PeerState
 
 logger = logging.getLogger(__name__)
 
-PARTNER_ROUNDS = 4  # all-reduces whose partners this peer remembers (a round it misses still counts one)
+PARTNER_ROUNDS = 4  # applied all-reduces whose partners this peer remembers
 
 
 class SwarmCommunicator(Communicator):
@@ -108,13 +108,14 @@ class SwarmCommunicator(Communicator):
                                f"({attempt.error})")
             vote = (Vote.HOLDS if attempt.error is None else
                     Vote.DROPPED if isinstance(attempt.error, DroppedFromRound) else Vote.MISSING)
-            digests = {k: part.aggregate_digest() for k, part in exchange.parts.items()} if vote == Vote.HOLDS else {}
+            digests = slice_digests(attempt.evidence) if vote == Vote.HOLDS else {}
             dead = ""  # why nobody applies this group's round, if so (module docstring)
             if set(group.peers) - {me} <= attempt.elsewhere:
                 decision, lost = Decision(Outcome.ABORT), None
                 dead = "every other member takes part in this round in another group"
             else:
-                decision, lost = await self.commit.vote(group, vote, digests, attempt.accused)
+                decision, lost = await self.commit.vote(group, vote, attempt.evidence, attempt.rejected,
+                                                        attempt.refused, attempt.refused_by)
                 if lost == Failure.UNREACHABLE:
                     dead = "its coordinator cannot be reached"
             if lost is not None:
@@ -156,11 +157,13 @@ class SwarmCommunicator(Communicator):
     def _applied_with(self, group: Group | None, delivered: Iterable[str] = ()) -> None:
         """This peer applied the round's aggregate with ``group`` (None: it applied none, or its own alone), whose
         ``delivered`` members delivered it something of their own (a contribution in its aggregates, or an
-        aggregate): the group it follows, vouched for by them (``Matchmaker.follow``), and its partners."""
+        aggregate): the group it follows, vouched for by them (``Matchmaker.follow``), and its partners. A round it
+        did not apply leaves its partners as they were: after aborted rounds, every record's step time would set the
+        pace of its budget, and a few records claiming fast steps shortened its rounds up to 16x."""
         self.matchmaker.follow(group, delivered)
-        partners = frozenset(delivered) if group is not None else frozenset()
-        self._recent = (*self._recent, partners)[-PARTNER_ROUNDS:]
-        self.partners = frozenset().union(*self._recent)
+        if group is not None:
+            self._recent = (*self._recent, frozenset(delivered))[-PARTNER_ROUNDS:]
+            self.partners = frozenset().union(*self._recent)
 
     async def _alone(self, exchange: SlicedExchange, round_index: int, started: float, failures: list[Failure]
                      ) -> AllReduceResult:

@@ -39,7 +39,11 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2ploco import PROTOCOL_VERSION
-from p2ploco.errors import shown
+from p2ploco.errors import PayloadError, shown
+from p2ploco.swarm.bans import Bans
+from p2ploco.swarm.evidence import Proof, proofs_key
+from p2ploco.swarm.identity import OWNER_SUBKEY, peer_id_of
+from p2ploco.swarm.messages import decode
 from p2ploco.swarm.records import RUNS_KEY, PeerRecord, PeerState, parse_records
 from p2ploco.swarm.wire import DAEMON_ERRORS
 
@@ -48,6 +52,7 @@ logger = logging.getLogger(__name__)
 STALE_HEARTBEATS = 3  # a record not renewed for this many heartbeats (or half its ttl) belongs to a dead peer
 FOREIGN_NAMED = 8  # config fingerprints of other peers of the run a node names in its log, at most
 LOOKUPS_PER_ROUND = 4  # records a peer that follows its group reads per round, on average, whatever N
+PROOFS_KEPT = 8  # proofs this node stores again on every heartbeat (its newest), so that they outlive it in the DHT
 
 
 def payload_bytes(subkey: object, value: object) -> int:
@@ -64,6 +69,8 @@ class PeerDirectory:
         self.node, self.key, self.owner, self.me, self.interval, self.ttl = node, key, owner, me, interval, ttl
         self.run_id = run_id  # listed under RUNS_KEY while this peer trains it
         self.live: dict[str, PeerRecord] = {}
+        # other peers' public keys (OpenSSH form), as their records' subkeys name them: their signatures' check
+        self.keys: dict[str, bytes] = {}
         self.refreshed_at = -math.inf  # local time of the last lookup of everyone's records
         self.moved_at = -math.inf  # local time this node's record last changed round or state
         self.watchers: set[asyncio.Event] = set()  # set after every lookup, for whoever waits on the view
@@ -82,6 +89,9 @@ class PeerDirectory:
         self.vouched: frozenset[str] = frozenset()  # those of them that took part in it with this peer
         self.seen: frozenset[str] = frozenset()  # the peers whose records the last lookup returned
         self.doubted = False  # the followed group names a peer the last lookup did not return: look next round
+        # who is banned here, and the proofs this node holds (``swarm/bans.py``): it passes them on in the DHT and
+        # convicts whom the proofs found there accuse (None: a directory without a run's rounds)
+        self.bans: Bans | None = None
 
     @property
     def dht_bytes(self) -> tuple[int, int]:
@@ -103,6 +113,9 @@ class PeerDirectory:
         entries: list[tuple[str, object, dict[str, Any]]] = [(self.key, self.owner, self.me.to_value())]
         if list_run and self.run_id is not None:
             entries.append((RUNS_KEY, self.run_id, {"version": self.me.version}))
+            if self.bans is not None:  # passed on: each proof this node holds, from the DHT, a decision or a round
+                entries += [(proofs_key(self.run_id), accused, proof.to_value())
+                            for accused, proof in list(self.bans.proofs.items())[-PROOFS_KEPT:]]
         self._bytes_sent += sum(payload_bytes(subkey, value) for _, subkey, value in entries)
         try:
             ok, *_ = await asyncio.gather(*(self.node.store(key, subkey=subkey, value=value, expiration_time=expires)
@@ -142,27 +155,48 @@ class PeerDirectory:
         ever leaves the view by expiring or by a newer record of its own."""
         now = get_dht_time()
         live = self._unexpired(now)
+        convicting = self.bans is not None and self.run_id is not None
         try:
-            found = await self.node.get(self.key, latest=True)
+            found, proofs = await asyncio.gather(self.node.get(self.key, latest=True),
+                                                 self.node.get(proofs_key(self.run_id), latest=True) if convicting
+                                                 else asyncio.sleep(0))
         except DAEMON_ERRORS as e:  # the daemon or a link failed mid-lookup
             logger.info(f"peer lookup failed, keeping the last view: {e!r}")
-            found = None
+            found = proofs = None
         entries = getattr(found, "value", None)
         if isinstance(entries, dict):
             self._bytes_received += sum(payload_bytes(subkey, getattr(item, "value", None))
                                         for subkey, item in entries.items())
         found_records = parse_records(entries, now)
+        for subkey in entries if isinstance(entries, dict) else ():  # the DHT layer checked that its key signed it
+            owner = OWNER_SUBKEY.fullmatch(subkey) if isinstance(subkey, bytes) else None
+            if owner is not None and peer_id_of(subkey) in found_records:
+                self.keys[peer_id_of(subkey)] = owner.group(1)
         for peer_id, (record, expires) in found_records.items():
             if expires > self._expires.get(peer_id, 0.0):
                 self._refreshed[peer_id] = time.monotonic()
             live[peer_id], self._expires[peer_id] = record, expires
         live[self.me.peer_id] = self.me
+        self.keys = {peer: key for peer, key in self.keys.items() if peer in live}
+        self._convict(getattr(proofs, "value", None), live)
         self._name_foreign(live)
         self.live, self.refreshed_at = live, time.monotonic()
         self.seen, self.doubted = frozenset(found_records) | {self.me.peer_id}, False
         for watcher in self.watchers:
             watcher.set()
         return live
+
+    def _convict(self, found: object, live: dict[str, PeerRecord]) -> None:
+        """Convict the peers of this run that the proofs ``found`` in the DHT accuse (each checked here). Proofs
+        against keys without a live record here are left: anyone can sign two statements with keys of its own."""
+        for subkey, item in found.items() if isinstance(found, dict) and self.bans is not None else ():
+            if subkey in live and subkey not in self.bans.proofs:
+                try:
+                    proof = decode(Proof, getattr(item, "value", None))
+                except PayloadError:
+                    continue
+                if proof.accused == subkey and self.bans.convict(proof, self.me.round):
+                    logger.info(f"the proof against {subkey[-8:]} came from the DHT")
 
     def _name_foreign(self, live: dict[str, PeerRecord]) -> None:
         """Say in one line, when they first come into view, that the run has peers of another config: another

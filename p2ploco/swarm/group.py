@@ -18,7 +18,7 @@ import hashlib
 import json
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -42,15 +42,21 @@ class Group:
     # (peer, tokens its contribution carries: its weight; 0: a hub's, which sends none), in peer order
     tokens: tuple[tuple[str, int], ...] = ()
     dial_out: tuple[str, ...] = ()  # members that can only dial out: they reduce no span
+    # members that reduce no span in this attempt (a redo's: each refused members it has shown no reason for)
+    passive: tuple[str, ...] = ()
+    # the coordinator's signature of this group under its id (``evidence.group_statement``): what a member shows a
+    # reducer that holds another version of the group, which together prove that the coordinator handed out two
+    grant: bytes = field(default=b"", compare=False, repr=False)
 
     @cached_property
     def digest(self) -> str:
-        """What a join names the group it follows by, and an answer relative to that group its base: a hash of the
-        id and of every member's entry (holdings, pipeline group, tokens, dial-out). A hostile coordinator may hand
-        its members versions of one group id that differ in some entry; named by its id alone, the next honest
-        coordinator answered relative to its own version, left the entries it did not change out, and the joiner
-        kept the hostile ones."""
-        return hashlib.sha256(json.dumps([self.group_id, self.entries()], sort_keys=True).encode()).hexdigest()
+        """The group as one value: a hash of its id, round, sync, attempt, coordinator and passive members and of
+        every member's entry (holdings, pipeline group, tokens, dial-out). A join names the group it follows by it,
+        an answer relative to that group its base, a contribution and a vote the version of the group they are for,
+        and the coordinator signs it. A hostile coordinator may hand its members versions of one group id that differ in
+        some entry (a victim's tokens); named by its id alone, they passed for each other."""
+        return hashlib.sha256(json.dumps([self.group_id, self.round_index, self.name, self.attempt, self.coordinator,
+                                          list(self.passive), self.entries()], sort_keys=True).encode()).hexdigest()
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """Each member's entry: what a group answer says of it (``swarm/join.py``), and what ``digest`` hashes."""
@@ -74,9 +80,11 @@ class Group:
         return tuple(peer for peer in self.holders(slice_name) if tokens.get(peer, 1) > 0)
 
     def reducers(self, slice_name: str) -> tuple[str, ...]:
-        """The holders of ``slice_name`` that others can dial, in canonical order: the i-th reduces span i. A
-        member that can only dial out sends its contributions and reads the results on streams it opened."""
-        return tuple(peer for peer in self.holders(slice_name) if peer not in self.dial_out)
+        """The holders of ``slice_name`` that others can dial, in canonical order, less the passive ones: the i-th
+        reduces span i. A member that can only dial out sends its contributions and reads the results on streams it
+        opened; a passive one does so too (a redo's refusers: ``commit.decide``)."""
+        return tuple(peer for peer in self.holders(slice_name)
+                     if peer not in self.dial_out and peer not in self.passive)
 
     def tokens_of(self) -> dict[str, int]:
         """Each member's weight: the tokens its contribution carries."""
@@ -85,14 +93,17 @@ class Group:
     def slices_of(self, peer: str) -> tuple[str, ...]:
         return dict(self.holdings).get(peer, ())
 
-    def among(self, group_id: str, peers: tuple[str, ...], coordinator: str) -> Group:
-        """The redo of this round among ``peers`` (each keeps its holdings)."""
+    def among(self, group_id: str, peers: tuple[str, ...], coordinator: str, passive: tuple[str, ...] = (),
+              grant: bytes = b"") -> Group:
+        """The redo of this round among ``peers`` (each keeps its holdings), of whom ``passive`` reduce nothing;
+        ``grant``: the coordinator's signature of it."""
         kept = set(peers)
         return Group(group_id, self.round_index, self.name, tuple(sorted(kept)), coordinator, 1,
                      tuple(h for h in self.holdings if h[0] in kept),
                      tuple(p for p in self.pipeline_groups if p[0] in kept),
                      tokens=tuple(t for t in self.tokens if t[0] in kept),
-                     dial_out=tuple(p for p in self.dial_out if p in kept))
+                     dial_out=tuple(p for p in self.dial_out if p in kept),
+                     passive=tuple(sorted(kept & set(passive))), grant=grant)
 
     def whole_pipeline_groups(self, peers: set[str]) -> set[str]:
         """``peers`` less the stage peers of a pipeline group that is not whole among them."""

@@ -13,7 +13,9 @@ A join request, a wire message (``swarm/wire.py``) with no payload::
      unreachable: [peer ids the joiner could not reach], tokens, dial_out, follows: group digest}
 
 answered ``{v, status: group, group_id, peers, holdings: {peer: [slices]}, pipelines: {peer: group},
-left_out: {peer: reason}, tokens: {peer: tokens}, dial_out: [peers]}``, ``{v, status: redirect, to}``, or
+left_out: {peer: reason}, tokens: {peer: tokens}, dial_out: [peers], grant}`` (``grant``: the coordinator's
+signature of the group, ``evidence.group_statement``, which a member checks and shows a reducer that holds another
+version of it), ``{v, status: redirect, to}``, or
 ``{v, status: late|banned|leaving, reason}``. A group lists every member, N entries in each of N answers: O(N^2)
 bytes at one coordinator a round (177 KB an answer at N = 1024). So a joiner names the group it follows (the one
 it applied its last round with, ``Matchmaker.follow``) by its digest (``Group.digest``: its id and every member's
@@ -31,6 +33,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from p2ploco.errors import Failure, PayloadError
+from p2ploco.swarm.evidence import MAX_SIGNATURE
 from p2ploco.swarm.group import FormationKey, Group, Member
 from p2ploco.swarm.messages import (
     MAX_PEERS,
@@ -100,6 +103,7 @@ class JoinAnswer(Message):
     left_out: Annotated[dict[PeerId, Reason], Field(max_length=MAX_LEFT_OUT)] = {}
     tokens: Annotated[dict[PeerId, Tokens], Field(max_length=MAX_PEERS)] = {}
     dial_out: PeerIds = []
+    grant: Annotated[bytes, Field(max_length=MAX_SIGNATURE)] = b""  # with group: the coordinator's signature of it
     base: Digest = ""  # a group given relative to the group of this digest (``on``): its members' changes follow
     changed: Annotated[dict[PeerId, MemberEntry], Field(max_length=MAX_PEERS)] = {}
     removed: PeerIds = []
@@ -111,6 +115,8 @@ class JoinAnswer(Message):
         if self.base and (self.status != JoinStatus.GROUP or self.peers or self.holdings or self.pipelines
                           or self.tokens or self.dial_out):
             raise ValueError("an answer relative to another group that is no group, or lists members in full")
+        if self.status == JoinStatus.GROUP and not self.grant:
+            raise ValueError("a group its coordinator did not sign")
         if self.status == JoinStatus.GROUP and not self.base:
             if not self.group_id or not self.peers:
                 raise ValueError("a group without id or members")
@@ -134,7 +140,7 @@ class JoinAnswer(Message):
         entries.update((peer, entry.model_dump()) for peer, entry in self.changed.items())
         peers = sorted(entries)
         return decode(JoinAnswer, {
-            "status": JoinStatus.GROUP.value, "group_id": self.group_id, "peers": peers,
+            "status": JoinStatus.GROUP.value, "group_id": self.group_id, "peers": peers, "grant": self.grant,
             "holdings": {p: entries[p]["holdings"] for p in peers}, "left_out": dict(self.left_out),
             "pipelines": {p: entries[p]["pipeline"] for p in peers if entries[p]["pipeline"]},
             "tokens": {p: entries[p]["tokens"] for p in peers},
@@ -151,23 +157,25 @@ def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]
 
 
 def group_answer(group: Group, base: Group | None = None, follows: str = "") -> dict[str, Any]:
-    """The answer that gives a joiner ``group``: relative to ``base`` (the group this coordinator follows) if the
-    joiner follows that very version of it (``follows``: its ``Group.digest``), else in full."""
+    """The answer that gives a joiner ``group`` (signed by its coordinator: ``Group.grant``): relative to ``base``
+    (the group this coordinator follows) if the joiner follows that very version of it (``follows``: its
+    ``Group.digest``), else in full."""
     if base is not None and base.digest == follows:
         entries, before = group.entries(), base.entries()
-        return {"status": JoinStatus.GROUP, "group_id": group.group_id, "base": base.digest,
+        return {"status": JoinStatus.GROUP, "group_id": group.group_id, "base": base.digest, "grant": group.grant,
                 "changed": {peer: entry for peer, entry in entries.items() if before.get(peer) != entry},
                 "removed": sorted(set(before) - set(entries)), "left_out": dict(group.left_out)}
     return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers),
             "holdings": {peer: list(slices) for peer, slices in group.holdings},
             "pipelines": dict(group.pipeline_groups), "left_out": dict(group.left_out), "tokens": dict(group.tokens),
-            "dial_out": list(group.dial_out)}
+            "dial_out": list(group.dial_out), "grant": group.grant}
 
 
 def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: str) -> Group:
-    """The group in a coordinator's answer (its status is ``group``)."""
+    """The group in a coordinator's answer (its status is ``group``), with the coordinator's signature as given (the
+    joiner checks it: ``Matchmaker``)."""
     return Group(answer.group_id, round_index, name, tuple(answer.peers), coordinator, 0,
                  tuple((p, tuple(sorted(set(answer.holdings[p])))) for p in answer.peers),
                  tuple((p, answer.pipelines[p]) for p in answer.peers if p in answer.pipelines),
                  tuple(sorted(answer.left_out.items())), tuple((p, answer.tokens[p]) for p in answer.peers),
-                 tuple(answer.dial_out))
+                 tuple(answer.dial_out), grant=answer.grant)

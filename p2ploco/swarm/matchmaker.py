@@ -64,12 +64,13 @@ its holders.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,7 @@ from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import admit, contested, round_state
 from p2ploco.swarm.directory import PeerDirectory
+from p2ploco.swarm.evidence import Signer, group_statement, signed_by
 from p2ploco.swarm.group import FormationKey, Group, GroupBook, Member
 from p2ploco.swarm.join import JOIN_FAILURES, JoinAnswer, JoinStatus, group_answer, parse_group, parse_join
 from p2ploco.swarm.messages import MAX_REASON, decode
@@ -136,11 +138,15 @@ class _Formation:
 
 class Matchmaker:
     def __init__(self, p2p: P2P, directory: PeerDirectory, run_id: str, timeout: float, bans: Bans, stages: int,
-                 book: GroupBook, max_tokens: int, dial_out: bool = False):
+                 book: GroupBook, max_tokens: int, signer: Signer, keys: Callable[[str], bytes | None],
+                 dial_out: bool = False):
         """``stages``: slices of a pipeline group, all of which it must bring to a round; ``max_tokens``: the most
-        tokens a member's contribution may weigh (``Config.max_contribution_tokens``); ``dial_out``: this peer cannot
-        be dialled (``swarm/reachability.py``): it never coordinates, and reduces no span."""
+        tokens a member's contribution may weigh (``Config.max_contribution_tokens``); ``signer``: signs the groups
+        this peer forms; ``keys``: a peer's public key as its record names it (None: unknown), which the groups its
+        coordinators hand out are checked with; ``dial_out``: this peer cannot be dialled
+        (``swarm/reachability.py``): it never coordinates, and reduces no span."""
         self.p2p, self.directory, self.timeout, self.bans = p2p, directory, timeout, bans
+        self.run_id, self.signer, self.keys = run_id, signer, keys
         self.stages, self.book, self.max_tokens, self.dial_out = stages, book, max_tokens, dial_out
         self.me = directory.me.peer_id
         self.hub = directory.me.role == "hub"  # it trains nothing: it joins with no tokens (``roles.py``)
@@ -164,7 +170,7 @@ class Matchmaker:
         unreachable."""
         config = self.directory.me.fingerprint
         live = {p for p, r in self.directory.live.items() if r.state != PeerState.LEAVING and r.fingerprint == config
-                and not r.dials_out}
+                and not r.dials_out and p not in self.bans.proofs}
         if not self.leaving.is_set() and not self.dial_out:
             live.add(self.me)
         return live - exclude
@@ -228,7 +234,7 @@ class Matchmaker:
         deadline = time.monotonic() + self.timeout + 5.0 + (HUB_PATIENCE if self.hub else 0.0)
         hints: set[str] = set()
         while time.monotonic() < deadline and not self.leaving.is_set():
-            candidates = self.candidates(set(unreachable)) | (hints - set(unreachable))
+            candidates = self.candidates(set(unreachable)) | (hints - set(unreachable) - set(self.bans.proofs))
             if not candidates:
                 break
             coordinator = best_coordinator(candidates, round_index)
@@ -325,6 +331,10 @@ class Matchmaker:
                       ) -> Group:
         """A coordinator's group, once checked against what this peer joined with (its slices, its weight) and
         against the records (PayloadError if implausible)."""
+        if group.coordinator != self.me and not signed_by(
+                self.keys(group.coordinator) or b"", group_statement(self.run_id, group.group_id,
+                                                                     bytes.fromhex(group.digest)), group.grant):
+            raise PayloadError("group that its coordinator's key did not sign")
         if set(group.slices_of(self.me)) != set(slices):
             raise PayloadError("group that says this peer holds other slices")
         if group.tokens_of().get(self.me) != tokens:
@@ -589,6 +599,8 @@ class Matchmaker:
                       left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())),
                       tokens=tuple((p, members[p].tokens) for p in peers),
                       dial_out=tuple(p for p in peers if members[p].dial_out))
+        group = dataclasses.replace(group, grant=self.signer.sign(group_statement(self.run_id, group.group_id,
+                                                                                  bytes.fromhex(group.digest))))
         self.book.add(group, formation.key)
         del self._forming[formation.key]
         formation.closed.set_result(group)

@@ -118,6 +118,9 @@ class PeerRecord(BaseModel):
     # its one step outlasts the round: it sits rounds out and sets none of their pace (``budget.py``); claiming it
     # leaves only its own step time out of the others' budgets, as an absent peer's
     sits_out: bool = False
+    # how long the record lives unrenewed (its run's swarm.peer_ttl): a newcomer counts it while at least half of that
+    # is left (``run_config.fresh``), as a live peer renews it on every heartbeat; 0: while it lives
+    ttl: Amount = 0.0
 
     @property
     def dials_out(self) -> bool:

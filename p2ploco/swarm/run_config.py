@@ -1,12 +1,23 @@
 """The run's config travels with the run: a peer that joins with one address trains what the run trains.
 
 Every node serves its run's document (``Config.run_document``: every setting but a peer's own, the training data's
-digest and the protocol version), whose fingerprint its record carries. A joiner reads the run's records and asks
-peers for the document of the fingerprint most of them hold, then of the next, and keeps the first document whose
-digest is the fingerprint asked for: a donor can withhold a document, never change one. A fingerprint no peer
-serves a document of counts for nothing, so a record published without a running node behind it does not make a
-run's config. A joiner that brought a config of its own names its fingerprint when it asks, and a donor whose run
-it differs from says so once in its log: that joiner stops instead of joining (``node.py``).
+digest and the protocol version), whose fingerprint its record carries. A joiner reads the run's records and counts
+the fresh ones that are not leaving (renewed within the last half of their ttl: an abandoned record, or one whose
+daemon was stopped, soon counts for nothing), and the fingerprint most of them hold is the run's config. It asks
+the peer whose address the person typed first (where that peer trains another config than most, the joiner stops,
+naming both: ``ConfigConflict``), then that fingerprint's holders in random order (from the system's random source:
+a key ground to sort first is drawn no sooner), until one serves a document whose digest is the fingerprint: a donor
+can withhold a document, never change one. It never falls through to a fingerprint fewer records hold: where
+nobody serves the most held one, it says so (``ConfigUnserved``), and starts no run of its own. A joiner that
+brought a config of its own names its fingerprint when it asks, and a donor whose run it differs from says so once
+in its log: that joiner stops instead of joining (``node.py``).
+
+What k keys that add records gain: k fresh records of one fingerprint, against n live honest peers' records, make it
+the run's for a newcomer where k > n (k = n: the newcomer's own fingerprint, then the lower, wins the tie). Then a
+newcomer without a config trains the k keys' config, apart from the honest peers (their fingerprints differ), if one
+of the keys serves its document, and stops in one line if none does; one with the honest config stops in one line
+(``node.py``); and a newcomer that typed an honest peer's address stops naming both. Records that carry the honest
+fingerprint only add holders to ask. No running node stops for any of it.
 
 A config request, a wire message (``swarm/wire.py``) with no payload::
 
@@ -20,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -29,18 +41,18 @@ from hivemind.p2p import P2P
 from pydantic import Field, StringConstraints
 
 from p2ploco.config import document_fingerprint
-from p2ploco.errors import PayloadError, TransportError, shown
+from p2ploco.errors import ConfigError, PayloadError, SwarmError, TransportError, shown
 from p2ploco.swarm import wire
 from p2ploco.swarm.messages import MAX_TOKENS, Digest, Message, decode
-from p2ploco.swarm.records import PeerRecord
+from p2ploco.swarm.records import PeerRecord, PeerState
 
 logger = logging.getLogger(__name__)
 
 MAX_DOCUMENT_BYTES = 1 << 16  # a run's document is a few kB
 MAX_DOCUMENT_DEPTH = 4
 MAX_SETTINGS = 512
-DONORS_ASKED = 3  # peers asked for one fingerprint's document before the next fingerprint is tried
 ASK_TIMEOUT = 10.0
+DRAWN = random.SystemRandom()  # the order holders are asked in: no key can be ground to be asked first
 
 
 def handler_name(run_id: str) -> str:
@@ -68,13 +80,12 @@ class Document(Message):
     round_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)]
     data: Digest
     protocol: Annotated[int, Field(ge=0, le=1 << 16)]
-    hints: Annotated[dict[Key, Annotated[str, StringConstraints(max_length=1024)]], Field(max_length=4)] = {}
 
 
 @dataclass(frozen=True)
 class RunDocument:
     """A run's document, the peer that served it, and how many of the run's live peers hold its fingerprint, of
-    how many."""
+    how many (an asker whose own config is the run's fetches nothing: no document, no donor)."""
 
     fingerprint: str
     document: dict[str, Any]
@@ -108,31 +119,66 @@ class ConfigServer:
             await wire.write_message(writer, {"fingerprint": self.fingerprint}, self.payload)
 
 
-def ranked_fingerprints(records: Iterable[PeerRecord], me: str, mine: str = "") -> list[tuple[str, list[str]]]:
-    """The configs of a run's live training peers, most held first, each with its holders; bootstrap peers and
-    ``me`` do not count. A tie goes to ``mine`` (the asker's own fingerprint: a peer is not told to stop for a
-    config as many peers train with as with its own), then to the lower fingerprint."""
+class ConfigConflict(ConfigError):
+    """The peer whose address the person typed trains another config than most of the run's peers."""
+
+
+class ConfigUnserved(SwarmError):
+    """Most of the run's fresh records carry a config that none of their peers serves."""
+
+
+def fresh(record: PeerRecord, expires_in: float) -> bool:
+    """Whether a record with ``expires_in`` seconds left was renewed within the last half of its ttl, as a live
+    peer's is on every heartbeat (a record that states no ttl is taken for fresh while it lives)."""
+    return expires_in >= record.ttl / 2
+
+
+def ranked_fingerprints(records: Iterable[PeerRecord], me: str, mine: str = "",
+                        expires_in: Mapping[str, float] | None = None) -> list[tuple[str, list[str]]]:
+    """The configs of a run's training peers, most held first, each with its holders: fresh records that are not
+    leaving (``expires_in``: each record's seconds left; None: all are fresh); bootstrap peers and ``me`` do not
+    count. A tie goes to ``mine`` (the asker's own fingerprint: a peer is not told to stop for a config as many
+    peers train with as with its own), then to the lower fingerprint."""
     holders: dict[str, list[str]] = {}
     for record in records:
-        if record.role != "bootstrap" and record.fingerprint and record.peer_id != me:
+        if (record.role != "bootstrap" and record.fingerprint and record.peer_id != me
+                and record.state != PeerState.LEAVING
+                and (expires_in is None or fresh(record, expires_in.get(record.peer_id, 0.0)))):
             holders.setdefault(record.fingerprint, []).append(record.peer_id)
     counts = Counter({fingerprint: len(peers) for fingerprint, peers in holders.items()})
     return [(fingerprint, sorted(holders[fingerprint]))
             for fingerprint, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0] != mine, item[0]))]
 
 
-async def fetch_run_document(p2p: P2P, run_id: str, records: Iterable[PeerRecord], me: str,
-                             mine: str = "") -> RunDocument | None:
-    """The document of the config most of the run's peers hold that a peer serves (``mine``: the asker's own
-    fingerprint, "" if it has no config); None if the run has no peer that serves one."""
-    ranked = ranked_fingerprints(records, me, mine)
+async def fetch_run_document(p2p: P2P, run_id: str, records: Iterable[PeerRecord], me: str, mine: str = "",
+                             expires_in: Mapping[str, float] | None = None, typed: Sequence[str] = ()
+                             ) -> RunDocument | None:
+    """The document of the config most of the run's fresh records hold, as one of its holders serves it (module
+    docstring); None if the run has no such record. ``mine``: the asker's own fingerprint ("" if it has no config);
+    ``typed``: the peers whose addresses the person typed, asked first. ConfigConflict where a typed peer trains
+    another config; ConfigUnserved where no holder serves the run's."""
+    records = list(records)
+    ranked = ranked_fingerprints(records, me, mine, expires_in)
+    if not ranked:
+        return None
     peers = sum(len(holders) for _, holders in ranked)
-    for fingerprint, holders in ranked:
-        for donor in holders[:DONORS_ASKED]:
-            document = await _ask(p2p, run_id, donor, fingerprint, mine)
-            if document is not None:
-                return RunDocument(fingerprint, document, donor, len(holders), peers)
-    return None
+    fingerprint, holders = ranked[0]
+    trainers = {r.peer_id: r.fingerprint for r in records if r.role != "bootstrap" and r.fingerprint}
+    for peer in (p for p in dict.fromkeys(typed) if trainers.get(p, fingerprint) != fingerprint and p != me):
+        if await _ask(p2p, run_id, peer, trainers[peer], mine) is not None:
+            raise ConfigConflict(f"the peer you named ({peer[-8:]}) trains another config of run '{shown(run_id)}' "
+                                 f"(fingerprint {trainers[peer]}) than {len(holders)} of its {peers} peers do "
+                                 f"({fingerprint}): name a peer of the config you mean to join, or check --run-id")
+    if fingerprint == mine:  # this peer holds the run's config already: nothing to fetch
+        return RunDocument(fingerprint, {}, "", len(holders), peers)
+    others = [p for p in holders if p not in typed]
+    for donor in [p for p in holders if p in typed] + DRAWN.sample(others, len(others)):
+        document = await _ask(p2p, run_id, donor, fingerprint, mine)
+        if document is not None:
+            return RunDocument(fingerprint, document, donor, len(holders), peers)
+    raise ConfigUnserved(f"{len(holders)} of the {peers} peers of run '{shown(run_id)}' carry config {fingerprint} "
+                         f"in their records, and none of them serves it: try again in a moment, or name a peer that "
+                         f"trains it with --initial-peers")
 
 
 async def tell_conflict(p2p: P2P, run_id: str, run: RunDocument, mine: str) -> None:

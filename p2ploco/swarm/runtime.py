@@ -28,6 +28,7 @@ from p2ploco.swarm.consensus import SwarmState, ranked_states, settled
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.dht import start_dht_node, start_serving, visible_maddrs
 from p2ploco.swarm.directory import PeerDirectory
+from p2ploco.swarm.evidence import Signer
 from p2ploco.swarm.group import GroupBook
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
@@ -38,7 +39,7 @@ from p2ploco.swarm.reachability import DialBack, detect
 from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachability, parse_records, peers_key
 from p2ploco.swarm.run_config import ConfigServer, RunDocument, fetch_run_document, tell_conflict
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, served_state
-from p2ploco.swarm.status import Route, StatusServer, Surveyed
+from p2ploco.swarm.status import Host, Route, StatusServer, Surveyed
 from p2ploco.swarm.status_document import PEERS_DOCUMENT, STATUS_PATH
 from p2ploco.swarm.survey import survey
 from p2ploco.swarm.upload_cap import cap_uploads
@@ -214,11 +215,12 @@ class Swarm:
 
         return self.loop.run(look(), CALL_TIMEOUT)
 
-    def serve_status(self, listening: socket.socket, routes: Mapping[str, Route]) -> None:
-        """Serve the run's survey over HTTP on ``listening`` at ``STATUS_PATH`` and ``PEERS_DOCUMENT``, and what
-        ``routes`` name at their paths (``swarm/status.py``)."""
+    def serve_status(self, listening: socket.socket, host: str, routes: Mapping[str, Route]) -> None:
+        """Serve the run's survey over HTTP on ``listening`` (bound to ``host``, as given) at ``STATUS_PATH`` and
+        ``PEERS_DOCUMENT``, and what ``routes`` name at their paths (``swarm/status.py``)."""
         self.surveyed = Surveyed(partial(survey, self.node, self.directory.run_id), self.config.heartbeat_interval)
-        self.status_server = StatusServer({STATUS_PATH: self.surveyed, PEERS_DOCUMENT: self.surveyed, **routes})
+        self.status_server = StatusServer({STATUS_PATH: self.surveyed, PEERS_DOCUMENT: self.surveyed, **routes},
+                                          Host(host))
         self.loop.run(self.status_server.start(listening), CALL_TIMEOUT)
 
     def request_leave(self) -> None:
@@ -299,10 +301,15 @@ class Arrival:
             # that the first node of a run does not wait for peers that are not there.
             if mine:
                 found = await self.node.get(peers_key(self.run_id), latest=True)
-                records = [r for r, _ in parse_records(getattr(found, "value", None), get_dht_time()).values()]
+                now = get_dht_time()
+                parsed = parse_records(getattr(found, "value", None), now).values()
+                records, expires_in = [r for r, _ in parsed], {r.peer_id: e - now for r, e in parsed}
             else:
-                records = (await survey(self.node, self.run_id)).peers
-            return await fetch_run_document(self.node.protocol.p2p, self.run_id, records, self.peer_id, mine)
+                surveyed = await survey(self.node, self.run_id)
+                records, expires_in = surveyed.peers, surveyed.expires_in
+            typed = [Multiaddr(a)["p2p"] for a in self.initial_peers]
+            return await fetch_run_document(self.node.protocol.p2p, self.run_id, records, self.peer_id, mine,
+                                            expires_in, typed)
 
         try:
             return self.loop.run(look())
@@ -326,7 +333,8 @@ class Arrival:
             addresses = await visible_maddrs(node)
             me = PeerRecord(peer_id=me_id, round=0, state=PeerState.JOINING, fingerprint=document_fingerprint(document),
                             version=__version__, name=name or human_name(me_id), device=device, role=role,
-                            bandwidth_mbit=config.published_mbit, addresses=addresses[:MAX_ADDRESSES])
+                            bandwidth_mbit=config.published_mbit, addresses=addresses[:MAX_ADDRESSES],
+                            ttl=config.peer_ttl)
             directory = PeerDirectory(node, peers_key(self.run_id), self.owner, me, config.heartbeat_interval,
                                       config.peer_ttl, run_id=self.run_id)
             live = (await directory.refresh()).values()
@@ -341,15 +349,20 @@ class Arrival:
                 await DialBack(p2p, addresses).start()
             logger.info(f"reachability: {reachability}")
             directory.update_soon(reachability=reachability)  # stored with the first store_record, below
-            bans = Bans(config.ban_rounds)
+            bans = directory.bans = Bans(config.ban_rounds, self.run_id)
+            signer = Signer(identity.key)
+
+            def key_of(peer: str) -> bytes | None:
+                return signer.public_key if peer == me_id else directory.keys.get(peer)
+
             book = GroupBook()
             matchmaker = Matchmaker(p2p, directory, self.run_id, config.matchmaking_timeout, bans, stages, book,
-                                    max_tokens, reachability.dials_out)
+                                    max_tokens, signer, key_of, reachability.dials_out)
             deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
                                          config.max_transfer_timeout)
-            butterfly = ButterflyAllReduce(p2p, me_id, self.run_id, deadlines, bans, directory.rates,
+            butterfly = ButterflyAllReduce(p2p, me_id, self.run_id, deadlines, bans, signer, key_of, directory.rates,
                                            matchmaker.whereabouts)
-            commit = RoundCommit(p2p, me_id, self.run_id, config.allreduce_timeout, book)
+            commit = RoundCommit(p2p, me_id, self.run_id, config.allreduce_timeout, book, bans, signer, key_of)
             state_server = StateServer(p2p, self.run_id, deadlines)
             config_server = ConfigServer(p2p, self.run_id, document, deadlines.base)
             for service in (matchmaker, butterfly, commit, state_server, config_server):

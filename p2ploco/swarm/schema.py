@@ -19,7 +19,10 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ploco.config import MAX_WAIT
+from p2ploco.errors import PayloadError
+from p2ploco.swarm.evidence import Proof, proofs_key
 from p2ploco.swarm.identity import peer_id_of
+from p2ploco.swarm.messages import decode
 from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, peers_key
 
 MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; anything much larger is junk
@@ -30,15 +33,18 @@ class RecordSchema(RecordValidatorBase):
     """DHT-level rules for p2ploco's keys: a peer record is signed (its subkey names the owner's public key, and
     nothing else, so a key holds one record per run key), parses as PeerRecord, names the signer's own peer id
     (``identity.peer_id_of``: nobody publishes for another peer), and lapses within ``MAX_RECORD_TTL`` (an
-    abandoned record does not linger); run names are short strings. Other keys pass untouched. Every DHT node
-    applies these rules to what it stores, and every reader to what it receives."""
+    abandoned record does not linger); run names are short strings; a run's proof (``evidence.proofs_key``) holds
+    and is stored under the peer id it accuses, so that nobody can overwrite one with anything else. Other keys
+    pass untouched. Every DHT node applies these rules to what it stores, and every reader to what it receives."""
 
-    def __init__(self, record_keys: Iterable[str]):
+    def __init__(self, record_keys: Iterable[str], run_id: str | None = None):
         self.record_keys = {DHTID.generate(source=key).to_bytes() for key in record_keys}
         self.runs_key = DHTID.generate(source=RUNS_KEY).to_bytes()
+        # a run's proofs key -> the run (each proof is checked against its run)
+        self.proof_keys = {} if run_id is None else {DHTID.generate(source=proofs_key(run_id)).to_bytes(): run_id}
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in self.record_keys and record.key != self.runs_key:
+        if record.key not in self.record_keys and record.key != self.runs_key and record.key not in self.proof_keys:
             return True
         if len(record.value) > MAX_RECORD_BYTES or record.expiration_time > get_dht_time() + MAX_RECORD_TTL:
             return False
@@ -48,6 +54,12 @@ class RecordSchema(RecordValidatorBase):
             return False
         if record.key == self.runs_key:
             return isinstance(subkey, str) and 0 < len(subkey) <= 64 and isinstance(value, dict)
+        if record.key in self.proof_keys:
+            try:
+                proof = decode(Proof, value)
+            except PayloadError:
+                return False
+            return proof.accused == subkey and proof.holds(self.proof_keys[record.key])
         if not isinstance(subkey, bytes):
             return False
         parsed = PeerRecord.parse(value)
@@ -57,6 +69,7 @@ class RecordSchema(RecordValidatorBase):
         if not isinstance(other, RecordSchema):
             return False
         self.record_keys |= other.record_keys
+        self.proof_keys |= other.proof_keys
         return True
 
 
@@ -78,4 +91,4 @@ def record_validator(signing_key: RSAPrivateKey, run_id: str | None = None) -> t
     (``identity.Identity``), or others refuse its records."""
     signatures = SignatureValidator(signing_key)
     keys = [BOOTSTRAP_KEY] + ([peers_key(run_id)] if run_id is not None else [])
-    return CompositeValidator([signatures, RecordSchema(keys)]), signatures.local_public_key
+    return CompositeValidator([signatures, RecordSchema(keys, run_id)]), signatures.local_public_key

@@ -19,6 +19,10 @@ paths its other routes name (``StatusServer(routes)``: the dashboard's page, ass
   and its run's config, and takes no input but its path and a query the route parses. It listens on loopback
   unless ``--status-host`` says otherwise. A request that breaks HTTP gets ``400``. Nothing a client sends reaches
   training. Every answer forbids the browser to run anything but the page's own scripts (``SECURITY_HEADERS``).
+- A request whose ``Host`` header names anything but the address it serves or a loopback name gets ``403``
+  (``Host.serves``): a page of another site that a browser is made to send here by DNS rebinding (its name
+  resolved to this node's address) names its own host, and reads nothing. An IP address cannot be rebound, so a
+  node that listens on every address (``0.0.0.0``) answers any IP literal; a name, only the one it was told.
 - A lookup that fails is remembered as one that succeeded is: requests get ``503`` until the next interval.
 
 What one client can cost (a slot, for a bounded time; never everyone's service):
@@ -64,8 +68,8 @@ MAX_PER_ADDRESS = 4  # of those, held by one remote address (loopback: all)
 LOOKUP_TIMEOUT = 10.0  # for one survey of the DHT
 STALE_INTERVALS = 3  # a survey this many refresh intervals old is still served while a newer one is looked up
 BUSY = b"busy: every slot waits on a survey; try again in a moment\n"
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 502: "Bad Gateway",
-           503: "Service Unavailable"}
+REASONS = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+           502: "Bad Gateway", 503: "Service Unavailable"}
 JSON, TEXT = "application/json", "text/plain; charset=utf-8"
 # On every answer: the browser runs the page's own scripts and styles only (never one a peer's text smuggles in),
 # connects to this endpoint only, takes no answer for another type than it says, and shows the page in no frame.
@@ -88,6 +92,31 @@ def listen(host: str, port: int) -> tuple[socket.socket, str]:
     listening = socket.create_server(address, family=family)
     bound_host, bound_port = listening.getsockname()[:2]
     return listening, f"[{bound_host}]:{bound_port}" if family == socket.AF_INET6 else f"{bound_host}:{bound_port}"
+
+
+@dataclass(frozen=True)
+class Host:
+    """Which ``Host`` headers a status server answers: what it listens on (``listen``'s host, as given) and loopback
+    names; where it listens on every address, any IP literal."""
+
+    listening: str
+
+    def serves(self, header: str) -> bool:
+        name = _without_port(header.strip()).lower()
+        if name == "localhost" or name.endswith(".localhost"):
+            return True
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:  # a name: only the one this server was told to listen on
+            return name == self.listening.lower()
+        return address.is_loopback or self.listening in WILDCARDS or name == self.listening.strip("[]").lower()
+
+
+def _without_port(host: str) -> str:
+    """``host`` (a Host header's value) without its port: ``[::1]:80`` -> ``::1``, ``a.b:80`` -> ``a.b``."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 @dataclass(frozen=True)
@@ -212,10 +241,11 @@ class Surveyed:
 
 
 class StatusServer:
-    """Serves ``GET`` (and ``HEAD``) of the paths ``routes`` names, on the node's event loop."""
+    """Serves ``GET`` (and ``HEAD``) of the paths ``routes`` names, on the node's event loop, to requests whose
+    ``Host`` it serves (``host``)."""
 
-    def __init__(self, routes: Mapping[str, Route]):
-        self.routes = dict(routes)
+    def __init__(self, routes: Mapping[str, Route], host: Host):
+        self.routes, self.host = dict(routes), host
         self._connections: dict[asyncio.StreamWriter, Connection] = {}  # oldest first
         self._server: asyncio.Server | None = None
 
@@ -283,9 +313,14 @@ class StatusServer:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             return Answer.error(400, f"send one HTTP/1.x request: GET {STATUS_PATH}"), True
-        parts = head.split(b"\r\n", 1)[0].split(b" ")
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ")
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
             return Answer.error(400, f"send one HTTP/1.x request: GET {STATUS_PATH}"), True
+        named = [line[5:].decode("latin-1") for line in lines[1:] if line[:5].lower() == b"host:"]
+        if named and not self.host.serves(named[0]):  # a page of another site, by DNS rebinding
+            return Answer.error(403, f"this node serves requests for {self.host.listening} or a loopback name "
+                                     f"only; ask for it by that address"), True
         method, (path, _, query) = parts[0], parts[1].partition(b"?")
         route = self.routes.get(path.decode("latin-1"))
         if route is None:

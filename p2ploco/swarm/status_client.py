@@ -47,7 +47,7 @@ def read_answer(address: str, target: str, timeout: float = STATUS_TIMEOUT) -> b
     host, port = _host_and_port(address)
     url = f"http://{address}{target}"
     try:
-        received = _receive(host, port, address, target, time.monotonic() + timeout)
+        received = _receive(host, port, target, time.monotonic() + timeout)
     except TimeoutError:
         raise SwarmError(f"{url} did not answer within {timeout:.0f} s") from None
     except (OSError, UnicodeError) as e:  # refused, unreachable, unknown host (or one IDNA cannot encode)
@@ -59,7 +59,7 @@ def read_answer(address: str, target: str, timeout: float = STATUS_TIMEOUT) -> b
     return received
 
 
-def _receive(host: str, port: int, address: str, target: str, deadline: float) -> bytes | None:
+def _receive(host: str, port: int, target: str, deadline: float) -> bytes | None:
     """What the node at ``host``, ``port`` answers to ``GET target``, up to the end of the connection (a node closes
     it after its answer); None if that is more than a status answer may be. TimeoutError at ``deadline``: the bound
     is on the whole answer, not on each read (a server that sends a byte at a time would otherwise hold the client
@@ -73,7 +73,10 @@ def _receive(host: str, port: int, address: str, target: str, deadline: float) -
     received = bytearray()
     with socket.create_connection((host, port), timeout=left()) as connection:
         connection.settimeout(left())
-        connection.sendall(f"GET {target} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n".encode())
+        # The address dialled, not a name: a node answers only the address it serves (``status.Host``)
+        ip = connection.getpeername()[0]
+        named = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        connection.sendall(f"GET {target} HTTP/1.1\r\nHost: {named}\r\nConnection: close\r\n\r\n".encode())
         while len(received) <= MAX_ANSWER_HEAD + MAX_STATUS_BYTES:
             connection.settimeout(left())
             if not (piece := connection.recv(1 << 16)):

@@ -130,15 +130,27 @@ async def read_header(reader: asyncio.StreamReader) -> tuple[dict[str, Any], int
             raw = await reader.readexactly(head_len)
         except asyncio.IncompleteReadError as e:
             raise StreamClosed(f"stream closed mid-message ({len(e.partial)} of {e.expected} bytes)") from None
-    try:
-        header = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_HEADER_BYTES, max_str_len=MAX_HEADER_BYTES)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:  # msgpack's errors on garbage
-        raise PayloadError(f"message header is not valid msgpack: {type(e).__name__}") from None
-    if not nested_within(header, MAX_DEPTH):  # before anything formats, hashes or compares it
-        raise PayloadError(f"message header nests deeper than {MAX_DEPTH} levels")
+    header = unpack(raw, "message header")
     if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
         raise PayloadError(f"message header is not a p2ploco v{PROTOCOL_VERSION} map")
     return header, payload_len
+
+
+def pack(value: Any) -> bytes:
+    """``value`` as msgpack (bytes as msgpack's bin type): a payload that ``unpack`` reads."""
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def unpack(raw: bytes, what: str) -> Any:
+    """The msgpack value ``raw`` from a peer (a header, or a payload that is one), nested at most ``MAX_DEPTH`` levels
+    deep; PayloadError naming ``what`` otherwise."""
+    try:
+        value = msgpack.unpackb(raw, raw=False, max_bin_len=len(raw), max_str_len=len(raw))
+    except (ValueError, TypeError, msgpack.UnpackException) as e:  # msgpack's errors on garbage
+        raise PayloadError(f"{what} is not valid msgpack: {type(e).__name__}") from None
+    if not nested_within(value, MAX_DEPTH):  # before anything formats, hashes or compares it
+        raise PayloadError(f"{what} nests deeper than {MAX_DEPTH} levels")
+    return value
 
 
 def nested_within(value: Any, limit: int) -> bool:
