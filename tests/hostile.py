@@ -36,6 +36,13 @@ Behaviours (each starts at round FROM and lasts until the node exits):
                           honestly): on its word every other peer's round budget shrank to one inner step
 - ``deny-dialback@0``     answers every dial-back request "dialled, reached none" (peers ask as they start, before
                           any round: FROM is not used), as if every joiner were behind a NAT
+- ``equivocate@FROM``     as a reducer (or a hub), answers every other member a receipt that names another member's
+                          norm 1 % longer, signed as every answer is: each member's checks pass (its own norm, the
+                          length bound, the direction), and the members hold different digests of the span
+- ``refuse-all@FROM``     bans every other member of each of its groups as the round's all-reduce begins: as a
+                          reducer it answers each of them "banned here", and its own vote alone holds the aggregate
+- ``two-versions@FROM``   as a coordinator, hands every other joiner a version of the group in which another member
+                          (the victim: the first other member in id order) weighs 1 token, signed as the honest one
 
 Everything else is the real node: the same processes, daemons and protocol as ``p2ploco node start``.
 """
@@ -389,6 +396,74 @@ def deny_dial_backs() -> None:
     DialBack._serve = serve
 
 
+def equivocate(start: int) -> None:
+    import dataclasses
+
+    from p2ploco.swarm.allreduce import ButterflyAllReduce
+    from p2ploco.swarm.evidence import result_statement
+
+    honest = ButterflyAllReduce.answer
+
+    def answer(self: ButterflyAllReduce, group: Any, exchange: Any, reduced: Any, sender: str) -> Any:
+        reply, result = honest(self, group, exchange, reduced, sender)
+        norms = list(reply["norms"])
+        own = group.peers.index(sender)
+        other = next((i for i, place in enumerate(reply["included"]) if place != own), None)
+        if group.round_index < start or other is None or own % 2 == 0:
+            return reply, result
+        norms[other] *= 1.01
+        receipt = dataclasses.replace(reduced.reduction.receipt_for(sender), norms=tuple(norms))
+        digest = exchange.receive(reduced.evidence.span, result, receipt)  # this node's own aggregate goes astray
+        span = reduced.evidence.span
+        signature = self.signer.sign(result_statement(self.run_id, group.digest, reduced.evidence.slice, span.start,
+                                                      span.stop, digest))
+        return {**reply, "norms": norms, "signature": signature}, result
+
+    ButterflyAllReduce.answer = answer
+
+
+def refuse_everyone(start: int) -> None:
+    from p2ploco.swarm.allreduce import ButterflyAllReduce
+
+    honest = ButterflyAllReduce.run
+
+    async def run(self: ButterflyAllReduce, group: Any, *args: Any) -> Any:
+        if group.round_index >= start:
+            for peer in set(group.peers) - {self.me}:
+                self.bans.ban(peer, group.round_index, "refusing everyone, on purpose")
+        return await honest(self, group, *args)
+
+    ButterflyAllReduce.run = run
+
+
+def hand_out_two_versions(start: int) -> None:
+    import dataclasses
+
+    from p2ploco.swarm import matchmaker
+    from p2ploco.swarm.evidence import group_statement
+
+    honest_start, honest_answer = matchmaker.Matchmaker.start, matchmaker.group_answer
+    coordinators: list[Any] = []
+    handed: dict[str, int] = {}  # group id -> answers handed out so far
+
+    async def start_serving(self: Any) -> None:  # the coordinator, whose key signs its versions
+        coordinators.append(self)
+        await honest_start(self)
+
+    def group_answer(group: Any, *args: Any) -> Any:
+        handed[group.group_id] = handed.get(group.group_id, 0) + 1
+        others = [p for p in group.peers if p != group.coordinator]
+        if group.round_index < start or handed[group.group_id] % 2 == 1 or len(others) < 2:
+            return honest_answer(group, *args)
+        victim, coordinator = others[0], coordinators[0]
+        other = dataclasses.replace(group, tokens=tuple((p, 1 if p == victim else t) for p, t in group.tokens))
+        other = dataclasses.replace(other, grant=coordinator.signer.sign(group_statement(
+            coordinator.run_id, other.group_id, bytes.fromhex(other.digest))))
+        return honest_answer(other)  # in full: relative to a followed group it would be another version again
+
+    matchmaker.Matchmaker.start, matchmaker.group_answer = start_serving, group_answer
+
+
 # behaviour name -> how to patch it in, given the value after ":" (if any) and the round or step after "@"
 BEHAVIOURS: dict[str, Callable[[str, int], None]] = {
     "scale": lambda value, start: scale_contributions(float(value), start),
@@ -408,6 +483,9 @@ BEHAVIOURS: dict[str, Callable[[str, int], None]] = {
     "poison-state": lambda _, start: claim_a_poisoned_next_round(start),
     "fast-step": lambda _, start: claim_a_fast_step(start),
     "deny-dialback": lambda _, start: deny_dial_backs(),
+    "equivocate": lambda _, start: equivocate(start),
+    "refuse-all": lambda _, start: refuse_everyone(start),
+    "two-versions": lambda _, start: hand_out_two_versions(start),
 }
 
 

@@ -85,7 +85,8 @@ def test_one_liar_costs_a_redo_never_the_round():
 
 def test_a_member_whose_link_broke_is_waited_for_and_redone_with():
     """A reducer that lost B's stream reports nothing about B (it did nothing wrong): the coordinator waits for B's
-    vote ("missing") and redoes the round with it. Only a reducer's rejection of malformed data spares the wait."""
+    vote ("missing") and redoes the round with it. Only two voters that rejected B's data spare the wait: one that
+    named every member would have the coordinator decide on its vote alone."""
     async def ballots():  # a ballot's decision is a future of the coordinator's event loop
         return _Ballot(GROUP, deadline=0.0), _Ballot(GROUP, deadline=0.0)
 
@@ -94,8 +95,11 @@ def test_a_member_whose_link_broke_is_waited_for_and_redone_with():
     assert ballot.waiting_for() == [B]
     ballot.votes[B] = MISSING
     assert decide(GROUP, ballot.votes, A).redo.peers == (A, B, C, D)
-    rejected.votes.update({A: holds(drops={B}), C: holds(), D: holds()})
-    assert rejected.waiting_for() == []
+    rejected.votes.update({A: holds(drops={B, C, D})})
+    assert rejected.waiting_for() == [B, C, D]  # one reducer's word against each: A is the one in conflict
+    rejected.votes.clear()
+    rejected.votes.update({A: holds(drops={B}), C: holds(drops={B})})
+    assert rejected.waiting_for() == [D]  # two voters rejected B: it is out whatever it votes
 
 
 def test_a_peer_in_conflict_with_two_others_is_out_and_one_conflict_costs_a_redo_in_which_its_reducer_is_passive():

@@ -214,7 +214,7 @@ class Attempt:
 
 
 @dataclass(frozen=True)
-class _Reduced:
+class Reduced:
     """A piece this peer reduced: what it combined, and the result it answers every member, signed."""
 
     reduction: SpanReduction
@@ -352,7 +352,7 @@ class ButterflyAllReduce:
         plan = self._plan(group, exchange)
         sessions = plan.sessions
         sends = [asyncio.create_task(self._contribute(*send)) for send in plan.sends]
-        reduced: list[_Reduced] = []
+        reduced: list[Reduced] = []
         own_bytes = 0
         error: AllReduceError | None = None
         try:
@@ -422,7 +422,7 @@ class ButterflyAllReduce:
                     sends += [(ours, peer, route, piece) for piece in pieces(part, span)]
         return _Plan(sessions, sends, dense, params)
 
-    def _attempt(self, sessions: list[_ReducerSession], reduced: list[_Reduced], deliveries: list[Delivery],
+    def _attempt(self, sessions: list[_ReducerSession], reduced: list[Reduced], deliveries: list[Delivery],
                 traffic: Traffic, error: AllReduceError | None) -> Attempt:
         """The attempt as it went: who was left out or accused, what went wrong, and the error that decides this
         peer's vote (``error``: our own spans' failure, which outranks the others)."""
@@ -455,7 +455,7 @@ class ButterflyAllReduce:
             evidence=tuple(sorted((e for e in [*(r.evidence for r in reduced), *(d.evidence for d in deliveries)]
                                    if e is not None and len(e.span)), key=lambda e: (e.slice, e.span.start))))
 
-    async def _reduce(self, session: _ReducerSession, own: bytes | None) -> _Reduced:
+    async def _reduce(self, session: _ReducerSession, own: bytes | None) -> Reduced:
         """Combine the span's contributions (``own``: this peer's, None for a hub's, which sends none), take the result
         as every member does, and sign its digest: the one result this peer answers for the piece."""
         try:
@@ -496,7 +496,7 @@ class ButterflyAllReduce:
         span = session.span
         signature = self.signer.sign(result_statement(self.run_id, session.group.digest, session.slice, span.start,
                                                       span.stop, digest))
-        reduced = _Reduced(reduction, Evidence(session.slice, span, self.me, digest, signature))
+        reduced = Reduced(reduction, Evidence(session.slice, span, self.me, digest, signature))
         session.result.set_result(reduced)
         return reduced
 
@@ -622,7 +622,7 @@ class ButterflyAllReduce:
                 session.bytes_in += len(payload)
                 session.deliver(sender, payload)
             try:
-                reduced: _Reduced = await asyncio.wait_for(asyncio.shield(session.result), 2 * session.transfer)
+                reduced: Reduced = await asyncio.wait_for(asyncio.shield(session.result), 2 * session.transfer)
             except PayloadError as e:  # this reducer could not combine its span at all: not the sender's fault
                 raise _Refused(ReduceStatus.MISSED, f"the span could not be reduced: {e}") from None
             reduction = reduced.reduction
@@ -630,11 +630,7 @@ class ButterflyAllReduce:
                 (ReduceStatus.REJECTED, reduction.rejected[sender]) if sender in reduction.rejected else None)
             if refusal is not None:
                 raise _Refused(*refusal)
-            place = {peer: i for i, peer in enumerate(session.group.peers)}
-            reply = {"status": ReduceStatus.OK, "included": [place[p] for p in reduction.included],
-                     "norms": reduction.norms, "opposed": [place[p] for p in reduction.opposed],
-                     "signature": reduced.evidence.signature}
-            result = reduction.result_for(session.exchange, sender)
+            reply, result = self.answer(session.group, session.exchange, reduced, sender)
             await asyncio.wait_for(wire.write_message(writer, reply, result), session.transfer)
             session.bytes_out += len(result)
         except _Refused as e:
@@ -661,6 +657,16 @@ class ButterflyAllReduce:
             if session is not None:
                 session.settle(sender)
             await wire.hang_up(reader, writer, session.transfer if session is not None else self.timeout)
+
+    def answer(self, group: Group, exchange: Exchange, reduced: Reduced, sender: str) -> tuple[dict[str, Any], bytes]:
+        """What this reducer answers ``sender`` for a piece it ``reduced`` (the same result, receipt and signature for
+        every member of ``group``): the answer's header and the result."""
+        place = {peer: i for i, peer in enumerate(group.peers)}
+        reduction = reduced.reduction
+        reply = {"status": ReduceStatus.OK, "included": [place[p] for p in reduction.included],
+                 "norms": reduction.norms, "opposed": [place[p] for p in reduction.opposed],
+                 "signature": reduced.evidence.signature}
+        return reply, reduction.result_for(exchange, sender)
 
     async def _session_of(self, contribution: Contribution, sender: str) -> _ReducerSession:
         """Our session of the piece of the contribution's slice that begins where its span does, in its group, which

@@ -5,15 +5,17 @@ every span of every slice it holds, some span's aggregate is missing (a link fai
 it), or a reducer rejected its contribution as malformed. Each vote also lists, for every piece it took, the piece's
 digest and its reducer's signature of it (``swarm/evidence.py``), whom the voter rejected as malformed from its own
 spans, whose result it refused, and which reducers rejected its contribution. The group's coordinator decides once,
-when every member has voted, or ``timeout`` after the first vote. It does not wait for a member that some reducer
-rejected for malformed data (it cannot hold every span), nor for one whose daemon cannot be dialled any more (the
-coordinator tries every few seconds: it crashed). A member whose link to some reducer broke is waited for: it is
-alive, and votes "missing".
+when every member has voted, or ``timeout`` after the first vote. It does not wait for a member that two or more
+voters are in conflict with (below: it is out, whatever it votes), nor for one whose daemon cannot be dialled any
+more (the coordinator tries every few seconds: it crashed). A member whose link to some reducer broke is waited for:
+it is alive, and votes "missing".
 
 Before it decides, the coordinator looks for reducers that answered members different results: two digests of one
 piece that the same reducer signed are a proof (``evidence.Proof``). A proven reducer is out of the round and of
-the run, and the decision carries the proof, which every member checks and passes on. A vote whose evidence for a
-disputed piece does not hold (a signature its reducer did not make) is a liar's, and does not count.
+the run, and the decision carries the proof, which every member checks and passes on; so do the proofs against
+members that votes carry (a member that found its coordinator of another round handing out two versions of a
+group). A vote whose evidence for a disputed piece does not hold (a signature its reducer did not make) is a liar's,
+and does not count.
 
 Refusals are conflicts between two members: a reducer that rejected a member's contribution, a member that refused
 a reducer's result. Nobody can tell from one conflict which side is at fault, so a member in conflict with two or
@@ -44,7 +46,8 @@ open there, never one of its own). A second judge would let two halves of a grou
 The vote request, a wire message (``swarm/wire.py``)::
 
     {v, group_id, version: the group's digest, vote: holds|missing|dropped, drops: [peers rejected as malformed],
-     refused: [reducers whose result it refused], refused_by: [reducers that rejected its contribution]}
+     refused: [reducers whose result it refused], refused_by: [reducers that rejected its contribution],
+     proofs: [proofs it holds against members]}
     + msgpack [[slice, start, stop, reducer's place in the group, digest, signature], ...]
 
 and the decision: ``{v, outcome: commit|redo|abort, digests: {slice: digest}, reason, proofs: [...]}`` (+ ``group_id,
@@ -149,14 +152,13 @@ class _Ballot:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     decided: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
-    def rejected(self, peer: str) -> bool:
-        """Whether some reducer rejected ``peer``'s contribution as malformed (it cannot hold every span)."""
-        return any(peer in cast.drops for cast in self.votes.values())
-
     def waiting_for(self) -> list[str]:
-        """Members that have not voted, less those a reducer rejected as malformed (they cannot hold every span)
-        and those the coordinator found dead (they cannot vote)."""
-        return [p for p in self.group.peers if p not in self.votes and not self.rejected(p) and p not in self.dead]
+        """Members that have not voted, less those in conflict with two or more voters so far (``in_conflict``: out
+        of the round whatever they vote; one reducer's word spares no wait, or a reducer that named every member
+        would have the coordinator decide on its vote alone) and those the coordinator found dead (they cannot
+        vote)."""
+        out = in_conflict(conflicts(self.votes))
+        return [p for p in self.group.peers if p not in self.votes and p not in out and p not in self.dead]
 
 
 class RoundCommit:
@@ -184,7 +186,8 @@ class RoundCommit:
         members = set(group.peers)
         request = {"group_id": group.group_id, "version": group.digest, "vote": vote,
                    "drops": sorted(drops & members), "refused": sorted(refused & members),
-                   "refused_by": sorted(refused_by & members)}
+                   "refused_by": sorted(refused_by & members),  # and what this peer holds against members: passed on
+                   "proofs": [p.to_value() for a, p in self.bans.proofs.items() if a in members][:MAX_PROOFS]}
         place = {peer: i for i, peer in enumerate(group.peers)}
         pieces = wire.pack([[e.slice, e.span.start, e.span.stop, place[e.reducer], e.digest, e.signature]
                             for e in evidence])
@@ -236,8 +239,11 @@ class RoundCommit:
             raise PayloadError("vote for a group this peer does not coordinate")
         if voter not in group.peers:
             raise PayloadError(f"{voter[-8:]} is not a member of the group it votes for")
-        if vote.version != group.digest:
-            raise PayloadError(f"{voter[-8:]} votes on another version of the group than this coordinator formed")
+        if vote.version != group.digest:  # it was handed another version (by whom, its reducers' answers tell)
+            return {"outcome": Outcome.ABORT, "reason": "this peer votes on another version of the group than its "
+                                                        "coordinator formed: its vote does not count"}
+        for proof in vote.proofs:  # checked here: a voter's word convicts nobody
+            self.bans.convict(proof, group.round_index)
         cast = cast_of(vote, entries, group)
         if cast.vote == Vote.HOLDS and set(cast.digests) != set(group.slices_of(voter)):
             raise PayloadError(f"{voter[-8:]} votes for other slices than it holds")
@@ -278,7 +284,7 @@ class RoundCommit:
             decision = decide(group, {p: c for p, c in ballot.votes.items() if p not in liars}, self.me,
                               frozenset(p.accused for p in proofs) | self._convicted(group))
             decision = Decision(decision.outcome, decision.digests, self._granted(decision.redo), decision.reason,
-                                tuple(proofs))
+                                tuple(self.bans.proofs[p] for p in group.peers if p in self.bans.proofs)[:MAX_PROOFS])
             if decision.redo is not None:
                 self.book.add(decision.redo)
             ballot.decided.set_result(decision)
@@ -463,6 +469,7 @@ class VoteRequest(Message):
     drops: PeerIds  # the members whose contributions the voter rejected as malformed from its spans
     refused: PeerIds  # the reducers whose results the voter refused
     refused_by: PeerIds  # the reducers that rejected the voter's contribution
+    proofs: Annotated[list[Proof], Field(max_length=MAX_PROOFS)] = []  # against members, as the voter holds them
 
 
 class VoteEvidence(Message):
