@@ -55,14 +55,14 @@ class CatchUp:
         seeds = schedule.worker.seed_digest
         targets = swarm.swarm_state(round_index, slices, seeds,
                                     fresh=standing.unsettled is not None or standing.doubtful or first,
-                                    lone=not standing.refused)
+                                    distrusted=standing.refused_by)
         if standing.doubtful and targets and min(t.round for t in targets.values()) < round_index:
             # A doubtful state ranks below one that a peer applied: a peer still in a round this one did not apply
             # (a replica that trained on alone while its pipeline groups failed) may come out of it with a newer
             # state. Wait for it rather than clear the doubt: two failed stages once did, outvoted the replica's
             # state, and it lost two rounds.
             targets = self._look_until(lambda looked: all(t.round >= round_index for t in looked.values()),
-                                       round_index, slices, seeds, deadline, not standing.refused)
+                                       round_index, slices, seeds, deadline, standing.refused_by)
             if targets is None:
                 return standing
         if not behind(targets, round_index, slices):
@@ -71,7 +71,7 @@ class CatchUp:
             # end, then start the next with all
             under_way = max(t.round for t in targets.values())
             targets = self._look_until(lambda looked: not looked or max(t.round for t in looked.values()) > under_way,
-                                       round_index, slices, seeds, deadline, not standing.refused)
+                                       round_index, slices, seeds, deadline, standing.refused_by)
             if targets is None:
                 return standing
             if not behind(targets, round_index, slices):
@@ -79,13 +79,13 @@ class CatchUp:
         return self._fetch(schedule, standing, targets)
 
     def _look_until(self, done: Callable[[dict[str, SwarmState]], bool], round_index: int, slices: dict[str, str],
-                    seeds: dict[str, str], deadline: float, lone: bool) -> dict[str, SwarmState] | None:
-        """The swarm's state from fresh looks (``lone``: lone claims served are followed too), once ``done`` holds of
+                    seeds: dict[str, str], deadline: float, distrusted: frozenset[str]) -> dict[str, SwarmState] | None:
+        """The swarm's state from fresh looks (no lone claim of a ``distrusted`` peer followed), once ``done`` holds of
         it or ``deadline`` passed; None if this node stops meanwhile."""
         latest: list[dict[str, SwarmState]] = []  # the last look passed() took: acted on at once, rounds may be short
 
         def passed() -> bool:
-            latest[:] = [self.swarm.swarm_state(round_index, slices, seeds, lone=lone)]
+            latest[:] = [self.swarm.swarm_state(round_index, slices, seeds, distrusted=distrusted)]
             return done(latest[0])
 
         return latest[0] if self._wait(passed, deadline) else None

@@ -58,6 +58,7 @@ class RoundRecord:
     update_norm: float = 0.0  # L2 norm of the change the round made to the global params (0 if not applied)
     applied: bool = True  # False: the round did not commit here (late, aborted, dropped); params unchanged
     excluded: bool = False  # True: others applied this round without this node (late or dropped): it catches up
+    refused_by: list[str] = field(default_factory=list)  # reducers that rejected this node's contribution
     # True: its step outlasts the round, so it trained one while nobody waited for it, and contributes the step's
     # work in its next round (budget.py)
     sat_out: bool = False

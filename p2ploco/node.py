@@ -81,6 +81,7 @@ def sync_fields(synced: Synced) -> dict[str, Any]:
     result, traffic = synced.all_reduce, synced.all_reduce.traffic
     syncs = traffic.sync_bytes or [traffic.bytes_sent + traffic.bytes_received]
     return {"peers": len(result.peers), "applied": synced.applied, "excluded": result.excluded,
+            "refused_by": result.refused_by,
             "contributed_tokens": result.tokens, "dropped_peers": result.dropped,
             "aggregate_tokens": sum(result.weights.values()) if synced.applied else 0,
             "clipped_peers": result.clipped, "opposed_peers": result.opposed, "attempts": result.attempts,

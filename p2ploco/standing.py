@@ -28,11 +28,13 @@ class Standing:
     doubtful: bool = False  # this peer did not apply a round the others may have, and has not caught up since
     waiting_for: str = ""  # what a standby stage last said it waits for (said once, not every look)
     sat_out: bool = False  # its last round was sat out (budget.py): the work it kept is to be contributed
-    refused: bool = False  # its last round's group went on without it: it follows no lone peer's state after it
+    # the reducers that refused its contribution in its last round: it follows none of their lone states after it
+    refused_by: frozenset[str] = frozenset()
 
     def after(self, record: RoundRecord) -> Standing:
         """Once this round is recorded. Alone, or not applied: the others may hold another state after it (they
         committed without us, or a judge we could not reach decided otherwise)."""
         return Standing(self.round + 1, replace(self.membership, catchup_seconds=0.0),
                         unsettled=self.round if record.peers == 1 or not record.applied else None,
-                        doubtful=self.doubtful or not record.applied, sat_out=record.sat_out, refused=record.excluded)
+                        doubtful=self.doubtful or not record.applied, sat_out=record.sat_out,
+                        refused_by=frozenset(record.refused_by))

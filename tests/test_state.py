@@ -436,9 +436,8 @@ def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner
     target = joiner.swarm_state(0, {S: "fresh"})[S]
     assert (target.round, target.state_digest, target.holders) == (6, served.state_digest, (donors[0].peer_id,))
     assert joiner.fetch_state(target, tensor_bytes(served)).state_digest == served.state_digest
-    # after a round whose group went on without it (a reducer that refused it may be that lone holder), a peer
-    # follows only a state two peers vouch for, or its own: here its own
-    assert joiner.swarm_state(0, {S: "fresh"}, lone=False)[S].holders == (joiner.peer_id,)
+    # the lone holder refused its contribution in its last round: its word is no state to follow (here: its own)
+    assert joiner.swarm_state(0, {S: "fresh"}, distrusted={donors[0].peer_id})[S].holders == (joiner.peer_id,)
 
 
 def test_a_lone_holder_past_its_record_is_followed_to_the_round_it_serves(donors_and_joiner):

@@ -267,6 +267,7 @@ class AllReduceResult:
     # the committed aggregate's weights: each member whose contribution is in it, and its tokens as the group settled
     # them (a hub's 0 left out); empty when nothing was committed
     weights: dict[str, int] = field(default_factory=dict)
+    refused_by: list[str] = field(default_factory=list)  # reducers that rejected this peer's contribution
 
 
 def dense_fp32_bytes(exchange: Exchange, spans: Sequence[Span], my_index: int | None) -> int:

@@ -99,5 +99,6 @@ def summed(syncs: list[Synced]) -> Synced:
         traffic=Traffic(sum(t.bytes_sent for t in traffic), sum(t.bytes_received for t in traffic),
                         sum(t.dense_fp32_bytes for t in traffic), sum(t.contribution_bytes for t in traffic),
                         sum(t.params for t in traffic), sum(t.seconds for t in traffic),
-                        [t.bytes_sent + t.bytes_received for t in traffic])),
+                        [t.bytes_sent + t.bytes_received for t in traffic]),
+        refused_by=sorted({p for r in results for p in r.refused_by})),
         all(s.applied for s in syncs))

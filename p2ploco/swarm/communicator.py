@@ -152,7 +152,8 @@ class SwarmCommunicator(Communicator):
                 dropped=sorted(attempt.dropped | (formed - set(group.peers))),  # incl. those a redo left out
                 clipped=attempt.clipped, opposed=attempt.opposed, attempts=len(attempts), failures=failures,
                 tokens=self.matchmaker.weight(exchange.tokens),
-                traffic=round_traffic(attempts, time.perf_counter() - started), weights=weights if committed else {})
+                traffic=round_traffic(attempts, time.perf_counter() - started), weights=weights if committed else {},
+                refused_by=sorted({p for a in attempts for p in a.refused_by}))
 
     def _applied_with(self, group: Group | None, delivered: Iterable[str] = ()) -> None:
         """This peer applied the round's aggregate with ``group`` (None: it applied none, or its own alone), whose

@@ -8,7 +8,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -134,15 +134,15 @@ class Swarm:
         return self.loop.run(self.directory.wait_for_peers(count, timeout, stop or threading.Event()))
 
     def swarm_state(self, round_index: int, slices: dict[str, str], seeds: dict[str, str] | None = None,
-                    fresh: bool = True, lone: bool = True) -> dict[str, SwarmState]:
+                    fresh: bool = True, distrusted: Collection[str] = frozenset()) -> dict[str, SwarmState]:
         """For each slice this peer holds (name -> the hash it holds at ``round_index``), the state to follow: one
-        that two or more peers vouch for, this peer's own, or else (``lone``) a lone peer's claim that it really
-        serves (probed: the state it serves then, which may be a later round's); never the seed's state (``seeds``:
-        slice -> its hash as the run's seed makes it) where anyone holds another. Slices nobody else holds are left
-        out. From a fresh look at the records, or (``fresh`` False: the check between two rounds that went well)
-        from the heartbeat's view if it looked since this peer moved to its round. Not ``lone``: after a round whose
-        group went on without this peer, one peer's word is no state to follow (it may be the very peer that refused
-        it: a state the group committed is held by a majority of it)."""
+        that two or more peers vouch for, this peer's own, or else a lone peer's claim that it really serves
+        (probed: the state it serves then, which may be a later round's), unless that peer is ``distrusted`` (it
+        refused this peer's contribution in its last round: a state the group committed without this peer is held by
+        a majority of it, not by that peer alone); never the seed's state (``seeds``: slice -> its hash as the run's
+        seed makes it) where anyone holds another. Slices nobody else holds are left out. From a fresh look at the
+        records, or (``fresh`` False: the check between two rounds that went well) from the heartbeat's view if it
+        looked since this peer moved to its round."""
         async def look() -> dict[str, SwarmState]:
             me = self.directory.me.model_copy(update={"round": round_index, "slices": dict(slices),
                                                      "state": PeerState.TRAINING})
@@ -151,7 +151,7 @@ class Swarm:
             for name in slices:
                 for state in ranked_states(live, me, name, (seeds or {}).get(name, "")):
                     followed = (state if state.vouched or me.peer_id in state.holders
-                                else await self._served(state) if lone else None)
+                                else None if state.holders[0] in distrusted else await self._served(state))
                     if followed is not None:
                         chosen[name] = followed
                         break
