@@ -205,10 +205,6 @@ class SparseLoCoConfig(OverlapConfig):
     # contributions keeps min(result_topk, n x topk): every value they selected, while n x topk fits. A larger group
     # of n sends result_topk // n values each (at least 1), so that a result still holds every value sent.
     result_topk: int = 256
-    # The reducer keeps what a result leaves out, e = result_error_decay * e + mean. 0: dropped (the next
-    # pseudo-gradients bring it again, as the global params did not move that way); 1: kept whole, and counted
-    # twice with what the senders bring again (docs/design.md, "Hundreds of peers": 0.5 measured best).
-    result_error_decay: Fraction = 0.5
 
     @model_validator(mode="after")
     def _kept_values_fit_a_tile(self) -> SparseLoCoConfig:

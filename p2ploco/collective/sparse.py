@@ -23,15 +23,11 @@ contributions selected and a large group's has a fixed size whatever n: per-peer
 contribution and one result each way. A group of n holders whose n x k values would not fit sends
 ``result_topk`` // n values per chunk each instead (``fit_group``, once a group is formed): what a result's Top-k
 dropped would be lost to the senders, whose error feedback counts it as sent, while what a sender does not select
-stays in its own buffer. Every member (the reducer too) decodes the same bytes, so all stay
-bit-identical. What a result leaves out goes to an
-error-feedback buffer of the reducer's own for the span (e = decay * e + mean, e keeps what was not sent, as
-LoCo's reducer), at ``result_error_decay`` 0.5: kept whole (1) it is counted twice, as the global parameters did
-not move that way and the senders' next pseudo-gradients bring it again; dropped (0) loses too much at 128
-values per chunk (docs/design.md, "Hundreds of peers"). The reducer's new buffer rows are staged here and kept
-by the outer algorithm only if the round is applied; a redo's spans supersede an earlier attempt's. A span of one
-contribution is its own result (relabelled; the reducer's buffer is left as it is): a lone peer's round costs one
-Top-k, its own.
+stays in its own buffer. Every member (the reducer too) decodes the same bytes, so all stay bit-identical. What a
+result leaves out (the 2-bit rounding of every value, nothing else while the selections fit) is dropped: the reducer
+keeps no buffer, so a result is a function of the contributions alone, which anyone holding them can check
+(``swarm/audit.py``). A buffer that kept it at decay 0.5 measured the same (docs/design.md, "Hundreds of peers").
+A span of one contribution is its own result (relabelled): a lone peer's round costs one Top-k, its own.
 """
 
 from __future__ import annotations
@@ -110,21 +106,11 @@ class ResultLayouts:
 
 
 @dataclass
-class ReducerRows:
-    """A reducer's error-feedback rows for the chunks [first, first + len(rows)) of one tensor of the slice."""
-
-    tensor: int  # in the slice's layout
-    first: int
-    rows: torch.Tensor  # (chunks, chunk_numel) float32
-
-
-@dataclass
 class _Resparsified:
     """A span's mean compressed by its reducer: the one result every member receives."""
 
     result: bytes
     values: SparseValues  # what every member decodes from ``result``
-    feedback: list[ReducerRows]  # the reducer's buffer rows for the span once the round is applied
 
 
 class _Aggregate:
@@ -155,27 +141,23 @@ class _Aggregate:
 class SparseExchange(Exchange):
     def __init__(self, layout: SparseLayout, compressed: Sequence[CompressedTensor], mode: str,
                  policy: robust.Policy = robust.UNBOUNDED, results: ResultLayouts | None = None,
-                 reducer_feedback: Sequence[torch.Tensor] | None = None, decay: float = 0.0,
                  resend: Callable[[SparseLayout], list[CompressedTensor]] | None = None, selecting: torch.device = CPU):
         """``policy``: how reducers weigh and bound contributions (``collective/robust.py``). ``results``:
         resparsified results, chunked as these layouts say for the contributions combined; None: exact results.
         ``resend``: this replica's contribution compressed again at a layout's (lower) density, what ``compressed``
         took from the sender's buffers given back (required with ``results``: a large group sends fewer values).
-        ``reducer_feedback``: this replica's error-feedback buffers as a reducer, one (chunks, chunk_numel) CPU
-        float32 tensor per tensor of the layout (read, never written here), decayed by ``decay`` each time; None:
-        what a result leaves out is dropped. ``selecting``: the device a reducer's Top-k runs on (the training device:
-        on a GPU many times the CPU's speed; the buffer and the result stay on the CPU, and since every member
-        decodes the reducer's bytes, where it selected does not matter to their bits)."""
+        ``selecting``: the device a reducer's Top-k runs on (the training device: on a GPU many times the CPU's
+        speed; the result stays on the CPU, and since every member decodes the reducer's bytes, where it selected
+        does not matter to their bits)."""
         self.layout, self.compressed, self.mode, self.policy = layout, list(compressed), mode, policy
         self.selecting = selecting
-        self.results, self.reducer_feedback, self.decay = results, reducer_feedback, decay
+        self.results = results
         # configured: the layouts before the group was known
         self.resend, self.configured, self.configured_results = resend, layout, results
         self.num_units = layout.num_chunks
         self._encoded: dict[Span, bytes] = {}
         self._combined: dict[Span, _Aggregate | _Resparsified] = {}  # spans this replica reduced
         self._received: dict[Span, tuple[SparseValues, bytes]] = {}  # every span's aggregate taken, and its digest
-        self._reduced: dict[Span, list[ReducerRows]] = {}  # staged buffer rows of the spans whose result we took
         self._taking = threading.Lock()  # spans are received in parallel (executor threads)
 
     @property
@@ -235,11 +217,10 @@ class SparseExchange(Exchange):
                 ) -> _Aggregate | _Resparsified:
         # A span of one contribution (a lone peer's every span: ``reduce_alone``): its mean is that contribution,
         # whose k values per chunk on their 2-bit grid a result of one keeps (unless the cap keeps fewer), so the
-        # result is the contribution itself. A Top-k again would only round its values twice and leave the rounding
-        # in the reducer's buffer, whose rows for the span stay as they are: nothing was reduced.
+        # result is the contribution itself. A Top-k again would only round its values twice.
         if (self.resparsified and len(contributions) == 1 and factors[0] == 1.0
                 and self.results.for_contributions(1).digest == self.layout.digest):
-            combined = _Resparsified(fmt.as_resparsified(contributions[0].payload), contributions[0].values, [])
+            combined = _Resparsified(fmt.as_resparsified(contributions[0].payload), contributions[0].values)
         else:
             values = self._aggregate(span, [c.values for c in contributions], factors)
             combined = (self._resparsify(span, values, len(contributions),
@@ -254,23 +235,15 @@ class SparseExchange(Exchange):
         return robust.selector_limit(factors, norms) if self.mode == "mean" else robust.mean_limit(factors, norms)
 
     def _resparsify(self, span: Span, mean: SparseValues, contributions: int, limit: float) -> _Resparsified:
-        """The reducer's result for ``span`` of ``contributions`` combined: e = decay * e + mean over the span's rows
-        of its buffer, then Top-k of every chunk (``ResultLayouts``) in 2 bits, exactly as a sender compresses
-        (``compression/topk.py``), scaled down if the buffer made it longer than ``limit``, what the contributions
-        allow (``robust.within``); e keeps the rest."""
+        """The reducer's result for ``span`` of ``contributions`` combined: Top-k of every chunk of the span's mean
+        (``ResultLayouts``) in 2 bits, exactly as a sender compresses (``compression/topk.py``), scaled down if the
+        2-bit rounding made it longer than ``limit``, what the contributions allow (``robust.within``)."""
         layout = self.results.for_contributions(contributions)
         buffers, choices = [], []
         for s in layout.slices(span):
-            if self.reducer_feedback is None:
-                rows = torch.zeros(s.chunks, s.grid.chunk_numel)
-            else:
-                rows = self.reducer_feedback[s.tensor][s.first : s.stop].clone()
-                if self.decay != 1.0:  # x * 1.0 == x: a pass saved
-                    rows.mul_(self.decay)
+            rows = torch.zeros(s.chunks, s.grid.chunk_numel)
             lo, hi = np.searchsorted(mean.positions, [s.offset, s.offset + s.chunks * s.grid.chunk_numel])
-            flat = rows.view(-1)
-            at = torch.from_numpy(mean.positions[lo:hi] - s.offset)
-            flat[at] = flat[at] + torch.from_numpy(mean.values[lo:hi])  # positions are unique: no accumulation order
+            rows.view(-1)[torch.from_numpy(mean.positions[lo:hi] - s.offset)] = torch.from_numpy(mean.values[lo:hi])
             buffers.append((s, rows))
             choices.append(choose(rows.to(self.selecting), s.grid).to(CPU))
 
@@ -280,10 +253,7 @@ class SparseExchange(Exchange):
 
         scale = robust.within(limit, quantize)
         parts = [take_(rows, choice, scale) for (_, rows), choice in zip(buffers, choices)]
-        feedback = ([ReducerRows(s.tensor, s.first, rows) for s, rows in buffers]
-                    if self.reducer_feedback is not None else [])
-        return _Resparsified(fmt.encode_resparsified(layout, span, parts),
-                             fmt.resparsified_values(layout, span, parts), feedback)
+        return _Resparsified(fmt.encode_resparsified(layout, span, parts), fmt.resparsified_values(layout, span, parts))
 
     def _aggregate(self, span: Span, contributions: Sequence[SparseValues], factors: Sequence[float]
                    ) -> SparseValues:
@@ -318,9 +288,6 @@ class SparseExchange(Exchange):
             with self._taking:
                 supersede(self._received, span)
                 self._received[span] = values, digest
-                supersede(self._reduced, span)
-                if ours and isinstance(combined, _Resparsified) and combined.feedback:
-                    self._reduced[span] = combined.feedback
         return digest
 
     def _recombine(self, span: Span, result: bytes, receipt: Receipt) -> SparseValues:
@@ -336,11 +303,6 @@ class SparseExchange(Exchange):
                                f"{len(receipt.norms)} its receipt names")
         factors, _ = robust.weights(receipt.norms, receipt.tokens, self.policy.clip_factor)
         return self._aggregate(span, contributions, factors)
-
-    def reduced(self) -> list[ReducerRows]:
-        """The reducer's new buffer rows for the spans this replica reduced in the attempt whose aggregate it took:
-        what the outer algorithm keeps if the round is applied."""
-        return [rows for span in sorted(self._reduced, key=lambda span: span.start) for rows in self._reduced[span]]
 
     def _span_digest(self, span: Span, values: SparseValues, receipt: Receipt) -> bytes:
         """sha256 of one span's sparse aggregate and receipt: bounds, count, the receipt, positions (u32 where they

@@ -8,9 +8,8 @@ against parameters the swarm has left behind.
 With resparsified results (``outer.sparseloco.result``, the default) each reducer compresses its span's mean
 again (``collective/sparse.py``), keeping up to ``result_topk`` values per chunk (all its contributions selected: a
 group too large for that sends fewer values each, ``_resend``), so that a result has a bounded size whatever the
-swarm's size, and (with
-``result_error_decay`` > 0, the default) a replica keeps a buffer as the reducer of spans too: its rows for a span
-change only when a round this replica reduced is applied; it is checkpointed and reset as the sender's buffer.
+swarm's size. A reducer keeps no buffer of its own: a result is a function of the contributions alone, which anyone
+holding them can check (``swarm/audit.py``).
 
 The buffers live on the training device, in chunk order ((chunks, chunk_numel) per tensor): the
 pseudo-gradient is added to them through a tiled view of it, Top-k reads their rows as they are, and
@@ -65,10 +64,6 @@ class SparseLoCo(OuterAlgorithm):
             self.result_layouts = {name: ResultLayouts(self.layouts[name], SparseLayout([caps[i] for i in positions]))
                                    for name, positions in self.slices.items()}
         self.feedback = [torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32, device=device) for g in self.grids]
-        # As a reducer: on the CPU, where reducers combine (None: no buffer, what a result leaves out is dropped); its
-        # Top-k runs on the training device.
-        self.reducer_feedback = ([torch.zeros(g.chunks, g.chunk_numel, dtype=torch.float32) for g in self.grids]
-                                 if config.result == "resparsified" and config.result_error_decay > 0 else None)
         self.density = sum(g.k * g.chunks for g in self.grids) / sum(g.numel for g in self.grids)
 
     @property
@@ -83,12 +78,9 @@ class SparseLoCo(OuterAlgorithm):
         #    selected it (or sum / replicas), each contribution weighted by its tokens and clipped to clip_factor x
         #    the median norm for its tokens, those pointing against the others left out (collective/robust.py);
         #    with resparsified results, each reducer sends back the Top-k of its span's mean (step 2 again).
-        feedback = self.reducer_feedback
         exchange = SlicedExchange({name: SparseExchange(self.layouts[name], [compressed[i] for i in positions],
                                                         self.config.aggregate, self.policy,
                                                         self.result_layouts.get(name),
-                                                        None if feedback is None else [feedback[i] for i in positions],
-                                                        self.config.result_error_decay,
                                                         functools.partial(self._resend, taken, positions),
                                                         self.device)
                                    for name, positions in self.slices.items()}, self.weigh(tokens))
@@ -107,18 +99,6 @@ class SparseLoCo(OuterAlgorithm):
 
     def prepare(self, outer_sync: OuterSync) -> OuterStep | None:
         return self._step(self.per_param(outer_sync.exchange, SparseExchange.updates), outer_sync.round_index)
-
-    def take(self, outer_sync: OuterSync, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
-        super().take(outer_sync, step, follow)
-        if step is None or self.reducer_feedback is None:
-            return
-        assert isinstance(outer_sync, SparseRound)
-        # 6. Applied: the reducer's buffer keeps what its results left out of the spans it reduced.
-        for name, part in outer_sync.exchange.parts.items():
-            positions = self.slices[name]
-            for reduced in part.reduced():
-                self.reducer_feedback[positions[reduced.tensor]][reduced.first : reduced.first + len(reduced.rows)] = (
-                    reduced.rows)
 
     def give_back(self, outer_sync: OuterSync) -> None:
         """Not applied anywhere: the buffers keep what was sent, for the next round (a round is finished before
@@ -169,38 +149,24 @@ class SparseLoCo(OuterAlgorithm):
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """The error-feedback buffers in the parameters' shapes, as checkpoints hold them (copies)."""
-        return {f"error.{i}": error for i, error in enumerate(self.errors)} | self._reducer_state()
-
-    def _reducer_state(self) -> dict[str, torch.Tensor]:
-        if self.reducer_feedback is None:
-            return {}
-        return {f"reducer_error.{i}": grid.from_chunks(buffer)
-                for i, (grid, buffer) in enumerate(zip(self.grids, self.reducer_feedback))}
+        return {f"error.{i}": error for i, error in enumerate(self.errors)}
 
     def local_state_with(self, in_flight: OuterSync | None) -> dict[str, torch.Tensor]:
         if in_flight is None:
             return self.local_state()
         buffers = [buffer.clone().scatter_(1, sent.indices, sent.values)
                    for buffer, sent in zip(self.feedback, in_flight.taken)]
-        return ({f"error.{i}": grid.from_chunks(buffer) for i, (grid, buffer) in enumerate(zip(self.grids, buffers))}
-                | self._reducer_state())
+        return {f"error.{i}": grid.from_chunks(buffer) for i, (grid, buffer) in enumerate(zip(self.grids, buffers))}
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        """The buffers of a checkpoint. A reducer buffer is only a residual: a checkpoint without one (written with
-        exact results, or before reducers kept one) starts it empty, and one this setting keeps no buffer for
-        is ignored."""
-        reducers = {k: v for k, v in state.items() if k.startswith("reducer_error.")}
+        """The buffers of a checkpoint. A reducer's buffer, which checkpoints written before reducers kept none hold
+        (``reducer_error.*``: a residual of results), is dropped."""
         check_state({f"error.{i}": torch.empty(grid.shape, device="meta") for i, grid in enumerate(self.grids)},
-                    {k: v for k, v in state.items() if k not in reducers})
-        if reducers and self.reducer_feedback is not None:
-            check_state({f"reducer_error.{i}": torch.empty(grid.shape, device="meta")
-                         for i, grid in enumerate(self.grids)}, reducers)
+                    {k: v for k, v in state.items() if not k.startswith("reducer_error.")})
         self.reset_local_state()
         for i, grid in enumerate(self.grids):
             self.feedback[i].view(grid.tile_shape).copy_(grid.tiles(state[f"error.{i}"]))
-            if reducers and self.reducer_feedback is not None:
-                self.reducer_feedback[i].view(grid.tile_shape).copy_(grid.tiles(state[f"reducer_error.{i}"]))
 
     def reset_local_state(self) -> None:
-        for buffer in self.feedback + (self.reducer_feedback or []):
+        for buffer in self.feedback:
             buffer.zero_()
