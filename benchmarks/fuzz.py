@@ -43,7 +43,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from p2ploco.collective.dense import DenseMean
-from p2ploco.collective.exchange import Exchange, SpanReduction, reduce_span
+from p2ploco.collective.exchange import Exchange, SpanReduction, audit, contribution_digest, reduce_span
 from p2ploco.collective.fp4 import E3M0Mean
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.robust import Policy
@@ -56,6 +56,7 @@ from p2ploco.errors import P2PLocoError, ProtocolError
 from p2ploco.pipeline.links import Schedule, StageLinks, StageLinkServer
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import Contribution, parse_reply
+from p2ploco.swarm.audit import AuditAnswer, AuditRequest
 from p2ploco.swarm.commit import cast_of, parse_decision, parse_vote
 from p2ploco.swarm.consensus import SwarmState
 from p2ploco.swarm.evidence import Claim, Proof, Signed, Signer, proofs_key, result_statement
@@ -72,6 +73,7 @@ from p2ploco.swarm.status_client import parse_answer
 from p2ploco.swarm.status_document import Survey, status_answer
 
 ME, OTHER = "12D3KooWMe", "12D3KooWOther"
+SENT = b"this peer's contribution"  # what a reply to ME must name as its own
 GROUP = Group("g", 3, "params", (ME, OTHER), OTHER, holdings=((ME, ("stage0",)), (OTHER, ("stage0",))),
               tokens=((ME, 10240), (OTHER, 10240)))
 FOLLOWED = Group("f", 2, "params", (ME, OTHER), OTHER, holdings=((ME, ("stage0",)), (OTHER, ("stage0",))),
@@ -169,7 +171,10 @@ HEADERS = {
              "refused_by": [OTHER]},
     "decision": {"outcome": "redo", "digests": {}, "group_id": "h", "peers": [ME], "passive": [ME],
                  "reason": "a span is missing", "grant": b"s" * 256, "proofs": [PROOF]},
-    "reply": {"status": "ok", "included": [0, 1], "norms": [1.5, 2.0], "opposed": [], "signature": b"s" * 256},
+    "reply": {"status": "ok", "included": [0, 1], "norms": [1.5, 2.0], "opposed": [], "signature": b"s" * 256,
+              "contributions": [contribution_digest(SENT), contribution_digest(b"theirs")]},
+    "audit request": {"group_id": "g", "slice": "stage0", "span": [0, 40]},
+    "audit answer": {"status": "ok", "lengths": [len(CONTRIBUTION), 0]},
     "other version": {"status": "missed", "reason": "another version", "elsewhere": True, "version": "0" * 64,
                       "grant": b"s" * 256},
     "proof": PROOF,
@@ -356,6 +361,15 @@ def resparsified_result(data: bytes) -> None:
     RESPARSIFIED_REPLICA.receive(SPAN, data, _RESPARSIFIED_REDUCTION.receipt_for("me"))
 
 
+def audited(data: bytes) -> None:
+    """An auditor shown ``data`` as the second contribution of the resparsified piece above (a reason, never a
+    crash)."""
+    receipt = _RESPARSIFIED_REDUCTION.receipt_for("me")
+    RESPARSIFIED_REPLICA.receive(SPAN, RESPARSIFIED, receipt)  # the result as taken (the fuzzed receive may not have)
+    shown = [("me", RESPARSIFIED_REPLICA.encode(SPAN)), ("p0", data), ("p1", REPLICAS[2].encode(SPAN))]
+    audit(RESPARSIFIED_REPLICA, SPAN, shown, {"me": 1, "p0": 1, "p1": 1}, receipt, RESPARSIFIED_REPLICA.taken(SPAN))
+
+
 def dense_contribution(data: bytes) -> None:
     DENSE.parse(range(5, 45), data)
     DENSE.receive(range(5, 45), data, DENSE_RECEIPT)
@@ -446,7 +460,10 @@ def targets() -> list[Target]:
         Target("relative join answer", join_answer, headers("relative group")),
         Target("vote", vote, st.tuples(headers("vote"), payloads(VOTE_PIECES) | values.map(wire.pack))),
         Target("decision", lambda h: parse_decision(h, GROUP, OTHER), headers("decision")),
-        Target("reducer reply", lambda h: parse_reply(h, GROUP, ME), headers("reply") | headers("other version")),
+        Target("reducer reply", lambda h: parse_reply(h, GROUP, ME, SENT), headers("reply") | headers("other version")),
+        Target("audit request", lambda h: decode(AuditRequest, h), headers("audit request")),
+        Target("audit answer", lambda h: decode(AuditAnswer, h), headers("audit answer")),
+        Target("audited contributions", audited, payloads(CONTRIBUTION)),
         Target("proof", proof, headers("proof")),
         Target("DHT proof record", proof_record, st.tuples(payloads(MSGPackSerializer.dumps(ACCUSED)),
                                                            payloads(MSGPackSerializer.dumps(PROOF)))),
@@ -480,8 +497,10 @@ MESSAGES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "relative group": lambda h: join_answer(h),
     "vote": lambda h: vote((h, VOTE_PIECES)),
     "decision": lambda h: parse_decision(h, GROUP, OTHER),
-    "reply": lambda h: parse_reply(h, GROUP, ME),
-    "other version": lambda h: parse_reply(h, GROUP, ME),
+    "reply": lambda h: parse_reply(h, GROUP, ME, SENT),
+    "other version": lambda h: parse_reply(h, GROUP, ME, SENT),
+    "audit request": lambda h: decode(AuditRequest, h),
+    "audit answer": lambda h: decode(AuditAnswer, h),
     "proof": proof,
     "state": lambda h: parse_description(h, b"\0" * 32, STATE),
     "stage": lambda h: STAGE_SERVER.accept(OTHER, h, STAGE_PAYLOAD),

@@ -46,9 +46,16 @@ span was clipped (``outer.clip_factor`` x the median norm of the span's contribu
 ``flipped=K`` makes the last K replicas hostile: each sends its own pseudo-gradient sign-flipped and scaled by 1.9,
 inside the clip bound, claiming a full round's tokens (the largest weight allowed); ``defence=off`` runs it without
 the direction rule (``outer.drop_opposed=false``: clipping alone, as before it); ``replicas=R`` runs R replicas
-whatever ``--replicas`` says (the honest ones alone). The byzantine table compares each attacked run with the
-honest replicas alone, and shows how often the reducers left out (``opposed``) an honest and a hostile
-replica's contribution to a span.
+whatever ``--replicas`` says (the honest ones alone). ``steer=K`` makes the last K replicas hostile reducers that
+add to their span's mean a direction nobody sent, half the mean's length, the same every round, compressed as an
+honest result is (``p2ploco.testing.attacks.Steering``: every member's checks pass), and ``equivocate=K`` reducers
+that answer every second member a result 1 % shorter (``Equivocating``); both train and contribute honestly. With
+the defence on, the in-process group does what the swarm's rules do (``testing/communicator.py``: a proven
+equivocator is out of the redo and of the run; a result that fails one member's audit is redone without it) and
+off, what they did before issue 58 (a round whose members hold different results is aborted; nobody audits). The
+byzantine table compares each attacked run with the honest replicas alone, and shows how often the reducers left out
+(``opposed``) an honest and a hostile replica's contribution to a span, the rounds a hostile result was caught in,
+those nobody applied and those applied with a hostile result in them (seed 0).
 
 The eval loss is that of the global parameters (projected onto span(U) when replica 0 is a compressed
 group). With ``--seeds N`` every method runs N times (model init and data order seeded apart): the tables
@@ -83,6 +90,7 @@ from p2ploco.metrics import format_table, human_bytes
 from p2ploco.model import Transformer
 from p2ploco.pipeline.subspace import SubspaceConstraint, constrained_dims
 from p2ploco.schedules import Landing
+from p2ploco.testing.attacks import Equivocating, Steering
 from p2ploco.testing.swarm import FULL, GROUP, InProcessSwarm, build_swarm
 
 CPU = torch.device("cpu")
@@ -139,11 +147,14 @@ SUITES = {
     "scale": Suite("configs/tiny.yaml", ["sparseloco:result=exact", "sparseloco", "sparseloco:result_topk=128"]),
     # k of 8 replicas sign-flipped inside the clip bound, claiming a full round's tokens (run with --replicas 8):
     # the honest 8 - k alone, then attacked with clipping only (the defence before issue 31), then with the
-    # direction rule (collective/robust.py).
+    # direction rule (collective/robust.py); one reducer that steers its span, one that equivocates, each without
+    # and with the defence of issue 58 (signed results, audits).
     "byzantine": Suite("configs/tiny.yaml",
-                       [method for k in (1, 2) for method in (f"sparseloco:replicas={8 - k}",
-                                                              f"sparseloco:flipped={k},defence=off",
-                                                              f"sparseloco:flipped={k}")]),
+                       [*(method for k in (1, 2) for method in (f"sparseloco:replicas={8 - k}",
+                                                                f"sparseloco:flipped={k},defence=off",
+                                                                f"sparseloco:flipped={k}")),
+                        "sparseloco", *(f"sparseloco:{attack}=1{defence}" for attack in ("steer", "equivocate")
+                          for defence in (",defence=off", ""))]),
     # Model quality at equal tokens (the README's table): every method 1,000 inner steps per replica with the same
     # inner schedule, K = 4 and 8, 2 seeds; DiLoCo with its defaults before issue 33 next to its tuned ones, and
     # SparseLoCo's exact results next to its default ones. The 21.4M setting (d_model 768, 3 layers) shorter, K = 4.
@@ -186,6 +197,9 @@ SUITES = {
                             replicas=(4, 8), steps=500, seeds=2),
 }
 HOSTILE_SCALE = -1.9  # a hostile replica's contribution: its own, sign-flipped, at 1.9 x its length (clip: 2 x)
+STEER_PUSH = 5.0  # a steering reducer's push: this times its span's mean's length
+ATTACKS = {"flipped": "sign-flipped contributions", "steer": "a reducer that steers its span",
+           "equivocate": "a reducer that answers members different results"}
 
 
 def steps_at(speed: float, steps: int) -> int:
@@ -204,7 +218,9 @@ class Method:
     landing: Landing
     speeds: list[float] | None = None
     weighted: bool = True
-    flipped: int = 0  # the last this many replicas are hostile (``SignFlipped``)
+    attack: str = ""  # what the last ``hostile`` replicas do (``ATTACKS``; "": none)
+    hostile: int = 0
+    defended: bool = True
 
 
 @dataclass(frozen=True)
@@ -237,10 +253,14 @@ class Byzantine:
     """How often the reducers left out an honest and a hostile replica's contribution to a span (``opposed``)."""
 
     replicas: int
-    flipped: int
+    attack: str  # ``ATTACKS``
+    hostile: int
     defended: bool
     honest_left_out: float  # share of the honest replicas' contributions to spans
     hostile_left_out: float
+    caught: int  # rounds a hostile result was caught in (proven, or failed an audit) and redone
+    aborted: int  # rounds nobody applied
+    landed: int  # rounds applied with a hostile reducer's result in them
 
 
 class SignFlipped(Communicator):
@@ -255,14 +275,21 @@ class SignFlipped(Communicator):
         sliced = as_sliced(exchange, name)
         for part in sliced.parts.values():
             if isinstance(part, SparseExchange):
-                factor = np.float32(HOSTILE_SCALE)
-                part.compressed = [CompressedTensor(c.grid, c.indices, c.codes, np.float32(c.shift * factor),
-                                                    (c.table * factor).astype(np.float32)) for c in part.compressed]
+                part.compressed = flipped(part.compressed)
+                if part.resend is not None:  # a group too large for its results compresses it again: flipped too
+                    part.resend = partial(lambda layout, resend: flipped(resend(layout)), resend=part.resend)
             elif isinstance(part, DenseMean):
                 part.values.mul_(HOSTILE_SCALE)
             else:
                 raise SystemExit(f"flipped=K: a hostile {type(part).__name__} is not written (sparseloco, diloco)")
         return self.inner.all_reduce(SlicedExchange(sliced.parts, self.max_tokens), round_index, name)
+
+
+def flipped(compressed: list[CompressedTensor]) -> list[CompressedTensor]:
+    """``compressed`` with every decoded value times ``HOSTILE_SCALE``."""
+    factor = np.float32(HOSTILE_SCALE)
+    return [CompressedTensor(c.grid, c.indices, c.codes, np.float32(c.shift * factor),
+                             (c.table * factor).astype(np.float32)) for c in compressed]
 
 
 class Setup:
@@ -294,7 +321,10 @@ class Setup:
         words = [setting for setting in settings.split(",") if setting]
         pairs = dict(word.split("=", 1) for word in words if "=" in word)
         words = [word for word in words if "=" not in word]
-        flipped = int(pairs.pop("flipped", "0"))
+        attacks = {attack: int(pairs.pop(attack)) for attack in ATTACKS if attack in pairs}
+        if len(attacks) > 1:
+            raise SystemExit(f"method {method!r}: one attack at a time ({', '.join(attacks)})")
+        attack, hostile = next(iter(attacks.items()), ("", 0))
         h = int(pairs.pop("H", self.config.inner.steps))
         if h < 1 or self.steps % h:
             raise SystemExit(f"method {method!r}: H={h} must divide the {self.steps} inner steps of the run")
@@ -310,12 +340,14 @@ class Setup:
         if not overlap and words:
             raise SystemExit(f"method {method!r}: unexpected {', '.join(words)}")
         replicas = len(speeds) if speeds else int(pairs.pop("replicas", self.replicas))
-        if not 0 <= flipped < replicas:
-            raise SystemExit(f"method {method!r}: flipped={flipped} of {replicas} replicas")
+        if not 0 <= hostile < replicas:
+            raise SystemExit(f"method {method!r}: {attack}={hostile} of {replicas} replicas")
+        if attack in ("steer", "equivocate") and (algorithm != "sparseloco" or speeds):
+            raise SystemExit(f"method {method!r}: {attack}=K is written for SparseLoCo's full replicas")
         c = self.config
         # the cosine spans the whole run, as in DDP
         overrides = [f"inner.steps={h}", f"inner.total_steps={self.steps}", f"training.rounds={self.steps // h}"]
-        if not defended:
+        if not defended and attack == "flipped":  # the defence against the others: InProcessGroup's
             overrides.append("outer.drop_opposed=false")
         if seed:
             overrides += [f"training.seed={seed}", f"run_id={c.run_id}-seed{seed}"]
@@ -338,7 +370,7 @@ class Setup:
         else:
             overrides += [f"outer.algorithm={algorithm}", "pipeline.compression=none"]
         overrides += [f"outer.{algorithm}.{key}={value}" for key, value in pairs.items()]
-        return Method(with_overrides(c, overrides), kinds, landing, speeds, weighted, flipped)
+        return Method(with_overrides(c, overrides), kinds, landing, speeds, weighted, attack, hostile, defended)
 
 
 def is_number(word: str) -> bool:
@@ -392,15 +424,19 @@ def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
     """An outer method: the eval-loss curve (at outer rounds), all-reduce bytes per replica, the
     stage-boundary bytes per pipeline group (0 without groups), the off-span share of the global update, what
     replicas of unequal speed trained (None without ``+speeds``), and what the reducers left out of hostile
-    replicas' and honest ones' contributions (None without ``flipped=K``)."""
+    replicas' and honest ones' contributions, and the rounds hostile results were caught in (None without an
+    attack)."""
     plan = setup.method_config(method, seed)
     config = plan.config
     budgets = [FixedSteps(steps_at(speed, config.inner.steps)) for speed in plan.speeds] if plan.speeds else None
     replicas = len(plan.kinds)
-    hostile = {i: partial(SignFlipped, max_tokens=config.max_contribution_tokens)
-               for i in range(replicas - plan.flipped, replicas)}
+    attackers = range(replicas - plan.hostile, replicas)
+    flippers = {i: partial(SignFlipped, max_tokens=config.max_contribution_tokens)
+                for i in attackers if plan.attack == "flipped"}
+    reducers = {i: Steering(STEER_PUSH) if plan.attack == "steer" else Equivocating()
+                for i in attackers if plan.attack in ("steer", "equivocate")}
     swarm = build_swarm(config, plan.kinds, setup.data.train, landing=plan.landing, budgets=budgets,
-                        weighted=plan.weighted, adversaries=hostile)
+                        weighted=plan.weighted, adversaries=flippers, hostile=reducers, defended=plan.defended)
     initial = global_params(swarm)
     curve: list[tuple[int, float]] = []
     h, rounds = config.inner.steps, config.training.rounds
@@ -420,12 +456,13 @@ def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
                     [swarm.clipped[f"replica-{i}"] / spans for i in range(len(swarm.replicas))],
                     [swarm.opposed[f"replica-{i}"] / spans for i in range(len(swarm.replicas))])
     byzantine = None
-    if plan.flipped:  # full replicas: each contributes to one span of every reducer a round
+    if plan.attack:  # full replicas: each contributes to one span of every reducer a round
         spans = rounds * replicas  # one span of every reducer, its own included, each round
         left_out = [swarm.opposed[f"replica-{i}"] for i in range(replicas)]
-        byzantine = Byzantine(replicas, plan.flipped, config.outer.drop_opposed,
-                              sum(left_out[: replicas - plan.flipped]) / (spans * (replicas - plan.flipped)),
-                              sum(left_out[replicas - plan.flipped:]) / (spans * plan.flipped))
+        byzantine = Byzantine(replicas, plan.attack, plan.hostile, plan.defended,
+                              sum(left_out[: replicas - plan.hostile]) / (spans * (replicas - plan.hostile)),
+                              sum(left_out[replicas - plan.hostile:]) / (spans * plan.hostile),
+                              swarm.group.caught, swarm.group.aborted, swarm.group.landed)
     return curve, all_reduce, boundary, off_span_share(swarm, config, initial), pace, byzantine
 
 
@@ -584,16 +621,22 @@ def print_tables(results: dict[str, Run], runs: dict[str, list[Run]], seeds: int
     attacked = {m: result[5] for m, result in results.items() if result[5] is not None}
     if attacked:
         print()
-        print(f"Sign-flipping replicas inside the clip bound, claiming a full round's tokens ({HOSTILE_SCALE} x their "
-              f"own pseudo-gradient), against the honest replicas alone; left out: a reducer's direction rule")
+        print(f"Hostile replicas against the honest replicas alone: sign-flipping ones inside the clip bound, claiming "
+              f"a full round's tokens ({HOSTILE_SCALE} x their own pseudo-gradient; left out: a reducer's direction "
+              f"rule), reducers that steer their span ({STEER_PUSH} x its mean) or answer members different results")
         rows = []
         for m, byzantine in attacked.items():
             alone = honest_alone(results, m)
-            rows.append((m, byzantine.flipped, "on" if byzantine.defended else "off", f"{final[m]:.3f}",
-                         f"{alone:.3f}" if alone else "-", f"{100 * (final[m] / alone - 1):+.1f}%" if alone else "-",
-                         f"{100 * byzantine.honest_left_out:.1f}%", f"{100 * byzantine.hostile_left_out:.1f}%"))
+            rows.append((m, f"{byzantine.hostile} {byzantine.attack}", "on" if byzantine.defended else "off",
+                         f"{final[m]:.3f}", f"{alone:.3f}" if alone else "-",
+                         f"{100 * (final[m] / alone - 1):+.1f}%" if alone else "-",
+                         f"{100 * byzantine.honest_left_out:.1f}%", f"{100 * byzantine.hostile_left_out:.1f}%",
+                         *((byzantine.caught, byzantine.aborted, byzantine.landed) if byzantine.attack != "flipped"
+                           else ("-", "-", "-"))))
         print(format_table(("method", "hostile", "defence", "final eval loss", "honest alone", "vs honest alone",
-                            "honest spans left out", "hostile spans left out"), rows))
+                            "honest spans left out", "hostile spans left out", "rounds caught", "rounds aborted",
+                            "hostile results applied"),
+                           rows))
 
 
 def versus(final: dict[str, float], method: str) -> str:
@@ -612,25 +655,34 @@ def versus(final: dict[str, float], method: str) -> str:
 
 def honest_alone(results: dict[str, Run], method: str) -> float | None:
     """The final eval loss of an attacked method's honest replicas alone (``replicas=N - K`` with the same algorithm
-    and other settings), where it ran."""
+    and other settings; all N where the attackers contributed honestly), where it ran."""
     byzantine = results[method][5]
     if byzantine is None:
         return None
 
     def settings(m: str) -> tuple[str, list[str]]:
         name, _, words = m.partition(":")
-        plan = ("flipped=", "defence=", "replicas=")
+        plan = (*(f"{attack}=" for attack in ATTACKS), "defence=", "replicas=")
         return name, sorted(w for w in words.split(",") if w and not w.startswith(plan))
 
-    wanted = f"replicas={byzantine.replicas - byzantine.flipped}"
+    # A steering reducer contributes honestly all along; the other attackers' contributions count for nothing (or,
+    # proven, they are out of the run)
+    honest = byzantine.replicas - (byzantine.hostile if byzantine.attack != "steer" else 0)
+
+    def replicas(m: str) -> int:
+        words = dict(w.split("=", 1) for w in m.partition(":")[2].split(",") if "=" in w)
+        return int(words.get("replicas", byzantine.replicas))
+
     return next((result[0][-1][1] for other, result in results.items()
-                 if result[5] is None and settings(other) == settings(method) and wanted in other.split(":")[-1]), None)
+                 if result[5] is None and settings(other) == settings(method) and replicas(other) == honest), None)
 
 
 def byzantine_json(byzantine: Byzantine | None, alone: float | None) -> dict:
     if byzantine is None:
         return {}
-    return {"flipped": byzantine.flipped, "defended": byzantine.defended,
+    return {"attack": byzantine.attack, "hostile": byzantine.hostile, "defended": byzantine.defended,
+            "rounds_caught": byzantine.caught, "rounds_aborted": byzantine.aborted,
+            "rounds_applied_with_hostile_results": byzantine.landed,
             "honest_left_out_share": round(byzantine.honest_left_out, 4),
             "hostile_left_out_share": round(byzantine.hostile_left_out, 4),
             "honest_alone_final_eval_loss": None if alone is None else round(alone, 4)}

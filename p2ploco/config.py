@@ -324,6 +324,9 @@ class SwarmConfig(Section):
     ban_rounds: Annotated[int, bound(lambda n: 0 <= n <= MAX_BAN_ROUNDS,
                                      f"{{key}} ({{value}}) must be in [0, {MAX_BAN_ROUNDS}] (0: a peer caught sending "
                                      f"malformed data is dropped only from the round it was caught in)")] = 10
+    # after each butterfly, re-reduce one random piece another reducer answered (swarm/audit.py): about one
+    # contribution's bytes more a round; a node that does not audit still shows its pieces to those that do
+    audit: bool = True
     # whether other peers can dial this one (swarm/reachability.py): auto asks a peer to dial it back at start;
     # public, relayed (only through a circuit relay) or client (it can only dial out) skip the probe
     reachability: Literal["auto", "public", "relayed", "client"] = "auto"

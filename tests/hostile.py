@@ -41,6 +41,9 @@ Behaviours (each starts at round FROM and lasts until the node exits):
                           length bound, the direction), and the members hold different digests of the span
 - ``refuse-all@FROM``     bans every other member of each of its groups as the round's all-reduce begins: as a
                           reducer it answers each of them "banned here", and its own vote alone holds the aggregate
+- ``steer:PUSH@FROM``     as a reducer, adds to its span's mean, before it compresses it as every reducer does, values
+                          at positions nobody selected that together are PUSH x the mean's length, the same every
+                          round (``p2ploco.testing.attacks.steered``): every member's checks pass
 - ``two-versions@FROM``   as a coordinator, hands every other joiner a version of the group in which another member
                           (the victim: the first other member in id order) weighs 1 token, signed as the honest one
 
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +111,34 @@ def scale_results(factor: float, start: int) -> None:
         return honest_take(buffer, choice, scale * factor if attacking[0] else scale)
 
     ButterflyAllReduce.run, sparse.take_ = run, take_
+
+
+def steer_results(push: float, start: int) -> None:
+    from p2ploco.collective.sparse import SparseExchange
+    from p2ploco.swarm.allreduce import ButterflyAllReduce
+    from p2ploco.testing.attacks import steered
+
+    honest_run, honest_combine, honest_resparsify = (ButterflyAllReduce.run, SparseExchange.combine,
+                                                     SparseExchange.resparsify)
+    attacking, combining = [False], threading.local()
+
+    async def run(self: ButterflyAllReduce, group: Any, *args: Any) -> Any:
+        attacking[0] = group.round_index >= start
+        return await honest_run(self, group, *args)
+
+    def combine(self: SparseExchange, *args: Any) -> Any:  # its own span's result; its audits of others stay honest
+        combining.on = attacking[0]
+        try:
+            return honest_combine(self, *args)
+        finally:
+            combining.on = False
+
+    def resparsify(self: SparseExchange, span: Any, mean: Any, *args: Any) -> Any:
+        if getattr(combining, "on", False):
+            mean = steered(mean, self.numel(span), push)
+        return honest_resparsify(self, span, mean, *args)
+
+    ButterflyAllReduce.run, SparseExchange.combine, SparseExchange.resparsify = run, combine, resparsify
 
 
 def lie_about_the_round(claimed: int, start: int) -> None:
@@ -486,6 +518,7 @@ BEHAVIOURS: dict[str, Callable[[str, int], None]] = {
     "equivocate": lambda _, start: equivocate(start),
     "refuse-all": lambda _, start: refuse_everyone(start),
     "two-versions": lambda _, start: hand_out_two_versions(start),
+    "steer": lambda value, start: steer_results(float(value), start),
 }
 
 

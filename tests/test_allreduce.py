@@ -327,6 +327,30 @@ def test_garbage_on_the_reduce_stream_does_not_hurt_the_reducer(trio):
     assert all(len(s.peers) == 3 and s.dropped == [] for s in stats)
 
 
+def test_a_reducer_shows_what_it_weighed_to_the_members_of_the_group_only_and_twice_each(trio):
+    """After an honest round every member audited a piece (none was refused). A reducer keeps the payloads it weighed
+    for a piece and shows them to a member that asks, in the receipt's order, twice a group; a peer outside the
+    group and a piece it did not reduce get one-line refusals."""
+    stats = all_reduce(trio, [DenseMean(random_tensors(seed)) for seed in range(3)])
+    assert all(s.committed and s.attempts == 1 for s in stats)
+    reducer, member, outsider = trio
+    group = Group("audited", 7, "params", (reducer.peer_id, member.peer_id), reducer.peer_id)
+    reducer.communicator.butterfly.audits.keep(group, "params", range(0, 10), (b"first", b"second"))
+
+    def ask(asker, span=(0, 10)):
+        audits = asker.communicator.butterfly.audits
+        return asker.loop.run(wire.call(audits.p2p, reducer.peer_id, audits.handler_name,
+                                        {"group_id": "audited", "slice": "params", "span": list(span)},
+                                        max_payload=64), 10)
+
+    assert ask(outsider)[0] == {"v": wire.PROTOCOL_VERSION, "status": "unknown",
+                                "reason": "no group of this id with the asker in it is kept here"}
+    assert ask(member, (0, 9))[0]["reason"] == "no such piece was reduced here in that group"
+    answer, payload = ask(member)
+    assert (answer["status"], answer["lengths"], payload) == ("ok", [5, 6], b"firstsecond")
+    assert ask(member)[0]["reason"] == "the asker audited this group 2 times already"
+
+
 def test_a_reducer_that_refuses_a_contribution_on_its_header_still_answers_its_sender(trio):
     """A reducer refuses a contribution on its header and never reads the 16 MiB behind it: the sender, still
     writing them, must read the refusal (and be told it is out), not find its stream reset (a lost link)."""
@@ -369,9 +393,9 @@ def test_a_reducer_that_takes_part_in_the_round_elsewhere_refuses_a_contribution
                   f"coordinator {third.peer_id[-8:]}"}
     group = Group("dead-group", round_index, "params", tuple(s.peer_id for s in trio), sender.peer_id)
     with pytest.raises(ReducerElsewhere, match="a reducer is not in this peer's group: contribution for a group"):
-        parse_reply(answer, group, sender.peer_id)
+        parse_reply(answer, group, sender.peer_id, bytes(40))
     with pytest.raises(PayloadError, match="elsewhere, with another status than missed"):
-        parse_reply({"status": "rejected", "reason": "", "elsewhere": True}, group, sender.peer_id)
+        parse_reply({"status": "rejected", "reason": "", "elsewhere": True}, group, sender.peer_id, bytes(40))
 
     # A contribution for a group of the coordinator the reducer joins at waits for it, until the reducer moves on.
     waiting = send(third.peer_id, "forming-group")

@@ -511,6 +511,32 @@ def test_a_reducer_that_refuses_every_honest_member_is_redone_without_and_its_st
     assert all(r["applied"] and r["attempts"] == 2 for r in attacked)  # redone without x
 
 
+AUDIT_FAILED = re.compile(r"round (\d+): refused reducer (\w+): it failed an audit")
+
+
+@pytest.mark.timeout(300)
+def test_a_reducer_that_steers_its_span_is_caught_by_an_audit_and_the_round_is_redone_without_its_result(tmp_path):
+    """x adds to its span's mean, before compressing it, a direction nobody sent: values at positions no contributor
+    selected, half the mean's length, the same every round. Every member's checks pass (the result is no longer than
+    its contributions allow, and orthogonal to each member's own). After each butterfly every member re-reduces one
+    random piece of another reducer: whoever drew x's refuses its result, and the round is redone with x reducing
+    nothing; every honest node applies it."""
+    attack_from, rounds = 2, 8
+    runs, hostile = run_swarm(tmp_path, "abc", f"steer:0.5@{attack_from}", rounds)
+    honest = {name: runs[name] for name in "abc"}
+    assert_agreement(honest)
+    caught: set[int] = set()
+    for name, records in honest.items():
+        assert [r["round"] for r in records] == list(range(rounds))
+        assert all(r["applied"] for r in records[attack_from:]), [(r["round"], r["applied"]) for r in records]
+        for match in AUDIT_FAILED.finditer((tmp_path / f"{name}.log").read_text()):
+            assert match.group(2) == hostile[-8:], match.group(0)  # no honest reducer fails an audit
+            caught.add(int(match.group(1)))
+    assert caught, "no honest node drew x's piece in 6 rounds (each round about 70 %)"
+    for r in (r for records in honest.values() for r in records if r["round"] in caught):
+        assert r["attempts"] == 2 and r["applied"], r
+
+
 @pytest.mark.slow  # two swarms of 10 rounds; the rule is in the default run (above, and test_protocol.py)
 @pytest.mark.timeout(600)
 def test_an_equivocating_reducer_among_four_trainers_costs_no_round_and_moves_the_honest_loss_nowhere(tmp_path):

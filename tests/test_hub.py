@@ -14,6 +14,7 @@ import torch
 from helpers import LOOPBACK, in_process_mean, run_document
 
 from p2ploco.collective.dense import DenseMean
+from p2ploco.collective.exchange import contribution_digest
 from p2ploco.config import SwarmConfig
 from p2ploco.errors import Failure, PayloadError
 from p2ploco.launch import TINY_CONFIG, cli
@@ -156,12 +157,15 @@ def test_a_reducers_answer_that_names_a_hubs_contribution_is_refused():
     group = Group("g", 3, "params", peers, "h", holdings=tuple((p, ("params",)) for p in peers),
                   tokens=(("a", 100), ("b", 100), ("h", 0)), dial_out=("a", "b"))
     assert group.contributors("params") == ("a", "b") and group.reducers("params") == ("h",)
-    honest = {"v": 1, "status": "ok", "included": [0, 1], "norms": [1.0, 2.0], "opposed": [], "signature": b"s"}
-    receipt, included, _ = parse_reply(honest, group, "h", contributed=False)
+    honest = {"v": 1, "status": "ok", "included": [0, 1], "norms": [1.0, 2.0], "opposed": [], "signature": b"s",
+              "contributions": [contribution_digest(b"a"), contribution_digest(b"b")]}
+    receipt, included, _, _ = parse_reply(honest, group, "h", None)
     assert included == ["a", "b"] and receipt.own is None and receipt.tokens == (100, 100)
-    for lie in ({**honest, "included": [0, 1, 2], "norms": [1.0, 2.0, 0.0]}, {**honest, "opposed": [2]}):
+    hubs = contribution_digest(b"")
+    for lie in ({**honest, "included": [0, 1, 2], "norms": [1.0, 2.0, 0.0], "contributions": [*honest[
+            "contributions"], hubs]}, {**honest, "opposed": [2], "contributions": [*honest["contributions"], hubs]}):
         with pytest.raises(PayloadError, match="names a contribution of a hub"):
-            parse_reply(lie, group, "a")
+            parse_reply(lie, group, "a", b"a")
 
 
 @pytest.mark.timeout(120)

@@ -40,6 +40,8 @@ class DenseMean(Exchange):
     weighs and bounds each contribution as ``policy`` says (``collective/robust.py``), sums them in float32, in the
     group's order, divides by the count and sends the mean as ``wire_dtype``."""
 
+    auditable = True
+
     def __init__(self, tensors: Sequence[torch.Tensor], wire_dtype: str = "float32",
                  policy: robust.Policy = robust.UNBOUNDED):
         self.policy = policy
@@ -84,12 +86,25 @@ class DenseMean(Exchange):
         return values
 
     def combine(self, span: Span, contributions: Sequence[_Parsed], factors: Sequence[float]) -> bytes:
+        self._combined[span] = tensor_to_bytes(self._mean(contributions, factors).to(self.wire_dtype))
+        return self._combined[span]
+
+    @staticmethod
+    def _mean(contributions: Sequence[_Parsed], factors: Sequence[float]) -> torch.Tensor:
+        """The weighted mean, summed in float32 in the contributions' order: one function for reducer and auditor."""
         bounded = [robust.scaled(c.values.numpy(), f) for c, f in zip(contributions, factors, strict=True)]
         total = torch.from_numpy(bounded[0]).clone()
         for values in bounded[1:]:
             total.add_(torch.from_numpy(values))
-        self._combined[span] = tensor_to_bytes(total.div_(len(contributions)).to(self.wire_dtype))
-        return self._combined[span]
+        return total.div_(len(contributions))
+
+    def expected(self, span: Span, contributions: Sequence[_Parsed], factors: Sequence[float]
+                 ) -> tuple[robust.Vector, robust.Vector]:
+        mean = self._mean(contributions, factors)
+        return robust.Vector(mean.numpy()), robust.Vector(mean.to(self.wire_dtype).float().numpy())
+
+    def taken(self, span: Span) -> robust.Vector:
+        return robust.Vector(self.output[span.start : span.stop].numpy())
 
     def result_for(self, aggregate: bytes, omit: int | None) -> bytes:
         return aggregate  # every recipient gets the same mean

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -142,6 +143,22 @@ class Exchange(ABC):
     def piece_digests(self) -> dict[Span, bytes]:
         """The digest of every non-empty span taken so far (``receive``), by span."""
 
+    # Whether anyone holding a piece's contributions can work out its result (``expected``, ``taken``): members audit
+    # such results (``swarm/audit.py``). LoCo's depend on its reducer's own compensation; Streaming DiLoCo's 4-bit
+    # ones are bounded by length and direction only.
+    auditable = False
+
+    def expected(self, span: Span, contributions: Sequence[Any], factors: Sequence[float]
+                 ) -> tuple[robust.Vector, robust.Vector]:
+        """What a reducer that combined these parsed ``contributions`` with these ``factors`` answers for ``span``,
+        worked out here without touching this replica's state: the exact weighted mean and the result's values (the
+        mean again where the result is exact). What ``audit`` checks a result against."""
+        raise TypeError(f"{type(self).__name__} results are not audited")
+
+    def taken(self, span: Span) -> robust.Vector:
+        """The values of ``span``'s aggregate as this replica took it (``receive``)."""
+        raise TypeError(f"{type(self).__name__} results are not audited")
+
     def aggregate_digest(self) -> str:
         """Hash of the whole received aggregate: equal on every replica that received the same one."""
         return aggregate_digest(self.piece_digests().items())
@@ -159,20 +176,33 @@ def aggregate_digest(pieces: Iterable[tuple[Span, bytes]]) -> str:
 @dataclass(frozen=True)
 class Receipt:
     """What a reducer's answer says of a span's aggregate besides its bytes, the same to every member: the norms of
-    the contributions it combined and their tokens (canonical order), and how many it left out as pointing against
-    the others. A recipient checks the result against them (``Exchange.check``), and their digest is part of the
-    aggregate's, so all members that commit a round held the same receipt. ``own``: the recipient's position among
-    the combined contributions (None: not among them)."""
+    the contributions it combined and their tokens (canonical order), how many it left out as pointing against
+    the others, and the digest of every contribution it weighed (``contribution_digest``: the combined ones, then
+    those it left out, each in canonical order). A recipient checks the result against them (``Exchange.check``)
+    and that the digest of its own contribution is the one it sent; their digest is part of the aggregate's, so all
+    members that commit a round held the same receipt, and the contributions it names are the only ones its result
+    can be checked against (``audit``). ``own``: the recipient's position among the combined contributions (None:
+    not among them)."""
 
     norms: tuple[float, ...]
     tokens: tuple[int, ...]
     own: int | None
     opposed: int = 0
+    contributions: tuple[bytes, ...] = ()
 
     def digest(self) -> bytes:
-        """The receipt as every member must hold it (``own`` aside): count, norms (float64), tokens, opposed."""
+        """The receipt as every member must hold it (``own`` aside): count, norms (float64), tokens, opposed, and the
+        contributions' digests."""
         return (struct.pack("<QQ", len(self.norms), self.opposed) + np.asarray(self.norms, "<f8").tobytes()
-                + np.asarray(self.tokens, "<u8").tobytes())
+                + np.asarray(self.tokens, "<u8").tobytes() + b"".join(self.contributions))
+
+
+CONTRIBUTION_DIGEST_BYTES = 16
+
+
+def contribution_digest(payload: bytes) -> bytes:
+    """What a receipt names a contribution by: 128 bits of its payload's sha256."""
+    return hashlib.sha256(payload).digest()[:CONTRIBUTION_DIGEST_BYTES]
 
 
 def supersede(received: dict[Span, Any], span: Span) -> None:
@@ -192,12 +222,20 @@ class SpanReduction:
     clipped: list[str] = field(default_factory=list)  # senders whose contribution was scaled down
     opposed: list[str] = field(default_factory=list)  # senders left out: their contribution pointed against the rest
     struck: list[str] = field(default_factory=list)  # of the opposed, those that earn a strike (robust.direction)
+    # the payloads weighed, the included then the opposed, as the receipt names them: what an auditor is shown
+    weighed: list[tuple[str, bytes]] = field(default_factory=list)
 
     def own_position(self, recipient: str) -> int | None:
         return self.included.index(recipient) if recipient in self.included else None
 
+    @cached_property
+    def contributions(self) -> tuple[bytes, ...]:
+        """The digest of every contribution weighed, as the receipt names them."""
+        return tuple(contribution_digest(payload) for _, payload in self.weighed)
+
     def receipt_for(self, recipient: str) -> Receipt:
-        return Receipt(tuple(self.norms), tuple(self.tokens), self.own_position(recipient), len(self.opposed))
+        return Receipt(tuple(self.norms), tuple(self.tokens), self.own_position(recipient), len(self.opposed),
+                       self.contributions)
 
     def result_for(self, exchange: Exchange, recipient: str) -> bytes:
         return exchange.result_for(self.aggregate, self.own_position(recipient))
@@ -212,24 +250,102 @@ def reduce_span(exchange: Exchange, span: Span, contributions: Sequence[tuple[st
 
     ``contributions`` come in the group's canonical order, which fixes the order of the sum.
     """
-    parsed, senders, rejected = [], [], {}
+    w = weigh(exchange, span, contributions, tokens)
+    if not w.kept:
+        raise PayloadError(f"no valid contribution for span {span.start}:{span.stop}: {w.rejected}")
+    return SpanReduction(exchange.combine(span, w.kept_parsed, w.factors), w.included, w.kept_norms, w.weights,
+                         w.rejected, w.clipped, w.opposed, w.struck, w.weighed)
+
+
+@dataclass(frozen=True)
+class Weighing:
+    """What a reducer makes of a span's contributions before it combines them (``weigh``)."""
+
+    parsed: list[Any]  # the well-formed contributions, canonical order
+    senders: list[str]  # theirs
+    payloads: list[bytes]  # theirs
+    rejected: dict[str, str]  # sender -> why its payload is malformed
+    kept: list[int]  # positions in ``parsed`` of those combined
+    opposed_at: list[int]  # positions of those left out as pointing against the others
+    struck: list[str]  # of those, the senders that earn a strike
+    weights: list[int]  # the kept ones' tokens
+    factors: list[float]  # the kept ones' factors in the mean
+    clipped: list[str]  # senders of the kept ones scaled down
+
+    @property
+    def included(self) -> list[str]:
+        return [self.senders[i] for i in self.kept]
+
+    @property
+    def opposed(self) -> list[str]:
+        return [self.senders[i] for i in self.opposed_at]
+
+    @property
+    def kept_parsed(self) -> list[Any]:
+        return [self.parsed[i] for i in self.kept]
+
+    @property
+    def kept_norms(self) -> list[float]:
+        return [self.parsed[i].norm for i in self.kept]
+
+    @property
+    def weighed(self) -> list[tuple[str, bytes]]:
+        """The included then the opposed contributions, as a receipt names them."""
+        return [(self.senders[i], self.payloads[i]) for i in [*self.kept, *self.opposed_at]]
+
+
+def weigh(exchange: Exchange, span: Span, contributions: Sequence[tuple[str, bytes]],
+          tokens: Mapping[str, int] | None = None) -> Weighing:
+    """``reduce_span``'s steps before the combining: parse, leave out the malformed and those that point against the
+    others, weigh and clip the rest (``collective/robust.py``)."""
+    parsed, senders, payloads, rejected = [], [], [], {}
     for sender, payload in contributions:
         try:
             parsed.append(exchange.parse(span, payload))
             senders.append(sender)
+            payloads.append(payload)
         except PayloadError as e:
             rejected[sender] = str(e)
-    if not parsed:
-        raise PayloadError(f"no valid contribution for span {span.start}:{span.stop}: {rejected}")
     norms = [p.norm for p in parsed]
     direction = (robust.direction([p.vector for p in parsed], norms) if exchange.policy.drop_opposed
                  else robust.Direction([], []))
     kept = [i for i in range(len(parsed)) if i not in direction.opposed]
     weights = [tokens[senders[i]] if tokens else 1 for i in kept]
     factors, clipped = robust.weights([norms[i] for i in kept], weights, exchange.policy.clip_factor)
-    return SpanReduction(exchange.combine(span, [parsed[i] for i in kept], factors), [senders[i] for i in kept],
-                         [norms[i] for i in kept], weights, rejected, [senders[kept[i]] for i in clipped],
-                         [senders[i] for i in direction.opposed], [senders[i] for i in direction.struck])
+    return Weighing(parsed, senders, payloads, rejected, kept, list(direction.opposed),
+                    [senders[i] for i in direction.struck], weights, factors, [senders[kept[i]] for i in clipped])
+
+
+# An audit's tolerance: a result may be this much farther from the exact mean of its contributions, in energy, than
+# the auditor's own result of them: another device's Top-k breaks ties its own way, and its sums round their own way
+# (``FLOAT_SLACK`` of the energies).
+ERROR_EXCESS = 0.1
+FLOAT_SLACK = 1e-9
+
+
+def audit(exchange: Exchange, span: Span, contributions: Sequence[tuple[str, bytes]], tokens: Mapping[str, int],
+          receipt: Receipt, values: robust.Vector) -> str | None:
+    """Why the result ``values`` that a reducer answered for ``span`` with ``receipt`` is not what ``contributions``
+    make (the payloads it weighed, each with its sender, in the receipt's order: the combined, then those left out);
+    None if it is, within another device's arithmetic. ``tokens``: each sender's, as the group lists them. The
+    checks: the payloads are those the receipt names (each member checked its own), they weigh and leave out as the
+    receipt says, and the result is no farther from their exact mean than this replica's own result of them
+    (``ERROR_EXCESS``): whatever a result adds where none of them selected a value, or beside their mean, counts
+    in full. Only for an ``Exchange.auditable`` one."""
+    if tuple(contribution_digest(payload) for _, payload in contributions) != receipt.contributions:
+        return "the contributions it shows are not those its receipt names"
+    order = sorted(range(len(contributions)), key=lambda i: contributions[i][0])  # canonical order: the sum's
+    w = weigh(exchange, span, [contributions[i] for i in order], tokens)
+    combined = sorted(sender for sender, _ in contributions[:len(receipt.norms)])
+    if (w.rejected or w.included != combined
+            or (tuple(w.kept_norms), tuple(w.weights), len(w.opposed)) != (receipt.norms, receipt.tokens,
+                                                                             receipt.opposed)):
+        return "its receipt is not what the contributions it names make of the span"
+    mean, own = exchange.expected(span, w.kept_parsed, w.factors)
+    slack = FLOAT_SLACK * (robust.energy(mean) + robust.energy(values))
+    if robust.distance2(values, mean) > (1 + ERROR_EXCESS) * robust.distance2(own, mean) + slack:
+        return "its result is farther from the mean of the contributions it names than a result of them can be"
+    return None
 
 
 @dataclass(frozen=True)

@@ -268,6 +268,25 @@ def positions_of(v: Vector) -> np.ndarray:
     return v.positions if v.positions is not None else np.arange(len(v.values))
 
 
+def energy(v: Vector) -> float:
+    """The squared length of ``v`` (float64)."""
+    values = v.values.astype(np.float64)
+    return float(values @ values)
+
+
+def distance2(a: Vector, b: Vector) -> float:
+    """The squared distance between two vectors over one span (float64)."""
+    if a.positions is None and b.positions is None:
+        d = a.values.astype(np.float64) - b.values.astype(np.float64)
+        return float(d @ d)
+    at_a, at_b = positions_of(a), positions_of(b)
+    union = np.union1d(at_a, at_b)
+    d = np.zeros(len(union))
+    d[np.searchsorted(union, at_a)] = a.values
+    d[np.searchsorted(union, at_b)] -= b.values
+    return float(d @ d)
+
+
 def check_direction(own: Vector, result: Vector) -> None:
     """OpposedResult if a reducer's result points against the recipient's own contribution to the span."""
     c = cosine(own, result)

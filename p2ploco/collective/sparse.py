@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from p2ploco.collective import robust
-from p2ploco.collective.exchange import Exchange, Receipt, Span, supersede
+from p2ploco.collective.exchange import Exchange, Receipt, Span, contribution_digest, supersede
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.sparse_format import SparseLayout, SparseValues
 from p2ploco.compression.topk import CompressedTensor, choose, take_
@@ -139,6 +139,8 @@ class _Aggregate:
 
 
 class SparseExchange(Exchange):
+    auditable = True
+
     def __init__(self, layout: SparseLayout, compressed: Sequence[CompressedTensor], mode: str,
                  policy: robust.Policy = robust.UNBOUNDED, results: ResultLayouts | None = None,
                  resend: Callable[[SparseLayout], list[CompressedTensor]] | None = None, selecting: torch.device = CPU):
@@ -218,23 +220,41 @@ class SparseExchange(Exchange):
         # A span of one contribution (a lone peer's every span: ``reduce_alone``): its mean is that contribution,
         # whose k values per chunk on their 2-bit grid a result of one keeps (unless the cap keeps fewer), so the
         # result is the contribution itself. A Top-k again would only round its values twice.
-        if (self.resparsified and len(contributions) == 1 and factors[0] == 1.0
-                and self.results.for_contributions(1).digest == self.layout.digest):
+        if self.resparsified and self._relabels(contributions, factors):
             combined = _Resparsified(fmt.as_resparsified(contributions[0].payload), contributions[0].values)
         else:
             values = self._aggregate(span, [c.values for c in contributions], factors)
-            combined = (self._resparsify(span, values, len(contributions),
+            combined = (self.resparsify(span, values, len(contributions),
                                          self.limit(factors, [c.norm for c in contributions]))
                         if self.resparsified else _Aggregate(self.layout, span, [c.payload for c in contributions],
                                                              values))
         self._combined[span] = combined
         return combined
 
+    def expected(self, span: Span, contributions: Sequence[_Parsed], factors: Sequence[float]
+                 ) -> tuple[robust.Vector, robust.Vector]:
+        mean = self._aggregate(span, [c.values for c in contributions], factors)
+        result = mean
+        if self.resparsified:
+            result = (contributions[0].values if self._relabels(contributions, factors) else
+                      self.resparsify(span, mean, len(contributions),
+                                       self.limit(factors, [c.norm for c in contributions])).values)
+        return robust.Vector(mean.values, mean.positions), robust.Vector(result.values, result.positions)
+
+    def taken(self, span: Span) -> robust.Vector:
+        values, _ = self._received[span]
+        return robust.Vector(values.values, values.positions)
+
+    def _relabels(self, contributions: Sequence[_Parsed], factors: Sequence[float]) -> bool:
+        """Whether a resparsified result of these is the one contribution itself (``combine``)."""
+        return (len(contributions) == 1 and factors[0] == 1.0
+                and self.results.for_contributions(1).digest == self.layout.digest)
+
     def limit(self, factors: Sequence[float], norms: Sequence[float]) -> float:
         """A per-coordinate mean over the selectors (``mean``) is bounded as such; ``sum`` divides by all."""
         return robust.selector_limit(factors, norms) if self.mode == "mean" else robust.mean_limit(factors, norms)
 
-    def _resparsify(self, span: Span, mean: SparseValues, contributions: int, limit: float) -> _Resparsified:
+    def resparsify(self, span: Span, mean: SparseValues, contributions: int, limit: float) -> _Resparsified:
         """The reducer's result for ``span`` of ``contributions`` combined: Top-k of every chunk of the span's mean
         (``ResultLayouts``) in 2 bits, exactly as a sender compresses (``compression/topk.py``), scaled down if the
         2-bit rounding made it longer than ``limit``, what the contributions allow (``robust.within``)."""
@@ -294,6 +314,9 @@ class SparseExchange(Exchange):
         """A relayed result's aggregate, combined here as its reducer did: the relayed contributions (and this
         replica's own) must have the norms the receipt names, and are weighed from them."""
         payloads = fmt.decode_relay(self.layout, result, self.max_payload_bytes(span))
+        named = [d for i, d in enumerate(receipt.contributions[:len(receipt.norms)]) if i != receipt.own]
+        if [contribution_digest(p) for p in payloads] != named:
+            raise PayloadError("a relayed result whose contributions are not those its receipt names")
         contributions = [fmt.decode_contribution(self.layout, span, p) for p in payloads]
         if receipt.own is not None:
             contributions.insert(receipt.own, fmt.contribution_values(self.layout, span, self.compressed))

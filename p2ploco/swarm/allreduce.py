@@ -39,11 +39,12 @@ A reducer's result is checked, not trusted (``collective/robust.py``). Its answe
 contribution it combined and whom it left out as pointing against the others; a member checks that the norm
 named for its own is the true one, that the result is no longer than those contributions allow and does not
 point against its own contribution (``Exchange.check``), and votes on a digest that covers the named norms, so
-the members that commit held the same ones. A result that fails is refused like a malformed one: the reducer is
-rejected from this member's spans, banned here, and accused in its vote (two accusers and the reducer's vote no
-longer counts: the round is redone without it). A sender that a reducer leaves out as pointing clearly against the
-others (``robust.direction``) is struck; ``STRIKES`` such rounds within ``STRIKE_ROUNDS`` earn it a ban here
-(``swarm/bans.py``).
+the members that commit held the same ones. After the butterfly each member audits one random piece another reducer
+answered it (``swarm/audit.py``: a result that adds a direction none of the contributions sent). A result that
+fails is refused like a malformed one: the reducer is rejected from this member's spans, banned here, and accused
+in its vote (two accusers and the reducer's vote no longer counts: the round is redone without it). A sender that
+a reducer leaves out as pointing clearly against the others (``robust.direction``) is struck; ``STRIKES`` such
+rounds within ``STRIKE_ROUNDS`` earn it a ban here (``swarm/bans.py``).
 
 A contribution to a piece, a wire message (``swarm/wire.py``) on a stream of its own, whose payload is
 the slice's encoding of the piece::
@@ -54,7 +55,8 @@ the slice's encoding of the piece::
 as any member is, and never counted in the aggregate.)
 
 answered ``{v, status: ok, included: [members in the aggregate], norms: [their contributions' norms], opposed:
-[members left out as pointing against the others]}`` + result (members by their places in the group's sorted list:
+[members left out as pointing against the others], contributions: [the digest of each contribution weighed, included
+then opposed: each member checks its own], signature}`` + result (members by their places in the group's sorted list:
 the answer stays ~12 B a member, 12 kB at 1,024), ``{v, status: rejected, reason}`` (malformed: out
 of the round), or ``{v, status: missed, reason}`` (not in the aggregate through no fault of the sender's). The
 sender closes the stream once it has read the answer (``wire.hang_up``).
@@ -73,9 +75,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 from hivemind.p2p import P2P
@@ -83,11 +86,13 @@ from pydantic import Field, StringConstraints, model_validator
 
 from p2ploco import faults
 from p2ploco.collective.exchange import (
+    CONTRIBUTION_DIGEST_BYTES,
     Exchange,
     Receipt,
     Span,
     SpanReduction,
     Traffic,
+    contribution_digest,
     dense_fp32_bytes,
     pieces,
     reduce_span,
@@ -96,6 +101,7 @@ from p2ploco.collective.robust import OpposedResult
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import Failure, PayloadError, ProtocolError, TransportError
 from p2ploco.swarm import wire
+from p2ploco.swarm.audit import Audits
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.clip_streaks import ClipStreaks
 from p2ploco.swarm.deadlines import TransferDeadline
@@ -175,6 +181,10 @@ class Evidence:
     reducer: str
     digest: bytes
     signature: bytes
+    # what an auditor of the piece needs (``swarm/audit.py``), where this peer took it from another reducer: the
+    # receipt it came with, and the senders of the contributions the receipt names, in its order
+    receipt: Receipt | None = field(default=None, compare=False)
+    weighed: tuple[str, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -323,13 +333,14 @@ class _ReducerSession:
 class ButterflyAllReduce:
     def __init__(self, p2p: P2P, me: str, run_id: str, deadline: TransferDeadline, bans: Bans, signer: Signer,
                  keys: Callable[[str], bytes | None], rates: Callable[[Iterable[str]], list[float]] = lambda peers: [],
-                 whereabouts: Whereabouts | None = None):
+                 whereabouts: Whereabouts | None = None, audits: Audits | None = None):
         """``signer``: signs the results this peer answers; ``keys``: a peer's public key, as its record names it
         (None: unknown), which its signatures are checked with; ``rates``: the link rates (Mbit/s, 0: not stated) the
         given peers report; ``whereabouts``: where this peer takes part in each round (the matchmaker's notes), so
-        that a contribution for a group it never takes part in is refused at once."""
+        that a contribution for a group it never takes part in is refused at once; ``audits``: what this peer shows
+        auditors of its pieces, and how it audits one piece of another reducer after each attempt (None: neither)."""
         self.p2p, self.me, self.run_id, self.deadline, self.bans, self.rates = p2p, me, run_id, deadline, bans, rates
-        self.signer, self.keys = signer, keys
+        self.signer, self.keys, self.audits = signer, keys, audits
         self.whereabouts = whereabouts if whereabouts is not None else Whereabouts()
         self.timeout = deadline.base  # for what does not grow with the payload: headers, answers, lookups
         self.handler_name = f"p2ploco/{run_id}/reduce"
@@ -378,6 +389,8 @@ class ButterflyAllReduce:
             if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
                 raise outcome  # a bug in this peer, not a peer's fault
         deliveries = [outcome for outcome in outcomes if isinstance(outcome, Delivery)]
+        if self.audits is not None and self.audits.checking and error is None:
+            deliveries = await self._audit(group, exchange, deliveries)
         traffic = Traffic(sum(d.sent for d in deliveries) + sum(s.bytes_out for s in sessions),
                           sum(d.received for d in deliveries) + sum(s.bytes_in for s in sessions),
                           plan.dense_fp32_bytes, own_bytes + sum(d.encoded for d in deliveries), plan.params)
@@ -421,6 +434,29 @@ class ButterflyAllReduce:
                     route = _Route(group, slice_name, part, transfer)
                     sends += [(ours, peer, route, piece) for piece in pieces(part, span)]
         return _Plan(sessions, sends, dense, params)
+
+    async def _audit(self, group: Group, exchange: SlicedExchange, deliveries: list[Delivery]) -> list[Delivery]:
+        """Audit one piece another reducer answered this peer, drawn at random (``swarm/audit.py``): ``deliveries``
+        with that one refused if it fails, its reducer banned here."""
+        audited = [i for i, d in enumerate(deliveries) if d.evidence is not None and d.evidence.receipt is not None
+                   and len(d.evidence.span) and exchange.parts[d.evidence.slice].auditable]
+        if not audited:
+            return deliveries
+        at = audited[secrets.randbelow(len(audited))]
+        delivery = deliveries[at]
+        e = delivery.evidence
+        part = exchange.parts[e.slice]
+        transfer = self.deadline.seconds(self.audits.most_shown(part, e.span, e.weighed), self.rates([e.reducer]))
+        why = await self.audits.check(group, part, e.slice, e.span, e.reducer, e.receipt, e.weighed, transfer)
+        if why is None:
+            return deliveries
+        reason = f"it failed an audit of its result for span {e.span.start}:{e.span.stop}: {why}"
+        logger.warning(f"round {group.round_index}: refused reducer {e.reducer[-8:]}: {reason}")
+        self.bans.ban(e.reducer, group.round_index, reason)
+        failed = replace(delivery, accused=True, evidence=None,
+                         error=AllReduceError(f"no aggregate from reducer {e.reducer[-8:]}: {reason}",
+                                              Failure.MALFORMED))
+        return [*deliveries[:at], failed, *deliveries[at + 1:]]
 
     def _attempt(self, sessions: list[_ReducerSession], reduced: list[Reduced], deliveries: list[Delivery],
                 traffic: Traffic, error: AllReduceError | None) -> Attempt:
@@ -476,6 +512,9 @@ class ButterflyAllReduce:
             session.result.set_exception(e)
             session.result.exception()  # retrieved here; handlers re-raise it to their senders
             raise
+        if self.audits is not None:
+            self.audits.keep(session.group, session.slice, session.span,
+                             tuple(payload for _, payload in reduction.weighed))
         for sender, reason in reduction.rejected.items():
             logger.warning(f"round {session.group.round_index}: dropped {sender[-8:]} from the round: {reason}")
             if sender != self.me:
@@ -536,7 +575,7 @@ class ButterflyAllReduce:
             # takes another.
             reply, result = await asyncio.wait_for(
                 wire.read_message(reader, exchange.max_result_bytes(span, len(group.peers))), 2 * route.transfer)
-            receipt, included, signature = parse_reply(reply, group, self.me, contributed=not listens)
+            receipt, included, opposed, signature = parse_reply(reply, group, self.me, None if listens else payload)
             if receipt.own is None and not listens:
                 opposed_ours = True
                 logger.warning(f"round {group.round_index}: reducer {peer[-8:]} left this peer's contribution to span "
@@ -546,7 +585,7 @@ class ButterflyAllReduce:
             if key is None or not signed_by(key, result_statement(self.run_id, group.digest, route.slice, span.start,
                                                                   span.stop, digest), signature):
                 raise PayloadError("a result that its reducer's key did not sign")
-            evidence = Evidence(route.slice, span, peer, digest, signature)
+            evidence = Evidence(route.slice, span, peer, digest, signature, receipt, (*included, *opposed))
             received = len(result)
             left_out = frozenset(group.contributors(route.slice)) - set(included) - {self.me}
             combined = frozenset(included)
@@ -665,7 +704,7 @@ class ButterflyAllReduce:
         reduction = reduced.reduction
         reply = {"status": ReduceStatus.OK, "included": [place[p] for p in reduction.included],
                  "norms": reduction.norms, "opposed": [place[p] for p in reduction.opposed],
-                 "signature": reduced.evidence.signature}
+                 "contributions": list(reduction.contributions), "signature": reduced.evidence.signature}
         return reply, reduction.result_for(exchange, sender)
 
     async def _session_of(self, contribution: Contribution, sender: str) -> _ReducerSession:
@@ -728,6 +767,7 @@ class ButterflyAllReduce:
 
 GroupDigest = Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")]  # ``Group.digest``
 Signature = Annotated[bytes, Field(max_length=MAX_SIGNATURE)]
+ContributionDigest = Annotated[bytes, Field(min_length=CONTRIBUTION_DIGEST_BYTES, max_length=CONTRIBUTION_DIGEST_BYTES)]
 
 
 class Contribution(Message):
@@ -746,6 +786,8 @@ class ReduceAnswer(Message):
     included: Positions = []  # with ok: the members whose contributions make up the aggregate that follows
     norms: Annotated[list[Norm], Field(max_length=MAX_PEERS)] = []  # of the included contributions, in order
     opposed: Positions = []  # with ok: members whose contributions it left out as pointing against the others
+    # with ok: the digest of each contribution it weighed, the included then the opposed (``Receipt``)
+    contributions: Annotated[list[ContributionDigest], Field(max_length=MAX_PEERS)] = []
     signature: Signature = b""  # with ok: the reducer's signature of the result (``evidence.result_statement``)
     elsewhere: bool = False  # with missed: the reducer takes part in this round in another group ...
     version: GroupDigest | None = None  # ... or in another version of this group, which its coordinator signed:
@@ -755,6 +797,8 @@ class ReduceAnswer(Message):
     def _aligned(self) -> ReduceAnswer:
         if len(self.norms) != len(self.included):
             raise ValueError("norms that do not name one norm per included contribution")
+        if len(self.contributions) != len(self.included) + len(self.opposed):
+            raise ValueError("contributions that do not name one digest per contribution weighed")
         if self.elsewhere and self.status != ReduceStatus.MISSED:
             raise ValueError("elsewhere, with another status than missed")
         if self.status == ReduceStatus.OK and not self.signature:
@@ -764,14 +808,15 @@ class ReduceAnswer(Message):
         return self
 
 
-def parse_reply(reply: dict[str, Any], group: Group, me: str, contributed: bool = True
-                ) -> tuple[Receipt, list[str], bytes]:
-    """What a reducer's answer says of the aggregate that follows it, the members whose contributions make it up,
-    and the reducer's signature of it; DroppedFromRound if the reducer rejected ours as malformed, ReducerElsewhere
-    if it takes part in this round in another group (OtherVersion: in another version of this one), AllReduceError
-    if it went on without it, PayloadError if the answer is malformed: it leaves this peer out (where it
-    ``contributed``: a hub sends none), names non-members, or leaves out as many contributions as it keeps (at most a
-    minority may point against the others)."""
+def parse_reply(reply: dict[str, Any], group: Group, me: str, sent: bytes | None
+                ) -> tuple[Receipt, list[str], list[str], bytes]:
+    """What a reducer's answer says of the aggregate that follows it, the members whose contributions make it up and
+    those it left out (each in canonical order), and the reducer's signature of it; DroppedFromRound if the reducer
+    rejected ours as malformed, ReducerElsewhere if it takes part in this round in another group (OtherVersion: in
+    another version of this one), AllReduceError if it went on without it, PayloadError if the answer is malformed:
+    it leaves this peer out or names another contribution of this peer's than the one it ``sent`` (None: a hub,
+    which sends none), names non-members, or leaves out as many contributions as it keeps (at most a minority may
+    point against the others)."""
     answer = decode(ReduceAnswer, reply)
     if answer.status == ReduceStatus.REJECTED:
         raise DroppedFromRound(f"a reducer rejected this peer's contribution: {answer.reason[:200]}", Failure.REJECTED)
@@ -786,9 +831,12 @@ def parse_reply(reply: dict[str, Any], group: Group, me: str, contributed: bool 
     if any(i >= len(group.peers) for i in (*answer.included, *answer.opposed)):
         raise PayloadError(f"an aggregate that names member places beyond the group's {len(group.peers)}")
     members = [group.peers[i] for i in answer.included]
-    included, opposed = set(members), {group.peers[i] for i in answer.opposed}
-    if (contributed and me not in included | opposed) or included & opposed:
+    left_out = [group.peers[i] for i in answer.opposed]
+    included, opposed = set(members), set(left_out)
+    if (sent is not None and me not in included | opposed) or included & opposed:
         raise PayloadError("the aggregate leaves this peer out, or both keeps and leaves out a member")
+    if sent is not None and answer.contributions[[*members, *left_out].index(me)] != contribution_digest(sent):
+        raise PayloadError("an aggregate whose receipt names another contribution of this peer's than it sent")
     tokens = group.tokens_of()
     if any(tokens.get(p, 1) == 0 for p in included | opposed):
         raise PayloadError("an aggregate that names a contribution of a hub, which sends none")
@@ -796,7 +844,9 @@ def parse_reply(reply: dict[str, Any], group: Group, me: str, contributed: bool 
         raise PayloadError(f"an aggregate that leaves out {len(opposed)} contributions as pointing against the "
                            f"others and keeps {len(included)}: only a minority may be left out")
     own = members.index(me) if me in included else None
-    return Receipt(tuple(answer.norms), tuple(tokens[p] for p in members), own, len(opposed)), members, answer.signature
+    receipt = Receipt(tuple(answer.norms), tuple(tokens[p] for p in members), own, len(opposed),
+                      tuple(answer.contributions))
+    return receipt, members, left_out, answer.signature
 
 
 class _Refused(Exception):

@@ -21,6 +21,7 @@ from p2ploco.config import SwarmConfig, document_fingerprint
 from p2ploco.errors import SwarmError, shown
 from p2ploco.swarm import DEFAULT_HOST_MADDRS, wire
 from p2ploco.swarm.allreduce import ButterflyAllReduce
+from p2ploco.swarm.audit import Audits
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.communicator import SwarmCommunicator
@@ -363,12 +364,13 @@ class Arrival:
                                     max_tokens, signer, key_of, reachability.dials_out)
             deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
                                          config.max_transfer_timeout)
+            audits = Audits(p2p, self.run_id, deadlines.base, config.audit)
             butterfly = ButterflyAllReduce(p2p, me_id, self.run_id, deadlines, bans, signer, key_of, directory.rates,
-                                           matchmaker.whereabouts)
+                                           matchmaker.whereabouts, audits)
             commit = RoundCommit(p2p, me_id, self.run_id, config.allreduce_timeout, book, bans, signer, key_of)
             state_server = StateServer(p2p, self.run_id, deadlines)
             config_server = ConfigServer(p2p, self.run_id, document, deadlines.base)
-            for service in (matchmaker, butterfly, commit, state_server, config_server):
+            for service in (matchmaker, audits, butterfly, commit, state_server, config_server):
                 await service.start()
             await directory.store_record()
             directory.start_heartbeat()

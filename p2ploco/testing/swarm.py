@@ -29,6 +29,7 @@ from p2ploco.data.streams import TokenStream
 from p2ploco.outer.base import Synced
 from p2ploco.pipeline.transport import StageTransport
 from p2ploco.schedules import Landing, RoundHooks, RoundSchedule, build_schedule
+from p2ploco.testing.attacks import HostileReducer
 from p2ploco.testing.communicator import InProcessGroup
 from p2ploco.testing.threads import run_in_threads
 from p2ploco.testing.transport import InProcessPipe
@@ -45,12 +46,15 @@ class InProcessSwarm:
     overlapped round lands at a fixed inner step of the next round (``landing``), so that runs repeat exactly.
     ``budgets[i]``: how many inner steps replica i trains a round (None: H; every stage of a group gets the
     same); ``weighted=False`` weighs every contribution the same whatever it trained (for comparison);
-    ``adversaries[i]`` wraps replica i's communicator (what it sends is then whatever the wrapper makes of it)."""
+    ``adversaries[i]`` wraps replica i's communicator (what it sends is then whatever the wrapper makes of it);
+    ``hostile[i]`` makes full replica i's results as a reducer (``testing/attacks.py``), and ``defended`` says whether
+    the swarm's answers to that are on (``InProcessGroup``)."""
 
     def __init__(self, config: Config, replicas: list[list[Worker]], pipes: list[InProcessPipe],
                  transports: list[StageTransport], landing: Landing,
                  budgets: Sequence[RoundBudget | None] | None = None, weighted: bool = True,
-                 adversaries: Mapping[int, Callable[[Communicator], Communicator]] | None = None):
+                 adversaries: Mapping[int, Callable[[Communicator], Communicator]] | None = None,
+                 hostile: Mapping[int, HostileReducer] | None = None, defended: bool = True):
         self.replicas, self.pipes, self.transports = replicas, pipes, transports
         self.workers = [worker for replica in replicas for worker in replica]
         self.schedules: list[RoundSchedule] = [build_schedule(config, worker, landing) for worker in self.workers]
@@ -59,6 +63,12 @@ class InProcessSwarm:
             raise ValueError(f"{len(self.budgets)} budgets for {len(replicas)} replicas")
         self.weighted = weighted
         self.adversaries = dict(adversaries or {})
+        if any(len(replicas[i]) > 1 for i in hostile or {}):
+            raise ValueError("a hostile reducer must be a full replica")
+        # by rank: a full replica's one worker
+        self.hostile = {self.workers.index(replicas[i][0]): attack for i, attack in (hostile or {}).items()}
+        self.defended = defended
+        self.group: InProcessGroup | None = None  # the last ``train``'s: what it did of hostile reducers
         self.all_reduce_bytes = [0] * len(replicas)  # sent + received by each replica's workers in all rounds
         self.tokens = [0] * len(replicas)  # tokens each replica trained in all rounds (a group's, once)
         self.steps = [0] * len(replicas)  # inner steps each replica trained in all rounds
@@ -72,7 +82,7 @@ class InProcessSwarm:
     def train(self, rounds: int, after_round: Callable[[int], None] | None = None) -> None:
         """``rounds`` outer rounds of every worker; ``after_round(r)`` runs once all have finished round r.
         A worker that fails stops the others at their next wait (nothing hangs), and its error is raised."""
-        group = InProcessGroup(len(self.workers))
+        group = self.group = InProcessGroup(len(self.workers), hostile=self.hostile, defended=self.defended)
         finished, checked = threading.Barrier(len(self.workers)), threading.Barrier(len(self.workers))
         lock = threading.Lock()
 
@@ -128,11 +138,12 @@ class EqualWeights(Communicator):
 def build_swarm(config: Config, kinds: Sequence[str], tokens: TokenStream | np.ndarray,
                 device: torch.device = CPU, landing: Landing = AFTER_ONE_STEP,
                 budgets: Sequence[RoundBudget | None] | None = None, weighted: bool = True,
-                adversaries: Mapping[int, Callable[[Communicator], Communicator]] | None = None) -> InProcessSwarm:
+                adversaries: Mapping[int, Callable[[Communicator], Communicator]] | None = None,
+                hostile: Mapping[int, HostileReducer] | None = None, defended: bool = True) -> InProcessSwarm:
     """Replica i is a full replica or a pipeline group (``kinds[i]``) and draws its batches from a sampler
     seeded by ``replica-i`` (a group's first stage draws for the group). ``landing``: when an eager overlapped
     round lands (by default after the first inner step of the next round: an all-reduce that takes one).
-    ``budgets``, ``weighted``, ``adversaries``: see ``InProcessSwarm``."""
+    ``budgets``, ``weighted``, ``adversaries``, ``hostile``, ``defended``: see ``InProcessSwarm``."""
     c = config
     replicas: list[list[Worker]] = []
     pipes: list[InProcessPipe] = []
@@ -150,4 +161,4 @@ def build_swarm(config: Config, kinds: Sequence[str], tokens: TokenStream | np.n
             transports += group
         else:
             raise ValueError(f"replica kind {kind!r}: expected {FULL} or {GROUP}")
-    return InProcessSwarm(c, replicas, pipes, transports, landing, budgets, weighted, adversaries)
+    return InProcessSwarm(c, replicas, pipes, transports, landing, budgets, weighted, adversaries, hostile, defended)
