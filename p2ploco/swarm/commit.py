@@ -19,17 +19,19 @@ and does not count.
 
 Refusals are conflicts between two members: a reducer that rejected a member's contribution, a member that refused
 a reducer's result. Nobody can tell from one conflict which side is at fault, so a member in conflict with two or
-more others is out (the most conflicted first: ``ACCUSERS``), and in a redo the reducer of each remaining conflict
-reduces nothing (it stays a member; its span goes to the others). So a reducer that refuses every honest member is
-out of the redo, never the one voter left, and a lone liar costs a redo.
+more others is out (the most conflicted first: ``ACCUSERS``), and in a redo neither side of a remaining conflict
+reduces anything (each stays a member; their spans go to the others). So a reducer that refuses every honest member is
+out of the redo, never the one voter left; a lone liar costs a redo; and a reducer one member's audit caught, which
+the next round's other members still take (an audit is no proof), reduces nothing in that round's redo either.
 
 - commit, if every counted vote holds one digest of each slice, and those are a strict majority of the slice's
   holders in the group, by count and by the tokens they joined with (members that died after delivering their span
   need not vote, while the others are such a majority);
 - otherwise, on a first attempt, redo among the members neither out nor silent, less the stage peers of a pipeline
-  group that is no longer whole among them (a group acts as one replica or not at all), with the reducers of the
-  remaining conflicts passive: they run the butterfly again with the same pseudo-gradients and a fresh group id. A
-  member that only missed a span (a broken stream) is in the redo: one broken stream costs a redo, never the round;
+  group that is no longer whole among them (a group acts as one replica or not at all), with both sides of the
+  remaining conflicts passive (only their reducers where that leaves a slice nobody reduces): they run the
+  butterfly again with the same pseudo-gradients and a fresh group id. A member that only missed a span (a broken
+  stream) is in the redo: one broken stream costs a redo, never the round;
 - otherwise commit, for every slice, the digest held by a strict majority of its holders in the group, by count and
   weight (a plurality, or the votes of those some reducer refused, decide nothing: ``consensus.plurality`` with the
   holders as its electorate), or abort if some slice has none: nobody applies anything this round.
@@ -396,18 +398,14 @@ def decide(group: Group, votes: dict[str, Cast], me: str, convicted: frozenset[s
         return Decision(Outcome.COMMIT, majority, reason=f"committed without {left_out}" if left_out else "")
     if group.attempt == 0:
         survivors = tuple(sorted(group.whole_pipeline_groups(set(counted))))
-        passive = tuple(sorted({r for r, m in pairs if r in survivors and m in survivors}))
-        redo = group.among(secrets.token_hex(8), survivors, me, passive)
-        # Every slice the survivors hold needs a survivor that can be dialled to reduce it, and a contributor: a redo
-        # of NATed trainers whose only hub died would reduce nothing, and "commit" an aggregate nobody holds
-        slices = {name for peer in survivors for name in group.slices_of(peer)}
-        if len(survivors) >= 2 and all(redo.reducers(name) and redo.contributors(name) for name in slices):
+        redo = _redo(group, survivors, {(r, m) for r, m in pairs if r in survivors and m in survivors}, me)
+        if redo is not None:
             missing = sorted(p[-8:] for p in survivors if counted[p].vote != Vote.HOLDS)
             reason = (f"the all-reduce failed for {', '.join(missing) or 'nobody'} (a span did not arrive, or "
                       f"holders disagree); redoing it among {len(survivors)} of {len(group.peers)} peers"
                       + (f", without {left_out}" if len(survivors) < len(group.peers) else "")
-                      + (f"; {', '.join(p[-8:] for p in passive)} reduce nothing in it (refused without proof)"
-                         if passive else ""))
+                      + (f"; {', '.join(p[-8:] for p in redo.passive)} reduce nothing in it (in a conflict "
+                         f"without a proof)" if redo.passive else ""))
             logger.info(f"round {group.round_index}: {reason}")  # every member logs it at WARNING
             return Decision(Outcome.REDO, redo=redo, reason=reason)
     if majority and set(majority) == counted_slices:
@@ -419,6 +417,23 @@ def decide(group: Group, votes: dict[str, Cast], me: str, convicted: frozenset[s
               "every survivor" + (f" (without {left_out})" if left_out else ""))
     logger.info(f"round {group.round_index}: {reason}")  # every member logs it at WARNING
     return Decision(Outcome.ABORT, reason=reason)
+
+
+def _redo(group: Group, survivors: tuple[str, ...], pairs: set[tuple[str, str]], me: str) -> Group | None:
+    """The redo among ``survivors`` in which neither side of a conflict reduces: one of the two is at fault, and a
+    reducer an audit caught is the member its accuser refused, so it must not reduce the redo either. Where that leaves
+    a slice nobody can reduce, only each conflict's reducer is passive; None where even that leaves one (every slice
+    the survivors hold needs a survivor that can be dialled to reduce it, and a contributor: a redo of NATed trainers
+    whose only hub died would reduce nothing, and "commit" an aggregate nobody holds)."""
+    if len(survivors) < 2:
+        return None
+    group_id = secrets.token_hex(8)
+    slices = {name for peer in survivors for name in group.slices_of(peer)}
+    for passive in ({peer for pair in pairs for peer in pair}, {r for r, _ in pairs}):
+        redo = group.among(group_id, survivors, me, tuple(sorted(passive)))
+        if all(redo.reducers(name) and redo.contributors(name) for name in slices):
+            return redo
+    return None
 
 
 def _majority(group: Group, counted: dict[str, Cast]) -> dict[str, str]:
