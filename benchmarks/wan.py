@@ -345,6 +345,8 @@ class Setting:
     hubs: int = 0  # hub nodes (``--role hub``) on the bootstrap's machine, besides the bootstrap's own
     kill_hub: int | None = None  # the round at whose start the last hub is SIGKILLed (None: never)
     bootstrap_hub: bool = False  # the bootstrap peer hosts its hub (``p2ploco dht``'s default; off: --no-hub)
+    bootstrap_config: bool = False  # it is given the run's config (else it fetches it through its own daemon)
+    kill_bootstrap_hub: int | None = None  # the round at whose start the bootstrap's hub process is SIGKILLed
 
     @property
     def hub_names(self) -> list[str]:
@@ -361,6 +363,8 @@ class Setting:
                          f"the bootstrap's machine")
         if self.kill_hub is not None:
             extra.append(f"hub{self.hubs - 1} killed at round {self.kill_hub}")
+        if self.kill_bootstrap_hub is not None:
+            extra.append(f"the bootstrap's hub killed at round {self.kill_bootstrap_hub}")
         if any(f != 1 for f in self.slow):
             extra.append("slow " + ",".join(f"{f:g}" for f in self.slow))
         if any(self.hold):
@@ -401,9 +405,11 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                   f"{behind + f' ({LAN_SUBNET}.<i>.2)' if natted else ''}; logs in {workdir}", flush=True)
             sets = [f"swarm.min_peers={hosts + len(setting.hub_names)}", f"outer.algorithm={setting.algorithm}",
                     *overrides]
-            # The bootstrap's hub is given the run's config: NATed trainers cannot be dialled to hand it out.
-            hub = (["--hub-log-dir", str(workdir / "bootstrap-hub"), "--config", config_path,
-                    *[item for s in sets for item in ("--set", s)]] if setting.bootstrap_hub else ["--no-hub"])
+            # Addresses only, as README's shortest path starts it: its hub fetches the run's config through the
+            # bootstrap's own daemon (NATed trainers cannot be dialled to hand it out), or is given it
+            given = ["--config", config_path, *[item for s in sets for item in ("--set", s)]] \
+                if setting.bootstrap_config else []
+            hub = ["--hub-log-dir", str(workdir / "bootstrap-hub"), *given] if setting.bootstrap_hub else ["--no-hub"]
             bootstrap = Child("bootstrap", network.run_in(network.bridge, cli(
                 "dht", "--host-maddrs", f"/ip4/{network.bridge_address}/tcp/0", *hub)), workdir / "bootstrap.log")
             children.append(bootstrap)
@@ -426,8 +432,10 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                            "public")
             served = [workdir / "bootstrap-hub" / run_id(config_path, overrides) / "metrics.jsonl"] \
                 if setting.bootstrap_hub else []
-            records = watch(setting, children[1:], rounds, timeout,
-                            None if setting.kill_hub is None else (setting.kill_hub, children[-1]), served)
+            kill = None if setting.kill_hub is None else (setting.kill_hub, children[-1].name, children[-1])
+            if setting.kill_bootstrap_hub is not None:
+                kill = (setting.kill_bootstrap_hub, "the bootstrap's hub", BootstrapHub(bootstrap.log_path))
+            records = watch(setting, children[1:], rounds, timeout, kill, served)
             for path in served:  # it serves the run until the bootstrap stops: its rounds of the run
                 records[hosts:hosts] = [[r for r in read_records(path) if r["round"] < rounds]]
             return records
@@ -454,23 +462,36 @@ def signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+class BootstrapHub:
+    """The bootstrap's hub process, as its log names it last ("hub: serving run ... pid N")."""
+
+    def __init__(self, bootstrap_log: Path):
+        self.bootstrap_log = bootstrap_log
+
+    def signal(self, signum: int) -> None:
+        pids = re.findall(r"hub: serving run .* pid (\d+)", self.bootstrap_log.read_text())
+        if not pids:
+            raise NodeFailed(f"the bootstrap's log names no hub process to kill ({self.bootstrap_log})")
+        os.killpg(int(pids[-1]), signum)  # its session: the hub and its p2p daemon
+
+
 def watch(setting: Setting, nodes: list[Child], rounds: int, timeout: float,
-          kill: tuple[int, Child] | None = None, also: Sequence[Path] = ()) -> list[list[dict]]:
+          kill: tuple[int, str, Child | BootstrapHub] | None = None, also: Sequence[Path] = ()) -> list[list[dict]]:
     """Every node's records once all have exited after their rounds, printing a line per round every node
-    finished; NodeFailed if one exits with an error, TimeoutError past ``timeout``. ``kill``: (round, node): SIGKILL
-    that node (its whole session, daemon included: a machine that crashes) once every other node has finished the
-    round before; its exit is no failure. ``also``: the metrics of peers that are not waited for (the bootstrap's
-    hub: it serves on once the others are done), read for each round's line."""
+    finished; NodeFailed if one exits with an error, TimeoutError past ``timeout``. ``kill``: (round, name, process):
+    SIGKILL that process (its whole session, daemon included: a machine that crashes) once every other node has
+    finished the round before; its exit is no failure. ``also``: the metrics of peers that are not waited for (the
+    bootstrap's hub: it serves on once the others are done), read for each round's line."""
     deadline = time.monotonic() + timeout
     shown: set[int] = set()
-    killed: Child | None = None
+    killed: Child | BootstrapHub | None = None
     while True:
         records = [read_records(node.metrics_dir / "metrics.jsonl") for node in nodes]
         if kill is not None and killed is None and all(any(r["round"] >= kill[0] - 1 for r in got)
-                                                       for node, got in zip(nodes, records) if node is not kill[1]):
-            killed = kill[1]
+                                                       for node, got in zip(nodes, records) if node is not kill[2]):
+            killed = kill[2]
             killed.signal(signal.SIGKILL)
-            print(f"[{setting.label}] killed {killed.name} (SIGKILL, its daemon too) as round {kill[0]} began",
+            print(f"[{setting.label}] killed {kill[1]} (SIGKILL, its daemon too) as round {kill[0]} began",
                   flush=True)
         alive = [got for node, got in zip(nodes, records) if node is not killed]
         served = [read_records(path) for path in also]
@@ -758,6 +779,12 @@ def main() -> int:
     parser.add_argument("--kill-hub", type=int, metavar="ROUND",
                         help="SIGKILL the last hub (its daemon too) once every other node has finished round ROUND - 1 "
                              "[never]")
+    parser.add_argument("--bootstrap-config", action="store_true",
+                        help="give the bootstrap's hub the run's config (`p2ploco dht --config`) [off: the bootstrap "
+                             "is started with addresses only, and fetches the config through its own daemon]")
+    parser.add_argument("--kill-bootstrap-hub", type=int, metavar="ROUND",
+                        help="SIGKILL the bootstrap's hub process (its daemon too; the bootstrap starts it again) "
+                             "once every node has finished round ROUND - 1 [never]")
     parser.add_argument("--nat-inbound", default="reject", choices=NAT_INBOUND,
                         help="what the NAT routers do with a connection dialled at their own address: refuse it "
                              "(a reset, the kernel's answer) or drop it unanswered (a 'stealth' router, through which "
@@ -774,6 +801,10 @@ def main() -> int:
                                       or not 1 <= args.kill_hub < args.rounds):
         raise SystemExit("error: --kill-hub ROUND needs two hubs or more, one of them of --hubs (it is killed), and "
                          "1 <= ROUND < --rounds")
+    if args.kill_bootstrap_hub is not None and (not bootstrap_hub or args.kill_hub is not None
+                                                or not 1 <= args.kill_bootstrap_hub < args.rounds):
+        raise SystemExit("error: --kill-bootstrap-hub ROUND needs the bootstrap's hub, no --kill-hub, and "
+                         "1 <= ROUND < --rounds")
     if not 0 <= args.nat <= args.hosts:
         raise SystemExit("error: --nat must be in [0, --hosts]")
     if len(args.reachability) > args.hosts:
@@ -782,7 +813,8 @@ def main() -> int:
         slow = parse_slow(args.slow, args.hosts)
         hold = parse_hold(args.hold, slow)
         settings = [Setting(a, text, parse_rates(text, args.hosts), args.nat, slow, hold, args.reachability,
-                            args.subnet, args.nat_inbound, args.hubs, args.kill_hub, bootstrap_hub)
+                            args.subnet, args.nat_inbound, args.hubs, args.kill_hub, bootstrap_hub,
+                            args.bootstrap_config, args.kill_bootstrap_hub)
                     for a in args.algorithm for text in args.rate]
         params = count_params(args.config, args.overrides)
     except ConfigError as e:

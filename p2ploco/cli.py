@@ -180,6 +180,9 @@ def node() -> None:
                    "--initial-peers and --run-id].")
 @click.option("--initial-peers", multiple=True,
               help="Multiaddr of a peer of the swarm (repeatable); without it this node starts a new swarm.")
+@click.option("--run-document", type=click.Path(dir_okay=False),
+              help="Without --config: the run's document as `p2ploco dht` fetched it for its hub, instead of one "
+                   "fetched from the run's peers.")
 @with_swarm_options
 @click.option("--run-id", help="Name of the training run (overrides run_id).")
 @click.option("--max-rounds", type=click.IntRange(min=1),
@@ -210,7 +213,8 @@ def node() -> None:
               help="Whether other peers can dial this one [auto: a peer dials it back at start]; client: it is "
                    "behind a NAT and only dials out (sets swarm.reachability).")
 @reports_errors
-def node_start(config_path: str | None, initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...],
+def node_start(config_path: str | None, initial_peers: tuple[str, ...], run_document: str | None,
+               host_maddrs: tuple[str, ...],
                announce_maddrs: tuple[str, ...], identity: str | None, run_id: str | None, max_rounds: int | None,
                nproc_per_node: int | None, log_dir: str | None, overrides: tuple[str, ...], resume: bool, name: str,
                role: str, pipeline_group: str | None, stage: int | None, status_port: int | None, status_host: str,
@@ -226,6 +230,8 @@ def node_start(config_path: str | None, initial_peers: tuple[str, ...], host_mad
     if config_path is None and not (initial_peers and run_id):
         raise ConfigError("without --config a node trains the config of the run it joins: pass --initial-peers ADDR "
                           "and --run-id RUN, or --config FILE to start a run")
+    if config_path is not None and run_document is not None:
+        raise ConfigError("--run-document goes without --config: it is the run's config")
     config = load_config(config_path, list(overrides) + extra)
     if len(name) > 64:
         raise ConfigError(f"--name is {len(name)} characters long; use at most 64")
@@ -238,6 +244,7 @@ def node_start(config_path: str | None, initial_peers: tuple[str, ...], host_mad
         raise ConfigError("--group must be a name of 1 to 64 characters")
     train_until_stopped(Node(config, SwarmOptions(initial_peers, host_maddrs, announce_maddrs, identity, name),
                              Path(log_dir) if log_dir else None, config_path, resume=resume, out=click.echo,
+                             document_path=Path(run_document) if run_document else None,
                              role=RoleOptions(role, pipeline_group, stage),
                              status_address=None if status_port is None else (status_host, status_port),
                              overrides=list(overrides) + extra))

@@ -65,6 +65,8 @@ class Failure(enum.StrEnum):
     NO_DECISION = "no decision"  # the coordinator's decision on the round never reached this peer
     ABORTED = "aborted"  # the coordinator dropped the round for everyone
     ALONE = "alone"  # this peer could not join the others working on the round: it applied nothing
+    NO_COORDINATOR = "no coordinator"  # other trainers of the run live, but none of them, and no hub, can be dialled
+    # to coordinate: this peer applied nothing (its work waits for the first round it shares)
 
 
 MAX_SHOWN = 1000  # characters of someone else's text that one log line or terminal cell shows

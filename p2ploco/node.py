@@ -45,6 +45,7 @@ from p2ploco.rundir import RunDirectory
 from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
 from p2ploco.standing import Membership, Standing
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
+from p2ploco.swarm.run_config import load_run_document
 from p2ploco.swarm.runtime import Arrival, Swarm
 from p2ploco.swarm.status import WILDCARDS, Answer, constant, listen, why_not_listening
 from p2ploco.swarm.status_document import STATUS_PATH
@@ -125,12 +126,15 @@ def resolve_device(name: str, ranks: int = 1) -> torch.device:
 class Node:
     def __init__(self, config: Config, options: SwarmOptions, log_dir: Path | None, config_path: str | None,
                  resume: bool = False, out: Callable[[str], None] = print, role: RoleOptions | None = None,
-                 status_address: tuple[str, int] | None = None, overrides: Sequence[str] = ()):
+                 status_address: tuple[str, int] | None = None, overrides: Sequence[str] = (),
+                 document_path: Path | None = None):
         """``config_path``: the file ``config`` was read from; None: the node trains its run's config, fetched from
         the run's peers (``swarm/run_config.py``), with ``config``'s own settings (``config.LOCAL_KEYS``) and
-        ``overrides`` (the ``--set`` given) on top. ``status_address``: (host, port) to serve the run's status on
-        (``swarm/status.py``); None: not served."""
+        ``overrides`` (the ``--set`` given) on top; ``document_path``: where that run's document is (``p2ploco dht``
+        fetched it for its hub), instead of from the run's peers. ``status_address``: (host, port) to serve the run's
+        status on (``swarm/status.py``); None: not served."""
         self.config, self.options, self.config_path, self.out = config, options, config_path, out
+        self.document_path = document_path
         self.overrides = overrides
         self.data: TrainingData | None = None  # loaded once the config is settled (``_settle``)
         self.run_files: tuple[RunDirectory, Checkpoint | None] | None = None  # and the checkpoint to resume from
@@ -270,7 +274,7 @@ class Node:
         the first keys that do, unless no peer of the run serves a config (this node starts the run)."""
         own, run_id = self.config, self.config.run_id
         mine = "" if data is None else own.swarm_fingerprint(data.fingerprint)
-        run = arrival.run_document(mine)
+        run = arrival.run_document(mine) if self.document_path is None else load_run_document(self.document_path)
         if run is None:
             if data is None:  # swarm trouble (exit 1), not bad input: its peers may have left a moment ago
                 raise SwarmError(f"no peer of run '{run_id}' answered with its config through --initial-peers; check "

@@ -4,6 +4,7 @@ through a hub, a slowed peer trains fewer steps in the
 round's time budget while its work, weighted by its tokens, is applied every round, and a peer whose one step
 outlasts the round sits rounds out while the others train on without it, and its work is applied after all."""
 
+import re
 
 import pytest
 
@@ -40,6 +41,43 @@ def test_a_peer_that_only_dials_out_takes_part_in_every_round(tmp_path):
         uploaded = client_round["bits_per_param"] * params / 8
         assert client_round["bytes_sent"] == pytest.approx(uploaded, abs=1)
         assert public_round["bytes_sent"] > public_round["bits_per_param"] * params / 8 + 1
+
+
+JOINED = re.compile(r"peer (\w+) joined run")
+STRANDED = re.compile(r"round (\d+): 1 other trainer\(s\) of this run are live \((\w+)\), but no coordinator answered: "
+                      r"none of them can be dialled, and no hub serves the run. This peer applies nothing until one "
+                      r"can .*Fix: a hub")
+
+
+@pytest.mark.timeout(300)
+def test_trainers_that_only_dial_out_apply_nothing_alone_say_why_once_and_train_together_once_a_hub_starts(tmp_path):
+    """Two trainers in client mode (as behind home routers) and a bootstrap without a hub: nobody can coordinate. Each
+    used to apply rounds alone, a private model each, and said nothing. Now each applies nothing and says why, once;
+    a hub that starts later serves them, and from then on they apply rounds together with one digest."""
+    rounds = 30
+    with LocalSwarm(tmp_path) as swarm:
+        trainers = {name: swarm.start_node(name, TINY_CONFIG, *FAST, "--set", "swarm.min_peers=2", "--max-rounds",
+                                           str(rounds), "--reachability", "client") for name in "ab"}
+        ids = {name: node.wait_for_line(JOINED, timeout=60).group(1) for name, node in trainers.items()}
+        stranded = {name: node.wait_for_line(STRANDED, timeout=120) for name, node in trainers.items()}
+        hub = swarm.start_node("hub", TINY_CONFIG, *FAST, "--set", "swarm.min_peers=2", "--role", "hub",
+                               "--max-rounds", str(rounds))
+        assert [node.process.wait(240) for node in trainers.values()] == [0, 0]
+        runs = {name: swarm.records(name) for name in "ab"}
+        hub.terminate()
+    for name, records in runs.items():
+        assert len(STRANDED.findall((tmp_path / f"{name}.log").read_text())) == 1, name  # said once
+        other = next(n for n in "ab" if n != name)
+        assert stranded[name].group(2) == ids[other][-8:]
+        assert not any(r["applied"] and r["peers"] == 1 for r in records), name  # never alone
+        assert records[0]["failures"] == {"no coordinator": 1}, records[0]
+        together = min(r["round"] for r in records if r["applied"])  # from the hub's first round on: every round
+        assert [r["applied"] for r in records] == [r["round"] >= together for r in records], name
+    applied = {name: {r["round"]: r for r in records if r["applied"]} for name, records in runs.items()}
+    assert applied["a"].keys() == applied["b"].keys()
+    for index in applied["a"]:
+        a, b = applied["a"][index], applied["b"][index]
+        assert a["params_digest"] == b["params_digest"] and a["peers"] == b["peers"] == 3, (a, b)
 
 
 @pytest.mark.slow  # CI's second stage; the default run keeps a peer that only dials out (above) and hubs in process

@@ -43,7 +43,7 @@ from p2ploco.swarm.allreduce import Attempt, ButterflyAllReduce, DroppedFromRoun
 from p2ploco.swarm.commit import Decision, Outcome, RoundCommit, Vote, slice_digests
 from p2ploco.swarm.group import Group
 from p2ploco.swarm.loop import EventLoopThread
-from p2ploco.swarm.matchmaker import Matchmaker
+from p2ploco.swarm.matchmaker import NOBODY_ANSWERED, Matchmaker
 from p2ploco.swarm.records import PeerState
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class SwarmCommunicator(Communicator):
         self._recent: tuple[frozenset[str], ...] = ()  # each recent all-reduce's partners, oldest first
         # Replaced whole, never changed in place: the training thread reads it while the event loop writes it.
         self.partners: frozenset[str] = frozenset()
+        self._stranded_said = False  # said, since this peer last applied a round, that nobody can coordinate
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
         return self.loop.run(self._all_reduce(as_sliced(exchange, name), round_index, name, threading.Event()))
@@ -93,7 +94,7 @@ class SwarmCommunicator(Communicator):
                                    traffic=Traffic(seconds=time.perf_counter() - started))
         if len(group.peers) == 1:
             self._applied_with(None)
-            return await self._alone(exchange, round_index, started, failures)
+            return await self._alone(exchange, round_index, started, failures, group)
 
         attempts: list[Attempt] = []
         formed = set(group.peers)
@@ -131,7 +132,7 @@ class SwarmCommunicator(Communicator):
                 if regroup is None or len(regroup.peers) == 1:
                     self._applied_with(None)
                     if regroup is not None:
-                        return await self._alone(exchange, round_index, started, failures)
+                        return await self._alone(exchange, round_index, started, failures, regroup)
                     return AllReduceResult([me], committed=False, excluded=True, attempts=len(attempts),
                                            failures=failures, tokens=self.matchmaker.weight(exchange.tokens),
                                            traffic=round_traffic(attempts, time.perf_counter() - started))
@@ -166,14 +167,20 @@ class SwarmCommunicator(Communicator):
             self._recent = (*self._recent, frozenset(delivered))[-PARTNER_ROUNDS:]
             self.partners = frozenset().union(*self._recent)
 
-    async def _alone(self, exchange: SlicedExchange, round_index: int, started: float, failures: list[Failure]
-                     ) -> AllReduceResult:
-        """A group of one: its own update, through the same codec, if nobody else could apply this round without it
-        (``Matchmaker.working_on``); else nothing (a solitary commit would split this peer from the others: it
-        catches up with them instead). A hub has no update of its own: alone, it applies nothing."""
+    async def _alone(self, exchange: SlicedExchange, round_index: int, started: float, failures: list[Failure],
+                     alone: Group) -> AllReduceResult:
+        """A group of one (``alone``): its own update, through the same codec, if nobody else could apply this round
+        without it (``Matchmaker.working_on``); else nothing (a solitary commit would split this peer from the others:
+        it catches up with them instead). Nothing either where no coordinator answered while other trainers of the run
+        live (``_stranded``). A hub has no update of its own: alone, it applies nothing."""
         if self.matchmaker.hub:  # it brought nothing of its own: alone, it has nothing to apply
             return AllReduceResult([self.matchmaker.me], committed=False, failures=failures,
                                    traffic=Traffic(seconds=time.perf_counter() - started))
+        if await self._stranded(round_index, alone):
+            failures.append(Failure.NO_COORDINATOR)
+            return AllReduceResult([self.matchmaker.me], committed=False, failures=failures,
+                                   traffic=Traffic(seconds=time.perf_counter() - started))
+        self._stranded_said = False
         others = await self.matchmaker.working_on(round_index)
         if others:
             failures.append(Failure.ALONE)
@@ -191,6 +198,27 @@ class SwarmCommunicator(Communicator):
                                traffic=Traffic(contribution_bytes=uploaded, params=exchange.numel(),
                                                seconds=time.perf_counter() - started),
                                weights={self.matchmaker.me: exchange.tokens})
+
+
+    async def _stranded(self, round_index: int, alone: Group) -> bool:
+        """Whether no coordinator answered this peer (``alone`` is no group a coordinator formed) while other trainers
+        of the run live, at any round: every one of them only dials out and no hub serves the run, or none of them
+        answers. Each applying its own update would fork the run into private models that never meet again (nobody
+        can fetch a state from a peer that cannot be dialled), so this peer applies nothing; its work waits in its
+        error feedback (or carry) and goes into the first round it shares. Said once, in one line, with the fix."""
+        if alone.group_id != NOBODY_ANSWERED:
+            return False
+        others = await self.matchmaker.working_on(round_index, any_round=True)
+        if others and not self._stranded_said:
+            self._stranded_said = True
+            logger.warning(
+                f"round {round_index}: {len(others)} other trainer(s) of this run are live "
+                f"({', '.join(p[-8:] for p in others[:8])}), but no coordinator answered: none of them can be dialled, "
+                f"and no hub serves the run. This peer applies nothing until one can (its work waits, and goes into "
+                f"the first round it shares). Fix: a hub (`p2ploco dht` hosts one unless --no-hub; or `p2ploco node "
+                f"start --role hub` on a machine others can dial), a trainer others can dial, or a port forwarded to "
+                f"this one (--announce-maddrs)")
+        return bool(others)
 
 
 def round_traffic(attempts: list[Attempt], seconds: float) -> Traffic:

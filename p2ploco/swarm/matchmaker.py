@@ -101,6 +101,7 @@ LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is formin
 JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
 HUB_PATIENCE = 3600.0  # seconds a hub's join waits for a round's first contribution (a round may be long)
+NOBODY_ANSWERED = "alone"  # the group id of a group of one that no coordinator formed: none could be asked, or answered
 
 
 def rendezvous(round_index: int, peer: str) -> bytes:
@@ -272,7 +273,8 @@ class Matchmaker:
             return None
         tried = ", ".join(f"{peer[-8:]} ({why[:100]})" for peer, why in unreachable.items())
         logger.warning(f"round {round_index}: no coordinator answered ({tried or 'none to ask'})")
-        return Group("alone", round_index, name, (self.me,), self.me, holdings=((self.me, tuple(sorted(slices))),),
+        return Group(NOBODY_ANSWERED, round_index, name, (self.me,), self.me,
+                     holdings=((self.me, tuple(sorted(slices))),),
                      tokens=((self.me, request["tokens"]),))
 
     async def _unless_passed(self, round_index: int, asking: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
@@ -349,20 +351,22 @@ class Matchmaker:
                            f"{len(group.peers)} without {group.without()}")
         return group
 
-    async def working_on(self, round_index: int) -> list[str]:
-        """The other peers that could apply ``round_index`` without this one, so that applying it alone would split
-        this peer from them: those whose records, at a fresh look, say they work on that round, a later one or the
-        one before (still moving to it: an overlapped peer's record moves on only once its round in flight has a
-        group) for our config (fresh, not leaving, not waiting for a slot, not banned here), whose daemon can still
-        be dialled (a peer killed a moment ago still has a fresh record) and that did not answer this round that it
-        is leaving, less the stage peers whose pipeline group has no such peer for some stage (a group acts as one
-        replica or not at all), and less the peers that sit rounds out (``budget.py``: one whose short step of a
-        round it sat out is over shows a later round, yet applied none; one that contributes a step's work does so
-        in a group, whose other members count), and less the hubs (they train nothing: without a contribution they
-        apply no round). Those further behind follow this peer's state once they reach it."""
+    async def working_on(self, round_index: int, any_round: bool = False) -> list[str]:
+        """The other peers that could apply ``round_index`` without this one, so that applying it alone would split this
+        peer from them: those whose records, at a fresh look, say they work on that round, a later one or the one before
+        (still moving to it: an overlapped peer's record moves on only once its round in flight has a group;
+        ``any_round``: at any round, as every trainer of a run that nobody can coordinate is) for our config (fresh, not
+        leaving, not waiting for a slot, not banned here), whose daemon can still be dialled (a peer killed a moment ago
+        still has a fresh record) and that did not answer this round that it is leaving, less the stage peers whose
+        pipeline group has no such peer for some stage (a group acts as one replica or not at all), and less the peers
+        that sit rounds out (``budget.py``: one whose short step of a round it sat out is over shows a later round, yet
+        applied none; one that contributes a step's work does so in a group, whose other members count), and less the
+        hubs (they train nothing: without a contribution they apply no round). Those further behind follow this peer's
+        state once they reach it."""
         live = await self.directory.refresh()
         banned = self.bans.active(round_index)
-        ahead = sorted(p for p, r in live.items() if p != self.me and r.round >= round_index - 1
+        since = 0 if any_round else round_index - 1
+        ahead = sorted(p for p, r in live.items() if p != self.me and r.round >= since
                        and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
                        and not r.sits_out and r.role != "hub"
                        and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)

@@ -35,6 +35,7 @@ import random
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 from hivemind.p2p import P2P
@@ -187,6 +188,40 @@ async def tell_conflict(p2p: P2P, run_id: str, run: RunDocument, mine: str) -> N
     await _ask(p2p, run_id, run.donor, run.fingerprint, mine)
 
 
+def parse_document(payload: bytes) -> dict[str, Any]:
+    """A run document as JSON bytes, checked as a served one is; PayloadError if it is none."""
+    if len(payload) > MAX_DOCUMENT_BYTES:
+        raise PayloadError(f"a config document over {MAX_DOCUMENT_BYTES} bytes")
+    try:
+        document = json.loads(payload)
+    except (ValueError, RecursionError):  # not JSON or not UTF-8; nested deeper than the parser goes
+        raise PayloadError("a config document that is not JSON") from None
+    if not wire.nested_within(document, MAX_DOCUMENT_DEPTH):
+        raise PayloadError("a config document nested too deep")
+    decode(Document, document)
+    return document
+
+
+def save_run_document(run: RunDocument, path: Path) -> None:
+    """Write ``run`` where ``load_run_document`` reads it (``p2ploco dht`` hands its hub the run's document so)."""
+    path.write_text(json.dumps({"document": run.document, "donor": run.donor, "holders": run.holders,
+                                "peers": run.peers}, sort_keys=True))
+
+
+def load_run_document(path: Path) -> RunDocument:
+    """The run document ``save_run_document`` wrote at ``path``; ConfigError, in one line, if it is not one."""
+    try:
+        saved = json.loads(path.read_text())
+        document = parse_document(json.dumps(saved["document"]).encode())
+        donor, holders, peers = str(saved["donor"]), int(saved["holders"]), int(saved["peers"])
+    except OSError as e:
+        raise ConfigError(f"--run-document {path}: cannot read it ({e.strerror})") from None
+    except (ValueError, RecursionError, KeyError, TypeError, PayloadError) as e:
+        raise ConfigError(f"--run-document {path}: not a run document as `p2ploco dht` writes one "
+                          f"({shown(str(e), 100)})") from None
+    return RunDocument(document_fingerprint(document), document, donor, holders, peers)
+
+
 async def _ask(p2p: P2P, run_id: str, donor: str, fingerprint: str, mine: str) -> dict[str, Any] | None:
     """``donor``'s document if its digest is ``fingerprint``; None if the donor does not answer with one."""
     try:
@@ -194,12 +229,8 @@ async def _ask(p2p: P2P, run_id: str, donor: str, fingerprint: str, mine: str) -
             wire.call(p2p, donor, handler_name(run_id), {"fingerprint": mine}, max_payload=MAX_DOCUMENT_BYTES),
             ASK_TIMEOUT)
         decode(ConfigAnswer, header)
-        document = json.loads(payload)
-        if not wire.nested_within(document, MAX_DOCUMENT_DEPTH):
-            raise PayloadError("a config document nested too deep")
-        decode(Document, document)
-    # ValueError: not JSON or not UTF-8; RecursionError: JSON nested deeper than the parser goes
-    except (PayloadError, TransportError, TimeoutError, ValueError, RecursionError) as e:
+        document = parse_document(payload)
+    except (PayloadError, TransportError, TimeoutError) as e:
         logger.info(f"peer {donor[-8:]} gave no config document: {shown(str(e), 200)}")
         return None
     if document_fingerprint(document) != fingerprint:
