@@ -17,11 +17,14 @@ connection dialled at a router's own address is refused (a reset); `--nat-inboun
 instead, as a "stealth" router does.
 With `--nat` equal to `--hosts`, every trainer is behind a NAT of its own and the bootstrap's machine is the only
 public one; its `p2ploco dht` then hosts a hub, as it does by default (a full replica that trains nothing,
-coordinates, reduces the trainers' spans and takes every result: `hosted_hub.py`), given the run's config (`--config`:
-no NATed trainer can be dialled to hand it out); `--no-bootstrap-hub` passes it `--no-hub`, `--bootstrap-hub` asks for
-it in any setting. `--hubs N` runs N more hubs (`p2ploco node start --role
-hub`) on that machine, public and uncapped. A table of the hubs follows the hosts' (the rounds each applied, the
-bytes its link carried a round); `--kill-hub R` SIGKILLs the last of `--hubs`, daemon and all, as round R begins.
+coordinates, reduces the trainers' spans and takes every result: `hosted_hub.py`). It is started with addresses only,
+as README's shortest path starts it: no NATed trainer can be dialled to hand out the run's config, and the bootstrap
+fetches it over the connections they opened to it (`--bootstrap-config` gives it `--config` instead);
+`--kill-bootstrap-hub R` SIGKILLs its hub process as round R begins, which the bootstrap starts again.
+`--no-bootstrap-hub` passes it `--no-hub`, `--bootstrap-hub` asks for it in any setting. `--hubs N` runs N more hubs
+(`p2ploco node start --role hub`) on that machine, public and uncapped. A table of the hubs follows the hosts' (the
+rounds each applied, the bytes its link carried a round); `--kill-hub R` SIGKILLs the last of `--hubs`, daemon and
+all, as round R begins.
 `--slow F0 F1 ...` stretches host i's inner steps to F_i times their compute time (the fault
 ``inner.step=slow:F`` in its node's P2PLOCO_FAULTS); `--hold S0 S1 ...` holds host i S_i seconds before each
 inner step instead (``inner.step=stall:S``: a data loader that waits, a device another job holds);
@@ -66,6 +69,8 @@ removed by the next run.
                                                 # every trainer NATed: the bootstrap the only public machine
     sudo python benchmarks/wan.py --hosts 6 --nat 6 --hubs 1 --kill-hub 6 --rounds 12
                                                 # the bootstrap's hub and one more; that one dies
+    sudo python benchmarks/wan.py --nat 3 --kill-bootstrap-hub 6 --rounds 12
+                                                # the bootstrap's hub dies, and the bootstrap starts it again
 """
 
 from __future__ import annotations

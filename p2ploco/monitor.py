@@ -34,8 +34,8 @@ def _number(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-COLUMNS = ("name", "peer", "role", "group", "stage", "state", "reach", "round", "step", "loss", "eval", "tok/s", "sent",
-           "recv", "ratio", "uptime", "ranks", "device", "address")
+COLUMNS = ("name", "peer", "role", "group", "stage", "state", "reach", "takes part", "round", "step", "loss", "eval",
+           "tok/s", "sent", "recv", "ratio", "uptime", "ranks", "device", "address")
 
 
 def peer_rows(s: Survey) -> list[tuple[str, ...]]:
@@ -44,7 +44,7 @@ def peer_rows(s: Survey) -> list[tuple[str, ...]]:
         trains = p.role != "bootstrap"
         staged = p.role == "stage"
         rows.append((p.name, p.peer_id[-8:], p.role, p.group if staged else "-", str(p.stage) if staged else "-",
-                     p.state, str(p.reachability), str(p.round) if trains else "-",
+                     p.state, str(p.reachability), s.takes_part(p), str(p.round) if trains else "-",
                      str(p.inner_step) if trains else "-", _number(p.loss), _number(p.eval_loss),
                      f"{p.tokens_per_second / 1e3:.1f}k" if trains else "-",
                      human_bytes(p.bytes_sent) if trains else "-", human_bytes(p.bytes_received) if trains else "-",
@@ -71,7 +71,8 @@ def peers_text(s: Survey) -> str:
 
 
 # Columns in the order they are given up when a terminal is too narrow for all (last first).
-PRIORITY = ("name", "state", "round", "loss", "eval", "tok/s", "reach", "role", "group", "stage", "step", "ratio",
+PRIORITY = ("name", "state", "round", "loss", "eval", "tok/s", "takes part", "reach", "role", "group", "stage", "step",
+            "ratio",
             "uptime",
             "sent", "recv", "peer", "ranks", "device", "address")
 
@@ -98,7 +99,7 @@ def peers_rich(s: Survey, width: int) -> Any:
     styles = {"training": "green", "averaging": "cyan", "joining": "yellow", "standby": "yellow", "leaving": "red",
               "serving": "dim"}
     for i in visible:
-        left = COLUMNS[i] in ("name", "peer", "role", "group", "state", "reach", "device", "address")
+        left = COLUMNS[i] in ("name", "peer", "role", "group", "state", "reach", "takes part", "device", "address")
         table.add_column(COLUMNS[i], no_wrap=True, justify="left" if left else "right")
     for record, row in zip(s.peers, rows):
         table.add_row(*(escape(row[i]) for i in visible), style=styles.get(record.state))
@@ -126,6 +127,8 @@ def status_json(s: Survey) -> dict[str, Any]:
         "roles": dict(Counter(p.role for p in s.peers)),
         "states": dict(Counter(p.state for p in trainers)),
         "reachability": dict(Counter(str(p.reachability) for p in trainers)),
+        "takes_part": dict(Counter(s.takes_part(p) for p in trainers)),
+        "coordinators": len(s.coordinators),  # peers that can coordinate and reduce: hubs and public trainers
         "ranks": sum(p.ranks for p in trainers),  # local ranks (devices) training, over all peers
         "devices": dict(Counter(p.device or "?" for p in trainers)),  # peers by what they train on
         "tokens_per_second": round(sum(p.tokens_per_second for p in trainers), 1),
@@ -168,6 +171,7 @@ def status_text(s: Survey) -> str:
         ("round", "-" if j["round"] is None else str(j["round"])),
         ("peers", f"{roles} ({states}){_left_out(s)}"),
         ("reachability", ", ".join(f"{count} {reach}" for reach, count in sorted(j["reachability"].items())) or "-"),
+        ("takes part", ", ".join(f"{count} {how}" for how, count in sorted(j["takes_part"].items())) or "-"),
         ("devices", f"{j['ranks']} local rank(s) on {j['peers']} peer(s): "
                     + ", ".join(f"{count} on {shown(device)}" for device, count in sorted(j["devices"].items()))
          if j["peers"] else "-"),
@@ -181,4 +185,10 @@ def status_text(s: Survey) -> str:
             + (f", {100 * h['link_use']:.0f}% of its {h['bandwidth_mbit']:g} Mbit/s" if h["link_use"] is not None
                else " (its link's rate not stated)") for h in j["hubs"]) or "-"),
     ]
-    return format_table(("swarm", "now"), rows)
+    table = format_table(("swarm", "now"), rows)
+    if j["peers"] and not j["coordinators"]:
+        table += (f"\nwarning: {j['peers']} trainer(s), none of which can be dialled, and no hub: nobody can "
+                  f"coordinate a round, and none of them applies one. Start a hub (`p2ploco dht` hosts one unless "
+                  f"--no-hub; or `p2ploco node start --role hub` on a machine others can dial), a trainer others can "
+                  f"dial, or forward a port to one")
+    return table

@@ -31,7 +31,14 @@ def test_the_hub_listens_on_the_port_after_the_bootstraps_on_the_same_interfaces
     loose = HubSettings(None, None, (), 0, ("/ip4/127.0.0.1/tcp/0",), ("/ip4/203.0.113.1/tcp/0",), None, Path("h"),
                         0.0)
     argv = loose.argv("r", "/ip4/127.0.0.1/tcp/5/p2p/QmBoot")
-    assert not {"--announce-maddrs", "--identity", "--set", "--config"} & set(argv)
+    assert not {"--announce-maddrs", "--identity", "--set", "--config", "--run-document"} & set(argv)
+    # the third run's hub: two ports and keys on, given the document the bootstrap fetched
+    third = HubSettings(None, None, (), 31338, ("/ip4/0.0.0.0/tcp/31337",), ("/ip4/203.0.113.1/tcp/31337",),
+                        "keys/boot.key", Path("runs/hub"), 0.0)
+    argv = third.argv("r3", "/ip4/203.0.113.1/tcp/31337/p2p/QmBoot", 2, Path("runs/hub/r3.run.json"))
+    assert argv[argv.index("--run-document") + 1] == "runs/hub/r3.run.json"
+    assert [argv[argv.index(flag) + 1] for flag in ("--host-maddrs", "--announce-maddrs", "--identity")] == [
+        "/ip4/0.0.0.0/tcp/31340", "/ip4/203.0.113.1/tcp/31340", "keys/boot.hub3.key"]
 
 
 @pytest.mark.parametrize("name, plain", [("tiny", True), ("my-run.2", True), ("..", False), ("-x", False),
@@ -70,7 +77,7 @@ def test_a_run_the_hub_refuses_leaves_the_bootstrap_serving_its_trainers(tmp_pat
         said = bootstrap.wait_for_line(re.compile(r"hub: not started for run 'tiny': (.*)"), timeout=150)
         assert said.group(1).startswith("--role hub takes part in blocking rounds only; this run's outer is "
                                         "sparseloco with overlap"), said.group(0)
-        assert said.group(0).endswith("this peer goes on as a bootstrap only")
+        assert said.group(0).endswith("this peer goes on without a hub for it")
         second = swarm.start_node("b", TINY_CONFIG, *run)
         assert first.process.wait(150) == 0 and second.process.wait(150) == 0
         runs = [swarm.records(name) for name in "ab"]

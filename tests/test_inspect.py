@@ -120,6 +120,30 @@ def test_status_shows_each_hub_and_how_much_of_its_link_its_last_round_took():
     assert peers_text(survey).splitlines()[0] == "run 'tiny': 1 training peer(s), 2 hub(s), 0 bootstrap"
 
 
+def test_peers_say_how_each_trainer_takes_part_and_status_warns_where_nobody_can_coordinate():
+    def peer(name: str, **changes) -> PeerRecord:
+        return PeerRecord.parse(valid_value(peer_id=f"12D3KooW{name}", **changes))
+
+    home = [peer(f"Home{i}", reachability="client") for i in range(2)]
+    public, hub = peer("Public"), peer("Hub", role="hub")
+    relayed = peer("Relayed", reachability="relayed")
+
+    def parts(*peers: PeerRecord) -> list[str]:
+        return [dict(zip(COLUMNS, row))["takes part"] for row in peer_rows(Survey("tiny", list(peers), {}))]
+
+    assert parts(public, *home, hub) == ["direct", "through a hub", "through a hub", "hub"]
+    assert parts(public, relayed, *home) == ["direct", "through public peers", "through public peers",
+                                             "through public peers"]
+    stranded = Survey("tiny", [relayed, *home], {})
+    assert parts(*stranded.peers) == ["nobody to coordinate"] * 3
+    assert status_json(stranded)["coordinators"] == 0
+    warning = status_text(stranded).splitlines()[-1]
+    assert warning.startswith("warning: 3 trainer(s), none of which can be dialled, and no hub: nobody can "
+                                                "coordinate a round")
+    for served in (Survey("tiny", [public, *home], {}), Survey("tiny", [hub, *home], {})):
+        assert not any(line.startswith("warning") for line in status_text(served).splitlines())
+
+
 def dht_record(subkey: bytes, value: object) -> DHTRecord:
     return DHTRecord(DHTID.generate(source=peers_key("tiny")).to_bytes(), MSGPackSerializer.dumps(subkey),
                      MSGPackSerializer.dumps(value), get_dht_time() + 10)

@@ -127,8 +127,9 @@ def test_one_public_and_two_natted_hosts_apply_every_round_with_equal_params(tmp
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_three_natted_trainers_and_the_bootstrap_only_apply_every_round_with_equal_params(tmp_path):
-    """Every trainer behind a NAT of its own, the bootstrap's machine the only public one: its `p2ploco dht`
-    hosts a hub by default, with nothing asked of wan.py but --nat."""
+    """Every trainer behind a NAT of its own, the bootstrap's machine the only public one: its `p2ploco dht`, started
+    with addresses only, hosts a hub by default, with nothing asked of wan.py but --nat. No trainer can be dialled to
+    hand the hub the run's config: the bootstrap fetches it over the connection a trainer opened to it."""
     needs_nat()
     row, output = run_wan(tmp_path, "--hosts", "3", "--nat", "3", "--rounds", "4", *EVEN, timeout=850)
     assert_every_round_applied_by_all(row, 3, 4, output)  # the hub applied them too, with the same hash
@@ -136,6 +137,18 @@ def test_three_natted_trainers_and_the_bootstrap_only_apply_every_round_with_equ
     assert all(h["work_applied_rounds"] == [0, 1, 2, 3] for h in row["per_host"]), output
     [hub] = row["per_hub"]
     assert hub["hub"] == "bootstrap" and hub["rounds_applied"] == 4 and hub["median_bytes_per_round"] > 0, output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_natted_trainers_lose_at_most_two_rounds_when_the_bootstraps_hub_is_killed_and_started_again(tmp_path):
+    needs_nat()
+    row, output = run_wan(tmp_path, "--hosts", "3", "--nat", "3", "--kill-bootstrap-hub", "3", "--rounds", "8",
+                          *EVEN, timeout=850)
+    assert row["appliers_agree"] is True, output
+    for host in row["per_host"]:
+        assert host["rounds"] == 8 and host["rounds_applied"] >= 6, output
+    assert "hub: exited with code -9" in (tmp_path / "sparseloco-100" / "bootstrap.log").read_text(), output
 
 
 @pytest.mark.slow

@@ -1,12 +1,15 @@
 """The status document: what a node's status endpoint serves (``swarm/status.py``, ``GET STATUS_PATH``) and
 ``p2ploco peers --json`` prints, and the ``Survey`` of a run it carries. Format 1::
 
-    {"format": 1, "run_id": RUN, "truncated": N, "peers": [{...a peer record..., "expires_in": SECONDS}, ...]}
+    {"format": 1, "run_id": RUN, "truncated": N, "takes_part": {PEER_ID: HOW, ...},
+     "peers": [{...a peer record..., "expires_in": SECONDS}, ...]}
 
-``truncated`` counts the records a node left out to keep its answer within MAX_STATUS_BYTES (``status_answer``:
-the largest go first); it is 0 from the DHT. A change that an older client would misread gets a new format. A
-client decodes the document with a strict, bounded model (``StatusDocument``), since anyone may answer at an
-address; every string a record holds is anyone's, and whoever shows it passes it through ``errors.shown``.
+``truncated`` counts the records a node left out to keep its answer within MAX_STATUS_BYTES (``status_answer``: the
+largest go first); it is 0 from the DHT. ``takes_part`` is how each peer takes part in rounds as the serving node
+judges it (``Survey.takes_part``), for the dashboard; a client recomputes it from the records. A change that an
+older client would misread gets a new format. A client decodes the document with a strict, bounded model
+(``StatusDocument``), since anyone may answer at an address; every string a record holds is anyone's, and whoever
+shows it passes it through ``errors.shown``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,25 @@ class Survey:
     def hubs(self) -> list[PeerRecord]:
         """The public machines that serve the run's rounds without training (``roles.py``)."""
         return [p for p in self.peers if p.role == "hub"]
+
+    @property
+    def coordinators(self) -> list[PeerRecord]:
+        """The peers that can coordinate and reduce a round: those others can dial, hubs among them."""
+        return [p for p in self.peers if p.role != "bootstrap" and not p.dials_out]
+
+    def takes_part(self, peer: PeerRecord) -> str:
+        """How ``peer`` takes part in the run's rounds: directly (others dial it: it coordinates and reduces), as a
+        hub, or, where it only dials out, through the hubs or the public trainers that reduce for it; "nobody to
+        coordinate" where there are none (it applies no round: ``SwarmCommunicator._stranded``)."""
+        if peer.role == "bootstrap":
+            return "-"
+        if peer.role == "hub":
+            return "hub"
+        if not peer.dials_out:
+            return "direct"
+        if self.hubs:
+            return "through a hub"
+        return "through public peers" if self.coordinators else "nobody to coordinate"
 
     @classmethod
     def from_json(cls, document: object) -> Survey:
@@ -90,8 +112,13 @@ def _served(p: PeerRecord, s: Survey) -> dict[str, Any]:
 
 def peers_json(s: Survey) -> dict[str, Any]:
     """The status document of ``s`` (format 1, above)."""
-    return {"format": STATUS_FORMAT, "run_id": s.run_id, "truncated": s.truncated, "peers": [_served(p, s)
-                                                                                              for p in s.peers]}
+    return {"format": STATUS_FORMAT, "run_id": s.run_id, "truncated": s.truncated, "takes_part": _takes_part(s),
+            "peers": [_served(p, s) for p in s.peers]}
+
+
+def _takes_part(s: Survey) -> dict[str, str]:
+    """How each peer takes part in rounds (``Survey.takes_part``), by peer id: what the dashboard shows."""
+    return {p.peer_id: s.takes_part(p) for p in s.peers}
 
 
 def status_answer(s: Survey, limit: int = MAX_STATUS_BYTES) -> bytes:
@@ -103,7 +130,7 @@ def status_answer(s: Survey, limit: int = MAX_STATUS_BYTES) -> bytes:
     survey's order) and ``truncated`` counts the others: an honest record is about 1.2 KB of JSON, one padded with
     control characters (six bytes of JSON each) up to 24 KB, so it is padding that is left out first."""
     def opening(truncated: int) -> bytes:  # the document up to its list of records, as json.dumps writes it
-        head = {"format": STATUS_FORMAT, "run_id": s.run_id, "truncated": truncated}
+        head = {"format": STATUS_FORMAT, "run_id": s.run_id, "truncated": truncated, "takes_part": _takes_part(s)}
         return json.dumps(head, ensure_ascii=False).encode()[:-1] + b', "peers": ['
 
     records = [json.dumps(_served(p, s), ensure_ascii=False).encode() for p in s.peers]

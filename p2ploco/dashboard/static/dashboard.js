@@ -134,6 +134,7 @@ function peerRows() {
     const trains = p.role !== "bootstrap";
     return {
       id: p.peer_id, name: p.name, peer: p.peer_id.slice(-8), role: roleOf(p), reach: p.reachability,
+      part: (state.peers.takes_part || {})[p.peer_id] || "-",
       round: trains ? p.round : null, state: p.state, step: p.step_seconds || null, tokens: weight,
       share: weight !== null && weighed ? weight / weighed : null, rate: trains ? p.tokens_per_second : null,
       seen: Math.max(0, ttl - p.expires_in), device: p.device || "-",
