@@ -29,11 +29,12 @@ from hivemind.dht.node import DHTNode
 from p2ploco.errors import SwarmError, shown
 from p2ploco.launch import HUB_LEAVE_SECONDS, Child, cli
 from p2ploco.swarm.loop import EventLoopThread
-from p2ploco.swarm.run_config import ConfigUnserved, fetch_run_document, save_run_document
+from p2ploco.swarm.run_config import ConfigUnserved, fetch_run_document, ranked_fingerprints, save_run_document
 from p2ploco.swarm.survey import find_run, runs_trained, survey
 
 LOOK_EVERY = 5.0  # seconds between looks for runs to serve, and for a run's first trainer
 MAX_RUNS = 4  # runs one bootstrap hosts hubs for (each is a full replica): records alone take no more
+CHECK_EVERY = 30.0  # seconds between checks that a fetched config is still the one most of the run's trainers train
 RESTART_PAUSES = (5.0, 300.0)  # the first pause before a restart, and the longest; it doubles while the hub fails
 STEADY_SECONDS = 600.0  # a hub that ran this long before it exited starts again after the first pause
 REFUSED = 2  # `node start`'s exit code for a config it refuses (cli.reports_errors)
@@ -161,6 +162,7 @@ class RunHub:
         settings = host.settings
         self.document = None if settings.config is not None else settings.log_dir / f"{run_id}.run.json"
         self.fetched = False  # the document is this bootstrap's own fetch (a file left by an earlier one is not)
+        self.fingerprint = ""  # the fetched document's
         self.thread = threading.Thread(target=self._host, name=f"hub-{run_id}", daemon=True)
 
     def _host(self) -> None:
@@ -171,6 +173,8 @@ class RunHub:
             code = self._run_child()
             if stopping.is_set():
                 return
+            if self.document is not None and not self.fetched:  # outvoted: the run's config is fetched again
+                continue
             if code == REFUSED:
                 self.host.out(f"hub: not started for run '{shown(self.run_id)}': {self._error_line()}; this peer "
                               f"goes on without a hub for it")
@@ -205,8 +209,8 @@ class RunHub:
         surveyed = host.loop.run(survey(host.node, self.run_id))
         if not surveyed.trainers:
             return f"hub: waiting for run '{shown(self.run_id)}''s first trainer"
-        try:
-            run = host.loop.run(fetch_run_document(host.node.protocol.p2p, self.run_id, surveyed.peers,
+        try:  # by the trainers' records: a hub's, this bootstrap's own hub's among them, trains nothing
+            run = host.loop.run(fetch_run_document(host.node.protocol.p2p, self.run_id, surveyed.trainers,
                                                    str(host.node.peer_id), expires_in=surveyed.expires_in))
         except ConfigUnserved as e:
             return f"hub: waiting for run '{shown(self.run_id)}''s config: {e}"
@@ -214,7 +218,7 @@ class RunHub:
             return f"hub: waiting for run '{shown(self.run_id)}''s first trainer"
         host.settings.log_dir.mkdir(parents=True, exist_ok=True)
         save_run_document(run, self.document)
-        self.fetched = True
+        self.fetched, self.fingerprint = True, run.fingerprint
         host.out(f"hub: fetched run '{shown(self.run_id)}''s config {run.fingerprint}, which {run.holders} of its "
                  f"{run.peers} trainer(s) train, from {run.donor[-8:]}")
         return ""
@@ -237,10 +241,30 @@ class RunHub:
                       self._log_path(), keep_lines=False)
         host.out(f"hub: serving run '{shown(self.run_id)}' as a peer of its own, pid {child.process.pid} (its log: "
                  f"{self._log_path()})")
+        checked = time.monotonic()
         while not host.stopping.is_set():
             try:
                 child.process.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
-                continue
+                if self.fetched and time.monotonic() - checked >= CHECK_EVERY:
+                    checked = time.monotonic()
+                    if self._outvoted():
+                        break
         return child.stop(HUB_LEAVE_SECONDS)
+
+    def _outvoted(self) -> bool:
+        """Whether more of the run's fresh trainers' records now carry another config than the one this hub serves:
+        its document is then fetched again (the first trainers, or keys that only publish records, decide what it
+        serves only while nobody outnumbers them). Said in one line."""
+        surveyed = self.host.loop.run(survey(self.host.node, self.run_id))
+        ranked = dict(ranked_fingerprints(surveyed.trainers, str(self.host.node.peer_id),
+                                          expires_in=surveyed.expires_in))
+        top = next(iter(ranked), None)
+        if top is None or top == self.fingerprint or len(ranked[top]) <= len(ranked.get(self.fingerprint, ())):
+            return False
+        self.host.out(f"hub: {len(ranked[top])} of run '{shown(self.run_id)}''s trainers train config {top}, more than "
+                      f"the {len(ranked.get(self.fingerprint, ()))} that train the one its hub serves "
+                      f"({self.fingerprint}): serving theirs")
+        self.fetched = False
+        return True
