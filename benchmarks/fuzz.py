@@ -52,7 +52,9 @@ from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
+from p2ploco.config import load_config
 from p2ploco.errors import P2PLocoError, ProtocolError
+from p2ploco.launch import TINY_CONFIG
 from p2ploco.pipeline.links import Schedule, StageLinks, StageLinkServer
 from p2ploco.swarm import wire
 from p2ploco.swarm.allreduce import Contribution, parse_reply
@@ -66,6 +68,7 @@ from p2ploco.swarm.join import JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.swarm.messages import decode
 from p2ploco.swarm.reachability import DialBackRequest, parse_dial_back
 from p2ploco.swarm.records import PeerRecord, peers_key
+from p2ploco.swarm.run_config import parse_document
 from p2ploco.swarm.schema import RecordSchema, record_validator
 from p2ploco.swarm.state import Snapshot, StateRequest, parse_description
 from p2ploco.swarm.status import Answer, answer_head
@@ -137,6 +140,8 @@ RECORD = PeerRecord(peer_id=peer_id_of(OWNER), round=3, state="training", finger
 SCHEMA = RecordSchema([peers_key("fuzz")])
 STATUS_BODY = status_answer(Survey("fuzz", [PeerRecord.parse(RECORD)], {RECORD["peer_id"]: 9.5}))
 STATUS_ANSWER = answer_head(Answer(200, STATUS_BODY)) + STATUS_BODY  # what a node's status endpoint serves
+# what a node serves for its run's config (``swarm/run_config.py``), and a bootstrap fetches for its hub
+RUN_DOCUMENT = json.dumps(load_config(TINY_CONFIG).run_document("embedded:" + "a" * 16), sort_keys=True).encode()
 RECORD_KEY = DHTID.generate(source=peers_key("fuzz")).to_bytes()
 SIGNED = VALIDATOR.sign_value(DHTRecord(RECORD_KEY, MSGPackSerializer.dumps(OWNER), MSGPackSerializer.dumps(RECORD),
                                         get_dht_time() + 10))
@@ -295,6 +300,21 @@ def _as_json(document: Any) -> bytes:
     """``document`` as JSON, a Nested value as a list nested that deep (json.dumps would refuse the depth)."""
     text = json.dumps(document, default=lambda nested: f"\0nested{nested.depth}")
     return re.sub(r'"\\u0000nested(\d+)"', lambda m: "[" * int(m[1]) + "]" * int(m[1]), text).encode()
+
+
+def run_documents() -> st.SearchStrategy[bytes]:
+    """A run document with one or two of its fields, and of its settings (or new ones), set to any JSON value or a deep
+    list."""
+    document = json.loads(RUN_DOCUMENT)
+    odd = json_values | st.integers(1, 3000).map(Nested)
+
+    def text(args: tuple[dict[str, Any], dict[str, Any]]) -> bytes:
+        changes, settings = args
+        return _as_json({**document, **changes, "settings": {**document["settings"], **settings}})
+
+    return st.tuples(st.dictionaries(st.sampled_from(sorted(document)), odd, max_size=2),
+                     st.dictionaries(st.sampled_from(sorted(document["settings"])) | st.text(max_size=70), odd,
+                                     max_size=2)).map(text)
 
 
 def status_documents() -> st.SearchStrategy[bytes]:
@@ -486,6 +506,7 @@ def targets() -> list[Target]:
         Target("DHT record schema", record_schema, st.tuples(payloads(MSGPackSerializer.dumps(OWNER)),
                                                              payloads(record_bytes))),
         Target("state blob", state_blob, payloads(BLOB)),
+        Target("run document", parse_document, payloads(RUN_DOCUMENT) | run_documents()),
         Target("status answer", status_read, mutated(STATUS_ANSWER) | status_documents() | st.binary(max_size=300)),
         *(Target(f"{name} (structured)", through_wire(parse), structured(name)) for name, parse in MESSAGES.items()),
     ]
