@@ -46,7 +46,9 @@ join in time), and every member logs it. A group of one is remembered like any o
 the round alone: stragglers that formed a second group of the same round at the same coordinator split the
 swarm in two); and a peer that is alone, or reaches no coordinator, while other peers that could apply the
 round without it are alive (``working_on``) applies nothing rather than its own update
-(``SwarmCommunicator``): a solitary commit would split it from them.
+(``SwarmCommunicator``): a solitary commit would split it from them. Where there is no coordinator to ask at all
+while other trainers of the run live (all of them behind NAT, their hub gone), it waits for one until its join's
+deadline, looking each heartbeat: a hub started again is asked as soon as its record is out.
 
 A round covers named parameter slices (one per pipeline stage; the whole model when it is not cut):
 a full replica holds them all, a stage peer one. The state a round starts from is, for every slice,
@@ -64,6 +66,7 @@ its holders.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -237,7 +240,9 @@ class Matchmaker:
         while time.monotonic() < deadline and not self.leaving.is_set():
             candidates = self.candidates(set(unreachable)) | (hints - set(unreachable) - set(self.bans.proofs))
             if not candidates:
-                break
+                if not await self._coordinator_may_come(round_index, deadline):
+                    break
+                continue
             coordinator = best_coordinator(candidates, round_index)
             request["unreachable"] = sorted(unreachable)
             self.whereabouts.join(round_index, name, coordinator)  # before the ask: its group may reach us first
@@ -276,6 +281,18 @@ class Matchmaker:
         return Group(NOBODY_ANSWERED, round_index, name, (self.me,), self.me,
                      holdings=((self.me, tuple(sorted(slices))),),
                      tokens=((self.me, request["tokens"]),))
+
+    async def _coordinator_may_come(self, round_index: int, deadline: float) -> bool:
+        """Whether to wait for a coordinator, none being there to ask: while other trainers of the run live (they, not
+        this peer alone, would be split from), until ``deadline``, a heartbeat at a time (a hub started again after a
+        crash, whose trainers all dial out, shows up so; a round they rushed through alone meanwhile was lost to all
+        of them). False at once for a hub, and for a peer alone in its run, which applies its round alone."""
+        if self.hub or time.monotonic() + self.directory.interval >= deadline \
+                or not await self.working_on(round_index, any_round=True):
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.leaving.wait(), self.directory.interval)
+        return not self.leaving.is_set()
 
     async def _unless_passed(self, round_index: int, asking: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
         """A hub's answer to ``asking``, unless, at a fresh look each heartbeat, most of the run's trainers are at a

@@ -195,9 +195,11 @@ class Swarm:
         """Download ``target`` (one slice, whose tensors take ``tensor_bytes`` here) from the peers that hold it and
         are not banned here (SwarmError if none serves it as vouched); a donor that describes or serves it falsely
         is banned."""
-        # A peer behind a NAT cannot be dialled for the state: it is never a donor.
+        # A peer behind a NAT cannot be dialled for the state: it is a donor only over a connection it opened to this
+        # one (a hub started again, whose trainers all dial out, holds nothing else to catch up from)
+        connected = self.loop.run(wire.connected_directly(self.node.protocol.p2p), CALL_TIMEOUT)
         donors = [p for p in target.holders if p != self.peer_id and not self.bans.banned(p, target.round)
-                  and not self.directory.dials_out(p)]
+                  and (not self.directory.dials_out(p) or p in connected)]
 
         def blame(donor: str, why: str) -> None:
             self.bans.ban(donor, target.round, why)

@@ -265,3 +265,10 @@ async def reachable(p2p: P2P, peer_id: str, handler: str, timeout: float) -> boo
         return False
     writer.close()
     return True
+
+
+async def connected_directly(p2p: P2P) -> set[str]:
+    """The peers this daemon holds a connection to that no relay carries: one a peer behind NAT opened to it is one
+    this peer can open streams on, though nobody can dial that peer."""
+    return {str(info.peer_id) for info in await p2p.list_peers()
+            if any("/p2p-circuit" not in str(address) for address in info.addrs)}
