@@ -202,13 +202,15 @@ class SwarmCommunicator(Communicator):
 
     async def _stranded(self, round_index: int, alone: Group) -> bool:
         """Whether no coordinator answered this peer (``alone`` is no group a coordinator formed) while other trainers
-        of the run live, at any round: every one of them only dials out and no hub serves the run, or none of them
-        answers. Each applying its own update would fork the run into private models that never meet again (nobody
-        can fetch a state from a peer that cannot be dialled), so this peer applies nothing; its work waits in its
-        error feedback (or carry) and goes into the first round it shares. Said once, in one line, with the fix."""
+        of the run live, at any round, and every one of them only dials out (``Matchmaker.stranded_with``): no hub
+        serves the run, or none answers. Each applying its own update would fork the run into private models that
+        never meet again (nobody can fetch a state from a peer that cannot be dialled), so this peer applies nothing,
+        and, nobody else having applied it either, has nothing to catch up to; its work waits in its error feedback
+        (or carry) and goes into the first round it shares. Said once, in one line, with the fix. Where another
+        trainer can be dialled, the rule for a peer alone holds (it may have gone on: this peer catches up)."""
         if alone.group_id != NOBODY_ANSWERED:
             return False
-        others = await self.matchmaker.working_on(round_index, any_round=True)
+        others = await self.matchmaker.stranded_with(round_index)
         if others and not self._stranded_said:
             self._stranded_said = True
             logger.warning(

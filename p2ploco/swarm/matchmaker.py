@@ -283,12 +283,13 @@ class Matchmaker:
                      tokens=((self.me, request["tokens"]),))
 
     async def _coordinator_may_come(self, round_index: int, deadline: float) -> bool:
-        """Whether to wait for a coordinator, none being there to ask: while other trainers of the run live (they, not
-        this peer alone, would be split from), until ``deadline``, a heartbeat at a time (a hub started again after a
-        crash, whose trainers all dial out, shows up so; a round they rushed through alone meanwhile was lost to all
-        of them). False at once for a hub, and for a peer alone in its run, which applies its round alone."""
+        """Whether to wait for a coordinator, none being there to ask: while the run's other live trainers all dial
+        out too (``stranded_with``: none of them applies a round meanwhile either), until ``deadline``, a heartbeat
+        at a time (a hub started again after a crash shows up so; rounds rushed through meanwhile were lost to all of
+        them). False at once for a hub, for a peer alone in its run (it applies its round alone), and where another
+        trainer can be dialled (the others may go on with it: this peer catches up)."""
         if self.hub or time.monotonic() + self.directory.interval >= deadline \
-                or not await self.working_on(round_index, any_round=True):
+                or not await self.stranded_with(round_index):
             return False
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.leaving.wait(), self.directory.interval)
@@ -398,6 +399,14 @@ class Matchmaker:
             if live[p].group:
                 stages.setdefault(live[p].group, set()).add(live[p].stage)
         return [p for p in alive if not live[p].group or len(stages[live[p].group]) >= self.stages]
+
+    async def stranded_with(self, round_index: int) -> list[str]:
+        """The run's other live trainers (at any round: ``working_on``), if every one of them dials out: then none of
+        them can coordinate, and none applies a round that this peer, which reached no coordinator, could catch up
+        to; [] where one of them can be dialled, or none lives."""
+        others = await self.working_on(round_index, any_round=True)
+        live = self.directory.live
+        return others if all(p in live and live[p].dials_out for p in others) else []
 
     async def _check_plausible(self, group: Group) -> None:
         """PayloadError unless every member of ``group`` is a live peer this peer knows, itself included. A
