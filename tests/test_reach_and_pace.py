@@ -101,6 +101,24 @@ def test_trainers_that_all_only_dial_out_train_together_through_the_bootstraps_h
         assert all(r["reachability"] == "client" and r["contributed_tokens"] == r["tokens"] > 0 for r in runs[name])
 
 
+@pytest.mark.slow  # CI's second stage: four nodes and two hubs
+@pytest.mark.timeout(300)
+def test_a_bootstrap_hosts_a_hub_for_each_run_trained_through_it(tmp_path):
+    """Two runs through one bootstrap, each of one trainer that only dials out: the bootstrap fetches each run's
+    config and hosts a hub for each (it used to serve one run only, and none where there were several), and each
+    trainer applies every round with its run's hub."""
+    runs = {"a": "one", "b": "two"}
+    with LocalSwarm(tmp_path, hub=True) as swarm:
+        nodes = [swarm.start_node(name, TINY_CONFIG, *FAST, "--set", "swarm.min_peers=2", "--max-rounds", str(ROUNDS),
+                                  "--run-id", run, "--reachability", "client") for name, run in runs.items()]
+        assert [node.process.wait(240) for node in nodes] == [0, 0]
+        trained = {run: (swarm.records(name), swarm.hub_records(run)[:ROUNDS]) for name, run in runs.items()}
+    for run, (records, hub) in trained.items():
+        assert [r["round"] for r in records] == [r["round"] for r in hub] == list(range(ROUNDS)), run
+        assert all(r["applied"] and r["peers"] == 2 for r in records + hub), run
+        assert [r["params_digest"] for r in records] == [r["params_digest"] for r in hub], run
+
+
 @pytest.mark.timeout(300)
 def test_a_slow_peer_trains_fewer_steps_and_its_tokens_count(tmp_path):
     with LocalSwarm(tmp_path) as swarm:
