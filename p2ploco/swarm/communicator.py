@@ -164,6 +164,7 @@ class SwarmCommunicator(Communicator):
         pace of its budget, and a few records claiming fast steps shortened its rounds up to 16x."""
         self.matchmaker.follow(group, delivered)
         if group is not None:
+            self._stranded_said = False
             self._recent = (*self._recent, frozenset(delivered))[-PARTNER_ROUNDS:]
             self.partners = frozenset().union(*self._recent)
 
@@ -180,7 +181,6 @@ class SwarmCommunicator(Communicator):
             failures.append(Failure.NO_COORDINATOR)
             return AllReduceResult([self.matchmaker.me], committed=False, failures=failures,
                                    traffic=Traffic(seconds=time.perf_counter() - started))
-        self._stranded_said = False
         others = await self.matchmaker.working_on(round_index)
         if others:
             failures.append(Failure.ALONE)
