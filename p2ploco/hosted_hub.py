@@ -207,14 +207,12 @@ class RunHub:
         else what the hub waits for."""
         host = self.host
         surveyed = host.loop.run(survey(host.node, self.run_id))
-        if not surveyed.trainers:
-            return f"hub: waiting for run '{shown(self.run_id)}''s first trainer"
         try:  # by the trainers' records: a hub's, this bootstrap's own hub's among them, trains nothing
             run = host.loop.run(fetch_run_document(host.node.protocol.p2p, self.run_id, surveyed.trainers,
                                                    str(host.node.peer_id), expires_in=surveyed.expires_in))
         except ConfigUnserved as e:
             return f"hub: waiting for run '{shown(self.run_id)}''s config: {e}"
-        if run is None:  # no fresh trainer's record carries a config
+        if run is None:  # no fresh trainer's record (with a config) yet
             return f"hub: waiting for run '{shown(self.run_id)}''s first trainer"
         host.settings.log_dir.mkdir(parents=True, exist_ok=True)
         save_run_document(run, self.document)
