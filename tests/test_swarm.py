@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from p2ploco.launch import TINY_CONFIG, LocalSwarm
+from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
 from p2ploco.metrics import read_records
 
 PEER_ID = "12D3KooWJ4cJv1Dk5qw6xcEgp53RK6D3ijRbFuB8UvPLECdd6ED9"
@@ -148,3 +148,20 @@ def test_a_new_identity_file_is_created_once_and_held_by_one_live_node(tmp_path)
     again = subprocess.run([sys.executable, "-c", CLAIM, str(identity)], input="go\nexit\n", capture_output=True,
                            text=True, timeout=30)
     assert "claimed" in again.stdout and identity.read_bytes() == key  # released on exit, the same key kept
+
+
+@pytest.mark.timeout(240)
+def test_a_port_another_peer_listens_on_is_one_error_line_before_anything_starts(tmp_path):
+    """p2pd listens with SO_REUSEPORT: a second daemon on a port another holds used to share it; the node said
+    "joined" with a join command naming that port, both logged "dial to self attempted", and rounds aborted. Now a
+    node, a bootstrap and so a hub on a taken port exit 2 with one line, before anything joins."""
+    with LocalSwarm(tmp_path) as swarm:
+        taken = "/ip4/127.0.0.1/tcp/" + re.search(r"/tcp/(\d+)/", swarm.bootstrap_address).group(1)
+        said = (f"error: --host-maddrs {taken}: the port is in use by another process (another node or bootstrap?); "
+                f"pick another port in --host-maddrs (/tcp/0: any free one)")
+        starts = {"bootstrap": cli("dht", "--host-maddrs", taken, "--no-hub"),
+                  "node": cli("node", "start", "--config", str(TINY_CONFIG), "--initial-peers", swarm.bootstrap_address,
+                              "--host-maddrs", taken, "--log-dir", str(tmp_path / "node"))}
+        for kind, argv in starts.items():
+            result = subprocess.run(argv, capture_output=True, text=True, timeout=100)
+            assert (result.returncode, result.stderr.splitlines()) == (2, [said]), (kind, result.stdout, result.stderr)

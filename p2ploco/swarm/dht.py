@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 
@@ -41,6 +43,26 @@ def check_multiaddrs(values: Sequence[str], option: str, need_peer_id: bool) -> 
     return checked
 
 
+def taken_listen_address(host_maddrs: Sequence[str]) -> str | None:
+    """The first of ``host_maddrs`` whose TCP port another process listens on, as a bind without SO_REUSEPORT finds
+    (p2pd binds with it, so it would share a port another p2pd holds, and both would answer for one address); None if
+    every one is free or picks a free port (/tcp/0)."""
+    for text in host_maddrs:
+        address = Multiaddr(text)
+        family = next((f for proto, f in (("ip4", socket.AF_INET), ("ip6", socket.AF_INET6)) if proto in address),
+                      None)
+        if family is None or "tcp" not in address or address["tcp"] == "0":
+            continue
+        host = address["ip4"] if family == socket.AF_INET else address["ip6"]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, int(address["tcp"])))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return text
+    return None
+
+
 async def start_dht_node(
     initial_peers: Sequence[str] = (),
     host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
@@ -62,6 +84,10 @@ async def start_dht_node(
         initial_peers = check_multiaddrs(initial_peers, "--initial-peers", need_peer_id=True)
         host_maddrs = check_multiaddrs(host_maddrs, "--host-maddrs", need_peer_id=False)
         announce_maddrs = check_multiaddrs(announce_maddrs, "--announce-maddrs", need_peer_id=False)
+        taken = taken_listen_address(host_maddrs)
+        if taken is not None:  # p2pd listens with SO_REUSEPORT: it would share the port with another daemon there
+            raise ConfigError(f"--host-maddrs {taken}: the port is in use by another process (another node or "
+                              f"bootstrap?); pick another port in --host-maddrs (/tcp/0: any free one)")
         for address in map(Multiaddr, announce_maddrs):
             if any(proto in address and address[proto] == "0" for proto in ("tcp", "udp")):
                 raise SwarmError(f"--announce-maddrs '{address}' has port 0; announce the real port others can reach")
