@@ -50,15 +50,13 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def stop_gracefully(stop: Callable[[], None]) -> None:
-    """The first SIGINT or SIGTERM calls ``stop`` (leave cleanly, exit 0: ``Node.stop``); a second one stops at
-    once."""
+def stop_gracefully(stop: Callable[[], str]) -> None:
+    """The first SIGINT or SIGTERM calls ``stop`` (leave cleanly, exit 0: ``Node.stop``), and prints what it says
+    happens next; a second one stops at once."""
     def handler(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
-        click.echo(f"{signal.Signals(signum).name}: leaving: the round's inner steps stop here, an all-reduce under "
-                   f"way is finished, then a checkpoint is written (signal again to stop at once)", err=True)
-        stop()
+        click.echo(f"{signal.Signals(signum).name}: {stop()}", err=True)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, handler)
@@ -121,9 +119,12 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
         overrides: tuple[str, ...], hub_port: int | None, hub_max_mbit: float, hub_log_dir: str) -> None:
     """A bootstrap DHT peer, and by default a hub for the run trained through it: prints the addresses nodes join
     through and stays up until stopped."""
-    from p2ploco.hosted_hub import PLAIN_NAME, HostedHub, HubSettings, next_port
+    from p2ploco.hosted_hub import PLAIN_NAME, HostedHub, HubSettings, hub_maddrs, next_port
     from p2ploco.swarm.bootstrap import start_bootstrap, stop_bootstrap
+    from p2ploco.swarm.dht import check_addresses, taken_listen_address
     from p2ploco.swarm.loop import EventLoopThread
+
+    check_addresses(initial_peers, host_maddrs, announce_maddrs)
 
     given = [flag for flag, value in (("--run-id", run_id), ("--config", config_path), ("--set", overrides or None),
                                       ("--hub-port", hub_port), ("--hub-max-mbit", hub_max_mbit or None))
@@ -138,6 +139,10 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
     if run_id is not None and not PLAIN_NAME.fullmatch(run_id):  # the config's or the one named, never served
         raise ConfigError(f"run id {run_id!r}: a hub serves runs with plain names only (letters, digits, '.', "
                           f"'_', '-'; at most 64); rename the run, or pass --no-hub")
+    port = next_port(host_maddrs) if hub_port is None else hub_port
+    if not no_hub and port and (taken := taken_listen_address(hub_maddrs(host_maddrs, port))) is not None:
+        raise ConfigError(f"the hub's port {port} ({taken}; the bootstrap's port + 1 unless --hub-port says) is in use "
+                          f"by another process; pick another with --hub-port (0: any free one), or pass --no-hub")
     loop = EventLoopThread()
     hub: HostedHub | None = None
     try:
@@ -150,9 +155,8 @@ def dht(initial_peers: tuple[str, ...], host_maddrs: tuple[str, ...], announce_m
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stopped.set())
         if not no_hub:
-            settings = HubSettings(run_id, config_path, overrides,
-                                   next_port(host_maddrs) if hub_port is None else hub_port, host_maddrs,
-                                   announce_maddrs, identity, Path(hub_log_dir), hub_max_mbit)
+            settings = HubSettings(run_id, config_path, overrides, port, host_maddrs, announce_maddrs, identity,
+                                   Path(hub_log_dir), hub_max_mbit)
             hub = HostedHub(settings, loop, node, addresses[0], click.echo)
             hub.start()
         stopped.wait()
@@ -195,8 +199,9 @@ def node() -> None:
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Where metrics.jsonl goes [runs/RUN/PEER].")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config key, e.g. --set inner.lr=3e-4 (repeatable).")
-@click.option("--resume", is_flag=True,
-              help="Continue from the checkpoint in --log-dir, then catch up with the swarm.")
+@click.option("--resume", type=click.Choice(["always", "auto"]), is_flag=False, flag_value="always",
+              help="Continue from the checkpoint in --log-dir, then catch up with the swarm; `--resume auto`: continue "
+                   "one if there is one, else start afresh (for a supervisor that restarts the node).")
 @click.option("--name", default="", help="Name shown by `p2ploco peers` [derived from the peer id].")
 @click.option("--role", type=click.Choice(["replica", "stage", "hub"]), default="replica", show_default=True,
               help="Train the whole model, one stage of a pipeline group (needs pipeline.stages >= 2), or nothing: "
@@ -216,13 +221,34 @@ def node() -> None:
 def node_start(config_path: str | None, initial_peers: tuple[str, ...], run_document: str | None,
                host_maddrs: tuple[str, ...],
                announce_maddrs: tuple[str, ...], identity: str | None, run_id: str | None, max_rounds: int | None,
-               nproc_per_node: int | None, log_dir: str | None, overrides: tuple[str, ...], resume: bool, name: str,
+               nproc_per_node: int | None, log_dir: str | None, overrides: tuple[str, ...], resume: str | None,
+               name: str,
                role: str, pipeline_group: str | None, stage: int | None, status_port: int | None, status_host: str,
                reachability: str | None) -> None:
     """Join (or start) a swarm and train."""
+    for signum in (signal.SIGINT, signal.SIGTERM):  # until the node can leave cleanly, a signal ends the start-up
+        signal.signal(signum, _interrupt)
+    try:
+        _start_node(config_path, initial_peers, run_document, host_maddrs, announce_maddrs, identity, run_id,
+                    max_rounds, nproc_per_node, log_dir, overrides, resume, name, role, pipeline_group, stage,
+                    status_port, status_host, reachability)
+    except KeyboardInterrupt:  # 128 + SIGINT, as a shell reports an interrupted command
+        click.echo("error: stopped during start-up, before the node trained anything: no checkpoint was written; "
+                   "start it again in the same way", err=True)
+        sys.exit(130)
+
+
+def _start_node(config_path: str | None, initial_peers: tuple[str, ...], run_document: str | None,
+                host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...], identity: str | None,
+                run_id: str | None, max_rounds: int | None, nproc_per_node: int | None, log_dir: str | None,
+                overrides: tuple[str, ...], resume: str | None, name: str, role: str, pipeline_group: str | None,
+                stage: int | None, status_port: int | None, status_host: str, reachability: str | None) -> None:
     from p2ploco.config import load_config
     from p2ploco.node import Node, SwarmOptions
     from p2ploco.roles import RoleOptions
+    from p2ploco.swarm.dht import check_addresses
+
+    check_addresses(initial_peers, host_maddrs, announce_maddrs)
 
     extra = ([f"run_id={run_id}"] if run_id else []) + ([f"training.rounds={max_rounds}"] if max_rounds else []) \
         + ([f"swarm.reachability={reachability}"] if reachability else []) \
@@ -393,10 +419,11 @@ def look_at_swarm(initial_peers: tuple[str, ...], status_from: str | None, run_i
             pass
         return
 
-    from p2ploco.swarm.dht import start_dht_node
+    from p2ploco.swarm.dht import check_addresses, start_dht_node
     from p2ploco.swarm.loop import EventLoopThread, finishes_within
     from p2ploco.swarm.survey import find_run, survey
 
+    check_addresses(initial_peers, (), ())
     logging.getLogger("hivemind").setLevel(logging.CRITICAL)  # a client's daemon chatter is noise to its user
     # so is asyncio's note that the daemon exited after the loop closed (seen on a busy machine, after the error)
     logging.getLogger("asyncio").setLevel(logging.ERROR)

@@ -125,7 +125,7 @@ def resolve_device(name: str, ranks: int = 1) -> torch.device:
 
 class Node:
     def __init__(self, config: Config, options: SwarmOptions, log_dir: Path | None, config_path: str | None,
-                 resume: bool = False, out: Callable[[str], None] = print, role: RoleOptions | None = None,
+                 resume: str | None = None, out: Callable[[str], None] = print, role: RoleOptions | None = None,
                  status_address: tuple[str, int] | None = None, overrides: Sequence[str] = (),
                  document_path: Path | None = None):
         """``config_path``: the file ``config`` was read from; None: the node trains its run's config, fetched from
@@ -147,12 +147,17 @@ class Node:
         self.swarm: Swarm | None = None
         self.failure: RankError | None = None  # why the node stopped training before it was told to (a rank died)
 
-    def stop(self) -> None:
+    def stop(self) -> str:
         """Leave after the current round (safe from a signal handler): an unfinished round's inner steps
-        are abandoned; an all-reduce under way is finished."""
+        are abandoned; an all-reduce under way is finished. Returns what happens next, for the person who asked."""
         self.stopping.set()
         if self.swarm is not None:
             self.swarm.request_leave()
+        if not self.records:
+            return ("leaving before its first round ended: nothing is trained, so no checkpoint is written (start "
+                    "again in the same way; signal again to stop at once)")
+        return ("leaving: the round's inner steps stop here, an all-reduce under way is finished, then a checkpoint "
+                "is written (signal again to stop at once)")
 
     def run(self) -> list[RoundRecord]:
         c = self.config
@@ -170,6 +175,8 @@ class Node:
         me = swarm.peer_id[-8:]
         ranks: LocalRanks | None = None
         try:
+            if self.stopping.is_set():  # stopped while it joined: it leaves before it has trained or said more
+                return self.records
             swarm.update_record(device=describe_device(device, c.training.ranks), ranks=c.training.ranks)
             if status is not None:
                 self._serve_status(swarm, *status)
@@ -189,7 +196,8 @@ class Node:
                 if self.failure is not None and c.training.shard:
                     self.out(f"[{me}] no exit checkpoint: the rank that left held shards of the model and of its "
                              f"optimizer state; the last checkpoint in {files.checkpoints} stands")
-                else:
+                elif self.records:  # one that trained nothing writes none: it would hold the seed's state (or
+                    # one a checkpoint or the swarm still holds), and make the next start in this folder need --resume
                     self._save_on_exit(swarm, role, schedule, files, standing)
                     self.out(f"[{me}] checkpoint of round {standing.round} written to {files.checkpoints}")
             finally:
@@ -205,6 +213,8 @@ class Node:
                 finally:
                     if ranks is not None:
                         ranks.close()
+        if not self.records and self.stopping.is_set():
+            return self.records  # stopped before its first round: the line the stop printed says all there is
         if self.stopping.is_set() or self.failure is not None:
             self.out(f"[{me}] left the swarm after {len(self.records)} round(s)")
         self.out(summary(self.records, time.perf_counter() - started))
@@ -254,7 +264,7 @@ class Node:
             me, fingerprint = arrival.peer_id[-8:], c.swarm_fingerprint(self.data.fingerprint)
             files = RunDirectory(self.log_dir or Path("runs") / c.run_id / me, c, fingerprint, self.resume,
                                  lambda line: self.out(f"[{me}] {line}"))
-            self.run_files = files, files.saved()
+            self.run_files = files, files.resumed
             return arrival.enter(c.swarm, c.run_document(self.data.fingerprint), o.name, role=self.role_options.kind,
                                  stages=c.pipeline.stages, max_tokens=c.max_contribution_tokens)
         except BaseException:  # interrupted too: the status port is free again for the next start

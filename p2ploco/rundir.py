@@ -13,16 +13,24 @@ from p2ploco.config import Config
 from p2ploco.errors import CheckpointError
 from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog
 
+RESUME = "always"  # --resume: continue the checkpoint in the run directory; there must be one
+RESUME_IF_ANY = "auto"  # --resume auto: continue it if there is one, else start afresh (a supervisor's restarts)
+
 
 class RunDirectory:
-    def __init__(self, path: Path, config: Config, fingerprint: str, resume: bool, out: Callable[[str], None]):
-        """Open ``path`` for a run; a checkpoint already there is continued only with ``resume`` (else one line
-        says what to do), so that no run overwrites another's."""
+    def __init__(self, path: Path, config: Config, fingerprint: str, resume: str | None, out: Callable[[str], None]):
+        """Open ``path`` for a run. A checkpoint already there is continued only with ``resume`` (``RESUME`` or
+        ``RESUME_IF_ANY``), else one line says what to do, so that no run overwrites another's. The checkpoint is
+        read and verified before anything is written, so that a refused start leaves the folder as it was."""
         self.checkpoints = path / "checkpoint"
-        if checkpoint.exists(self.checkpoints) and not resume:
-            raise CheckpointError(f"{self.checkpoints} already holds a checkpoint: pass --resume to continue it, "
-                                  f"or another --log-dir")
-        self.run_id, self.fingerprint, self.resume = config.run_id, fingerprint, resume
+        found = checkpoint.exists(self.checkpoints)
+        if found and resume is None:
+            raise CheckpointError(f"{self.checkpoints} already holds a checkpoint: pass --resume to continue it "
+                                  f"(--resume auto: continue one if there is one, else start afresh), or another "
+                                  f"--log-dir")
+        self.run_id, self.fingerprint = config.run_id, fingerprint
+        self.resumed = (checkpoint.load(self.checkpoints, config.run_id, fingerprint)
+                        if found or resume == RESUME else None)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
         self.saver = checkpoint.BackgroundSaver(self.checkpoints, config.run_id, fingerprint)
@@ -30,10 +38,6 @@ class RunDirectory:
         self.board = TensorBoardLog(path / "tensorboard")
         if self.board.writer is not None:
             out(f"TensorBoard logs in {path / 'tensorboard'}")
-
-    def saved(self) -> Checkpoint | None:
-        """The checkpoint to resume from (None unless resuming)."""
-        return checkpoint.load(self.checkpoints, self.run_id, self.fingerprint) if self.resume else None
 
     def write(self, record: RoundRecord) -> None:
         self.metrics.append(record)

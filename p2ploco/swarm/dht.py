@@ -21,24 +21,28 @@ from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.schema import record_validator
 
-EXAMPLE = "/ip4/203.0.113.7/tcp/31337/p2p/Qm..."
+EXAMPLE = "/ip4/203.0.113.7/tcp/31337/p2p/Qm..."  # a peer's address: where it listens, and its id
+LISTEN_EXAMPLE = "/ip4/0.0.0.0/tcp/31350"  # this peer's own listening address: no id
 DAEMON_LOG = logging.getLogger("hivemind.p2p.p2p_daemon")  # where hivemind logs what its p2p daemon prints
 
 
 def check_multiaddrs(values: Sequence[str], option: str, need_peer_id: bool) -> list[str]:
-    """Parse multiaddrs given on the command line, failing with one line that shows the expected form."""
+    """Parse multiaddrs given on the command line, failing with one line (ConfigError: bad input) that shows the
+    expected form: a peer's address with its id (``need_peer_id``), or a listening address without one."""
     checked = []
     for value in values:
         try:
             address = Multiaddr(value)
         except ValueError:  # hivemind's multiaddr ParseError
-            raise SwarmError(f"{option} {value!r} is not a multiaddr; expected e.g. {EXAMPLE}") from None
+            raise ConfigError(f"{option} {value!r} is not a multiaddr; expected e.g. "
+                              f"{EXAMPLE if need_peer_id else LISTEN_EXAMPLE}") from None
         protocols = {p.name for p in address.protocols()}
         if need_peer_id and "p2p" not in protocols:
-            raise SwarmError(f"{option} {value!r} lacks the peer id part /p2p/Qm...; "
+            raise ConfigError(f"{option} {value!r} lacks the peer id part /p2p/Qm...; "
                              f"copy the full address the bootstrap peer printed")
         if not need_peer_id and "p2p" in protocols:
-            raise SwarmError(f"{option} {value!r} must not include /p2p/...: it names a local listening address")
+            raise ConfigError(f"{option} {value!r} must not include /p2p/...: it names a local listening address, "
+                              f"e.g. {LISTEN_EXAMPLE}")
         checked.append(value)
     return checked
 
@@ -63,6 +67,22 @@ def taken_listen_address(host_maddrs: Sequence[str]) -> str | None:
     return None
 
 
+def check_addresses(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str]) -> None:
+    """ConfigError, in one line, for addresses a peer cannot start with: malformed, with or without the peer id
+    where the other is needed, an announced port 0, or a port to listen on that another process holds. A command
+    calls it before anything else starts; ``start_dht_node`` again, just before the daemon binds."""
+    check_multiaddrs(initial_peers, "--initial-peers", need_peer_id=True)
+    check_multiaddrs(host_maddrs, "--host-maddrs", need_peer_id=False)
+    check_multiaddrs(announce_maddrs, "--announce-maddrs", need_peer_id=False)
+    for address in map(Multiaddr, announce_maddrs):
+        if any(proto in address and address[proto] == "0" for proto in ("tcp", "udp")):
+            raise ConfigError(f"--announce-maddrs '{address}' has port 0; announce the real port others can reach")
+    taken = taken_listen_address(host_maddrs)
+    if taken is not None:  # p2pd listens with SO_REUSEPORT: it would share the port with another daemon there
+        raise ConfigError(f"--host-maddrs {taken}: the port is in use by another process (another node or "
+                          f"bootstrap?); pick another port in --host-maddrs (/tcp/0: any free one)")
+
+
 async def start_dht_node(
     initial_peers: Sequence[str] = (),
     host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
@@ -81,16 +101,7 @@ async def start_dht_node(
     reapers, held, explained = _reapers(), _HeldRecords(), False
     DAEMON_LOG.addFilter(held)
     try:
-        initial_peers = check_multiaddrs(initial_peers, "--initial-peers", need_peer_id=True)
-        host_maddrs = check_multiaddrs(host_maddrs, "--host-maddrs", need_peer_id=False)
-        announce_maddrs = check_multiaddrs(announce_maddrs, "--announce-maddrs", need_peer_id=False)
-        taken = taken_listen_address(host_maddrs)
-        if taken is not None:  # p2pd listens with SO_REUSEPORT: it would share the port with another daemon there
-            raise ConfigError(f"--host-maddrs {taken}: the port is in use by another process (another node or "
-                              f"bootstrap?); pick another port in --host-maddrs (/tcp/0: any free one)")
-        for address in map(Multiaddr, announce_maddrs):
-            if any(proto in address and address[proto] == "0" for proto in ("tcp", "udp")):
-                raise SwarmError(f"--announce-maddrs '{address}' has port 0; announce the real port others can reach")
+        check_addresses(initial_peers, host_maddrs, announce_maddrs)
         validator, owner = record_validator(identity.key if identity is not None else RSAPrivateKey(), run_id)
         return await DHTNode.create(
             initial_peers=list(initial_peers),
