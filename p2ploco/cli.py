@@ -226,9 +226,12 @@ def node_start(config_path: str | None, initial_peers: tuple[str, ...], run_docu
                role: str, pipeline_group: str | None, stage: int | None, status_port: int | None, status_host: str,
                reachability: str | None) -> None:
     """Join (or start) a swarm and train."""
+    from p2ploco import faults
+
     for signum in (signal.SIGINT, signal.SIGTERM):  # until the node can leave cleanly, a signal ends the start-up
         signal.signal(signum, _interrupt)
     try:
+        faults.hit("start.load", 0)
         _start_node(config_path, initial_peers, run_document, host_maddrs, announce_maddrs, identity, run_id,
                     max_rounds, nproc_per_node, log_dir, overrides, resume, name, role, pipeline_group, stage,
                     status_port, status_host, reachability)

@@ -16,8 +16,11 @@ slower GPU). ``@round`` may be left out to hit the point in every round. Points:
 - ``commit.vote``          as this peer asks the coordinator for the round's outcome (a failure there is a
                            decision that never arrives)
 - ``state.serve``          before this peer serves a range of its state to a peer catching up
+- ``start.load``           (``node start``, round 0) before the config is read: a signal there ends the start-up
+- ``start.join``           (``node start``, round 0) once the node has joined the swarm, before it trains or says so
 
-Without the variable every hit is a dictionary lookup that finds nothing.
+A stall says on stderr where it stalls (``fault: stalling at POINT``), so that a test acts once it is there. Without
+the variable every hit is a dictionary lookup that finds nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from p2ploco.errors import TransportError
 
 POINTS = ("inner.step", "matchmaking.join", "matchmaking.grouped", "allreduce.contribute", "allreduce.reduce",
-          "commit.vote", "state.serve")
+          "commit.vote", "state.serve", "start.load", "start.join")
 
 
 class InjectedFault(TransportError):
@@ -90,6 +94,7 @@ def hit(point: str, round_index: int) -> None:
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.action == "stall":
+        print(f"fault: stalling at {point}", file=sys.stderr, flush=True)
         time.sleep(fault.seconds)
     if fault.action == "fail":
         _hits[(point, round_index)] += 1
@@ -109,6 +114,7 @@ async def hit_async(point: str, round_index: int) -> None:
     """A fault point on the event loop (a stall must not block the loop's other work)."""
     fault = _find(point, round_index)
     if fault is not None and fault.action == "stall":
+        print(f"fault: stalling at {point}", file=sys.stderr, flush=True)
         await asyncio.sleep(fault.seconds)
     elif fault is not None:
         hit(point, round_index)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from p2ploco import faults
 from p2ploco.budget import FixedSteps, WallClockBudget
 from p2ploco.catchup import CatchUp
 from p2ploco.checkpoint import Checkpoint
@@ -175,6 +176,7 @@ class Node:
         me = swarm.peer_id[-8:]
         ranks: LocalRanks | None = None
         try:
+            faults.hit("start.join", 0)
             if self.stopping.is_set():  # stopped while it joined: it leaves before it has trained or said more
                 return self.records
             swarm.update_record(device=describe_device(device, c.training.ranks), ranks=c.training.ranks)

@@ -1,18 +1,20 @@
 """Elastic membership with real node processes on loopback: crash mid all-reduce, clean leave, a joiner
 mid-run, a restart with the same identity, and a whole swarm resumed from its checkpoints."""
 
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import ground
 
 from p2ploco.config import load_config
 from p2ploco.errors import Failure
-from p2ploco.launch import TINY_CONFIG, LocalSwarm
+from p2ploco.launch import REPO_ROOT, TINY_CONFIG, Child, LocalSwarm
 from p2ploco.swarm.matchmaker import best_coordinator
 
 FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=4",
@@ -245,6 +247,7 @@ def test_checkpoint_errors_are_one_line_and_overwrite_nothing(tmp_path):
     assert pointer.read_bytes() == saved[: len(saved) // 2]  # left as found
     missing = node_start("--log-dir", str(tmp_path / "elsewhere"), "--resume")
     assert missing.returncode == 1 and "no checkpoint in" in missing.stderr
+    assert not (tmp_path / "elsewhere").exists()  # a refused start writes nothing (it left config.json and logs)
     for result in (again, other, torn, missing):
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
         assert "joined run" not in result.stdout  # said before the node joined, not after
@@ -262,3 +265,29 @@ def test_a_listening_port_in_use_is_one_line_naming_the_flag(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: --host-maddrs {address}: the port is in use by another process; pick "
                                      f"another port in --host-maddrs (/tcp/0: any free one)")
+
+
+@pytest.mark.timeout(300)
+def test_run_node_sh_started_again_after_a_crash_rejoins_from_its_checkpoint(tmp_path):
+    """node/run-node.sh as a supervisor runs it (systemd's Restart=on-failure): killed, then the same command again.
+    It continues from its checkpoint and trains with the swarm (it used to refuse: "already holds a checkpoint")."""
+    with LocalSwarm(tmp_path) as swarm:
+        swarm.start_node("other", TINY_CONFIG, *FAST)
+        env = {"P2PLOCO_CONFIG": str(TINY_CONFIG), "P2PLOCO_INITIAL_PEERS": swarm.bootstrap_address,
+               "P2PLOCO_LISTEN_IP": "127.0.0.1", "P2PLOCO_PORT": "0", "P2PLOCO_HOME": str(tmp_path / "home"),
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+        def run_node_sh() -> Child:
+            child = Child("run-node.sh", ["bash", str(REPO_ROOT / "node" / "run-node.sh"), *FAST],
+                          tmp_path / "run-node.log", env=env)
+            swarm.children.append(child)
+            return child
+
+        first = run_node_sh()
+        first.wait_for_line(re.compile(r"round\s+3 \|"), timeout=200)
+        first.signal(signal.SIGKILL)  # a crash: the last periodic checkpoint (every 2 rounds) stands
+        first.process.wait(30)
+        again = run_node_sh()
+        resumed = int(again.wait_for_line(re.compile(r"resumed from \S+ at round (\d+)"), timeout=120).group(1))
+        rejoined = int(again.wait_for_line(applied_with(2), timeout=150).group(1))
+    assert resumed in (2, 4) and rejoined >= resumed

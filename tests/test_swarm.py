@@ -2,6 +2,7 @@
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -84,11 +85,14 @@ def test_sigterm_stops_a_node_cleanly(tmp_path):
     (["--config", "no/such.yaml"], 2, "error: config file no/such.yaml does not exist"),
     (["--config", str(TINY_CONFIG), "--set", "inner.lr=fast"], 2, "error: --set: inner.lr must be a number"),
     (["--config", str(TINY_CONFIG), "--set", "model.n_head=3"], 2, "must be divisible by model.n_head"),
-    (["--config", str(TINY_CONFIG), "--initial-peers", "localhost:1234"], 1, "is not a multiaddr"),
+    (["--config", str(TINY_CONFIG), "--initial-peers", "localhost:1234"], 2,
+     "error: --initial-peers 'localhost:1234' is not a multiaddr; expected e.g. /ip4/203.0.113.7/tcp/31337/p2p/Qm..."),
+    (["--config", str(TINY_CONFIG), "--host-maddrs", "0.0.0.0:31600"], 2,  # a listening address has no /p2p/ part
+     "error: --host-maddrs '0.0.0.0:31600' is not a multiaddr; expected e.g. /ip4/0.0.0.0/tcp/31350"),
     (["--config", str(TINY_CONFIG), "--nproc-per-node", "2"], 2, "training.ranks (2) is more than training.max_ranks"),
     (["--config", str(TINY_CONFIG), "--role", "hub", "--nproc-per-node", "2", "--set", "training.max_ranks=2"], 2,
      "error: --role hub runs on one rank; --nproc-per-node 2 (training.ranks) goes with full replicas"),
-    (["--config", str(TINY_CONFIG), "--initial-peers", "/ip4/127.0.0.1/tcp/1"], 1, "lacks the peer id part"),
+    (["--config", str(TINY_CONFIG), "--initial-peers", "/ip4/127.0.0.1/tcp/1"], 2, "lacks the peer id part"),
     (["--config", str(TINY_CONFIG), "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
       "--initial-peers", f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}"],
      1, "could not reach any bootstrap peer"),
@@ -106,7 +110,7 @@ def test_bad_input_gives_one_clear_line_and_nonzero_exit(args, code, message):
 @pytest.mark.timeout(60)
 def test_bootstrap_peer_rejects_a_bad_listen_address():
     result = p2ploco("dht", "--host-maddrs", f"/ip4/127.0.0.1/tcp/0/p2p/{PEER_ID}")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "must not include /p2p/" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -157,11 +161,56 @@ def test_a_port_another_peer_listens_on_is_one_error_line_before_anything_starts
     node, a bootstrap and so a hub on a taken port exit 2 with one line, before anything joins."""
     with LocalSwarm(tmp_path) as swarm:
         taken = "/ip4/127.0.0.1/tcp/" + re.search(r"/tcp/(\d+)/", swarm.bootstrap_address).group(1)
-        said = (f"error: --host-maddrs {taken}: the port is in use by another process (another node or bootstrap?); "
-                f"pick another port in --host-maddrs (/tcp/0: any free one)")
+        said = (f"error: --host-maddrs {taken}: the port is in use by another process; pick another port in "
+                f"--host-maddrs (/tcp/0: any free one)")
         starts = {"bootstrap": cli("dht", "--host-maddrs", taken, "--no-hub"),
                   "node": cli("node", "start", "--config", str(TINY_CONFIG), "--initial-peers", swarm.bootstrap_address,
                               "--host-maddrs", taken, "--log-dir", str(tmp_path / "node"))}
         for kind, argv in starts.items():
             result = subprocess.run(argv, capture_output=True, text=True, timeout=100)
             assert (result.returncode, result.stderr.splitlines()) == (2, [said]), (kind, result.stdout, result.stderr)
+        # a bootstrap whose own port is free, but not its hub's
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free = probe.getsockname()[1]
+        hub_port = taken.rpartition("/")[2]
+        result = subprocess.run(cli("dht", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{free}", "--hub-port", hub_port),
+                                capture_output=True, text=True, timeout=100)
+        assert (result.returncode, result.stderr.splitlines()) == (2, [
+            f"error: the hub's port {hub_port} ({taken}; the bootstrap's port + 1 unless --hub-port says) is in use by "
+            f"another process; pick another with --hub-port (0: any free one), or pass --no-hub"]), result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_before_the_node_can_leave_cleanly_ends_the_start_up_in_one_line(tmp_path):
+    """Ctrl-C while the node reads its config (it used to print "Aborted!", rc 1): one error line, rc 130."""
+    with LocalSwarm(tmp_path) as swarm:
+        node = swarm.start_node("early", TINY_CONFIG, env={"P2PLOCO_FAULTS": "start.load=stall:60"})
+        node.wait_for_line(re.compile("fault: stalling at start.load"), timeout=60)
+        node.signal(signal.SIGINT)
+        assert node.process.wait(30) == 130
+    said = (tmp_path / "early.log").read_text().splitlines()
+    assert said == ["fault: stalling at start.load",
+                    "error: stopped during start-up, before the node trained anything: no checkpoint was written; "
+                    "start it again in the same way"]
+    assert not (tmp_path / "early").exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_node_stopped_before_its_first_round_writes_no_checkpoint_and_starts_again_without_resume(tmp_path):
+    """Ctrl-C once the node has joined, before it trained (it used to write "checkpoint of round 0", so that the next
+    start in its folder needed --resume): one line, rc 0, no checkpoint; the same command then trains."""
+    with LocalSwarm(tmp_path) as swarm:
+        node = swarm.start_node("joiner", TINY_CONFIG, "--max-rounds", "1",
+                                env={"P2PLOCO_FAULTS": "start.join=stall:5"})
+        node.wait_for_line(re.compile("fault: stalling at start.join"), timeout=90)
+        node.signal(signal.SIGINT)
+        assert node.process.wait(60) == 0
+        after_stall = (tmp_path / "joiner.log").read_text().split("fault: stalling at start.join\n")[1]
+        assert after_stall.splitlines() == [
+            "SIGINT: leaving before its first round ended: nothing is trained, so no checkpoint is written (start "
+            "again in the same way; signal again to stop at once)"]
+        assert not (tmp_path / "joiner" / "checkpoint").exists()
+        again = swarm.start_node("joiner", TINY_CONFIG, "--max-rounds", "1")
+        assert again.process.wait(120) == 0
+    assert [r["round"] for r in swarm.records("joiner")] == [0]

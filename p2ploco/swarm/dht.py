@@ -67,6 +67,11 @@ def taken_listen_address(host_maddrs: Sequence[str]) -> str | None:
     return None
 
 
+def port_in_use(address: str) -> ConfigError:
+    return ConfigError(f"--host-maddrs {address}: the port is in use by another process; pick another port in "
+                       f"--host-maddrs (/tcp/0: any free one)")
+
+
 def check_addresses(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str]) -> None:
     """ConfigError, in one line, for addresses a peer cannot start with: malformed, with or without the peer id
     where the other is needed, an announced port 0, or a port to listen on that another process holds. A command
@@ -79,8 +84,7 @@ def check_addresses(initial_peers: Sequence[str], host_maddrs: Sequence[str], an
             raise ConfigError(f"--announce-maddrs '{address}' has port 0; announce the real port others can reach")
     taken = taken_listen_address(host_maddrs)
     if taken is not None:  # p2pd listens with SO_REUSEPORT: it would share the port with another daemon there
-        raise ConfigError(f"--host-maddrs {taken}: the port is in use by another process (another node or "
-                          f"bootstrap?); pick another port in --host-maddrs (/tcp/0: any free one)")
+        raise port_in_use(taken)
 
 
 async def start_dht_node(
@@ -125,8 +129,7 @@ async def start_dht_node(
             raise SwarmError(f"could not reach any bootstrap peer in {', '.join(initial_peers)}: "
                              f"check the address and that the peer is running") from None
         if "address already in use" in text:
-            raise ConfigError(f"--host-maddrs {' '.join(host_maddrs)}: the port is in use by another process; pick "
-                              f"another port in --host-maddrs (/tcp/0: any free one)") from None
+            raise port_in_use(" ".join(host_maddrs)) from None
         if "already taken" in text:
             raise SwarmError(f"identity {identity.path} is already used by a live peer; "
                              f"stop that peer or pass another --identity") from None
