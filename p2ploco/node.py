@@ -589,6 +589,10 @@ def progress_line(peer_id: str, r: RoundRecord) -> str:
     notes += f" | clipped {len(r.clipped_peers)}" if r.clipped_peers else ""
     notes += f" | left out {len(r.opposed_peers)} opposed" if r.opposed_peers else ""
     notes += " | redone" if r.attempts > 1 else ""
+    if r.role == HUB:  # it trains nothing: what it did is the rounds it held, and the bytes it reduced and served
+        return (f"[{peer_id[-8:]}] round {r.round:>4} | hub | group {r.peers} | reduced "
+                f"{human_bytes(r.bytes_received)} | served {human_bytes(r.bytes_sent)} | comm {r.comm_seconds:.1f}s"
+                f"{notes} | {r.params_digest[:10]}")
     traffic = r.bytes_sent + r.bytes_received
     saving = f", {r.dense_fp32_bytes / traffic:.0f}x under dense fp32" if traffic else ""
     return (f"[{peer_id[-8:]}] round {r.round:>4} | peers {r.peers} | loss {r.loss:.3f} | eval {evaluated} | "
@@ -601,16 +605,24 @@ def summary(records: Sequence[RoundRecord], seconds: float) -> str:
     if not records:
         return f"no round completed ({seconds:.1f} s)"
     evals = [r.eval_loss for r in records if r.eval_loss is not None]
-    rows = [
-        ("rounds", f"{len(records)} ({records[0].round} to {records[-1].round}, "
-                   f"{sum(not r.applied for r in records)} not applied)"),
+    rounds = ("rounds", f"{len(records)} ({records[0].round} to {records[-1].round}, "
+                        f"{sum(not r.applied for r in records)} not applied)")
+    group = ("mean group size", f"{sum(r.peers for r in records) / len(records):.1f}")
+    digest = ("final params digest", records[-1].params_digest[:16])
+    if records[-1].role == HUB:
+        return format_table(("summary", "value"), [
+            rounds, group,
+            ("bytes per round (reduced / served)",
+             f"{human_bytes(sum(r.bytes_received for r in records) / len(records))} / "
+             f"{human_bytes(sum(r.bytes_sent for r in records) / len(records))}"),
+            ("time (comm / total)", f"{sum(r.comm_seconds for r in records):.1f} s / {seconds:.1f} s"), digest])
+    return format_table(("summary", "value"), [
+        rounds,
         ("eval loss first -> last", f"{evals[0]:.3f} -> {evals[-1]:.3f}" if evals else "-"),
-        ("mean group size", f"{sum(r.peers for r in records) / len(records):.1f}"),
+        group,
         ("bytes per round (sent + received)",
          human_bytes(sum(r.bytes_sent + r.bytes_received for r in records) / len(records))),
         ("tokens trained", f"{sum(r.tokens for r in records):,}"),
         ("time (inner / comm / total)", f"{sum(r.inner_seconds for r in records):.1f} s / "
                                         f"{sum(r.comm_seconds for r in records):.1f} s / {seconds:.1f} s"),
-        ("final params digest", records[-1].params_digest[:16]),
-    ]
-    return format_table(("summary", "value"), rows)
+        digest])

@@ -78,6 +78,12 @@ def test_trainers_that_only_dial_out_apply_nothing_alone_say_why_once_and_train_
     for index in applied["a"]:
         a, b = applied["a"][index], applied["b"][index]
         assert a["params_digest"] == b["params_digest"] and a["peers"] == b["peers"] == 3, (a, b)
+    # The hub's lines say what a hub does (they used to read "loss nan | eval - | 0.0k tok/s")
+    hub_lines = [line for line in (tmp_path / "hub.log").read_text().splitlines()
+                 if re.search(r"\] round\s+\d+ \|", line)]
+    assert hub_lines and all(re.search(r"\] round\s+\d+ \| hub \| group [1-3] \| reduced \S+ \S+ \| served \S+ \S+ \| "
+                                       r"comm [\d.]+s", line) and "loss" not in line for line in hub_lines), hub_lines
+    assert any(" | group 3 | " in line for line in hub_lines), hub_lines
 
 
 @pytest.mark.slow  # CI's second stage; the default run keeps a peer that only dials out (above) and hubs in process
