@@ -375,6 +375,9 @@ def data_train_tokenizer(paths: tuple[str, ...], vocab_size: int, out: str) -> N
     rows = [("text", human_bytes(read)), ("vocabulary", f"{tokenizer.vocab_size:,} tokens"),
             ("end of text", f"id {tokenizer.eot}"), ("time", f"{seconds:.1f} s")]
     click.echo(format_table(("tokenizer", out), rows))
+    if tokenizer.vocab_size < vocab_size:
+        click.echo(f"note: the vocabulary has {tokenizer.vocab_size:,} tokens, not the {vocab_size:,} asked for: the "
+                   f"text offers no more merges; train on more text for a larger one")
     click.echo(f"use it with: --set data.tokenizer={out} --set model.vocab_size={tokenizer.vocab_size}, "
                f"or p2ploco data prepare PATHS... --tokenizer {out} --out DIR")
 

@@ -176,6 +176,15 @@ def human_bytes(count: float) -> str:
     return f"{count:.1f} GB"
 
 
+def human_count(count: float) -> str:
+    """``count`` to three significant figures: 812, 47.1k, 1.25M, 3.40B."""
+    for unit in ("", "k", "M"):
+        if abs(count) < 999.5:  # three figures that round to 1000 are the next unit's 1
+            return f"{count:.0f}" if not unit else f"{count:.3g}{unit}"
+        count /= 1000
+    return f"{count:.3g}B" if abs(count) < 999.5 else f"{count:,.0f}B"
+
+
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain-text table with right-aligned columns, readable in any terminal or log."""
     cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]

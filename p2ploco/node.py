@@ -302,7 +302,8 @@ class Node:
             data = self._load_data(config)
             theirs = config.swarm_fingerprint(data.fingerprint)
             if theirs == run.fingerprint:
-                self.out(f"training run '{run_id}''s config, as {run.holders} of its {run.peers} peer(s) train it")
+                self.out(f"training the config of run '{run_id}': {run.holders} of its {run.peers} peer(s) (trainers "
+                         f"and hubs) hold it")
                 return config, data
             arrival.tell_conflict(run, theirs)
         else:
@@ -312,8 +313,8 @@ class Node:
         fix = ("drop those --set" if self.config_path is None else
                "join without --config to train the run's config (with --set only for your own settings: README, "
                "\"Joining with one address\"), or pick another --run-id")
-        raise ConfigError(f"this node's config differs from run '{run_id}''s, which {run.holders} of its {run.peers} "
-                          f"peer(s) train: {shown_keys}; {fix}")
+        raise ConfigError(f"this node's config differs from that of run '{run_id}', which {run.holders} of its "
+                          f"{run.peers} peer(s) (trainers and hubs) hold: {shown_keys}; {fix}")
 
     @staticmethod
     def _needs_run_data(config: Config, document: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from p2ploco.data import (
 )
 from p2ploco.data.split import PIECE_BYTES
 from p2ploco.errors import ConfigError
+from p2ploco.metrics import human_count
 
 EOT = ByteTokenizer.eot
 
@@ -54,6 +55,16 @@ def test_stdlib_is_the_default_corpus():
     assert "standard library" in data.source and "documents held out" in data.split
     assert data.train.tokens > 5_000_000 and 0 < data.eval.tokens < data.train.tokens / 10
     assert data.train.shards[0].max() == EOT and data.fingerprint == ""
+
+
+def test_the_start_up_line_counts_a_small_corpus_in_tokens_it_has(tmp_path):
+    path = tmp_path / "small.txt"
+    path.write_text("x" * 47_000)  # byte-level: one token a byte (it used to read "0.0M train / 0.00M eval")
+    data = load_training_data(config(f"data.paths={path}", "data.seq_len=16"))
+    train, held_out = re.search(r": (\S+) train / (\S+) eval tokens", data.describe()).groups()
+    assert (train, held_out) == (human_count(data.train.tokens), human_count(data.eval.tokens))
+    assert re.fullmatch(r"4\d(\.\d)?k", train) and re.fullmatch(r"\d+(\.\d+)?k?", held_out)
+    assert [human_count(n) for n in (812, 47_123, 999_999, 1_250_000, 3.4e9)] == ["812", "47.1k", "1M", "1.25M", "3.4B"]
 
 
 def test_text_and_jsonl_files(tmp_path, text_folder):

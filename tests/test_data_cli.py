@@ -69,6 +69,15 @@ def test_train_tokenizer_then_prepare_with_it(tmp_path, text):
     line = one_error_line(p2ploco("data", "train-tokenizer", str(text), "--vocab-size", "100", "--out",
                                   str(tmp_path / "small.json")))
     assert line == "error: --vocab-size 100 is too small: a byte-level BPE needs at least 257 (256 bytes + end-of-text)"
+    # The text has fewer merges to make than asked for: the tokenizer is smaller, and it says so
+    small = tmp_path / "small.txt"
+    small.write_text("the quick brown fox jumps over the lazy dog\n" * 100)
+    result = p2ploco("data", "train-tokenizer", str(small), "--vocab-size", "4096", "--out", str(tmp_path / "big.json"))
+    made = json.loads((tmp_path / "big.json").read_text())
+    size = len(made["model"]["vocab"]) + sum(t["id"] >= len(made["model"]["vocab"]) for t in made["added_tokens"])
+    assert result.returncode == 0 and size < 4096, result.stderr
+    assert (f"note: the vocabulary has {size:,} tokens, not the 4,096 asked for: the text offers no more merges; train "
+            f"on more text for a larger one") in result.stdout.splitlines()
 
 
 @pytest.mark.timeout(120)

@@ -48,10 +48,10 @@ def test_a_node_joins_with_one_address_trains_the_runs_config_and_a_conflicting_
         assert [a.process.wait(180), b.process.wait(60)] == [0, 0]
         runs = {name: swarm.records(name) for name in "ab"}
     refused = (tmp_path / "swarm" / "c.log").read_text().strip().splitlines()
-    assert refused[-1] == ("error: this node's config differs from run 'ours''s, which 1 of its 1 peer(s) train: "
-                           "inner.lr=0.01 (run: 0.002); drop those --set")
+    assert refused[-1] == ("error: this node's config differs from that of run 'ours', which 1 of its 1 peer(s) "
+                           "(trainers and hubs) hold: inner.lr=0.01 (run: 0.002); drop those --set")
     b_log = (tmp_path / "swarm" / "b.log").read_text()
-    assert "training run 'ours''s config, as 1 of its 1 peer(s) train it" in b_log
+    assert "training the config of run 'ours': 1 of its 1 peer(s) (trainers and hubs) hold it" in b_log
     assert f"{tmp_path / 'ours'} (prepared)" in b_log and "H=4" in b_log
     assert (tmp_path / "swarm" / "a.log").read_text().count("with another config of its own") == 1
     assert_trained_together(runs, rounds)

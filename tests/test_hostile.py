@@ -674,6 +674,7 @@ def test_records_without_a_config_behind_them_and_one_daemon_of_another_config_e
         assert nodes["a"].process.wait(60) == 0
         runs = {name: swarm.records(name) for name in "abc"}
     newcomer_log = (tmp_path / "c.log").read_text()
-    assert re.search(r"training run 'tiny''s config, as \d+ of its \d+ peer\(s\) train it", newcomer_log)
+    assert re.search(r"training the config of run 'tiny': \d+ of its \d+ peer\(s\) \(trainers and hubs\) hold it",
+                     newcomer_log)
     assert all(r["applied"] for r in runs["c"][1:]) and runs["c"][-1]["peers"] >= 2
     assert_agreement(runs)  # the newcomer and the restarted node trained with a: the honest config

@@ -20,6 +20,7 @@ from p2ploco.data.streams import MemorySink, TokenStream
 from p2ploco.data.tokenize import tokenize_corpus
 from p2ploco.data.tokenizer import Tokenizer, load_tokenizer, token_dtype
 from p2ploco.errors import ConfigError
+from p2ploco.metrics import human_count
 
 
 @dataclass
@@ -35,7 +36,7 @@ class TrainingData:
     fingerprint: str
 
     def describe(self) -> str:
-        return (f"corpus {self.source}: {self.train.tokens / 1e6:.1f}M train / {self.eval.tokens / 1e6:.2f}M eval "
+        return (f"corpus {self.source}: {human_count(self.train.tokens)} train / {human_count(self.eval.tokens)} eval "
                 f"tokens ({self.split}), {self.tokenizer} tokenizer")
 
 
