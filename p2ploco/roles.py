@@ -198,8 +198,9 @@ class StageRole(Role):
                        if stage == 0 else None)
             self.gradients.link(self.transport, sampler)
             self._counted = (0, 0, 0.0)
-        if -1 < self._swarm_round(peers) < round_index:
-            # the round the group meets in (``round_of_group``): its state comes when the swarm's trainers reach it
+        if -1 < self._swarm_round(peers) < round_index - 1:
+            # the round the group meets in (``round_of_group``): its state comes when the swarm's trainers reach it (a
+            # round behind is the swarm finishing the last round, as the stages are done with it first)
             self.waiting_for = f"the swarm to reach round {round_index}, where group {shown(group)} meets"
             return False
         self.waiting_for = f"every stage of group {shown(group)} to be in round {round_index}"
