@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -416,15 +417,16 @@ class Node:
                 presence.announce_standby(standing.round)
                 self.stopping.wait(c.swarm.heartbeat_interval)
                 continue
-            if not role.ready(standing.round, presence.in_for_round(standing.round, standing.doubtful), self.stopping):
+            if not role.ready(standing.round, presence.in_for_round(standing.round, standing.doubtful),
+                              partial(presence.announce_standby, standing.round), self.stopping):
                 group_round = role.round_of_group(standing.round)
-                if group_round > standing.round:  # its pipeline group is ahead: it moves there, its state doubtful
-                    # (it did not apply the rounds between; a holder of its slice may have): it has no say on the
-                    # swarm's state, and catches up to it if some holder has a newer one
-                    self.out(f"[{me}] its pipeline group's other stages are in round {group_round} (this stage: "
-                             f"{standing.round}): it moves there")
-                    standing = replace(standing, round=group_round, waiting_for="", unsettled=group_round - 1,
-                                       doubtful=True)
+                if group_round > standing.round:  # its pipeline group meets in a round ahead: it stands by there and,
+                    # once the swarm is there too, fetches that round's state (catch-up: its state is doubtful, it did
+                    # not apply the rounds between) and trains it with the group
+                    self.out(f"[{me}] its pipeline group meets in round {group_round} (this stage: {standing.round}): "
+                             f"it moves there")
+                    standing = replace(standing, round=group_round, waiting_for="", unsettled=None, doubtful=True)
+                    presence.announce_standby(group_round)
                     continue
                 standing = self._stand_by(presence, role, standing)
                 continue

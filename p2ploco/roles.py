@@ -75,14 +75,17 @@ class Role(ABC):
         seed's: the swarm's comes with the next catch-up)."""
         return False
 
-    def ready(self, round_index: int, announce: Callable[[], None], stopping: threading.Event) -> bool:
-        """Whether this peer may train ``round_index`` now; ``announce`` publishes that it is in for the round
-        (a stage calls it once its group is complete, then waits, bounded, for the other stages to be in too)."""
+    def ready(self, round_index: int, announce: Callable[[], None], stand_by: Callable[[], None],
+              stopping: threading.Event) -> bool:
+        """Whether this peer may train ``round_index`` now; ``announce`` publishes that it is in for the round,
+        ``stand_by`` that it is in the round but nobody is to wait for it (a stage stands by while the other stages
+        of its group come to the round, and announces once they all have, then waits, bounded, for them to be in
+        too)."""
         return True
 
     def round_of_group(self, round_index: int) -> int:
-        """The round this peer trains next as its pipeline group has it (``pipeline.groups.group_round``): a round
-        its group's other stages are in, ahead of ``round_index``, or ``round_index``. A replica has no group."""
+        """The round this peer trains next as its pipeline group has it (``pipeline.groups.group_round``): the round
+        its group meets in, ahead of ``round_index``, or ``round_index``. A replica has no group."""
         return round_index
 
     def record_fields(self) -> dict[str, Any]:
@@ -174,7 +177,8 @@ class StageRole(Role):
         return peers, {claim.peer_id: (schedule, round_of, state) for claim, schedule, round_of, state in claims
                        if claim.peer_id in peers}
 
-    def ready(self, round_index: int, announce: Callable[[], None], stopping: threading.Event) -> bool:
+    def ready(self, round_index: int, announce: Callable[[], None], stand_by: Callable[[], None],
+              stopping: threading.Event) -> bool:
         group, stage = self.slot
         peers, mates = self._group()
         if peers is None:
@@ -194,30 +198,55 @@ class StageRole(Role):
                        if stage == 0 else None)
             self.gradients.link(self.transport, sampler)
             self._counted = (0, 0, 0.0)
-        # In for this round: the round's coordinator now waits for this stage; the others may send to it.
-        announce()
+        if -1 < self._swarm_round(peers) < round_index - 1:
+            # the round the group meets in (``round_of_group``): its state comes when the swarm's trainers reach it (a
+            # round behind is the swarm finishing the last round, as the stages are done with it first)
+            self.waiting_for = f"the swarm to reach round {round_index}, where group {shown(group)} meets"
+            return False
+        self.waiting_for = f"every stage of group {shown(group)} to be in round {round_index}"
+        # Assembling: until every stage is in this round, this one stands by in it (a coordinator does not wait for a
+        # group that may never come together); once all are, it is in for the round, and waits for the others to be too.
+        if not self._all_in(peers, round_index, lambda state: state != PeerState.LEAVING, stopping, stand_by):
+            return False
+        announce()  # the round's coordinator now waits for this stage; the others may send to it
+        return self._all_in(peers, round_index, lambda state: state in IN_ROUND, stopping)
+
+    def _all_in(self, peers: tuple[str, ...], round_index: int, meets: Callable[[str], bool],
+                stopping: threading.Event, waiting: Callable[[], None] | None = None) -> bool:
+        """Whether every other stage of the group ``peers`` comes to be in ``round_index`` in a state that ``meets``
+        asks, within a matchmaking timeout (``waiting`` is announced once, if this stage has to wait for them). False
+        at once if the group changes, or a stage is in a later round (the group meets where ``round_of_group`` says)."""
         deadline = time.monotonic() + self.config.swarm.matchmaking_timeout
         while not stopping.is_set() and time.monotonic() < deadline:
             peers_now, mates = self._group()
             if peers_now != peers:
-                break  # the group changed while it assembled
-            if all(round_of == round_index and state in IN_ROUND for _, round_of, state in mates.values()):
+                return False  # the group changed while it assembled
+            others = [(round_of, state) for peer, (_, round_of, state) in mates.items() if peer != self.swarm.peer_id]
+            if all(round_of == round_index and meets(state) for round_of, state in others):
                 return True
-            if any(round_of > round_index for _, round_of, _ in mates.values()):
-                break  # a mate is ahead: this stage moves to its round (``round_of_group``), it does not wait
+            if any(round_of > round_index for round_of, _ in others):
+                return False
+            if waiting is not None:
+                waiting()
+                waiting = None
             stopping.wait(min(self.config.swarm.heartbeat_interval, ASSEMBLY_POLL))
-        self.waiting_for = f"every stage of group {shown(group)} to be in round {round_index}"
         return False
 
     def round_of_group(self, round_index: int) -> int:
         peers, mates = self._group()
         if peers is None:
             return round_index
-        me, fingerprint = self.swarm.peer_id, self.swarm.directory.me.fingerprint
-        outside = [r.round for r in self.swarm.directory.live.values()
-                   if r.peer_id not in peers and r.role != "bootstrap" and r.fingerprint == fingerprint]
+        me = self.swarm.peer_id
         return group_round([round_of for peer, (_, round_of, _) in mates.items() if peer != me], round_index,
-                           max(outside, default=-1))
+                           self._swarm_round(peers))
+
+    def _swarm_round(self, peers: tuple[str, ...]) -> int:
+        """The furthest round a trainer of the run outside the group ``peers`` is in or catching up to (-1: none);
+        not a standby stage's (another group's proposal)."""
+        fingerprint = self.swarm.directory.me.fingerprint
+        return max((r.round for r in self.swarm.directory.live.values()
+                    if r.peer_id not in peers and r.fingerprint == fingerprint
+                    and r.state in (*IN_ROUND, PeerState.JOINING)), default=-1)
 
     def record_fields(self) -> dict[str, Any]:
         t = self.transport

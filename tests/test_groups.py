@@ -1,6 +1,16 @@
 """Slot claims of pipeline groups: deterministic holders, vacancies filled, groups completed first."""
 
-from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch, group_round, holders
+from collections.abc import Callable
+
+from p2ploco.pipeline.groups import (
+    ASSEMBLY_LEAD,
+    Claim,
+    choose_slot,
+    complete_groups,
+    formation_epoch,
+    group_round,
+    holders,
+)
 
 
 def test_the_earliest_claim_holds_a_slot_whoever_looks():
@@ -45,13 +55,32 @@ def test_pins_restrict_the_choice():
     assert choose_slot(claims, "new", stages=2, group="fresh") == ("fresh", 0)
 
 
-def test_the_stages_of_a_group_agree_on_the_latest_round_any_of_them_is_in():
-    # A stage whose mate moved on after a round the group could not finish (one stage's step failed) moves to the
-    # mate's round, and the mate, ahead, stays: neither waits for the other to come to its round.
+def test_the_stages_of_a_group_meet_in_the_latest_round_any_of_them_proposed_ahead_of_the_swarm():
+    # Without other trainers (swarm_round -1) a stage behind a mate moves to the mate's round, and the mate stays.
     assert group_round([8], 7, swarm_round=-1) == 8 and group_round([7], 8, swarm_round=-1) == 8
-    # A newcomer stage that caught up from the run's replica to round 12, beside a mate at 10: the mate moves up to
-    # the newcomer's round; the newcomer stays.
-    assert group_round([12], 10, swarm_round=14) == 12 and group_round([10], 12, swarm_round=14) == 12
-    assert group_round([], 5, swarm_round=9) == 5 and group_round([5, 5], 5, swarm_round=9) == 5
-    # A mate's record that claims a round far ahead of everyone moves a stage one round a look, no faster.
-    assert group_round([10**6], 7, swarm_round=7) == 8 and group_round([10**6], 7, swarm_round=-1) == 8
+    # A proposal the swarm has not reached is taken by the stages behind it, and kept by its proposer.
+    assert group_round([17], 12, swarm_round=14) == 17 and group_round([12], 17, swarm_round=14) == 17
+    # The latest round any stage is in is one the swarm has reached: a new proposal, ASSEMBLY_LEAD past the swarm.
+    assert group_round([12], 10, swarm_round=14) == 14 + ASSEMBLY_LEAD == group_round([10], 12, swarm_round=14)
+    assert group_round([14], 14, swarm_round=14) == 14 + ASSEMBLY_LEAD
+    # A mate's record that claims a round far ahead of everyone moves a stage ASSEMBLY_LEAD rounds a look, no faster.
+    assert group_round([10**6], 7, swarm_round=7) == 7 + ASSEMBLY_LEAD == group_round([10**6], 7, swarm_round=-1)
+
+
+def looks_until_met(rule: Callable[[list[int], int, int], int], looks: int = 40) -> int | None:
+    """Two stages of a group look in turn at each other's round (a loaded machine: the swarm trains a round between
+    two looks), each moving where ``rule`` says; a stage that moves to a round the swarm has reached finds it moved on,
+    and catches up to the swarm's round. The look at which both stand in the same round ahead of the swarm, or None."""
+    swarm, rounds = 48, {"a": 47, "b": 48}  # issue 60: stage 0 in odd rounds, stage 1 in even ones, for good
+    for look in range(looks):
+        me, mate = ("a", "b") if look % 2 == 0 else ("b", "a")
+        swarm += 1
+        target = rule([rounds[mate]], rounds[me], swarm)
+        rounds[me] = target if target > swarm else swarm
+        if rounds[me] == rounds[mate] >= swarm:
+            return look
+    return None
+
+
+def test_two_stages_that_look_in_turn_while_the_swarm_moves_on_do_not_chase_each_other():
+    assert looks_until_met(group_round) == 1

@@ -1,8 +1,12 @@
 """Pipeline groups of real stage peers over hivemind, next to a full replica: every holder of a slice agrees
 after every round, and a group that loses a stage re-forms with a newcomer while the replica trains on."""
 
+import contextlib
 import re
 import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -90,3 +94,43 @@ def test_a_group_that_loses_a_stage_re_forms_with_a_newcomer_while_the_replica_t
     assert first["state_source"] == "peer" and set(first["slice_digest"]) == {"stage1"}
     trained_again = [r for r in runs["new"] if r["applied"] and r["peers"] == 3]
     assert trained_again and all(s0[r["round"]]["applied"] for r in trained_again)  # the group, whole again
+
+
+LATE_ROUNDS = 20  # rounds the replica trains between the first stage's standby and the second stage's start
+
+
+@contextlib.contextmanager
+def busy_loops(count: int) -> Iterator[None]:
+    """``count`` processes that keep a core busy each, killed when the block ends."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_stages_that_join_one_after_another_on_a_busy_machine_form_their_group_and_train(tmp_path):
+    # Issue 60: the second stage came ~45 s after the first, beside two busy loops; the two then moved to each
+    # other's round, every round, for good, and each round the replica waited ~15 s for a stage that never joined.
+    trained = re.compile(r"round\s+(\d+) \| peers 3 \|(?!.*NOT APPLIED)")
+    with busy_loops(2), LocalSwarm(tmp_path) as swarm:
+        full = swarm.start_node("full", PIPELINE_CONFIG)
+        full.wait_for_line(re.compile(r"round\s+1 \|"), 180)
+        first = swarm.start_node("first", PIPELINE_CONFIG, "--role", "stage")
+        first.wait_for_line(re.compile(r"standby: waiting for group g0 to have all 2 stages"), 180)
+        alone = swarm.records("full")[-1]["round"]
+        full.wait_for_line(re.compile(rf"round\s+{alone + LATE_ROUNDS} \|"), 180)
+        second = swarm.start_node("second", PIPELINE_CONFIG, "--role", "stage")
+        together = max(int(stage.wait_for_line(trained, 180).group(1)) for stage in (first, second))
+        full.wait_for_line(re.compile(rf"round\s+{together + 2} \|"), 60)
+        runs = {name: swarm.records(name) for name in ("full", "first", "second")}
+        replica_log = full.log_path.read_text()
+    groups = [{r["round"] for r in runs[name] if r["applied"] and r["peers"] == 3 and r["group"] == "g0"}
+              for name in ("first", "second")]
+    assert groups[0] & groups[1]  # both stages trained rounds of the same group, with the replica
+    assert all(r["applied"] for r in runs["full"] if r["round"] >= together)  # the replica applies rounds on
+    assert "did not join within" not in replica_log  # and never waited for a stage that did not come

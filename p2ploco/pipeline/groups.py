@@ -15,11 +15,15 @@ vacancy that would complete a group ahead of its own (fewer stages missing, then
 holders never swap back and forth; two peers that move to the same slot are sorted out by the rule
 above.
 
-The stages of a group train a round together, so they must agree on which round is next (``group_round``): the
-latest round any of them is in. A stage behind a mate moves to the mate's round (a mate never comes back: it
-trained or sat out the rounds between), its state doubtful until it has caught up there (``Node._loop``); a
-stage ahead of a mate waits for it, and the mate, behind, moves up at its next look. So no two stages of a group
-can wait for each other for longer than one look.
+The stages of a group train a round together, so they must agree on which round is next (``group_round``). A round
+the swarm's trainers have reached is no place to meet: its state is served only while they are in it, and a stage
+that moved there catches up to wherever the swarm is by then, so two stages that each moved to the other's round
+chased each other's round for good on a loaded machine. The group meets in a round ahead of the swarm instead: a
+stage whose mates are not in its round proposes the round ``ASSEMBLY_LEAD`` past the swarm's, standing by there
+(nobody waits for it), and every stage takes the latest round any of them proposed while the swarm has not reached
+it. Proposals only grow, and a new one is made only once the swarm has reached every earlier one, so the stages
+cannot chase each other: they wait for the swarm to come to the same round, fetch its state there together, and
+train it (``StageRole.ready``, ``Node._loop``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 Slot = tuple[str, int]  # (group name, stage)
+# rounds past the swarm's that a group proposes to meet in: time for every stage to see the proposal, and to be
+# waiting for the swarm there, before the swarm reaches it
+ASSEMBLY_LEAD = 3
 
 
 @dataclass(frozen=True)
@@ -90,11 +97,14 @@ def choose_slot(claims: Iterable[Claim], me: str, stages: int, group: str | None
 
 
 def group_round(mates: Iterable[int], round_index: int, swarm_round: int) -> int:
-    """The round a stage at ``round_index`` trains next, given the rounds its group's other stages are in and the
-    furthest round a peer of the run outside its group is in (``swarm_round``; -1: none): the latest of the
-    mates' rounds and its own, but at most one round past its own or ``swarm_round`` (a mate's record that
-    claims a round far ahead of everyone moves it one round a look, no faster)."""
-    ahead = max(mates, default=round_index)
-    if ahead <= round_index:
-        return round_index
-    return min(ahead, max(round_index, swarm_round) + 1)
+    """The round a stage at ``round_index`` meets its group in, given the rounds its group's other stages are in and
+    the furthest round a trainer of the run outside its group is in (``swarm_round``; -1: none): the latest of the
+    stages' rounds while the swarm has not reached it, else a new proposal ``ASSEMBLY_LEAD`` rounds past the swarm's.
+    A mate's record that claims a round far ahead of everyone moves a stage ``ASSEMBLY_LEAD`` rounds a look, no
+    faster."""
+    latest = max(mates, default=round_index)
+    if latest <= round_index and round_index > swarm_round:
+        return round_index  # ahead of its mates and of the swarm: they come here
+    if latest <= swarm_round:  # the swarm is in it or past it already: a stage that went there would find it moved on
+        return swarm_round + ASSEMBLY_LEAD
+    return min(max(latest, round_index), max(round_index, swarm_round) + ASSEMBLY_LEAD)
