@@ -22,7 +22,7 @@ class RunDirectory:
         if checkpoint.exists(self.checkpoints) and not resume:
             raise CheckpointError(f"{self.checkpoints} already holds a checkpoint: pass --resume to continue it, "
                                   f"or another --log-dir")
-        self.run_id, self.fingerprint, self.resume = config.run_id, fingerprint, resume
+        self.run_id, self.fingerprint, self.resume, self.out = config.run_id, fingerprint, resume, out
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(config.model_dump(), indent=2))
         self.saver = checkpoint.BackgroundSaver(self.checkpoints, config.run_id, fingerprint)
@@ -32,8 +32,11 @@ class RunDirectory:
             out(f"TensorBoard logs in {path / 'tensorboard'}")
 
     def saved(self) -> Checkpoint | None:
-        """The checkpoint to resume from (None unless resuming)."""
-        return checkpoint.load(self.checkpoints, self.run_id, self.fingerprint) if self.resume else None
+        """The checkpoint to resume from (None unless resuming): the newest intact one, a line said for each newer one
+        that is not."""
+        if not self.resume:
+            return None
+        return checkpoint.load(self.checkpoints, self.run_id, self.fingerprint, skipped=self.out)
 
     def write(self, record: RoundRecord) -> None:
         self.metrics.append(record)
