@@ -71,8 +71,13 @@ class TrainedModel:
                                   f"{', '.join(map(str, held[lacking]))}): pass {choice}")
         params: dict[str, torch.Tensor] = {}
         holders: dict[str, Path] = {}
+        others = sorted(common - {round_index}, reverse=True)
         for directory in directories:
-            saved = checkpoint.load(directory, None, None, round_index)
+            try:
+                saved = checkpoint.load(directory, None, None, round_index)
+            except CheckpointError as e:  # a corrupt file: another round they all hold may be intact
+                another = f": pass --round {' or '.join(map(str, others))}" if others else ""
+                raise CheckpointError(f"{e}{another}") from None
             if twice := [name for name in saved.params if name in params]:
                 raise CheckpointError(f"{holders[twice[0]]} and {directory} both hold {_describe(twice)} of the "
                                       f"model: pass one full replica's checkpoint, or one per stage of a pipeline "

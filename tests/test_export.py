@@ -173,6 +173,10 @@ def test_export_of_stages_stopped_a_round_apart_takes_the_newest_round_both_hold
     assert lacking.returncode == 1 and lacking.stderr == (f"error: {stages[1]} holds no checkpoint of round 79 (it "
                                                           f"holds 80, 70, 60): pass --round 70 or 60\n")
     assert not (tmp_path / "lacking").exists()
+    (stages[1] / "state-70.safetensors").write_bytes(b"\0" * 64)
+    corrupt = p2ploco("export", *map(str, stages), "--out", str(tmp_path / "corrupt"))
+    assert corrupt.returncode == 1 and corrupt.stderr == (f"error: checkpoint file {stages[1]}/state-70.safetensors is "
+                                                          f"corrupt (checksum mismatch): pass --round 60\n")
 
 
 def test_export_refuses_a_folder_with_files_in_it_unless_told_to_overwrite_and_writes_nothing(tmp_path):
