@@ -1,10 +1,16 @@
 """Checkpoints: all a node needs to continue, written atomically, refused when corrupt or foreign.
 
-A checkpoint directory holds ``state-<round>.safetensors`` (tensors under ``param/``, ``shared/`` and
-``local/``) and ``checkpoint.json`` (round, run, config fingerprint, the tensor file's name and
-sha256, the parameters' hash, and JSON-able extras). Both files are written to temporary names,
-synced and renamed, the JSON last: a crash at any moment leaves the previous checkpoint intact, and a
-torn or edited file is caught by its checksum. The previous tensor file is kept until the next save.
+A checkpoint directory holds ``state-<round>.safetensors`` files (tensors under ``param/``, ``shared/`` and
+``local/``) and ``checkpoint.json``, which lists the last ``KEEP`` of them, newest first: each with its round,
+file name and sha256, the parameters' hash and JSON-able extras; and the run and config fingerprint they are of.
+A save writes the tensor file, then the list with it first (both to temporary names, synced and renamed), and
+only then deletes the files the list no longer names: a crash at any moment leaves a list whose files are all
+there, and a torn or edited file is caught by its checksum.
+
+Every node keeps the last ``KEEP`` = 3 rounds: the stages of a pipeline group stopped at once may write their exit
+checkpoints a round apart, but their periodic ones are of the same rounds, so ``p2ploco export`` finds a round all
+stages hold; and a node whose newest checkpoint is corrupt resumes from the intact one beside it (``load``). At a
+150M model's few hundred megabytes a checkpoint, that is about a gigabyte of disk.
 
 A running node saves through ``BackgroundSaver``: the tensors are copied at once (the checkpoint is the
 state of that moment) and serialized, written and synced on a thread of its own, since at a few hundred
@@ -17,6 +23,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +37,9 @@ from safetensors.torch import save as save_tensors
 from p2ploco.errors import CheckpointError
 from p2ploco.metrics import params_sha256
 
-FORMAT = 1
+FORMAT = 2  # 1 (still read): the pointer named one checkpoint, its fields at the top level
 POINTER = "checkpoint.json"
+KEEP = 3  # checkpoints a directory keeps, of the last rounds saved
 SECTIONS = ("param", "shared", "local")
 
 
@@ -54,20 +62,23 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def save(directory: Path, checkpoint: Checkpoint, run_id: str, fingerprint: str) -> Path:
+    """Write ``checkpoint`` to ``directory``, first in its list; the oldest beyond ``KEEP`` are deleted. A round
+    saved again (a node's exit checkpoint at the round of its last periodic one) replaces its entry."""
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {f"{section}/{name}": tensor.detach().to("cpu").contiguous()
                for section, group in zip(SECTIONS, (checkpoint.params, checkpoint.shared, checkpoint.local))
                for name, tensor in group.items()}
     data = save_tensors(tensors)
     tensor_file = directory / f"state-{checkpoint.round}.safetensors"
+    # Written over a file of the same round the list still names: a crash before the list below is written
+    # leaves that entry failing its checksum, and ``load`` resumes from the one before it.
     _write_atomically(tensor_file, data)
-    pointer = {
-        "format": FORMAT, "run_id": run_id, "fingerprint": fingerprint, "round": checkpoint.round,
-        "file": tensor_file.name, "sha256": hashlib.sha256(data).hexdigest(),
-        "params_sha256": params_sha256(list(checkpoint.params), checkpoint.params.values()),
-        "saved_at": time.time(), "extras": checkpoint.extras,
-    }
-    previous = _read_pointer(directory).get("file") if (directory / POINTER).exists() else None
+    entry = {"round": checkpoint.round, "file": tensor_file.name, "sha256": hashlib.sha256(data).hexdigest(),
+             "params_sha256": params_sha256(list(checkpoint.params), checkpoint.params.values()),
+             "saved_at": time.time(), "extras": checkpoint.extras}
+    older = [e for e in _entries(directory) if e["round"] != checkpoint.round] if exists(directory) else []
+    listed = [entry, *older][:KEEP]
+    pointer = {"format": FORMAT, "run_id": run_id, "fingerprint": fingerprint, "checkpoints": listed}
     _write_atomically(directory / POINTER, json.dumps(pointer, indent=1).encode())
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
@@ -75,7 +86,7 @@ def save(directory: Path, checkpoint: Checkpoint, run_id: str, fingerprint: str)
     finally:
         os.close(dir_fd)
     for stale in directory.glob("state-*.safetensors"):
-        if stale.name not in (tensor_file.name, previous):
+        if stale.name not in {e["file"] for e in listed}:
             stale.unlink(missing_ok=True)
     return tensor_file
 
@@ -120,32 +131,74 @@ def _read_pointer(directory: Path) -> dict[str, Any]:
     return pointer
 
 
+def _entries(directory: Path, pointer: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The checkpoints ``directory``'s pointer lists, newest first, each with a sound round and file name."""
+    pointer = _read_pointer(directory) if pointer is None else pointer
+    if pointer.get("format") not in (1, FORMAT):
+        raise CheckpointError(f"{directory / POINTER} has format {pointer.get('format')!r}; this p2ploco reads "
+                              f"formats 1 to {FORMAT}")
+    entries = ([{key: value for key, value in pointer.items() if key not in ("format", "run_id", "fingerprint")}]
+               if pointer["format"] == 1 else pointer.get("checkpoints"))
+    if (not isinstance(entries, list) or not entries
+            or not all(isinstance(e, dict) and isinstance(e.get("round"), int) and isinstance(e.get("file"), str)
+                       and "/" not in e["file"] for e in entries)):
+        raise CheckpointError(f"{directory / POINTER} is corrupt: bad 'file' or 'round' field")
+    return entries
+
+
 def exists(directory: Path) -> bool:
     return (directory / POINTER).exists()
 
 
-def load(directory: Path, run_id: str | None, fingerprint: str | None) -> Checkpoint:
-    """The checkpoint in ``directory``, fully verified; CheckpointError (one line) otherwise. ``run_id`` and
-    ``fingerprint`` None: of whichever run wrote it (a reader such as ``p2ploco export``, not a node resuming)."""
+def rounds(directory: Path) -> list[int]:
+    """The rounds of the checkpoints in ``directory``, newest first (not verified: ``load`` verifies one)."""
+    return [e["round"] for e in _entries(directory)]
+
+
+def load(directory: Path, run_id: str | None, fingerprint: str | None, round_index: int | None = None,
+         skipped: Callable[[str], None] = lambda line: None) -> Checkpoint:
+    """The checkpoint of round ``round_index`` in ``directory``, fully verified; CheckpointError (one line) if it is
+    not listed or not intact. ``round_index`` None: the newest intact one; each newer one that is not is left in
+    place and told to ``skipped`` (one line). ``run_id`` and ``fingerprint`` None: of whichever run wrote it (a
+    reader such as ``p2ploco export``, not a node resuming)."""
     if not exists(directory):
         raise CheckpointError(f"no checkpoint in {directory}: pass the --log-dir (and --identity) of the run "
                               f"to resume, or start without --resume")
     pointer = _read_pointer(directory)
-    if pointer.get("format") != FORMAT:
-        raise CheckpointError(f"{directory / POINTER} has format {pointer.get('format')!r}; this p2ploco reads "
-                              f"format {FORMAT}")
+    entries = _entries(directory, pointer)
     if run_id is not None and (pointer.get("run_id") != run_id or pointer.get("fingerprint") != fingerprint):
         raise CheckpointError(f"the checkpoint in {directory} is from run {pointer.get('run_id')!r} with config "
                               f"{pointer.get('fingerprint')}, not run {run_id!r} with {fingerprint}: use that run's "
                               f"config and --run-id, or start without --resume")
-    name = pointer.get("file")
-    if not isinstance(name, str) or "/" in name or not isinstance(pointer.get("round"), int):
-        raise CheckpointError(f"{directory / POINTER} is corrupt: bad 'file' or 'round' field")
+    if round_index is not None:
+        chosen = [e for e in entries if e["round"] == round_index]
+        if not chosen:
+            raise CheckpointError(f"{directory} holds no checkpoint of round {round_index} (it holds round(s) "
+                                  f"{', '.join(str(e['round']) for e in entries)})")
+        return _verified(directory, chosen[0])
+    failures: list[CheckpointError] = []
+    for entry in entries:
+        try:
+            found = _verified(directory, entry)
+        except CheckpointError as e:
+            failures.append(e)
+            continue
+        for failure, bad in zip(failures, entries):
+            skipped(f"skipped the checkpoint of round {bad['round']} ({failure}); resuming from round {found.round}, "
+                    f"the newest intact checkpoint in {directory}")
+        return found
+    older = f" (and the {len(entries) - 1} older one(s) beside it: not intact either)" if len(entries) > 1 else ""
+    raise CheckpointError(f"{failures[0]}{older}")
+
+
+def _verified(directory: Path, entry: dict[str, Any]) -> Checkpoint:
+    """The checkpoint ``entry`` of ``directory``'s pointer lists, its file checked against the entry's hashes."""
+    name = entry["file"]
     try:
         data = (directory / name).read_bytes()
     except OSError as e:
         raise CheckpointError(f"checkpoint file {directory / name} is missing or unreadable ({e.strerror})") from None
-    if hashlib.sha256(data).hexdigest() != pointer.get("sha256"):
+    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
         raise CheckpointError(f"checkpoint file {directory / name} is corrupt (checksum mismatch)")
     try:
         tensors = load_tensors(data)
@@ -157,8 +210,9 @@ def load(directory: Path, run_id: str | None, fingerprint: str | None) -> Checkp
         if section not in sections:
             raise CheckpointError(f"checkpoint file {directory / name} holds an unknown tensor {key!r}")
         sections[section][tensor_name] = tensor
-    checkpoint = Checkpoint(pointer["round"], sections["param"], sections["shared"], sections["local"],
-                            pointer.get("extras") or {})
-    if params_sha256(list(checkpoint.params), checkpoint.params.values()) != pointer.get("params_sha256"):
-        raise CheckpointError(f"checkpoint in {directory} is inconsistent: its parameters do not match their hash")
+    checkpoint = Checkpoint(entry["round"], sections["param"], sections["shared"], sections["local"],
+                            entry.get("extras") or {})
+    if params_sha256(list(checkpoint.params), checkpoint.params.values()) != entry.get("params_sha256"):
+        raise CheckpointError(f"checkpoint file {directory / name} is inconsistent: its parameters do not match "
+                              f"their hash")
     return checkpoint

@@ -531,22 +531,33 @@ def dashboard(status_from: str, port: int, host: str) -> None:
 
 @main.command()
 @click.argument("checkpoints", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Directory to write the exported model to (created if missing).")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="Directory to write the exported model to (created if missing; a folder with files in it only "
+                   "with --overwrite).")
+@click.option("--round", "round_index", type=click.IntRange(min=0),
+              help="The round to export [the newest all CHECKPOINTS hold].")
+@click.option("--overwrite", is_flag=True, help="Write over the files of a non-empty --out.")
 @click.option("--format", "form", type=click.Choice(["hf"]), default="hf", show_default=True,
               help="hf: transformers' LlamaForCausalLM with its tokenizer.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
               help="Data type of the exported weights.")
 @reports_errors
-def export(checkpoints: tuple[Path, ...], out: Path, form: str, dtype: str) -> None:
+def export(checkpoints: tuple[Path, ...], out: Path, round_index: int | None, overwrite: bool, form: str,
+           dtype: str) -> None:
     """Export the model of a run's checkpoint: a full replica's CHECKPOINT folder (runs/RUN/PEER/checkpoint), or
-    one per stage of a pipeline group, all of one round."""
+    one per stage of a pipeline group. A folder keeps the checkpoints of its last few rounds; the newest round all
+    of them hold is exported, or --round's."""
     import torch
 
     from p2ploco.export.hf import export as export_hf
 
-    config, round_index = export_hf(list(checkpoints), out, torch.bfloat16 if dtype == "bf16" else torch.float32)
-    click.echo(f"exported {config.run_id} at round {round_index} ({form}, {dtype}) to {out}: load it with "
+    trained = export_hf(list(checkpoints), out, torch.bfloat16 if dtype == "bf16" else torch.float32, round_index,
+                        overwrite)
+    # a stage stopped a round ahead of the others holds a newer round than the one exported: say why
+    passed_over = round_index is None and any(rounds[0] != trained.round for rounds in trained.held.values())
+    click.echo(f"exported {trained.config.run_id} at round {trained.round}"
+               f"{', the newest round they all hold' if passed_over else ''} from "
+               f"{', '.join(map(str, checkpoints))} ({form}, {dtype}) to {out}: load it with "
                f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
 
 

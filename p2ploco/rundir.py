@@ -29,7 +29,8 @@ class RunDirectory:
                                   f"(--resume auto: continue one if there is one, else start afresh), or another "
                                   f"--log-dir")
         self.run_id, self.fingerprint = config.run_id, fingerprint
-        self.resumed = (checkpoint.load(self.checkpoints, config.run_id, fingerprint)
+        # the newest intact checkpoint there, a line said for each newer one that is not
+        self.resumed = (checkpoint.load(self.checkpoints, config.run_id, fingerprint, skipped=out)
                         if found or resume == RESUME else None)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(config.model_dump(), indent=2))

@@ -27,13 +27,15 @@ class TrainedModel:
     config: Config
     params: dict[str, torch.Tensor]  # the whole model's global parameters, by the names Transformer gives them
     round: int  # the next round its run would train
+    held: dict[Path, list[int]]  # the rounds each checkpoint directory read holds, newest first
 
     @classmethod
-    def read(cls, directories: list[Path]) -> TrainedModel:
+    def read(cls, directories: list[Path], round_index: int | None = None) -> TrainedModel:
         """The model of the checkpoints in ``directories``: one full replica's, or one per stage of a pipeline
-        group, all of one round of one run. CheckpointError (one line) if a directory is no checkpoint of a run,
-        or they do not make one whole model."""
-        configs, params, rounds = [], {}, set()
+        group, of round ``round_index`` (None: the newest round they all hold; a group whose stages were stopped
+        at once may have exit checkpoints a round apart) of one run. CheckpointError (one line) if a directory is
+        no checkpoint of a run, or they do not make one whole model."""
+        configs, held = [], {}
         for directory in directories:
             if not checkpoint.exists(directory):
                 raise CheckpointError(f"{directory} is not a checkpoint (no {checkpoint.POINTER}): pass the "
@@ -46,9 +48,7 @@ class TrainedModel:
                 configs.append(load_config(config_file))
             except ConfigError as e:
                 raise CheckpointError(f"{config_file}: {e}") from None
-            saved = checkpoint.load(directory, None, None)
-            rounds.add(saved.round)
-            params.update(saved.params)
+            held[directory] = checkpoint.rounds(directory)
         config = configs[0]
         runs = sorted({c.run_id for c in configs})
         if len(runs) > 1:
@@ -56,18 +56,41 @@ class TrainedModel:
                                   f"one pipeline group")
         if any(c.model != config.model or c.training.seed != config.training.seed for c in configs):
             raise CheckpointError("the checkpoints are of different models: pass the stages of one pipeline group")
-        if len(rounds) > 1:
-            raise CheckpointError(f"the checkpoints are of different rounds ({', '.join(map(str, sorted(rounds)))}): "
-                                  f"pass the stages' checkpoints of one round")
+        common = set.intersection(*(set(rounds) for rounds in held.values()))
+        if round_index is None:
+            if not common:
+                listing = "; ".join(f"{d}: {', '.join(map(str, rounds))}" for d, rounds in held.items())
+                raise CheckpointError(f"the checkpoints hold no round in common ({listing}): pass the stages' "
+                                      f"checkpoints of one pipeline group")
+            round_index = max(common)
+        elif round_index not in common:
+            lacking = next(d for d, rounds in held.items() if round_index not in rounds)
+            choice = (f"--round {' or '.join(map(str, sorted(common, reverse=True)))}" if common else
+                      "the stages' checkpoints of one pipeline group")
+            raise CheckpointError(f"{lacking} holds no checkpoint of round {round_index} (it holds "
+                                  f"{', '.join(map(str, held[lacking]))}): pass {choice}")
+        params: dict[str, torch.Tensor] = {}
+        holders: dict[str, Path] = {}
+        others = sorted(common - {round_index}, reverse=True)
+        for directory in directories:
+            try:
+                saved = checkpoint.load(directory, None, None, round_index)
+            except CheckpointError as e:  # a corrupt file: another round they all hold may be intact
+                another = f": pass --round {' or '.join(map(str, others))}" if others else ""
+                raise CheckpointError(f"{e}{another}") from None
+            if twice := [name for name in saved.params if name in params]:
+                raise CheckpointError(f"{holders[twice[0]]} and {directory} both hold {_describe(twice)} of the "
+                                      f"model: pass one full replica's checkpoint, or one per stage of a pipeline "
+                                      f"group")
+            params.update(saved.params)
+            holders.update(dict.fromkeys(saved.params, directory))
         with torch.device("meta"):
             expected = [name for name, _ in Transformer(config.model, config.training.seed).named_parameters()]
         missing = [name for name in expected if name not in params]
         if missing:
-            layers = sorted({int(name.split(".")[1]) for name in missing if name.startswith("blocks.")})
-            what = f"layer(s) {_ranges(layers)}" if layers else ", ".join(missing)
-            raise CheckpointError(f"the checkpoints hold no {what} of the model: pass every stage's checkpoint of "
-                                  f"the pipeline group")
-        return cls(config, {name: params[name] for name in expected}, rounds.pop())
+            raise CheckpointError(f"the checkpoints hold no {_describe(missing)} of the model: pass every stage's "
+                                  f"checkpoint of the pipeline group")
+        return cls(config, {name: params[name] for name in expected}, round_index, held)
 
     def subspace(self) -> Subspace | None:
         """The run's frozen U and F when its stage boundaries are compressed (the input is E[tok] + F[tok])."""
@@ -85,6 +108,12 @@ class TrainedModel:
 
     def tokenizer(self) -> Tokenizer:
         return run_tokenizer(self.config)
+
+
+def _describe(names: list[str]) -> str:
+    """Parameter ``names`` as a person reads them: "layer(s) 0-3" for blocks, else the names."""
+    layers = sorted({int(name.split(".")[1]) for name in names if name.startswith("blocks.")})
+    return f"layer(s) {_ranges(layers)}" if layers else ", ".join(names)
 
 
 def _ranges(numbers: list[int]) -> str:

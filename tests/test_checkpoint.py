@@ -30,12 +30,45 @@ def test_round_trip(tmp_path):
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_new_checkpoints_replace_old_ones_and_keep_one_previous(tmp_path):
-    for round_index in (2, 4, 6):
+def test_a_directory_keeps_the_last_three_rounds_and_a_round_saved_again_replaces_its_own(tmp_path):
+    for round_index in (2, 4, 6, 8, 8):  # the exit checkpoint at the round of the last periodic one: saved again
         checkpoint.save(tmp_path, sample(round_index), "run", "fp")
-    assert sorted(p.name for p in tmp_path.glob("state-*")) == ["state-4.safetensors", "state-6.safetensors"]
-    assert checkpoint.load(tmp_path, "run", "fp").round == 6
+    assert sorted(p.name for p in tmp_path.glob("state-*")) == [f"state-{r}.safetensors" for r in (4, 6, 8)]
+    assert checkpoint.rounds(tmp_path) == [8, 6, 4]
+    assert checkpoint.load(tmp_path, "run", "fp").round == 8
+    assert checkpoint.load(tmp_path, "run", "fp", round_index=4).round == 4
+    with pytest.raises(CheckpointError, match=r"holds no checkpoint of round 2 \(it holds round\(s\) 8, 6, 4\)"):
+        checkpoint.load(tmp_path, "run", "fp", round_index=2)
     assert not list(tmp_path.glob("*.tmp-*"))  # no temporary file left behind
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_for_the_intact_one_beside_it_in_one_line(tmp_path):
+    for round_index in (4, 6):
+        checkpoint.save(tmp_path, sample(round_index), "run", "fp")
+    (tmp_path / "state-6.safetensors").write_bytes(b"\0" * 40)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    said = []
+    loaded = checkpoint.load(tmp_path, "run", "fp", skipped=said.append)
+    assert loaded.round == 4 and all(torch.equal(loaded.params[k], sample(4).params[k]) for k in loaded.params)
+    assert said == [f"skipped the checkpoint of round 6 (checkpoint file {tmp_path}/state-6.safetensors is corrupt "
+                    f"(checksum mismatch)); resuming from round 4, the newest intact checkpoint in {tmp_path}"]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # the corrupt one is left in place
+    with pytest.raises(CheckpointError, match="state-6.safetensors is corrupt"):  # asked for by its round: refused
+        checkpoint.load(tmp_path, "run", "fp", round_index=6)
+    (tmp_path / "state-4.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"state-6.safetensors is corrupt \(checksum mismatch\) \(and the 1 "
+                                              r"older one\(s\) beside it: not intact either\)"):
+        checkpoint.load(tmp_path, "run", "fp")
+
+
+def test_a_checkpoint_of_format_1_is_read_and_kept_beside_the_next(tmp_path):
+    """A node of the version before lists kept several: its one checkpoint resumes, and stays beside the next."""
+    checkpoint.save(tmp_path, sample(5), "run", "fp")
+    entry = json.loads((tmp_path / "checkpoint.json").read_text())["checkpoints"][0]
+    (tmp_path / "checkpoint.json").write_text(json.dumps({"format": 1, "run_id": "run", "fingerprint": "fp", **entry}))
+    assert checkpoint.load(tmp_path, "run", "fp").round == 5
+    checkpoint.save(tmp_path, sample(6), "run", "fp")
+    assert checkpoint.rounds(tmp_path) == [6, 5] and checkpoint.load(tmp_path, "run", "fp", round_index=5).round == 5
 
 
 def test_a_background_save_holds_the_state_of_the_moment_it_was_asked_for(tmp_path):
@@ -65,7 +98,7 @@ def test_a_background_save_that_fails_says_so_on_the_next_wait(tmp_path):
     (lambda d: (d / "state-7.safetensors").write_bytes(b"\0" * 40), "checksum mismatch"),
     (lambda d: (d / "state-7.safetensors").unlink(), "missing or unreadable"),
     (lambda d: _edit_pointer(d, file="../etc/passwd"), "bad 'file' or 'round' field"),
-    (lambda d: _edit_pointer(d, format=99), "this p2ploco reads format 1"),
+    (lambda d: _edit_pointer(d, format=99), "this p2ploco reads formats 1 to 2"),
 ])
 def test_damaged_checkpoints_are_refused(tmp_path, damage, message):
     checkpoint.save(tmp_path, sample(), "run", "fp")
@@ -77,9 +110,11 @@ def test_damaged_checkpoints_are_refused(tmp_path, damage, message):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing overwritten
 
 
-def _edit_pointer(directory, **fields):
+def _edit_pointer(directory, format=None, **fields):
+    """The pointer with ``format`` changed and its newest entry's ``fields``."""
     pointer = json.loads((directory / "checkpoint.json").read_text())
-    pointer.update(fields)
+    pointer["checkpoints"][0].update(fields)
+    pointer["format"] = pointer["format"] if format is None else format
     (directory / "checkpoint.json").write_text(json.dumps(pointer))
 
 

@@ -15,6 +15,7 @@ from helpers import ground
 from p2ploco.config import load_config
 from p2ploco.errors import Failure
 from p2ploco.launch import REPO_ROOT, TINY_CONFIG, Child, LocalSwarm
+from p2ploco.metrics import read_records
 from p2ploco.swarm.matchmaker import best_coordinator
 
 FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=4",
@@ -251,6 +252,24 @@ def test_checkpoint_errors_are_one_line_and_overwrite_nothing(tmp_path):
     for result in (again, other, torn, missing):
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
         assert "joined run" not in result.stdout  # said before the node joined, not after
+
+
+@pytest.mark.timeout(240)
+def test_a_node_resumes_from_the_intact_checkpoint_beside_a_corrupt_newest_one_and_says_so(tmp_path):
+    log_dir = str(tmp_path / "node")
+    every_round = ["--set", "training.checkpoint_every=1"]
+    assert node_start("--log-dir", log_dir, *every_round, "--set", "training.rounds=2").returncode == 0
+    folder = tmp_path / "node" / "checkpoint"
+    (folder / "state-2.safetensors").write_bytes(b"\0" * 64)  # the newest, torn
+    resumed = node_start("--log-dir", log_dir, *every_round, "--set", "training.rounds=3", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    said = [line for line in resumed.stdout.splitlines() if "skipped" in line]
+    assert len(said) == 1 and said[0].endswith(
+        f"skipped the checkpoint of round 2 (checkpoint file {folder}/state-2.safetensors is corrupt (checksum "
+        f"mismatch)); resuming from round 1, the newest intact checkpoint in {folder}"), resumed.stdout
+    assert f"resumed from {folder} at round 1" in resumed.stdout
+    records = read_records(tmp_path / "node" / "metrics.jsonl")
+    assert [(r["round"], r["state_source"]) for r in records[2:]] == [(1, "checkpoint"), (2, "checkpoint")]
 
 
 @pytest.mark.timeout(120)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 from click.testing import CliRunner
+from safetensors.torch import load_file
 from tokenizers import processors
 
 from p2ploco import checkpoint
@@ -73,12 +74,15 @@ def test_auto_tokenizer_round_trips_text_for_the_byte_level_and_a_bpe_tokenizer(
     assert auto.encode(TEXTS[0]) == [bpe.eot, *bpe.encode_batch([TEXTS[0].encode()])[0]]
 
 
-def run_dir(tmp_path, name, config, params, round_index=5):
-    """A node's --log-dir as a node leaves it: config.json and a checkpoint of ``params``."""
+def run_dir(tmp_path, name, config, params, rounds=(5,)):
+    """A node's --log-dir as a node leaves it: config.json and checkpoints of ``rounds``, the parameters of each
+    ``params`` plus the round's number (by default round 5: ``params``, plus 0)."""
     folder = tmp_path / name
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config.model_dump()))
-    checkpoint.save(folder / "checkpoint", checkpoint.Checkpoint(round_index, params, {}, {}), config.run_id, "f")
+    for round_index in rounds:
+        shifted = {name: p + (round_index - rounds[-1]) for name, p in params.items()}
+        checkpoint.save(folder / "checkpoint", checkpoint.Checkpoint(round_index, shifted, {}, {}), config.run_id, "f")
     return folder / "checkpoint"
 
 
@@ -120,7 +124,10 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits_and_g
 @pytest.mark.parametrize("args, message", [
     (["{tmp}/nothing"], "is not a checkpoint (no checkpoint.json)"),
     (["{tmp}/stage0/checkpoint"], "the checkpoints hold no layer(s) 2-3 of the model"),
-    (["{tmp}/stage0/checkpoint", "{tmp}/late/checkpoint"], "the checkpoints are of different rounds (5, 6)"),
+    (["{tmp}/stage0/checkpoint", "{tmp}/late/checkpoint"], "the checkpoints hold no round in common ({tmp}/stage0/"
+                                                           "checkpoint: 5; {tmp}/late/checkpoint: 6)"),
+    (["{tmp}/stage0/checkpoint", "{tmp}/stage0/checkpoint"], "{tmp}/stage0/checkpoint and {tmp}/stage0/checkpoint "
+                                                             "both hold layer(s) 0-1 of the model"),
     (["{tmp}/stage0/checkpoint", "--format", "gguf"], "Invalid value for '--format'"),
 ])
 def test_export_refuses_what_is_not_one_whole_model_in_one_line(tmp_path, args, message):
@@ -128,11 +135,67 @@ def test_export_refuses_what_is_not_one_whole_model_in_one_line(tmp_path, args, 
     params = {name: p.detach() for name, p in Transformer(config.model, config.training.seed).named_parameters()}
     first = {n: p for n, p in params.items() if not n.startswith(("blocks.2", "blocks.3", "norm", "lm_head"))}
     run_dir(tmp_path, "stage0", config, first)
-    run_dir(tmp_path, "late", config, {n: p for n, p in params.items() if n not in first}, round_index=6)
+    run_dir(tmp_path, "late", config, {n: p for n, p in params.items() if n not in first}, rounds=(6,))
     (tmp_path / "nothing").mkdir()
     result = p2ploco("export", *[a.format(tmp=tmp_path) for a in args], "--out", str(tmp_path / "out"))
-    assert result.returncode != 0 and message in result.stderr
+    assert result.returncode != 0 and message.format(tmp=tmp_path) in result.stderr
     assert sum(line.lower().startswith("error") for line in result.stderr.splitlines()) == 1  # one line says it
+
+
+def two_stages(tmp_path, rounds_0, rounds_1):
+    """The checkpoint folders of a pipeline group's two stages that saved ``rounds_0`` and ``rounds_1``; the
+    whole model's parameters at round r are the seed's plus r."""
+    config = load_config("configs/tiny.yaml", ["model.n_layer=4", "model.tie_embeddings=false", "pipeline.stages=2"])
+    params = {name: p.detach() for name, p in Transformer(config.model, config.training.seed).named_parameters()}
+    first = {n: p for n, p in params.items() if not n.startswith(("blocks.2", "blocks.3", "norm", "lm_head"))}
+    return [run_dir(tmp_path, "s0", config, {n: p + rounds_0[-1] for n, p in first.items()}, rounds_0),
+            run_dir(tmp_path, "s1", config, {n: p + rounds_1[-1] for n, p in params.items() if n not in first},
+                    rounds_1)], params
+
+
+def exported_norm(out):
+    return load_file(out / "model.safetensors")["model.norm.weight"]
+
+
+def test_export_of_stages_stopped_a_round_apart_takes_the_newest_round_both_hold_or_the_round_asked_for(tmp_path):
+    """Stopped with Ctrl-C at once, stage 0 wrote its exit checkpoint of round 79, stage 1 of round 80 (the round
+    of its last periodic one, saved again): round 70 is the newest both hold."""
+    stages, params = two_stages(tmp_path, (60, 70, 79), (60, 70, 80, 80))
+    newest = p2ploco("export", *map(str, stages), "--out", str(tmp_path / "newest"), "--dtype", "fp32")
+    assert newest.returncode == 0, newest.stderr
+    assert newest.stdout.startswith(f"exported tiny at round 70, the newest round they all hold from {stages[0]}, "
+                                    f"{stages[1]} (hf, fp32) to {tmp_path / 'newest'}"), newest.stdout
+    assert torch.equal(exported_norm(tmp_path / "newest"), params["norm.weight"] + 70)
+    asked = p2ploco("export", *map(str, stages), "--round", "60", "--out", str(tmp_path / "asked"), "--dtype", "fp32")
+    assert asked.returncode == 0 and "at round 60 from" in asked.stdout, asked.stderr
+    assert torch.equal(exported_norm(tmp_path / "asked"), params["norm.weight"] + 60)
+    lacking = p2ploco("export", *map(str, stages), "--round", "79", "--out", str(tmp_path / "lacking"))
+    assert lacking.returncode == 1 and lacking.stderr == (f"error: {stages[1]} holds no checkpoint of round 79 (it "
+                                                          f"holds 80, 70, 60): pass --round 70 or 60\n")
+    assert not (tmp_path / "lacking").exists()
+    (stages[1] / "state-70.safetensors").write_bytes(b"\0" * 64)
+    corrupt = p2ploco("export", *map(str, stages), "--out", str(tmp_path / "corrupt"))
+    assert corrupt.returncode == 1 and corrupt.stderr == (f"error: checkpoint file {stages[1]}/state-70.safetensors is "
+                                                          f"corrupt (checksum mismatch): pass --round 60\n")
+
+
+def test_export_refuses_a_folder_with_files_in_it_unless_told_to_overwrite_and_writes_nothing(tmp_path):
+    stages, _ = two_stages(tmp_path, (5,), (5,))
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.json").write_text("the user's own")
+    refused = p2ploco("export", *map(str, stages), "--out", str(out))
+    assert refused.returncode == 2 and refused.stderr == (f"error: --out {out} already exists and is not empty; choose "
+                                                          f"a new folder, or pass --overwrite to write over its files "
+                                                          f"(nothing was written)\n")
+    assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "the user's own"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    on_a_file = p2ploco("export", *map(str, stages), "--out", str(a_file))
+    assert on_a_file.stderr == f"error: --out {a_file} is a file; choose a folder (nothing was written)\n"
+    overwritten = p2ploco("export", *map(str, stages), "--out", str(out), "--overwrite")
+    assert overwritten.returncode == 0 and "at round 5 from" in overwritten.stdout, overwritten.stderr
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_sample_continues_a_prompt_with_our_own_model_the_same_way_for_the_same_seed(tmp_path):

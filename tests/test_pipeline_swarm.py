@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from p2ploco.launch import REPO_ROOT, LocalSwarm
+from p2ploco import checkpoint
+from p2ploco.launch import REPO_ROOT, LocalSwarm, cli
 
 PIPELINE_CONFIG = REPO_ROOT / "configs" / "tiny-pipeline.yaml"
 FAST = ["--set", "inner.steps=4", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=6",
@@ -55,6 +56,32 @@ def test_a_full_replica_and_a_group_of_two_stage_peers_train_through_a_stock_hiv
     assert all(r["role"] == "replica" and r["group"] is None and r["peers"] == 3 for r in full)
     assert set(full[0]["slice_digest"]) == {"stage0", "stage1"}
     assert full[-1]["eval_loss"] < full[0]["eval_loss"]
+
+
+@pytest.mark.timeout(300)
+def test_a_group_stopped_with_ctrl_c_exports_at_the_newest_round_both_stages_hold(tmp_path):
+    """Both stage peers of a group get SIGINT at once, as a person stopping them with Ctrl-C does: each writes its
+    exit checkpoint, a round apart where one had finished the round's inner steps and the other had not, and
+    `p2ploco export` of the two writes the whole model at the newest round both hold, and says which."""
+    with LocalSwarm(tmp_path) as swarm:
+        common = [*FAST, "--set", "swarm.min_peers=2", "--set", "training.checkpoint_every=2"]
+        stages = [swarm.start_node(f"s{index}", PIPELINE_CONFIG, *common, *stage("g0", index)) for index in (0, 1)]
+        for node in stages:
+            node.wait_for_line(re.compile(r"round\s+2 \|"), 180)
+        for node in stages:
+            node.signal(signal.SIGINT)
+        assert [node.process.wait(60) for node in stages] == [0, 0]
+    folders = [tmp_path / f"s{index}" / "checkpoint" for index in (0, 1)]
+    exited = [int(re.search(r"checkpoint of round (\d+) written", node.log_path.read_text()).group(1))
+              for node in stages]
+    held = [checkpoint.rounds(folder) for folder in folders]
+    assert [rounds[0] for rounds in held] == exited
+    newest_common = max(set(held[0]) & set(held[1]))
+    result = subprocess.run(cli("export", *map(str, folders), "--out", str(tmp_path / "model")), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"exported tiny-pipeline at round {newest_common}" in result.stdout, (exited, held, result.stdout)
+    assert (tmp_path / "model" / "model.safetensors").is_file()
 
 
 REPLICA_ROUNDS = 30  # the replica's run in the scenario below

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from p2ploco.config import Config, ModelConfig
+from p2ploco.config import ModelConfig
+from p2ploco.errors import ConfigError
 from p2ploco.export.tokenizer import write as write_tokenizer
 from p2ploco.model import ffn_width
 from p2ploco.trained import TrainedModel
@@ -82,10 +83,18 @@ def hf_config(config: ModelConfig, dtype: torch.dtype, eot: int | None = None) -
     }
 
 
-def export(directories: list[Path], out: Path, dtype: torch.dtype) -> tuple[Config, int]:
-    """Write the model of ``directories`` (``TrainedModel.read``) to ``out`` as transformers' LlamaForCausalLM:
-    config.json, generation_config.json, model.safetensors and the tokenizer. Returns the run's config and round."""
-    trained = TrainedModel.read(directories)
+def export(directories: list[Path], out: Path, dtype: torch.dtype, round_index: int | None = None,
+           overwrite: bool = False) -> TrainedModel:
+    """Write the model of ``directories`` at ``round_index`` (``TrainedModel.read``) to ``out`` as transformers'
+    LlamaForCausalLM: config.json, generation_config.json, model.safetensors and the tokenizer. ConfigError, before
+    anything is read or written, if ``out`` is a file, or a folder with files in it and not ``overwrite``. Returns
+    the model it wrote."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; choose a folder (nothing was written)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"--out {out} already exists and is not empty; choose a new folder, or pass --overwrite to "
+                          f"write over its files (nothing was written)")
+    trained = TrainedModel.read(directories, round_index)
     config, subspace, tokenizer = trained.config, trained.subspace(), trained.tokenizer()
     tensors = hf_state_dict(trained.params, config.model, subspace.table if subspace else None)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,4 +107,4 @@ def export(directories: list[Path], out: Path, dtype: torch.dtype) -> tuple[Conf
     save_file({name: t.to(dtype) for name, t in tensors.items()}, str(weights), metadata={"format": "pt"})
     weights.chmod((out / "config.json").stat().st_mode & 0o777)  # safetensors writes 0600; the rest follow umask
     write_tokenizer(tokenizer, out, config.model.max_seq_len)
-    return config, trained.round
+    return trained
