@@ -254,6 +254,7 @@ def test_checkpoint_errors_are_one_line_and_overwrite_nothing(tmp_path):
         assert "joined run" not in result.stdout  # said before the node joined, not after
 
 
+@pytest.mark.slow  # CI's second stage; the default run keeps the fallback's own tests (test_checkpoint.py)
 @pytest.mark.timeout(240)
 def test_a_node_resumes_from_the_intact_checkpoint_beside_a_corrupt_newest_one_and_says_so(tmp_path):
     log_dir = str(tmp_path / "node")
