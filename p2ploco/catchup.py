@@ -55,15 +55,18 @@ class CatchUp:
         seeds = schedule.worker.seed_digest
         targets = swarm.swarm_state(round_index, slices, seeds,
                                     fresh=standing.unsettled is not None or standing.doubtful or first,
-                                    distrusted=standing.refused_by)
+                                    distrusted=standing.refused_by, unsettled=standing.doubtful)
         if standing.doubtful and targets and min(t.round for t in targets.values()) < round_index:
             # A doubtful state ranks below one that a peer applied: a peer still in a round this one did not apply
             # (a replica that trained on alone while its pipeline groups failed) may come out of it with a newer
             # state. Wait for it rather than clear the doubt: two failed stages once did, outvoted the replica's
             # state, and it lost two rounds.
             targets = self._look_until(lambda looked: all(t.round >= round_index for t in looked.values()),
-                                       round_index, slices, seeds, deadline, standing.refused_by)
-            if targets is None:
+                                       round_index, slices, seeds, deadline, standing.refused_by, unsettled=True)
+            if targets is None or any(t.round < round_index for t in targets.values()):
+                # Still behind at the deadline: the doubt stays (this state keeps no say) and the next look waits
+                # again. Cleared here, a pipeline group that met ahead of a slow replica trained the round on slices
+                # four rounds old, and the replica followed them back.
                 return standing
         if not behind(targets, round_index, slices):
             return replace(standing, doubtful=False)
@@ -79,13 +82,15 @@ class CatchUp:
         return self._fetch(schedule, standing, targets)
 
     def _look_until(self, done: Callable[[dict[str, SwarmState]], bool], round_index: int, slices: dict[str, str],
-                    seeds: dict[str, str], deadline: float, distrusted: frozenset[str]) -> dict[str, SwarmState] | None:
-        """The swarm's state from fresh looks (no lone claim of a ``distrusted`` peer followed), once ``done`` holds of
-        it or ``deadline`` passed; None if this node stops meanwhile."""
+                    seeds: dict[str, str], deadline: float, distrusted: frozenset[str], unsettled: bool = False
+                    ) -> dict[str, SwarmState] | None:
+        """The swarm's state from fresh looks (no lone claim of a ``distrusted`` peer followed; this peer's own state
+        ``unsettled`` or not), once ``done`` holds of it or ``deadline`` passed; None if this node stops meanwhile."""
         latest: list[dict[str, SwarmState]] = []  # the last look passed() took: acted on at once, rounds may be short
 
         def passed() -> bool:
-            latest[:] = [self.swarm.swarm_state(round_index, slices, seeds, distrusted=distrusted)]
+            latest[:] = [self.swarm.swarm_state(round_index, slices, seeds, distrusted=distrusted,
+                                                unsettled=unsettled)]
             return done(latest[0])
 
         return latest[0] if self._wait(passed, deadline) else None

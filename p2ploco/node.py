@@ -405,6 +405,18 @@ class Node:
                              f"({c.training.rounds - 1}): nothing to train; training.rounds (--max-rounds) counts "
                              f"from the run's start")
                 break
+            if standing.doubtful and role.kind == STAGE:
+                # A stage trains no round on a doubtful state (it moved to the round its group meets in, or its last
+                # round failed): in for that round, its record told a replica still in the round before that the
+                # stage might have applied it without it, and the replica sat it out (a round lost each time a group
+                # met). It stands by until its catch-up has the swarm's state of the round.
+                if standing.waiting_for != "doubt":
+                    self.out(f"[{me}] round {standing.round}: this stage's state may not be the swarm's (it did not "
+                             f"apply the last round); it trains once it has the swarm's state of this round")
+                standing = replace(standing, waiting_for="doubt")
+                presence.announce_standby(standing.round)
+                self.stopping.wait(c.swarm.heartbeat_interval)
+                continue
             seeded = standing.membership.source == "init" and standing.round > 0 and not self.records
             if seeded and (trained := swarm.trained_elsewhere(role.worker.seed_digest)):
                 # It holds the seed's state where others hold trained ones (it could not fetch theirs yet): it

@@ -135,7 +135,8 @@ class Swarm:
         return self.loop.run(self.directory.wait_for_peers(count, timeout, stop or threading.Event()))
 
     def swarm_state(self, round_index: int, slices: dict[str, str], seeds: dict[str, str] | None = None,
-                    fresh: bool = True, distrusted: Collection[str] = frozenset()) -> dict[str, SwarmState]:
+                    fresh: bool = True, distrusted: Collection[str] = frozenset(), unsettled: bool = False
+                    ) -> dict[str, SwarmState]:
         """For each slice this peer holds (name -> the hash it holds at ``round_index``), the state to follow: one
         that two or more peers vouch for, this peer's own, or else a lone peer's claim that it really serves
         (probed: the state it serves then, which may be a later round's), unless that peer is ``distrusted`` (it
@@ -143,10 +144,11 @@ class Swarm:
         a majority of it, not by that peer alone); never the seed's state (``seeds``: slice -> its hash as the run's
         seed makes it) where anyone holds another. Slices nobody else holds are left out. From a fresh look at the
         records, or (``fresh`` False: the check between two rounds that went well) from the heartbeat's view if it
-        looked since this peer moved to its round."""
+        looked since this peer moved to its round. ``unsettled``: this peer's own state is doubtful, and ranks as an
+        unsettled record's does (below a settled one's, however far ahead it claims to be)."""
         async def look() -> dict[str, SwarmState]:
             me = self.directory.me.model_copy(update={"round": round_index, "slices": dict(slices),
-                                                     "state": PeerState.TRAINING})
+                                                     "state": PeerState.TRAINING, "unsettled": unsettled})
             live = await (self.directory.refresh() if fresh else self.directory.view())
             chosen: dict[str, SwarmState] = {}
             for name in slices:
