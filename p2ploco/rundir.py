@@ -13,14 +13,14 @@ from p2ploco.config import Config
 from p2ploco.errors import CheckpointError
 from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog
 
-RESUME = "always"  # --resume: continue the checkpoint in the run directory; there must be one
-RESUME_IF_ANY = "auto"  # --resume auto: continue it if there is one, else start afresh (a supervisor's restarts)
+RESUME = "always"  # --resume: continue the checkpoint in the run directory; there must be one ("auto": if any)
 
 
 class RunDirectory:
     def __init__(self, path: Path, config: Config, fingerprint: str, resume: str | None, out: Callable[[str], None]):
-        """Open ``path`` for a run. A checkpoint already there is continued only with ``resume`` (``RESUME`` or
-        ``RESUME_IF_ANY``), else one line says what to do, so that no run overwrites another's. The checkpoint is
+        """Open ``path`` for a run. A checkpoint already there is continued only with ``resume`` (``RESUME``, or
+        "auto": continue one if there is one, else start afresh, as a supervisor's restarts do), else one line says
+        what to do, so that no run overwrites another's. The checkpoint is
         read and verified before anything is written, so that a refused start leaves the folder as it was."""
         self.checkpoints = path / "checkpoint"
         found = checkpoint.exists(self.checkpoints)
