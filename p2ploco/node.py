@@ -410,24 +410,18 @@ class Node:
                 # round failed): in for that round, its record told a replica still in the round before that the
                 # stage might have applied it without it, and the replica sat it out (a round lost each time a group
                 # met). It stands by until its catch-up has the swarm's state of the round.
-                if standing.waiting_for != "doubt":
-                    self.out(f"[{me}] round {standing.round}: this stage's state may not be the swarm's (it did not "
-                             f"apply the last round); it trains once it has the swarm's state of this round")
-                standing = replace(standing, waiting_for="doubt")
-                presence.announce_standby(standing.round)
-                self.stopping.wait(c.swarm.heartbeat_interval)
+                standing = self._stand_by(presence, standing, "doubt", f"[{me}] round {standing.round}: this "
+                                          f"stage's state may not be the swarm's (it did not apply the last round); it "
+                                          f"trains once it has the swarm's state of this round")
                 continue
             seeded = standing.membership.source == "init" and standing.round > 0 and not self.records
             if seeded and (trained := swarm.trained_elsewhere(role.worker.seed_digest)):
                 # It holds the seed's state where others hold trained ones (it could not fetch theirs yet): it
                 # trains nothing on it, and tries again (a group trained on a newcomer's seed once, and the swarm
                 # followed it)
-                if standing.waiting_for != "state":
-                    self.out(f"[{me}] round {standing.round}: others hold trained states of "
-                             f"{', '.join(trained)}, this node the seed's; it trains once it has fetched them")
-                standing = replace(standing, waiting_for="state")
-                presence.announce_standby(standing.round)
-                self.stopping.wait(c.swarm.heartbeat_interval)
+                standing = self._stand_by(presence, standing, "state", f"[{me}] round {standing.round}: others "
+                                          f"hold trained states of {', '.join(trained)}, this node the seed's; it "
+                                          f"trains once it has fetched them")
                 continue
             if not role.ready(standing.round, presence.in_for_round(standing.round, standing.doubtful),
                               partial(presence.announce_standby, standing.round), self.stopping):
@@ -440,7 +434,8 @@ class Node:
                     standing = replace(standing, round=group_round, waiting_for="", unsettled=None, doubtful=True)
                     presence.announce_standby(group_round)
                     continue
-                standing = self._stand_by(presence, role, standing)
+                standing = self._stand_by(presence, standing, role.waiting_for,
+                                          f"[{me}] standby: waiting for {role.waiting_for}")
                 continue
             try:
                 record = self._round(swarm, presence, role, schedule, standing, held_out)
@@ -471,11 +466,11 @@ class Node:
         rounds = self.config.training.rounds
         return bool(rounds) and round_index >= rounds
 
-    def _stand_by(self, presence: Presence, role: Role, standing: Standing) -> Standing:
-        """Sit this round out while the role is not ready (said once per reason), and wait a heartbeat."""
-        if role.waiting_for != standing.waiting_for:
-            standing = replace(standing, waiting_for=role.waiting_for)
-            self.out(f"[{presence.swarm.peer_id[-8:]}] standby: waiting for {standing.waiting_for}")
+    def _stand_by(self, presence: Presence, standing: Standing, reason: str, line: str) -> Standing:
+        """Sit this round out for ``reason`` (``line`` says it, once per reason), and wait a heartbeat."""
+        if reason != standing.waiting_for:
+            standing = replace(standing, waiting_for=reason)
+            self.out(line)
         presence.announce_standby(standing.round)
         self.stopping.wait(self.config.swarm.heartbeat_interval)
         return standing

@@ -20,8 +20,8 @@ class RunDirectory:
     def __init__(self, path: Path, config: Config, fingerprint: str, resume: str | None, out: Callable[[str], None]):
         """Open ``path`` for a run. A checkpoint already there is continued only with ``resume`` (``RESUME``, or
         "auto": continue one if there is one, else start afresh, as a supervisor's restarts do), else one line says
-        what to do, so that no run overwrites another's. The checkpoint is
-        read and verified before anything is written, so that a refused start leaves the folder as it was."""
+        what to do, so that no run overwrites another's. The checkpoint is read and verified before anything is
+        written, so that a refused start leaves the folder as it was."""
         self.checkpoints = path / "checkpoint"
         found = checkpoint.exists(self.checkpoints)
         if found and resume is None:
