@@ -9,8 +9,9 @@ there, and a torn or edited file is caught by its checksum.
 
 Every node keeps the last ``KEEP`` = 3 rounds: the stages of a pipeline group stopped at once may write their exit
 checkpoints a round apart, but their periodic ones are of the same rounds, so ``p2ploco export`` finds a round all
-stages hold; and a node whose newest checkpoint is corrupt resumes from the intact one beside it (``load``). At a
-150M model's few hundred megabytes a checkpoint, that is about a gigabyte of disk.
+stages hold; and a node whose newest checkpoint is corrupt resumes from the intact one beside it (``load``). A
+checkpoint is about 16 bytes a parameter (params, error feedback, AdamW's two moments): at 150M, 2.4 GB each and
+about 7 GB for three.
 
 A running node saves through ``BackgroundSaver``: the tensors are copied at once (the checkpoint is the
 state of that moment) and serialized, written and synced on a thread of its own, since at a few hundred
