@@ -29,7 +29,7 @@ from p2ploco.budget import FixedSteps, WallClockBudget
 from p2ploco.catchup import CatchUp
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceResult
-from p2ploco.config import Config, config_of_run, differences, with_overrides
+from p2ploco.config import Config, config_of_run, differences
 from p2ploco.dashboard.documents import ROUNDS_DOCUMENT, RUN_DOCUMENT, RoundsFeed, config_rows, run_document
 from p2ploco.dashboard.page import PAGE_PATH, page_routes
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
@@ -282,9 +282,10 @@ class Node:
     def _settle(self, arrival: Arrival, data: TrainingData | None, device: torch.device
                 ) -> tuple[Config, TrainingData]:
         """The config and data this node trains with: its own (``data`` loaded for it), or, without a config file,
-        the run's as its peers serve it (ConfigError, before anything is built, if its model would not fit this
-        machine's memory on ``device``). ConfigError if they differ from what most of the run trains with, naming
-        the first keys that do, unless no peer of the run serves a config (this node starts the run)."""
+        the run's as its peers serve it, with this node's own settings where the person set them and a batch split
+        of the run's step (``config.config_of_run``; ConfigError, before anything is built, if its model would not
+        fit this machine's memory on ``device``). ConfigError if they differ from what most of the run trains with,
+        naming the first keys that do, unless no peer of the run serves a config (this node starts the run)."""
         own, run_id = self.config, self.config.run_id
         mine = "" if data is None else own.swarm_fingerprint(data.fingerprint)
         run = arrival.run_document(mine) if self.document_path is None else load_run_document(self.document_path)
@@ -297,7 +298,7 @@ class Node:
         if run.fingerprint == mine:
             return own, data
         if data is None:
-            config = with_overrides(config_of_run(run.document["settings"], own), self.overrides)
+            config = config_of_run(run.document, own, self.overrides)
             fits_memory(config, device)
             self._needs_run_data(config, run.document)
             data = self._load_data(config)
