@@ -527,22 +527,30 @@ def _flattened(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def config_of_run(document: dict[str, Any], own: Config, overrides: Sequence[str] = ()) -> Config:
     """The run's config with ``own``'s local settings (``LOCAL_KEYS``) and ``overrides`` (the ``--set`` given, from
-    which ``own`` was built) on top: what a peer that joined without a config file trains with. Its batch split is
-    one of the run's sequences a step (``batch_split``): a local setting the person did not set follows the run.
-    ``document``: a run document (``Config.run_document``) from another peer, so checked as a config file is
-    (ConfigError with one line, naming the run's config as the source)."""
+    which ``own`` was built) on top: what a peer that joined without a config file trains with, its batch split one
+    of the run's step (``split_for_run``). ``document``: a run document (``Config.run_document``) from another peer,
+    so checked as a config file is (ConfigError with one line, naming the run's config as the source)."""
     shared = [setting for key, value in document["settings"].items() if key not in LOCAL_KEYS
               for setting in _settings(str(key), value, source="the run's config")]
     local = {key: value for key, value in _flattened(own.model_dump()).items() if key in LOCAL_KEYS}
     run = _built(Config(), shared + [(tuple(key.split(".")), value) for key, value in local.items()])
-    tokens_a_step = run.inner.steps * run.data.seq_len
+    return _built(split_for_run(run, document, keys_set(overrides)), _overrides(overrides))
+
+
+def split_for_run(config: Config, document: dict[str, Any], given: Collection[str]) -> Config:
+    """``config`` with a batch split of the step of the run whose document is ``document`` (``batch_split``; ``given``:
+    the dotted keys the person set), where the steps and sequence length that make a round with it are the run's
+    (where they are not, the config differs from the run's in those: named as they are). ConfigError, in one line,
+    where no split fits."""
+    tokens_a_step = config.inner.steps * config.data.seq_len
+    if _tokens_a_step(document["settings"]) != tokens_a_step:
+        return config
     if document["round_tokens"] % tokens_a_step:
-        raise ConfigError(f"run '{run.run_id}''s config says a round holds {document['round_tokens']:,} tokens: no "
-                          f"whole number of sequences of data.seq_len={run.data.seq_len} tokens in each of its "
-                          f"inner.steps={run.inner.steps} steps; its peers serve a broken config: join another run")
-    split = batch_split(document["round_tokens"] // tokens_a_step, own.inner, keys_set(overrides), run.run_id)
-    return _built(run, [(("inner", "batch_size"), split[0]), (("inner", "grad_accum"), split[1]),
-                        *_overrides(overrides)])
+        raise ConfigError(f"run '{config.run_id}''s config says a round holds {document['round_tokens']:,} tokens: "
+                          f"no whole number of sequences of data.seq_len={config.data.seq_len} tokens in each of its "
+                          f"inner.steps={config.inner.steps} steps; its peers serve a broken config: join another run")
+    size, accumulation = batch_split(document["round_tokens"] // tokens_a_step, config.inner, given, config.run_id)
+    return _built(config, [(("inner", "batch_size"), size), (("inner", "grad_accum"), accumulation)])
 
 
 BATCH_KEYS = ("inner.batch_size", "inner.grad_accum")

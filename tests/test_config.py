@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from p2ploco import config as config_module
-from p2ploco.config import Config, batch_split, config_of_run, differences, load_config
+from p2ploco.config import Config, batch_split, config_of_run, differences, keys_set, load_config, split_for_run
 from p2ploco.errors import ConfigError
 
 TINY = "configs/tiny.yaml"
@@ -172,6 +172,19 @@ def test_a_split_that_cannot_make_the_runs_step_is_refused_naming_only_what_was_
     with pytest.raises(ConfigError) as refused:
         config_of_run(run.run_document(), load_config(None, ["run_id=r", *given]), ["run_id=r", *given])
     assert str(refused.value) == line
+
+
+def test_a_config_files_split_is_a_default_the_runs_step_replaces_and_a_set_one_is_kept():
+    """A node with its own config file (150m.yaml's 16 x 2) joining a run started with another split: the file's
+    split follows the run's step where --set gives none, and no split mends steps or sequences that differ."""
+    run = load_config("configs/150m.yaml", ["inner.batch_size=1", "inner.grad_accum=1"]).run_document()
+    fitted = split_for_run(load_config("configs/150m.yaml"), run, frozenset())
+    assert (fitted.inner.batch_size, fitted.inner.grad_accum) == (1, 1) and fitted.run_document() == run
+    given = ["inner.grad_accum=4"]
+    with pytest.raises(ConfigError, match=r"^--set inner.grad_accum=4 does not divide the 1 sequences a step"):
+        split_for_run(load_config("configs/150m.yaml", given), run, keys_set(given))
+    other_steps = load_config("configs/150m.yaml", ["inner.steps=7"])
+    assert split_for_run(other_steps, run, frozenset()) == other_steps
 
 
 def test_what_a_round_holds_is_told_as_the_batch_split_only_where_steps_and_sequences_agree():
