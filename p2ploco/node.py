@@ -29,7 +29,7 @@ from p2ploco.budget import FixedSteps, WallClockBudget
 from p2ploco.catchup import CatchUp
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceResult
-from p2ploco.config import Config, config_of_run, differences, with_overrides
+from p2ploco.config import Config, config_of_run, differences, keys_set, split_for_run
 from p2ploco.dashboard.documents import ROUNDS_DOCUMENT, RUN_DOCUMENT, RoundsFeed, config_rows, run_document
 from p2ploco.dashboard.page import PAGE_PATH, page_routes
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
@@ -282,9 +282,11 @@ class Node:
     def _settle(self, arrival: Arrival, data: TrainingData | None, device: torch.device
                 ) -> tuple[Config, TrainingData]:
         """The config and data this node trains with: its own (``data`` loaded for it), or, without a config file,
-        the run's as its peers serve it (ConfigError, before anything is built, if its model would not fit this
-        machine's memory on ``device``). ConfigError if they differ from what most of the run trains with, naming
-        the first keys that do, unless no peer of the run serves a config (this node starts the run)."""
+        the run's as its peers serve it with this node's own settings (``config.config_of_run``; ConfigError, before
+        anything is built, if its model would not fit this machine's memory on ``device``); either with a batch
+        split of the run's step where the person set none (``config.split_for_run``). ConfigError if they differ
+        from what most of the run trains with, naming the first keys that do, unless no peer of the run serves a
+        config (this node starts the run)."""
         own, run_id = self.config, self.config.run_id
         mine = "" if data is None else own.swarm_fingerprint(data.fingerprint)
         run = arrival.run_document(mine) if self.document_path is None else load_run_document(self.document_path)
@@ -297,18 +299,27 @@ class Node:
         if run.fingerprint == mine:
             return own, data
         if data is None:
-            config = with_overrides(config_of_run(run.document["settings"], own), self.overrides)
+            config = config_of_run(run.document, own, self.overrides)
             fits_memory(config, device)
             self._needs_run_data(config, run.document)
             data = self._load_data(config)
-            theirs = config.swarm_fingerprint(data.fingerprint)
-            if theirs == run.fingerprint:
-                self.out(f"training the config of run '{run_id}': {run.holders} of its {run.peers} peer(s) (trainers "
-                         f"and hubs) hold it")
-                return config, data
-            arrival.tell_conflict(run, theirs)
-        else:
-            config = own
+            joining = (f"training the config of run '{run_id}': {run.holders} of its {run.peers} peer(s) (trainers and "
+                       f"hubs) hold it")
+        else:  # its own, with a split of the run's step where the person set none with --set (the file's is a default)
+            try:
+                config = split_for_run(own, run.document, keys_set(self.overrides))
+            except ConfigError:
+                arrival.tell_conflict(run, mine)
+                raise
+            i = config.inner
+            joining = (f"this node's config is that of run '{run_id}' with the run's {i.batch_size * i.grad_accum:,} "
+                       f"sequences a step, split {i.batch_size} x {i.grad_accum} (inner.batch_size x "
+                       f"inner.grad_accum; its own {own.inner.batch_size} x {own.inner.grad_accum} make another step)")
+        theirs = config.swarm_fingerprint(data.fingerprint)
+        if theirs == run.fingerprint:
+            self.out(joining)
+            return config, data
+        arrival.tell_conflict(run, theirs)
         differ = differences(config.run_document(data.fingerprint), run.document)
         shown_keys = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
         fix = ("drop those --set" if self.config_path is None else

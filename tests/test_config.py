@@ -1,7 +1,9 @@
+from pathlib import Path
+
 import pytest
 
 from p2ploco import config as config_module
-from p2ploco.config import Config, config_of_run, differences, load_config
+from p2ploco.config import Config, batch_split, config_of_run, differences, keys_set, load_config, split_for_run
 from p2ploco.errors import ConfigError
 
 TINY = "configs/tiny.yaml"
@@ -107,15 +109,15 @@ def test_a_peers_ranks_are_its_own_and_the_runs_max_ranks_caps_what_a_contributi
     assert load_config(TINY, ["training.max_ranks=4"]).max_contribution_tokens == 4 * base.round_tokens
     assert base.max_contribution_tokens == base.round_tokens
     # a peer with more ranks than the run counts is refused as it takes the run's config, in one line
-    run = load_config(TINY).run_document()["settings"]
+    run = load_config(TINY).run_document()
     with pytest.raises(ConfigError, match=r"^training.ranks \(2\) is more than training.max_ranks \(1\)"):
         config_of_run(run, load_config(TINY, ["training.ranks=2", "training.max_ranks=2"]))
 
 
 def test_a_run_document_rebuilds_the_run_with_the_peers_own_settings_on_top():
     run = load_config("configs/tiny.yaml", ["inner.lr=1e-3", "model.n_layer=3", "training.device=cpu"])
-    own = load_config(None, ["run_id=tiny", "training.threads=3", "inner.batch_size=2", "inner.grad_accum=4"])
-    joined = config_of_run(run.run_document()["settings"], own)
+    given = ["run_id=tiny", "training.threads=3", "inner.batch_size=2", "inner.grad_accum=4"]
+    joined = config_of_run(run.run_document(), load_config(None, given), given)
     assert (joined.inner.lr, joined.model.n_layer, joined.inner.steps) == (1e-3, 3, run.inner.steps)
     assert (joined.training.device, joined.training.threads, joined.inner.batch_size) == ("auto", 3, 2)
     assert joined.swarm_fingerprint() == run.swarm_fingerprint()
@@ -123,12 +125,91 @@ def test_a_run_document_rebuilds_the_run_with_the_peers_own_settings_on_top():
         "inner.lr=0.003 (run: 0.001)", "model.n_layer=2 (run: 3)"]
 
 
+CONFIGS = sorted(str(path) for path in Path("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+@pytest.mark.parametrize("split", [(1, 1), (2, 3), (16, 2)])
+def test_a_joiner_that_set_no_batch_key_splits_the_runs_step_and_trains_its_config(path, split):
+    """The run's step in micro-batches of at most the joiner's default size (8), whatever split the run was started
+    with: no setting the person did not give can keep it out of the run."""
+    run = load_config(path, [f"inner.batch_size={split[0]}", f"inner.grad_accum={split[1]}", "run_id=r"])
+    joined = config_of_run(run.run_document(), load_config(None, ["run_id=r"]), ["run_id=r"])
+    sequences = split[0] * split[1]
+    assert (joined.inner.batch_size, joined.inner.grad_accum) == {1: (1, 1), 6: (6, 1), 32: (8, 4)}[sequences]
+    assert joined.swarm_fingerprint() == run.swarm_fingerprint()
+
+
+def test_the_split_a_joiner_picks_is_the_largest_micro_batch_up_to_its_own_that_divides_the_step():
+    own = Config().inner  # batch_size 8
+    assert [batch_split(n, own, (), "r") for n in (1, 8, 9, 12, 13, 64)] == [
+        (1, 1), (8, 1), (3, 3), (6, 2), (1, 13), (8, 8)]
+    assert batch_split(64, load_config(None, ["inner.grad_accum=4"]).inner, (), "r") == (8, 8)  # not set: not used
+
+
+@pytest.mark.parametrize(("given", "split"), [
+    (["inner.batch_size=4"], (4, 8)), (["inner.grad_accum=16"], (2, 16)), (["inner={grad_accum: 32}"], (1, 32)),
+    (["inner.batch_size=16", "inner.grad_accum=2"], (16, 2)), (["inner.batch_size=32"], (32, 1))])
+def test_a_joiner_that_set_batch_keys_keeps_them_and_the_other_follows_the_run(given, split):
+    run = load_config("configs/150m.yaml", ["run_id=r"])  # 16 x 2 sequences a step
+    joined = config_of_run(run.run_document(), load_config(None, ["run_id=r", *given]), ["run_id=r", *given])
+    assert (joined.inner.batch_size, joined.inner.grad_accum) == split
+    assert joined.swarm_fingerprint() == run.swarm_fingerprint()
+
+
+@pytest.mark.parametrize(("given", "line"), [
+    (["inner.batch_size=3"], "--set inner.batch_size=3 does not divide the 32 sequences a step run 'r' trains "
+                             "(inner.batch_size x inner.grad_accum): set inner.batch_size to one of 1, 2, 4, 8, 16, 32 "
+                             "(inner.grad_accum follows), or drop it"),
+    (["inner.grad_accum=5"], "--set inner.grad_accum=5 does not divide the 32 sequences a step run 'r' trains "
+                             "(inner.batch_size x inner.grad_accum): set inner.grad_accum to one of 1, 2, 4, 8, 16, 32 "
+                             "(inner.batch_size follows), or drop it"),
+    (["inner.batch_size=8", "inner.grad_accum=1"],
+     "--set inner.batch_size=8 --set inner.grad_accum=1 make 8 sequences a step, where run 'r' trains 32: set two "
+     "whose product is 32, or drop them (the node then splits the run's step itself)")])
+def test_a_split_that_cannot_make_the_runs_step_is_refused_naming_only_what_was_set(given, line):
+    run = load_config("configs/150m.yaml", ["run_id=r"])
+    with pytest.raises(ConfigError) as refused:
+        config_of_run(run.run_document(), load_config(None, ["run_id=r", *given]), ["run_id=r", *given])
+    assert str(refused.value) == line
+
+
+def test_a_config_files_split_is_a_default_the_runs_step_replaces_and_a_set_one_is_kept():
+    """A node with its own config file (150m.yaml's 16 x 2) joining a run started with another split: the file's
+    split follows the run's step where --set gives none, and no split mends steps or sequences that differ."""
+    run = load_config("configs/150m.yaml", ["inner.batch_size=1", "inner.grad_accum=1"]).run_document()
+    fitted = split_for_run(load_config("configs/150m.yaml"), run, frozenset())
+    assert (fitted.inner.batch_size, fitted.inner.grad_accum) == (1, 1) and fitted.run_document() == run
+    given = ["inner.grad_accum=4"]
+    with pytest.raises(ConfigError, match=r"^--set inner.grad_accum=4 does not divide the 1 sequences a step"):
+        split_for_run(load_config("configs/150m.yaml", given), run, keys_set(given))
+    other_steps = load_config("configs/150m.yaml", ["inner.steps=7"])
+    assert split_for_run(other_steps, run, frozenset()) == other_steps
+
+
+def test_what_a_round_holds_is_told_as_the_batch_split_only_where_steps_and_sequences_agree():
+    run = load_config(TINY, ["inner.batch_size=1"])
+    assert differences(load_config(TINY).run_document(), run.run_document()) == [
+        "inner.batch_size x inner.grad_accum: 8 sequences a step (run: 1)"]
+    assert differences(load_config(TINY, ["inner.steps=7"]).run_document(), run.run_document()) == [
+        "inner.steps=7 (run: 5)"]
+    hostile = run.run_document()  # another peer's document: settings of any type never break the comparison
+    for steps in ("5", [5], True, None, 0):
+        lines = differences(load_config(TINY).run_document(), {**hostile, "settings": {**hostile["settings"],
+                                                                                        "inner.steps": steps}})
+        assert lines == [f"inner.steps=5 (run: {steps!r})"]
+
+
 def test_a_run_document_that_does_not_parse_gets_one_line_naming_it():
-    settings = {**Config().run_document()["settings"], "inner.lr": "fast"}
+    document = Config().run_document()
     with pytest.raises(ConfigError, match=r"^the run's config: inner.lr must be a number; got 'fast'$"):
-        config_of_run(settings, Config())
+        config_of_run({**document, "settings": {**document["settings"], "inner.lr": "fast"}}, Config())
     with pytest.raises(ConfigError, match=r"^the run's config: unknown config key 'inner.speed'"):
-        config_of_run({"inner.speed": 1}, Config())
+        config_of_run({**document, "settings": {"inner.speed": 1}}, Config())
+    with pytest.raises(ConfigError, match=r"^run 'p2ploco''s config says a round holds 2,561 tokens: no whole number "
+                                          r"of sequences of data.seq_len=128 tokens in each of its inner.steps=20 "
+                                          r"steps; its peers serve a broken config: join another run$"):
+        config_of_run({**document, "round_tokens": 2561}, Config())
 
 
 def test_peers_that_speak_another_protocol_version_have_another_fingerprint(monkeypatch):

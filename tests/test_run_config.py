@@ -88,15 +88,20 @@ def test_the_peer_whose_address_was_typed_is_asked_first_and_one_of_another_conf
 
 
 @pytest.mark.timeout(120)
-def test_a_joiner_with_another_config_is_logged_once_by_the_peer_it_asked(swarms, caplog):
+def test_a_joiner_with_another_config_is_logged_once_by_the_peer_it_asked_once_it_tells_it(swarms, caplog):
+    """Asking names no config (a config file that differs in its batch split alone joins once fitted to the run's
+    step); a joiner whose config still differs tells the donor, which logs it once however often it is told."""
     mine = document_fingerprint(run_document("mine"))
     arrival = Arrival.start("test", "public", swarms[0].addresses(), LOOPBACK)
     try:
         with caplog.at_level("WARNING", logger="p2ploco.swarm.run_config"):
             runs = [arrival.run_document(mine) for _ in range(2)]
+            asked = [r.getMessage() for r in caplog.records if "with another config of its own" in r.getMessage()]
+            for run in runs:
+                arrival.tell_conflict(run, mine)
     finally:
         arrival.abandon()
-    assert {run.fingerprint for run in runs} == {document_fingerprint(OURS)}
+    assert {run.fingerprint for run in runs} == {document_fingerprint(OURS)} and asked == []
     told = [r.getMessage() for r in caplog.records if "with another config of its own" in r.getMessage()]
     assert told == [f"peer {arrival.peer_id[-8:]} asked for run 'test''s config with another config of its own "
                     f"(fingerprint {mine}, the run's {runs[0].fingerprint}): it stops instead of joining"]

@@ -8,9 +8,11 @@ the peer whose address the person typed first (where that peer trains another co
 naming both: ``ConfigConflict``), then that fingerprint's holders in random order (from the system's random source:
 a key ground to sort first is drawn no sooner), until one serves a document whose digest is the fingerprint: a donor
 can withhold a document, never change one. It never falls through to a fingerprint fewer records hold: where
-nobody serves the most held one, it says so (``ConfigUnserved``), and starts no run of its own. A joiner that
-brought a config of its own names its fingerprint when it asks, and a donor whose run it differs from says so once
-in its log: that joiner stops instead of joining (``node.py``).
+nobody serves the most held one, it says so (``ConfigUnserved``), and starts no run of its own. A joiner whose
+config (its own file's, or the run's with its own settings) turns out to differ from the run's names its fingerprint
+to the donor (``tell_conflict``), which says so once in its log: that joiner stops instead of joining (``node.py``).
+It names none as it asks: a config file that differs from the run's in its batch split alone is fitted to the run's
+step once the document is in (``config.split_for_run``), and joins.
 
 What k keys that add records gain: k fresh records of one fingerprint, against n live honest peers' records, make it
 the run's for a newcomer where k > n (k = n: the newcomer's own fingerprint, then the lower, wins the tie). Then a
@@ -174,7 +176,7 @@ async def fetch_run_document(p2p: P2P, run_id: str, records: Iterable[PeerRecord
         return RunDocument(fingerprint, {}, "", len(holders), peers)
     others = [p for p in holders if p not in typed]
     for donor in [p for p in holders if p in typed] + DRAWN.sample(others, len(others)):
-        document = await _ask(p2p, run_id, donor, fingerprint, mine)
+        document = await _ask(p2p, run_id, donor, fingerprint, "")  # a conflict is named once known (tell_conflict)
         if document is not None:
             return RunDocument(fingerprint, document, donor, len(holders), peers)
     raise ConfigUnserved(f"{len(holders)} of the {peers} peers of run '{shown(run_id)}' carry config {fingerprint} "
@@ -183,8 +185,8 @@ async def fetch_run_document(p2p: P2P, run_id: str, records: Iterable[PeerRecord
 
 
 async def tell_conflict(p2p: P2P, run_id: str, run: RunDocument, mine: str) -> None:
-    """Ask ``run``'s donor again, naming ``mine``: a joiner that came without a config and whose own settings turned
-    out to conflict with the run's, so that the donor logs it as it logs one that brought its own."""
+    """Ask ``run``'s donor again, naming ``mine``: a joiner whose config turned out to conflict with the run's, so
+    that the donor logs it."""
     await _ask(p2p, run_id, run.donor, run.fingerprint, mine)
 
 
