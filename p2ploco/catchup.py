@@ -123,7 +123,7 @@ class CatchUp:
                       if (chain := swarm.describe_updates(own[name], t, worker.state_bytes(name))) is not None}
             states = {name: t for name, t in fetch.items() if name not in chains}
             self.out(f"[{me}] the swarm is at round {top} (this peer: {round_index}); fetching "
-                     + "; ".join([*(f"{len(chain.links)} rounds' updates ({human_bytes(chain.bytes)}) of {name} from "
+                     + "; ".join([*(f"{rounds_updates(len(chain.links))} ({human_bytes(chain.bytes)}) of {name} from "
                                     f"{len(chain.donors)} peer(s)" for name, chain in sorted(chains.items())),
                                   *([self._state_line(worker, states)] if states else [])]))
             fetched = {}
@@ -163,6 +163,11 @@ class CatchUp:
             # Others publish their next round the moment they reach it: look often, a round may be short.
             time.sleep(min(self.config.swarm.heartbeat_interval, CATCH_UP_POLL, max(0.0, deadline - time.monotonic())))
         return not self.stopping.is_set()
+
+
+def rounds_updates(count: int) -> str:
+    """``3 rounds' updates``, ``1 round's update``."""
+    return "1 round's update" if count == 1 else f"{count} rounds' updates"
 
 
 def behind(targets: dict[str, SwarmState], round_index: int, slices: dict[str, str]) -> bool:
