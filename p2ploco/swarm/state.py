@@ -171,23 +171,22 @@ class StateServer:
                                 self.deadline.seconds(PART_BYTES)):
             header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.deadline.base)
             request = decode(StateRequest, header)
-            snapshot = self._find(request)
-            if isinstance(snapshot, dict):  # the answer that it holds none
-                await wire.write_message(writer, snapshot)
+            served = self._find(request)
+            if isinstance(served, dict):  # the answer that it holds none
+                await wire.write_message(writer, served)
                 return
             loop = asyncio.get_running_loop()
-            blob = await loop.run_in_executor(None, snapshot.blob)
+            blob = await loop.run_in_executor(None, served.blob)
             if request.offset % RANGE_BYTES or request.offset > len(blob):
                 raise PayloadError(f"bad range {request.offset}+{request.length} of a {len(blob)}-byte state")
             if request.length:  # a range
-                await faults.hit_async("state.serve", snapshot.round)
+                await faults.hit_async("state.serve", served.round)
                 payload = blob[request.offset : request.offset + request.length]
             else:  # the joiner's first question: how big, and the hash of every range
-                payload = await loop.run_in_executor(None, snapshot.manifest)
-            answer = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": len(blob),
-                      "state_digest": snapshot.state_digest}
+                payload = await loop.run_in_executor(None, served.manifest)
+            answer = {"status": StateStatus.OK, "round": served.round, "slice": served.slice, "total": len(blob),
+                      "state_digest": served.state_digest}
             await asyncio.wait_for(wire.write_message(writer, answer, payload), self.deadline.seconds(len(payload)))
-
 
     def _find(self, request: StateRequest) -> Served | dict[str, Any]:
         """What ``request`` asks for, or the answer that this peer does not hold it."""
