@@ -15,12 +15,13 @@ algorithm changes every value: its update would be larger than the state, so non
 fetched, as before. Positions are int32 (int64 for a tensor of 2^31 values or more): 8 bytes a changed value.
 
 **Keeping** (``UpdateKeeper``): each peer diffs the state it serves against the one it served before, before it serves
-it and says so in its record (so that a peer that reads the record finds the update kept; a pass over the state, a
-fraction of a second at 150M: ``benchmarks/catchup.py --updates``), and keeps per slice the newest updates whose bytes
+it and says so in its record (so that a peer that reads the record finds the update kept; a pass over the state, 0.27 s
+a round at 150M on two cores: ``benchmarks/catchup.py --updates``), and keeps per slice the newest updates whose bytes
 add up to at most a quarter of the state's (``KEEP_SHARE``). A chain is fetched only while its bytes are fewer than the
 state's, so a longer one is never used; a quarter costs a peer at most 1 byte a parameter in fp32 (the memory floor is
-24-32), and still holds a dozen or more rounds of SparseLoCo at 150M. The keeper holds the last state it served by
-reference (the server holds it anyway: ``KEEP_SNAPSHOTS``), never a copy.
+24-32), and holds the last three rounds of SparseLoCo at 150M with two peers (38 MB each, a sixteenth of the state; a
+peer that missed more fetches the state). The keeper holds the last state it served by reference (the server holds it
+anyway: ``KEEP_SNAPSHOTS``), never a copy.
 
 **Fetching** (``describe_chain``, ``fetch_chain``, ``applied``): a peer behind asks the vouched state's holders
 for the update from its own state's digest (``StateRequest`` with ``blob: update`` and ``base``), learns from the
@@ -79,8 +80,9 @@ from p2ploco.swarm.state import (
 logger = logging.getLogger(__name__)
 
 KEEP_SHARE = 4  # a slice's kept updates take at most 1/KEEP_SHARE of its state's bytes (see the docstring)
-# links of a chain a peer follows: each costs a description's round trip to every donor (a second across
-# continents), and 64 rounds of SparseLoCo at 150M already outweigh the state
+# links of a chain a peer follows: each costs a description's round trip to every donor (up to a second across
+# continents); a chain of real updates meets the byte budget first (16 rounds of SparseLoCo at 150M outweigh the
+# state), this bounds one of empty-handed links from donors that lie
 MAX_CHAIN = 64
 WIDE_POSITIONS = 1 << 31  # a tensor with this many values or more has its positions in int64
 
