@@ -82,7 +82,7 @@ logger = logging.getLogger(__name__)
 KEEP_SHARE = 4  # a slice's kept updates take at most 1/KEEP_SHARE of its state's bytes (see the docstring)
 # links of a chain a peer follows: each costs a description's round trip to every donor (up to a second across
 # continents); a chain of real updates meets the byte budget first (16 rounds of SparseLoCo at 150M outweigh the
-# state), this bounds one of empty-handed links from donors that lie
+# state): this bounds a chain of tiny links that lying donors describe
 MAX_CHAIN = 64
 WIDE_POSITIONS = 1 << 31  # a tensor with this many values or more has its positions in int64
 
