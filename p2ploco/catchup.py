@@ -131,8 +131,8 @@ class CatchUp:
                 if (snapshot := swarm.fetch_updates(chain)) is not None:
                     fetched[name] = snapshot
                 else:
-                    self.out(f"[{me}] the updates of {name} did not lead to the state the swarm vouches for; "
-                             f"fetching the state instead")
+                    self.out(f"[{me}] the updates of {name} could not be fetched or did not lead to the state the "
+                             f"swarm vouches for; fetching the state instead")
                     states[name] = fetch[name]
             fetched.update({name: swarm.fetch_state(t, worker.state_bytes(name)) for name, t in states.items()})
             # A step it sat rounds out for is kept however many rounds it took: it is there to be contributed.

@@ -196,7 +196,7 @@ def test_donors_whose_update_leads_elsewhere_are_banned_and_the_state_is_fetched
             swarm.leave()
     assert banned == liar_ids, said
     assert any("1 round's update (" in line for line in said) and any(
-        "the updates of stage0 did not lead to the state the swarm vouches for; fetching the state instead" in line
+        "did not lead to the state the swarm vouches for; fetching the state instead" in line
         for line in said), said
     assert (caught_up.round, caught_up.membership.catchup_updates, caught_up.doubtful) == (6, 0, False)
     assert caught_up.membership.catchup_bytes == worker.state_bytes(before.slice)
