@@ -1,9 +1,12 @@
 """Catching up: a node whose state is not the swarm's fetches the swarm's before it trains the next round.
 
 The swarm's state of each slice is the one most peers' signed records vouch for (``consensus.ranked_states``); a
-node behind it (joining, restarted, or left out of a round) fetches it from the peers that hold it
-(``Swarm.fetch_state``: checked range by range against a manifest) and hands it to its round schedule, which
-decides what becomes of a round in flight (``RoundSchedule.adopt``).
+node behind it (joining, restarted, or left out of a round) gets it from the peers that hold it and hands it to its
+round schedule, which decides what becomes of a round in flight (``RoundSchedule.adopt``). It gets it by the
+updates of the rounds it missed where its donors keep them and they are fewer bytes than the state
+(``Swarm.describe_updates``, ``swarm/updates.py``: applied, the result must hash to the vouched state), else, or
+when they do not lead there, by fetching the state (``Swarm.fetch_state``: checked range by range against a
+manifest).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from dataclasses import replace
 
 from p2ploco.config import Config
 from p2ploco.errors import SwarmError
+from p2ploco.metrics import human_bytes
 from p2ploco.presence import Presence
 from p2ploco.schedules import RoundSchedule
 from p2ploco.standing import Membership, Standing
 from p2ploco.swarm.consensus import SwarmState
 from p2ploco.swarm.runtime import Swarm
+from p2ploco.worker import Worker
 
 CATCH_UP_POLL = 0.25  # seconds between looks at the records while waiting to catch up
 # a peer at most this many rounds behind keeps its unapplied work (error feedback, carry) when it catches up
@@ -110,21 +115,45 @@ class CatchUp:
         own = {snapshot.slice: snapshot for snapshot in worker.snapshots(round_index)}
         fetch = {name: t for name, t in targets.items() if (t.round, t.state_digest) != (round_index,
                                                                                           own[name].state_digest)}
-        donors = {peer for t in fetch.values() for peer in t.holders} - {swarm.peer_id}
-        self.out(f"[{me}] the swarm is at round {top} (this peer: {round_index}); fetching the state of "
-                 f"{', '.join(sorted(fetch))} from {len(donors)} peer(s)")
         self.presence.announce_catching_up(top, {t.slice: t.state_digest for t in targets.values()})
         started = time.perf_counter()
         try:
-            fetched = {name: swarm.fetch_state(t, worker.state_bytes(name)) for name, t in fetch.items()}
+            # The rounds' updates where they are fewer bytes than the state (none for a dense algorithm)
+            chains = {name: chain for name, t in fetch.items()
+                      if (chain := swarm.describe_updates(own[name], t, worker.state_bytes(name))) is not None}
+            states = {name: t for name, t in fetch.items() if name not in chains}
+            self.out(f"[{me}] the swarm is at round {top} (this peer: {round_index}); fetching "
+                     + "; ".join([*(f"{rounds_updates(len(chain.links))} ({human_bytes(chain.bytes)}) of {name} from "
+                                    f"{len(chain.donors)} peer(s)" for name, chain in sorted(chains.items())),
+                                  *([self._state_line(worker, states)] if states else [])]))
+            fetched = {}
+            for name, chain in sorted(chains.items()):
+                if (snapshot := swarm.fetch_updates(chain)) is not None:
+                    fetched[name] = snapshot
+                else:
+                    self.out(f"[{me}] the updates of {name} could not be fetched or did not lead to the state the "
+                             f"swarm vouches for; fetching the state instead")
+                    states[name] = fetch[name]
+            fetched.update({name: swarm.fetch_state(t, worker.state_bytes(name)) for name, t in states.items()})
             # A step it sat rounds out for is kept however many rounds it took: it is there to be contributed.
             schedule.adopt({**own, **fetched}, keep_local=standing.sat_out or top - round_index <= KEEP_LOCAL_ROUNDS)
         except SwarmError as e:
             self.out(f"[{me}] could not catch up ({e}); training on and trying again next round")
             return replace(standing, doubtful=True)
         seconds = time.perf_counter() - started
-        self.out(f"[{me}] caught up to round {top} in {seconds:.1f} s")
-        return replace(standing, round=top, membership=Membership(top, "peer", seconds), doubtful=False)
+        by_updates = {name: chains[name] for name in fetched if name not in states}
+        fetched_bytes = (sum(chain.bytes for chain in by_updates.values())
+                         + sum(worker.state_bytes(name) for name in states))
+        self.out(f"[{me}] caught up to round {top} in {seconds:.1f} s ({human_bytes(fetched_bytes)} fetched)")
+        membership = Membership(top, "peer", seconds, fetched_bytes,
+                                sum(len(chain.links) for chain in by_updates.values()))
+        return replace(standing, round=top, membership=membership, doubtful=False)
+
+    def _state_line(self, worker: Worker, states: dict[str, SwarmState]) -> str:
+        """What the catching-up line says of the slices whose state it fetches."""
+        donors = {peer for t in states.values() for peer in t.holders} - {self.swarm.peer_id}
+        size = sum(worker.state_bytes(name) for name in states)
+        return f"the state ({human_bytes(size)}) of {', '.join(sorted(states))} from {len(donors)} peer(s)"
 
     def _wait(self, done: Callable[[], bool], deadline: float) -> bool:
         """Poll ``done`` until it holds or ``deadline`` passes; False if this node is stopping."""
@@ -134,6 +163,11 @@ class CatchUp:
             # Others publish their next round the moment they reach it: look often, a round may be short.
             time.sleep(min(self.config.swarm.heartbeat_interval, CATCH_UP_POLL, max(0.0, deadline - time.monotonic())))
         return not self.stopping.is_set()
+
+
+def rounds_updates(count: int) -> str:
+    """``3 rounds' updates``, ``1 round's update``."""
+    return "1 round's update" if count == 1 else f"{count} rounds' updates"
 
 
 def behind(targets: dict[str, SwarmState], round_index: int, slices: dict[str, str]) -> bool:

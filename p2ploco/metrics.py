@@ -65,6 +65,8 @@ class RoundRecord:
     joined_round: int = 0  # the round this node last (re)joined at
     state_source: str = "init"  # where that state came from: init (seed), checkpoint, or peer
     catchup_seconds: float = 0.0  # time spent fetching the swarm's state before this round
+    catchup_bytes: int = 0  # what that fetched: the updates of the rounds it missed, or the state (catchup.py)
+    catchup_updates: int = 0  # rounds' updates it applied then (0: it fetched the state, or did not catch up)
     timestamp: float = 0.0
     compute_utilisation: float = 0.0  # inner seconds / wall seconds since the previous record (or the round's start)
     # bytes (sent + received) of each all-reduce of the round: one per fragment with Streaming DiLoCo, else one

@@ -561,7 +561,8 @@ class Node:
                            params_digest=worker.params_digest, slice_digest=dict(worker.slice_digest),
                            round_seconds=time.perf_counter() - started, peer_id=swarm.peer_id,
                            joined_round=membership.joined_round, state_source=membership.source,
-                           catchup_seconds=membership.catchup_seconds, timestamp=time.time(),
+                           catchup_seconds=membership.catchup_seconds, catchup_bytes=membership.catchup_bytes,
+                           catchup_updates=membership.catchup_updates, timestamp=time.time(),
                            reachability=str(swarm.reachability), **role.record_fields())
 
     def _budget(self, swarm: Swarm, role: Role) -> WallClockBudget | FixedSteps | None:
@@ -606,6 +607,8 @@ def progress_line(peer_id: str, r: RoundRecord) -> str:
     notes = (" | sat out: its step outlasts the round, its work goes into the next" if r.sat_out and r.tokens else
              " | sat out idle: a step's work would land past its last round" if r.sat_out else
              "" if r.applied else " | NOT APPLIED")
+    if not r.inner_steps and r.contributed_tokens and not r.sat_out:
+        notes += " | no step of its own: it contributed the work it kept from the round it sat out"
     notes += f" | dropped {len(r.dropped_peers)}" if r.dropped_peers else ""
     notes += f" | clipped {len(r.clipped_peers)}" if r.clipped_peers else ""
     notes += f" | left out {len(r.opposed_peers)} opposed" if r.opposed_peers else ""
@@ -616,7 +619,9 @@ def progress_line(peer_id: str, r: RoundRecord) -> str:
                 f"{notes} | {r.params_digest[:10]}")
     traffic = r.bytes_sent + r.bytes_received
     saving = f", {r.dense_fp32_bytes / traffic:.0f}x under dense fp32" if traffic else ""
-    return (f"[{peer_id[-8:]}] round {r.round:>4} | peers {r.peers} | loss {r.loss:.3f} | eval {evaluated} | "
+    # a round that trained no step has no loss (``InnerStats``: NaN), and says so
+    loss = f"{r.loss:.3f}" if r.inner_steps else "-"
+    return (f"[{peer_id[-8:]}] round {r.round:>4} | peers {r.peers} | loss {loss} | eval {evaluated} | "
             f"{rate / 1e3:.1f}k tok/s | sent {human_bytes(r.bytes_sent)} recv {human_bytes(r.bytes_received)} "
             f"({r.bits_per_param:.3f} bits/param{saving}) | inner {r.inner_seconds:.1f}s comm {r.comm_seconds:.1f}s"
             f"{notes} | {r.params_digest[:10]}")

@@ -18,6 +18,8 @@ class Membership:
     joined_round: int  # the round it (re)joined at
     source: str  # init (seeded), checkpoint, or peer (fetched from the swarm)
     catchup_seconds: float = 0.0  # time spent fetching state before the next round
+    catchup_bytes: int = 0  # what it fetched then: the rounds' updates, or the state (``catchup.py``)
+    catchup_updates: int = 0  # rounds' updates it applied then (0: it fetched the state, or nothing)
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,8 @@ class Standing:
     def after(self, record: RoundRecord) -> Standing:
         """Once this round is recorded. Alone, or not applied: the others may hold another state after it (they
         committed without us, or a judge we could not reach decided otherwise)."""
-        return Standing(self.round + 1, replace(self.membership, catchup_seconds=0.0),
+        membership = replace(self.membership, catchup_seconds=0.0, catchup_bytes=0, catchup_updates=0)  # said once
+        return Standing(self.round + 1, membership,
                         unsettled=self.round if record.peers == 1 or not record.applied else None,
                         doubtful=self.doubtful or not record.applied, sat_out=record.sat_out,
                         refused_by=frozenset(record.refused_by))

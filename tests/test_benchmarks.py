@@ -150,6 +150,19 @@ def test_catchup_benchmark_fetches_from_real_donors():
     assert row.split()[1:5] == ["0.5M", "1.8", "MB", "2"]
 
 
+@pytest.mark.timeout(120)
+def test_catchup_benchmark_measures_the_rounds_updates_against_the_state():
+    """At tiny.yaml a SparseLoCo round of two replicas changes 6.7% of the state: 1 and 3 missed rounds are fetched
+    as updates, 10 (more than the quarter of the state peers keep) as the state; every chain applied gives the swarm's
+    state (the benchmark raises otherwise)."""
+    rows = [json.loads(line) for line in run("benchmarks/catchup.py", "--updates", "--config", "configs/tiny.yaml",
+                                             "--missed", "1", "3", "10", "--json").splitlines()]
+    assert [(r["missed_rounds"], r["fetched"]) for r in rows] == [(1, "updates"), (3, "updates"), (10, "state")]
+    assert rows[0]["update_bytes"] < rows[0]["state_bytes"] / 10
+    assert [r["update_bytes"] for r in rows] == sorted(r["update_bytes"] for r in rows)
+    assert rows[2]["fetched_bytes"] == rows[2]["state_bytes"]
+
+
 @pytest.mark.slow  # nodes on a prepared corpus are in the default run through test_data_nodes.py
 @pytest.mark.timeout(260)
 def test_data_benchmark_prepares_and_measures_nodes():

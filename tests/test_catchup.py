@@ -1,11 +1,13 @@
 """Catching up (``p2ploco/catchup.py``) among real peers: when a node whose state is doubtful follows whom."""
 
+import re
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 from helpers import join_swarms
 
 from p2ploco.build import build_replica
@@ -110,3 +112,92 @@ def test_a_peer_waiting_for_its_unsettled_round_to_settle_serves_the_state_its_r
     finally:
         for swarm in swarms:
             swarm.leave()
+
+
+def sparsely_moved(snapshot: Snapshot, round_index: int, seed: int, share: float = 0.01) -> Snapshot:
+    """``snapshot`` with ``share`` of the values of every parameter moved (new tensors, as an outer step makes
+    them), as the state of ``round_index``: what a round of SparseLoCo changes."""
+    generator = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, tensor in snapshot.params.items():
+        moved = tensor.clone()
+        flat = moved.view(-1)
+        at = torch.randperm(flat.numel(), generator=generator)[: max(1, int(flat.numel() * share))]
+        flat[at] += torch.randn(len(at), generator=generator) * 0.01
+        params[name] = moved
+    return Snapshot(round_index, snapshot.slice, params, snapshot.shared, state_digest(params, snapshot.shared))
+
+
+def sat_out(round_index: int) -> Standing:
+    """Where a peer stands that sat round ``round_index - 1`` out (``Standing.after`` its record): at the next
+    round, on the state it held, its last round unsettled."""
+    return Standing(round_index, Membership(0, "init"), unsettled=round_index - 1, doubtful=True, sat_out=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_missed_three_rounds_applies_their_updates_and_holds_the_swarms_state_bit_for_bit():
+    """Two donors served rounds 3 to 6, each of which changed 1% of the values; a peer still on round 3's state
+    (the seed's) catches up at round 6 by the three rounds' updates, a fraction of the state's bytes, and then holds
+    round 6's state bit for bit."""
+    config, worker = tiny_worker()
+    (first,) = worker.snapshots(3)
+    served = [first]
+    for r in (4, 5, 6):
+        served.append(sparsely_moved(served[-1], r, r))
+    swarms, said = [], []
+    try:
+        *donors, me = join_swarms("catchup-updates", 3, SWARM, swarms)
+        for donor in donors:
+            for snapshot in served:
+                donor.serve_state([snapshot])
+            donor.announce_progress(6, PeerState.TRAINING, served[-1].state_digest,
+                                    {first.slice: served[-1].state_digest})
+            assert donor.flush()
+        caught_up = CatchUp(config, me, Presence(me, HeldWorker(worker)), threading.Event(), said.append)(
+            build_schedule(config, worker), sat_out(6), first=False)
+    finally:
+        for swarm in swarms:
+            swarm.leave()
+    fetching = next(line for line in said if "fetching" in line)
+    assert re.search(r"the swarm is at round 6 \(this peer: 6\); fetching 3 rounds' updates \([\d.]+ kB\) of "
+                     r"stage0 from 2 peer\(s\)$", fetching), said
+    assert (caught_up.round, caught_up.membership.catchup_updates, caught_up.doubtful) == (6, 3, False)
+    assert 0 < caught_up.membership.catchup_bytes < worker.state_bytes(first.slice) // 10
+    assert worker.slice_digest == {first.slice: served[-1].state_digest}
+    held = dict(zip(worker.names, worker.outer.params))
+    assert all(torch.equal(held[name].view(torch.int32), t.view(torch.int32)) for name, t in served[-1].params.items())
+
+
+@pytest.mark.timeout(120)
+def test_donors_whose_update_leads_elsewhere_are_banned_and_the_state_is_fetched_instead():
+    """Two donors (two keys of one attacker) serve an update from the peer's state that leads elsewhere: they served
+    a forged state under the digest of the swarm's, and keep the difference to it. They outnumber the honest donor,
+    so their update is the one fetched; applied, it does not hash to the vouched state. Both are banned, the honest
+    donor is not, and the peer fetches the state from it."""
+    config, worker = tiny_worker()
+    (before,) = worker.snapshots(5)
+    after = sparsely_moved(before, 6, 6)
+    forged = sparsely_moved(before, 6, 7)
+    forged = Snapshot(6, before.slice, forged.params, forged.shared, after.state_digest)  # under the swarm's digest
+    swarms, said = [], []
+    try:
+        honest, *liars, me = join_swarms("catchup-lying-update", 4, SWARM, swarms)
+        for donor, served in [(honest, after), *((liar, forged) for liar in liars)]:
+            donor.serve_state([before])
+            donor.serve_state([served])
+            donor.announce_progress(6, PeerState.TRAINING, after.state_digest, {before.slice: after.state_digest})
+            assert donor.flush()
+        caught_up = CatchUp(config, me, Presence(me, HeldWorker(worker)), threading.Event(), said.append)(
+            build_schedule(config, worker), sat_out(6), first=False)
+        banned = {peer for peer in (honest.peer_id, *(liar.peer_id for liar in liars)) if me.bans.banned(peer, 6)}
+        liar_ids = {liar.peer_id for liar in liars}
+    finally:
+        for swarm in swarms:
+            swarm.leave()
+    assert banned == liar_ids, said
+    assert any("1 round's update (" in line for line in said) and any(
+        "did not lead to the state the swarm vouches for; fetching the state instead" in line
+        for line in said), said
+    assert (caught_up.round, caught_up.membership.catchup_updates, caught_up.doubtful) == (6, 0, False)
+    assert caught_up.membership.catchup_bytes == worker.state_bytes(before.slice)
+    assert worker.slice_digest == {before.slice: after.state_digest}

@@ -187,3 +187,8 @@ def test_a_peer_whose_step_outlasts_the_round_sits_rounds_out_and_its_work_is_ap
         assert between[0]["contributed_tokens"] >= step["tokens"]
     ends = {r["round"]: r["params_digest"] for r in runs["a"]}
     assert all(ends[r["round"]] == r["params_digest"] for r in slow if r["applied"])
+    # After each round it sat out it caught up by that round's update (a fraction of the state), not the state, and
+    # its lines print no NaN loss for the rounds that trained no step
+    caught_up = [r for r in slow if r["catchup_bytes"]]
+    assert len(caught_up) >= len(sat) and all(r["catchup_updates"] >= 1 for r in caught_up), caught_up
+    assert "loss nan" not in (tmp_path / "s.log").read_text()

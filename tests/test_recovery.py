@@ -81,3 +81,14 @@ def test_failed_rounds_cost_a_redo_or_the_failing_peers_round_and_the_swarm_come
     # Between the failures, and from the last one on, the three are one group on one state again.
     for r in [*range(lands(SLOW_JOIN) + stalled, lands(NO_DECISION)), *range(lands(NO_DECISION) + back, ROUNDS)]:
         assert all(applied(name, r) and runs[name][r]["peers"] == 3 for name in "abc"), (r, overlap)
+    # 2. Each peer that fell behind (b after its lonely round, c after its late one and its lost decision) caught up
+    # by the updates of the rounds it missed, a fraction of the state's bytes, never by the state, and its first
+    # applied round after ended on the others' parameters bit for bit (above: one digest a round). (With overlap a
+    # peer fetches twice: test_updates.py and test_catchup.py cover the chains themselves.)
+    if not overlap:
+        caught_up = {name: [r for r in runs[name].values() if r["catchup_bytes"]] for name in "abc"}
+        assert not caught_up["a"] and len(caught_up["b"]) >= 1 and len(caught_up["c"]) >= 2, caught_up
+        assert all(r["catchup_updates"] >= 1 and r["state_source"] == "peer" for name in "bc" for r in caught_up[name])
+        by_updates = re.compile(r"fetching (1 round's update|\d+ rounds' updates) \([\d.]+ kB\) of stage0 from \d "
+                                r"peer\(s\)")
+        assert all(by_updates.search(logs[name]) for name in "bc")

@@ -43,6 +43,7 @@ from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, served_state
 from p2ploco.swarm.status import Host, Route, StatusServer, Surveyed
 from p2ploco.swarm.status_document import PEERS_DOCUMENT, STATUS_PATH
 from p2ploco.swarm.survey import survey
+from p2ploco.swarm.updates import Chain, UpdateKeeper, caught_up, describe_chain, fetch_chain
 from p2ploco.swarm.upload_cap import cap_uploads
 
 logger = logging.getLogger(__name__)
@@ -57,9 +58,9 @@ JUDGE_GRACE = 10.0  # a leaving peer still decides the rounds of the groups it f
 class Swarm:
     def __init__(self, loop: EventLoopThread, node: DHTNode, directory: PeerDirectory, communicator: SwarmCommunicator,
                  state_server: StateServer, config_server: ConfigServer, config: SwarmConfig, identity: Identity,
-                 bans: Bans):
+                 bans: Bans, updates: UpdateKeeper):
         self.loop, self.node, self.directory, self.communicator = loop, node, directory, communicator
-        self.state_server, self.config_server = state_server, config_server
+        self.state_server, self.config_server, self.updates = state_server, config_server, updates
         self.config, self.identity, self.bans = config, identity, bans
         self._refusals: dict[tuple[str, int, str, str], float] = {}  # a lone claim its holder did not serve -> when
         self._dht_bytes_taken = (0, 0)  # ``directory.dht_bytes`` at the last ``take_dht_bytes``
@@ -197,21 +198,47 @@ class Swarm:
         """Download ``target`` (one slice, whose tensors take ``tensor_bytes`` here) from the peers that hold it and
         are not banned here (SwarmError if none serves it as vouched); a donor that describes or serves it falsely
         is banned."""
+        donors = self._donors(target)
+        return self.loop.run(fetch_state(self.node.protocol.p2p, self.state_server.handler_name, target, donors,
+                                         self.state_server.deadline, tensor_bytes, self._blamer(target),
+                                         self.directory.rates(donors)))
+
+    def describe_updates(self, own: Snapshot, target: SwarmState, budget: int) -> Chain | None:
+        """The updates that lead from ``own`` (this peer's state of ``target``'s slice) to ``target``, as the peers
+        that hold it keep them, if there are fewer than ``budget`` bytes of them (``swarm/updates.py``); None if
+        not. A donor that describes one falsely is banned."""
+        donors = self._donors(target)
+        return self.loop.run(describe_chain(self.node.protocol.p2p, self.state_server.handler_name, own, target,
+                                            donors, self.state_server.deadline, budget, self._blamer(target),
+                                            self.directory.rates(donors)))
+
+    def fetch_updates(self, chain: Chain) -> Snapshot | None:
+        """The state ``chain`` leads to, fetched and applied (on the calling thread), if it is the one the swarm
+        vouches for; None if not (the donors of an update that led elsewhere are banned)."""
+        blame = self._blamer(chain.target)
+        changes = self.loop.run(fetch_chain(self.node.protocol.p2p, self.state_server.handler_name, chain,
+                                            self.state_server.deadline, blame,
+                                            self.directory.rates(sorted(chain.donors))))
+        return None if changes is None else caught_up(chain, changes, blame)
+
+    def _donors(self, target: SwarmState) -> list[str]:
+        """The holders of ``target`` that this peer may fetch it from."""
         # A peer behind a NAT cannot be dialled for the state: it is a donor only over a connection it opened to this
         # one (a hub started again, whose trainers all dial out, holds nothing else to catch up from)
         connected = self.loop.run(wire.connected_directly(self.node.protocol.p2p), CALL_TIMEOUT)
-        donors = [p for p in target.holders if p != self.peer_id and not self.bans.banned(p, target.round)
-                  and (not self.directory.dials_out(p) or p in connected)]
+        return [p for p in target.holders if p != self.peer_id and not self.bans.banned(p, target.round)
+                and (not self.directory.dials_out(p) or p in connected)]
 
+    def _blamer(self, target: SwarmState) -> Callable[[str, str], None]:
         def blame(donor: str, why: str) -> None:
             self.bans.ban(donor, target.round, why)
 
-        return self.loop.run(fetch_state(self.node.protocol.p2p, self.state_server.handler_name, target, donors,
-                                         self.state_server.deadline, tensor_bytes, blame,
-                                         self.directory.rates(donors)))
+        return blame
 
     def serve_state(self, snapshots: list[Snapshot]) -> None:
-        """Serve ``snapshots`` (one round, one per slice held) to peers that catch up."""
+        """Serve ``snapshots`` (one round, one per slice held) to peers that catch up, and keep the update from the
+        state served before (``swarm/updates.py``)."""
+        self.updates.keep(snapshots)
         self.loop.loop.call_soon_threadsafe(self.state_server.serve_round, snapshots)
 
     def claims(self) -> list[PeerRecord]:
@@ -372,14 +399,16 @@ class Arrival:
             butterfly = ButterflyAllReduce(p2p, me_id, self.run_id, deadlines, bans, signer, key_of, directory.rates,
                                            matchmaker.whereabouts, audits)
             commit = RoundCommit(p2p, me_id, self.run_id, config.allreduce_timeout, book, bans, signer, key_of)
-            state_server = StateServer(p2p, self.run_id, deadlines)
+            updates = UpdateKeeper()
+            state_server = StateServer(p2p, self.run_id, deadlines, updates.find)
             config_server = ConfigServer(p2p, self.run_id, document, deadlines.base)
             for service in (matchmaker, audits, butterfly, commit, state_server, config_server):
                 await service.start()
             await directory.store_record()
             directory.start_heartbeat()
             communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
-            return Swarm(loop, node, directory, communicator, state_server, config_server, config, identity, bans)
+            return Swarm(loop, node, directory, communicator, state_server, config_server, config, identity, bans,
+                         updates)
 
         try:
             return loop.run(start())

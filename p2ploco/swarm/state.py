@@ -19,11 +19,15 @@ the butterfly) goes back to the queue, and that donor is not asked again, unblam
 
 A range request, a wire message (``swarm/wire.py``) with no payload::
 
-    {v, round: the round the state starts, or -1 for the latest, slice, offset, length: <= 4 MiB}
+    {v, round: the round the state starts, or -1 for the latest, slice, offset, length: <= 4 MiB,
+     blob: state (the default) or update, base: with update, the state digest the update starts from}
 
 answered ``{v, status: ok, round, slice, total, state_digest}`` + the bytes of the range, or, for a length of 0
 (the joiner's first question), + the manifest; ``{v, status: moved, round: the latest held}``; or
-``{v, status: empty}`` (no state of that slice). A range starts at a multiple of ``RANGE_BYTES``.
+``{v, status: empty}`` (no state of that slice, or no update from that base). A range starts at a multiple of
+``RANGE_BYTES``. The same requests, ranges and manifests serve a round's update (``swarm/updates.py``: what a peer
+that missed a few rounds fetches instead of the state); its answer's ``round`` is the round the update starts,
+its ``state_digest`` the state it leads to.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import torch
 from hivemind.p2p import P2P
@@ -65,6 +69,28 @@ KEEP_SNAPSHOTS = 2
 LATEST = -1  # ask for whatever round the donor has last
 
 Blame = Callable[[str, str], None]  # (donor, what it did): a donor that served or described a state falsely
+
+
+class BlobKind(enum.StrEnum):
+    STATE = "state"  # a slice's state at the start of a round (``Snapshot``)
+    UPDATE = "update"  # what a round changed in a slice's state (``swarm/updates.py``)
+
+
+class Served(Protocol):
+    """What a donor serves in ranges: a snapshot, or an update."""
+
+    round: int
+    slice: str
+    state_digest: str  # of the state it is (a snapshot) or leads to (an update)
+
+    def blob(self) -> bytes: ...
+
+    def manifest(self) -> bytes: ...
+
+
+def no_updates(slice_name: str, base: str) -> Served | None:
+    """What a server that keeps no updates finds: none."""
+    return None
 
 
 class StateStatus(enum.StrEnum):
@@ -120,8 +146,11 @@ def manifest_of(blob: bytes) -> bytes:
 
 
 class StateServer:
-    def __init__(self, p2p: P2P, run_id: str, deadline: TransferDeadline):
-        self.p2p, self.deadline = p2p, deadline
+    def __init__(self, p2p: P2P, run_id: str, deadline: TransferDeadline,
+                 updates: Callable[[str, str], Served | None] = no_updates):
+        """``updates``: the update of a slice from a state digest that this peer keeps, if any
+        (``UpdateKeeper.find``)."""
+        self.p2p, self.deadline, self.updates = p2p, deadline, updates
         self.handler_name = f"p2ploco/{run_id}/state"
         self.snapshots: OrderedDict[int, dict[str, Snapshot]] = OrderedDict()  # round -> slice -> snapshot
 
@@ -142,27 +171,37 @@ class StateServer:
                                 self.deadline.seconds(PART_BYTES)):
             header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.deadline.base)
             request = decode(StateRequest, header)
-            rounds = [r for r, held in self.snapshots.items() if request.slice in held]
-            if not rounds:
-                await wire.write_message(writer, {"status": StateStatus.EMPTY})
+            served = self._find(request)
+            if isinstance(served, dict):  # the answer that it holds none
+                await wire.write_message(writer, served)
                 return
-            round_held = rounds[-1] if request.round == LATEST else request.round
-            if round_held not in rounds:
-                await wire.write_message(writer, {"status": StateStatus.MOVED, "round": rounds[-1]})
-                return
-            snapshot = self.snapshots[round_held][request.slice]
             loop = asyncio.get_running_loop()
-            blob = await loop.run_in_executor(None, snapshot.blob)
+            blob = await loop.run_in_executor(None, served.blob)
             if request.offset % RANGE_BYTES or request.offset > len(blob):
                 raise PayloadError(f"bad range {request.offset}+{request.length} of a {len(blob)}-byte state")
             if request.length:  # a range
-                await faults.hit_async("state.serve", snapshot.round)
+                await faults.hit_async("state.serve", served.round)
                 payload = blob[request.offset : request.offset + request.length]
             else:  # the joiner's first question: how big, and the hash of every range
-                payload = await loop.run_in_executor(None, snapshot.manifest)
-            answer = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": len(blob),
-                      "state_digest": snapshot.state_digest}
+                payload = await loop.run_in_executor(None, served.manifest)
+            answer = {"status": StateStatus.OK, "round": served.round, "slice": served.slice, "total": len(blob),
+                      "state_digest": served.state_digest}
             await asyncio.wait_for(wire.write_message(writer, answer, payload), self.deadline.seconds(len(payload)))
+
+    def _find(self, request: StateRequest) -> Served | dict[str, Any]:
+        """What ``request`` asks for, or the answer that this peer does not hold it."""
+        if request.blob == BlobKind.UPDATE:
+            update = self.updates(request.slice, request.base)
+            if update is None or request.round not in (LATEST, update.round):
+                return {"status": StateStatus.EMPTY}
+            return update
+        rounds = [r for r, held in self.snapshots.items() if request.slice in held]
+        if not rounds:
+            return {"status": StateStatus.EMPTY}
+        round_held = rounds[-1] if request.round == LATEST else request.round
+        if round_held not in rounds:
+            return {"status": StateStatus.MOVED, "round": rounds[-1]}
+        return self.snapshots[round_held][request.slice]
 
 
 class StateRequest(Message):
@@ -170,6 +209,8 @@ class StateRequest(Message):
     slice: SliceName
     offset: Annotated[int, Field(ge=0, le=MAX_STATE_BYTES)]
     length: Annotated[int, Field(ge=0, le=PART_BYTES)]  # 0: the joiner's first question
+    blob: status_of(BlobKind) = BlobKind.STATE  # a peer that does not send it asks for the state
+    base: Digest = ""  # with an update: the state digest it starts from
 
 
 class StateAnswer(Message):
@@ -208,9 +249,13 @@ def _answers_for(answer: StateAnswer, target: SwarmState) -> bool:
         target.round, target.slice, target.state_digest)
 
 
-async def _request(p2p: P2P, handler: str, donor: str, round_index: int, slice_name: str, offset: int, length: int,
-                   timeout: float) -> tuple[dict[str, Any], bytes]:
+async def request_range(p2p: P2P, handler: str, donor: str, round_index: int, slice_name: str, offset: int,
+                        length: int, timeout: float, base: str | None = None) -> tuple[dict[str, Any], bytes]:
+    """One range of a donor's blob (length 0: its description), of the state of ``round_index`` or, given
+    ``base``, of the update from the state of that digest."""
     request = {"round": round_index, "slice": slice_name, "offset": offset, "length": length}
+    if base is not None:
+        request.update(blob=BlobKind.UPDATE, base=base)
     limit = length or MAX_MANIFEST_BYTES
     return await asyncio.wait_for(wire.call(p2p, donor, handler, request, max_payload=limit), timeout)
 
@@ -221,7 +266,7 @@ async def served_state(p2p: P2P, handler: str, claim: SwarmState, timeout: float
     holder serves neither (a record that claims what its peer does not serve is not followed)."""
     donor = claim.holders[0]
     try:
-        header, payload = await _request(p2p, handler, donor, LATEST, claim.slice, 0, 0, timeout)
+        header, payload = await request_range(p2p, handler, donor, LATEST, claim.slice, 0, 0, timeout)
         answer = decode(StateAnswer, header)
         served = SwarmState(answer.round, claim.slice, answer.state_digest, (donor,))
         if answer.round < claim.round or (answer.round == claim.round and answer.state_digest != claim.state_digest):
@@ -243,7 +288,7 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, donors: Sequen
 
     async def describe(donor: str) -> Description | None:
         try:
-            header, payload = await _request(p2p, handler, donor, target.round, target.slice, 0, 0,
+            header, payload = await request_range(p2p, handler, donor, target.round, target.slice, 0, 0,
                                              deadline.seconds(MAX_MANIFEST_BYTES, rates))
             description = parse_description(header, payload, target)
             if description is not None and description.total > tensor_bytes + MAX_BLOB_HEADER:
@@ -265,7 +310,7 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, donors: Sequen
     ranked = sorted(candidates.items(), key=lambda item: (-len(item[1]), hashlib.sha256(item[0].manifest).digest()))
     # 2. Its ranges from all of them at once, each checked as it comes; then the whole against the vouched hash.
     for description, agreeing in ranked:
-        blob = await _fetch_blob(p2p, handler, target, description, agreeing, deadline, blame, rates)
+        blob = await fetch_blob(p2p, handler, target, description, agreeing, deadline, blame, rates)
         if blob is None:
             continue
         try:
@@ -287,10 +332,12 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, donors: Sequen
                      f"{len(donors)} donors)")
 
 
-async def _fetch_blob(p2p: P2P, handler: str, target: SwarmState, description: Description, donors: list[str],
-                      deadline: TransferDeadline, blame: Blame, rates: Sequence[float]) -> bytes | None:
+async def fetch_blob(p2p: P2P, handler: str, target: SwarmState, description: Description, donors: list[str],
+                     deadline: TransferDeadline, blame: Blame, rates: Sequence[float], base: str | None = None
+                     ) -> bytes | None:
     """The blob ``description`` describes, from ``donors``, every range checked against its manifest; None if they
-    all failed, stalled or served something else."""
+    all failed, stalled or served something else. ``base``: the blob is the update from the state of that digest
+    (``target``: the round it starts and the state it leads to), not a state."""
     total = description.total
     # Parts (whole ranges) small enough that every stream of every donor gets work, large enough to keep overheads
     # low.
@@ -320,8 +367,8 @@ async def _fetch_blob(p2p: P2P, handler: str, target: SwarmState, description: D
                 return
             length = min(part, total - offset)
             try:
-                header, data = await _request(p2p, handler, donor, target.round, target.slice, offset, length,
-                                              deadline.seconds(length, rates))
+                header, data = await request_range(p2p, handler, donor, target.round, target.slice, offset, length,
+                                                   deadline.seconds(length, rates), base)
                 if not _answers_for(decode(StateAnswer, header), target):
                     raise PayloadError("it answered for another state")
                 if len(data) != length or any(hashlib.sha256(data[at : at + RANGE_BYTES]).digest()
