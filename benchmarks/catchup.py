@@ -87,7 +87,7 @@ def measure(config_path: str, donors: int, repeats: int) -> tuple[int, int, list
             started = time.perf_counter()
             snapshot = joiner.fetch_state(target, tensors)
             seconds.append(time.perf_counter() - started)
-        state_bytes = len(snapshot.blob())
+        state_bytes = snapshot.blob().total
         parameters = sum(t.numel() for t in snapshot.params.values())
         return parameters, state_bytes, seconds
     finally:

@@ -53,6 +53,7 @@ Everything else is the real node: the same processes, daemons and protocol as ``
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import sys
 import threading
 from collections.abc import Callable
@@ -221,6 +222,24 @@ def redo_forever(start: int) -> None:
     commit.decide = decide
 
 
+class BytesBlob:
+    """Bytes a hostile donor serves in place of a snapshot's (``swarm/state.py``'s ``Blob``), whole in memory, with
+    the manifest of them or the one given (another blob's: each range then fails its check)."""
+
+    def __init__(self, data: bytes, manifest: bytes | None = None):
+        from p2ploco.swarm.state import RANGE_BYTES
+
+        self.data, self.total = data, len(data)
+        self._manifest = manifest if manifest is not None else b"".join(
+            hashlib.sha256(data[at : at + RANGE_BYTES]).digest() for at in range(0, len(data), RANGE_BYTES))
+
+    def read(self, offset: int, length: int) -> bytes:
+        return self.data[offset : offset + length]
+
+    def manifest(self) -> bytes:
+        return self._manifest
+
+
 def serve_a_false_state(start: int) -> None:
     from p2ploco.swarm.runtime import Swarm
     from p2ploco.swarm.state import Snapshot
@@ -231,10 +250,11 @@ def serve_a_false_state(start: int) -> None:
         if snapshots and snapshots[0].round >= start:
             forged = []
             for snapshot in snapshots:
-                blob = bytearray(snapshot.blob())
+                honest_blob = snapshot.blob()
+                blob = bytearray(honest_blob.read(0, honest_blob.total))
                 blob[-1] ^= 1  # the last tensor's last byte; the manifest is computed from this blob
                 forged.append(Snapshot(snapshot.round, snapshot.slice, snapshot.params, snapshot.shared,
-                                       snapshot.state_digest, bytes(blob)))
+                                       snapshot.state_digest, BytesBlob(bytes(blob))))
             snapshots = forged
         honest(self, snapshots)
 

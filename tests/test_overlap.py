@@ -268,7 +268,8 @@ def test_a_checkpoint_or_a_state_download_taken_while_a_step_is_in_flight_holds_
 
     def served(round_index: int) -> Snapshot:
         (snapshot,) = worker.snapshots(round_index)
-        fetched = Snapshot.from_blob(round_index, snapshot.slice, snapshot.blob())
+        blob = snapshot.blob()
+        fetched = Snapshot.from_blob(round_index, snapshot.slice, blob.read(0, blob.total))
         assert state_digest(fetched.params, fetched.shared) == snapshot.state_digest == worker.params_digest
         return fetched
 
