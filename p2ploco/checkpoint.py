@@ -84,11 +84,13 @@ class _Saving:
             raise
 
     def write_local(self) -> None:
+        """Write the local section, and let its tensors go (copies, some of them: the rest is written later)."""
         try:
             self.writer.write(len(self.checkpoint.local))
         except BaseException:
             self.abandon()
             raise
+        self.checkpoint.local.clear()
 
     def abandon(self) -> None:
         self.file.close()

@@ -5,7 +5,7 @@ chunks above its mmap threshold to the kernel on free, and trims the top of its 
 a CPU each step pays for page faults on memory it had a moment ago (the 21.4M model's inner loop ran at 0.90x a bare
 loop's in the node, which also holds the outer state; with the thresholds raised, at 0.92-1.03x across runs, as
 near as this machine's noise tells: docs/design.md, "A node at the speed of plain PyTorch"). A training process
-keeps what it freed instead: it needs the same memory again.
+keeps what it freed instead: it needs the same memory again, in one heap for all its threads (``ARENAS``).
 
 **What a node holds, per parameter, in fp32.** On a CPU: 24 bytes at the least (``HOST_BYTES_PER_PARAMETER``: the
 model's params, their gradients, AdamW's two moments, the global copy, the outer algorithm's buffer), and the
@@ -33,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # mallopt's parameters (malloc.h)
 # Bytes of fp32 training state per parameter that a node holds in host memory at the least: on the CPU its params,
 # gradients, AdamW's two moments, the global copy and the outer algorithm's buffer; beside an accelerator, which holds
 # the first four, the last two.
@@ -41,6 +41,11 @@ HOST_BYTES_PER_PARAMETER = {"cpu": 24}
 ACCELERATOR_HOST_BYTES_PER_PARAMETER = 8
 MMAP_THRESHOLD = 32 << 20  # bytes: glibc's largest on 64-bit; chunks above it are mapped and unmapped alone
 TRIM_THRESHOLD = 1 << 30  # bytes free at the heap's top before it is given back
+# One heap for every thread: memory a thread frees (the event loop's all-reduce buffers, a checkpoint thread's) is
+# memory the training thread reuses, rather than kept in an arena of the thread's own (glibc makes up to 8 a core).
+# At 150M, two trainers and a joiner: 46-49 bytes a parameter at the peak with glibc's arenas, 40-41 with one
+# (benchmarks/memory.py, before the state of the round before was let go at the round's end).
+ARENAS = 1
 
 
 def keep_freed_memory() -> None:
@@ -52,6 +57,7 @@ def keep_freed_memory() -> None:
         return
     mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
     mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    mallopt(M_ARENA_MAX, ARENAS)
 
 
 def total_memory() -> int:

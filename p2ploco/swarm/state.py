@@ -2,9 +2,16 @@
 
 A snapshot is the global state of one named slice (``stage0``, ...: the whole model when it is not cut
 into stages) at the start of a round: the slice's parameters plus the outer state every peer holds
-alike for them, serialized (on first request) as one safetensors blob. Every node serves byte ranges
+alike for them, as the bytes of one safetensors file (its blob). Every node serves byte ranges
 of the snapshots of its two latest rounds, one per slice it holds, so a stage peer fetches only its
 slice, from any holder: a full replica or the same stage of another group.
+
+No blob is ever made whole, on either side: what is served is a ``Blob`` (a size, ranges read on request, a
+manifest), for a snapshot a ``TensorBlob`` that reads each range straight from the published tensors, and for the
+round before the latest a ``PatchedBlob`` over the latest one's tensors with what its step changed put back (a
+sparse step's few percent of the coordinates, not a second copy of the model); a joiner writes each checked range
+into the tensors that the first range's header sized, and trains from them. Anything else served by ranges
+against a manifest (a round's update) is a ``Blob`` served the same way.
 
 Nothing a donor says is taken on its word. The state to fetch is the one the swarm vouches for
 (``consensus.ranked_states``: by the number of peers whose signed records hold it, never by how far ahead a
