@@ -211,8 +211,9 @@ class Swarm:
                                          self.directory.rates(donors)))
 
     def serve_state(self, snapshots: list[Snapshot]) -> None:
-        """Serve ``snapshots`` (one round, one per slice held) to peers that catch up."""
-        self.loop.loop.call_soon_threadsafe(self.state_server.serve_round, snapshots)
+        """Serve ``snapshots`` (one round, one per slice held) to peers that catch up (prepared on this thread:
+        ``StateServer.prepare_round``)."""
+        self.loop.loop.call_soon_threadsafe(self.state_server.hold, *self.state_server.prepare_round(snapshots))
 
     def claims(self) -> list[PeerRecord]:
         """The fresh, not-leaving records of stage peers of our config (this one's included), from a fresh look."""

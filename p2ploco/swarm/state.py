@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import enum
-import functools
 import hashlib
 import json
 import logging
@@ -299,31 +298,45 @@ class StateServer:
         self.p2p, self.deadline = p2p, deadline
         self.handler_name = f"p2ploco/{run_id}/state"
         self.snapshots: OrderedDict[int, dict[str, Served]] = OrderedDict()  # round -> slice -> what is served
+        self._latest: dict[str, Served] = {}  # slice -> the last prepared (``prepare_round``'s thread alone)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
 
-    def serve_round(self, snapshots: list[Snapshot]) -> None:
-        """Serve the snapshots of one round, one per slice held (call on the loop); rounds beyond KEEP_SNAPSHOTS
-        are dropped, oldest first. A peer that changes the slices it holds (a stage peer that moves) serves the
-        new ones from this round on. The round before, still served, is served from this one's tensors where they
-        differ little (``demoted``, on a thread), so that its own tensors are let go."""
-        loop = asyncio.get_running_loop()
-        for snapshot in snapshots:
-            served = Served(snapshot.round, snapshot.slice, snapshot.state_digest, snapshot.blob())
-            earlier = [r for r, held in self.snapshots.items() if snapshot.slice in held and r < snapshot.round]
-            self.snapshots.setdefault(snapshot.round, {})[snapshot.slice] = served
-            if earlier:
-                was = self.snapshots[earlier[-1]][snapshot.slice]
-                loop.run_in_executor(None, demoted, was, served).add_done_callback(
-                    functools.partial(self._replace, was))
+    def prepare_round(self, snapshots: list[Snapshot],
+                      ) -> tuple[list[Served], list[tuple[Served, Served | None]]]:
+        """What serving the snapshots of one round (one per slice held) takes, made on the calling thread (always
+        the same one, not the loop's): each as served, and the round before it, still served, as served from this
+        one's tensors where they differ little (``demoted``), so that its own tensors are let go before this
+        returns rather than beside whatever the caller does next (an eval, a checkpoint); an earlier round than the
+        one before (a catch-up jumped past it) is no longer served (None). For ``hold``."""
+        served = [Served(s.round, s.slice, s.state_digest, s.blob()) for s in snapshots]
+        demotions: list[tuple[Served, Served | None]] = []
+        for now in served:
+            was = self._latest.get(now.slice)
+            if was is not None and was.round == now.round - 1:
+                demotions.append((was, demoted(was, now)))
+            elif was is not None and was.round < now.round:  # left behind by a catch-up: nobody fetches it
+                demotions.append((was, None))
+            self._latest[now.slice] = now
+        return served, demotions
+
+    def hold(self, served: list[Served], demotions: list[tuple[Served, Served | None]]) -> None:
+        """Serve ``prepare_round``'s result (call on the loop); rounds beyond KEEP_SNAPSHOTS are dropped, oldest
+        first. A peer that changes the slices it holds (a stage peer that moves) serves the new ones from this round
+        on."""
+        for now in served:
+            self.snapshots.setdefault(now.round, {})[now.slice] = now
+        for was, now in demotions:
+            held = self.snapshots.get(was.round, {})
+            if held.get(was.slice) is was and now is not None:
+                held[was.slice] = now
+            elif held.get(was.slice) is was:
+                del held[was.slice]
+                if not held:
+                    del self.snapshots[was.round]
         while len(self.snapshots) > KEEP_SNAPSHOTS:
             self.snapshots.popitem(last=False)
-
-    def _replace(self, was: Served, done: asyncio.Future[Served]) -> None:
-        held = self.snapshots.get(was.round, {})
-        if held.get(was.slice) is was:
-            held[was.slice] = done.result()
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async with wire.serving(logger, "state request", str(stream_info.peer_id), reader, writer,
