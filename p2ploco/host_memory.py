@@ -8,8 +8,8 @@ near as this machine's noise tells: docs/design.md, "A node at the speed of plai
 keeps what it freed instead: it needs the same memory again, in one heap for all its threads (``ARENAS``).
 
 **What a node holds, per parameter, in fp32.** On a CPU: 24 bytes at the least (``HOST_BYTES_PER_PARAMETER``: the
-model's params, their gradients, AdamW's two moments, the global copy, the outer algorithm's buffer), and the
-code is written so that a whole run stays within 32 (``benchmarks/memory.py`` measures it per phase): the state a
+model's params, their gradients, AdamW's two moments, the global copy, the outer algorithm's buffer); a whole run
+at 150M peaks at 37 (``benchmarks/memory.py`` measures it per phase; docs/design.md, "A node's memory"): the state a
 node serves is read range by range from the published tensors (``swarm/state.py``'s ``TensorBlob``), the round
 before it from the next one's tensors with what its sparse step changed put back (``PatchedBlob``); a joiner writes
 each checked range of its download into the tensors it then trains from; checkpoints are written and read tensor
