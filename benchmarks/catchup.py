@@ -101,7 +101,7 @@ def measure(config_path: str, donors: int, repeats: int) -> tuple[int, int, list
             started = time.perf_counter()
             snapshot = joiner.fetch_state(target, tensors)
             seconds.append(time.perf_counter() - started)
-        state_bytes = len(snapshot.blob())
+        state_bytes = snapshot.blob().total
         parameters = sum(t.numel() for t in snapshot.params.values())
         return parameters, state_bytes, seconds
     finally:
@@ -125,7 +125,7 @@ def measure_updates(config_path: str, missed: list[int], log) -> list[dict]:
                         config.max_contribution_tokens)
     replicas, group, generator = [worker.outer, other], InProcessGroup(2), torch.Generator().manual_seed(0)
     (state,) = worker.snapshots(0)
-    state_bytes = len(state.blob())
+    state_bytes = state.blob().total
     tensor_bytes = sum(t.numel() * t.element_size() for t in named_tensors(state).values())
     parameters = sum(t.numel() for t in state.params.values())
     log(f"{config_path}: {parameters / 1e6:.1f}M parameters, a state of {human_bytes(state_bytes)}; "
@@ -155,16 +155,16 @@ def measure_updates(config_path: str, missed: list[int], log) -> list[dict]:
         update = Update.between(state, after, 2 * tensor_bytes)
         keep_seconds.append(time.perf_counter() - started)
         updates.append(update)
-        log(f"  round {r}: update {human_bytes(len(update.blob()))} ({len(update.blob()) / state_bytes:.1%} of the "
+        log(f"  round {r}: update {human_bytes(update.blob.total)} ({update.blob.total / state_bytes:.1%} of the "
             f"state), diffed in {keep_seconds[-1]:.2f} s")
         state = after
     shapes = {name: t.shape for name, t in named_tensors(state).items()}
     rows = []
     for k in missed:
         chain = updates[len(updates) - k:]
-        chain_bytes = sum(len(u.blob()) for u in chain)
+        chain_bytes = sum(u.blob.total for u in chain)
         started = time.perf_counter()
-        result = applied(held[max(missed) - k], [changes_of(u.blob(), shapes) for u in chain], state.round)
+        result = applied(held[max(missed) - k], [changes_of(u.blob.data, shapes) for u in chain], state.round)
         seconds = time.perf_counter() - started
         if result.state_digest != state.state_digest:
             raise RuntimeError(f"{k} updates applied do not give the swarm's state")

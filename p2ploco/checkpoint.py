@@ -13,14 +13,15 @@ stages hold; and a node whose newest checkpoint is corrupt resumes from the inta
 checkpoint is about 16 bytes a parameter (params, error feedback, AdamW's two moments): at 150M, 2.4 GB each and
 about 7 GB for three.
 
-A running node saves through ``BackgroundSaver``: the tensors are copied at once (the checkpoint is the
-state of that moment) and serialized, written and synced on a thread of its own, since at a few hundred
-megabytes that takes seconds the next round's inner steps need not wait for.
+A checkpoint is written and read tensor by tensor (``tensorfile.py``): neither a save nor a load holds the file
+whole, or a second copy of the state. A running node saves through ``BackgroundSaver``: the local state, which
+the next inner steps write in place, is written at once on the node's thread (the checkpoint is the state of that
+moment: at 150M, 1.8 GB into the page cache, about a second), and the global params and shared state, which are
+never written in place, are written and synced on a thread of its own while the next round trains.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -32,11 +33,11 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
 from p2ploco.errors import CheckpointError
 from p2ploco.metrics import params_sha256
+from p2ploco.tensorfile import TensorWriter, file_sha256
+from p2ploco.tensorfile import read as read_tensors
 
 FORMAT = 2  # 1 (still read): the pointer named one checkpoint, its fields at the top level
 POINTER = "checkpoint.json"
@@ -62,38 +63,81 @@ def _write_atomically(path: Path, data: bytes) -> None:
     os.replace(temporary, path)
 
 
+class _Saving:
+    """One checkpoint being written, tensor by tensor (``tensorfile.TensorWriter``): its local section first (the
+    state the next steps write in place), then the global params and shared state (never written in place: a
+    published state), then the list."""
+
+    def __init__(self, directory: Path, checkpoint: Checkpoint):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self.checkpoint = directory, checkpoint
+        self.path = directory / f"state-{checkpoint.round}.safetensors"
+        self.temporary = self.path.with_name(self.path.name + f".tmp-{os.getpid()}")
+        self.file = open(self.temporary, "wb")  # noqa: SIM115 (closed by finish or abandon)
+        try:
+            self.writer = TensorWriter(self.file, [(f"{section}/{name}", tensor) for section, group in
+                                                   zip(("local", "param", "shared"),
+                                                       (checkpoint.local, checkpoint.params, checkpoint.shared))
+                                                   for name, tensor in group.items()])
+        except BaseException:
+            self.abandon()
+            raise
+
+    def write_local(self) -> None:
+        """Write the local section, and let its tensors go (copies, some of them: the rest is written later)."""
+        try:
+            self.writer.write(len(self.checkpoint.local))
+        except BaseException:
+            self.abandon()
+            raise
+        self.checkpoint.local.clear()
+
+    def abandon(self) -> None:
+        self.file.close()
+        self.temporary.unlink(missing_ok=True)
+
+    def finish(self, run_id: str, fingerprint: str) -> Path:
+        """Write the rest, then the list with this checkpoint first; the oldest beyond ``KEEP`` are deleted."""
+        try:
+            self.writer.write()
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+        except BaseException:
+            self.abandon()
+            raise
+        # Written over a file of the same round the list still names: a crash before the list below is written
+        # leaves that entry failing its checksum, and ``load`` resumes from the one before it.
+        os.replace(self.temporary, self.path)
+        checkpoint, directory = self.checkpoint, self.directory
+        entry = {"round": checkpoint.round, "file": self.path.name, "sha256": self.writer.sha256.hexdigest(),
+                 "params_sha256": params_sha256(list(checkpoint.params), checkpoint.params.values()),
+                 "saved_at": time.time(), "extras": checkpoint.extras}
+        older = [e for e in _entries(directory) if e["round"] != checkpoint.round] if exists(directory) else []
+        listed = [entry, *older][:KEEP]
+        pointer = {"format": FORMAT, "run_id": run_id, "fingerprint": fingerprint, "checkpoints": listed}
+        _write_atomically(directory / POINTER, json.dumps(pointer, indent=1).encode())
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        for stale in directory.glob("state-*.safetensors"):
+            if stale.name not in {e["file"] for e in listed}:
+                stale.unlink(missing_ok=True)
+        return self.path
+
+
 def save(directory: Path, checkpoint: Checkpoint, run_id: str, fingerprint: str) -> Path:
     """Write ``checkpoint`` to ``directory``, first in its list; the oldest beyond ``KEEP`` are deleted. A round
     saved again (a node's exit checkpoint at the round of its last periodic one) replaces its entry."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {f"{section}/{name}": tensor.detach().to("cpu").contiguous()
-               for section, group in zip(SECTIONS, (checkpoint.params, checkpoint.shared, checkpoint.local))
-               for name, tensor in group.items()}
-    data = save_tensors(tensors)
-    tensor_file = directory / f"state-{checkpoint.round}.safetensors"
-    # Written over a file of the same round the list still names: a crash before the list below is written
-    # leaves that entry failing its checksum, and ``load`` resumes from the one before it.
-    _write_atomically(tensor_file, data)
-    entry = {"round": checkpoint.round, "file": tensor_file.name, "sha256": hashlib.sha256(data).hexdigest(),
-             "params_sha256": params_sha256(list(checkpoint.params), checkpoint.params.values()),
-             "saved_at": time.time(), "extras": checkpoint.extras}
-    older = [e for e in _entries(directory) if e["round"] != checkpoint.round] if exists(directory) else []
-    listed = [entry, *older][:KEEP]
-    pointer = {"format": FORMAT, "run_id": run_id, "fingerprint": fingerprint, "checkpoints": listed}
-    _write_atomically(directory / POINTER, json.dumps(pointer, indent=1).encode())
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    for stale in directory.glob("state-*.safetensors"):
-        if stale.name not in {e["file"] for e in listed}:
-            stale.unlink(missing_ok=True)
-    return tensor_file
+    return _Saving(directory, checkpoint).finish(run_id, fingerprint)
 
 
 class BackgroundSaver:
-    """Saves a node's checkpoints to ``directory`` one at a time, each on a background thread."""
+    """Saves a node's checkpoints to ``directory`` one at a time: the local state (error feedback, AdamW's moments,
+    which the next steps write in place) on the caller's thread before it goes on, the global params and shared
+    state (a published state: never written in place) on a background thread. Nothing is copied to do so."""
 
     def __init__(self, directory: Path, run_id: str, fingerprint: str):
         self.directory, self.run_id, self.fingerprint = directory, run_id, fingerprint
@@ -101,12 +145,14 @@ class BackgroundSaver:
         self._writing: Future[Path] | None = None
 
     def save(self, checkpoint: Checkpoint) -> None:
-        """Start saving a copy of ``checkpoint`` (after the previous save has finished)."""
+        """Start saving ``checkpoint`` (after the previous save has finished); it returns once the local state is
+        written, and the rest is written in the background."""
         self.wait()
-        frozen = Checkpoint(checkpoint.round, *({name: t.detach().to("cpu", copy=True) for name, t in group.items()}
-                                                for group in (checkpoint.params, checkpoint.shared, checkpoint.local)),
-                            json.loads(json.dumps(checkpoint.extras)))
-        self._writing = self._thread.submit(save, self.directory, frozen, self.run_id, self.fingerprint)
+        saving = _Saving(self.directory, Checkpoint(checkpoint.round, dict(checkpoint.params),
+                                                    dict(checkpoint.shared), dict(checkpoint.local),
+                                                    json.loads(json.dumps(checkpoint.extras))))
+        saving.write_local()
+        self._writing = self._thread.submit(saving.finish, self.run_id, self.fingerprint)
 
     def wait(self) -> Path | None:
         """Wait for the save under way; the path it wrote (None if none was under way). Its error, if it failed."""
@@ -196,14 +242,14 @@ def _verified(directory: Path, entry: dict[str, Any]) -> Checkpoint:
     """The checkpoint ``entry`` of ``directory``'s pointer lists, its file checked against the entry's hashes."""
     name = entry["file"]
     try:
-        data = (directory / name).read_bytes()
+        sha256 = file_sha256(directory / name)
     except OSError as e:
         raise CheckpointError(f"checkpoint file {directory / name} is missing or unreadable ({e.strerror})") from None
-    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+    if sha256 != entry.get("sha256"):
         raise CheckpointError(f"checkpoint file {directory / name} is corrupt (checksum mismatch)")
     try:
-        tensors = load_tensors(data)
-    except (SafetensorError, ValueError, TypeError, OverflowError) as e:  # what safetensors raises on garbage
+        tensors = read_tensors(directory / name)
+    except (SafetensorError, ValueError, TypeError, OverflowError, OSError) as e:  # what safetensors raises on garbage
         raise CheckpointError(f"checkpoint file {directory / name} is corrupt ({e})") from None
     sections: dict[str, dict[str, torch.Tensor]] = {s: {} for s in SECTIONS}
     for key, tensor in tensors.items():

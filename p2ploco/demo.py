@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -67,7 +68,7 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
     for name in failed:
         log = workdir / (name + ".log")
         errors = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
-        out(f"{name} exited with code {codes[name]}{f' ({errors[-1]})' if errors else ''}; its log: {log}")
+        out(f"FAILED: {name} {how_it_ended(codes[name])}{f' ({errors[-1]})' if errors else ''}; its log: {log}")
     agreement = slices_agree(records)
     for slice_name, agree in agreement.items():
         holders = sum(any(slice_name in r["slice_digest"] for r in rs) for rs in records.values())
@@ -77,11 +78,25 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
     size = sum(path.stat().st_size for path in workdir.rglob("*") if path.is_file())
     fate = "removed once the benchmark has read it" if scratch and ok else "it stays until you delete it"
     out(f"logs, metrics and checkpoints: {workdir} ({human_bytes(size)}; {fate})")
+    if failed:
+        out(f"demo FAILED: {'; '.join(f'{name} {how_it_ended(codes[name])}' for name in failed)}")
     if ok:
         # A replica's final checkpoint, or the stages' of the first pipeline group: the model the swarm trained.
         sources = [workdir / "node0"] if replicas else [workdir / f"g0s{s}" for s in range(stages)]
         out(_sample(sources))
     return ok
+
+
+def how_it_ended(code: int) -> str:
+    """A node's nonzero exit status in words: its code, or the signal that killed it."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    why = " (the kernel's out-of-memory killer sends it: see dmesg)" if -code == signal.SIGKILL else ""
+    return f"was killed by {name}{why}"
 
 
 @contextlib.contextmanager

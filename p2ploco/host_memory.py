@@ -5,7 +5,27 @@ chunks above its mmap threshold to the kernel on free, and trims the top of its 
 a CPU each step pays for page faults on memory it had a moment ago (the 21.4M model's inner loop ran at 0.90x a bare
 loop's in the node, which also holds the outer state; with the thresholds raised, at 0.92-1.03x across runs, as
 near as this machine's noise tells: docs/design.md, "A node at the speed of plain PyTorch"). A training process
-keeps what it freed instead: it needs the same memory again.
+keeps what it freed instead: it needs the same memory again, in one heap for all its threads (``ARENAS``).
+
+**What a node holds, per parameter, in fp32.** On a CPU: 24 bytes at the least (``HOST_BYTES_PER_PARAMETER``: the
+model's params, their gradients, AdamW's two moments, the global copy, the outer algorithm's buffer); a whole run
+at 150M peaks at 37 (``benchmarks/memory.py`` measures it per phase; docs/design.md, "A node's memory"): the state a
+node serves is read range by range from the published tensors (``swarm/state.py``'s ``TensorBlob``), the round
+before it from the next one's tensors with what its sparse step changed put back (``PatchedBlob``); a joiner writes
+each checked range of its download into the tensors it then trains from; checkpoints are written and read tensor
+by tensor (``tensorfile.py``), the local state on the node's thread with no copy, the published state (never
+written in place) beside the next round. What is above the floor is an outer step's new global tensors (built out
+of place: 4 bytes), a checkpoint's copy of the error feedback in the parameters' shapes (4, taken under the
+worker's lock), and the process's own (torch, Python, the data: about half a gigabyte, 3 bytes a parameter at
+150M, a larger share of a small model).
+
+Beside an accelerator (CUDA), which holds the params, gradients, AdamW's moments and SparseLoCo's error feedback,
+the host holds the global copy and the outer state that is not on the device (DiLoCo's momentum): 4 to 8 bytes a
+parameter (``ACCELERATOR_HOST_BYTES_PER_PARAMETER`` counts 8), and at its peak, while an outer step builds the new
+global state out of place (4 more; with momentum, 8 more) or a checkpoint copies the error feedback to the host
+(4 more), about 12 to 16. Tensors moved off the device to be written are moved one at a time. So the global copy
+and its out-of-place step dominate a GPU node's host memory; by the code's reasoning, not measured (no device was
+lent when this was written).
 """
 
 from __future__ import annotations
@@ -13,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # mallopt's parameters (malloc.h)
 # Bytes of fp32 training state per parameter that a node holds in host memory at the least: on the CPU its params,
 # gradients, AdamW's two moments, the global copy and the outer algorithm's buffer; beside an accelerator, which holds
 # the first four, the last two.
@@ -21,6 +41,11 @@ HOST_BYTES_PER_PARAMETER = {"cpu": 24}
 ACCELERATOR_HOST_BYTES_PER_PARAMETER = 8
 MMAP_THRESHOLD = 32 << 20  # bytes: glibc's largest on 64-bit; chunks above it are mapped and unmapped alone
 TRIM_THRESHOLD = 1 << 30  # bytes free at the heap's top before it is given back
+# One heap for every thread: memory a thread frees (the event loop's all-reduce buffers, a checkpoint thread's) is
+# memory the training thread reuses, rather than kept in an arena of the thread's own (glibc makes up to 8 a core).
+# At 150M, two trainers and a joiner: 46-49 bytes a parameter at the peak with glibc's arenas, 40-41 with one
+# (benchmarks/memory.py, before the state of the round before was let go at the round's end).
+ARENAS = 1
 
 
 def keep_freed_memory() -> None:
@@ -32,6 +57,7 @@ def keep_freed_memory() -> None:
         return
     mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
     mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    mallopt(M_ARENA_MAX, ARENAS)
 
 
 def total_memory() -> int:

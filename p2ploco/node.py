@@ -536,6 +536,10 @@ class Node:
                                 applied=False, excluded=True)
         if outcome is None:
             return None
+        # The state the next round starts from, served now rather than as that round starts: the one before is then
+        # served from its tensors (``swarm/state.py``, ``PatchedBlob``) and lets its own go before the eval and the
+        # checkpoint, which would otherwise hold them beside the new ones
+        presence.serve(round_index + 1)
         # Nothing landed (the first round in flight, or the one dropped by a catch-up): nothing applied either
         synced = outcome.comm or Synced(AllReduceResult([swarm.peer_id], committed=False), applied=False)
         evaluated = role.evaluates and (round_index % c.training.eval_every == 0

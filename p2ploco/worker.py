@@ -148,8 +148,14 @@ class Worker:
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:
         """The eval loss of the published global params (projected where constrained), lent to the model: its
-        own local params are put back after."""
+        own local params are put back after. A model that holds them already (after a blocking round, which loads
+        them: ``schedules/blocking.py``) is evaluated as it is, with no copy of its params (4 bytes a parameter)."""
         params = self.local_params()
+        if self.constraint is None and all(p.device == v.device and torch.equal(p, v)
+                                           for p, v in zip(params, self.published.params)):
+            loss = self.inner.evaluate(batches)
+            self.model.train()
+            return loss
         local = [p.detach().clone() for p in params]
         self._load(self.published.params)
         loss = self.inner.evaluate(batches)
@@ -211,8 +217,12 @@ class Worker:
         state and the work no aggregate applied (``Outer.unapplied_work``) are saved as if it were not applied."""
         inner_tensors, inner_settings = self.inner.optimizer_state()
         with self.lock:
-            local = {f"outer/{k}": v.detach().to("cpu", copy=True)
-                     for k, v in self.outer.local_state_with(in_flight).items()}
+            # Copied under the lock (a schedule's background thread may change it after), each source dropped once
+            # copied: where the algorithm hands out copies already (SparseLoCo's buffers in the parameters' shapes),
+            # two copies of the whole are never held at once.
+            outer_local, local = self.outer.local_state_with(in_flight), {}
+            for key in list(outer_local):
+                local[f"outer/{key}"] = outer_local.pop(key).detach().to("cpu", copy=True)
             carry, owed = self.outer.unapplied_work(in_flight)
             local.update({f"carry/{name}": c.detach().to("cpu", copy=True) for name, c in zip(self.names, carry or ())})
         local.update({f"inner/{k}": v for k, v in inner_tensors.items()})

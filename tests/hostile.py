@@ -223,7 +223,7 @@ def redo_forever(start: int) -> None:
 
 def serve_a_false_state(start: int) -> None:
     from p2ploco.swarm.runtime import Swarm
-    from p2ploco.swarm.state import Snapshot
+    from p2ploco.swarm.state import BytesBlob, Snapshot
 
     honest = Swarm.serve_state
 
@@ -231,10 +231,11 @@ def serve_a_false_state(start: int) -> None:
         if snapshots and snapshots[0].round >= start:
             forged = []
             for snapshot in snapshots:
-                blob = bytearray(snapshot.blob())
+                honest_blob = snapshot.blob()
+                blob = bytearray(honest_blob.read(0, honest_blob.total))
                 blob[-1] ^= 1  # the last tensor's last byte; the manifest is computed from this blob
                 forged.append(Snapshot(snapshot.round, snapshot.slice, snapshot.params, snapshot.shared,
-                                       snapshot.state_digest, bytes(blob)))
+                                       snapshot.state_digest, BytesBlob(bytes(blob))))
             snapshots = forged
         honest(self, snapshots)
 

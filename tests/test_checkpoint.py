@@ -73,23 +73,27 @@ def test_a_checkpoint_of_format_1_is_read_and_kept_beside_the_next(tmp_path):
 
 def test_a_background_save_holds_the_state_of_the_moment_it_was_asked_for(tmp_path):
     saver = checkpoint.BackgroundSaver(tmp_path, "run", "fp")
+    """Its local state (what the next steps write in place) is written before ``save`` returns; the global params
+    and shared state, which nobody writes, in the background."""
     live = sample()
-    expected = {name: t.clone() for name, t in live.params.items()}
+    expected = {name: t.clone() for name, t in live.local.items()}
+    assert expected
     saver.save(live)
-    for tensor in live.params.values():  # training goes on while the checkpoint is written
+    for tensor in live.local.values():  # training goes on while the checkpoint is written
         tensor.add_(1.0)
     saver.close()
     loaded = checkpoint.load(tmp_path, "run", "fp")
-    assert all(torch.equal(loaded.params[k], expected[k]) for k in expected)
+    assert all(torch.equal(loaded.local[k], expected[k]) for k in expected)
+    assert all(torch.equal(loaded.params[k], live.params[k]) for k in live.params)
 
 
-def test_a_background_save_that_fails_says_so_on_the_next_wait(tmp_path):
+def test_a_background_save_that_cannot_start_says_so_at_once(tmp_path):
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
     saver = checkpoint.BackgroundSaver(blocked, "run", "fp")
-    saver.save(sample())
     with pytest.raises(FileExistsError):
-        saver.close()
+        saver.save(sample())
+    saver.close()
 
 
 @pytest.mark.parametrize("damage, message", [

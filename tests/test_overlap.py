@@ -268,7 +268,8 @@ def test_a_checkpoint_or_a_state_download_taken_while_a_step_is_in_flight_holds_
 
     def served(round_index: int) -> Snapshot:
         (snapshot,) = worker.snapshots(round_index)
-        fetched = Snapshot.from_blob(round_index, snapshot.slice, snapshot.blob())
+        blob = snapshot.blob()
+        fetched = Snapshot.from_blob(round_index, snapshot.slice, blob.read(0, blob.total))
         assert state_digest(fetched.params, fetched.shared) == snapshot.state_digest == worker.params_digest
         return fetched
 
@@ -335,3 +336,17 @@ def test_three_real_nodes_overlap_rounds_with_identical_params(tmp_path):
     checkpoints = [final_params(tmp_path / f"node{i}" / "checkpoint") for i in range(3)]
     for other in checkpoints[1:]:
         assert all(torch.equal(other[k], checkpoints[0][k]) for k in checkpoints[0])
+
+
+def test_an_eval_after_a_blocking_round_scores_the_published_params_and_leaves_the_local_ones_as_they_were():
+    """After a blocking round the model holds the published params (evaluated as they are, no copy); after inner
+    steps it holds its own, which the eval lends to the published ones and puts back, bit for bit."""
+    config = load_config(None, ["inner.steps=2", "training.eval_every=1"])
+    worker = build_replica(config, CPU, ShardSampler(TOKENS, config.data.seq_len, config.inner.batch_size, "r", "p"))
+    held_out = [ShardSampler(TOKENS, config.data.seq_len, 4, "r", "eval").batch(0)]
+    published = worker.evaluate(held_out)
+    worker.inner.run_round(0)
+    trained = [p.detach().clone() for p in worker.local_params()]
+    assert not all(torch.equal(t, p) for t, p in zip(trained, worker.published.params))
+    assert worker.evaluate(held_out) == published
+    assert all(torch.equal(t, p) for t, p in zip(trained, worker.local_params()))

@@ -1,6 +1,7 @@
 """Catching up: which state to follow, and fetching it from several real donors (one of them stalled)."""
 
 import asyncio
+import hashlib
 import logging
 import os
 import signal
@@ -10,10 +11,12 @@ import pytest
 import torch
 from helpers import join_swarms
 from hivemind.utils import ValueWithExpiration, get_dht_time
+from hostile import BytesBlob
+from safetensors.torch import save as save_tensors
 
 from p2ploco import faults
 from p2ploco.config import SwarmConfig
-from p2ploco.errors import SwarmError
+from p2ploco.errors import PayloadError, SwarmError
 from p2ploco.metrics import state_digest
 from p2ploco.swarm import state as state_module
 from p2ploco.swarm.consensus import (
@@ -394,6 +397,78 @@ def tensor_bytes(snapshot: Snapshot) -> int:
     return sum(t.numel() * t.element_size() for t in [*snapshot.params.values(), *snapshot.shared.values()])
 
 
+def test_a_tensor_blob_is_the_safetensors_file_of_its_tensors_read_range_by_range_and_received_back():
+    """A snapshot's blob, read from its tensors, is byte for byte what safetensors' own ``save`` writes (peers
+    that serialized it whole describe the same manifest), any range of it reads as that file's range, its
+    manifest hashes that file, and a receiver that writes the ranges into the tensors it allocated for the header
+    gets the same state."""
+    snapshot = big_snapshot(3)
+    snapshot.params["bias"] = torch.randn(7)  # a tensor of an odd size: ranges end inside tensors
+    snapshot.params["empty"] = torch.zeros(0)
+    blob = snapshot.blob()
+    whole = save_tensors({**{f"param/{k}": v for k, v in snapshot.params.items()},
+                          **{f"shared/{k}": v for k, v in snapshot.shared.items()}})
+    assert blob.total == len(whole) and blob.read(0, blob.total) == whole
+    for offset, length in ((0, 5), (3, 100), (state_module.RANGE_BYTES - 3, 9), (len(whole) - 5, 100)):
+        assert blob.read(offset, length) == whole[offset:offset + length]
+    assert blob.manifest() == b"".join(hashlib.sha256(whole[at:at + state_module.RANGE_BYTES]).digest()
+                                       for at in range(0, len(whole), state_module.RANGE_BYTES))
+    received = state_module.TensorBlob.receive(whole[:state_module.PART_BYTES], len(whole))
+    for at in reversed(range(0, len(whole), state_module.RANGE_BYTES)):  # ranges come in any order
+        received.write(at, whole[at:at + state_module.RANGE_BYTES])
+    fetched = Snapshot.of_blob(3, S, received)
+    assert fetched.state_digest == state_digest(snapshot.params, snapshot.shared)
+
+
+def test_the_round_before_is_served_from_the_next_ones_tensors_with_what_its_step_changed_put_back():
+    """Once a later round is served, the earlier one (still served to a joiner that started on it) lets its
+    tensors go where the step changed few of their elements: its bytes and manifest stay exactly its own."""
+    earlier = big_snapshot(4)
+    earlier.params["bias"] = torch.randn(7)
+    later_params = {name: t.clone() for name, t in earlier.params.items()}
+    flat = later_params["layer0.weight"].view(-1)
+    flat[torch.arange(0, flat.numel(), 97)] += 1.0  # a sparse step: 1 % of one tensor
+    later_params["layer1.weight"] = torch.randn(512, 1024)  # a dense one
+    later_params["layer2.weight"] = earlier.params["layer2.weight"]  # a tensor the step did not touch
+    later = Snapshot(5, S, later_params, earlier.shared, state_digest(later_params, earlier.shared))
+    was = state_module.Served(4, S, earlier.state_digest, earlier.blob())
+    served = state_module.demoted(was, state_module.Served(5, S, later.state_digest, later.blob()))
+    blob = served.blob
+    def held(name: str) -> int:
+        return blob.base.tensors[blob.base.names.index(f"param/{name}")].data_ptr()
+
+    assert held("layer0.weight") == later_params["layer0.weight"].data_ptr()
+    assert held("layer1.weight") == earlier.params["layer1.weight"].data_ptr()
+    whole = earlier.blob().read(0, earlier.blob().total)
+    assert blob.total == len(whole)
+    for offset, length in ((0, blob.total), (state_module.RANGE_BYTES - 2, 4099), (blob.total - 9, 50)):
+        assert blob.read(offset, length) == whole[offset:offset + length]
+    assert blob.manifest() == earlier.blob().manifest()
+
+
+@pytest.mark.parametrize("forge", ["other dtype", "gap", "unknown section", "too short", "not json", "total"])
+def test_a_received_blob_header_that_is_not_a_states_is_refused(forge):
+    """Whatever a donor's header says, a receiver allocates only what a state blob of the described size holds,
+    and only for a header in the one form honest donors write."""
+    tensors = {"param/w": torch.ones(4, 4), "shared/momentum.w": torch.zeros(3)}
+    whole = save_tensors(tensors)
+    total = len(whole)
+    if forge == "other dtype":
+        whole = save_tensors({"param/w": torch.ones(4, 4, dtype=torch.float64), "shared/momentum.w": torch.zeros(6)})
+    elif forge == "gap":
+        whole = whole.replace(b'"data_offsets":[64,76]', b'"data_offsets":[68,80]')
+    elif forge == "unknown section":
+        whole = save_tensors({"param/w": torch.ones(4, 4), "other/momentum.w": torch.zeros(3)})
+    elif forge == "too short":
+        whole = whole[:4]
+    elif forge == "not json":
+        whole = whole[:8] + b"\xff" * (len(whole) - 8)
+    elif forge == "total":
+        total *= 1000
+    with pytest.raises(PayloadError):
+        state_module.TensorBlob.receive(whole, total)
+
+
 def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(donors_and_joiner):
     donors, joiner = donors_and_joiner
     snapshot = big_snapshot(5)
@@ -410,7 +485,7 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
     assert fetched.state_digest == snapshot.state_digest
     assert all(torch.equal(fetched.params[k], snapshot.params[k]) for k in snapshot.params)
     assert torch.equal(fetched.shared["momentum.0"], snapshot.shared["momentum.0"])
-    assert state_module.PART_BYTES * 2 < len(snapshot.blob())  # really fetched in several parts
+    assert state_module.PART_BYTES * 2 < snapshot.blob().total  # really fetched in several parts
 
 
 def test_a_state_nobody_holds_is_refused(donors_and_joiner):
@@ -498,13 +573,13 @@ def test_a_donor_that_serves_or_describes_the_state_falsely_is_banned_and_routed
         join_swarms("state-blame", 4, CONFIG, swarms)
         (flipper, inventor, honest), joiner = swarms[:3], swarms[3]
         true = big_snapshot(9)
-        corrupted = bytearray(true.blob())
+        corrupted = bytearray(true.blob().read(0, true.blob().total))
         for at in range(64, len(corrupted), state_module.RANGE_BYTES):
             corrupted[at] ^= 1
         flipped = big_snapshot(9)
-        flipped._blob, flipped._manifest = bytes(corrupted), true.manifest()
+        flipped.served = BytesBlob(bytes(corrupted), true.blob().manifest())
         invented = big_snapshot(9)
-        invented._blob = bytes(corrupted)
+        invented.served = BytesBlob(bytes(corrupted))
         for donor, snapshot in ((flipper, flipped), (inventor, invented), (honest, big_snapshot(9))):
             donor.serve_state([snapshot])
             donor.announce_progress(9, PeerState.TRAINING, true.state_digest, {S: true.state_digest})
@@ -512,7 +587,8 @@ def test_a_donor_that_serves_or_describes_the_state_falsely_is_banned_and_routed
         target = joiner.swarm_state(0, {S: "fresh"})[S]
         assert set(target.holders) == {flipper.peer_id, inventor.peer_id, honest.peer_id}
         fetched = joiner.fetch_state(target, tensor_bytes(true))
-        assert fetched.blob() == true.blob() and fetched.state_digest == true.state_digest
+        assert fetched.blob().read(0, true.blob().total) == true.blob().read(0, true.blob().total)
+        assert fetched.state_digest == true.state_digest
         assert joiner.bans.banned(flipper.peer_id, 9) and joiner.bans.banned(inventor.peer_id, 9)
         assert not joiner.bans.banned(honest.peer_id, 9)
     finally:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from p2ploco.demo import how_it_ended
 from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
 from p2ploco.metrics import read_records
 
@@ -23,6 +24,13 @@ def p2ploco(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(300)
+def test_a_node_that_died_of_a_signal_is_named_so():
+    assert how_it_ended(-signal.SIGKILL) == ("was killed by SIGKILL (the kernel's out-of-memory killer sends it: "
+                                             "see dmesg)")
+    assert how_it_ended(-signal.SIGTERM) == "was killed by SIGTERM"
+    assert how_it_ended(2) == "exited with code 2"
+
+
 def test_demo_three_nodes_train_together_with_identical_params(tmp_path):
     result = p2ploco("demo", "--replicas", "3", "--rounds", "3", "--workdir", str(tmp_path), timeout=280)
     assert result.returncode == 0, result.stdout + result.stderr

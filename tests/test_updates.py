@@ -66,7 +66,7 @@ def test_updates_applied_in_turn_are_bit_identical_to_the_state_they_lead_to_for
         before = bits(first)
         shapes = {name: t.shape for name, t in named_tensors(first).items()}
         unbounded = 3 * state_bytes(first)
-        chain = [changes_of(Update.between(a, b, unbounded).blob(), shapes)
+        chain = [changes_of(Update.between(a, b, unbounded).blob.data, shapes)
                  for a, b in zip(slice_states, slice_states[1:])]
         for count, later in enumerate(slice_states[1:], 1):
             result = applied(first, chain[:count], later.round)
@@ -75,7 +75,7 @@ def test_updates_applied_in_turn_are_bit_identical_to_the_state_they_lead_to_for
         assert all(torch.equal(before[k], bits(first)[k]) for k in before)  # the published state stays whole
         fits = Update.between(slice_states[0], slice_states[1], state_bytes(first) // KEEP_SHARE)
         if algorithm == "sparseloco":
-            assert fits is not None and len(fits.blob()) < state_bytes(first) // 10
+            assert fits is not None and fits.blob.total < state_bytes(first) // 10
         else:
             assert fits is None
             assert Update.between(slice_states[0], slice_states[1], state_bytes(first)) is None
@@ -93,7 +93,7 @@ def test_the_keeper_keeps_the_newest_updates_within_a_quarter_of_the_state_and_n
     for snapshot in chain[1:]:
         keeper.keep([snapshot])
     kept = [r for r, snapshot in enumerate(chain[:-1]) if keeper.find(S, snapshot.state_digest) is not None]
-    sizes = [len(keeper.find(S, chain[r].state_digest).blob()) for r in kept]
+    sizes = [len(keeper.find(S, chain[r].state_digest).blob.total) for r in kept]
     bound = state_bytes(chain[0]) // KEEP_SHARE
     assert kept == list(range(kept[0], 19)) and sum(sizes) <= bound < sum(sizes) + sizes[0]
     update = keeper.find(S, chain[18].state_digest)

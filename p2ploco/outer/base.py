@@ -237,11 +237,12 @@ class OuterAlgorithm(ABC):
         return {f"{kind}.{i}": tensor for kind in self.shared_kinds for i, tensor in enumerate(getattr(self, kind))}
 
     def load_shared_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Take ``state`` (copies) as the shared state; ValueError if it does not describe this algorithm's."""
+        """Take ``state`` as the shared state (as ``load_params`` takes params: never written in place, not
+        copied); ValueError if it does not describe this algorithm's."""
         check_state(self.shared_state(), state)
         for key, tensor in state.items():
             kind, i = split_key(key)
-            getattr(self, kind)[i] = tensor.detach().to(CPU, torch.float32, copy=True)
+            getattr(self, kind)[i] = tensor.detach().to(CPU, torch.float32).contiguous()
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This replica's own tensors by name, as checkpoints hold them: the live tensors, or copies where the
@@ -258,10 +259,12 @@ class OuterAlgorithm(ABC):
         self.unapplied_tokens, self.carry = 0, None
 
     def load_params(self, params: Sequence[torch.Tensor]) -> None:
-        """Take ``params`` (copies) as the global params; ValueError if their shapes differ from these."""
+        """Take ``params`` as the global params; ValueError if their shapes differ from these. Global params are
+        never written in place, so tensors that are float32 on the CPU already (a fetched state, a checkpoint's)
+        are taken as they are: whoever handed them over writes them no more either."""
         if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in self.params]:
             raise ValueError("the parameters' shapes differ from this model's")
-        self.params = [p.detach().to(CPU, torch.float32, copy=True) for p in params]
+        self.params = [p.detach().to(CPU, torch.float32).contiguous() for p in params]
 
 
 def split_key(key: str) -> tuple[str, int]:

@@ -236,10 +236,11 @@ class Swarm:
         return blame
 
     def serve_state(self, snapshots: list[Snapshot]) -> None:
-        """Serve ``snapshots`` (one round, one per slice held) to peers that catch up, and keep the update from the
-        state served before (``swarm/updates.py``)."""
+        """Serve ``snapshots`` (one round, one per slice held) to peers that catch up (prepared on this thread:
+        ``StateServer.prepare_round``), and keep the update from the state served before (``swarm/updates.py``):
+        before the round before is demoted, while its tensors are still whole."""
         self.updates.keep(snapshots)
-        self.loop.loop.call_soon_threadsafe(self.state_server.serve_round, snapshots)
+        self.loop.loop.call_soon_threadsafe(self.state_server.hold, *self.state_server.prepare_round(snapshots))
 
     def claims(self) -> list[PeerRecord]:
         """The fresh, not-leaving records of stage peers of our config (this one's included), from a fresh look."""

@@ -2,9 +2,16 @@
 
 A snapshot is the global state of one named slice (``stage0``, ...: the whole model when it is not cut
 into stages) at the start of a round: the slice's parameters plus the outer state every peer holds
-alike for them, serialized (on first request) as one safetensors blob. Every node serves byte ranges
+alike for them, as the bytes of one safetensors file (its blob). Every node serves byte ranges
 of the snapshots of its two latest rounds, one per slice it holds, so a stage peer fetches only its
 slice, from any holder: a full replica or the same stage of another group.
+
+No blob is ever made whole, on either side: what is served is a ``Blob`` (a size, ranges read on request, a
+manifest), for a snapshot a ``TensorBlob`` that reads each range straight from the published tensors, and for the
+round before the latest a ``PatchedBlob`` over the latest one's tensors with what its step changed put back (a
+sparse step's few percent of the coordinates, not a second copy of the model); a joiner writes each checked range
+into the tensors that the first range's header sized, and trains from them. Anything else served by ranges
+against a manifest (a round's update) is a ``Blob`` served the same way.
 
 Nothing a donor says is taken on its word. The state to fetch is the one the swarm vouches for
 (``consensus.ranked_states``: by the number of peers whose signed records hold it, never by how far ahead a
@@ -33,21 +40,23 @@ its ``state_digest`` the state it leads to.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import enum
 import hashlib
+import json
 import logging
+import math
+import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
+import numpy as np
 import torch
 from hivemind.p2p import P2P
 from pydantic import Field
-from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
 from p2ploco import faults
 from p2ploco.errors import PayloadError, SwarmError, TransportError
@@ -56,6 +65,7 @@ from p2ploco.swarm import wire
 from p2ploco.swarm.consensus import SwarmState
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.messages import MAX_ROUND, Digest, Message, Round, SliceName, decode, status_of
+from p2ploco.tensorfile import header, raw_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -76,27 +86,142 @@ class BlobKind(enum.StrEnum):
     UPDATE = "update"  # what a round changed in a slice's state (``swarm/updates.py``)
 
 
-class Served(Protocol):
-    """What a donor serves in ranges: a snapshot, or an update."""
-
-    round: int
-    slice: str
-    state_digest: str  # of the state it is (a snapshot) or leads to (an update)
-
-    def blob(self) -> bytes: ...
-
-    def manifest(self) -> bytes: ...
-
-
-def no_updates(slice_name: str, base: str) -> Served | None:
-    """What a server that keeps no updates finds: none."""
-    return None
-
-
 class StateStatus(enum.StrEnum):
     OK = "ok"  # the state's description, and the range asked for (or its manifest)
     MOVED = "moved"  # the donor no longer (or not yet) holds that round
     EMPTY = "empty"  # the donor holds no state yet
+
+
+class Blob(Protocol):
+    """Bytes a node serves by ranges against a manifest (a snapshot's ``TensorBlob``): read where they lie, never
+    made whole."""
+
+    total: int  # bytes
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes ``offset`` .. ``offset + length`` (clipped at ``total``)."""
+
+    def manifest(self) -> bytes:
+        """The sha256 of every RANGE_BYTES of the bytes, one after the other."""
+
+
+class BytesBlob:
+    """Bytes served or received whole (a round's update: a few percent of a state's bytes), with their manifest
+    (or the one given)."""
+
+    def __init__(self, data: bytes | bytearray, manifest: bytes | None = None):
+        self.data, self.total, self._manifest = data, len(data), manifest
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self.data[offset : offset + length])
+
+    def manifest(self) -> bytes:
+        if self._manifest is None:
+            self._manifest = b"".join(hashlib.sha256(self.data[at : at + RANGE_BYTES]).digest()
+                                      for at in range(0, self.total, RANGE_BYTES))
+        return self._manifest
+
+    @classmethod
+    def receive(cls, head: bytes, total: int) -> BytesBlob:
+        """``total`` bytes, the first of them ``head``, to ``write`` the rest into."""
+        blob = cls(bytearray(total))
+        blob.write(0, head)
+        return blob
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.data[offset : offset + len(data)] = data
+
+
+class TensorBlob:
+    """The bytes of a safetensors file of named float32 tensors, sorted by name, as safetensors' own ``save`` lays
+    them out (``p2ploco/tensorfile.py``), read straight from the tensors' storage: a range is slices of them and
+    the manifest is hashed from them, so no copy of the whole is ever made. The tensors must not be written while
+    it is read (a published state is never written, ``outer/base.py``).
+
+    ``receive`` is the other direction: a header checked to be one this class writes, tensors allocated for it,
+    and ranges written into them as they arrive."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.names = sorted(tensors)
+        self.tensors = [tensors[name].detach() for name in self.names]
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in self.tensors):
+            raise ValueError("a TensorBlob holds contiguous float32 CPU tensors")
+        self.head = header([(name, torch.float32, tuple(t.shape)) for name, t in zip(self.names, self.tensors)])
+        self.starts: list[int] = []  # where each tensor's bytes begin in the blob
+        at = len(self.head)
+        for tensor in self.tensors:
+            self.starts.append(at)
+            at += tensor.numel() * 4
+        self.total = at
+        self._manifest: bytes | None = None
+
+    def _pieces(self, offset: int, length: int) -> Iterator[memoryview]:
+        """The bytes ``offset`` .. ``offset + length`` as views of the header and the tensors, in order."""
+        end = min(offset + length, self.total)
+        if offset < len(self.head):
+            yield memoryview(self.head)[offset:min(end, len(self.head))]
+        first = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        for start, tensor in zip(self.starts[first:], self.tensors[first:]):
+            if start >= end:
+                break
+            stop = start + tensor.numel() * 4
+            if stop > offset:
+                data = raw_bytes(tensor)
+                yield data[max(offset, start) - start:min(end, stop) - start]
+
+    def read(self, offset: int, length: int) -> bytes:
+        return b"".join(self._pieces(offset, length))
+
+    def manifest(self) -> bytes:
+        if self._manifest is None:
+            hashes = []
+            for at in range(0, self.total, RANGE_BYTES):
+                digest = hashlib.sha256()
+                for piece in self._pieces(at, RANGE_BYTES):
+                    digest.update(piece)
+                hashes.append(digest.digest())
+            self._manifest = b"".join(hashes)
+        return self._manifest
+
+    @classmethod
+    def receive(cls, head: bytes, total: int) -> TensorBlob:
+        """A blob of ``total`` bytes whose first bytes are ``head`` (at least its whole header), with zeroed tensors to
+        ``write`` the rest into; PayloadError unless the header is exactly one this class writes (float32 tensors
+        named ``param/...`` or ``shared/...``, in order, filling ``total``)."""
+        if len(head) < 8:
+            raise PayloadError("a state blob shorter than its header length")
+        size = struct.unpack("<Q", head[:8])[0]
+        if size > min(MAX_BLOB_HEADER, len(head) - 8):
+            raise PayloadError(f"a state blob header of {size} bytes (at most {MAX_BLOB_HEADER}, within the first "
+                               f"range)")
+        try:
+            described = json.loads(head[8:8 + size])
+            names = list(described)
+            shapes = [tuple(described[name]["shape"]) for name in names]
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for shape in shapes for d in shape):
+                raise TypeError("a shape is not a list of sizes")
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
+            raise PayloadError(f"state blob header is malformed: {e}") from None
+        # one canonical form, the one honest donors write: its offsets, order and dtypes are sound
+        if header([(name, torch.float32, shape) for name, shape in zip(names, shapes)]) != head[:8 + size]:
+            raise PayloadError("state blob header is not one of float32 tensors in order")
+        for name in names:
+            section, _, tensor_name = name.partition("/")
+            if section not in ("param", "shared") or not tensor_name:
+                raise PayloadError(f"state blob holds an unexpected tensor {name[:64]!r}")
+        if 8 + size + 4 * sum(math.prod(shape) for shape in shapes) != total:
+            raise PayloadError(f"state blob header describes other than its {total} bytes")
+        blob = cls({name: torch.zeros(shape, dtype=torch.float32) for name, shape in zip(names, shapes)})
+        blob.write(0, head)
+        return blob
+
+    def write(self, offset: int, data: bytes) -> None:
+        """``data`` (checked already) into the tensors at ``offset``; bytes of the header are not written."""
+        view = memoryview(data)
+        for piece in self._pieces(offset, len(data)):
+            if piece.obj is not self.head:
+                piece[:] = view[:len(piece)]
+            view = view[len(piece):]
 
 
 @dataclass
@@ -106,43 +231,107 @@ class Snapshot:
     params: dict[str, torch.Tensor]  # CPU tensors that nobody writes (a published state, or fetched)
     shared: dict[str, torch.Tensor]
     state_digest: str  # ``metrics.state_digest`` of params and shared: what the records vouch for
-    _blob: bytes | None = field(default=None, repr=False)
-    _manifest: bytes | None = field(default=None, repr=False)
+    served: Blob | None = field(default=None, repr=False)  # its bytes as served: a TensorBlob of its tensors
 
-    def blob(self) -> bytes:
-        if self._blob is None:
+    def blob(self) -> Blob:
+        """Its bytes, read range by range from its tensors (made on first request)."""
+        if self.served is None:
             tensors = {f"param/{k}": v for k, v in self.params.items()}
             tensors.update({f"shared/{k}": v for k, v in self.shared.items()})
-            self._blob = save_tensors(tensors)
-        return self._blob
-
-    def manifest(self) -> bytes:
-        """The sha256 of every RANGE_BYTES of the blob, one after the other."""
-        if self._manifest is None:
-            blob = self.blob()
-            self._manifest = manifest_of(blob)
-        return self._manifest
+            self.served = TensorBlob(tensors)
+        return self.served
 
     @classmethod
-    def from_blob(cls, round_index: int, slice_name: str, blob: bytes) -> Snapshot:
-        """The snapshot in ``blob``; PayloadError if it is not a snapshot (not safetensors, or other sections)."""
-        try:
-            tensors = load_tensors(blob)
-        except (SafetensorError, ValueError, TypeError, OverflowError) as e:  # what safetensors raises on garbage
-            raise PayloadError(f"state blob is not a safetensors file: {e}") from None
+    def of_blob(cls, round_index: int, slice_name: str, blob: TensorBlob) -> Snapshot:
+        """The snapshot whose tensors ``blob`` (received, ``TensorBlob.receive``) holds; PayloadError unless they
+        are finite."""
         params, shared = {}, {}
-        for key, tensor in tensors.items():
+        for key, tensor in zip(blob.names, blob.tensors):
             section, _, name = key.partition("/")
-            if section not in ("param", "shared") or not name:
-                raise PayloadError(f"state blob holds an unexpected tensor {key[:64]!r}")
-            if tensor.dtype != torch.float32 or not torch.isfinite(tensor).all():
-                raise PayloadError(f"state tensor {key[:64]!r} is not finite float32")
+            if not torch.isfinite(tensor).all():
+                raise PayloadError(f"state tensor {key[:64]!r} is not finite")
             (params if section == "param" else shared)[name] = tensor
         return cls(round_index, slice_name, params, shared, state_digest(params, shared), blob)
 
+    @classmethod
+    def from_blob(cls, round_index: int, slice_name: str, blob: bytes) -> Snapshot:
+        """The snapshot in ``blob`` (whole); PayloadError if it is not one (not such a safetensors file)."""
+        received = TensorBlob.receive(blob[:RANGE_BYTES], len(blob))
+        received.write(0, blob)
+        return cls.of_blob(round_index, slice_name, received)
 
-def manifest_of(blob: bytes) -> bytes:
-    return b"".join(hashlib.sha256(blob[at : at + RANGE_BYTES]).digest() for at in range(0, len(blob), RANGE_BYTES))
+
+@dataclass
+class Served:
+    """A state a node serves: its round, slice and hash, and its bytes."""
+
+    round: int
+    slice: str
+    state_digest: str
+    blob: Blob
+
+
+class PatchedBlob:
+    """An earlier round's state served from a later one's tensors with what the step changed put back: its bytes
+    are ``base``'s (a TensorBlob of the later tensors, or of the earlier ones where a step changed most of a tensor)
+    with, in each tensor ``i`` of ``patches``, the float32 ``values`` at the sorted flat positions ``at``. A sparse
+    outer step (SparseLoCo's) changes a few percent of the coordinates: the earlier round costs those, not a second
+    copy of the model."""
+
+    def __init__(self, base: TensorBlob, patches: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 manifest: bytes | None = None):
+        """``manifest``: the earlier state's, if it was computed already."""
+        self.base, self.patches, self.total = base, patches, base.total
+        self._manifest = manifest
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray(self.base.read(offset, length))
+        view = np.frombuffer(out, dtype=np.uint8)
+        for i, (at, values) in self.patches.items():
+            start, numel = self.base.starts[i], self.base.tensors[i].numel()
+            first, last = max(0, (offset - start) // 4), min(numel, -(-(offset + len(out) - start) // 4))
+            if first >= last:
+                continue
+            lo, hi = np.searchsorted(at.numpy(), [first, last])
+            where = (start - offset + 4 * at[lo:hi].numpy())[:, None] + np.arange(4)  # each value's 4 bytes
+            put = values[lo:hi].numpy().view(np.uint8).reshape(-1, 4)
+            inside = (where >= 0) & (where < len(out))
+            view[where[inside]] = put[inside]
+        return bytes(out)
+
+    def manifest(self) -> bytes:
+        if self._manifest is None:
+            self._manifest = b"".join(hashlib.sha256(self.read(at, RANGE_BYTES)).digest()
+                                      for at in range(0, self.total, RANGE_BYTES))
+        return self._manifest
+
+
+def demoted(earlier: Served, later: Served) -> Served:
+    """``earlier`` (a TensorBlob's state) served from ``later``'s tensors where they differ from its own in at most
+    a third of their elements (``PatchedBlob``), so that it no longer holds the earlier tensors that differ little;
+    ``earlier`` itself where the two are not of the same tensors."""
+    old, new = earlier.blob, later.blob
+    if not (isinstance(old, TensorBlob) and isinstance(new, TensorBlob)) or old.head != new.head:
+        return earlier
+    tensors, patches = {}, {}
+    for i, (name, was, now) in enumerate(zip(old.names, old.tensors, new.tensors)):
+        if was.data_ptr() == now.data_ptr():  # the same storage (their shapes are the same): one tensor
+            tensors[name] = now
+            continue
+        at = torch.nonzero(was.view(-1).view(torch.int32) != now.view(-1).view(torch.int32)).view(-1)
+        if len(at) > was.numel() // 3:  # positions and values would cost more than the tensor
+            tensors[name] = was
+            continue
+        tensors[name] = now
+        if len(at):
+            patches[i] = (at, was.view(-1)[at])
+    return Served(earlier.round, earlier.slice, earlier.state_digest,
+                  PatchedBlob(TensorBlob(tensors), patches, old._manifest))
+
+
+def no_updates(slice_name: str, base: str) -> Served | None:
+    """What a server that keeps no updates finds: none."""
+    return None
 
 
 class StateServer:
@@ -152,17 +341,44 @@ class StateServer:
         (``UpdateKeeper.find``)."""
         self.p2p, self.deadline, self.updates = p2p, deadline, updates
         self.handler_name = f"p2ploco/{run_id}/state"
-        self.snapshots: OrderedDict[int, dict[str, Snapshot]] = OrderedDict()  # round -> slice -> snapshot
+        self.snapshots: OrderedDict[int, dict[str, Served]] = OrderedDict()  # round -> slice -> what is served
+        self._latest: dict[str, Served] = {}  # slice -> the last prepared (``prepare_round``'s thread alone)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
 
-    def serve_round(self, snapshots: list[Snapshot]) -> None:
-        """Serve the snapshots of one round, one per slice held (call on the loop); rounds beyond KEEP_SNAPSHOTS
-        are dropped, oldest first. A peer that changes the slices it holds (a stage peer that moves) serves the
-        new ones from this round on."""
-        for snapshot in snapshots:
-            self.snapshots.setdefault(snapshot.round, {})[snapshot.slice] = snapshot
+    def prepare_round(self, snapshots: list[Snapshot],
+                      ) -> tuple[list[Served], list[tuple[Served, Served | None]]]:
+        """What serving the snapshots of one round (one per slice held) takes, made on the calling thread (always
+        the same one, not the loop's): each as served, and the round before it, still served, as served from this
+        one's tensors where they differ little (``demoted``), so that its own tensors are let go before this
+        returns rather than beside whatever the caller does next (an eval, a checkpoint); an earlier round than the
+        one before (a catch-up jumped past it) is no longer served (None). For ``hold``."""
+        served = [Served(s.round, s.slice, s.state_digest, s.blob()) for s in snapshots]
+        demotions: list[tuple[Served, Served | None]] = []
+        for now in served:
+            was = self._latest.get(now.slice)
+            if was is not None and was.round == now.round - 1:
+                demotions.append((was, demoted(was, now)))
+            elif was is not None and was.round < now.round:  # left behind by a catch-up: nobody fetches it
+                demotions.append((was, None))
+            self._latest[now.slice] = now
+        return served, demotions
+
+    def hold(self, served: list[Served], demotions: list[tuple[Served, Served | None]]) -> None:
+        """Serve ``prepare_round``'s result (call on the loop); rounds beyond KEEP_SNAPSHOTS are dropped, oldest
+        first. A peer that changes the slices it holds (a stage peer that moves) serves the new ones from this round
+        on."""
+        for now in served:
+            self.snapshots.setdefault(now.round, {})[now.slice] = now
+        for was, now in demotions:
+            held = self.snapshots.get(was.round, {})
+            if held.get(was.slice) is was and now is not None:
+                held[was.slice] = now
+            elif held.get(was.slice) is was:
+                del held[was.slice]
+                if not held:
+                    del self.snapshots[was.round]
         while len(self.snapshots) > KEEP_SNAPSHOTS:
             self.snapshots.popitem(last=False)
 
@@ -171,21 +387,20 @@ class StateServer:
                                 self.deadline.seconds(PART_BYTES)):
             header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.deadline.base)
             request = decode(StateRequest, header)
-            served = self._find(request)
-            if isinstance(served, dict):  # the answer that it holds none
-                await wire.write_message(writer, served)
+            snapshot = self._find(request)
+            if isinstance(snapshot, dict):  # the answer that it holds none
+                await wire.write_message(writer, snapshot)
                 return
-            loop = asyncio.get_running_loop()
-            blob = await loop.run_in_executor(None, served.blob)
-            if request.offset % RANGE_BYTES or request.offset > len(blob):
-                raise PayloadError(f"bad range {request.offset}+{request.length} of a {len(blob)}-byte state")
+            loop, blob = asyncio.get_running_loop(), snapshot.blob
+            if request.offset % RANGE_BYTES or request.offset > blob.total:
+                raise PayloadError(f"bad range {request.offset}+{request.length} of a {blob.total}-byte state")
             if request.length:  # a range
-                await faults.hit_async("state.serve", served.round)
-                payload = blob[request.offset : request.offset + request.length]
+                await faults.hit_async("state.serve", snapshot.round)
+                payload = blob.read(request.offset, request.length)
             else:  # the joiner's first question: how big, and the hash of every range
-                payload = await loop.run_in_executor(None, served.manifest)
-            answer = {"status": StateStatus.OK, "round": served.round, "slice": served.slice, "total": len(blob),
-                      "state_digest": served.state_digest}
+                payload = await loop.run_in_executor(None, blob.manifest)
+            answer = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": blob.total,
+                      "state_digest": snapshot.state_digest}
             await asyncio.wait_for(wire.write_message(writer, answer, payload), self.deadline.seconds(len(payload)))
 
     def _find(self, request: StateRequest) -> Served | dict[str, Any]:
@@ -289,7 +504,7 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, donors: Sequen
     async def describe(donor: str) -> Description | None:
         try:
             header, payload = await request_range(p2p, handler, donor, target.round, target.slice, 0, 0,
-                                             deadline.seconds(MAX_MANIFEST_BYTES, rates))
+                                                  deadline.seconds(MAX_MANIFEST_BYTES, rates))
             description = parse_description(header, payload, target)
             if description is not None and description.total > tensor_bytes + MAX_BLOB_HEADER:
                 raise PayloadError(f"a {description.total}-byte state where {tensor_bytes} bytes of tensors fit "
@@ -310,11 +525,11 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, donors: Sequen
     ranked = sorted(candidates.items(), key=lambda item: (-len(item[1]), hashlib.sha256(item[0].manifest).digest()))
     # 2. Its ranges from all of them at once, each checked as it comes; then the whole against the vouched hash.
     for description, agreeing in ranked:
-        blob = await fetch_blob(p2p, handler, target, description, agreeing, deadline, blame, rates)
-        if blob is None:
-            continue
         try:
-            snapshot = Snapshot.from_blob(target.round, target.slice, blob)
+            blob = await fetch_blob(p2p, handler, target, description, agreeing, deadline, blame, rates)
+            if blob is None:
+                continue
+            snapshot = Snapshot.of_blob(target.round, target.slice, blob)
             if snapshot.state_digest != target.state_digest:
                 raise PayloadError("its contents do not hash to the state the swarm vouches for")
         except PayloadError as e:  # every range matched the manifest: the manifest itself was false
@@ -334,62 +549,79 @@ async def fetch_state(p2p: P2P, handler: str, target: SwarmState, donors: Sequen
 
 async def fetch_blob(p2p: P2P, handler: str, target: SwarmState, description: Description, donors: list[str],
                      deadline: TransferDeadline, blame: Blame, rates: Sequence[float], base: str | None = None
-                     ) -> bytes | None:
-    """The blob ``description`` describes, from ``donors``, every range checked against its manifest; None if they
-    all failed, stalled or served something else. ``base``: the blob is the update from the state of that digest
-    (``target``: the round it starts and the state it leads to), not a state."""
+                     ) -> TensorBlob | BytesBlob | None:
+    """The blob ``description`` describes, from ``donors``, every range checked against its manifest and written
+    into the blob's tensors as it arrives (the first part, which holds the header that sizes them, before the
+    others); None if they all failed, stalled or served something else. PayloadError if the header its manifest
+    vouches for is not one of a state (the description is false). ``base``: the blob is the update from the state
+    of that digest (``target``: the round it starts and the state it leads to), received whole as bytes."""
     total = description.total
+    if total < 8:
+        raise PayloadError(f"a {total}-byte state blob: shorter than its header length")
     # Parts (whole ranges) small enough that every stream of every donor gets work, large enough to keep overheads
     # low.
     wanted = -(-total // (STREAMS_PER_DONOR * len(donors)))
     part = min(PART_BYTES, max(RANGE_BYTES, -(-wanted // RANGE_BYTES) * RANGE_BYTES))
     offsets = list(range(0, total, part))
+    working = list(donors)
+
+    async def fetch_part(donor: str, offset: int) -> bytes | None:
+        """The part at ``offset`` from ``donor``, checked; None (and the donor dropped) if it failed to serve it."""
+        length = min(part, total - offset)
+        try:
+            header, data = await request_range(p2p, handler, donor, target.round, target.slice, offset, length,
+                                               deadline.seconds(length, rates), base)
+            if not _answers_for(decode(StateAnswer, header), target):
+                raise PayloadError("it answered for another state")
+            if len(data) != length or any(hashlib.sha256(data[at : at + RANGE_BYTES]).digest()
+                                          != description.range_hash(offset + at)
+                                          for at in range(0, length, RANGE_BYTES)):
+                raise PayloadError(f"bytes {offset}+{length} do not match the manifest it described")
+            return data
+        except PayloadError as e:
+            blame(donor, f"it served {target.slice} of round {target.round} falsely ({e})")
+        except (TransportError, TimeoutError) as e:
+            logger.info(f"donor {donor[-8:]} failed on range {offset}: {e!r}; leaving it to the others")
+        if donor in working:
+            working.remove(donor)
+        return None
+
+    head = None
+    while head is None and working:
+        head = await fetch_part(working[0], 0)
+    if head is None:
+        logger.info(f"download of {target.slice} of round {target.round} from {len(donors)} donor(s) failed")
+        return None
+    blob = TensorBlob.receive(head, total) if base is None else BytesBlob.receive(head, total)
     parts: asyncio.Queue[int | None] = asyncio.Queue()
-    for offset in offsets:
+    for offset in offsets[1:]:
         parts.put_nowait(offset)
-    received: dict[int, bytes] = {}
-    working = set(donors)
+    received = 1
 
     def release_all() -> None:  # wake every waiting worker: all ranges are in, or nobody is left to fetch
         for _ in range(STREAMS_PER_DONOR * len(donors)):
             parts.put_nowait(None)
 
-    def drop(donor: str, offset: int) -> None:
-        parts.put_nowait(offset)
-        working.discard(donor)
-        if not working:
-            release_all()
-
     async def worker(donor: str) -> None:
+        nonlocal received
         while (offset := await parts.get()) is not None:
             if donor not in working:  # its other stream failed: leave the range to the other donors
                 parts.put_nowait(offset)
                 return
-            length = min(part, total - offset)
-            try:
-                header, data = await request_range(p2p, handler, donor, target.round, target.slice, offset, length,
-                                                   deadline.seconds(length, rates), base)
-                if not _answers_for(decode(StateAnswer, header), target):
-                    raise PayloadError("it answered for another state")
-                if len(data) != length or any(hashlib.sha256(data[at : at + RANGE_BYTES]).digest()
-                                              != description.range_hash(offset + at)
-                                              for at in range(0, length, RANGE_BYTES)):
-                    raise PayloadError(f"bytes {offset}+{length} do not match the manifest it described")
-            except PayloadError as e:
-                blame(donor, f"it served {target.slice} of round {target.round} falsely ({e})")
-                drop(donor, offset)
+            data = await fetch_part(donor, offset)
+            if data is None:
+                parts.put_nowait(offset)
+                if not working:
+                    release_all()
                 return
-            except (TransportError, TimeoutError) as e:
-                logger.info(f"donor {donor[-8:]} failed on range {offset}: {e!r}; leaving it to the others")
-                drop(donor, offset)
-                return
-            received[offset] = data
-            if len(received) == len(offsets):
+            blob.write(offset, data)
+            received += 1
+            if received == len(offsets):
                 release_all()
 
-    if offsets:
-        await asyncio.gather(*(worker(donor) for donor in donors for _ in range(STREAMS_PER_DONOR)))
-    if len(received) != len(offsets):
+    if received < len(offsets):
+        await asyncio.gather(*(worker(donor) for donor in list(working) for _ in range(STREAMS_PER_DONOR)))
+    if received != len(offsets):
         logger.info(f"download of {target.slice} of round {target.round} from {len(donors)} donor(s) failed")
         return None
-    return b"".join(received[offset] for offset in offsets)
+    return blob

@@ -50,7 +50,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import P2P
@@ -68,12 +68,13 @@ from p2ploco.swarm.state import (
     MAX_MANIFEST_BYTES,
     RANGE_BYTES,
     Blame,
+    BytesBlob,
     Description,
+    Served,
     Snapshot,
     StateAnswer,
     StateStatus,
     fetch_blob,
-    manifest_of,
     request_range,
 )
 
@@ -96,23 +97,11 @@ def named_tensors(snapshot: Snapshot) -> dict[str, torch.Tensor]:
 
 
 @dataclass
-class Update:
-    """What turned a slice's state ``base`` (at ``round``) into ``state_digest``, as a blob to serve."""
+class Update(Served):
+    """What turned a slice's state ``base`` (at ``round``, the round it starts from) into ``state_digest``, served
+    as a blob: a safetensors file of ``at/<tensor>`` positions and ``to/<tensor>`` values."""
 
-    round: int  # the round of the state it starts from
-    slice: str
-    base: str  # ``metrics.state_digest`` of the state it applies to
-    state_digest: str  # of the state it leads to
-    data: bytes = field(repr=False)  # safetensors: ``at/<tensor>`` positions and ``to/<tensor>`` values
-    _manifest: bytes | None = field(default=None, repr=False)
-
-    def blob(self) -> bytes:
-        return self.data
-
-    def manifest(self) -> bytes:
-        if self._manifest is None:
-            self._manifest = manifest_of(self.data)
-        return self._manifest
+    base: str = ""  # ``metrics.state_digest`` of the state it applies to
 
     @classmethod
     def between(cls, before: Snapshot, after: Snapshot, limit: int) -> Update | None:
@@ -138,7 +127,8 @@ class Update:
             if at.numel():
                 tensors[f"at/{key}"] = at.to(torch.int64 if wide else torch.int32)
                 tensors[f"to/{key}"] = flat_new[at].contiguous()
-        return cls(before.round, after.slice, before.state_digest, after.state_digest, save_tensors(tensors))
+        return cls(before.round, after.slice, after.state_digest, BytesBlob(save_tensors(tensors)),
+                   base=before.state_digest)
 
 
 def changes_of(blob: bytes, shapes: dict[str, torch.Size]) -> Changes:
@@ -209,7 +199,7 @@ class UpdateKeeper:
                 kept = self.kept.setdefault(snapshot.slice, OrderedDict())
                 kept.pop(update.base, None)
                 kept[update.base] = update
-                while sum(len(u.data) for u in kept.values()) > bound:
+                while sum(u.blob.total for u in kept.values()) > bound:
                     kept.popitem(last=False)
 
     def find(self, slice_name: str, base: str) -> Update | None:
@@ -314,7 +304,7 @@ async def fetch_chain(p2p: P2P, handler: str, chain: Chain, deadline: TransferDe
         if blob is None:
             return None
         try:
-            fetched.append(changes_of(blob, shapes))
+            fetched.append(changes_of(bytes(blob.data), shapes))
         except PayloadError as e:
             for donor in link.target.holders:
                 blame(donor, f"it served the update of {chain.target.slice} from round {link.target.round} falsely "
