@@ -11,7 +11,6 @@ import pytest
 import torch
 from helpers import join_swarms
 from hivemind.utils import ValueWithExpiration, get_dht_time
-from hostile import BytesBlob
 from safetensors.torch import save as save_tensors
 
 from p2ploco import faults
@@ -34,7 +33,7 @@ from p2ploco.swarm.consensus import (
 from p2ploco.swarm.directory import FOREIGN_NAMED, LOOKUPS_PER_ROUND, PeerDirectory, payload_bytes
 from p2ploco.swarm.group import Member
 from p2ploco.swarm.records import PeerRecord, PeerState
-from p2ploco.swarm.state import Snapshot
+from p2ploco.swarm.state import BytesBlob, Snapshot
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
 

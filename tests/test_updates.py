@@ -93,7 +93,7 @@ def test_the_keeper_keeps_the_newest_updates_within_a_quarter_of_the_state_and_n
     for snapshot in chain[1:]:
         keeper.keep([snapshot])
     kept = [r for r, snapshot in enumerate(chain[:-1]) if keeper.find(S, snapshot.state_digest) is not None]
-    sizes = [len(keeper.find(S, chain[r].state_digest).blob.total) for r in kept]
+    sizes = [keeper.find(S, chain[r].state_digest).blob.total for r in kept]
     bound = state_bytes(chain[0]) // KEEP_SHARE
     assert kept == list(range(kept[0], 19)) and sum(sizes) <= bound < sum(sizes) + sizes[0]
     update = keeper.find(S, chain[18].state_digest)
