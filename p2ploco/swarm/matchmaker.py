@@ -14,8 +14,9 @@ A peer that is ready for round r sends the coordinator a join request and waits;
 closes the group when every live peer that works on round r from the same state with the same config
 (or announced that it fetches that state to join round r; and still renews its record and can be dialled:
 a crashed peer is not waited for) has joined, or
-``matchmaking_timeout`` after the first join that brings a contribution (a hub's does not: it joins as the round
-begins, ``roles.py``), and answers every waiting peer with the same ordered list. For the first third of that
+a formation's wait after the first join that brings a contribution (a hub's does not: it joins as the round
+begins, ``roles.py``): the expected peers' published step times allow for it, within ``swarm.matchmaking_timeout``
+(``deadlines.formation_wait``). It answers every waiting peer with the same ordered list. For the first third of that
 wait it also waits for peers still moving to round r (records at r - 1, or at r with another state: they catch
 up), since a round's all-reduce may come early in it (Streaming DiLoCo's first fragment syncs a step or two into
 the round). Neither side polls the DHT for it: a joiner
@@ -84,6 +85,7 @@ from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import admit, contested, round_state
+from p2ploco.swarm.deadlines import formation_wait
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import Signer, group_statement, signed_by
 from p2ploco.swarm.group import FormationKey, Group, GroupBook, Member
@@ -101,7 +103,7 @@ BAN_MISSES = 4  # and after which it is banned: its record claims rounds it neve
 KEEP_ASKED_ROUNDS = 8  # rounds for which a coordinator remembers who asked to join (an overlapped peer asks ahead)
 KEEP_JOINS = 8  # this peer's latest joins it keeps, to ask again at the next coordinator if their group dies
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
-JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
+JOINER_GRACE = 1 / 3  # share of its wait a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
 HUB_PATIENCE = 3600.0  # seconds a hub's join waits for a round's first contribution (a round may be long)
 NOBODY_ANSWERED = "alone"  # the group id of a group of one that no coordinator formed: none could be asked, or answered
@@ -123,6 +125,7 @@ def best_coordinator(candidates: set[str], round_index: int) -> str:
 class _Formation:
     key: FormationKey
     deadline: float
+    wait: float = 0.0  # how long it waits for the peers it expects after its first contribution (deadlines.py)
     opened: float = field(default_factory=time.monotonic)
     members: dict[str, Member] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # members the closed formation left out, and why
@@ -148,7 +151,8 @@ class Matchmaker:
         tokens a member's contribution may weigh (``Config.max_contribution_tokens``); ``signer``: signs the groups
         this peer forms; ``keys``: a peer's public key as its record names it (None: unknown), which the groups its
         coordinators hand out are checked with; ``dial_out``: this peer cannot be dialled
-        (``swarm/reachability.py``): it never coordinates, and reduces no span."""
+        (``swarm/reachability.py``): it never coordinates, and reduces no span. ``timeout``: the bound on a
+        formation's wait (``swarm.matchmaking_timeout``), which its join waits for at most."""
         self.p2p, self.directory, self.timeout, self.bans = p2p, directory, timeout, bans
         self.run_id, self.signer, self.keys = run_id, signer, keys
         self.stages, self.book, self.max_tokens, self.dial_out = stages, book, max_tokens, dial_out
@@ -233,7 +237,7 @@ class Matchmaker:
                     ) -> Group | None:
         """Ask coordinators in rendezvous order, less those in ``unreachable`` (coordinators tried in vain, and
         why), for a group of the sync ``name`` of ``round_index`` (``form_group``)."""
-        # The coordinator may wait `timeout` for others after the first contribution; a hub joins as the round
+        # The coordinator may wait up to `timeout` for others after the first contribution; a hub joins as the round
         # begins, and waits for that first contribution too
         deadline = time.monotonic() + self.timeout + 5.0 + (HUB_PATIENCE if self.hub else 0.0)
         hints: set[str] = set()
@@ -499,7 +503,8 @@ class Matchmaker:
             self._forming[key] = formation
             asyncio.get_running_loop().create_task(self._close_when_complete(formation))
         if member.tokens and not formation.contributed():  # the first contribution: the wait starts now
-            formation.deadline = min(formation.deadline, time.monotonic() + self.timeout)
+            formation.wait = self.formation_wait(round_index)
+            formation.deadline = min(formation.deadline, time.monotonic() + formation.wait)
             formation.opened = time.monotonic()
         if sender not in formation.members:
             formation.members[sender], formation.joined = member, time.monotonic()
@@ -514,6 +519,16 @@ class Matchmaker:
             return {"status": JoinStatus.LATE, "reason": f"no contribution to round {round_index} came to coordinator "
                                                          f"{self.me[-8:]} while its hubs waited"}
         return group_answer(outcome, self.following, member.follows)
+
+    def formation_wait(self, round_index: int) -> float:
+        """How long a formation of ``round_index`` waits after its first contribution (``deadlines.formation_wait``):
+        by the step times the records of this run's peers at that round or the one before publish (neither a banned
+        peer's nor one that sits rounds out: nobody waits for it), and this peer's own last round."""
+        me, banned = self.directory.me, self.bans.active(round_index)
+        steps = [r.step_seconds for p, r in self.directory.live.items()
+                 if p != self.me and r.fingerprint == me.fingerprint and r.round in (round_index - 1, round_index)
+                 and r.role != "hub" and not r.sits_out and p not in banned]
+        return formation_wait(self.timeout, self.directory.interval, me.round_seconds, steps)
 
     async def _refusal(self, sender: str, key: FormationKey) -> str | None:
         """Why a join from ``sender`` for ``key`` is refused, if it is: a peer joins only rounds of this run's config,
@@ -547,7 +562,7 @@ class Matchmaker:
                     del self._forming[formation.key]
                     formation.closed.set_result(best)
                     return
-                joiners_welcome = time.monotonic() < formation.opened + JOINER_GRACE * self.timeout
+                joiners_welcome = time.monotonic() < formation.opened + JOINER_GRACE * formation.wait
                 chosen, runs_here = self._await_peers(formation, live, joiners_welcome)
                 if not formation.awaited and formation.contributed():
                     # A peer of this run still at an earlier round in this view may have moved to this one since
@@ -568,7 +583,7 @@ class Matchmaker:
                 # deadline: no polling of the DHT.
                 wake = min(probed + PROBE_EVERY, formation.deadline)
                 if joiners_welcome:
-                    wake = min(wake, formation.opened + JOINER_GRACE * self.timeout)
+                    wake = min(wake, formation.opened + JOINER_GRACE * formation.wait)
                 try:
                     await asyncio.wait_for(formation.changed.wait(), max(0.0, wake - time.monotonic()))
                 except TimeoutError:
@@ -615,7 +630,7 @@ class Matchmaker:
         round_index, name = formation.key[0], formation.key[1]
         members, formation.refused = admit(formation.members, self.stages, chosen)
         left_out = dict(formation.refused)
-        left_out.update((p, f"it did not join within {self.timeout:.0f} s") for p in formation.awaited)
+        left_out.update((p, f"it did not join within {formation.wait:.0f} s") for p in formation.awaited)
         left_out.update((p, "it could not be reached") for p in formation.dead - set(members))
         self._count_misses(formation, round_index)
         if left_out:  # every member logs it at WARNING, with the coordinator's name
