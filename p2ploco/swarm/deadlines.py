@@ -3,10 +3,11 @@ rules, derived from what this peer measures; the config's ``swarm.*_timeout`` va
 
 A fixed timeout is wrong somewhere: it drops a slow but honest link (a dense fp32 contribution over 20 Mbit/s takes
 far longer than a compressed one over 1 Gbit/s), or lets a peer that stalls hold fast rounds for minutes; and a
-value tuned for a LAN loses rounds across continents. (hivemind's users asked for the same: its averager's
-``allreduce_timeout`` and ``averaging_expiration`` are fixed numbers a run has to tune to its slowest peer; torchft
-users asked for per-step timeouts that follow the step.) So each wait is what this peer has seen take that long,
-with a margin, within the bound:
+value tuned for a LAN loses rounds across continents. (hivemind's users ask for deadlines from the arrival times
+a peer already sees instead of its fixed ``matchmaking_time`` and ``averaging_timeout``: learning-at-home/hivemind
+#676; torchft's set its quorum and process-group timeouts by hand, to thousands of seconds to be safe:
+meta-pytorch/torchft#329, pytorch/torchtitan#2899.) So each wait is what this peer has seen take that long, with a
+margin, within the bound:
 
 - **A transfer** (``TransferDeadline``) is an allowance (latency, a sender's encoding, the skew between members that
   start sending) plus its payload at the slowest rate the group's members report (``swarm.bandwidth_mbit`` in their
