@@ -88,6 +88,9 @@ def test_a_formation_waits_the_bound_until_this_peer_has_a_round_then_for_the_sl
     assert formation_wait(300.0, 10.0, 8.0, [0.1]) == pytest.approx(20.0 + ARRIVAL_STEPS * 0.1)  # old records
     assert formation_wait(300.0, 1.0, 8.0, []) == SLACK
     assert formation_wait(6.0, 1.0, 8.0, [2.0]) == 6.0  # never past the bound
+    # a joiner that coordinates before its own first round goes by its peers' rounds (one key's claim moves nothing)
+    assert formation_wait(300.0, 1.0, 0.0, [1e6, 1e6], [8.0, 9.0, 1e6]) == pytest.approx(SLACK + 9.0)
+    assert formation_wait(300.0, 1.0, 0.0, [0.2], [0.0, 0.0]) == 300.0  # nobody has finished a round
 
 
 def test_a_claimed_slow_step_costs_at_most_a_round_and_a_fast_one_only_its_own_claims_allowance():

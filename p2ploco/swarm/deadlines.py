@@ -30,8 +30,10 @@ margin, within the bound:
   yet) counts as that round. So a claimed slow step makes the others wait at most one round's work (which an honest
   peer that late would have done) and the slack; a claimed fast one shortens only the wait for its own claim, and an
   honest slow peer's own claim keeps the wait for it. A late peer that keeps being expected stretches the next
-  round by what it cost this one, for the STRAGGLER_MISSES rounds the matchmaker still expects it. Before this peer
-  has finished a round (nothing measured), and never beyond it, ``swarm.matchmaking_timeout``.
+  round by what it cost this one, for the STRAGGLER_MISSES rounds the matchmaker still expects it. A peer that has
+  not finished a round yet (a joiner that coordinates) goes by the lower median of the rounds its peers' records
+  state, which one key of three moves no more than the others; before anyone has (a run's first round), and never
+  beyond it, ``swarm.matchmaking_timeout``.
 """
 
 from __future__ import annotations
@@ -80,11 +82,16 @@ class TransferDeadline:
         return min(self.cap, allowance + 8 * payload_bytes / (rate * 1e6))
 
 
-def formation_wait(bound: float, heartbeat: float, own_round: float, steps: Iterable[float]) -> float:
+def formation_wait(bound: float, heartbeat: float, own_round: float, steps: Iterable[float],
+                   others_rounds: Iterable[float] = ()) -> float:
     """How long a formation waits after its first contribution for the peers it expects, whose records state these
-    inner step times (0: none yet), by this peer's own last round (``own_round`` seconds; 0: none yet)."""
+    inner step times (0: none yet), by this peer's own last round (``own_round`` seconds; 0: none yet: the lower
+    median of the rounds ``others_rounds`` its peers' records state, 0 for none, counts instead)."""
     if own_round <= 0:
-        return bound
+        stated = [r for r in others_rounds if r > 0]
+        if not stated:
+            return bound
+        own_round = statistics.median_low(stated)
     slowest = max((s if s > 0 else own_round for s in steps), default=0.0)
     slack = max(MIN_ALLOWANCE, LOOKUP_HEARTBEATS * heartbeat)
     return min(bound, slack + min(own_round, ARRIVAL_STEPS * slowest))

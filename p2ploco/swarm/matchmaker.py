@@ -525,10 +525,11 @@ class Matchmaker:
         by the step times the records of this run's peers at that round or the one before publish (neither a banned
         peer's nor one that sits rounds out: nobody waits for it), and this peer's own last round."""
         me, banned = self.directory.me, self.bans.active(round_index)
-        steps = [r.step_seconds for p, r in self.directory.live.items()
+        peers = [r for p, r in self.directory.live.items()
                  if p != self.me and r.fingerprint == me.fingerprint and r.round in (round_index - 1, round_index)
-                 and r.role != "hub" and not r.sits_out and p not in banned]
-        return formation_wait(self.timeout, self.directory.interval, me.round_seconds, steps)
+                 and not r.sits_out and p not in banned]
+        return formation_wait(self.timeout, self.directory.interval, me.round_seconds,
+                              [r.step_seconds for r in peers if r.role != "hub"], [r.round_seconds for r in peers])
 
     async def _refusal(self, sender: str, key: FormationKey) -> str | None:
         """Why a join from ``sender`` for ``key`` is refused, if it is: a peer joins only rounds of this run's config,
