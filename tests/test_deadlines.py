@@ -101,6 +101,38 @@ def test_a_claimed_slow_step_costs_at_most_a_round_and_a_fast_one_only_its_own_c
     assert formation_wait(300.0, 1.0, own_round, [0.2, 1.5, 1e-300]) == honest  # a liar's fast step changes nothing
 
 
+@pytest.mark.timeout(120)
+def test_a_coordinator_waits_by_the_steps_its_peers_publish_and_a_liars_claim_costs_at_most_its_own_round():
+    """The formation rule as a coordinator applies it to real records (``Swarm.formation_wait``): the bound before
+    anyone has a round, then by the published steps; a claimed crawl is held to this peer's own round, and a banned
+    peer's claim is not read."""
+    config = SwarmConfig(matchmaking_timeout=60, allreduce_timeout=5, heartbeat_interval=0.5, peer_ttl=10)
+    slack = max(MIN_ALLOWANCE, 2 * config.heartbeat_interval)
+    swarms = []
+    try:
+        join_swarms("formation-wait", 3, config, swarms)
+        me, _, liar = swarms
+
+        def published() -> float:
+            assert all(s.flush() for s in swarms)
+            me.loop.run(me.directory.refresh(), 10)
+            return me.formation_wait(1)
+
+        for s in swarms:
+            s.update_record(step_seconds=0.2)
+            s.announce_progress(1, PeerState.TRAINING, "start", {"params": "start"})
+        assert published() == 60.0  # nobody has finished a round: nothing measured
+        me.update_record(round_seconds=4.0)
+        assert published() == pytest.approx(slack + ARRIVAL_STEPS * 0.2)
+        liar.update_record(step_seconds=1e6)
+        assert published() == pytest.approx(slack + 4.0)  # one round's work at most
+        me.bans.ban(liar.peer_id, 1, "a test")
+        assert published() == pytest.approx(slack + ARRIVAL_STEPS * 0.2)
+    finally:
+        for s in swarms:
+            s.leave()
+
+
 SHAPES = [(100, 250)]  # 100 kB of float32 per peer
 SLOW_SECONDS = 2.5  # how long the slow peer's link takes to carry one contribution
 BASE = 1.0  # swarm.allreduce_timeout: far below that
