@@ -308,8 +308,12 @@ Wait = Annotated[Number, bound(lambda t: 0 < t <= MAX_WAIT, WAITS)]
 class SwarmConfig(Section):
     """Timeouts and sizes of the peer-to-peer rounds; every wait in a round is bounded."""
 
-    matchmaking_timeout: Wait = 20.0  # longest wait from the first ready peer to the round's start
-    allreduce_timeout: Wait = 60.0  # longest wait for any one transfer of an all-reduce, plus its bytes' time:
+    # Bounds, not settings: a round waits what its peer measured (swarm/deadlines.py), at most these. The longest
+    # wait from a round's first contribution for the peers it expects (their step times size it) ...
+    matchmaking_timeout: Wait = 300.0
+    # ... and the longest allowance of any one transfer of an all-reduce (its recent arrivals size it), plus its
+    # bytes' time:
+    allreduce_timeout: Wait = 300.0
     min_bandwidth_mbit: Number = 10.0  # the slowest link a transfer's deadline allows for (swarm/deadlines.py)
     bandwidth_mbit: Number = 0.0  # this peer's link, published so others' deadlines fit it (0: not stated)
     max_upload_mbit: Number = 0.0  # the most this peer sends per second, all streams together (0: no cap)

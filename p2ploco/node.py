@@ -501,10 +501,10 @@ class Node:
         if sits_out:
             if worker.outer.unapplied_tokens:
                 # The work it kept, contributed in this round without a step. It joins once the others may be done
-                # with their steps (a formation closes a matchmaking timeout after its first contribution: one that came
-                # early would close before them). Their round began about as its catch-up did.
+                # with their steps (a formation closes its wait after its first contribution: one that came early
+                # would close before them). Their round began about as its catch-up did.
                 self.stopping.wait(max(0.0, budget.others_round_seconds() - membership.catchup_seconds
-                                       - c.swarm.matchmaking_timeout / 2))
+                                       - swarm.formation_wait(round_index) / 2))
                 budget = FixedSteps(0)
             else:  # it trains a step while nobody waits for it
                 presence.announce_standby(round_index)

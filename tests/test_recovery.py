@@ -64,13 +64,14 @@ def test_failed_rounds_cost_a_redo_or_the_failing_peers_round_and_the_swarm_come
     assert re.search(rf"round {NO_JOIN}: this peer is alone while [12] other peer\(s\) could apply this round "
                      rf"without it", logs["b"])
     assert all(applied(name, lands(NO_JOIN)) and runs[name][lands(NO_JOIN)]["peers"] == 2 for name in "ac")
-    # c asked to join too late: the coordinator went on without it, a and b each logged that decision with its
-    # reason, and c was told it was late.
+    # c asked to join too late (its stall is longer than the matchmaking bound, and so than the wait its coordinator
+    # measured): the coordinator went on without it, a and b each logged that decision with its reason, and c was
+    # told it was late.
     for name in "ab":
         r = runs[name][lands(SLOW_JOIN)]
         assert r["applied"] and r["peers"] == 2 and r["failures"].get("smaller group") == 1, r
         assert re.search(rf"round {SLOW_JOIN}: the coordinator \w+ formed a group of 2 without {ids['c']} \(it did "
-                         rf"not join within 6 s\)", logs[name]), logs[name][-3000:]
+                         rf"not join within [1-6] s\)", logs[name]), logs[name][-3000:]
     late = runs["c"][lands(SLOW_JOIN)]
     assert not late["applied"] and late["failures"].get("late") == 1, late
 

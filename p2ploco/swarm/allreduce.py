@@ -19,10 +19,11 @@ A reducer drops a sender from its span, at once and with the reason logged, when
   "dropped") and banned here for ``swarm.ban_rounds`` rounds (``swarm/bans.py``), even if the message came before
   this peer knew the group, or named no group at all;
 - its stream breaks or ends mid-message, this peer cannot reach it to deliver our own contribution,
-  or it sends nothing within the round's transfer deadline (``swarm/deadlines.py``:
-  ``swarm.allreduce_timeout`` plus the round's payload at the slowest link the group reports, so that
-  a slow but honest link is waited for). Its contribution is *missed*: no ban and no blame (it may
-  have crashed, or its link broke once), it votes "missing", and a redo of the round takes it along.
+  or it sends nothing within the round's transfer deadline (``swarm/deadlines.py``: an allowance measured from
+  this reducer's recent all-reduces, within ``swarm.allreduce_timeout``, plus the round's payload at the slowest
+  link the group reports, so that a slow but honest link is waited for). Its contribution is *missed*: no ban and
+  no blame (it may have crashed, or its link broke once), it votes "missing", and a redo of the round takes it
+  along.
 
 The reducer always finishes its span with the contributions it has, and every member keeps sending
 its contributions to the other reducers even after one refused it, so nobody waits for it in vain.
@@ -250,7 +251,7 @@ class _Route:
     group: Group
     slice: str
     exchange: Exchange
-    transfer: float  # seconds any one transfer of this round may take
+    transfer: float  # seconds any one transfer to this reducer may take: the bound (``TransferDeadline.seconds``)
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     failure: AllReduceError | None = None
 
@@ -265,9 +266,11 @@ class _ReducerSession:
     exchange: Exchange
     senders: set[str]  # remote group members that owe us a contribution
     listeners: set[str]  # remote hubs (no contribution: ``Group.contributors``) that take the result all the same
-    transfer: float  # seconds any one transfer of this round may take (``swarm/deadlines.py``)
+    transfer: float  # seconds any one transfer to this reducer may take (``TransferDeadline.expected``)
     deadline: float  # time.monotonic() by which every contribution must be in (all pieces of a span alike)
     payloads: dict[str, bytes] = field(default_factory=dict)
+    began: float = field(default_factory=time.monotonic)
+    delivered_at: dict[str, float] = field(default_factory=dict)  # sender -> time.monotonic() its payload came in
     # senders not in, through no fault of theirs -> (what this reducer saw go wrong, or None where our own send to
     # them failed: that failure is counted once, by the send), why
     missed: dict[str, tuple[Failure | None, str]] = field(default_factory=dict)
@@ -285,7 +288,14 @@ class _ReducerSession:
 
     def deliver(self, sender: str, payload: bytes) -> None:
         self.payloads[sender] = payload
+        self.delivered_at[sender] = time.monotonic()
         self._check()
+
+    def arrivals(self) -> dict[str, float]:
+        """Seconds from this piece's start to each sender's contribution; a sender that timed out counts as the
+        whole transfer (so an allowance too short for everyone grows), one whose link failed not at all."""
+        timed_out = {p: self.transfer for p, (failure, _) in self.missed.items() if failure == Failure.TIMEOUT}
+        return {**timed_out, **{p: at - self.began for p, at in self.delivered_at.items()}}
 
     def miss(self, sender: str, failure: Failure | None, reason: str) -> None:
         """Go on without ``sender``'s contribution (its link failed, or it is too late), unless it is in already
@@ -377,6 +387,11 @@ class ButterflyAllReduce:
             await asyncio.gather(*sends, return_exceptions=True)
             for session in sessions:  # results handed to every sender
                 await _bounded(session.served.wait(), session.transfer)
+            arrivals: dict[str, float] = {}  # each sender's last piece, for the next rounds' deadlines
+            for session in sessions:
+                for sender, seconds in session.arrivals().items():
+                    arrivals[sender] = max(seconds, arrivals.get(sender, 0.0))
+            self.deadline.arrived(arrivals.values())
         except PayloadError as e:  # our own span could not be reduced (no valid contribution), or not received
             error = AllReduceError(f"{e!r}", Failure.MALFORMED)
         finally:
@@ -406,9 +421,12 @@ class ButterflyAllReduce:
         # Every link carries about one whole contribution each way and phase (ours out to the reducers, the others'
         # in to our spans; then the results), and the slices move at once, so their sizes add up. Pieces interleave
         # the phases: the last pieces of the contributions share a link with the results of the first ones, so the
-        # deadline by which every contribution must be in allows for both phases' bytes.
+        # deadline by which every contribution must be in allows for both phases' bytes. Our wait for those is what
+        # this peer measured (``TransferDeadline.expected``); our sends wait for their reducers' answers to the bound,
+        # as the reducers decide when they answer.
         volume = sum(part.max_payload_bytes(range(part.num_units)) for part in exchange.parts.values())
-        transfer = self.deadline.seconds(2 * volume, self.rates(group.peers))
+        rates = self.rates(group.peers)
+        transfer, answered = self.deadline.expected(2 * volume, rates), self.deadline.seconds(2 * volume, rates)
         deadline = time.monotonic() + transfer
         for slice_name, part in exchange.parts.items():
             holders, reducers = group.holders(slice_name), group.reducers(slice_name)
@@ -431,7 +449,7 @@ class ButterflyAllReduce:
             params += sum(part.numel(span) for span in spans)
             for peer, span in zip(reducers, spans):
                 if peer != self.me:
-                    route = _Route(group, slice_name, part, transfer)
+                    route = _Route(group, slice_name, part, answered)
                     sends += [(ours, peer, route, piece) for piece in pieces(part, span)]
         return _Plan(sessions, sends, dense, params)
 

@@ -14,11 +14,13 @@ A peer that is ready for round r sends the coordinator a join request and waits;
 closes the group when every live peer that works on round r from the same state with the same config
 (or announced that it fetches that state to join round r; and still renews its record and can be dialled:
 a crashed peer is not waited for) has joined, or
-``matchmaking_timeout`` after the first join that brings a contribution (a hub's does not: it joins as the round
-begins, ``roles.py``), and answers every waiting peer with the same ordered list. For the first third of that
-wait it also waits for peers still moving to round r (records at r - 1, or at r with another state: they catch
-up), since a round's all-reduce may come early in it (Streaming DiLoCo's first fragment syncs a step or two into
-the round). Neither side polls the DHT for it: a joiner
+a formation's wait after the first join that brings a contribution (a hub's does not: it joins as the round
+begins, ``roles.py``): the expected peers' published step times allow for it, within ``swarm.matchmaking_timeout``
+(``deadlines.formation_wait``). It answers every waiting peer with the same ordered list. For that wait it also
+waits for peers still moving to round r (records at r - 1, or at r with another state: they catch up), since a
+round's all-reduce may come early in it (Streaming DiLoCo's first fragment syncs a step or two into the round); it
+waited for them a third of a hand-set timeout, which a measured wait, a few seconds on a fast swarm, would leave too
+short for a catch-up. Neither side polls the DHT for it: a joiner
 uses the view it holds (``PeerDirectory.view``: taken since it moved to the round, or that of the group it
 follows), the coordinator looks up the records once as the first peer joins and then re-judges on events (a
 join, a heartbeat's lookup, a probe, the end of that grace), so the last join closes the group at once (it
@@ -84,6 +86,7 @@ from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import admit, contested, round_state
+from p2ploco.swarm.deadlines import formation_wait
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import Signer, group_statement, signed_by
 from p2ploco.swarm.group import FormationKey, Group, GroupBook, Member
@@ -101,7 +104,6 @@ BAN_MISSES = 4  # and after which it is banned: its record claims rounds it neve
 KEEP_ASKED_ROUNDS = 8  # rounds for which a coordinator remembers who asked to join (an overlapped peer asks ahead)
 KEEP_JOINS = 8  # this peer's latest joins it keeps, to ask again at the next coordinator if their group dies
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
-JOINER_GRACE = 1 / 3  # share of the matchmaking timeout a formation waits for peers that are still joining
 PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
 HUB_PATIENCE = 3600.0  # seconds a hub's join waits for a round's first contribution (a round may be long)
 NOBODY_ANSWERED = "alone"  # the group id of a group of one that no coordinator formed: none could be asked, or answered
@@ -123,7 +125,7 @@ def best_coordinator(candidates: set[str], round_index: int) -> str:
 class _Formation:
     key: FormationKey
     deadline: float
-    opened: float = field(default_factory=time.monotonic)
+    wait: float = 0.0  # how long it waits for the peers it expects after its first contribution (deadlines.py)
     members: dict[str, Member] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # members the closed formation left out, and why
     awaited: set[str] = field(default_factory=set)  # expected peers that had not joined at the last look
@@ -148,7 +150,8 @@ class Matchmaker:
         tokens a member's contribution may weigh (``Config.max_contribution_tokens``); ``signer``: signs the groups
         this peer forms; ``keys``: a peer's public key as its record names it (None: unknown), which the groups its
         coordinators hand out are checked with; ``dial_out``: this peer cannot be dialled
-        (``swarm/reachability.py``): it never coordinates, and reduces no span."""
+        (``swarm/reachability.py``): it never coordinates, and reduces no span. ``timeout``: the bound on a
+        formation's wait (``swarm.matchmaking_timeout``), which its join waits for at most."""
         self.p2p, self.directory, self.timeout, self.bans = p2p, directory, timeout, bans
         self.run_id, self.signer, self.keys = run_id, signer, keys
         self.stages, self.book, self.max_tokens, self.dial_out = stages, book, max_tokens, dial_out
@@ -233,7 +236,7 @@ class Matchmaker:
                     ) -> Group | None:
         """Ask coordinators in rendezvous order, less those in ``unreachable`` (coordinators tried in vain, and
         why), for a group of the sync ``name`` of ``round_index`` (``form_group``)."""
-        # The coordinator may wait `timeout` for others after the first contribution; a hub joins as the round
+        # The coordinator may wait up to `timeout` for others after the first contribution; a hub joins as the round
         # begins, and waits for that first contribution too
         deadline = time.monotonic() + self.timeout + 5.0 + (HUB_PATIENCE if self.hub else 0.0)
         hints: set[str] = set()
@@ -499,8 +502,8 @@ class Matchmaker:
             self._forming[key] = formation
             asyncio.get_running_loop().create_task(self._close_when_complete(formation))
         if member.tokens and not formation.contributed():  # the first contribution: the wait starts now
-            formation.deadline = min(formation.deadline, time.monotonic() + self.timeout)
-            formation.opened = time.monotonic()
+            formation.wait = self.formation_wait(round_index)
+            formation.deadline = min(formation.deadline, time.monotonic() + formation.wait)
         if sender not in formation.members:
             formation.members[sender], formation.joined = member, time.monotonic()
         formation.unreachable |= unreachable
@@ -514,6 +517,17 @@ class Matchmaker:
             return {"status": JoinStatus.LATE, "reason": f"no contribution to round {round_index} came to coordinator "
                                                          f"{self.me[-8:]} while its hubs waited"}
         return group_answer(outcome, self.following, member.follows)
+
+    def formation_wait(self, round_index: int) -> float:
+        """How long a formation of ``round_index`` waits after its first contribution (``deadlines.formation_wait``):
+        by the step times the records of this run's peers at that round or the one before publish (neither a banned
+        peer's nor one that sits rounds out: nobody waits for it), and this peer's own last round."""
+        me, banned = self.directory.me, self.bans.active(round_index)
+        peers = [r for p, r in self.directory.live.items()
+                 if p != self.me and r.fingerprint == me.fingerprint and r.round in (round_index - 1, round_index)
+                 and not r.sits_out and p not in banned]
+        return formation_wait(self.timeout, self.directory.interval, me.round_seconds,
+                              [r.step_seconds for r in peers if r.role != "hub"], [r.round_seconds for r in peers])
 
     async def _refusal(self, sender: str, key: FormationKey) -> str | None:
         """Why a join from ``sender`` for ``key`` is refused, if it is: a peer joins only rounds of this run's config,
@@ -547,8 +561,7 @@ class Matchmaker:
                     del self._forming[formation.key]
                     formation.closed.set_result(best)
                     return
-                joiners_welcome = time.monotonic() < formation.opened + JOINER_GRACE * self.timeout
-                chosen, runs_here = self._await_peers(formation, live, joiners_welcome)
+                chosen, runs_here = self._await_peers(formation, live)
                 if not formation.awaited and formation.contributed():
                     # A peer of this run still at an earlier round in this view may have moved to this one since
                     # the view was taken: before closing without it, one fresh look (none when all are in).
@@ -564,11 +577,8 @@ class Matchmaker:
                     alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
                                                    for p in probes))
                     formation.dead.update(p for p, ok in zip(probes, alive) if not ok)
-                # Woken by a join, a heartbeat's lookup, the next probe, the end of the joiners' grace or the
-                # deadline: no polling of the DHT.
+                # Woken by a join, a heartbeat's lookup, the next probe or the deadline: no polling of the DHT.
                 wake = min(probed + PROBE_EVERY, formation.deadline)
-                if joiners_welcome:
-                    wake = min(wake, formation.opened + JOINER_GRACE * self.timeout)
                 try:
                     await asyncio.wait_for(formation.changed.wait(), max(0.0, wake - time.monotonic()))
                 except TimeoutError:
@@ -578,8 +588,7 @@ class Matchmaker:
             if not formation.closed.done():
                 self._close(formation, chosen)
 
-    def _await_peers(self, formation: _Formation, live: dict[str, PeerRecord], joiners_welcome: bool
-                     ) -> tuple[dict[str, str], set[str]]:
+    def _await_peers(self, formation: _Formation, live: dict[str, PeerRecord]) -> tuple[dict[str, str], set[str]]:
         """Who the formation waits for now, by the records in ``live`` (``formation.awaited``, and every peer it
         ever waited for in ``formation.waited_for``); the hash of each slice most records show at this round and
         the peers of this run that may join it."""
@@ -598,13 +607,13 @@ class Matchmaker:
         claim = {p for p in runs_here if live[p].round == round_index and live[p].slices
                  and all(chosen.get(k) == v for k, v in live[p].slices.items())}
         expected = {p for p in claim if self._missed[p] < STRAGGLER_MISSES}
-        # Peers moving to this round are awaited like joiners, for the joiners' grace only: one still finishing the
+        # Peers moving to this round are awaited like joiners, for the formation's wait: one still finishing the
         # previous round, and one at this round that holds another state (it was left out of the last round and
         # fetches the swarm's state now). A round's all-reduce need not come at its end: Streaming DiLoCo syncs its
         # first fragment a step or two into the round, and a peer a step behind (or catching up, every round anew)
         # would miss it every time.
         moving = {p for p in runs_here if live[p].round == round_index - 1
-                  or (live[p].round == round_index and p not in expected)} if joiners_welcome else set()
+                  or (live[p].round == round_index and p not in expected)}
         formation.awaited = (expected | moving) - formation.dead - set(formation.members)
         formation.waited_for |= formation.awaited | (claim - expected)  # a straggler still misses this round
         return chosen, runs_here
@@ -615,7 +624,7 @@ class Matchmaker:
         round_index, name = formation.key[0], formation.key[1]
         members, formation.refused = admit(formation.members, self.stages, chosen)
         left_out = dict(formation.refused)
-        left_out.update((p, f"it did not join within {self.timeout:.0f} s") for p in formation.awaited)
+        left_out.update((p, f"it did not join within {formation.wait:.0f} s") for p in formation.awaited)
         left_out.update((p, "it could not be reached") for p in formation.dead - set(members))
         self._count_misses(formation, round_index)
         if left_out:  # every member logs it at WARNING, with the coordinator's name

@@ -98,6 +98,11 @@ class Swarm:
                 if p != self.peer_id and (p in partners or not partners) and r.fingerprint == directory.me.fingerprint
                 and not r.sits_out and directory.current(p) and not self.bans.banned(p, directory.me.round)]
 
+    def formation_wait(self, round_index: int) -> float:
+        """How long a formation of ``round_index`` waits after its first contribution, as this peer would judge it now
+        (``Matchmaker.formation_wait``; a coordinator judges by the same rule). Read between rounds: no lookup."""
+        return self.communicator.matchmaker.formation_wait(round_index)
+
     def take_dht_bytes(self) -> tuple[int, int]:
         """Bytes of peer records this peer stored in and read from the DHT (sent, received) since the last call
         (``PeerDirectory.dht_bytes``: application payload, not hivemind's routing)."""
