@@ -46,8 +46,7 @@ class CatchUp:
         ``first``: this node has trained no round yet. Returns where this node stands then: the round to train, how
         it came by its state, and whether that state is still doubtful."""
         swarm, slices, round_index = self.swarm, schedule.worker.slice_digest, standing.round
-        s = self.config.swarm
-        deadline = time.monotonic() + s.matchmaking_timeout + 3 * s.allreduce_timeout
+        deadline = time.monotonic() + swarm.round_wait()
         if standing.unsettled is not None:
             # Our state, to compare, served as the record claims it: a replica alone in the swarm waited here ~14 s a
             # round while its record named a round it did not serve yet, and newcomers that probed it never followed it

@@ -463,7 +463,7 @@ class Node:
             standing = standing.after(record)
             if standing.unsettled is not None:  # settling publishes our next round: only once a round in flight
                 # has its group, whose formation reads our record
-                schedule.settle(c.swarm.matchmaking_timeout + c.swarm.allreduce_timeout)
+                schedule.settle(swarm.round_wait())
             if c.training.checkpoint_every and standing.round % c.training.checkpoint_every == 0:
                 try:  # a sharded replica's checkpoint gathers its ranks' shards
                     files.save(schedule.checkpoint(standing.round, role.checkpoint_extras()))

@@ -214,9 +214,10 @@ class StageRole(Role):
     def _all_in(self, peers: tuple[str, ...], round_index: int, meets: Callable[[str], bool],
                 stopping: threading.Event, waiting: Callable[[], None] | None = None) -> bool:
         """Whether every other stage of the group ``peers`` comes to be in ``round_index`` in a state that ``meets``
-        asks, within a matchmaking timeout (``waiting`` is announced once, if this stage has to wait for them). False
-        at once if the group changes, or a stage is in a later round (the group meets where ``round_of_group`` says)."""
-        deadline = time.monotonic() + self.config.swarm.matchmaking_timeout
+        asks, within the wait for a round to end (``Swarm.round_wait``; ``waiting`` is announced once, if this stage
+        has to wait for them). False at once if the group changes, or a stage is in a later round (the group meets
+        where ``round_of_group`` says)."""
+        deadline = time.monotonic() + self.swarm.round_wait()
         while not stopping.is_set() and time.monotonic() < deadline:
             peers_now, mates = self._group()
             if peers_now != peers:

@@ -17,8 +17,11 @@ from p2ploco.swarm.deadlines import (
     ARRIVAL_STEPS,
     ARRIVALS,
     MIN_ALLOWANCE,
+    ROUND_WAITS,
     TransferDeadline,
     formation_wait,
+    round_bound,
+    round_wait,
 )
 from p2ploco.swarm.records import PeerState
 from p2ploco.testing.communicator import InProcessGroup
@@ -200,3 +203,14 @@ def test_the_same_link_is_dropped_when_the_deadline_ignores_the_payload(monkeypa
     _, _, stats, slow = run_round_with_a_slow_link(1e6, "slow-dropped", monkeypatch)
     assert not stats[0].committed and stats[0].excluded  # the slow peer (first in peer order) is out
     assert all(s.committed and slow in s.dropped for s in stats[1:])
+
+
+def test_a_round_s_end_is_awaited_for_the_bound_until_rounds_are_stated_then_three_of_them_and_a_liar_moves_none():
+    bound = round_bound(matchmaking_timeout=300, allreduce_timeout=300)
+    assert bound == 1200 and round_wait(bound, heartbeat=1.0, rounds=[0.0, 0.0]) == bound
+    # a slack (two heartbeats, MIN_ALLOWANCE at least) and ROUND_WAITS rounds of the run
+    assert round_wait(bound, heartbeat=1.0, rounds=[2.0, 2.0, 0.0]) == MIN_ALLOWANCE + ROUND_WAITS * 2.0
+    assert round_wait(bound, heartbeat=10.0, rounds=[2.0]) == 20.0 + ROUND_WAITS * 2.0
+    # one key of three that states hour-long rounds moves nothing; as many as the honest ones move it to the bound
+    assert round_wait(bound, 1.0, [2.0, 2.0, 3600.0]) == MIN_ALLOWANCE + ROUND_WAITS * 2.0
+    assert round_wait(bound, 1.0, [2.0, 3600.0, 3600.0]) == bound

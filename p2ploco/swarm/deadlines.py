@@ -34,6 +34,13 @@ margin, within the bound:
   not finished a round yet (a joiner that coordinates) goes by the lower median of the rounds its peers' records
   state, which one key of three moves no more than the others; before anyone has (a run's first round), and never
   beyond it, ``swarm.matchmaking_timeout``.
+- **The end of a round under way** (``round_wait``: how long a joiner or a restarted peer waits for the swarm to
+  finish the round it is in before it catches up, and a peer whose round is unsettled for the others to settle it;
+  a stage, for its mates to come into the group's round) is a slack plus ROUND_WAITS times the round the run's peers
+  take, the lower median of the ``round_seconds`` their records state (this peer's own among them), within the
+  bound ``swarm.matchmaking_timeout + 3 * swarm.allreduce_timeout`` (a formation's wait, and a transfer each way
+  and a vote); the bound while no record states a round. A key that claims long rounds moves the lower median only
+  with as many others.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ MIN_ALLOWANCE = 5.0  # seconds: the least a transfer's allowance is (scheduling 
 ARRIVALS = 8  # recent all-reduces whose arrivals the allowance goes by
 ARRIVAL_STEPS = 2.0  # inner steps of the slowest expected peer a formation waits for after its first contribution
 LOOKUP_HEARTBEATS = 2.0  # heartbeats a formation waits on top of the steps: the records it reads are that old
+ROUND_WAITS = 3.0  # rounds of the run a peer waits for the round under way to end: the one it is in, and two late
 
 
 class TransferDeadline:
@@ -95,3 +103,17 @@ def formation_wait(bound: float, heartbeat: float, own_round: float, steps: Iter
     slowest = max((s if s > 0 else own_round for s in steps), default=0.0)
     slack = max(MIN_ALLOWANCE, LOOKUP_HEARTBEATS * heartbeat)
     return min(bound, slack + min(own_round, ARRIVAL_STEPS * slowest))
+
+
+def round_bound(matchmaking_timeout: float, allreduce_timeout: float) -> float:
+    """The longest a round under way may take to end, from the config's bounds: its formation, a transfer each way
+    and the vote."""
+    return matchmaking_timeout + 3 * allreduce_timeout
+
+
+def round_wait(bound: float, heartbeat: float, rounds: Iterable[float]) -> float:
+    """How long to wait for the round under way to end, given the round times the run's records state (0: none)."""
+    stated = [r for r in rounds if r > 0]
+    if not stated:
+        return bound
+    return min(bound, max(MIN_ALLOWANCE, LOOKUP_HEARTBEATS * heartbeat) + ROUND_WAITS * statistics.median_low(stated))

@@ -26,7 +26,7 @@ from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.commit import RoundCommit
 from p2ploco.swarm.communicator import SwarmCommunicator
 from p2ploco.swarm.consensus import SwarmState, ranked_states, settled
-from p2ploco.swarm.deadlines import TransferDeadline
+from p2ploco.swarm.deadlines import TransferDeadline, round_bound, round_wait
 from p2ploco.swarm.dht import start_dht_node, start_serving, visible_maddrs
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import Signer
@@ -102,6 +102,18 @@ class Swarm:
         """How long a formation of ``round_index`` waits after its first contribution, as this peer would judge it now
         (``Matchmaker.formation_wait``; a coordinator judges by the same rule). Read between rounds: no lookup."""
         return self.communicator.matchmaker.formation_wait(round_index)
+
+    def round_wait(self) -> float:
+        """How long to wait for the round under way to end (``deadlines.round_wait``), by the round times this run's
+        live records state (this peer's own among them; neither a banned peer's nor one that sits rounds out). Read
+        between rounds: no lookup."""
+        directory, c = self.directory, self.config
+        me = directory.me
+        rounds = [r.round_seconds for p, r in directory.live.items()
+                  if p != me.peer_id and r.fingerprint == me.fingerprint and not r.sits_out
+                  and not self.bans.banned(p, me.round)]
+        return round_wait(round_bound(c.matchmaking_timeout, c.allreduce_timeout), directory.interval,
+                          [*rounds, me.round_seconds])
 
     def take_dht_bytes(self) -> tuple[int, int]:
         """Bytes of peer records this peer stored in and read from the DHT (sent, received) since the last call
