@@ -33,7 +33,7 @@ from p2ploco.build import build_replica, build_stage
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler, TrainingData
 from p2ploco.errors import shown
-from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch, group_round, swarm_round
+from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch, group_round
 from p2ploco.pipeline.links import RemoteTransport, Schedule, StageLinks, StageLinkServer
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.ranks import LocalRanks
@@ -242,12 +242,12 @@ class StageRole(Role):
                            self._swarm_round(peers))
 
     def _swarm_round(self, peers: tuple[str, ...]) -> int:
-        """The round the run's trainers outside the group ``peers`` are in or catching up to (``groups.swarm_round``;
-        -1: none); not a standby stage's (another group's proposal)."""
+        """The furthest round a trainer of the run outside the group ``peers`` is in or catching up to (-1: none);
+        not a standby stage's (another group's proposal)."""
         fingerprint = self.swarm.directory.me.fingerprint
-        return swarm_round(r.round for r in self.swarm.directory.live.values()
-                           if r.peer_id not in peers and r.fingerprint == fingerprint
-                           and r.state in (*IN_ROUND, PeerState.JOINING))
+        return max((r.round for r in self.swarm.directory.live.values()
+                    if r.peer_id not in peers and r.fingerprint == fingerprint
+                    and r.state in (*IN_ROUND, PeerState.JOINING)), default=-1)
 
     def record_fields(self) -> dict[str, Any]:
         t = self.transport

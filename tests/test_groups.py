@@ -10,7 +10,6 @@ from p2ploco.pipeline.groups import (
     formation_epoch,
     group_round,
     holders,
-    swarm_round,
 )
 
 
@@ -66,15 +65,6 @@ def test_the_stages_of_a_group_meet_in_the_latest_round_any_of_them_proposed_ahe
     assert group_round([14], 14, swarm_round=14) == 14 + ASSEMBLY_LEAD
     # A mate's record that claims a round far ahead of everyone moves a stage ASSEMBLY_LEAD rounds a look, no faster.
     assert group_round([10**6], 7, swarm_round=7) == 7 + ASSEMBLY_LEAD == group_round([10**6], 7, swarm_round=-1)
-
-
-def test_one_record_that_names_a_far_round_does_not_move_the_swarm_s_round_groups_meet_past():
-    honest = [40, 40, 41]  # one trainer finished round 40 first
-    assert swarm_round(honest) == 40
-    # A lying record: with the furthest round, every group proposed 10**6 + 3 and waited there for good.
-    assert swarm_round([*honest, 10**6]) == 40 and group_round([12], 12, swarm_round([*honest, 10**6])) == 43
-    # Rounds as many records name as the rest do count: half the trainers a round on.
-    assert swarm_round([40, 41, 41]) == 41 and swarm_round([7]) == 7 and swarm_round([]) == -1
 
 
 def looks_until_met(rule: Callable[[list[int], int, int], int], looks: int = 40) -> int | None:

@@ -96,19 +96,9 @@ def choose_slot(claims: Iterable[Claim], me: str, stages: int, group: str | None
     return next(f"g{n}" for n in range(len(groups) + 1) if f"g{n}" not in groups), stage if stage is not None else 0
 
 
-def swarm_round(trainers: Iterable[int]) -> int:
-    """The round the swarm's trainers are in, from the rounds their records name (-1: none): the lower median. A
-    trainer that finished the round first is a round ahead of the rest for a moment (the group meets
-    ``ASSEMBLY_LEAD`` rounds past this one, which covers it), and a record that names a round far ahead of everyone
-    moves it only where as many others name that round too: with the furthest round, one lying record sent every
-    pipeline group to wait for a round the swarm would never reach."""
-    rounds = sorted(trainers)
-    return rounds[(len(rounds) - 1) // 2] if rounds else -1
-
-
 def group_round(mates: Iterable[int], round_index: int, swarm_round: int) -> int:
     """The round a stage at ``round_index`` meets its group in, given the rounds its group's other stages are in and
-    the round the run's trainers outside its group are in (``swarm_round``, above; -1: none): the latest of the
+    the furthest round a trainer of the run outside its group is in (``swarm_round``; -1: none): the latest of the
     stages' rounds while the swarm has not reached it, else a new proposal ``ASSEMBLY_LEAD`` rounds past the swarm's.
     A mate's record that claims a round far ahead of everyone moves a stage ``ASSEMBLY_LEAD`` rounds a look, no
     faster."""
