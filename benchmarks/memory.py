@@ -13,8 +13,9 @@ VmRSS, and VmHWM, the kernel's own peak, which a peak between two samples raises
 node's child process ``p2pd``), and puts the sample in the phase the node is in by what it has printed (and,
 for a periodic checkpoint, written):
 
-- ``start-up``: from its start to "starting" (a joiner: to "fetching the state");
-- ``catching up``: a joiner from "fetching the state" to "caught up to round";
+- ``start-up``: from its start to "starting" (a joiner: to its catch-up line, "...; fetching the state" or "...;
+  fetching N rounds' updates": a joiner whose state is the run's first can catch up by the rounds' updates);
+- ``catching up``: a joiner from that line to "caught up to round";
 - ``serving state``: a trainer while a joiner catches up from it;
 - ``rounds``: training rounds;
 - ``checkpoint``: from the round line of a round that ends with a periodic checkpoint to the checkpoint's list
@@ -51,7 +52,7 @@ SIZES = {  # the 21.4M setting of issues 12 and 20 (benchmarks/utilisation.py), 
 }
 PHASES = ("start-up", "catching up", "serving state", "rounds", "checkpoint", "exit")
 ROUND_LINE = re.compile(r"\] round +(\d+) \|")
-FETCHING = re.compile(r"fetching the state")
+FETCHING = re.compile(r"\(this peer: \d+\); fetching ")
 CAUGHT_UP = re.compile(r"caught up to round|could not catch up")
 STARTED = re.compile(r"starting$|caught up to round")
 
