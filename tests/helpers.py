@@ -14,10 +14,12 @@ from p2ploco import PROTOCOL_VERSION
 from p2ploco.collective.dense import DenseMean
 from p2ploco.config import Config, OuterConfig, SwarmConfig, load_config
 from p2ploco.data import ShardSampler
+from p2ploco.metrics import state_digest
 from p2ploco.outer import build_outer
 from p2ploco.swarm.identity import new_key_file
 from p2ploco.swarm.matchmaker import best_coordinator
 from p2ploco.swarm.runtime import Swarm
+from p2ploco.swarm.state import Snapshot
 from p2ploco.testing.communicator import InProcessGroup
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -111,3 +113,18 @@ def in_process_mean(tensor_lists: list[list[torch.Tensor]]) -> list[torch.Tensor
         list(pool.map(lambda rank: group.communicator(rank).all_reduce(exchanges[rank], 0, "params"),
                       range(len(exchanges))))
     return exchanges[0].mean()
+
+
+def sparsely_moved(snapshot: Snapshot, round_index: int, seed: int, share: float = 0.01,
+                   scale: float = 0.01) -> Snapshot:
+    """``snapshot`` with ``share`` of the values of every parameter moved by noise of ``scale`` (new tensors, as an
+    outer step makes them), as the state of ``round_index``: what a round of SparseLoCo changes."""
+    generator = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, tensor in snapshot.params.items():
+        moved = tensor.clone()
+        flat = moved.view(-1)
+        at = torch.randperm(flat.numel(), generator=generator)[: max(1, int(flat.numel() * share))]
+        flat[at] += torch.randn(len(at), generator=generator) * scale
+        params[name] = moved
+    return Snapshot(round_index, snapshot.slice, params, snapshot.shared, state_digest(params, snapshot.shared))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from helpers import join_swarms
+from helpers import join_swarms, sparsely_moved
 
 from p2ploco.build import build_replica
 from p2ploco.catchup import CatchUp
@@ -112,20 +112,6 @@ def test_a_peer_waiting_for_its_unsettled_round_to_settle_serves_the_state_its_r
     finally:
         for swarm in swarms:
             swarm.leave()
-
-
-def sparsely_moved(snapshot: Snapshot, round_index: int, seed: int, share: float = 0.01) -> Snapshot:
-    """``snapshot`` with ``share`` of the values of every parameter moved (new tensors, as an outer step makes
-    them), as the state of ``round_index``: what a round of SparseLoCo changes."""
-    generator = torch.Generator().manual_seed(seed)
-    params = {}
-    for name, tensor in snapshot.params.items():
-        moved = tensor.clone()
-        flat = moved.view(-1)
-        at = torch.randperm(flat.numel(), generator=generator)[: max(1, int(flat.numel() * share))]
-        flat[at] += torch.randn(len(at), generator=generator) * 0.01
-        params[name] = moved
-    return Snapshot(round_index, snapshot.slice, params, snapshot.shared, state_digest(params, snapshot.shared))
 
 
 def sat_out(round_index: int) -> Standing:

@@ -5,6 +5,7 @@ algorithm, and refused when it is not an update of the slice. (Served, fetched a
 import numpy as np
 import pytest
 import torch
+from helpers import sparsely_moved
 from safetensors.torch import save as save_tensors
 
 from p2ploco.config import load_config
@@ -26,25 +27,11 @@ def bits(snapshot: Snapshot) -> dict[str, torch.Tensor]:
     return {name: t.view(torch.int32).clone() for name, t in named_tensors(snapshot).items()}
 
 
-def sparsely_moved(snapshot: Snapshot, round_index: int, seed: int, share: float) -> Snapshot:
-    """``snapshot`` with ``share`` of the values of every parameter moved (new tensors), as the state of
-    ``round_index``."""
-    generator = torch.Generator().manual_seed(seed)
-    params = {}
-    for name, tensor in snapshot.params.items():
-        moved = tensor.clone()
-        flat = moved.view(-1)
-        at = torch.randperm(flat.numel(), generator=generator)[: max(1, int(flat.numel() * share))]
-        flat[at] += torch.randn(len(at), generator=generator)
-        params[name] = moved
-    return Snapshot(round_index, snapshot.slice, params, snapshot.shared, state_digest(params, snapshot.shared))
-
-
 def states(count: int, share: float, size: int = 10_000) -> list[Snapshot]:
     first = {"w": torch.randn(size, generator=torch.Generator().manual_seed(1)), "b": torch.zeros(3)}
     chain = [Snapshot(0, S, first, {}, state_digest(first, {}))]
     for r in range(1, count):
-        chain.append(sparsely_moved(chain[-1], r, r, share))
+        chain.append(sparsely_moved(chain[-1], r, r, share, scale=1.0))
     return chain
 
 
@@ -98,7 +85,7 @@ def test_the_keeper_keeps_the_newest_updates_within_a_quarter_of_the_state_and_n
     assert kept == list(range(kept[0], 19)) and sum(sizes) <= bound < sum(sizes) + sizes[0]
     update = keeper.find(S, chain[18].state_digest)
     assert (update.round, update.base, update.state_digest) == (18, chain[18].state_digest, chain[19].state_digest)
-    dense = sparsely_moved(chain[-1], 20, 99, 1.0)
+    dense = sparsely_moved(chain[-1], 20, 99, 1.0, scale=1.0)
     keeper.keep([dense])
     assert keeper.find(S, chain[-1].state_digest) is None and keeper.find(S, chain[18].state_digest) is not None
 
