@@ -36,7 +36,7 @@ from safetensors import SafetensorError
 
 from p2ploco.errors import CheckpointError
 from p2ploco.metrics import params_sha256
-from p2ploco.tensorfile import TensorWriter, file_sha256
+from p2ploco.tensorfile import Deferred, TensorWriter, file_sha256
 from p2ploco.tensorfile import read as read_tensors
 
 FORMAT = 2  # 1 (still read): the pointer named one checkpoint, its fields at the top level
@@ -50,7 +50,8 @@ class Checkpoint:
     round: int  # the next round to train
     params: dict[str, torch.Tensor]  # the global parameters
     shared: dict[str, torch.Tensor]  # outer state all peers hold alike (DiLoCo momentum)
-    local: dict[str, torch.Tensor]  # this peer's own state (error feedback, inner optimizer)
+    # this peer's own state (error feedback, inner optimizer); a tensor kept in another layout is made when written
+    local: dict[str, torch.Tensor | Deferred]
     extras: dict[str, Any] = field(default_factory=dict)  # JSON-able odds and ends (optimizer settings)
 
 
@@ -84,7 +85,7 @@ class _Saving:
             raise
 
     def write_local(self) -> None:
-        """Write the local section, and let its tensors go (copies, some of them: the rest is written later)."""
+        """Write the local section (its deferred tensors made one at a time), and let its tensors go."""
         try:
             self.writer.write(len(self.checkpoint.local))
         except BaseException:

@@ -6,7 +6,9 @@ tensor's bytes go straight from its storage to the file (and to the file's sha25
 the file in chunks and takes each tensor from it alone. The layout is safetensors' own (an 8-byte little-endian
 header length; the header, compact JSON padded with spaces to 8 bytes; the tensors' bytes in the header's order),
 so any safetensors reader reads these files, and for float32 tensors listed by sorted name the bytes are those
-``save`` writes (a state blob, ``swarm/state.py``, is served so).
+``save`` writes (a state blob, ``swarm/state.py``, is served so). A tensor kept in another layout than the one
+written (SparseLoCo's error feedback, in chunk order) is a ``Deferred``: converted when its turn comes, so that one
+tensor's copy exists at a time, never the whole state's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
@@ -25,6 +28,20 @@ DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
 READ_CHUNK = 8 << 20  # bytes hashed at a time when a file is checked
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor of ``shape`` and ``dtype`` that ``make`` builds (a fresh tensor each call) when it is written."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+
+def made(tensor: torch.Tensor | Deferred) -> torch.Tensor:
+    """``tensor``, or the tensor it defers."""
+    return tensor.make() if isinstance(tensor, Deferred) else tensor
 
 
 def header(entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
@@ -47,9 +64,9 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
 class TensorWriter:
     """Writes one safetensors file of ``tensors`` (name -> tensor, in file order) to ``file``, its header first,
     then each tensor as ``write`` is called for it (in the same order), hashing all of it on the way: a tensor is
-    copied only to move it off an accelerator or to make it contiguous, one at a time."""
+    copied only to move it off an accelerator or to make it contiguous (or made, if ``Deferred``), one at a time."""
 
-    def __init__(self, file: BinaryIO, tensors: Iterable[tuple[str, torch.Tensor]]):
+    def __init__(self, file: BinaryIO, tensors: Iterable[tuple[str, torch.Tensor | Deferred]]):
         self.file, self.sha256 = file, hashlib.sha256()
         self.pending = list(tensors)
         self._put(header([(name, t.dtype, tuple(t.shape)) for name, t in self.pending]))
@@ -62,7 +79,7 @@ class TensorWriter:
         """Write the next ``count`` tensors (None: all that are left)."""
         count = len(self.pending) if count is None else count
         for _, tensor in self.pending[:count]:
-            self._put(raw_bytes(tensor.detach().to("cpu").contiguous()))
+            self._put(raw_bytes(made(tensor).detach().to("cpu").contiguous()))
         del self.pending[:count]
 
 

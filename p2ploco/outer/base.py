@@ -20,6 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -28,6 +29,7 @@ from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange,
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import TrainingError
+from p2ploco.tensorfile import Deferred
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -202,10 +204,13 @@ class OuterAlgorithm(ABC):
     def give_back(self, outer_sync: OuterSync) -> None:  # noqa: B027 (most algorithms take nothing)
         """Undo what ``contribute`` took from local state: the round was not applied."""
 
-    def local_state_with(self, in_flight: OuterSync | None) -> dict[str, torch.Tensor]:
+    def local_state_with(self, in_flight: OuterSync | None) -> dict[str, Deferred]:
         """``local_state`` as it would be if ``in_flight`` (a round not taken yet) were not applied: what a
-        checkpoint taken during an overlapped round holds next to the global params that round has not moved."""
-        return self.local_state()
+        checkpoint taken during an overlapped round holds next to the global params that round has not moved. Each
+        tensor is a copy on the CPU made when it is written (``tensorfile.Deferred``), of the state as it is then:
+        one tensor's copy at a time."""
+        return {key: Deferred(tuple(tensor.shape), tensor.dtype, partial(tensor.detach().to, CPU, copy=True))
+                for key, tensor in self.local_state().items()}
 
     def unapplied_work(self, in_flight: OuterSync | None = None) -> tuple[list[torch.Tensor] | None, int]:
         """Work trained here that no aggregate has applied, as a checkpoint holds it: the carry (None: none, or the
