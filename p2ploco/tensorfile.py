@@ -13,6 +13,7 @@ tensor's copy exists at a time, never the whole state's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -27,6 +28,7 @@ from safetensors import safe_open
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
+DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 READ_CHUNK = 8 << 20  # bytes hashed at a time when a file is checked
 
 
@@ -92,8 +94,25 @@ def file_sha256(path) -> str:
     return digest.hexdigest()
 
 
-def read(path) -> dict[str, torch.Tensor]:
-    """The tensors of the safetensors file at ``path``, each read from it alone. What safetensors raises on a
-    file that is not one (SafetensorError, ValueError, ...) goes to the caller."""
+def read(path, deferred: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor | Deferred]:
+    """The tensors of the safetensors file at ``path``, each read from it alone; those ``deferred`` names are read
+    when made (``Deferred``: the file is opened again for each, so that none of it stays mapped), the rest now. What
+    safetensors raises on a file that is not one (SafetensorError, ValueError, ...) goes to the caller; a deferred
+    tensor's read, to whoever makes it."""
     with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no mapping)
+        tensors: dict[str, torch.Tensor | Deferred] = {}
+        for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+            if deferred(name):
+                described = f.get_slice(name)
+                dtype = DTYPE_OF.get(described.get_dtype())
+                if dtype is None:
+                    raise ValueError(f"tensor {name!r} has a dtype this reader does not take: {described.get_dtype()}")
+                tensors[name] = Deferred(tuple(described.get_shape()), dtype, functools.partial(_read_one, path, name))
+            else:
+                tensors[name] = f.get_tensor(name)
+        return tensors
+
+
+def _read_one(path, name: str) -> torch.Tensor:
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(name)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.config import Config
@@ -249,13 +250,15 @@ class Worker:
             with self.lock:
                 self.outer.load_params([saved.params[name] for name in self.names])
                 self.outer.load_shared_state(saved.shared)
-                self.outer.load_local_state({k[6:]: made(v) for k, v in saved.local.items() if k.startswith("outer/")})
-                carry = ([saved.local[f"carry/{name}"] for name in self.names]
+                self.outer.load_local_state({k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
+                carry = ([made(saved.local[f"carry/{name}"]) for name in self.names]
                          if any(k.startswith("carry/") for k in saved.local) else None)
                 self.outer.load_unapplied_work(carry, saved.extras.get("unapplied_tokens", 0))
-            self.inner.load_optimizer_state({k[6:]: v for k, v in saved.local.items() if k.startswith("inner/")},
+            self.inner.load_optimizer_state({k[6:]: made(v) for k, v in saved.local.items() if k.startswith("inner/")},
                                             saved.extras["inner"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"the checkpoint in {where} does not fit this model and algorithm ({e})") from None
+        except (OSError, SafetensorError) as e:  # its local section is read as it is taken (``checkpoint.load``)
+            raise CheckpointError(f"the checkpoint in {where} could not be read any more ({e}); resume again") from None
         self.refresh_published()
         self.load_into_model()

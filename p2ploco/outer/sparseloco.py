@@ -43,7 +43,7 @@ from p2ploco.outer.base import (
     check_state,
     finite_update,
 )
-from p2ploco.tensorfile import Deferred
+from p2ploco.tensorfile import Deferred, made
 
 
 @dataclass
@@ -169,14 +169,14 @@ class SparseLoCo(OuterAlgorithm):
         grid.tiles(error).copy_(buffer.view(grid.tile_shape))
         return error
 
-    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_local_state(self, state: Mapping[str, torch.Tensor | Deferred]) -> None:
         """The buffers of a checkpoint. A reducer's buffer, which checkpoints written before reducers kept none hold
         (``reducer_error.*``: a residual of results), is dropped."""
         check_state({f"error.{i}": torch.empty(grid.shape, device="meta") for i, grid in enumerate(self.grids)},
                     {k: v for k, v in state.items() if not k.startswith("reducer_error.")})
         self.reset_local_state()
         for i, grid in enumerate(self.grids):
-            self.feedback[i].view(grid.tile_shape).copy_(grid.tiles(state[f"error.{i}"]))
+            self.feedback[i].view(grid.tile_shape).copy_(grid.tiles(made(state[f"error.{i}"])))
 
     def reset_local_state(self) -> None:
         for buffer in self.feedback:
