@@ -242,6 +242,8 @@ class Worker:
             return make()
 
     def restore(self, saved: Checkpoint, where: Path) -> None:
+        """Continue from ``saved``. The optimizer's moments (8 bytes a parameter, read from the file as they are taken)
+        are taken last, once the state this worker started with is let go."""
         shapes = {name: tuple(p.shape) for name, p in zip(self.names, self.outer.params)}
         if {name: tuple(t.shape) for name, t in saved.params.items()} != shapes:
             raise CheckpointError(f"the checkpoint in {where} does not fit this model (parameter names or shapes "
@@ -254,11 +256,11 @@ class Worker:
                 carry = ([made(saved.local[f"carry/{name}"]) for name in self.names]
                          if any(k.startswith("carry/") for k in saved.local) else None)
                 self.outer.load_unapplied_work(carry, saved.extras.get("unapplied_tokens", 0))
+            self.refresh_published()
+            self.load_into_model()
             self.inner.load_optimizer_state({k[6:]: made(v) for k, v in saved.local.items() if k.startswith("inner/")},
                                             saved.extras["inner"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"the checkpoint in {where} does not fit this model and algorithm ({e})") from None
         except (OSError, SafetensorError) as e:  # its local section is read as it is taken (``checkpoint.load``)
             raise CheckpointError(f"the checkpoint in {where} could not be read any more ({e}); resume again") from None
-        self.refresh_published()
-        self.load_into_model()
