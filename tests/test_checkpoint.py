@@ -4,8 +4,10 @@ import json
 
 import pytest
 import torch
+from helpers import CPU, sampler, small_config
 
 from p2ploco import checkpoint
+from p2ploco.build import build_replica
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.errors import CheckpointError
 from p2ploco.tensorfile import Deferred, made
@@ -140,3 +142,14 @@ def test_tensors_that_do_not_match_their_hash_are_refused(tmp_path):
     _edit_pointer(tmp_path, params_sha256="0" * 64)
     with pytest.raises(CheckpointError, match="do not match their hash"):
         checkpoint.load(tmp_path, "run", "fp")
+
+
+def test_a_checkpoint_whose_file_goes_before_the_node_takes_its_local_state_says_so(tmp_path):
+    """A load leaves the local section in the file until the worker takes it: a file gone meanwhile is one line."""
+    config = small_config("outer.algorithm=sparseloco")
+    worker = build_replica(config, CPU, sampler(config))
+    checkpoint.save(tmp_path, worker.checkpoint(1), "run", "fp")
+    loaded = checkpoint.load(tmp_path, "run", "fp")
+    (tmp_path / "state-1.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="could not be read any more"):
+        build_replica(config, CPU, sampler(config)).restore(loaded, tmp_path)
