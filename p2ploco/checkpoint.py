@@ -256,7 +256,7 @@ def _verified(directory: Path, entry: dict[str, Any]) -> Checkpoint:
         tensors = read_tensors(directory / name, deferred=lambda key: key.startswith("local/"))
     except (SafetensorError, ValueError, TypeError, OverflowError, OSError) as e:  # what safetensors raises on garbage
         raise CheckpointError(f"checkpoint file {directory / name} is corrupt ({e})") from None
-    sections: dict[str, dict[str, torch.Tensor]] = {s: {} for s in SECTIONS}
+    sections: dict[str, dict[str, torch.Tensor | Deferred]] = {s: {} for s in SECTIONS}
     for key, tensor in tensors.items():
         section, _, tensor_name = key.partition("/")
         if section not in sections:

@@ -8,7 +8,8 @@ header length; the header, compact JSON padded with spaces to 8 bytes; the tenso
 so any safetensors reader reads these files, and for float32 tensors listed by sorted name the bytes are those
 ``save`` writes (a state blob, ``swarm/state.py``, is served so). A tensor kept in another layout than the one
 written (SparseLoCo's error feedback, in chunk order) is a ``Deferred``: converted when its turn comes, so that one
-tensor's copy exists at a time, never the whole state's.
+tensor's copy exists at a time, never the whole state's; and a reader may leave tensors in the file as ``Deferred``
+ones, each read when it is taken (a checkpoint's local section, copied into live buffers one at a time).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ READ_CHUNK = 8 << 20  # bytes hashed at a time when a file is checked
 
 @dataclass(frozen=True)
 class Deferred:
-    """A tensor of ``shape`` and ``dtype`` that ``make`` builds (a fresh tensor each call) when it is written."""
+    """A tensor of ``shape`` and ``dtype`` that ``make`` builds (a fresh tensor each call) when it is written, or,
+    read from a file (``read``), when it is taken."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
