@@ -42,6 +42,10 @@ class Deferred:
     dtype: torch.dtype
     make: Callable[[], torch.Tensor]
 
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        """The tensor, made now: a deep copy of a checkpoint holds its state as of the copy, as one written does."""
+        return self.make()
+
 
 def made(tensor: torch.Tensor | Deferred) -> torch.Tensor:
     """``tensor``, or the tensor it defers."""

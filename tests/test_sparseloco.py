@@ -1,5 +1,6 @@
 """SparseLoCo: chunking, Top-k, 2-bit values, error feedback, and the aggregate against the paper's algorithm."""
 
+import copy
 import dataclasses
 import math
 
@@ -274,6 +275,8 @@ def test_a_checkpoints_error_feedback_is_each_buffer_as_if_the_round_in_flight_w
     applied = outer.local_state_with(None)
     assert not all(torch.equal(saved[k].make(), applied[k].make()) for k in saved)  # the round took something
     made = {k: d.make() for k, d in saved.items()}
+    copied = copy.deepcopy(saved)  # a deep copy holds the tensors, made as of the copy
+    assert all(torch.equal(copied[k], made[k]) for k in made)
     outer.give_back(sync)
     assert all(torch.equal(made[k], e) for k, e in outer.local_state().items())
     made["error.0"].add_(1.0)
