@@ -17,7 +17,10 @@ A checkpoint is written and read tensor by tensor (``tensorfile.py``): neither a
 whole, or a second copy of the state. A running node saves through ``BackgroundSaver``: the local state, which
 the next inner steps write in place, is written at once on the node's thread (the checkpoint is the state of that
 moment: at 150M, 1.8 GB into the page cache, about a second), and the global params and shared state, which are
-never written in place, are written and synced on a thread of its own while the next round trains.
+never written in place, are written and synced on a thread of its own while the next round trains. A load reads
+the params and shared state (which a node takes as they are) and leaves the local section in the file, each tensor
+a ``tensorfile.Deferred`` read when the node takes it: a node resuming never holds its error feedback twice, nor
+its optimizer's moments beside a model still being built.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from safetensors import SafetensorError
 
 from p2ploco.errors import CheckpointError
 from p2ploco.metrics import params_sha256
-from p2ploco.tensorfile import TensorWriter, file_sha256
+from p2ploco.tensorfile import Deferred, TensorWriter, file_sha256
 from p2ploco.tensorfile import read as read_tensors
 
 FORMAT = 2  # 1 (still read): the pointer named one checkpoint, its fields at the top level
@@ -50,7 +53,9 @@ class Checkpoint:
     round: int  # the next round to train
     params: dict[str, torch.Tensor]  # the global parameters
     shared: dict[str, torch.Tensor]  # outer state all peers hold alike (DiLoCo momentum)
-    local: dict[str, torch.Tensor]  # this peer's own state (error feedback, inner optimizer)
+    # this peer's own state (error feedback, inner optimizer); a Deferred one is made when written (a copy of live
+    # state in another layout) or taken (one read from a loaded checkpoint's file)
+    local: dict[str, torch.Tensor | Deferred]
     extras: dict[str, Any] = field(default_factory=dict)  # JSON-able odds and ends (optimizer settings)
 
 
@@ -84,7 +89,7 @@ class _Saving:
             raise
 
     def write_local(self) -> None:
-        """Write the local section, and let its tensors go (copies, some of them: the rest is written later)."""
+        """Write the local section (its deferred tensors made one at a time), and let its tensors go."""
         try:
             self.writer.write(len(self.checkpoint.local))
         except BaseException:
@@ -248,10 +253,10 @@ def _verified(directory: Path, entry: dict[str, Any]) -> Checkpoint:
     if sha256 != entry.get("sha256"):
         raise CheckpointError(f"checkpoint file {directory / name} is corrupt (checksum mismatch)")
     try:
-        tensors = read_tensors(directory / name)
+        tensors = read_tensors(directory / name, deferred=lambda key: key.startswith("local/"))
     except (SafetensorError, ValueError, TypeError, OverflowError, OSError) as e:  # what safetensors raises on garbage
         raise CheckpointError(f"checkpoint file {directory / name} is corrupt ({e})") from None
-    sections: dict[str, dict[str, torch.Tensor]] = {s: {} for s in SECTIONS}
+    sections: dict[str, dict[str, torch.Tensor | Deferred]] = {s: {} for s in SECTIONS}
     for key, tensor in tensors.items():
         section, _, tensor_name = key.partition("/")
         if section not in sections:

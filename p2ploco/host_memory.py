@@ -13,17 +13,16 @@ at 150M peaks at 37 (``benchmarks/memory.py`` measures it per phase; docs/design
 node serves is read range by range from the published tensors (``swarm/state.py``'s ``TensorBlob``), the round
 before it from the next one's tensors with what its sparse step changed put back (``PatchedBlob``); a joiner writes
 each checked range of its download into the tensors it then trains from; checkpoints are written and read tensor
-by tensor (``tensorfile.py``), the local state on the node's thread with no copy, the published state (never
-written in place) beside the next round. What is above the floor is an outer step's new global tensors (built out
-of place: 4 bytes), a checkpoint's copy of the error feedback in the parameters' shapes (4, taken under the
-worker's lock), and the process's own (torch, Python, the data: about half a gigabyte, 3 bytes a parameter at
-150M, a larger share of a small model).
+by tensor (``tensorfile.py``), the local state on the node's thread (the error feedback converted to the parameters'
+shapes one tensor at a time), the published state (never written in place) beside the next round. What is above
+the floor is an outer step's new global tensors (built out of place: 4 bytes), and the process's own (torch,
+Python, the data: about half a gigabyte, 3 bytes a parameter at 150M, a larger share of a small model).
 
 Beside an accelerator (CUDA), which holds the params, gradients, AdamW's moments and SparseLoCo's error feedback,
 the host holds the global copy and the outer state that is not on the device (DiLoCo's momentum): 4 to 8 bytes a
 parameter (``ACCELERATOR_HOST_BYTES_PER_PARAMETER`` counts 8), and at its peak, while an outer step builds the new
-global state out of place (4 more; with momentum, 8 more) or a checkpoint copies the error feedback to the host
-(4 more), about 12 to 16. Tensors moved off the device to be written are moved one at a time. So the global copy
+global state out of place (4 more; with momentum, 8 more), about 12 to 16. Tensors moved off the device to be
+written (the error feedback, AdamW's moments) are moved one at a time. So the global copy
 and its out-of-place step dominate a GPU node's host memory; by the code's reasoning, not measured (no device was
 lent when this was written).
 """

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.config import Config
@@ -41,6 +43,7 @@ from p2ploco.outer import build_outer
 from p2ploco.outer.base import OuterStep, OuterSync, split_key
 from p2ploco.slices import group_by_slice
 from p2ploco.swarm.state import Snapshot
+from p2ploco.tensorfile import Deferred, made
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class Worker:
         self.outer = build_outer(c.outer, list(model.parameters()), device, self.slices,
                                  c.max_contribution_tokens)
         # Held while the outer algorithm's local state changes (a contribution, a step taken, a round given back),
-        # which a round schedule may do on its background thread: a checkpoint reads that state whole.
+        # which a round schedule may do on its background thread: a checkpoint copies that state under it.
         self.lock = threading.Lock()
         self.published = self.state_of(self.outer.params, self.outer.shared_state())
         # Each slice's hash as the run's seed makes it: a state nobody trained (``consensus.ranked_states``)
@@ -214,15 +217,18 @@ class Worker:
                    in_flight: OuterSync | None = None) -> Checkpoint:
         """All this worker needs to continue, as of the published state; ``extras``: what its role adds (a stage's
         slot). A round ``in_flight`` (contributed, not taken) has not moved the published state: the local outer
-        state and the work no aggregate applied (``Outer.unapplied_work``) are saved as if it were not applied."""
+        state and the work no aggregate applied (``Outer.unapplied_work``) are saved as if it were not applied.
+
+        The local outer state (4 bytes a parameter) is not copied here: each of its tensors is a ``Deferred``, copied
+        under the lock when it is written, so that one tensor's copy exists at a time. Write the checkpoint's local
+        section before the next round starts (``BackgroundSaver.save`` does, before it returns): until then only the
+        training thread, which is writing it, changes that state (a schedule's background thread contributes a
+        round only once the training thread has handed it one, and the training thread takes its step)."""
         inner_tensors, inner_settings = self.inner.optimizer_state()
+        local: dict[str, torch.Tensor | Deferred] = {
+            f"outer/{key}": Deferred(deferred.shape, deferred.dtype, partial(self._locked, deferred.make))
+            for key, deferred in self.outer.local_state_with(in_flight).items()}
         with self.lock:
-            # Copied under the lock (a schedule's background thread may change it after), each source dropped once
-            # copied: where the algorithm hands out copies already (SparseLoCo's buffers in the parameters' shapes),
-            # two copies of the whole are never held at once.
-            outer_local, local = self.outer.local_state_with(in_flight), {}
-            for key in list(outer_local):
-                local[f"outer/{key}"] = outer_local.pop(key).detach().to("cpu", copy=True)
             carry, owed = self.outer.unapplied_work(in_flight)
             local.update({f"carry/{name}": c.detach().to("cpu", copy=True) for name, c in zip(self.names, carry or ())})
         local.update({f"inner/{k}": v for k, v in inner_tensors.items()})
@@ -231,7 +237,13 @@ class Worker:
                           {"inner": inner_settings, "slices": state.slice_digest, "unapplied_tokens": owed,
                            **(extras or {})})
 
+    def _locked(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with self.lock:
+            return make()
+
     def restore(self, saved: Checkpoint, where: Path) -> None:
+        """Continue from ``saved``. The optimizer's moments (8 bytes a parameter, read from the file as they are taken)
+        are taken last, once the state this worker started with is let go."""
         shapes = {name: tuple(p.shape) for name, p in zip(self.names, self.outer.params)}
         if {name: tuple(t.shape) for name, t in saved.params.items()} != shapes:
             raise CheckpointError(f"the checkpoint in {where} does not fit this model (parameter names or shapes "
@@ -241,12 +253,14 @@ class Worker:
                 self.outer.load_params([saved.params[name] for name in self.names])
                 self.outer.load_shared_state(saved.shared)
                 self.outer.load_local_state({k[6:]: v for k, v in saved.local.items() if k.startswith("outer/")})
-                carry = ([saved.local[f"carry/{name}"] for name in self.names]
+                carry = ([made(saved.local[f"carry/{name}"]) for name in self.names]
                          if any(k.startswith("carry/") for k in saved.local) else None)
                 self.outer.load_unapplied_work(carry, saved.extras.get("unapplied_tokens", 0))
-            self.inner.load_optimizer_state({k[6:]: v for k, v in saved.local.items() if k.startswith("inner/")},
+            self.refresh_published()
+            self.load_into_model()
+            self.inner.load_optimizer_state({k[6:]: made(v) for k, v in saved.local.items() if k.startswith("inner/")},
                                             saved.extras["inner"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"the checkpoint in {where} does not fit this model and algorithm ({e})") from None
-        self.refresh_published()
-        self.load_into_model()
+        except (OSError, SafetensorError) as e:  # its local section is read as it is taken (``checkpoint.load``)
+            raise CheckpointError(f"the checkpoint in {where} could not be read any more ({e}); resume again") from None

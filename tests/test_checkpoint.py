@@ -4,10 +4,13 @@ import json
 
 import pytest
 import torch
+from helpers import CPU, sampler, small_config
 
 from p2ploco import checkpoint
+from p2ploco.build import build_replica
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.errors import CheckpointError
+from p2ploco.tensorfile import Deferred, made
 
 
 def sample(round_index: int = 7) -> Checkpoint:
@@ -26,8 +29,10 @@ def test_round_trip(tmp_path):
     checkpoint.save(tmp_path, saved, "run", "fp")
     loaded = checkpoint.load(tmp_path, "run", "fp")
     assert loaded.round == 7 and loaded.extras == saved.extras
+    # the local section is read as the node takes it, each tensor alone (never all of it beside a model being built)
+    assert loaded.local and all(isinstance(t, Deferred) for t in loaded.local.values())
     for a, b in ((saved.params, loaded.params), (saved.shared, loaded.shared), (saved.local, loaded.local)):
-        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+        assert set(a) == set(b) and all(torch.equal(a[k], made(b[k])) for k in a)
 
 
 def test_a_directory_keeps_the_last_three_rounds_and_a_round_saved_again_replaces_its_own(tmp_path):
@@ -83,7 +88,7 @@ def test_a_background_save_holds_the_state_of_the_moment_it_was_asked_for(tmp_pa
         tensor.add_(1.0)
     saver.close()
     loaded = checkpoint.load(tmp_path, "run", "fp")
-    assert all(torch.equal(loaded.local[k], expected[k]) for k in expected)
+    assert all(torch.equal(made(loaded.local[k]), expected[k]) for k in expected)
     assert all(torch.equal(loaded.params[k], live.params[k]) for k in live.params)
 
 
@@ -137,3 +142,14 @@ def test_tensors_that_do_not_match_their_hash_are_refused(tmp_path):
     _edit_pointer(tmp_path, params_sha256="0" * 64)
     with pytest.raises(CheckpointError, match="do not match their hash"):
         checkpoint.load(tmp_path, "run", "fp")
+
+
+def test_a_checkpoint_whose_file_goes_before_the_node_takes_its_local_state_says_so(tmp_path):
+    """A load leaves the local section in the file until the worker takes it: a file gone meanwhile is one line."""
+    config = small_config("outer.algorithm=sparseloco")
+    worker = build_replica(config, CPU, sampler(config))
+    checkpoint.save(tmp_path, worker.checkpoint(1), "run", "fp")
+    loaded = checkpoint.load(tmp_path, "run", "fp")
+    (tmp_path / "state-1.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="could not be read any more"):
+        build_replica(config, CPU, sampler(config)).restore(loaded, tmp_path)

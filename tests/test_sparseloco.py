@@ -1,5 +1,6 @@
 """SparseLoCo: chunking, Top-k, 2-bit values, error feedback, and the aggregate against the paper's algorithm."""
 
+import copy
 import dataclasses
 import math
 
@@ -256,6 +257,30 @@ def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_fi
     assert part.encode(span) == fitted(2)[2].encode(span)
     outer.give_back(sync)
     assert all(torch.allclose(e, b, atol=1e-6) for e, b in zip(outer.errors, before))
+
+
+def test_a_checkpoints_error_feedback_is_each_buffer_as_if_the_round_in_flight_were_not_applied():
+    """What a checkpoint saves of the buffers while a round is in flight: each in its parameter's shape, with what
+    the round took put back, bit for bit the buffers a round not applied leaves; each made (a copy) when asked for,
+    so that writing them holds one buffer's copy at a time."""
+    generator = torch.Generator().manual_seed(5)
+    params = [torch.randn(s, generator=generator) for s in SHAPES]
+    outer = SparseLoCo(params, SparseLoCoConfig(), torch.device("cpu"))
+    for round_index in range(2):  # the second round's buffers hold what the first one left
+        sync = outer.contribute([p + 0.05 * torch.randn(p.shape, generator=generator) for p in params], round_index)
+        sync.exchange.parts["stage0"].fit_group(2)
+    saved = outer.local_state_with(sync)
+    assert {k: (tuple(d.shape), d.dtype) for k, d in saved.items()} == {
+        f"error.{i}": (s, torch.float32) for i, s in enumerate(SHAPES)}
+    applied = outer.local_state_with(None)
+    assert not all(torch.equal(saved[k].make(), applied[k].make()) for k in saved)  # the round took something
+    made = {k: d.make() for k, d in saved.items()}
+    copied = copy.deepcopy(saved)  # a deep copy holds the tensors, made as of the copy
+    assert all(torch.equal(copied[k], made[k]) for k in made)
+    outer.give_back(sync)
+    assert all(torch.equal(made[k], e) for k, e in outer.local_state().items())
+    made["error.0"].add_(1.0)
+    assert torch.equal(outer.local_state()["error.0"], saved["error.0"].make())  # a copy, not the live buffer
 
 
 @pytest.mark.parametrize("aggregate, result_topk", [("mean", 96), ("sum", 96), ("mean", 256), ("mean", 2)])

@@ -45,7 +45,7 @@ from p2ploco.collective import robust
 from p2ploco.collective.exchange import Exchange, Receipt, Span, contribution_digest, supersede
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.sparse_format import SparseLayout, SparseValues
-from p2ploco.compression.topk import CompressedTensor, choose, take_
+from p2ploco.compression.topk import CompressedTensor, choose
 from p2ploco.errors import PayloadError
 
 CPU = torch.device("cpu")
@@ -259,20 +259,20 @@ class SparseExchange(Exchange):
         (``ResultLayouts``) in 2 bits, exactly as a sender compresses (``compression/topk.py``), scaled down if the
         2-bit rounding made it longer than ``limit``, what the contributions allow (``robust.within``)."""
         layout = self.results.for_contributions(contributions)
-        buffers, choices = [], []
-        for s in layout.slices(span):
+        choices = []
+        for s in layout.slices(span):  # one tensor's dense rows at a time: what Top-k chose is all that is kept
             rows = torch.zeros(s.chunks, s.grid.chunk_numel)
             lo, hi = np.searchsorted(mean.positions, [s.offset, s.offset + s.chunks * s.grid.chunk_numel])
             rows.view(-1)[torch.from_numpy(mean.positions[lo:hi] - s.offset)] = torch.from_numpy(mean.values[lo:hi])
-            buffers.append((s, rows))
             choices.append(choose(rows.to(self.selecting), s.grid).to(CPU))
+            del rows
 
         def quantize(scale: float) -> tuple[np.ndarray, float]:
             decoded = [choice.scaled(scale).decode().reshape(-1).numpy() for choice in choices]
             return np.concatenate(decoded) if decoded else np.zeros(0, np.float32), scale
 
         scale = robust.within(limit, quantize)
-        parts = [take_(rows, choice, scale) for (_, rows), choice in zip(buffers, choices)]
+        parts = [choice.sent(scale) for choice in choices]
         return _Resparsified(fmt.encode_resparsified(layout, span, parts), fmt.resparsified_values(layout, span, parts))
 
     def _aggregate(self, span: Span, contributions: Sequence[SparseValues], factors: Sequence[float]

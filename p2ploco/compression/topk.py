@@ -71,6 +71,11 @@ class Choice:
         q = self.quantized
         return q if scale == 1.0 else Quantized(q.codes, q.shift * scale, q.table * scale)
 
+    def sent(self, scale: float = 1.0) -> CompressedTensor:
+        """What is sent of this choice, its values times ``scale`` (``take_`` sends it and takes it from the buffer;
+        a reducer, which keeps no buffer, only sends it)."""
+        return _compressed(self.grid, self.indices, self.scaled(scale))
+
 
 def compress_(buffer: torch.Tensor, grid: ChunkGrid) -> tuple[CompressedTensor, Taken]:
     """Top-k by magnitude of every row of a chunk-order float32 ``buffer`` (chunks, chunk_numel), 2-bit values;
@@ -87,9 +92,8 @@ def choose(buffer: torch.Tensor, grid: ChunkGrid) -> Choice:
 def take_(buffer: torch.Tensor, choice: Choice, scale: float = 1.0) -> CompressedTensor:
     """Send what ``choice`` chose of ``buffer``, its values times ``scale``: subtracted from the buffer in place as
     every receiver decodes them."""
-    quantized = choice.scaled(scale)
-    buffer.scatter_(1, choice.indices, choice.selected - quantized.decode())
-    return _compressed(choice.grid, choice.indices, quantized)
+    buffer.scatter_(1, choice.indices, choice.selected - choice.scaled(scale).decode())
+    return choice.sent(scale)
 
 
 def compress(tensor: torch.Tensor, grid: ChunkGrid) -> tuple[CompressedTensor, torch.Tensor]:

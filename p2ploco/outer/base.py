@@ -20,6 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -28,6 +29,7 @@ from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange,
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import TrainingError
+from p2ploco.tensorfile import Deferred, made
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -202,10 +204,13 @@ class OuterAlgorithm(ABC):
     def give_back(self, outer_sync: OuterSync) -> None:  # noqa: B027 (most algorithms take nothing)
         """Undo what ``contribute`` took from local state: the round was not applied."""
 
-    def local_state_with(self, in_flight: OuterSync | None) -> dict[str, torch.Tensor]:
+    def local_state_with(self, in_flight: OuterSync | None) -> dict[str, Deferred]:
         """``local_state`` as it would be if ``in_flight`` (a round not taken yet) were not applied: what a
-        checkpoint taken during an overlapped round holds next to the global params that round has not moved."""
-        return self.local_state()
+        checkpoint taken during an overlapped round holds next to the global params that round has not moved. Each
+        tensor is a copy on the CPU made when it is written (``tensorfile.Deferred``), of the state as it is then:
+        one tensor's copy at a time."""
+        return {key: Deferred(tuple(tensor.shape), tensor.dtype, partial(tensor.detach().to, CPU, copy=True))
+                for key, tensor in self.local_state().items()}
 
     def unapplied_work(self, in_flight: OuterSync | None = None) -> tuple[list[torch.Tensor] | None, int]:
         """Work trained here that no aggregate has applied, as a checkpoint holds it: the carry (None: none, or the
@@ -249,7 +254,9 @@ class OuterAlgorithm(ABC):
         algorithm keeps them in another layout (it then overrides the two methods below)."""
         return {}
 
-    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_local_state(self, state: Mapping[str, torch.Tensor | Deferred]) -> None:
+        """Take a checkpoint's local state (each ``Deferred`` tensor made as it is copied in: one at a time);
+        ValueError if it does not describe this algorithm's."""
         copy_state(self.local_state(), state)
 
     def reset_local_state(self) -> None:
@@ -315,14 +322,15 @@ def finite_update(updated: Iterable[torch.Tensor], round_index: int) -> bool:
     return False
 
 
-def check_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+def check_state(into: Mapping[str, torch.Tensor | Deferred], source: Mapping[str, torch.Tensor | Deferred]) -> None:
     """ValueError if ``source`` does not hold the same names and shapes as ``into``."""
-    if set(source) != set(into) or any(source[k].shape != into[k].shape for k in into):
+    if set(source) != set(into) or any(tuple(source[k].shape) != tuple(into[k].shape) for k in into):
         raise ValueError(f"state {sorted(source)[:3]}... does not fit {sorted(into)[:3]}...")
 
 
-def copy_state(into: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
-    """Copy ``source`` into the live tensors ``into``; ValueError if they do not describe the same state."""
+def copy_state(into: dict[str, torch.Tensor], source: Mapping[str, torch.Tensor | Deferred]) -> None:
+    """Copy ``source`` into the live tensors ``into`` (a ``Deferred`` made as its turn comes); ValueError if they
+    do not describe the same state."""
     check_state(into, source)
     for key, tensor in into.items():
-        tensor.copy_(source[key])
+        tensor.copy_(made(source[key]))

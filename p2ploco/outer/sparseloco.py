@@ -34,6 +34,7 @@ from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import CompressedTensor, Taken, compress_
 from p2ploco.config import SparseLoCoConfig
 from p2ploco.outer.base import (
+    CPU,
     Move,
     OuterAlgorithm,
     OuterStep,
@@ -42,6 +43,7 @@ from p2ploco.outer.base import (
     check_state,
     finite_update,
 )
+from p2ploco.tensorfile import Deferred, made
 
 
 @dataclass
@@ -151,21 +153,30 @@ class SparseLoCo(OuterAlgorithm):
         """The error-feedback buffers in the parameters' shapes, as checkpoints hold them (copies)."""
         return {f"error.{i}": error for i, error in enumerate(self.errors)}
 
-    def local_state_with(self, in_flight: OuterSync | None) -> dict[str, torch.Tensor]:
-        if in_flight is None:
-            return self.local_state()
-        buffers = [buffer.clone().scatter_(1, sent.indices, sent.values)
-                   for buffer, sent in zip(self.feedback, in_flight.taken)]
-        return {f"error.{i}": grid.from_chunks(buffer) for i, (grid, buffer) in enumerate(zip(self.grids, buffers))}
+    def local_state_with(self, in_flight: OuterSync | None) -> dict[str, Deferred]:
+        """Each buffer in its parameter's shape, on the CPU (what an ``in_flight`` round took given back), converted
+        when it is written: one buffer's copy at a time, where the whole set is 4 bytes a parameter."""
+        taken = in_flight.taken if in_flight is not None else [None] * len(self.grids)
+        return {f"error.{i}": Deferred(grid.shape, torch.float32, functools.partial(self._error, i, took))
+                for i, (grid, took) in enumerate(zip(self.grids, taken, strict=True))}
 
-    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+    def _error(self, i: int, taken: Taken | None) -> torch.Tensor:
+        """Buffer ``i`` in its parameter's shape on the CPU (a copy), with what ``taken`` took from it put back."""
+        grid, buffer = self.grids[i], self.feedback[i]
+        if taken is not None:
+            buffer = buffer.clone().scatter_(1, taken.indices, taken.values)
+        error = torch.empty(grid.shape, dtype=torch.float32, device=CPU)
+        grid.tiles(error).copy_(buffer.view(grid.tile_shape))
+        return error
+
+    def load_local_state(self, state: Mapping[str, torch.Tensor | Deferred]) -> None:
         """The buffers of a checkpoint. A reducer's buffer, which checkpoints written before reducers kept none hold
         (``reducer_error.*``: a residual of results), is dropped."""
         check_state({f"error.{i}": torch.empty(grid.shape, device="meta") for i, grid in enumerate(self.grids)},
                     {k: v for k, v in state.items() if not k.startswith("reducer_error.")})
         self.reset_local_state()
         for i, grid in enumerate(self.grids):
-            self.feedback[i].view(grid.tile_shape).copy_(grid.tiles(state[f"error.{i}"]))
+            self.feedback[i].view(grid.tile_shape).copy_(grid.tiles(made(state[f"error.{i}"])))
 
     def reset_local_state(self) -> None:
         for buffer in self.feedback:
