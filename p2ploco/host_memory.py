@@ -59,6 +59,21 @@ def keep_freed_memory() -> None:
     mallopt(M_ARENA_MAX, ARENAS)
 
 
+def give_back_freed() -> None:
+    """Hand the kernel the pages of this process's free heap memory (glibc's ``malloc_trim``, which returns free
+    pages inside the heap too, not only at its top). The thresholds above keep what a step frees for the next step;
+    at the two points of a round where a share of the model's size has just been let go (the inner steps' gradients
+    and activations, as the outer step begins; the all-reduce's buffers, before the diff of the new state:
+    ``Swarm.serve_state``) it would otherwise stay resident under the outer step's new tensors and that diff, at the
+    round's peak (150M: 33-34 bytes a parameter without, 31-32 with: ``benchmarks/memory.py``). The next inner step
+    faults in again what it needs. Where the C library is not glibc, nothing."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 def total_memory() -> int:
     """Bytes of this machine's physical memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

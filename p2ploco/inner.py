@@ -27,6 +27,7 @@ from p2ploco import faults
 from p2ploco.budget import RoundBudget, StepTimes
 from p2ploco.config import InnerConfig
 from p2ploco.data import Batch, ShardSampler
+from p2ploco.host_memory import give_back_freed
 
 
 @dataclass
@@ -245,6 +246,11 @@ class InnerTrainer:
             if between is not None:
                 between(h + 1)
             since = time.perf_counter()
+        # The gradients are let go until the next step makes them again, and the pages they and the steps'
+        # activations held go back to the kernel: the outer step that follows builds the new global state (4 bytes
+        # a parameter) beside the old one, in their place
+        self.optimizer.zero_grad(set_to_none=True)
+        give_back_freed()
         self.step_in_round = len(losses)
         loss = sum(losses) / len(losses) if losses else float("nan")  # none: a round that only contributes
         return InnerStats(loss, len(losses) * self.gradients.tokens_per_step, seconds, len(losses))

@@ -34,7 +34,7 @@ from p2ploco.dashboard.documents import ROUNDS_DOCUMENT, RUN_DOCUMENT, RoundsFee
 from p2ploco.dashboard.page import PAGE_PATH, page_routes
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
 from p2ploco.errors import ConfigError, PipelineError, SwarmError
-from p2ploco.host_memory import host_bytes_needed, keep_freed_memory, total_memory
+from p2ploco.host_memory import give_back_freed, host_bytes_needed, keep_freed_memory, total_memory
 from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.model import parameter_count
@@ -539,6 +539,7 @@ class Node:
         # The state the next round starts from, served now rather than as that round starts: the one before is then
         # served from its tensors (``swarm/state.py``, ``PatchedBlob``) and lets its own go before the eval and the
         # checkpoint, which would otherwise hold them beside the new ones
+        give_back_freed()  # what the outer step let go of (its exchange's buffers), before the diff of the new state
         presence.serve(round_index + 1)
         # Nothing landed (the first round in flight, or the one dropped by a catch-up): nothing applied either
         synced = outcome.comm or Synced(AllReduceResult([swarm.peer_id], committed=False), applied=False)
