@@ -29,6 +29,7 @@ from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange,
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import TrainingError
+from p2ploco.host_memory import give_back_freed
 from p2ploco.tensorfile import Deferred, made
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ class OuterAlgorithm(ABC):
         the same step, an overlapped replica's local params). A round not committed, or whose step would not be
         finite, changes no shared state; ``applied`` then says False."""
         result = outer_sync.all_reduce.wait()
+        give_back_freed()  # the all-reduce's buffers, before the step builds the new global state beside the old
         step = self.prepare(outer_sync) if result.committed else None
         self.take(outer_sync, step, follow)
         return Synced(result, step is not None)

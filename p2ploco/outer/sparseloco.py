@@ -138,12 +138,15 @@ class SparseLoCo(OuterAlgorithm):
         would make the global params non-finite."""
         alpha = self.config.lr
         where = [torch.from_numpy(index) for index, _ in updates]
-        steps = [torch.from_numpy(values).mul(alpha) for _, values in updates]
-        updated = [param.view(-1)[index] - step for param, index, step in zip(self.params, where, steps)]
-        if not finite_update(updated, round_index):
-            return None
+        # x * 1.0 == x exactly: in the default setting the aggregate's values are the step, with no copy of them
+        steps = [torch.from_numpy(values) if alpha == 1.0 else torch.from_numpy(values).mul(alpha)
+                 for _, values in updates]
         new_params = {}
-        for i, (param, index, values) in enumerate(zip(self.params, where, updated)):
+        for i, (param, index, step) in enumerate(zip(self.params, where, steps)):
+            # one tensor's new values at a time: a step that would not be finite is dropped before any is kept
+            values = param.view(-1)[index] - step
+            if not finite_update([values], round_index):
+                return None
             flat = param.view(-1).clone()
             flat[index] = values
             new_params[i] = flat.view(param.shape)
