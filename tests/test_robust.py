@@ -367,3 +367,22 @@ def test_a_peer_clipped_for_a_few_rounds_is_no_news_and_one_clipped_round_after_
                      f"norm) in each of the last 4 rounds: it moves the model more than the others every round (a "
                      f"far higher learning rate, or an attack); the clipping bounds it"
                      for peer in ("peer-a", "peer-b")]
+
+
+@pytest.mark.parametrize("overlap", ["some", "none", "all", "one empty"])
+def test_sparse_distance_and_cosine_are_those_of_the_dense_vectors(overlap):
+    """distance2 and cosine of sparse vectors (sorted unique positions, some shared) equal those of the same vectors
+    written out dense, whatever the positions share."""
+    rng = np.random.default_rng(3)
+    at_a = np.unique(rng.integers(0, 5000, 800))
+    at_b = {"some": np.unique(np.concatenate([at_a[::3], rng.integers(0, 5000, 600)])),
+            "none": np.setdiff1d(np.arange(5000), at_a)[:700],
+            "all": at_a.copy(),
+            "one empty": np.zeros(0, dtype=np.int64)}[overlap]
+    a = robust.Vector(rng.standard_normal(len(at_a)).astype(np.float32), at_a)
+    b = robust.Vector(rng.standard_normal(len(at_b)).astype(np.float32), at_b)
+    dense_a, dense_b = np.zeros(5000), np.zeros(5000)
+    dense_a[at_a], dense_b[at_b] = a.values, b.values
+    assert robust.distance2(a, b) == pytest.approx(float((dense_a - dense_b) @ (dense_a - dense_b)), rel=1e-12)
+    lengths = np.linalg.norm(dense_a) * np.linalg.norm(dense_b)
+    assert robust.cosine(a, b) == pytest.approx(float(dense_a @ dense_b) / lengths if lengths else 0.0, abs=1e-12)
