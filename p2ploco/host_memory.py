@@ -9,14 +9,17 @@ keeps what it freed instead: it needs the same memory again, in one heap for all
 
 **What a node holds, per parameter, in fp32.** On a CPU: 24 bytes at the least (``HOST_BYTES_PER_PARAMETER``: the
 model's params, their gradients, AdamW's two moments, the global copy, the outer algorithm's buffer); a whole run
-at 150M peaks at 37 (``benchmarks/memory.py`` measures it per phase; docs/design.md, "A node's memory"): the state a
-node serves is read range by range from the published tensors (``swarm/state.py``'s ``TensorBlob``), the round
+at 150M peaks at 31-32 (``benchmarks/memory.py`` measures it per phase; docs/design.md, "A node's memory"): the state
+a node serves is read range by range from the published tensors (``swarm/state.py``'s ``TensorBlob``), the round
 before it from the next one's tensors with what its sparse step changed put back (``PatchedBlob``); a joiner writes
 each checked range of its download into the tensors it then trains from; checkpoints are written and read tensor
 by tensor (``tensorfile.py``), the local state on the node's thread (the error feedback converted to the parameters'
-shapes one tensor at a time), the published state (never written in place) beside the next round. What is above
-the floor is an outer step's new global tensors (built out of place: 4 bytes), and the process's own (torch,
-Python, the data: about half a gigabyte, 3 bytes a parameter at 150M, a larger share of a small model).
+shapes one tensor at a time), the published state (never written in place) beside the next round. An outer step
+builds its new global tensors out of place (4 bytes) once the inner steps have let their gradients go (4 bytes), and
+the freed heap goes back to the kernel as it begins (``give_back_freed``). What is above the floor is the process's
+own (torch, Python, the data: about half a gigabyte, 3 bytes a parameter at 150M, a larger share of a small model),
+the updates and the patched round a node keeps for peers catching up (about 2 at 150M), and the all-reduce's
+buffers beside the step.
 
 Beside an accelerator (CUDA), which holds the params, gradients, AdamW's moments and SparseLoCo's error feedback,
 the host holds the global copy and the outer state that is not on the device (DiLoCo's momentum): 4 to 8 bytes a
