@@ -86,12 +86,12 @@ class LocalRanks:
 
     @classmethod
     def start(cls, world: int, device: torch.device, setup: RankSetup) -> LocalRanks:
-        """Rank 0: start ranks 1..world-1 (``python -m p2ploco.ranks.follower``) on the loopback and send them
+        """Rank 0: start ranks 1..world-1 (``python -m p2ploco.rank_process``) on the loopback and send them
         ``setup``. A rank that exits before it joins ends the start with RankError."""
         rendezvous = tempfile.mkdtemp(prefix="p2ploco-ranks-")  # mode 0700: this user's processes alone
         store = dist.FileStore(os.path.join(rendezvous, STORE_FILE), world)
         store.set_timeout(START_TIMEOUT)
-        processes = [subprocess.Popen([sys.executable, "-m", "p2ploco.ranks.follower", rendezvous, str(rank),
+        processes = [subprocess.Popen([sys.executable, "-m", "p2ploco.rank_process", rendezvous, str(rank),
                                        str(world), device.type], stdin=subprocess.DEVNULL) for rank in range(1, world)]
         try:
             for rank, process in enumerate(processes, start=1):

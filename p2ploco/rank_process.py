@@ -1,4 +1,4 @@
-"""A node's rank 1..N-1: ``python -m p2ploco.ranks.follower RENDEZVOUS RANK WORLD KIND``, started by rank 0
+"""A node's rank 1..N-1: ``python -m p2ploco.rank_process RENDEZVOUS RANK WORLD KIND``, started by rank 0
 (``LocalRanks.start``); never by hand.
 
 It builds its share of the node's replica from rank 0's setup and repeats what rank 0 leads (``leader.py``): takes
