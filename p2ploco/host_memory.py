@@ -65,11 +65,12 @@ def keep_freed_memory() -> None:
 def give_back_freed() -> None:
     """Hand the kernel the pages of this process's free heap memory (glibc's ``malloc_trim``, which returns free
     pages inside the heap too, not only at its top). The thresholds above keep what a step frees for the next step;
-    at the two points of a round where a share of the model's size has just been let go (the inner steps' gradients
-    and activations, as the outer step begins; the all-reduce's buffers, before the diff of the new state:
-    ``Swarm.serve_state``) it would otherwise stay resident under the outer step's new tensors and that diff, at the
-    round's peak (150M: 33-34 bytes a parameter without, 31-32 with: ``benchmarks/memory.py``). The next inner step
-    faults in again what it needs. Where the C library is not glibc, nothing."""
+    at the three points of a round where a share of the model's size has just been let go (the inner steps'
+    gradients and activations, as they end; the all-reduce's buffers, before the step is prepared; what the step let
+    go of, before the diff of the new state: ``Swarm.serve_state``) it would otherwise stay resident under the outer
+    step's new tensors and that diff, at the round's peak (150M: 34-37 bytes a parameter with none, 32-35 with the
+    last alone, 31 with all three: ``benchmarks/memory.py``). The next inner step faults in again what it needs.
+    Where the C library is not glibc, nothing."""
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
