@@ -35,9 +35,9 @@ from p2ploco.build import build_stage
 from p2ploco.config import load_config
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.outer import build_outer
+from p2ploco.peer import Swarm
 from p2ploco.slices import slice_name
 from p2ploco.swarm.records import PeerState
-from p2ploco.swarm.runtime import Swarm
 from p2ploco.swarm.state import Snapshot
 from p2ploco.swarm.updates import KEEP_SHARE, Update, applied, changes_of, named_tensors
 from p2ploco.testing.communicator import InProcessGroup

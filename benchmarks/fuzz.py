@@ -57,14 +57,9 @@ from p2ploco.errors import P2PLocoError, ProtocolError
 from p2ploco.launch import TINY_CONFIG
 from p2ploco.pipeline.links import Schedule, StageLinks, StageLinkServer
 from p2ploco.swarm import wire
-from p2ploco.swarm.allreduce import Contribution, parse_reply
-from p2ploco.swarm.audit import AuditAnswer, AuditRequest
-from p2ploco.swarm.commit import cast_of, parse_decision, parse_vote
 from p2ploco.swarm.consensus import SwarmState
 from p2ploco.swarm.evidence import Claim, Proof, Signed, Signer, proofs_key, result_statement
-from p2ploco.swarm.group import Group
 from p2ploco.swarm.identity import Identity, peer_id_of
-from p2ploco.swarm.join import JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.swarm.messages import decode
 from p2ploco.swarm.reachability import DialBackRequest, parse_dial_back
 from p2ploco.swarm.records import PeerRecord, peers_key
@@ -74,6 +69,11 @@ from p2ploco.swarm.state import Snapshot, StateRequest, parse_description
 from p2ploco.swarm.status import Answer, answer_head
 from p2ploco.swarm.status_client import parse_answer
 from p2ploco.swarm.status_document import Survey, status_answer
+from p2ploco.sync.audit import AuditAnswer, AuditRequest
+from p2ploco.sync.decide import cast_of, parse_decision, parse_vote
+from p2ploco.sync.group import Group
+from p2ploco.sync.join import JoinAnswer, JoinStatus, parse_group, parse_join
+from p2ploco.sync.reduce import Contribution, parse_reply
 
 ME, OTHER = "12D3KooWMe", "12D3KooWOther"
 SENT = b"this peer's contribution"  # what a reply to ME must name as its own

@@ -26,7 +26,7 @@ from p2ploco.metrics import format_table
 
 # -P: the working directory is not put first on sys.path, so each node imports p2ploco from its PYTHONPATH
 PROGRAM = [sys.executable, "-P", "-m", "p2ploco.cli"]
-REFUSAL = "has peers of another config"  # swarm/runtime.py's line, in both versions
+REFUSAL = "has peers of another config"  # peer.py's line, in both versions
 RENAMED = {"params_sha256": "params_digest", "slice_sha256": "slice_digest"}  # record fields before PROTOCOL_VERSION 9
 SETTINGS = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=6",
             "--set", "swarm.heartbeat_interval=0.5", "--set", "swarm.startup_timeout=60",

@@ -19,11 +19,11 @@ from dataclasses import replace
 from p2ploco.config import Config
 from p2ploco.errors import SwarmError
 from p2ploco.metrics import human_bytes
+from p2ploco.peer import Swarm
 from p2ploco.presence import Presence
 from p2ploco.schedules import RoundSchedule
 from p2ploco.standing import Membership, Standing
 from p2ploco.swarm.consensus import SwarmState
-from p2ploco.swarm.runtime import Swarm
 from p2ploco.worker import Worker
 
 CATCH_UP_POLL = 0.25  # seconds between looks at the records while waiting to catch up

@@ -328,7 +328,7 @@ class SwarmConfig(Section):
     ban_rounds: Annotated[int, bound(lambda n: 0 <= n <= MAX_BAN_ROUNDS,
                                      f"{{key}} ({{value}}) must be in [0, {MAX_BAN_ROUNDS}] (0: a peer caught sending "
                                      f"malformed data is dropped only from the round it was caught in)")] = 10
-    # after each butterfly, re-reduce one random piece another reducer answered (swarm/audit.py): about one
+    # after each butterfly, re-reduce one random piece another reducer answered (sync/audit.py): about one
     # contribution's bytes more a round; a node that does not audit still shows its pieces to those that do
     audit: bool = True
     # whether other peers can dial this one (swarm/reachability.py): auto asks a peer to dial it back at start;
@@ -484,7 +484,7 @@ class Config(Section):
     def max_contribution_tokens(self) -> int:
         """The most tokens one contribution may weigh: a full round's on each of the most local ranks the run counts
         (``training.max_ranks``). A peer's claim is capped by it (``collective/robust.py``) and coordinators leave out
-        a peer that claims more (``swarm/matchmaker.py``)."""
+        a peer that claims more (``sync/form.py``)."""
         return self.round_tokens * self.training.max_ranks
 
     def run_document(self, data: str = "") -> dict[str, Any]:

@@ -39,6 +39,7 @@ from p2ploco.inner import InnerStats
 from p2ploco.metrics import RoundRecord, format_table, human_bytes
 from p2ploco.model import parameter_count
 from p2ploco.outer.base import Synced
+from p2ploco.peer import Arrival, Swarm
 from p2ploco.presence import Presence
 from p2ploco.ranks import LocalRanks, RankError
 from p2ploco.ranks.group import RankSetup
@@ -48,7 +49,6 @@ from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
 from p2ploco.standing import Membership, Standing
 from p2ploco.swarm import DEFAULT_HOST_MADDRS
 from p2ploco.swarm.run_config import load_run_document
-from p2ploco.swarm.runtime import Arrival, Swarm
 from p2ploco.swarm.status import WILDCARDS, Answer, constant, listen, why_not_listening
 from p2ploco.swarm.status_document import STATUS_PATH
 

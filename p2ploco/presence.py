@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from p2ploco.metrics import RoundRecord
+from p2ploco.peer import Swarm
 from p2ploco.roles import Role
 from p2ploco.swarm.records import EVAL_HISTORY, PeerState
-from p2ploco.swarm.runtime import Swarm
 
 
 class Presence:

@@ -33,12 +33,12 @@ from p2ploco.build import build_replica, build_stage
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler, TrainingData
 from p2ploco.errors import shown
+from p2ploco.peer import Swarm
 from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch, group_round
 from p2ploco.pipeline.links import RemoteTransport, Schedule, StageLinks, StageLinkServer
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.ranks import LocalRanks
 from p2ploco.swarm.records import PeerState
-from p2ploco.swarm.runtime import Swarm
 from p2ploco.worker import Worker
 
 logger = logging.getLogger(__name__)

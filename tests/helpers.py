@@ -16,10 +16,10 @@ from p2ploco.config import Config, OuterConfig, SwarmConfig, load_config
 from p2ploco.data import ShardSampler
 from p2ploco.metrics import state_digest
 from p2ploco.outer import build_outer
+from p2ploco.peer import Swarm
 from p2ploco.swarm.identity import new_key_file
-from p2ploco.swarm.matchmaker import best_coordinator
-from p2ploco.swarm.runtime import Swarm
 from p2ploco.swarm.state import Snapshot
+from p2ploco.sync.form import best_coordinator
 from p2ploco.testing.communicator import InProcessGroup
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

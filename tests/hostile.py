@@ -64,7 +64,7 @@ import numpy as np
 
 def scale_contributions(factor: float, start: int) -> None:
     from p2ploco.compression.topk import CompressedTensor
-    from p2ploco.swarm.communicator import SwarmCommunicator
+    from p2ploco.sync.communicator import SwarmCommunicator
 
     # The coroutine behind both all_reduce and start_all_reduce (outer rounds call the latter): patching a public
     # entry point alone leaves the other path honest, and the attack silently never happens.
@@ -83,7 +83,7 @@ def scale_contributions(factor: float, start: int) -> None:
 
 
 def flip_contributions(factor: float, start: int) -> None:
-    from p2ploco.swarm.communicator import SwarmCommunicator
+    from p2ploco.sync.communicator import SwarmCommunicator
 
     scale_contributions(factor, start)
     scaled = SwarmCommunicator._all_reduce
@@ -98,7 +98,7 @@ def flip_contributions(factor: float, start: int) -> None:
 
 def scale_results(factor: float, start: int) -> None:
     from p2ploco.collective import sparse
-    from p2ploco.swarm.allreduce import ButterflyAllReduce
+    from p2ploco.sync.reduce import ButterflyAllReduce
 
     honest_run, honest_take = ButterflyAllReduce.run, sparse.take_
     attacking = [False]
@@ -115,7 +115,7 @@ def scale_results(factor: float, start: int) -> None:
 
 def steer_results(push: float, start: int) -> None:
     from p2ploco.collective.sparse import SparseExchange
-    from p2ploco.swarm.allreduce import ButterflyAllReduce
+    from p2ploco.sync.reduce import ButterflyAllReduce
     from p2ploco.testing.attacks import steered
 
     honest_run, honest_combine, honest_resparsify = (ButterflyAllReduce.run, SparseExchange.combine,
@@ -158,7 +158,7 @@ def lie_about_the_round(claimed: int, start: int) -> None:
 def send_bad_headers(start: int) -> None:
     from p2ploco.errors import Failure, PayloadError, TransportError
     from p2ploco.swarm import wire
-    from p2ploco.swarm.allreduce import ButterflyAllReduce, Delivery, DroppedFromRound
+    from p2ploco.sync.reduce import ButterflyAllReduce, Delivery, DroppedFromRound
 
     honest = ButterflyAllReduce._contribute
 
@@ -184,7 +184,7 @@ def send_bad_headers(start: int) -> None:
 
 def answer_with_deep_status(start: int) -> None:
     from p2ploco.swarm import wire
-    from p2ploco.swarm.allreduce import ButterflyAllReduce
+    from p2ploco.sync.reduce import ButterflyAllReduce
 
     honest = ButterflyAllReduce._serve
     deep = b"\x91" * 1020 + b"\x90"  # [[[...[]...]]], 1021 levels: msgpack.packb refuses to write it, peers read it
@@ -222,7 +222,7 @@ def redo_forever(start: int) -> None:
 
 
 def serve_a_false_state(start: int) -> None:
-    from p2ploco.swarm.runtime import Swarm
+    from p2ploco.peer import Swarm
     from p2ploco.swarm.state import BytesBlob, Snapshot
 
     honest = Swarm.serve_state
@@ -273,7 +273,7 @@ def describe_a_huge_state(start: int) -> None:
 def send_junk_joins(start: int) -> None:
     from p2ploco.errors import PayloadError, TransportError
     from p2ploco.swarm import wire
-    from p2ploco.swarm.communicator import SwarmCommunicator
+    from p2ploco.sync.communicator import SwarmCommunicator
 
     honest = SwarmCommunicator._all_reduce
 
@@ -299,7 +299,7 @@ def send_junk_joins(start: int) -> None:
 
 
 def never_join(start: int) -> None:
-    from p2ploco.swarm.matchmaker import Matchmaker
+    from p2ploco.sync.form import Matchmaker
 
     honest = Matchmaker.form_group
 
@@ -368,7 +368,7 @@ def claim_a_poisoned_next_round(start: int) -> None:
     import torch
 
     from p2ploco.metrics import state_digest
-    from p2ploco.swarm.runtime import Swarm
+    from p2ploco.peer import Swarm
     from p2ploco.swarm.state import Snapshot
 
     honest_serve, honest_progress = Swarm.serve_state, Swarm.announce_progress
@@ -432,8 +432,8 @@ def deny_dial_backs() -> None:
 def equivocate(start: int) -> None:
     import dataclasses
 
-    from p2ploco.swarm.allreduce import ButterflyAllReduce
     from p2ploco.swarm.evidence import result_statement
+    from p2ploco.sync.reduce import ButterflyAllReduce
 
     honest = ButterflyAllReduce.answer
 
@@ -456,7 +456,7 @@ def equivocate(start: int) -> None:
 
 
 def refuse_everyone(start: int) -> None:
-    from p2ploco.swarm.allreduce import ButterflyAllReduce
+    from p2ploco.sync.reduce import ButterflyAllReduce
 
     honest = ButterflyAllReduce.run
 

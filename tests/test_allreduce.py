@@ -28,14 +28,14 @@ from p2ploco.compression.topk import compress
 from p2ploco.config import SparseLoCoConfig, SwarmConfig, document_fingerprint
 from p2ploco.errors import Failure, PayloadError
 from p2ploco.outer.sparseloco import SparseLoCo
+from p2ploco.peer import Swarm
 from p2ploco.swarm import wire
-from p2ploco.swarm.allreduce import ReducerElsewhere, ReduceStatus, parse_reply
-from p2ploco.swarm.communicator import PARTNER_ROUNDS
-from p2ploco.swarm.group import Group
-from p2ploco.swarm.matchmaker import best_coordinator
 from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.records import PeerState
-from p2ploco.swarm.runtime import Swarm
+from p2ploco.sync.communicator import PARTNER_ROUNDS
+from p2ploco.sync.form import best_coordinator
+from p2ploco.sync.group import Group
+from p2ploco.sync.reduce import ReducerElsewhere, ReduceStatus, parse_reply
 from p2ploco.testing.communicator import InProcessGroup
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10, ban_rounds=0)
@@ -414,7 +414,7 @@ def test_a_reducer_that_takes_part_in_the_round_elsewhere_refuses_a_contribution
 def test_a_peer_with_another_config_is_warned_and_never_counts_the_others(trio, caplog):
     """Anyone can publish a record of another config under a run's key: it never stops a node from starting (it
     used to), and a node never counts a peer of another config as one to average with or follow."""
-    with caplog.at_level(logging.WARNING, logger="p2ploco.swarm.runtime"):
+    with caplog.at_level(logging.WARNING, logger="p2ploco.peer"):
         other = Swarm.join("test", CONFIG, run_document("other-cfg"), initial_peers=trio[0].addresses(),
                            host_maddrs=LOOPBACK)
     try:

@@ -632,9 +632,9 @@ def test_records_without_a_config_behind_them_and_one_daemon_of_another_config_e
     from hivemind.dht.node import DHTNode  # noqa: F401  (hivemind first: the p2p daemon starts before torch)
 
     from p2ploco.config import load_config
+    from p2ploco.peer import Arrival, Swarm
     from p2ploco.swarm.directory import PeerDirectory
     from p2ploco.swarm.records import PeerRecord, PeerState, peers_key
-    from p2ploco.swarm.runtime import Arrival, Swarm
 
     overrides = [setting for setting in FAST if setting != "--set"]
     honest_config = load_config(TINY_CONFIG, overrides)

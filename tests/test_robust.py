@@ -22,7 +22,7 @@ from p2ploco.compression.topk import CompressedTensor, compress
 from p2ploco.config import DiLoCoConfig
 from p2ploco.errors import PayloadError
 from p2ploco.outer.diloco import DiLoCo
-from p2ploco.swarm.clip_streaks import ClipStreaks
+from p2ploco.sync.clip_streaks import ClipStreaks
 from p2ploco.testing.communicator import InProcessGroup
 
 CLIP = Policy(clip_factor=2.0)
@@ -354,7 +354,7 @@ def test_a_contribution_weighs_at_most_a_full_round_of_tokens():
 
 def test_a_peer_clipped_for_a_few_rounds_is_no_news_and_one_clipped_round_after_round_is_named_once(caplog):
     streaks = ClipStreaks(rounds=4)
-    with caplog.at_level(logging.WARNING, logger="p2ploco.swarm.clip_streaks"):
+    with caplog.at_level(logging.WARNING, logger="p2ploco.sync.clip_streaks"):
         for round_index in (0, 1, 2, 4, 5, 6):  # a newcomer's catching up: 3 rounds, a gap, 3 more
             for _ in range(3):  # several spans of one round count once
                 streaks.clipped("peer-a", round_index)

@@ -8,9 +8,9 @@ import pytest
 from helpers import LOOPBACK, run_document
 
 from p2ploco.config import SwarmConfig, document_fingerprint
+from p2ploco.peer import Arrival, Swarm
 from p2ploco.swarm.records import PeerRecord, PeerState
 from p2ploco.swarm.run_config import ConfigConflict, ConfigUnserved, ranked_fingerprints
-from p2ploco.swarm.runtime import Arrival, Swarm
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10)
 OURS, THEIRS = run_document("ours"), run_document("theirs")

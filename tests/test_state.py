@@ -20,7 +20,6 @@ from p2ploco.metrics import state_digest
 from p2ploco.swarm import state as state_module
 from p2ploco.swarm.consensus import (
     SwarmState,
-    admit,
     contested,
     plurality,
     ranked_states,
@@ -31,9 +30,10 @@ from p2ploco.swarm.consensus import (
     tally,
 )
 from p2ploco.swarm.directory import FOREIGN_NAMED, LOOKUPS_PER_ROUND, PeerDirectory, payload_bytes
-from p2ploco.swarm.group import Member
 from p2ploco.swarm.records import PeerRecord, PeerState
 from p2ploco.swarm.state import BytesBlob, Snapshot
+from p2ploco.sync.admission import admit
+from p2ploco.sync.group import Member
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=2, heartbeat_interval=0.5, peer_ttl=10)
 

@@ -144,7 +144,7 @@ class Exchange(ABC):
         """The digest of every non-empty span taken so far (``receive``), by span."""
 
     # Whether anyone holding a piece's contributions can work out its result (``expected``, ``taken``): members audit
-    # such results (``swarm/audit.py``). LoCo's depend on its reducer's own compensation; Streaming DiLoCo's 4-bit
+    # such results (``sync/audit.py``). LoCo's depend on its reducer's own compensation; Streaming DiLoCo's 4-bit
     # ones are bounded by length and direction only.
     auditable = False
 

@@ -16,7 +16,7 @@ and a recipient of a relayed result, which recombines the contributions itself):
    (``swarm/bans.py``): an honest full replica beside pipeline groups is left out now and then, barely negative.
 2. **Weight** (``weights``). Each kept contribution weighs the tokens its peer trained, as the group lists them,
    capped by what a contribution may weigh (``inner.steps`` of the run's batch on each of ``training.max_ranks``
-   local ranks, 1 unless the run raises it; at the join: ``swarm/matchmaker.py``), so that one key weighs at most
+   local ranks, 1 unless the run raises it; at the join: ``sync/form.py``), so that one key weighs at most
    that many full peers: its factor in the mean is ``m * w_i / sum(w)`` over the m kept.
 3. **Norm for the tokens trained** (``weights``). A pseudo-gradient grows about as the square root of the steps
    behind it (the noise of H steps adds up so; measured on the pace suite, ``docs/design.md``), so a contribution

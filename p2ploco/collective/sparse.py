@@ -26,7 +26,7 @@ dropped would be lost to the senders, whose error feedback counts it as sent, wh
 stays in its own buffer. Every member (the reducer too) decodes the same bytes, so all stay bit-identical. What a
 result leaves out (the 2-bit rounding of every value, nothing else while the selections fit) is dropped: the reducer
 keeps no buffer, so a result is a function of the contributions alone, which anyone holding them can check
-(``swarm/audit.py``). A buffer that kept it at decay 0.5 measured the same (docs/design.md, "Hundreds of peers").
+(``sync/audit.py``). A buffer that kept it at decay 0.5 measured the same (docs/design.md, "Hundreds of peers").
 A span of one contribution is its own result (relabelled): a lone peer's round costs one Top-k, its own.
 """
 

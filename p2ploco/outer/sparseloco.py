@@ -9,7 +9,7 @@ With resparsified results (``outer.sparseloco.result``, the default) each reduce
 again (``collective/sparse.py``), keeping up to ``result_topk`` values per chunk (all its contributions selected: a
 group too large for that sends fewer values each, ``_resend``), so that a result has a bounded size whatever the
 swarm's size. A reducer keeps no buffer of its own: a result is a function of the contributions alone, which anyone
-holding them can check (``swarm/audit.py``).
+holding them can check (``sync/audit.py``).
 
 The buffers live on the training device, in chunk order ((chunks, chunk_numel) per tensor): the
 pseudo-gradient is added to them through a tiled view of it, Top-k reads their rows as they are, and

@@ -11,14 +11,13 @@ from hivemind.dht.node import DHTNode
 
 from p2ploco import __version__
 from p2ploco.config import SwarmConfig
-from p2ploco.swarm.dht import start_dht_node, visible_maddrs
+from p2ploco.swarm.dht import FAREWELL_TIMEOUT, start_dht_node, visible_maddrs
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack
 from p2ploco.swarm.records import BOOTSTRAP_KEY, MAX_ADDRESSES, PeerRecord
-from p2ploco.swarm.runtime import FAREWELL_TIMEOUT
 from p2ploco.swarm.wire import DAEMON_ERRORS
 
 

@@ -6,10 +6,10 @@ hash of a slice, every peer that sees the same ballots must pick the same one. T
 - the state a round starts from, over the records of the peers at that round (``round_state``; it names the
   round's formation), and the state a lagging peer catches up to, over the records of every round
   (``ranked_states``);
-- a coordinator closing a formation, over what its members say they hold (``admit``, which then also leaves out
-  the members that cannot take part: a pipeline group that does not bring every stage, the holders of a slice
-  that only members behind NAT hold);
-- a coordinator deciding a round whose members disagree, over their votes (``commit.decide``).
+- a coordinator closing a formation, over what its members say they hold (``sync/admission.py``, which then
+  also leaves out the members that cannot take part: a pipeline group that does not bring every stage, the
+  holders of a slice that only members behind NAT hold);
+- a coordinator deciding a round whose members disagree, over their votes (``decide.decide``).
 
 All three follow ``ranking``: a value ranks by the ballots of voters in good standing, then by all its ballots,
 then by the value itself, the greater first (an arbitrary order, but the same on every peer). They differ only in
@@ -43,7 +43,6 @@ from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from p2ploco.swarm.group import Member
 from p2ploco.swarm.records import PeerRecord
 
 V = TypeVar("V", bound=Hashable)  # a value voted on: a hash, a (fingerprint, hash), a (round, hash); orderable
@@ -183,45 +182,3 @@ def settled(live: dict[str, PeerRecord], me: PeerRecord, round_index: int) -> bo
     none): a record stuck at an old round, honest or not, cannot hold the others up."""
     others = active_peers(live, me)
     return 2 * sum(r.round > round_index for r in others) >= len(others)
-
-
-# ---- a formation's members, as they say what they hold ---------------------------------------------------------
-
-
-def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | None = None
-          ) -> tuple[dict[str, Member], dict[str, str]]:
-    """The members a closing formation keeps, and the others with the reason: for every slice, the (fingerprint,
-    hash) its members vote for (``plurality``), where a member is in good standing if it holds the hash
-    the records at this round chose (``recorded``: slice -> hash, ``round_state``: a member left out of
-    the last round, which publishes its state as unsettled, never outvotes those that applied it). So the records'
-    choice wins if some member holds it, and otherwise the value most members hold (ties to the greater); a member
-    that holds another one catches up instead. Then a pipeline group whose kept members do not bring all
-    ``stages`` slices is left out whole."""
-    recorded = recorded or {}
-    ballots: dict[str, list[Ballot[tuple[str, str]]]] = {}
-    for member in members.values():
-        for name, held in member.slices:
-            ballots.setdefault(name, []).append((held, held[1] == recorded.get(name)))
-    chosen = {name: plurality(votes) for name, votes in ballots.items()}
-    refused = {peer: f"it holds another state of {next(n for n, held in m.slices if chosen[n] != held)} than the "
-                     f"others: it catches up" for peer, m in members.items()
-               if any(chosen[name] != held for name, held in m.slices)}
-    kept = {peer: m for peer, m in members.items() if peer not in refused}
-    brought: dict[str, set[str]] = {}
-    for m in kept.values():
-        if m.pipeline_group:
-            brought.setdefault(m.pipeline_group, set()).update(name for name, _ in m.slices)
-    incomplete = {name for name, slices in brought.items() if len(slices) < stages}
-    for peer, m in list(kept.items()):
-        if m.pipeline_group in incomplete:
-            refused[peer] = f"its pipeline group {m.pipeline_group} did not bring all {stages} stages to this round"
-            del kept[peer]
-    # A slice needs a member others can dial to reduce it; members that only dial out cannot reduce for each other.
-    reducible = {name for m in kept.values() if not m.dial_out for name, _ in m.slices}
-    for peer, m in list(kept.items()):
-        unreduced = sorted(name for name, _ in m.slices if name not in reducible)
-        if unreduced:
-            refused[peer] = (f"no member that holds {unreduced[0]} can be dialled to reduce it (all of them are "
-                             f"behind NAT): it needs a public peer, or a relay")
-            del kept[peer]
-    return kept, refused

@@ -23,6 +23,7 @@ from p2ploco.swarm.schema import record_validator
 
 EXAMPLE = "/ip4/203.0.113.7/tcp/31337/p2p/Qm..."  # a peer's address: where it listens, and its id
 LISTEN_EXAMPLE = "/ip4/0.0.0.0/tcp/31350"  # this peer's own listening address: no id
+FAREWELL_TIMEOUT = 3.0  # the "leaving" record is a courtesy: never hold up an exit for it
 DAEMON_LOG = logging.getLogger("hivemind.p2p.p2p_daemon")  # where hivemind logs what its p2p daemon prints
 
 

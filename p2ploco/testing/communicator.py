@@ -86,7 +86,7 @@ class InProcessGroup:
 
     def _reduce_all(self) -> None:
         """The round: one attempt, and where a hostile reducer was caught (defended), a redo without its results,
-        as the swarm's coordinator decides it (``swarm/commit.py``): a reducer whose members hold different digests of
+        as the swarm's coordinator decides it (``sync/decide.py``): a reducer whose members hold different digests of
         a piece is proven and out of the run, one whose result failed an audit reduces nothing in the redo."""
         started = time.perf_counter()
         try:
@@ -164,7 +164,7 @@ class InProcessGroup:
         return proven, caught, any(p.reducer in self.hostile for p in reduced)
 
     def _audits(self, reduced: list[_Piece], out: set[int], names: list[str]) -> set[int]:
-        """Every member audits one random piece another reducer answered it (``swarm/audit.py``): the reducers of
+        """Every member audits one random piece another reducer answered it (``sync/audit.py``): the reducers of
         the pieces that fail. (Only where a hostile reducer is: an honest result always passes.)"""
         caught = set()
         tokens = {names[rank]: self._tokens[rank] for rank in range(self.size)}

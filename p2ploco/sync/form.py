@@ -1,4 +1,4 @@
-"""Matchmaking: which peers all-reduce together in a round, their group (``swarm/group.py``).
+"""Matchmaking: which peers all-reduce together in a round, their group (``sync/group.py``).
 
 Every peer of a run must average with the same peers in a round, or their global parameters part
 ways. So a group is not negotiated pairwise: one coordinator decides it. The coordinator of round r
@@ -32,10 +32,10 @@ too. Peers whose config, exchange or starting state differ never share a group. 
 group it is given against its own view (every member a known live peer, itself included) and refuses an
 implausible one, trying the next coordinator. The coordinator needs no pseudo-gradient of its own: it
 serves joins from its event loop while it trains. Only a peer that can be dialled coordinates. The join
-request and its answers are ``swarm/join.py``.
+request and its answers are ``sync/join.py``.
 
 A peer takes part in one group per round and sync: it notes each coordinator before it asks it
-(``swarm/whereabouts.py``), and never takes the group of a coordinator it moved on from. Its reducer refuses at
+(``sync/whereabouts.py``), and never takes the group of a coordinator it moved on from. Its reducer refuses at
 once a contribution for a group of that round another coordinator formed. A member whose group died so (every
 other member is elsewhere, or its vote finds no coordinator: ``SwarmCommunicator``) sends the same join again,
 once, with the dead group's coordinator listed unreachable (``rejoin``); the next coordinator's formation of the
@@ -57,7 +57,7 @@ a full replica holds them all, a stage peer one. The state a round starts from i
 the hash most active peers of that round hold (``consensus.round_state``); its digest names the
 formation, so peers that start from different states never share a group. Each joiner says which
 slices it holds (with its exchange fingerprint and hash for each) and, for a stage peer, its pipeline
-group. When the coordinator closes the formation it refuses (``consensus.admit``)
+group. When the coordinator closes the formation it refuses (``admission.admit``)
 members that hold another state of some slice than the majority (they catch up), every stage peer
 of a pipeline group that is not complete in the formation (a group acts as one replica or not at all),
 and the holders of a slice that no member others can dial holds (it cannot be reduced);
@@ -85,15 +85,16 @@ from p2ploco import faults
 from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.consensus import admit, contested, round_state
+from p2ploco.swarm.consensus import contested, round_state
 from p2ploco.swarm.deadlines import formation_wait
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import Signer, group_statement, signed_by
-from p2ploco.swarm.group import FormationKey, Group, GroupBook, Member
-from p2ploco.swarm.join import JOIN_FAILURES, JoinAnswer, JoinStatus, group_answer, parse_group, parse_join
 from p2ploco.swarm.messages import MAX_REASON, decode
 from p2ploco.swarm.records import PeerRecord, PeerState
-from p2ploco.swarm.whereabouts import Whereabouts
+from p2ploco.sync.admission import admit
+from p2ploco.sync.group import FormationKey, Group, GroupBook, Member
+from p2ploco.sync.join import JOIN_FAILURES, JoinAnswer, JoinStatus, group_answer, parse_group, parse_join
+from p2ploco.sync.whereabouts import Whereabouts
 
 logger = logging.getLogger(__name__)
 
@@ -619,7 +620,7 @@ class Matchmaker:
         return chosen, runs_here
 
     def _close(self, formation: _Formation, chosen: dict[str, str]) -> None:
-        """Close the formation: admit its members (``consensus.admit``), name whom it left out and why, and answer
+        """Close the formation: admit its members (``admission.admit``), name whom it left out and why, and answer
         every joiner the group."""
         round_index, name = formation.key[0], formation.key[1]
         members, formation.refused = admit(formation.members, self.stages, chosen)

@@ -4,7 +4,7 @@ A member takes part in one group per round and sync. It asks coordinators one af
 (``Matchmaker.form_group``), and once its join at a coordinator failed, or the group it holds from one is dead
 (``SwarmCommunicator``), it never takes that coordinator's group of that sync again. The matchmaker notes each
 coordinator here before it asks it. So a reducer asked to combine a contribution for a group it does not know
-(``swarm/allreduce.py``) can tell at once whether it ever will: not if the group's coordinator is none of those this
+(``sync/reduce.py``) can tell at once whether it ever will: not if the group's coordinator is none of those this
 peer takes part in the round at. It then refuses the contribution at once, where it used to wait for the group in
 vain; one that waits wakes when this peer moves on to another coordinator.
 

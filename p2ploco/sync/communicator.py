@@ -4,7 +4,7 @@ hivemind, and a vote on the outcome, so that every survivor applies the same agg
 A group can die under its members: its coordinator answered some of them and crashed before the others had their
 answer (they joined the round at the next coordinator), or its answers to them were lost. A member learns it
 when every other member answers its contributions that it takes part in this round in another group
-(``swarm/allreduce.py``: none of them holds this group, so nobody applies it), or when its vote cannot reach the
+(``sync/reduce.py``: none of them holds this group, so nobody applies it), or when its vote cannot reach the
 coordinator at all (no stream opens: without its judge, no member applies the group). Instead of applying nothing,
 it then sends the same join again (``Matchmaker.rejoin``) to the next coordinator in rendezvous order, the dead
 group's left out, and all-reduces with the group it gets there: the others' formation of the same round waits for
@@ -39,12 +39,12 @@ from p2ploco.collective.exchange import (
 )
 from p2ploco.collective.sliced import SlicedExchange, as_sliced, reduce_alone
 from p2ploco.errors import Failure, PayloadError, TrainingError
-from p2ploco.swarm.allreduce import Attempt, ButterflyAllReduce, DroppedFromRound
-from p2ploco.swarm.commit import Decision, Outcome, RoundCommit, Vote, slice_digests
-from p2ploco.swarm.group import Group
 from p2ploco.swarm.loop import EventLoopThread
-from p2ploco.swarm.matchmaker import NOBODY_ANSWERED, Matchmaker
 from p2ploco.swarm.records import PeerState
+from p2ploco.sync.decide import Decision, Outcome, RoundCommit, Vote, slice_digests
+from p2ploco.sync.form import NOBODY_ANSWERED, Matchmaker
+from p2ploco.sync.group import Group
+from p2ploco.sync.reduce import Attempt, ButterflyAllReduce, DroppedFromRound
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """A group: the peers that all-reduce together in one round, as the coordinator that formed it decided.
 
 Every peer of a run must average with the same peers in a round, or their global parameters part ways, so a group
-is one decision (``swarm/matchmaker.py``) that each of its members holds alike: its id, the members in canonical
+is one decision (``sync/form.py``) that each of its members holds alike: its id, the members in canonical
 order, and for each member the parameter slices it holds (it contributes to every span of them), its pipeline
 group if it is a stage peer, the tokens its contribution carries (its weight in the round's mean), and whether
 others can dial it (one that only dials out reduces no span). It also lists the peers that joined or were expected
 and are not in it, and why: a group smaller than that is the coordinator's decision, never an accident. The
-all-reduce (``swarm/allreduce.py``) cuts each slice among its holders by it, and its coordinator judges the members'
-commit votes against it (``swarm/commit.py``).
+all-reduce (``sync/reduce.py``) cuts each slice among its holders by it, and its coordinator judges the members'
+commit votes against it (``sync/decide.py``).
 
 A peer that coordinates remembers the groups it formed in its ``GroupBook``, by id and by the formation they closed.
 """
@@ -59,7 +59,7 @@ class Group:
                                           list(self.passive), self.entries()], sort_keys=True).encode()).hexdigest()
 
     def entries(self) -> dict[str, dict[str, Any]]:
-        """Each member's entry: what a group answer says of it (``swarm/join.py``), and what ``digest`` hashes."""
+        """Each member's entry: what a group answer says of it (``sync/join.py``), and what ``digest`` hashes."""
         holdings, pipeline_groups, tokens = dict(self.holdings), dict(self.pipeline_groups), dict(self.tokens)
         return {peer: {"holdings": list(holdings[peer]), "pipeline": pipeline_groups.get(peer, ""),
                        "tokens": tokens[peer], "dial_out": peer in self.dial_out} for peer in self.peers}

@@ -20,20 +20,14 @@ from p2ploco import __version__
 from p2ploco.config import SwarmConfig, document_fingerprint
 from p2ploco.errors import SwarmError, shown
 from p2ploco.swarm import DEFAULT_HOST_MADDRS, wire
-from p2ploco.swarm.allreduce import ButterflyAllReduce
-from p2ploco.swarm.audit import Audits
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.commit import RoundCommit
-from p2ploco.swarm.communicator import SwarmCommunicator
 from p2ploco.swarm.consensus import SwarmState, ranked_states, settled
 from p2ploco.swarm.deadlines import TransferDeadline, round_bound, round_wait
-from p2ploco.swarm.dht import start_dht_node, start_serving, visible_maddrs
+from p2ploco.swarm.dht import FAREWELL_TIMEOUT, start_dht_node, start_serving, visible_maddrs
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import Signer
-from p2ploco.swarm.group import GroupBook
 from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
-from p2ploco.swarm.matchmaker import Matchmaker
 from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, detect
@@ -45,13 +39,18 @@ from p2ploco.swarm.status_document import PEERS_DOCUMENT, STATUS_PATH
 from p2ploco.swarm.survey import survey
 from p2ploco.swarm.updates import Chain, UpdateKeeper, caught_up, describe_chain, fetch_chain
 from p2ploco.swarm.upload_cap import cap_uploads
+from p2ploco.sync.audit import Audits
+from p2ploco.sync.communicator import SwarmCommunicator
+from p2ploco.sync.decide import RoundCommit
+from p2ploco.sync.form import Matchmaker
+from p2ploco.sync.group import GroupBook
+from p2ploco.sync.reduce import ButterflyAllReduce
 
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT = 30.0  # bound on quick calls into the loop (record updates, address lookups)
 PROBE_TIMEOUT = 5.0  # to ask a lone peer whether it serves the state its record claims
 PROBE_MEMORY = 10.0  # seconds an answer to that question is trusted
-FAREWELL_TIMEOUT = 3.0  # the "leaving" record is a courtesy: never hold up an exit for it
 JUDGE_GRACE = 10.0  # a leaving peer still decides the rounds of the groups it formed, for at most this long
 
 

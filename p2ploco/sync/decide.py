@@ -74,7 +74,6 @@ from p2ploco import faults
 from p2ploco.collective.exchange import aggregate_digest
 from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
-from p2ploco.swarm.allreduce import Evidence
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import Ballot, plurality
 from p2ploco.swarm.evidence import (
@@ -87,8 +86,9 @@ from p2ploco.swarm.evidence import (
     result_statement,
     signed_by,
 )
-from p2ploco.swarm.group import Group, GroupBook
 from p2ploco.swarm.messages import MAX_PEERS, Digest, Message, PeerIds, Reason, SliceName, decode, status_of
+from p2ploco.sync.group import Group, GroupBook
+from p2ploco.sync.reduce import Evidence
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ contribution it combined and whom it left out as pointing against the others; a 
 named for its own is the true one, that the result is no longer than those contributions allow and does not
 point against its own contribution (``Exchange.check``), and votes on a digest that covers the named norms, so
 the members that commit held the same ones. After the butterfly each member audits one random piece another reducer
-answered it (``swarm/audit.py``: a result that adds a direction none of the contributions sent). A result that
+answered it (``sync/audit.py``: a result that adds a direction none of the contributions sent). A result that
 fails is refused like a malformed one: the reducer is rejected from this member's spans, banned here, and accused
 in its vote (two accusers and the reducer's vote no longer counts: the round is redone without it). A sender that
 a reducer leaves out as pointing clearly against the others (``robust.direction``) is struck; ``STRIKES`` such
@@ -65,7 +65,7 @@ sender closes the stream once it has read the answer (``wire.hang_up``).
 A contribution may come before its reducer knows the group (the others learnt of it first): the reducer waits for
 the group, at most ``swarm.allreduce_timeout``. Not when it never will know it: a member takes part in one group per
 round, and one that takes part in this round at another coordinator than the one that formed the sender's group
-(``swarm/whereabouts.py``; the contribution names that coordinator) answers at once ``{v, status: missed, reason,
+(``sync/whereabouts.py``; the contribution names that coordinator) answers at once ``{v, status: missed, reason,
 elsewhere: true}``, or as soon as it moves on while the contribution waits. Its sender stops waiting for that
 member's own contributions; a member whose every other member answers so holds a dead group, and joins the round at
 the next coordinator instead (``SwarmCommunicator``). Naming a made-up coordinator only gets its sender refused.
@@ -102,9 +102,7 @@ from p2ploco.collective.robust import OpposedResult
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import Failure, PayloadError, ProtocolError, TransportError
 from p2ploco.swarm import wire
-from p2ploco.swarm.audit import Audits
 from p2ploco.swarm.bans import Bans
-from p2ploco.swarm.clip_streaks import ClipStreaks
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.evidence import (
     MAX_SIGNATURE,
@@ -115,7 +113,6 @@ from p2ploco.swarm.evidence import (
     result_statement,
     signed_by,
 )
-from p2ploco.swarm.group import Group
 from p2ploco.swarm.messages import (
     MAX_PEERS,
     Digest,
@@ -129,7 +126,10 @@ from p2ploco.swarm.messages import (
     decode,
     status_of,
 )
-from p2ploco.swarm.whereabouts import Whereabouts
+from p2ploco.sync.audit import Audits
+from p2ploco.sync.clip_streaks import ClipStreaks
+from p2ploco.sync.group import Group
+from p2ploco.sync.whereabouts import Whereabouts
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class Evidence:
     reducer: str
     digest: bytes
     signature: bytes
-    # what an auditor of the piece needs (``swarm/audit.py``), where this peer took it from another reducer: the
+    # what an auditor of the piece needs (``sync/audit.py``), where this peer took it from another reducer: the
     # receipt it came with, and the senders of the contributions the receipt names, in its order
     receipt: Receipt | None = field(default=None, compare=False)
     weighed: tuple[str, ...] = field(default=(), compare=False)
@@ -454,7 +454,7 @@ class ButterflyAllReduce:
         return _Plan(sessions, sends, dense, params)
 
     async def _audit(self, group: Group, exchange: SlicedExchange, deliveries: list[Delivery]) -> list[Delivery]:
-        """Audit one piece another reducer answered this peer, drawn at random (``swarm/audit.py``): ``deliveries``
+        """Audit one piece another reducer answered this peer, drawn at random (``sync/audit.py``): ``deliveries``
         with that one refused if it fails, its reducer banned here."""
         audited = [i for i, d in enumerate(deliveries) if d.evidence is not None and d.evidence.receipt is not None
                    and len(d.evidence.span) and exchange.parts[d.evidence.slice].auditable]

@@ -9,9 +9,9 @@ each by its digest, which every member checked for its own; so after each butter
 that another reducer reduced, at random (``secrets``: nobody can tell which in advance), asks that reducer for the
 payloads it weighed, and re-reduces them. A result farther from their exact mean than this member's own result of
 them (beyond another device's rounding) fails; so does an answer with other payloads than the receipt names, or
-none. Failed, the reducer is refused as a malformed result is (``swarm/allreduce.py``): banned here, and named in
+none. Failed, the reducer is refused as a malformed result is (``sync/reduce.py``): banned here, and named in
 this member's vote, so that a redo goes on with it reducing nothing, or without it where two members name it
-(``swarm/commit.py``). A member that names an honest reducer falsely costs at most the redo, as any refusal does.
+(``sync/decide.py``). A member that names an honest reducer falsely costs at most the redo, as any refusal does.
 A reducer that stalls its answer fails at the answer's deadline (``swarm/deadlines.py``: the round's base wait plus
 its bytes at the slowest link allowed); its auditor may miss that round's vote, once for each ban.
 
@@ -42,8 +42,8 @@ from pydantic import Field, model_validator
 from p2ploco.collective.exchange import Exchange, Receipt, Span, audit
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
-from p2ploco.swarm.group import Group
 from p2ploco.swarm.messages import MAX_PEERS, Digest, Message, Reason, SliceName, decode, status_of
+from p2ploco.sync.group import Group
 
 logger = logging.getLogger(__name__)
 

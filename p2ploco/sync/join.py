@@ -34,7 +34,6 @@ from pydantic import Field, model_validator
 
 from p2ploco.errors import Failure, PayloadError
 from p2ploco.swarm.evidence import MAX_SIGNATURE
-from p2ploco.swarm.group import FormationKey, Group, Member
 from p2ploco.swarm.messages import (
     MAX_PEERS,
     MAX_SLICES,
@@ -50,6 +49,7 @@ from p2ploco.swarm.messages import (
     decode,
     status_of,
 )
+from p2ploco.sync.group import FormationKey, Group, Member
 
 MAX_LEFT_OUT = 256  # peers a group answer may list as left out
 
