@@ -45,6 +45,7 @@ from p2ploco.sync.decide import RoundCommit
 from p2ploco.sync.form import Matchmaker
 from p2ploco.sync.group import GroupBook
 from p2ploco.sync.reduce import ButterflyAllReduce
+from p2ploco.sync.this_peer import ThisPeer
 
 logger = logging.getLogger(__name__)
 
@@ -423,7 +424,8 @@ class Arrival:
                 await service.start()
             await directory.store_record()
             directory.start_heartbeat()
-            communicator = SwarmCommunicator(loop, matchmaker, butterfly, commit)
+            communicator = SwarmCommunicator(loop, ThisPeer(me_id, role, me.fingerprint), directory,
+                                             config.matchmaking_timeout, matchmaker, butterfly, commit)
             return Swarm(loop, node, directory, communicator, state_server, config_server, config, identity, bans,
                          updates)
 
