@@ -31,7 +31,9 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from p2ploco.errors import TransportError
 
@@ -118,3 +120,34 @@ async def hit_async(point: str, round_index: int) -> None:
         await asyncio.sleep(fault.seconds)
     elif fault is not None:
         hit(point, round_index)
+
+
+# ---- seams: where a test puts a hostile behaviour in place of an honest one, by name ---------------------------------
+#
+# A hostile peer in the tests (``tests/hostile.py``) is a real node with one behaviour swapped. It swaps it here, at a
+# named seam, never by patching a private name: a seam that is renamed or removed makes ``swap`` fail at once, where a
+# patched private name would leave the attack silently disarmed.
+
+SEAMS = {
+    "sync.forming": "a sync's FORMING state (``sync/communicator.py``), given the sync: what it syncs, what it sends "
+                    "before it joins",
+    "reduce.contribute": "how a member sends its contribution to one reducer (``ButterflyAllReduce``)",
+    "answer.contributions": "how a reducer answers the streams of contributions to its spans",
+    "answer.state": "how a donor answers peers catching up (``StateServer``)",
+    "answer.dialback": "how a public peer answers dial-back requests (``DialBack``)",
+}
+_swapped: dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]] = {}
+
+
+def swap(seam: str, replacement: Callable[[Any, Callable[..., Any]], Callable[..., Any]]) -> None:
+    """From now on, this process does ``replacement(owner, honest)`` at ``seam`` instead of ``honest`` (``owner``:
+    the object whose behaviour it is). For hostile peers in tests only."""
+    if seam not in SEAMS:
+        raise ValueError(f"no seam {seam!r}; seams: {', '.join(SEAMS)}")
+    _swapped[seam] = replacement
+
+
+def seam(name: str, owner: Any, honest: Callable[..., Any]) -> Callable[..., Any]:
+    """What ``owner`` does at seam ``name``: ``honest``, unless a test swapped it (``swap``)."""
+    replacement = _swapped.get(name)
+    return honest if replacement is None else replacement(owner, honest)

@@ -62,38 +62,29 @@ import msgpack
 import numpy as np
 
 
-def scale_contributions(factor: float, start: int) -> None:
+def scale_contributions(factor: float, start: int, claim_the_most_tokens: bool = False) -> None:
+    from p2ploco import faults
     from p2ploco.compression.topk import CompressedTensor
-    from p2ploco.sync.communicator import SwarmCommunicator
 
-    # The coroutine behind both all_reduce and start_all_reduce (outer rounds call the latter): patching a public
-    # entry point alone leaves the other path honest, and the attack silently never happens.
-    honest = SwarmCommunicator._all_reduce
+    # The FORMING state of every sync, whichever entry point started it (all_reduce, or start_all_reduce as outer
+    # rounds do): patching one public entry point alone once left the other path honest.
+    def forming(communicator: Any, honest: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        async def scaled(sync: Any) -> Any:
+            if sync.round_index >= start:
+                for part in sync.exchange.parts.values():  # every slice's sparse exchange
+                    part.compressed = [CompressedTensor(c.grid, c.indices, c.codes, np.float32(c.shift * factor),
+                                                        (c.table * np.float32(factor)).astype(np.float32))
+                                       for c in part.compressed]
+                if claim_the_most_tokens:
+                    sync.exchange.tokens = communicator.matchmaker.max_tokens  # the most a coordinator accepts
+            return await honest(sync)
+        return scaled
 
-    async def _all_reduce(self: SwarmCommunicator, exchange: Any, round_index: int, name: str, *args: Any) -> Any:
-        if round_index >= start:
-            for part in exchange.parts.values():  # every slice's sparse exchange
-                part.compressed = [CompressedTensor(c.grid, c.indices, c.codes, np.float32(c.shift * factor),
-                                                    (c.table * np.float32(factor)).astype(np.float32))
-                                   for c in part.compressed]
-                part._encoded.clear()
-        return await honest(self, exchange, round_index, name, *args)
-
-    SwarmCommunicator._all_reduce = _all_reduce
+    faults.swap("sync.forming", forming)
 
 
 def flip_contributions(factor: float, start: int) -> None:
-    from p2ploco.sync.communicator import SwarmCommunicator
-
-    scale_contributions(factor, start)
-    scaled = SwarmCommunicator._all_reduce
-
-    async def _all_reduce(self: SwarmCommunicator, exchange: Any, round_index: int, name: str, *args: Any) -> Any:
-        if round_index >= start:
-            exchange.tokens = self.matchmaker.max_tokens  # the most a coordinator accepts
-        return await scaled(self, exchange, round_index, name, *args)
-
-    SwarmCommunicator._all_reduce = _all_reduce
+    scale_contributions(factor, start, claim_the_most_tokens=True)
 
 
 def scale_results(factor: float, start: int) -> None:
@@ -208,17 +199,17 @@ def answer_with_deep_status(start: int) -> None:
 def redo_forever(start: int) -> None:
     import secrets
 
-    from p2ploco.swarm import commit
+    from p2ploco.sync import decide
 
-    honest = commit.decide
+    honest = decide.decide
 
-    def decide(group: Any, votes: Any, me: str, *args: Any) -> Any:
+    def redo_always(group: Any, votes: Any, me: str, *args: Any) -> Any:
         if group.round_index < start:
             return honest(group, votes, me, *args)
-        return commit.Decision(commit.Outcome.REDO, redo=group.among(secrets.token_hex(8), group.peers, me),
+        return decide.Decision(decide.Outcome.REDO, redo=group.among(secrets.token_hex(8), group.peers, me),
                                reason="redoing, on purpose")
 
-    commit.decide = decide
+    decide.decide = redo_always
 
 
 def serve_a_false_state(start: int) -> None:
@@ -271,31 +262,31 @@ def describe_a_huge_state(start: int) -> None:
 
 
 def send_junk_joins(start: int) -> None:
+    from p2ploco import faults
     from p2ploco.errors import PayloadError, TransportError
     from p2ploco.swarm import wire
-    from p2ploco.sync.communicator import SwarmCommunicator
 
-    honest = SwarmCommunicator._all_reduce
+    def forming(communicator: Any, honest: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        async def with_junk(sync: Any) -> Any:
+            if sync.round_index >= start:
+                matchmaker, config = communicator.matchmaker, communicator.me.fingerprint
 
-    async def _all_reduce(self: SwarmCommunicator, exchange: Any, round_index: int, name: str, *args: Any) -> Any:
-        if round_index >= start:
-            matchmaker = self.matchmaker
-            config = matchmaker.directory.me.fingerprint
+                async def junk(peer: str, i: int) -> None:
+                    request = {"round": sync.round_index + i % 3, "name": sync.name,
+                               "config": f"made-up-{i}" if i % 2 else config, "state": f"s{i}", "pipeline": "",
+                               "unreachable": [], "tokens": 1000, "dial_out": False,
+                               "slices": {sync.name: ["fp", f"h{i}"]}}
+                    try:
+                        await asyncio.wait_for(wire.call(matchmaker.p2p, peer, matchmaker.handler_name, request), 5)
+                    except (PayloadError, TransportError, TimeoutError):
+                        pass
 
-            async def junk(peer: str, i: int) -> None:
-                request = {"round": round_index + i % 3, "name": name, "config": f"made-up-{i}" if i % 2 else config,
-                           "state": f"s{i}", "pipeline": "", "unreachable": [], "tokens": 1000, "dial_out": False,
-                           "slices": {name: ["fp", f"h{i}"]}}
-                try:
-                    await asyncio.wait_for(wire.call(matchmaker.p2p, peer, matchmaker.handler_name, request), 5)
-                except (PayloadError, TransportError, TimeoutError):
-                    pass
+                others = matchmaker.candidates() - {communicator.me.peer_id}
+                await asyncio.gather(*(junk(peer, i) for peer in others for i in range(40)))
+            return await honest(sync)
+        return with_junk
 
-            others = matchmaker.candidates() - {matchmaker.me}
-            await asyncio.gather(*(junk(peer, i) for peer in others for i in range(40)))
-        return await honest(self, exchange, round_index, name, *args)
-
-    SwarmCommunicator._all_reduce = _all_reduce
+    faults.swap("sync.forming", forming)
 
 
 def never_join(start: int) -> None:
@@ -472,10 +463,10 @@ def refuse_everyone(start: int) -> None:
 def hand_out_two_versions(start: int) -> None:
     import dataclasses
 
-    from p2ploco.swarm import matchmaker
     from p2ploco.swarm.evidence import group_statement
+    from p2ploco.sync import form
 
-    honest_start, honest_answer = matchmaker.Matchmaker.start, matchmaker.group_answer
+    honest_start, honest_answer = form.Matchmaker.start, form.group_answer
     coordinators: list[Any] = []
     handed: dict[str, int] = {}  # group id -> answers handed out so far
 
@@ -494,7 +485,7 @@ def hand_out_two_versions(start: int) -> None:
             coordinator.run_id, other.group_id, bytes.fromhex(other.digest))))
         return honest_answer(other)  # in full: relative to a followed group it would be another version again
 
-    matchmaker.Matchmaker.start, matchmaker.group_answer = start_serving, group_answer
+    form.Matchmaker.start, form.group_answer = start_serving, group_answer
 
 
 # behaviour name -> how to patch it in, given the value after ":" (if any) and the round or step after "@"

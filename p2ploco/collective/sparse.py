@@ -151,16 +151,25 @@ class SparseExchange(Exchange):
         ``selecting``: the device a reducer's Top-k runs on (the training device: on a GPU many times the CPU's
         speed; the result stays on the CPU, and since every member decodes the reducer's bytes, where it selected
         does not matter to their bits)."""
-        self.layout, self.compressed, self.mode, self.policy = layout, list(compressed), mode, policy
+        self.layout, self.compressed, self.mode, self.policy = layout, compressed, mode, policy
         self.selecting = selecting
         self.results = results
         # configured: the layouts before the group was known
         self.resend, self.configured, self.configured_results = resend, layout, results
         self.num_units = layout.num_chunks
-        self._encoded: dict[Span, bytes] = {}
         self._combined: dict[Span, _Aggregate | _Resparsified] = {}  # spans this replica reduced
         self._received: dict[Span, tuple[SparseValues, bytes]] = {}  # every span's aggregate taken, and its digest
         self._taking = threading.Lock()  # spans are received in parallel (executor threads)
+
+    @property
+    def compressed(self) -> list[CompressedTensor]:
+        return self._compressed
+
+    @compressed.setter
+    def compressed(self, compressed: Sequence[CompressedTensor]) -> None:
+        """What this replica contributes, replaced: the bytes encoded of what it held before are not sent."""
+        self._compressed = list(compressed)
+        self._encoded: dict[Span, bytes] = {}
 
     @property
     def resparsified(self) -> bool:
@@ -188,7 +197,6 @@ class SparseExchange(Exchange):
             raise RuntimeError("a SparseExchange with resparsified results needs a resend function")
         self.compressed = self.resend(shared.contributions)
         self.layout, self.results = shared.contributions, shared
-        self._encoded.clear()  # bytes of the layout fitted before: none is sent again
         self._combined.clear()
 
     def numel(self, span: Span) -> int:

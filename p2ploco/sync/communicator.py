@@ -140,7 +140,8 @@ class SwarmCommunicator(Communicator):
     async def _run(self, sync: Sync) -> AllReduceResult:
         state = SyncState.FORMING
         while state is not SyncState.DONE:
-            state = await self._handlers[state](sync)
+            handler = self._handlers[state]
+            state = await (faults.seam("sync.forming", self, handler) if state is SyncState.FORMING else handler)(sync)
         return self._result(sync)
 
     # ---- the states ---------------------------------------------------------------------------------------
