@@ -24,7 +24,7 @@ import torch
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
-from p2ploco.compression.groupwise import GroupLayout, compensate
+from p2ploco.compression.blockwise import BlockLayout, compensate
 from p2ploco.config import LoCoConfig
 from p2ploco.device import to_host
 from p2ploco.outer.base import OuterAlgorithm, OuterStep, OuterSync, pseudo_gradients
@@ -45,7 +45,7 @@ class LoCo(OuterAlgorithm):
         super().__init__(global_params, slices, policy, max_tokens)
         self.config, self.device = config, device
         self.momentum = [torch.zeros_like(p) for p in self.params]
-        self.layouts = {name: GroupLayout([self.params[i].shape for i in positions], config.group_size)
+        self.layouts = {name: BlockLayout([self.params[i].shape for i in positions], config.group_size)
                         for name, positions in self.slices.items()}
         # Per slice, its values concatenated in parameter order: what this replica did not transmit as a
         # sender, and what it did not transmit as the reducer of a span (its last span's coordinates).
