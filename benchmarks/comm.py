@@ -58,7 +58,7 @@ from p2ploco.collective.fp4 import E3M0Mean
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.robust import Policy
 from p2ploco.collective.sparse import SparseExchange
-from p2ploco.compression.groupwise import GroupLayout, quantize
+from p2ploco.compression.blockwise import BlockLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import CompressedTensor
 from p2ploco.config import LoCoConfig, SparseLoCoConfig, load_config
@@ -279,7 +279,7 @@ def scale_table(rows: list[ScaleRow]) -> str:
 
 def loco_rows(shapes: list[tuple[int, ...]], peers: list[int], config: LoCoConfig) -> list[tuple]:
     """LoCo's bytes per peer per round for each group size in ``peers``, against the dense fp32 butterfly."""
-    layout = GroupLayout(shapes, config.group_size)
+    layout = BlockLayout(shapes, config.group_size)
     no_error = torch.zeros(layout.numel)  # the reducers' buffers: empty, as in a first round (the size is the same)
     exchanges = []
     for seed in range(max(peers)):

@@ -48,8 +48,8 @@ from p2ploco.collective.fp4 import E3M0Mean
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.robust import Policy
 from p2ploco.collective.sparse import ResultLayouts, SparseExchange
+from p2ploco.compression.blockwise import BlockLayout, quantize
 from p2ploco.compression.chunking import chunk_grid
-from p2ploco.compression.groupwise import GroupLayout, quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import load_config
@@ -112,10 +112,10 @@ _RESPARSIFIED_REDUCTION = _reduced(RESPARSIFIED_REPLICA, SPAN, REPLICAS[1:])
 RESPARSIFIED = _RESPARSIFIED_REDUCTION.result_for(RESPARSIFIED_REPLICA, "me")
 DENSE = DenseMean([torch.randn(50)], policy=DEFENDED)
 DENSE_RECEIPT = _reduced(DENSE, range(5, 45)).receipt_for("me")
-GROUPS = GroupLayout([(40, 30), (30,), (7, 3)], 64)  # tails of 48, 30 and 21 values
-LOWBIT = LowBitMean(GROUPS, 4, quantize(torch.randn(GROUPS.numel), GROUPS.lengths, 4), torch.zeros(GROUPS.numel), 0.8,
+BLOCKS = BlockLayout([(40, 30), (30,), (7, 3)], 64)  # tails of 48, 30 and 21 values
+LOWBIT = LowBitMean(BLOCKS, 4, quantize(torch.randn(BLOCKS.numel), BLOCKS.lengths, 4), torch.zeros(BLOCKS.numel), 0.8,
                     DEFENDED)
-LOWBIT_SPAN = range(3, GROUPS.num_groups)
+LOWBIT_SPAN = range(3, BLOCKS.num_blocks)
 LOWBIT_CONTRIBUTION = LOWBIT.encode(LOWBIT_SPAN)
 _LOWBIT_REDUCTION = _reduced(LOWBIT, LOWBIT_SPAN)
 LOWBIT_RESULT = _LOWBIT_REDUCTION.result_for(LOWBIT, "me")

@@ -12,12 +12,19 @@ is counted as the one running back up (the lower room reaching for something abo
 are counted. A test double is an ``InProcess*`` class outside ``p2ploco/testing/``, where in-process stand-ins
 for hivemind and other processes belong. Every ``except Exception`` or ``except BaseException`` is listed with
 the comment that gives its reason (on its line or the line above), or "no reason given".
+
+A glossary word has more than one meaning where a name defined in the package (a module, class, function,
+parameter, attribute or variable) uses it in a meaning other than docs/design.md's glossary gives it: ``WORDS``
+lists, for each word, the names that do, and ``EXEMPT`` the names that stay, with the reason (another library's
+API, a name on the wire or in a file format that live swarms read). A concept has more than one name where a name
+calls it by another word than the glossary's (``SYNONYMS``).
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +32,79 @@ from pathlib import Path
 PACKAGE = "p2ploco"
 LONG = 50  # lines: a function longer than this is counted
 DOUBLES_HOME = "testing"
+SHOWN = 4  # sites listed for each word or concept
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Names defined in ``path`` (a regular expression over the module's path) that match ``name``."""
+
+    path: str
+    name: str
+    meaning: str  # what the word means there
+
+    def matches(self, path: str, name: str) -> bool:
+        return bool(re.search(self.path, path) and re.search(self.name, name))
+
+
+# glossary word -> (its meaning in the glossary, the names that use it in another meaning)
+WORDS: dict[str, tuple[str, tuple[Usage, ...]]] = {
+    "group": ("the peers of one sync", (
+        Usage(r"", r"(?i)pipeline_groups?", "a pipeline"),
+        Usage(r"pipeline/|roles\.py|metrics\.py|demo\.py|cli\.py",
+              r"(?i)^_?groups?$|group_round|round_of_group|complete_groups|group_sizes", "a pipeline"),
+        Usage(r"pipeline/groups\.py$", r"^groups$", "a pipeline (its module)"),
+        Usage(r"compression/topk\.py", r"(?i)group", "a block of a chunk's lower bound"),
+        Usage(r"compression/|collective/(fp4|lowbit|grouped)", r"(?i)group(?!_size$)", "a quantization block"),
+        Usage(r"ranks/group\.py$", r"^group$", "a node's local ranks' torch process group (its module)"),
+        Usage(r"inner\.py|ranks/sharded\.py", r"^group$", "a torch optimizer's parameter group"),
+        Usage(r"checkpoint\.py", r"^group$", "a section of a checkpoint's tensors"),
+    )),
+    "record": ("the signed entry a peer keeps in the DHT", (
+        Usage(r"", r"RoundRecord|round_record", "what one round did, in the run directory"),
+        Usage(r"metrics\.py|rundir\.py|standing\.py|node\.py|dashboard/|demo\.py|launch\.py",
+              r"(?i)^(_?records?|read_records|node_records|hub_records)$", "what one round did, in the run directory"),
+    )),
+    "follow": ("a peer follows the group it applied its last round with", (
+        Usage(r"", r"(?i)follower", "a node's other local ranks"),
+        Usage(r"rank_process\.py|ranks/", r"^follow$", "a local rank repeating rank 0's steps"),
+        Usage(r"outer/|schedules/", r"^follow$", "tensors moved by the same outer step"),
+        Usage(r"peer\.py", r"^followed$", "a state to fetch"),
+    )),
+    "settle": ("a round settles for a peer that ended it as the others did", (
+        Usage(r"node\.py", r"^_settle$", "agreeing on the run's config"),
+        Usage(r"schedules/", r"^settle$", "waiting for a sync in flight to land"),
+        Usage(r"sync/reduce\.py", r"^settled?$", "a sender's stream ending"),
+    )),
+    "standing": ("what a node's loop carries from round to round (standing.py)", (
+        Usage(r"swarm/consensus\.py|sync/", r"standing", "a voter whose last round settled"),
+    )),
+    "document": ("a JSON document a peer serves: its run document, its status port's answers", (
+        Usage(r"data/", r"(?i)document", "a text of the corpus"),
+        Usage(r"dashboard/", r"^(run_document|RUN_DOCUMENT)$", "the status port's answer about the run"),
+    )),
+    "piece": ("a part of a span, the unit that travels", (
+        Usage(r"data/", r"(?i)piece", "a stretch of text read at a time"),
+    )),
+}
+
+# glossary concept -> the names that call it by another word
+SYNONYMS: dict[str, tuple[Usage, ...]] = {
+    "coordinator": (Usage(r"", r"(?i)judge", "judge"),),
+    "span": (Usage(r"sync/reduce\.py", r"(?i)session", "session"),),
+    "phase": (Usage(r"", r"PeerState|peer_state", "state"),),
+    "sync": (Usage(r"outer/", r"Round$", "round"),),
+}
+
+# names that keep a word in another meaning, and why
+EXEMPT: tuple[tuple[str, str, str], ...] = (
+    (r"", r"param_groups?$|new_group|ProcessGroup", "torch's API"),
+    (r"", r"^group_size$", "the config key outer.loco.group_size (a sync group's size elsewhere)"),
+    (r"swarm/records\.py", r"^group$", "a record's pipeline, on the wire as `group`"),
+    (r"data/(prepared|split)\.py", r"^(documents|held_out_documents)$",
+     "the prepared corpus's format, whose digest the run document carries"),
+    (r"swarm/reachability\.py", r"^judge", "a helper judges reachability: the word's English sense"),
+)
 
 
 @dataclass
@@ -35,6 +115,8 @@ class House:
     arrows: Counter = field(default_factory=Counter)  # (room, room) -> module imports carrying it
     doubles: list[str] = field(default_factory=list)
     broad_catches: list[tuple[str, str]] = field(default_factory=list)  # "path:line", reason
+    meanings: dict[str, list[str]] = field(default_factory=dict)  # word -> "path:line name (meaning)"
+    names: dict[str, list[str]] = field(default_factory=dict)  # concept -> "path:line name"
 
 
 def room_of(module: str) -> str:
@@ -97,7 +179,36 @@ def count(root: Path) -> House:
             targets = {name for name in imported(node, module, path.name == "__init__.py") if name in modules}
             for target in {room_of(name) for name in targets} - {room_of(module)}:
                 house.arrows[room_of(module), target] += 1
+        read_words(house, relative, tree)
     return house
+
+
+def defined_names(tree: ast.AST):
+    """(line, name) of every name the module defines: classes, functions, parameters, attributes, variables."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.arg):
+            yield node.lineno, node.arg
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            yield node.lineno, node.id
+
+
+def read_words(house: House, path: str, tree: ast.AST) -> None:
+    stem = path.removesuffix(".py").rsplit("/", 1)[-1]
+    seen = set()
+    for line, name in [(1, stem), *defined_names(tree)]:
+        if (name, path) in seen or any(re.search(p, path) and re.search(n, name) for p, n, _ in EXEMPT):
+            continue
+        seen.add((name, path))
+        for word, (_, usages) in WORDS.items():
+            if meaning := next((u.meaning for u in usages if u.matches(path, name)), None):
+                house.meanings.setdefault(word, []).append(f"{path}:{line} {name} ({meaning})")
+        for concept, usages in SYNONYMS.items():
+            if any(u.matches(path, name) for u in usages):
+                house.names.setdefault(concept, []).append(f"{path}:{line} {name}")
 
 
 def reason_at(lines: list[str], lineno: int) -> str:
@@ -164,7 +275,9 @@ def summary(house: House) -> dict:
             "rooms": len(floor), "floors": max(floor.values()) + 1, "arrows": len(house.arrows),
             "arrows_back_up": [f"{source} -> {target}" for source, target in dropped],
             "test_doubles_in_package": house.doubles,
-            "except_exception": [f"{site}: {reason}" for site, reason in house.broad_catches]}
+            "except_exception": [f"{site}: {reason}" for site, reason in house.broad_catches],
+            "words_with_more_than_one_meaning": house.meanings,
+            "concepts_with_more_than_one_name": house.names}
 
 
 def main() -> None:
@@ -193,6 +306,16 @@ def main() -> None:
     print(f"except Exception sites: {len(house.broad_catches)}")
     for site, reason in house.broad_catches:
         print(f"  {site}: {reason}")
+    print(f"glossary words with more than one meaning: {len(house.meanings)}")
+    for word, sites in house.meanings.items():
+        print(f"  {word} ({WORDS[word][0]}; {len(sites)} names mean otherwise):")
+        for site in sites[:SHOWN]:
+            print(f"    {site}")
+    print(f"concepts with more than one name: {len(house.names)}")
+    for concept, sites in house.names.items():
+        print(f"  {concept} ({len(sites)} names call it otherwise):")
+        for site in sites[:SHOWN]:
+            print(f"    {site}")
 
 
 if __name__ == "__main__":

@@ -47,14 +47,14 @@ def build_replica(config: Config, device: torch.device, sampler: ShardSampler, r
         whole = _seeded_model(c, cpu, run_subspace(c, cpu))
         leader = ShardedLeader(ranks, ShardedState(ranks, model), list(whole.parameters()))
         return Worker(c, cpu, whole, InnerTrainer(model, c.inner, gradients, device, c.inner_horizon,
-                                                  followers=leader), None)
-    followers = Leader(ranks) if ranks is not None else None
+                                                  other_ranks=leader), None)
+    other_ranks = Leader(ranks) if ranks is not None else None
     return Worker(c, device, model, InnerTrainer(model, c.inner, gradients, device, c.inner_horizon, constraint,
-                                                 followers), constraint)
+                                                 other_ranks), constraint)
 
 
-def build_follower(config: Config, device: torch.device, sampler: ShardSampler, ranks: LocalRanks) -> InnerTrainer:
-    """A node's local rank other than 0: its replica's model and inner trainer, which follow rank 0's steps (no
+def build_rank_trainer(config: Config, device: torch.device, sampler: ShardSampler, ranks: LocalRanks) -> InnerTrainer:
+    """A node's local rank other than 0: its replica's model and inner trainer, which repeat rank 0's steps (no
     outer state: rank 0 alone takes the outer steps)."""
     model, gradients, constraint = _replica_parts(config, device, sampler, ranks)
     return InnerTrainer(model, config.inner, gradients, device, config.inner_horizon, constraint)

@@ -80,10 +80,10 @@ class _Saving:
         self.temporary = self.path.with_name(self.path.name + f".tmp-{os.getpid()}")
         self.file = open(self.temporary, "wb")  # noqa: SIM115 (closed by finish or abandon)
         try:
-            self.writer = TensorWriter(self.file, [(f"{section}/{name}", tensor) for section, group in
+            self.writer = TensorWriter(self.file, [(f"{section}/{name}", tensor) for section, tensors in
                                                    zip(("local", "param", "shared"),
                                                        (checkpoint.local, checkpoint.params, checkpoint.shared))
-                                                   for name, tensor in group.items()])
+                                                   for name, tensor in tensors.items()])
         except BaseException:
             self.abandon()
             raise

@@ -55,7 +55,7 @@ class Constraint(Protocol):
         """``tensors`` with the constrained entries replaced by float32 projections on ``device``."""
 
 
-class Followers(Protocol):
+class OtherRanks(Protocol):
     """Processes that repeat a trainer's inner steps: its node's other local ranks (``p2ploco.ranks.leader``)."""
 
     def before_step(self, step: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
@@ -142,12 +142,12 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 class InnerTrainer:
     def __init__(self, model: torch.nn.Module, config: InnerConfig, gradients: GradientSource, device: torch.device,
-                 horizon: int, constraint: Constraint | None = None, followers: Followers | None = None):
+                 horizon: int, constraint: Constraint | None = None, other_ranks: OtherRanks | None = None):
         """``horizon``: the inner step where the cosine reaches its floor (0: constant after warm-up).
         ``constraint``: keeps subspace-constrained weights in span(U) (gradients projected before the step,
-        weights after it). ``followers``: the node's other local ranks, which take every step with this one."""
+        weights after it). ``other_ranks``: the node's other local ranks, which take every step with this one."""
         self.model, self.config, self.gradients, self.device, self.horizon = model, config, gradients, device, horizon
-        self.constraint, self.followers = constraint, followers
+        self.constraint, self.other_ranks = constraint, other_ranks
         self.params = list(model.parameters())
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]  # norm gains
@@ -177,10 +177,10 @@ class InnerTrainer:
         """One inner step; returns its training loss, and whether everything that trains together wants another
         step this round: asked of each (``wants_another``, as the step's gradients are in) and summed with the
         loss, so that the stages of a pipeline group stop at the same step (the slowest one's budget)."""
-        if self.followers is not None:
-            self.followers.before_step(step, self.params, self.optimizer)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(step)
+        if self.other_ranks is not None:
+            self.other_ranks.before_step(step, self.params, self.optimizer)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = self.lr_at(step)
         self.optimizer.zero_grad(set_to_none=True)
         loss_share = self.gradients.accumulate(step)
         grads = self.gradients.held_grads(self.params)
@@ -196,16 +196,16 @@ class InnerTrainer:
         self.optimizer.step()
         if self.constraint is not None:
             self.constraint.project_(self.params)
-        if self.followers is not None:
-            self.followers.after_step(self.params)
+        if self.other_ranks is not None:
+            self.other_ranks.after_step(self.params)
         return loss, stop_votes == 0
 
     def evaluate(self, batches: list[Batch]) -> float:
         """The mean next-token loss of ``batches`` under the params the node's outer step reads: the model's, or,
-        where the node's ranks shard it, theirs (``Followers.evaluate``)."""
-        if self.followers is None:
+        where the node's ranks shard it, theirs (``OtherRanks.evaluate``)."""
+        if self.other_ranks is None:
             return evaluate(self.model, batches, self.device)
-        return self.followers.evaluate(self.model, batches)
+        return self.other_ranks.evaluate(self.model, batches)
 
     def run_round(self, round_index: int, should_stop: Callable[[], bool] = lambda: False,
                   between: Callable[[int], None] | None = None, budget: RoundBudget | None = None
@@ -257,8 +257,8 @@ class InnerTrainer:
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """AdamW's moments as named tensors, and its settings as JSON, for a checkpoint."""
-        state = (self.optimizer.state_dict() if self.followers is None
-                 else self.followers.optimizer_state(self.optimizer))
+        state = (self.optimizer.state_dict() if self.other_ranks is None
+                 else self.other_ranks.optimizer_state(self.optimizer))
         tensors = {f"{index}.{key}": value for index, slots in state["state"].items()
                    for key, value in slots.items() if torch.is_tensor(value)}
         return tensors, {"param_groups": state["param_groups"]}
@@ -269,10 +269,10 @@ class InnerTrainer:
             index, _, name = key.partition(".")
             slots.setdefault(int(index), {})[name] = value
         state = {"state": slots, "param_groups": settings["param_groups"]}
-        if self.followers is None:
+        if self.other_ranks is None:
             self.optimizer.load_state_dict(state)
         else:
-            self.followers.load_optimizer_state(self.optimizer, state)
+            self.other_ranks.load_optimizer_state(self.optimizer, state)
 
 
 def evaluate(model: torch.nn.Module, batches: list[Batch], device: torch.device) -> float:

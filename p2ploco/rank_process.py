@@ -5,7 +5,7 @@ It builds its share of the node's replica from rank 0's setup and repeats what r
 its params or optimizer state (or its shards of them, and sends them back: ``sharded.py``), takes each inner step
 with it, until told to exit. Rank 0 owns its lifetime: the signals a terminal or a supervisor sends the node's
 process group are rank 0's to act on (it leaves the swarm, then tells the ranks to exit), and the kernel kills a
-follower whose rank 0 died.
+rank whose rank 0 died.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from p2ploco.build import build_follower
+from p2ploco.build import build_rank_trainer
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler, load_training_data
 from p2ploco.host_memory import keep_freed_memory
@@ -26,7 +26,7 @@ from p2ploco.ranks.group import Command, LocalRanks
 PR_SET_PDEATHSIG = 1
 
 
-def follow(rendezvous: str, rank: int, world: int, kind: str) -> None:
+def repeat_rank_0(rendezvous: str, rank: int, world: int, kind: str) -> None:
     keep_freed_memory()
     ranks, setup = LocalRanks.join(rendezvous, rank, world, kind)
     config = Config.model_validate(setup.config)
@@ -34,7 +34,7 @@ def follow(rendezvous: str, rank: int, world: int, kind: str) -> None:
         torch.set_num_threads(config.training.threads)
     data = load_training_data(config)
     sampler = ShardSampler(data.train, config.data.seq_len, config.inner.batch_size, config.run_id, setup.peer_id)
-    trainer = build_follower(config, ranks.device, sampler, ranks)
+    trainer = build_rank_trainer(config, ranks.device, sampler, ranks)
     sharded = None
     if config.training.shard:
         from p2ploco.ranks.sharded import ShardedState  # as build.py: its imports take a second
@@ -47,7 +47,7 @@ def follow(rendezvous: str, rank: int, world: int, kind: str) -> None:
         elif kind_of is Command.EXIT:
             return
         elif sharded is not None:
-            sharded.follow(kind_of, trainer.optimizer)
+            sharded.take_part(kind_of, trainer.optimizer)
         elif kind_of is Command.PARAMS:
             ranks.share_params(trainer.params)
         elif kind_of is Command.OPTIMIZER:
@@ -62,7 +62,7 @@ def main() -> None:
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     rendezvous, rank, world, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     try:
-        follow(rendezvous, rank, world, kind)
+        repeat_rank_0(rendezvous, rank, world, kind)
     except dist.DistError as e:  # rank 0 is gone or broke the group off: nothing to train for
         print(f"local rank {rank} stops: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
         sys.exit(1)

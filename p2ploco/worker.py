@@ -62,7 +62,7 @@ class Worker:
                  constraint: Constraint | None):
         """``model``: the local params the outer step reads and writes, on ``device``; ``inner``: what trains them,
         the same model, or (a node's ranks sharding it, ``p2ploco.ranks.sharded``) shards of a copy, which its
-        followers bring back into ``model`` when asked (``local_params``)."""
+        other ranks bring back into ``model`` when asked (``local_params``)."""
         c = config
         self.device, self.model, self.constraint, self.inner = device, model, constraint, inner
         self.names = [name for name, _ in model.named_parameters()]
@@ -144,8 +144,8 @@ class Worker:
         """The model's params as the inner steps left them (gathered from the ranks' shards first where a node's
         ranks shard it): what a round's pseudo-gradient is measured from; a write to them is what the next step
         starts from."""
-        if self.inner.followers is not None:
-            self.inner.followers.gather()
+        if self.inner.other_ranks is not None:
+            self.inner.other_ranks.gather()
         return list(self.model.parameters())
 
     @torch.no_grad()

@@ -18,7 +18,7 @@ from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange,
 from p2ploco.collective.lowbit import HEADER, LowBitMean
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import reduce_alone
-from p2ploco.compression.groupwise import GroupLayout, compensate, quantize
+from p2ploco.compression.blockwise import BlockLayout, compensate, quantize
 from p2ploco.config import LoCoConfig, OuterConfig
 from p2ploco.data import ShardSampler
 from p2ploco.errors import PayloadError
@@ -129,7 +129,7 @@ def reference_loco(initial, locals_per_round, config: LoCoConfig, slices):
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_the_quantizer_follows_the_written_out_rule_and_is_exact_on_its_grid(bits):
-    layout = GroupLayout(SHAPES, 16)
+    layout = BlockLayout(SHAPES, 16)
     generator = torch.Generator().manual_seed(bits)
     values = torch.randn(layout.numel, generator=generator) * torch.exp(4 * torch.randn(layout.numel,
                                                                                          generator=generator))
@@ -164,7 +164,7 @@ def test_a_grid_of_extreme_scales_round_trips_exactly():
 
 
 def exchange_of(values: torch.Tensor, bits: int = 4, policy: Policy = UNBOUNDED) -> LowBitMean:
-    layout = GroupLayout(SHAPES, 16)
+    layout = BlockLayout(SHAPES, 16)
     return LowBitMean(layout, bits, quantize(values, layout.lengths, bits), torch.zeros(layout.numel), 0.8, policy)
 
 
@@ -173,7 +173,7 @@ SPAN = range(30, 37)  # groups of 16, the tensor's 1-value tail, and the next te
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_payloads_round_trip_to_the_decoded_values(bits):
-    values = torch.randn(GroupLayout(SHAPES, 16).numel, generator=torch.Generator().manual_seed(2))
+    values = torch.randn(BlockLayout(SHAPES, 16).numel, generator=torch.Generator().manual_seed(2))
     exchange = exchange_of(values, bits)
     elements = exchange.layout.element_range(SPAN)
     assert len(elements) % 2 == 1
@@ -223,7 +223,7 @@ def malformed(good: bytes, result: bytes) -> list[tuple[bytes, str]]:
 
 
 def test_malformed_contributions_and_results_are_refused():
-    values = torch.randn(GroupLayout(SHAPES, 16).numel, generator=torch.Generator().manual_seed(3))
+    values = torch.randn(BlockLayout(SHAPES, 16).numel, generator=torch.Generator().manual_seed(3))
     exchange = exchange_of(values)
     good = exchange.encode(SPAN)
     reduction = reduce_span(exchange, SPAN, [("me", good)])
@@ -242,11 +242,11 @@ def test_malformed_contributions_and_results_are_refused():
 
 
 def test_a_reducer_drops_a_malformed_sender_and_clips_a_huge_one():
-    layout = GroupLayout(SHAPES, 16)
+    layout = BlockLayout(SHAPES, 16)
     generator = torch.Generator().manual_seed(4)
     honest = [exchange_of(torch.randn(layout.numel, generator=generator), policy=Policy(2.0)) for _ in range(3)]
     hostile = exchange_of(torch.randn(layout.numel, generator=generator) * 1e6, policy=Policy(2.0))
-    whole = range(layout.num_groups)
+    whole = range(layout.num_blocks)
     contributions = [(f"p{i}", e.encode(whole)) for i, e in enumerate(honest)]
     contributions += [("huge", hostile.encode(whole)), ("garbage", b"LQ" + b"\0" * 40)]
     reduction = reduce_span(honest[0], whole, contributions)
@@ -261,7 +261,7 @@ def test_a_reducer_drops_a_malformed_sender_and_clips_a_huge_one():
 # ---- the invariant: what was not sent is carried, decayed by beta, and reset on schedule ----------------------
 
 def test_the_buffer_carries_what_was_not_sent_and_decays_by_beta():
-    lengths = GroupLayout(SHAPES, 16).lengths
+    lengths = BlockLayout(SHAPES, 16).lengths
     generator = torch.Generator().manual_seed(5)
     g = torch.randn(int(lengths.sum()), generator=generator)
     # Nothing carried yet: the buffer is (1 - beta) x exactly what quantization dropped.

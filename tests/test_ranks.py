@@ -243,9 +243,9 @@ def test_a_killed_rank_takes_its_node_out_cleanly_while_the_others_train_on(tmp_
     rounds = 6
     with LocalSwarm(tmp_path) as swarm:
         nodes = start_three(swarm, rounds, sharded)
-        follower = int(nodes["two"].wait_for_line(re.compile(r"data parallel \(rank 1: pid (\d+)\)"), 120)[1])
+        rank_1 = int(nodes["two"].wait_for_line(re.compile(r"data parallel \(rank 1: pid (\d+)\)"), 120)[1])
         nodes["two"].wait_for_line(re.compile(r"round\s+1 \|"), 120)
-        os.kill(follower, signal.SIGKILL)
+        os.kill(rank_1, signal.SIGKILL)
         codes = {name: node.process.wait(200) for name, node in nodes.items()}
         runs = {name: swarm.records(name) for name in ("a", "b")}
         log = nodes["two"].log_path.read_text()

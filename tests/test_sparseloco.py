@@ -17,7 +17,7 @@ from p2ploco.compression.quantize import quantize
 from p2ploco.compression.sparse_format import SparseLayout
 from p2ploco.compression.topk import compress
 from p2ploco.config import OuterConfig, SparseLoCoConfig
-from p2ploco.outer.sparseloco import SparseLoCo, SparseRound
+from p2ploco.outer.sparseloco import SparseLoCo, SparseSync
 from p2ploco.swarm.messages import MAX_PEERS
 
 SHAPES = [(128, 192), (257, 64), (192,), (96, 100)]
@@ -229,7 +229,7 @@ def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_fi
     local = [p + 0.05 * torch.randn(p.shape, generator=generator) for p in params]
     before = [(p - q) * SparseLoCoConfig().lr for p, q in zip(params, local)]  # an empty buffer's content
 
-    def fitted(holders: int) -> tuple[SparseLoCo, SparseRound, SparseExchange]:
+    def fitted(holders: int) -> tuple[SparseLoCo, SparseSync, SparseExchange]:
         outer = SparseLoCo(params, SparseLoCoConfig(result_topk=96), torch.device("cpu"))
         sync = outer.contribute(local, 0)
         part = sync.exchange.parts["stage0"]

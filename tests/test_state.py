@@ -162,11 +162,11 @@ def test_a_peer_that_missed_its_last_round_has_no_say_on_the_swarms_state():
     assert round_state(unsure, unsure["a"], 5)[1] == round_state(unsure, b, 5)[1] == {S: "zzz"}
 
 
-def test_one_vote_rule_ranks_by_standing_then_ballots_then_value():
-    """The rule ``round_state``, ``admit`` and ``commit.decide`` share: voters in good standing first, then
+def test_one_vote_rule_ranks_by_firm_ballots_then_ballots_then_value():
+    """The rule ``round_state``, ``admit`` and ``commit.decide`` share: firm voters first, then
     every ballot, then the greater value; a commit's strict majority counts its abstainers."""
     ballots = [("a", True), ("z", False), ("z", False), ("m", True)]
-    assert ranking(tally(ballots)) == ["m", "a", "z"]  # one standing ballot beats two others; "m" > "a"
+    assert ranking(tally(ballots)) == ["m", "a", "z"]  # one firm ballot beats two others; "m" > "a"
     assert plurality(ballots) == "m"
     assert plurality([]) is None
     assert plurality([("x", True), ("x", True), ("y", True)], electorate=3) == "x"
@@ -278,7 +278,7 @@ def test_peers_of_other_configs_are_named_once_each_as_they_come_into_view_and_n
         asyncio.run(looks())
 
 
-def _follower(peers: int) -> tuple[PeerDirectory, list[str]]:
+def _following_directory(peers: int) -> tuple[PeerDirectory, list[str]]:
     """A directory whose lookups return ``peers`` records of round 0 (its own included), and the others' ids."""
     node = _FakeNode()
     others = [f"p{i:02d}" for i in range(peers - 1)]
@@ -304,7 +304,7 @@ def test_a_group_padded_with_members_that_delivered_nothing_is_followed_one_roun
     """A hostile coordinator names, beside its victim and itself, 15 Sybils that have records and no daemon: only a
     member that delivered this peer a contribution or an aggregate counts towards how long it goes without a
     lookup, so it looks every round (and meets the honest coordinators again) instead of every 4th."""
-    directory, others = _follower(16)
+    directory, others = _following_directory(16)
 
     async def rounds() -> tuple[list[int], list[int]]:
         await directory.refresh()
@@ -321,7 +321,7 @@ def test_a_group_padded_with_members_that_delivered_nothing_is_followed_one_roun
 def test_a_group_whose_coordinator_the_last_lookup_did_not_return_is_followed_one_round_before_a_lookup():
     """Every member delivered, but the coordinator (reached through a redirect to a peer outside this view) or a
     member is not in the last lookup: the next round looks, and then the group is followed as usual."""
-    directory, others = _follower(16)
+    directory, others = _following_directory(16)
 
     async def rounds() -> tuple[list[int], list[int]]:
         await directory.refresh()

@@ -18,9 +18,9 @@ from p2ploco import checkpoint
 from p2ploco.budget import FixedSteps
 from p2ploco.build import build_replica
 from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange, reduce_span
-from p2ploco.collective.fp4 import GROUP_SIZE, HEADER, E3M0Mean
+from p2ploco.collective.fp4 import BLOCK_SIZE, HEADER, E3M0Mean
 from p2ploco.compression import e3m0
-from p2ploco.compression.groupwise import GroupLayout
+from p2ploco.compression.blockwise import BlockLayout
 from p2ploco.config import ConfigError
 from p2ploco.data import ShardSampler
 from p2ploco.errors import PayloadError
@@ -55,9 +55,9 @@ def signed(nibbles: np.ndarray) -> np.ndarray:
 def test_the_codec_follows_the_written_out_rule_and_is_exact_on_its_grid():
     generator = torch.Generator().manual_seed(1)
     values = torch.randn(1000, generator=generator) * torch.logspace(-4, 2, 1000)[torch.randperm(1000)]
-    layout = GroupLayout([(1000,)], GROUP_SIZE)
+    layout = BlockLayout([(1000,)], BLOCK_SIZE)
     nibbles, scales = e3m0.quantize(values, layout.lengths)
-    for g, elements in enumerate(layout.element_range(range(i, i + 1)) for i in range(layout.num_groups)):
+    for g, elements in enumerate(layout.element_range(range(i, i + 1)) for i in range(layout.num_blocks)):
         want_codes, want_scale = reference_e3m0(values[elements.start : elements.stop].numpy())
         assert np.array_equal(signed(nibbles[elements.start : elements.stop]), want_codes)
         assert scales[g].item() == want_scale
@@ -113,7 +113,7 @@ def malformed(good: bytes, count: int) -> list[tuple[bytes, str]]:
 
 
 def test_malformed_contributions_and_results_are_refused():
-    values = torch.randn(3 * GROUP_SIZE - 1, generator=torch.Generator().manual_seed(2))  # an odd count: padding
+    values = torch.randn(3 * BLOCK_SIZE - 1, generator=torch.Generator().manual_seed(2))  # an odd count: padding
     exchange = exchange_of(values)
     whole = range(exchange.num_units)
     good = exchange.encode(whole)
@@ -126,7 +126,7 @@ def test_malformed_contributions_and_results_are_refused():
     # a group whose largest exponent is below 7: not what any encoder sends
     low = bytearray(good)
     stream = HEADER.size + 4 * exchange.num_units
-    for i in range(stream, stream + GROUP_SIZE // 2):  # the first group's nibbles
+    for i in range(stream, stream + BLOCK_SIZE // 2):  # the first group's nibbles
         nibbles = [low[i] >> 4, low[i] & 0xF]
         low[i] = (min(nibbles[0] & 7, 6) | nibbles[0] & 8) << 4 | (min(nibbles[1] & 7, 6) | nibbles[1] & 8)
     with pytest.raises(PayloadError, match="do not fit its scale"):

@@ -1,8 +1,8 @@
-"""LoCo's all-reduce: group-wise low-bit values up, an error-compensated low-bit mean back down.
+"""LoCo's all-reduce: block-wise low-bit values up, an error-compensated low-bit mean back down.
 
-Units are whole quantization groups (``compression/groupwise.py``), so a span's payload carries each of
-its groups' scale with the group's codes. Each sender uploads its own compensated, quantized
-pseudo-gradient. The reducer of a span decodes every contribution, bounds it (``collective/grouped.py``),
+Units are whole quantization blocks (``compression/blockwise.py``), so a span's payload carries each of
+its blocks' scale with the block's codes. Each sender uploads its own compensated, quantized
+pseudo-gradient. The reducer of a span decodes every contribution, bounds it (``collective/blocked.py``),
 sums them in float32 in the group's order and divides by their number, then **re-quantizes** that
 mean with its own compensation buffer for the span (LoCo at the second hop), and sends every member,
 itself included, the same result bytes. Every peer decodes the same bytes into the same float32
@@ -14,10 +14,10 @@ if the round commits. Each attempt of a round (a redo runs the butterfly again a
 makes a member the reducer of exactly one span of each slice it holds, so the staged update of the
 latest ``combine`` is that of the attempt whose outcome ``AllReduceResult.committed`` reports.
 
-Wire format of a contribution or result for a span of groups, little-endian::
+Wire format of a contribution or result for a span of blocks, little-endian::
 
     +------+---------+------+------+-------------+-------------+--------------------+--------------------+
-    | "LQ" | version | kind | bits | first group | group count | scales             | codes              |
+    | "LQ" | version | kind | bits | first block | block count | scales             | codes              |
     | 2 B  | u8 (1)  | u8   | u8   | u32         | u32         | count x f32        | one per value      |
     +------+---------+------+------+-------------+-------------+--------------------+--------------------+
 
@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from p2ploco.collective import robust
+from p2ploco.collective.blocked import CONTRIBUTION, RESULT, BlockedMean, Parsed
 from p2ploco.collective.exchange import Span
-from p2ploco.collective.grouped import CONTRIBUTION, RESULT, GroupedMean, Parsed
-from p2ploco.compression.groupwise import SCALE_SPARE_BITS, GroupLayout, Quantized, compensate, max_code
+from p2ploco.compression.blockwise import SCALE_SPARE_BITS, BlockLayout, Quantized, compensate, max_code
 from p2ploco.errors import PayloadError
 
 MAGIC = b"LQ"
@@ -57,8 +57,8 @@ class ReducerUpdate:
     error: torch.Tensor
 
 
-class LowBitMean(GroupedMean):
-    def __init__(self, layout: GroupLayout, bits: int, sent: Quantized, reducer_error: torch.Tensor, beta: float,
+class LowBitMean(BlockedMean):
+    def __init__(self, layout: BlockLayout, bits: int, sent: Quantized, reducer_error: torch.Tensor, beta: float,
                  policy: robust.Policy = robust.UNBOUNDED):
         """``sent``: this replica's quantized contribution over the whole slice; ``reducer_error``: its
         compensation buffer for the slice as a reducer (read, never written here); ``policy``: how reducers bound
@@ -75,8 +75,8 @@ class LowBitMean(GroupedMean):
         return HEADER.size + 4 * len(span) + (self.numel(span) * self.bits + 7) // 8
 
     def limit(self, factors: Sequence[float], norms: Sequence[float]) -> float:
-        """A mean's bound, lengthened by what quantizing it may add: a value moves by at most half its group's scale
-        (at most its largest magnitude over q, rounded up to 16 significant bits), so a group of L values by at most
+        """A mean's bound, lengthened by what quantizing it may add: a value moves by at most half its block's scale
+        (at most its largest magnitude over q, rounded up to 16 significant bits), so a block of L values by at most
         sqrt(L) / (2q) of its norm."""
         spread = math.sqrt(self.layout.group_size) / (2 * self.q) * (1 + 2**-14)
         return robust.mean_limit(factors, norms) * (1 + spread)

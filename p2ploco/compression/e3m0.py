@@ -1,20 +1,20 @@
-"""4-bit floats with a 3-bit exponent and no mantissa (E3M0), one float32 scale per group of values.
+"""4-bit floats with a 3-bit exponent and no mantissa (E3M0), one float32 scale per block of values.
 
-Streaming DiLoCo's exchanged values. A value is a sign and a power of two relative to its group's scale:
+Streaming DiLoCo's exchanged values. A value is a sign and a power of two relative to its block's scale:
 
     nibble = sign << 3 | e           (sign: 1 bit, e: 3 bits)
     value  = 0                        if e == 0  (the nibble 0b1000, "-0", is never produced and is refused)
            = ±scale · 2^(e - 7)       if e in 1..7
 
-Groups are ``compression/groupwise.py``'s (``GroupLayout``: consecutive values of one tensor, the last
-group of a tensor perhaps shorter). Per group:
+Groups are ``compression/blockwise.py``'s (``BlockLayout``: consecutive values of one tensor, the last
+block of a tensor perhaps shorter). Per block:
 
     scale = amax                      (its largest |value|), 0 instead where amax < 2^-120
     e     = 0 where |v| / scale < 2^-7 (nearer 0 than 2^-6), else the exponent of |v| / scale rounded to the
             nearer power of two (ties up), clamped to [1, 7]
 
 Every decoded value ``scale · 2^(e - 7)`` is a normal float32 (the scale is >= 2^-120), so it is exact, and a
-group's largest value decodes to exactly its scale (e = 7): a decoded group quantizes to itself, codes and
+block's largest value decodes to exactly its scale (e = 7): a decoded block quantizes to itself, codes and
 scale alike. The codec is exact on its own grid.
 """
 
@@ -29,8 +29,8 @@ NEGATIVE_ZERO = 0b1000
 
 
 def quantize(values: torch.Tensor, lengths: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """E3M0 nibbles (uint8, one per value) and float32 scales (one per group) of float32 ``values`` (CPU, flat)
-    cut into consecutive groups of ``lengths`` values."""
+    """E3M0 nibbles (uint8, one per value) and float32 scales (one per block) of float32 ``values`` (CPU, flat)
+    cut into consecutive blocks of ``lengths`` values."""
     amax = torch.zeros(len(lengths), dtype=torch.float32)
     if len(lengths):
         starts = (torch.cumsum(lengths, 0) - lengths).numpy()
@@ -49,7 +49,7 @@ def quantize(values: torch.Tensor, lengths: torch.Tensor) -> tuple[np.ndarray, t
 
 
 def decode(nibbles: np.ndarray, scales: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """The float32 values of E3M0 ``nibbles`` with their groups' ``scales`` (exact)."""
+    """The float32 values of E3M0 ``nibbles`` with their blocks' ``scales`` (exact)."""
     nibbles = torch.from_numpy(np.ascontiguousarray(nibbles)).to(torch.int32)
     e = nibbles & 0b111
     magnitude = torch.ldexp(torch.ones_like(e, dtype=torch.float32), (e - EXPONENT_BIAS).float())

@@ -169,14 +169,14 @@ class OuterAlgorithm(ABC):
         carry, self.carry = self.carry, None
         return deltas if carry is None else [d.add_(c) for d, c in zip(deltas, carry, strict=True)]
 
-    def finish(self, outer_sync: OuterSync, follow: Sequence[torch.Tensor] = ()) -> Synced:
-        """Wait for the round's all-reduce, prepare its outer step and take it (``follow``: tensors that take
+    def finish(self, outer_sync: OuterSync, alongside: Sequence[torch.Tensor] = ()) -> Synced:
+        """Wait for the round's all-reduce, prepare its outer step and take it (``alongside``: tensors that take
         the same step, an overlapped replica's local params). A round not committed, or whose step would not be
         finite, changes no shared state; ``applied`` then says False."""
         result = outer_sync.all_reduce.wait()
         give_back_freed()  # the all-reduce's buffers, before the step builds the new global state beside the old
         step = self.prepare(outer_sync) if result.committed else None
-        self.take(outer_sync, step, follow)
+        self.take(outer_sync, step, alongside)
         return Synced(result, step is not None)
 
     @abstractmethod
@@ -184,8 +184,8 @@ class OuterAlgorithm(ABC):
         """The outer step on the round's (committed) aggregate, from the global state as it is now, out of place:
         nothing changes until ``take``. None if it would make the global params non-finite."""
 
-    def take(self, outer_sync: OuterSync, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
-        """Put a prepared ``step`` in place (and move ``follow[i]`` by the same step), or, with no step (the
+    def take(self, outer_sync: OuterSync, step: OuterStep | None, alongside: Sequence[torch.Tensor] = ()) -> None:
+        """Put a prepared ``step`` in place (and move ``alongside[i]`` by the same step), or, with no step (the
         round is not applied), give back what ``contribute`` took from local state."""
         if step is None:
             self.give_back(outer_sync)
@@ -199,8 +199,8 @@ class OuterAlgorithm(ABC):
             kind, i = split_key(key)
             getattr(self, kind)[i] = value
         for i, move in step.moves.items():
-            if follow:
-                move.apply_to(follow[i])
+            if alongside:
+                move.apply_to(alongside[i])
         self._moved += step.norm_squared()
 
     def give_back(self, outer_sync: OuterSync) -> None:  # noqa: B027 (most algorithms take nothing)

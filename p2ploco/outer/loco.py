@@ -24,7 +24,7 @@ import torch
 from p2ploco.collective.lowbit import LowBitMean
 from p2ploco.collective.robust import UNBOUNDED, Policy
 from p2ploco.collective.sliced import SlicedExchange
-from p2ploco.compression.groupwise import GroupLayout, compensate
+from p2ploco.compression.blockwise import BlockLayout, compensate
 from p2ploco.config import LoCoConfig
 from p2ploco.device import to_host
 from p2ploco.outer.base import OuterAlgorithm, OuterStep, OuterSync, pseudo_gradients
@@ -32,7 +32,7 @@ from p2ploco.outer.diloco import nesterov_step
 
 
 @dataclass
-class LoCoRound(OuterSync):
+class LoCoSync(OuterSync):
     errors: dict[str, torch.Tensor] = field(default_factory=dict)  # per slice, the sender's buffer if applied
 
 
@@ -45,7 +45,7 @@ class LoCo(OuterAlgorithm):
         super().__init__(global_params, slices, policy, max_tokens)
         self.config, self.device = config, device
         self.momentum = [torch.zeros_like(p) for p in self.params]
-        self.layouts = {name: GroupLayout([self.params[i].shape for i in positions], config.group_size)
+        self.layouts = {name: BlockLayout([self.params[i].shape for i in positions], config.group_size)
                         for name, positions in self.slices.items()}
         # Per slice, its values concatenated in parameter order: what this replica did not transmit as a
         # sender, and what it did not transmit as the reducer of a span (its last span's coordinates).
@@ -53,7 +53,7 @@ class LoCo(OuterAlgorithm):
         self.reducer_errors = {name: torch.zeros(layout.numel) for name, layout in self.layouts.items()}
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
-                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> LoCoRound:
+                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> LoCoSync:
         c = self.config
         # 0. Rounds whose index is a multiple of reset_every start with empty buffers.
         if round_index % c.reset_every == 0:
@@ -75,7 +75,7 @@ class LoCo(OuterAlgorithm):
         # 3. All-reduce of every slice among its holders (``OuterSync.start``): each span's reducer bounds the
         #    contributions, averages them in float32 and re-quantizes the mean with its own buffer; everybody
         #    decodes the same bytes.
-        return LoCoRound(round_index, SlicedExchange(exchanges, self.weigh(tokens)), sent=deltas, errors=errors)
+        return LoCoSync(round_index, SlicedExchange(exchanges, self.weigh(tokens)), sent=deltas, errors=errors)
 
     def prepare(self, outer_sync: OuterSync) -> OuterStep | None:
         # 4. DiLoCo's outer step on the decoded aggregate: SGD with Nesterov momentum.
@@ -84,11 +84,11 @@ class LoCo(OuterAlgorithm):
         return nesterov_step(range(len(self.params)), self.params, means, self.momentum, c.lr, c.momentum, True,
                              outer_sync.round_index)
 
-    def take(self, outer_sync: OuterSync, step: OuterStep | None, follow: Sequence[torch.Tensor] = ()) -> None:
-        super().take(outer_sync, step, follow)
+    def take(self, outer_sync: OuterSync, step: OuterStep | None, alongside: Sequence[torch.Tensor] = ()) -> None:
+        super().take(outer_sync, step, alongside)
         if step is None:
             return
-        assert isinstance(outer_sync, LoCoRound)
+        assert isinstance(outer_sync, LoCoSync)
         # 5. Applied: keep the new buffers, the sender's and the reducer's for the span it reduced.
         for name, part in outer_sync.exchange.parts.items():
             self.errors[name].copy_(outer_sync.errors[name])

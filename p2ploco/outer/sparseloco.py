@@ -47,7 +47,7 @@ from p2ploco.tensorfile import Deferred, made
 
 
 @dataclass
-class SparseRound(OuterSync):
+class SparseSync(OuterSync):
     taken: list[Taken] = field(default_factory=list)  # what the contribution took from each error buffer
 
 
@@ -74,7 +74,7 @@ class SparseLoCo(OuterAlgorithm):
         return [grid.from_chunks(buffer) for grid, buffer in zip(self.grids, self.feedback)]
 
     def contribute(self, local_params: Sequence[torch.Tensor], round_index: int,
-                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> SparseRound:
+                   start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> SparseSync:
         compressed, taken = self.compress(local_params, start if start is not None else self.params)
         # 4. All-reduce of every slice among its holders: per-coordinate mean over the replicas that
         #    selected it (or sum / replicas), each contribution weighted by its tokens and clipped to clip_factor x
@@ -86,7 +86,7 @@ class SparseLoCo(OuterAlgorithm):
                                                         functools.partial(self._resend, taken, positions),
                                                         self.device)
                                    for name, positions in self.slices.items()}, self.weigh(tokens))
-        return SparseRound(round_index, exchange, taken=taken)
+        return SparseSync(round_index, exchange, taken=taken)
 
     def _resend(self, taken: list[Taken], positions: Sequence[int], layout: SparseLayout) -> list[CompressedTensor]:
         """Steps 2-3 again for the tensors at ``positions`` (a slice), at ``layout``'s lower density, once the group

@@ -22,7 +22,7 @@ from p2ploco.ranks.group import Command, LocalRanks
 
 
 class Leader:
-    """The ``inner.Followers`` of rank 0's ``InnerTrainer``."""
+    """The ``inner.OtherRanks`` of rank 0's ``InnerTrainer``."""
 
     def __init__(self, ranks: LocalRanks):
         self.ranks = ranks

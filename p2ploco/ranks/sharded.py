@@ -98,7 +98,7 @@ class ShardedState:
         """Every rank's ``optimizer`` state <- rank 0's ``whole`` state dict (as one rank holding the whole model
         keeps it): a moment shaped as its param is cut as the param is; the rest (the step count, the settings)
         sent whole."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]  # the state dict's order
+        params = [p for param_group in optimizer.param_groups for p in param_group["params"]]  # the state dict's order
         layout: list = [None]
         if whole is not None:
             layout[0] = {"param_groups": whole["param_groups"],
@@ -149,7 +149,7 @@ class ShardedState:
         summed = self.ranks.sum_(torch.tensor([total, count], dtype=torch.float64, device=device))
         return float(summed[0]) / float(summed[1])
 
-    def follow(self, kind: Command, optimizer: torch.optim.Optimizer) -> None:
+    def take_part(self, kind: Command, optimizer: torch.optim.Optimizer) -> None:
         """A rank 1..N-1's part in rank 0's command ``kind`` (not a step's)."""
         if kind is Command.PARAMS:
             self.scatter_params(None)
@@ -174,7 +174,7 @@ class ShardedState:
 
 
 class ShardedLeader:
-    """The ``inner.Followers`` of rank 0's ``InnerTrainer`` when the replica is sharded: it keeps rank 0's whole copy
+    """The ``inner.OtherRanks`` of rank 0's ``InnerTrainer`` when the replica is sharded: it keeps rank 0's whole copy
     of the local params (``whole``, the model its outer step reads) and the shards the ranks train in step."""
 
     def __init__(self, ranks: LocalRanks, state: ShardedState, whole: Sequence[torch.Tensor]):

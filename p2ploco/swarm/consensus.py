@@ -11,9 +11,9 @@ hash of a slice, every peer that sees the same ballots must pick the same one. T
   holders of a slice that only members behind NAT hold);
 - a coordinator deciding a round whose members disagree, over their votes (``decide.decide``).
 
-All three follow ``ranking``: a value ranks by the ballots of voters in good standing, then by all its ballots,
+All three follow ``ranking``: a value ranks by the ballots of firm voters, then by all its ballots,
 then by the value itself, the greater first (an arbitrary order, but the same on every peer). They differ only in
-who is in good standing and in what a win takes:
+who is firm and in what a win takes:
 
 - records: a peer whose last round settled. One left out of its last round, alone in it, or without its decision
   publishes its state as ``unsettled``: it may hold a state the others have moved past, and however many such
@@ -46,25 +46,25 @@ from typing import Any, NamedTuple, TypeVar
 from p2ploco.swarm.records import PeerRecord
 
 V = TypeVar("V", bound=Hashable)  # a value voted on: a hash, a (fingerprint, hash), a (round, hash); orderable
-Ballot = tuple[V, bool]  # a value, and whether its voter is in good standing
+Ballot = tuple[V, bool]  # a value, and whether its voter is firm (its ballot counts first)
 
 
 class Tally(NamedTuple):
-    standing: int  # ballots for a value from voters in good standing
+    firm: int  # ballots for a value from firm voters
     total: int  # all its ballots
 
 
 def tally(ballots: Iterable[Ballot[V]]) -> dict[V, Tally]:
     """The tally of every value cast."""
     counts: dict[V, Tally] = {}
-    for value, standing in ballots:
+    for value, firm in ballots:
         before = counts.get(value, Tally(0, 0))
-        counts[value] = Tally(before.standing + standing, before.total + 1)
+        counts[value] = Tally(before.firm + firm, before.total + 1)
     return counts
 
 
 def ranking(tallies: dict[V, Tally], order: Callable[[V, Tally], Any] | None = None) -> list[V]:
-    """The values best first: by ballots in good standing, then all ballots, then ``order(value, tally)`` (by
+    """The values best first: by firm ballots, then all ballots, then ``order(value, tally)`` (by
     default the value itself), the greater first."""
     def key(value: V) -> tuple[Tally, Any]:
         return tallies[value], (order(value, tallies[value]) if order is not None else value)
@@ -146,7 +146,7 @@ def round_state(live: dict[str, PeerRecord], me: PeerRecord, round_index: int, b
                 ) -> tuple[str, dict[str, str]]:
     """The state the swarm starts ``round_index`` from, seen from ``me``: for every slice that an active peer of
     our config holds at that round (``me`` included), the hash its holders vote for (``plurality``; a holder whose
-    last round did not settle is not in good standing), and one digest of them all. Every peer with the same view
+    last round did not settle is not firm), and one digest of them all. Every peer with the same view
     computes the same; it names the round's formation.
     Peers ``me`` has banned have no vote: while the others' records still show the previous
     round, one banned peer's stale hash would tie with ours and could win the tie."""

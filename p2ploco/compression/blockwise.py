@@ -1,18 +1,18 @@
-"""Group-wise symmetric low-bit quantization (LoCo's Q and deQ), and its error compensation.
+"""Block-wise symmetric low-bit quantization (LoCo's Q and deQ), and its error compensation.
 
-A tensor is flattened and cut into groups of ``group_size`` consecutive values (the last group of a
-tensor may be shorter; no group spans two tensors, so a norm gain never shares a scale with a weight
-matrix). With ``q = 2^(bits-1) - 1`` (7 at 4 bits), each group gets one float32 scale and every value
+A tensor is flattened and cut into blocks of ``group_size`` consecutive values (the last block of a
+tensor may be shorter; no block spans two tensors, so a norm gain never shares a scale with a weight
+matrix). With ``q = 2^(bits-1) - 1`` (7 at 4 bits), each block gets one float32 scale and every value
 a code in [-q, q]:
 
-    scale = amax / q, rounded *up* to a 16-bit significand      (amax: the group's largest |value|)
+    scale = amax / q, rounded *up* to a 16-bit significand      (amax: the block's largest |value|)
             0 instead where that is below 2^-126 (subnormal)
     code  = clamp(round_half_even(value / scale), -q, q)       (0 where the scale is 0)
     deQ   = code * scale                                        (float32)
 
 The rounded scale keeps ``code * scale`` exact in float32 (at most 7 + 16 significant bits of a normal
-number), so a decoded group quantizes to itself: the codec is exact on its own grid, and its largest code
-is ±q. A group below ~1e-37 is sent as zeros (error compensation carries it; subnormal scales would lose
+number), so a decoded block quantizes to itself: the codec is exact on its own grid, and its largest code
+is ±q. A block below ~1e-37 is sent as zeros (error compensation carries it; subnormal scales would lose
 the exactness).
 
 Error compensation (``compensate``): g̃ = g + e; q = Q(g̃); e ← β·e + (1 − β)·(g̃ − deQ(q)), each an
@@ -36,8 +36,8 @@ def max_code(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-class GroupLayout:
-    """Where the quantization groups of a list of tensors lie in their concatenation (tensor order, row-major)."""
+class BlockLayout:
+    """Where the quantization blocks of a list of tensors lie in their concatenation (tensor order, row-major)."""
 
     def __init__(self, shapes: Sequence[torch.Size | tuple[int, ...]], group_size: int):
         self.shapes = [torch.Size(s) for s in shapes]
@@ -47,21 +47,21 @@ class GroupLayout:
         for n in numels:
             full, rest = divmod(n, group_size)
             lengths += [group_size] * full + ([rest] if rest else [])
-        self.lengths = torch.tensor(lengths, dtype=torch.int64)  # values in each group
-        self.group_ends = np.cumsum(lengths, dtype=np.int64)  # element index one past each group
-        self.num_groups = len(lengths)
+        self.lengths = torch.tensor(lengths, dtype=torch.int64)  # values in each block
+        self.block_ends = np.cumsum(lengths, dtype=np.int64)  # element index one past each block
+        self.num_blocks = len(lengths)
         self.numel = sum(numels)
         self.digest = hashlib.sha256(f"{group_size}:{[tuple(s) for s in self.shapes]}".encode()).hexdigest()[:16]
 
-    def element_range(self, groups: range) -> range:
-        """The elements of a run of whole groups."""
-        start = int(self.group_ends[groups.start - 1]) if groups.start > 0 else 0
-        stop = int(self.group_ends[groups.stop - 1]) if groups.stop > groups.start else start
+    def element_range(self, blocks: range) -> range:
+        """The elements of a run of whole blocks."""
+        start = int(self.block_ends[blocks.start - 1]) if blocks.start > 0 else 0
+        stop = int(self.block_ends[blocks.stop - 1]) if blocks.stop > blocks.start else start
         return range(start, stop)
 
-    def group_of(self, element: int) -> int:
-        """The group that holds element number ``element``."""
-        return int(np.searchsorted(self.group_ends, element, side="right"))
+    def block_of(self, element: int) -> int:
+        """The block that holds element number ``element``."""
+        return int(np.searchsorted(self.block_ends, element, side="right"))
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` (all tensors' elements concatenated) as views shaped like the tensors."""
@@ -71,11 +71,11 @@ class GroupLayout:
 
 @dataclass
 class Quantized:
-    """A run of whole groups: one code per value, one scale per group."""
+    """A run of whole blocks: one code per value, one scale per block."""
 
     codes: torch.Tensor  # int8 in [-q, q], one per value
-    scales: torch.Tensor  # float32 >= 0, one per group
-    lengths: torch.Tensor  # int64, values per group
+    scales: torch.Tensor  # float32 >= 0, one per block
+    lengths: torch.Tensor  # int64, values per block
 
     def decode(self) -> torch.Tensor:
         """deQ: code * scale in float32 (exact: see the module docstring)."""
@@ -83,7 +83,7 @@ class Quantized:
 
 
 def quantize(values: torch.Tensor, lengths: torch.Tensor, bits: int) -> Quantized:
-    """Q of float32 ``values`` (CPU, flat) cut into consecutive groups of ``lengths`` values."""
+    """Q of float32 ``values`` (CPU, flat) cut into consecutive blocks of ``lengths`` values."""
     q = max_code(bits)
     amax = torch.zeros(len(lengths), dtype=torch.float32)
     if len(lengths):
@@ -93,7 +93,7 @@ def quantize(values: torch.Tensor, lengths: torch.Tensor, bits: int) -> Quantize
     scales = ((amax / q).view(torch.int32) + spare).bitwise_and_(~spare).view(torch.float32)  # rounded up
     scales = scales.masked_fill_(scales < torch.finfo(torch.float32).tiny, 0.0)
     per_value = scales.repeat_interleave(lengths)
-    # a zero scale has only zeros in its group: divide them by 1 instead
+    # a zero scale has only zeros in its block: divide them by 1 instead
     ratio = values / per_value.masked_fill(per_value == 0, 1.0)
     codes = ratio.round_().clamp_(-q, q).to(torch.int8)
     return Quantized(codes, scales, lengths)

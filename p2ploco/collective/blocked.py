@@ -1,6 +1,6 @@
-"""What the exchanges of group-quantized values share (LoCo's ``lowbit.py``, Streaming DiLoCo's ``fp4.py``).
+"""What the exchanges of block-quantized values share (LoCo's ``lowbit.py``, Streaming DiLoCo's ``fp4.py``).
 
-Units are whole quantization groups (``compression/groupwise.py``'s layout). A reducer decodes every
+Units are whole quantization blocks (``compression/blockwise.py``'s layout). A reducer decodes every
 contribution, weighs and bounds it (``collective/robust.py``), sums them in float32 in the group's order, divides
 by their number and quantizes that mean again (each subclass its own way), scaled down where the quantized result
 would be longer than the contributions allow (``robust.within``: rounding can lengthen it, and so can LoCo's
@@ -21,7 +21,7 @@ import torch
 
 from p2ploco.collective import robust
 from p2ploco.collective.exchange import Exchange, Receipt, Span, supersede
-from p2ploco.compression.groupwise import GroupLayout
+from p2ploco.compression.blockwise import BlockLayout
 
 CONTRIBUTION, RESULT = 1, 2  # the kinds of payload: a sender's contribution, a reducer's result
 
@@ -36,10 +36,10 @@ class Parsed:
         return robust.Vector(self.values)
 
 
-class GroupedMean(Exchange):
-    def __init__(self, layout: GroupLayout, policy: robust.Policy):
+class BlockedMean(Exchange):
+    def __init__(self, layout: BlockLayout, policy: robust.Policy):
         self.layout, self.policy = layout, policy
-        self.num_units = layout.num_groups
+        self.num_units = layout.num_blocks
         self.output = torch.full((layout.numel,), float("nan"))  # NaN marks spans not yet received
         self._digests: dict[Span, bytes] = {}  # sha256 of every span received (its receipt and result bytes)
         self.combined: dict[Span, bytes] = {}  # the result of every span this replica reduced (``combine`` fills it)
@@ -50,7 +50,7 @@ class GroupedMean(Exchange):
         """The float32 values of a payload of ``kind`` for ``span``; PayloadError if anything about it is off."""
 
     def unit_at(self, element: int) -> int:
-        return self.layout.group_of(element)
+        return self.layout.block_of(element)
 
     def numel(self, span: Span) -> int:
         return len(self.layout.element_range(span))
