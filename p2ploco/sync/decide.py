@@ -88,7 +88,7 @@ from p2ploco.swarm.evidence import (
 )
 from p2ploco.swarm.messages import MAX_PEERS, Digest, Message, PeerIds, Reason, SliceName, decode, status_of
 from p2ploco.sync.group import Group, GroupBook
-from p2ploco.sync.reduce import Evidence
+from p2ploco.sync.reduce_values import Evidence
 
 logger = logging.getLogger(__name__)
 
