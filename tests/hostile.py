@@ -447,8 +447,8 @@ def equivocate(start: int) -> None:
             return reply, result
         norms[other] *= 1.01
         receipt = dataclasses.replace(reduced.reduction.receipt_for(sender), norms=tuple(norms))
-        digest = exchange.receive(reduced.evidence.span, result, receipt)  # this node's own aggregate goes astray
-        span = reduced.evidence.span
+        digest = exchange.receive(reduced.evidence.piece, result, receipt)  # this node's own aggregate goes astray
+        span = reduced.evidence.piece
         signature = self.signer.sign(result_statement(self.run_id, group.digest, reduced.evidence.slice, span.start,
                                                       span.stop, digest))
         return {**reply, "norms": norms, "signature": signature}, result

@@ -243,18 +243,18 @@ class ButterflyAllReduce:
         """Audit one piece another reducer answered this peer, drawn at random (``sync/audit.py``): ``deliveries``
         with that one refused if it fails, its reducer banned here."""
         audited = [i for i, d in enumerate(deliveries) if d.evidence is not None and d.evidence.receipt is not None
-                   and len(d.evidence.span) and exchange.parts[d.evidence.slice].auditable]
+                   and len(d.evidence.piece) and exchange.parts[d.evidence.slice].auditable]
         if not audited:
             return deliveries
         at = audited[secrets.randbelow(len(audited))]
         delivery = deliveries[at]
         e = delivery.evidence
         part = exchange.parts[e.slice]
-        transfer = self.deadline.seconds(self.audits.most_shown(part, e.span, e.weighed), self.rates([e.reducer]))
-        why = await self.audits.check(group, part, e.slice, e.span, e.reducer, e.receipt, e.weighed, transfer)
+        transfer = self.deadline.seconds(self.audits.most_shown(part, e.piece, e.weighed), self.rates([e.reducer]))
+        why = await self.audits.check(group, part, e.slice, e.piece, e.reducer, e.receipt, e.weighed, transfer)
         if why is None:
             return deliveries
-        reason = f"it failed an audit of its result for span {e.span.start}:{e.span.stop}: {why}"
+        reason = f"it failed an audit of its result for span {e.piece.start}:{e.piece.stop}: {why}"
         logger.warning(f"round {group.round_index}: refused reducer {e.reducer[-8:]}: {reason}")
         failed = replace(delivery, outcome=Outcome.MALFORMED, reason=reason, evidence=None,
                          error=AllReduceError(f"no aggregate from reducer {e.reducer[-8:]}: {reason}",
@@ -293,7 +293,7 @@ class ButterflyAllReduce:
             elsewhere=frozenset(d.reducer for d in deliveries if isinstance(d.error, ReducerElsewhere)),
             refused_by=frozenset(d.reducer for d in deliveries if isinstance(d.error, DroppedFromRound)),
             evidence=tuple(sorted((e for e in [*(r.evidence for r in reduced), *(d.evidence for d in deliveries)]
-                                   if e is not None and len(e.span)), key=lambda e: (e.slice, e.span.start))))
+                                   if e is not None and len(e.piece)), key=lambda e: (e.slice, e.piece.start))))
 
     def _settle(self, peer: str, outcome: Outcome, reason: str, inboxes: Iterable[Inbox], round_index: int,
                 failure: Failure | None = None, proof: Proof | None = None) -> None:

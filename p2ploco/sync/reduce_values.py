@@ -82,7 +82,7 @@ class Evidence:
     different results is caught by its own signatures."""
 
     slice: str
-    span: Span  # the piece's units
+    piece: Span
     reducer: str
     digest: bytes
     signature: bytes
