@@ -70,10 +70,11 @@ from p2ploco.swarm.status import Answer, answer_head
 from p2ploco.swarm.status_client import parse_answer
 from p2ploco.swarm.status_document import Survey, status_answer
 from p2ploco.sync.audit import AuditAnswer, AuditRequest
+from p2ploco.sync.contribute import parse_reply
 from p2ploco.sync.decide import cast_of, parse_decision, parse_vote
 from p2ploco.sync.group import Group
 from p2ploco.sync.join import JoinAnswer, JoinStatus, parse_group, parse_join
-from p2ploco.sync.reduce import Contribution, parse_reply
+from p2ploco.sync.reduce_values import Contribution
 
 ME, OTHER = "12D3KooWMe", "12D3KooWOther"
 SENT = b"this peer's contribution"  # what a reply to ME must name as its own

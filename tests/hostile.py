@@ -149,17 +149,18 @@ def lie_about_the_round(claimed: int, start: int) -> None:
 def send_bad_headers(start: int) -> None:
     from p2ploco.errors import Failure, PayloadError, TransportError
     from p2ploco.swarm import wire
-    from p2ploco.sync.reduce import ButterflyAllReduce, Delivery, DroppedFromRound
+    from p2ploco.sync.reduce import ButterflyAllReduce
+    from p2ploco.sync.reduce_values import Delivery, DroppedFromRound, Outcome
 
     honest = ButterflyAllReduce._contribute
 
     async def contribute(self: ButterflyAllReduce, ours: list[Any], peer: str, *args: Any) -> Delivery:
-        session = ours[0]  # our pieces of the slice: they all name the same group
-        if session.group.round_index < start:
+        inbox = ours[0]  # our pieces of the slice: they all name the same group
+        if inbox.group.round_index < start:
             return await honest(self, ours, peer, *args)
         reader, writer = await wire.open_stream(self.p2p, peer, self.handler_name)
         try:
-            head = msgpack.packb([session.group.group_id, session.group.round_index, "not a map"])
+            head = msgpack.packb([inbox.group.group_id, inbox.group.round_index, "not a map"])
             writer.write(wire.PREFIX.pack(len(head), 0) + head)
             await writer.drain()
             await asyncio.wait_for(wire.read_message(reader, 0), self.timeout)
@@ -167,8 +168,8 @@ def send_bad_headers(start: int) -> None:
             pass
         finally:
             writer.close()
-        return Delivery(peer, 0, error=DroppedFromRound(f"sent reducer {peer[-8:]} a malformed header, on purpose",
-                                                         Failure.REJECTED))
+        return Delivery(reducer=peer, encoded=0, outcome=Outcome.REFUSED, error=DroppedFromRound(
+            f"sent reducer {peer[-8:]} a malformed header, on purpose", Failure.REJECTED))
 
     ButterflyAllReduce._contribute = contribute
 
@@ -437,8 +438,8 @@ def equivocate(start: int) -> None:
             return reply, result
         norms[other] *= 1.01
         receipt = dataclasses.replace(reduced.reduction.receipt_for(sender), norms=tuple(norms))
-        digest = exchange.receive(reduced.evidence.span, result, receipt)  # this node's own aggregate goes astray
-        span = reduced.evidence.span
+        digest = exchange.receive(reduced.evidence.piece, result, receipt)  # this node's own aggregate goes astray
+        span = reduced.evidence.piece
         signature = self.signer.sign(result_statement(self.run_id, group.digest, reduced.evidence.slice, span.start,
                                                       span.stop, digest))
         return {**reply, "norms": norms, "signature": signature}, result

@@ -77,7 +77,7 @@ def test_a_sender_that_timed_out_counts_as_the_whole_wait_so_a_too_short_allowan
     rule = TransferDeadline(base=300.0, min_mbit=10.0, cap=900.0)
     rule.arrived([0.1])
     short = rule.allowance()
-    rule.arrived([short, short])  # every sender missed it (``_ReducerSession.arrivals``): the link is slower
+    rule.arrived([short, short])  # every sender missed it (``Inbox.arrivals``): the link is slower
     assert rule.allowance() == min(300.0, ALLOWANCE_MARGIN * short) > short
 
 

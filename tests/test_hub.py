@@ -21,8 +21,8 @@ from p2ploco.launch import TINY_CONFIG, cli
 from p2ploco.peer import Swarm
 from p2ploco.swarm.evidence import group_statement
 from p2ploco.swarm.records import PeerState
+from p2ploco.sync.contribute import parse_reply
 from p2ploco.sync.group import Group
-from p2ploco.sync.reduce import parse_reply
 
 CONFIG = SwarmConfig(matchmaking_timeout=2, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10, ban_rounds=0)
 SHAPES = [(64, 33), (33,), (7, 5)]

@@ -19,7 +19,7 @@ from p2ploco.sync.decide import Cast, Outcome, Vote, _Ballot, decide, examine, p
 from p2ploco.sync.form import best_coordinator, rendezvous
 from p2ploco.sync.group import KEEP_PER_PEER, Group, GroupBook, Member
 from p2ploco.sync.join import JoinAnswer, group_answer, parse_group, parse_join
-from p2ploco.sync.reduce import Evidence
+from p2ploco.sync.reduce_values import Evidence
 
 A, B, C, D = "peerA", "peerB", "peerC", "peerD"
 S = "stage0"

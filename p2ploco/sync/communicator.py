@@ -57,7 +57,8 @@ from p2ploco.swarm.records import PeerState
 from p2ploco.sync.decide import Decision, Outcome, RoundCommit, Vote, slice_digests
 from p2ploco.sync.form import NOBODY_ANSWERED, Matchmaker
 from p2ploco.sync.group import Group
-from p2ploco.sync.reduce import Attempt, ButterflyAllReduce, DroppedFromRound
+from p2ploco.sync.reduce import ButterflyAllReduce
+from p2ploco.sync.reduce_values import Attempt, DroppedFromRound
 from p2ploco.sync.this_peer import ThisPeer
 
 logger = logging.getLogger(__name__)

@@ -88,7 +88,7 @@ from p2ploco.swarm.evidence import (
 )
 from p2ploco.swarm.messages import MAX_PEERS, Digest, Message, PeerIds, Reason, SliceName, decode, status_of
 from p2ploco.sync.group import Group, GroupBook
-from p2ploco.sync.reduce import Evidence
+from p2ploco.sync.reduce_values import Evidence
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def slice_digests(evidence: Iterable[Evidence]) -> dict[str, str]:
     """The digest of each slice's aggregate (``exchange.aggregate_digest``) from its pieces' evidence."""
     pieces: dict[str, list[tuple[range, bytes]]] = {}
     for e in evidence:
-        pieces.setdefault(e.slice, []).append((e.span, e.digest))
+        pieces.setdefault(e.slice, []).append((e.piece, e.digest))
     return {name: aggregate_digest(spans) for name, spans in pieces.items()}
 
 
@@ -191,7 +191,7 @@ class RoundCommit:
                    "refused_by": sorted(refused_by & members),  # and what this peer holds against members: passed on
                    "proofs": [p.to_value() for a, p in self.bans.proofs.items() if a in members][:MAX_PROOFS]}
         place = {peer: i for i, peer in enumerate(group.peers)}
-        pieces = wire.pack([[e.slice, e.span.start, e.span.stop, place[e.reducer], e.digest, e.signature]
+        pieces = wire.pack([[e.slice, e.piece.start, e.piece.stop, place[e.reducer], e.digest, e.signature]
                             for e in evidence])
         judge = group.coordinator
         try:
@@ -328,7 +328,7 @@ def examine(run_id: str, group: Group, votes: dict[str, Cast], keys: Callable[[s
     held: dict[tuple[str, int, int], dict[tuple[str, bytes], list[tuple[str, bytes]]]] = {}
     for voter, cast in votes.items():
         for e in cast.evidence:
-            held.setdefault((e.slice, e.span.start, e.span.stop), {}).setdefault((e.reducer, e.digest), []).append(
+            held.setdefault((e.slice, e.piece.start, e.piece.stop), {}).setdefault((e.reducer, e.digest), []).append(
                 (voter, e.signature))
     proofs: dict[str, Proof] = {}
     liars: set[str] = set()
