@@ -147,23 +147,26 @@ def lie_about_the_round(claimed: int, start: int) -> None:
 
 
 def send_bad_headers(start: int) -> None:
+    from p2ploco import faults
     from p2ploco.errors import Failure, PayloadError, TransportError
     from p2ploco.swarm import wire
-    from p2ploco.sync.reduce import ButterflyAllReduce
     from p2ploco.sync.reduce_values import Delivery, DroppedFromRound, Outcome
 
-    honest = ButterflyAllReduce._contribute
+    def contributing(butterfly: Any, honest: Callable[..., Any]) -> Callable[..., Any]:
+        async def contribute(ours: list[Any], peer: str, *args: Any) -> Delivery:
+            inbox = ours[0]  # our pieces of the slice: they all name the same group
+            if inbox.group.round_index < start:
+                return await honest(ours, peer, *args)
+            return await send_a_bad_header(butterfly, inbox.group, peer)
+        return contribute
 
-    async def contribute(self: ButterflyAllReduce, ours: list[Any], peer: str, *args: Any) -> Delivery:
-        inbox = ours[0]  # our pieces of the slice: they all name the same group
-        if inbox.group.round_index < start:
-            return await honest(self, ours, peer, *args)
-        reader, writer = await wire.open_stream(self.p2p, peer, self.handler_name)
+    async def send_a_bad_header(butterfly: Any, group: Any, peer: str) -> Delivery:
+        reader, writer = await wire.open_stream(butterfly.p2p, peer, butterfly.handler_name)
         try:
-            head = msgpack.packb([inbox.group.group_id, inbox.group.round_index, "not a map"])
+            head = msgpack.packb([group.group_id, group.round_index, "not a map"])
             writer.write(wire.PREFIX.pack(len(head), 0) + head)
             await writer.drain()
-            await asyncio.wait_for(wire.read_message(reader, 0), self.timeout)
+            await asyncio.wait_for(wire.read_message(reader, 0), butterfly.timeout)
         except (PayloadError, TransportError, TimeoutError):
             pass
         finally:
@@ -171,30 +174,30 @@ def send_bad_headers(start: int) -> None:
         return Delivery(reducer=peer, encoded=0, outcome=Outcome.REFUSED, error=DroppedFromRound(
             f"sent reducer {peer[-8:]} a malformed header, on purpose", Failure.REJECTED))
 
-    ButterflyAllReduce._contribute = contribute
+    faults.swap("reduce.contribute", contributing)
 
 
 def answer_with_deep_status(start: int) -> None:
+    from p2ploco import faults
     from p2ploco.swarm import wire
-    from p2ploco.sync.reduce import ButterflyAllReduce
 
-    honest = ButterflyAllReduce._serve
     deep = b"\x91" * 1020 + b"\x90"  # [[[...[]...]]], 1021 levels: msgpack.packb refuses to write it, peers read it
     head = b"\x82" + msgpack.packb("v") + msgpack.packb(wire.PROTOCOL_VERSION) + msgpack.packb("status") + deep
 
-    async def serve(self: ButterflyAllReduce, stream_info: Any, reader: asyncio.StreamReader,
-                    writer: asyncio.StreamWriter) -> None:
-        if self.current_round < start:
-            return await honest(self, stream_info, reader, writer)
-        try:
-            _, length = await wire.read_header(reader)
-            await reader.readexactly(length)
-            writer.write(wire.PREFIX.pack(len(head), 0) + head)
-            await writer.drain()
-        finally:
-            await wire.hang_up(reader, writer, self.timeout)
+    def answering(butterfly: Any, honest: Callable[..., Any]) -> Callable[..., Any]:
+        async def serve(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if butterfly.current_round < start:
+                return await honest(stream_info, reader, writer)
+            try:
+                _, length = await wire.read_header(reader)
+                await reader.readexactly(length)
+                writer.write(wire.PREFIX.pack(len(head), 0) + head)
+                await writer.drain()
+            finally:
+                await wire.hang_up(reader, writer, butterfly.timeout)
+        return serve
 
-    ButterflyAllReduce._serve = serve
+    faults.swap("answer.contributions", answering)
 
 
 def redo_forever(start: int) -> None:
@@ -401,13 +404,13 @@ def claim_a_fast_step(start: int) -> None:
 
 
 def deny_dial_backs() -> None:
+    from p2ploco import faults
     from p2ploco.errors import PayloadError, TransportError
     from p2ploco.swarm import wire
     from p2ploco.swarm.messages import decode
-    from p2ploco.swarm.reachability import ASK_TIMEOUT, DialBack, DialBackRequest, ip_host
+    from p2ploco.swarm.reachability import ASK_TIMEOUT, DialBackRequest, ip_host
 
-    async def serve(self: DialBack, stream_info: Any, reader: asyncio.StreamReader,
-                    writer: asyncio.StreamWriter) -> None:
+    async def serve(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             header, _ = await wire.read_message(reader, max_payload=0)
             decode(DialBackRequest, header)
@@ -418,7 +421,7 @@ def deny_dial_backs() -> None:
         finally:
             await wire.hang_up(reader, writer, ASK_TIMEOUT)
 
-    DialBack._serve = serve
+    faults.swap("answer.dialback", lambda dial_back, honest: serve)
 
 
 def equivocate(start: int) -> None:

@@ -57,6 +57,7 @@ from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic import Field
 
+from p2ploco import faults
 from p2ploco.errors import PayloadError, TransportError, shown
 from p2ploco.swarm import wire
 from p2ploco.swarm.messages import Message, decode
@@ -151,7 +152,7 @@ class DialBack:
         self.admission = Admission(addresses, limit)
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(HANDLER, self._serve)
+        await self.p2p.add_binary_stream_handler(HANDLER, faults.seam("answer.dialback", self, self._serve))
 
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = str(stream_info.peer_id)

@@ -88,6 +88,7 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
+from p2ploco import faults
 from p2ploco.collective.exchange import Exchange, Span, Traffic, dense_fp32_bytes, pieces
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import Failure, PayloadError, TransportError
@@ -147,7 +148,8 @@ class ButterflyAllReduce:
         self.current_round = 0  # the round of the latest all-reduce here: malformed data is banned from it on
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
+        await self.p2p.add_binary_stream_handler(self.handler_name,
+                                                 faults.seam("answer.contributions", self, self._serve))
 
     async def run(self, group: Group, exchange: SlicedExchange) -> Attempt:
         """All-reduce every slice of ``exchange`` among its holders in ``group``. Unless the attempt names an error,
@@ -158,7 +160,8 @@ class ButterflyAllReduce:
         for slice_name, part in exchange.parts.items():  # off the event loop: it may compress again
             await loop.run_in_executor(None, part.fit_group, len(group.contributors(slice_name)))
         plan = self._plan(group, exchange)
-        sends = [asyncio.create_task(self._contribute(*send)) for send in plan.sends]
+        contribute = faults.seam("reduce.contribute", self, self._contribute)
+        sends = [asyncio.create_task(contribute(*send)) for send in plan.sends]
         reduced: list[Reduced] = []
         own_bytes = 0
         error: AllReduceError | None = None
