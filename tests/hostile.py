@@ -291,7 +291,7 @@ def send_junk_joins(start: int) -> None:
                 except (PayloadError, TransportError, TimeoutError):
                     pass
 
-            others = matchmaker.candidates() - {matchmaker.me}
+            others = matchmaker.coordinator.candidates() - {matchmaker.me}
             await asyncio.gather(*(junk(peer, i) for peer in others for i in range(40)))
         return await honest(self, exchange, round_index, name, *args)
 
@@ -472,10 +472,10 @@ def refuse_everyone(start: int) -> None:
 def hand_out_two_versions(start: int) -> None:
     import dataclasses
 
-    from p2ploco.swarm import matchmaker
     from p2ploco.swarm.evidence import group_statement
+    from p2ploco.sync import coordinator as coordinating
 
-    honest_start, honest_answer = matchmaker.Matchmaker.start, matchmaker.group_answer
+    honest_start, honest_answer = coordinating.Coordinator.start, coordinating.group_answer
     coordinators: list[Any] = []
     handed: dict[str, int] = {}  # group id -> answers handed out so far
 
@@ -494,7 +494,7 @@ def hand_out_two_versions(start: int) -> None:
             coordinator.run_id, other.group_id, bytes.fromhex(other.digest))))
         return honest_answer(other)  # in full: relative to a followed group it would be another version again
 
-    matchmaker.Matchmaker.start, matchmaker.group_answer = start_serving, group_answer
+    coordinating.Coordinator.start, coordinating.group_answer = start_serving, group_answer
 
 
 # behaviour name -> how to patch it in, given the value after ":" (if any) and the round or step after "@"
