@@ -25,6 +25,7 @@ import click  # noqa: E402
 from p2ploco import __version__  # noqa: E402
 from p2ploco.errors import ConfigError, P2PLocoError, ProtocolError, SwarmError  # noqa: E402
 from p2ploco.swarm import DEFAULT_HOST_MADDRS  # noqa: E402
+from p2ploco.swarm.records import PeerRole  # noqa: E402
 
 if TYPE_CHECKING:
     from p2ploco.node import Node
@@ -203,7 +204,8 @@ def node() -> None:
               help="Continue from the checkpoint in --log-dir, then catch up with the swarm; `--resume auto`: continue "
                    "one if there is one, else start afresh (for a supervisor that restarts the node).")
 @click.option("--name", default="", help="Name shown by `p2ploco peers` [derived from the peer id].")
-@click.option("--role", type=click.Choice(["replica", "stage", "hub"]), default="replica", show_default=True,
+@click.option("--role", type=click.Choice([r.value for r in (PeerRole.REPLICA, PeerRole.STAGE, PeerRole.HUB)]),
+              default=PeerRole.REPLICA.value, show_default=True,
               help="Train the whole model, one stage of a pipeline group (needs pipeline.stages >= 2), or nothing: "
                    "a hub holds the model and coordinates and reduces rounds for trainers that cannot be dialled "
                    "(a public machine).")
@@ -267,7 +269,7 @@ def _start_node(config_path: str | None, initial_peers: tuple[str, ...], run_doc
     if status_port is None and click.get_current_context().get_parameter_source("status_host") \
             != click.core.ParameterSource.DEFAULT:
         raise ConfigError("--status-host goes with --status-port PORT (0: any free port)")
-    if role != "stage" and (pipeline_group is not None or stage is not None):
+    if role != PeerRole.STAGE and (pipeline_group is not None or stage is not None):
         raise ConfigError("--group and --stage go with --role stage")
     if pipeline_group is not None and not 0 < len(pipeline_group) <= 64:
         raise ConfigError("--group must be a name of 1 to 64 characters")

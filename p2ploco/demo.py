@@ -13,6 +13,7 @@ from pathlib import Path
 
 from p2ploco.launch import LocalSwarm
 from p2ploco.metrics import format_table, human_bytes
+from p2ploco.swarm.records import PeerRole
 
 POLL_SECONDS = 0.5  # how often the demo looks at the nodes' metrics files to print progress
 SAMPLE_TOKENS = 80  # tokens of the sample that ends the demo
@@ -34,7 +35,7 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
     members += [(f"node{i}", ()) for i in range(1, replicas)]
     if ranks > 1:
         overrides = [f"training.max_ranks={ranks}", *overrides]
-    members += [(f"g{g}s{s}", ("--role", "stage", "--group", f"g{g}", "--stage", str(s))
+    members += [(f"g{g}s{s}", ("--role", PeerRole.STAGE.value, "--group", f"g{g}", "--stage", str(s))
                  + (serves if not replicas and g == s == 0 else ()))
                 for g in range(groups) for s in range(stages)]
     what = (f"{replicas} full replica(s)" + (f" (node0 on {ranks} local ranks)" if ranks > 1 else "")
@@ -163,7 +164,7 @@ def _summary(records: dict[str, list[dict]], seconds: float) -> str:
             f"{per_round('dense_fp32_bytes') / traffic:.0f}x" if traffic else "-",
             f"{per_round('bits_per_param'):.3f}",
             human_bytes(per_round("boundary_bytes_sent") + per_round("boundary_bytes_received"))
-            if rs and rs[-1]["role"] == "stage" else "-",
+            if rs and rs[-1]["role"] == PeerRole.STAGE else "-",
             f"{per_round('inner_seconds'):.1f}", f"{per_round('comm_seconds'):.2f}",
             f"{per_round('round_seconds'):.1f}", f"{per_round('compute_utilisation'):.2f}",
         ))

@@ -29,6 +29,7 @@ from hivemind.dht.node import DHTNode
 from p2ploco.errors import SwarmError, shown
 from p2ploco.launch import HUB_LEAVE_SECONDS, Child, cli
 from p2ploco.swarm.loop import EventLoopThread
+from p2ploco.swarm.records import PeerRole
 from p2ploco.swarm.run_config import ConfigUnserved, fetch_run_document, ranked_fingerprints, save_run_document
 from p2ploco.swarm.survey import find_run, runs_trained, survey
 
@@ -80,7 +81,8 @@ class HubSettings:
         config = [*(["--config", self.config] if self.config is not None else []),
                   *(["--run-document", str(document)] if document is not None else []),
                   *[a for item in self.overrides for a in ("--set", item)]]
-        return cli("node", "start", "--role", "hub", "--run-id", run_id, "--initial-peers", bootstrap_address, *config,
+        return cli("node", "start", "--role", PeerRole.HUB.value, "--run-id", run_id, "--initial-peers",
+                   bootstrap_address, *config,
                    *[a for m in hub_maddrs(self.host_maddrs, port) for a in ("--host-maddrs", m)],
                    *[a for m in announce for a in ("--announce-maddrs", m)],
                    *(["--identity", identity] if identity else []), "--log-dir", str(self.log_dir / run_id),

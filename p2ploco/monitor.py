@@ -20,7 +20,7 @@ from typing import Any
 
 from p2ploco.errors import shown
 from p2ploco.metrics import format_table, human_bytes
-from p2ploco.swarm.records import PeerRecord
+from p2ploco.swarm.records import PeerRecord, PeerRole
 from p2ploco.swarm.status_document import MAX_STATUS_BYTES, Survey
 
 
@@ -41,8 +41,8 @@ COLUMNS = ("name", "peer", "role", "group", "stage", "state", "reach", "takes pa
 def peer_rows(s: Survey) -> list[tuple[str, ...]]:
     rows = []
     for p in s.peers:
-        trains = p.role != "bootstrap"
-        staged = p.role == "stage"
+        trains = p.role != PeerRole.BOOTSTRAP
+        staged = p.role == PeerRole.STAGE
         rows.append((p.name, p.peer_id[-8:], p.role, p.group if staged else "-", str(p.stage) if staged else "-",
                      p.state, str(p.reachability), s.takes_part(p), str(p.round) if trains else "-",
                      str(p.inner_step) if trains else "-", _number(p.loss), _number(p.eval_loss),

@@ -41,6 +41,7 @@ from p2ploco.swarm.updates import Chain, UpdateKeeper, caught_up, describe_chain
 from p2ploco.swarm.upload_cap import cap_uploads
 from p2ploco.sync.audit import Audits
 from p2ploco.sync.communicator import SwarmCommunicator
+from p2ploco.sync.coordinator import Coordinator
 from p2ploco.sync.decide import RoundCommit
 from p2ploco.sync.form import Matchmaker
 from p2ploco.sync.group import GroupBook
@@ -409,8 +410,10 @@ class Arrival:
                 return signer.public_key if peer == me_id else directory.keys.get(peer)
 
             book = GroupBook()
-            matchmaker = Matchmaker(p2p, directory, self.run_id, config.matchmaking_timeout, bans, stages, book,
-                                    max_tokens, signer, key_of, reachability.dials_out)
+            coordinator = Coordinator(p2p, directory, self.run_id, config.matchmaking_timeout, bans, stages, book,
+                                      max_tokens, signer, reachability.dials_out)
+            matchmaker = Matchmaker(p2p, directory, coordinator, self.run_id, config.matchmaking_timeout, bans, stages,
+                                    max_tokens, key_of, reachability.dials_out)
             deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
                                          config.max_transfer_timeout)
             audits = Audits(p2p, self.run_id, deadlines.base, config.audit)
@@ -420,7 +423,7 @@ class Arrival:
             updates = UpdateKeeper()
             state_server = StateServer(p2p, self.run_id, deadlines, updates.find)
             config_server = ConfigServer(p2p, self.run_id, document, deadlines.base)
-            for service in (matchmaker, audits, butterfly, commit, state_server, config_server):
+            for service in (coordinator, audits, butterfly, commit, state_server, config_server):
                 await service.start()
             await directory.store_record()
             directory.start_heartbeat()

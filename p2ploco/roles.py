@@ -38,12 +38,12 @@ from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formati
 from p2ploco.pipeline.links import RemoteTransport, Schedule, StageLinks, StageLinkServer
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.ranks import LocalRanks
-from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.records import PeerRole, PeerState
 from p2ploco.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-REPLICA, STAGE, HUB = "replica", "stage", "hub"
+REPLICA, STAGE, HUB = PeerRole.REPLICA, PeerRole.STAGE, PeerRole.HUB  # what a node trains as: its record's role
 IN_ROUND = (PeerState.TRAINING, PeerState.AVERAGING)  # a stage that announced it is in for its round
 ASSEMBLY_POLL = 0.25  # seconds between looks at whether the other stages of a group are in for the round
 

@@ -19,7 +19,7 @@ from p2ploco.outer import build_outer
 from p2ploco.peer import Swarm
 from p2ploco.swarm.identity import new_key_file
 from p2ploco.swarm.state import Snapshot
-from p2ploco.sync.form import best_coordinator
+from p2ploco.sync.join import best_coordinator
 from p2ploco.testing.communicator import InProcessGroup
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

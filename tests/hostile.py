@@ -285,7 +285,7 @@ def send_junk_joins(start: int) -> None:
                     except (PayloadError, TransportError, TimeoutError):
                         pass
 
-                others = matchmaker.candidates() - {communicator.me.peer_id}
+                others = matchmaker.coordinator.candidates() - {communicator.me.peer_id}
                 await asyncio.gather(*(junk(peer, i) for peer in others for i in range(40)))
             return await honest(sync)
         return with_junk
@@ -468,9 +468,9 @@ def hand_out_two_versions(start: int) -> None:
     import dataclasses
 
     from p2ploco.swarm.evidence import group_statement
-    from p2ploco.sync import form
+    from p2ploco.sync import coordinator as coordinating
 
-    honest_start, honest_answer = form.Matchmaker.start, form.group_answer
+    honest_start, honest_answer = coordinating.Coordinator.start, coordinating.group_answer
     coordinators: list[Any] = []
     handed: dict[str, int] = {}  # group id -> answers handed out so far
 
@@ -489,7 +489,7 @@ def hand_out_two_versions(start: int) -> None:
             coordinator.run_id, other.group_id, bytes.fromhex(other.digest))))
         return honest_answer(other)  # in full: relative to a followed group it would be another version again
 
-    form.Matchmaker.start, form.group_answer = start_serving, group_answer
+    coordinating.Coordinator.start, coordinating.group_answer = start_serving, group_answer
 
 
 # behaviour name -> how to patch it in, given the value after ":" (if any) and the round or step after "@"

@@ -34,8 +34,8 @@ from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.records import PeerState
 from p2ploco.sync.communicator import PARTNER_ROUNDS
 from p2ploco.sync.contribute import parse_reply
-from p2ploco.sync.form import best_coordinator
 from p2ploco.sync.group import Group
+from p2ploco.sync.join import best_coordinator
 from p2ploco.sync.reduce_values import ReducerElsewhere, ReduceStatus
 from p2ploco.testing.communicator import InProcessGroup
 
@@ -223,7 +223,7 @@ def test_a_sign_flipped_contribution_is_left_out_by_every_reducer_over_hivemind(
 
 
 def test_a_join_that_claims_more_tokens_than_a_round_holds_is_left_out(trio):
-    coordinator, joiner = trio[0].communicator.matchmaker, trio[1]
+    coordinator, joiner = trio[0].communicator.matchmaker.coordinator, trio[1]
     round_index = next(rounds)
     request = {"round": round_index, "name": "params", "config": coordinator.directory.me.fingerprint,
                "state": "start-state", "pipeline": "", "unreachable": [], "tokens": 5001, "dial_out": False,
@@ -451,9 +451,10 @@ def test_a_formation_waits_for_a_peer_still_finishing_the_previous_round(trio):
     tensors = [random_tensors(60 + i) for i in range(3)]
 
     def joined_or_closed() -> bool:
-        matchmakers = [s.communicator.matchmaker for s in trio]
-        return any(k[0] == round_index and len(f.members) == 2 for m in matchmakers for k, f in list(m._forming.items())
-                   ) or any(k[0] == round_index for m in matchmakers for k in m.book.formations())
+        coordinators = [s.communicator.matchmaker.coordinator for s in trio]
+        return any(k[0] == round_index and len(f.members) == 2
+                   for c in coordinators for k, f in list(c._forming.items())) \
+            or any(k[0] == round_index for c in coordinators for k in c.book.formations())
 
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(s.communicator.all_reduce, DenseMean(t), round_index, "params")
@@ -485,7 +486,7 @@ def test_the_coordinator_of_a_round_does_not_follow_the_state_it_starts_from(tri
                                                 for s, e in zip(trio, exchanges)]]
     assert all(len(s.peers) == 3 and s.committed for s in stats)
     [coordinator] = [s.peer_id for s in trio
-                     for k in s.communicator.matchmaker.book.formations() if k[0] == round_index]
+                     for k in s.communicator.matchmaker.coordinator.book.formations() if k[0] == round_index]
     assert coordinator == by_round
 
 
@@ -501,7 +502,7 @@ def test_a_member_that_asks_its_coordinator_again_gets_the_same_group(trio):
                                                 for s, e in zip(trio, exchanges)]]
     assert all(len(s.peers) == 3 for s in stats)
     [(coordinator, key, group)] = [(s, k, g) for s in trio
-                                   for k, g in s.communicator.matchmaker.book.formations().items()
+                                   for k, g in s.communicator.matchmaker.coordinator.book.formations().items()
                                    if k[0] == round_index]
     member = next(s for s in trio if s is not coordinator)
     request = {"round": key[0], "name": key[1], "config": key[2], "state": key[3], "pipeline": "", "unreachable": [],
@@ -527,7 +528,7 @@ def test_a_member_of_a_dead_group_that_rejoins_after_a_lost_vote_never_opens_a_f
     answer = member.loop.run(matchmaker._ask(coordinator.peer_id, request, 10), 15)
     assert answer == {"v": answer["v"], "status": "late", "reason": f"no group of round {round_index} is forming at "
                                                                       f"coordinator {coordinator.peer_id[-8:]}"}
-    assert not [k for k in coordinator.communicator.matchmaker._forming if k[0] == round_index]
+    assert not [k for k in coordinator.communicator.matchmaker.coordinator._forming if k[0] == round_index]
 
 
 def test_joins_from_outside_the_run_are_refused_and_do_not_disturb_its_rounds(trio):
@@ -538,7 +539,7 @@ def test_joins_from_outside_the_run_are_refused_and_do_not_disturb_its_rounds(tr
     for s in trio:
         s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
     assert all(s.flush() for s in trio)
-    coordinator = trio[0].communicator.matchmaker
+    coordinator = trio[0].communicator.matchmaker.coordinator
     loop = trio[0].loop
     outsider = loop.run(P2P.create(host_maddrs=LOOPBACK, initial_peers=trio[0].addresses()), 60)
     try:
@@ -731,8 +732,8 @@ def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_t
         round_index, coordinator, members = coordinator_and_members("dead-coordinator", 4, config, swarms)
         ids = {s.peer_id for s in swarms}
         holders = {s.peer_id for s in members[:answered]}
-        matchmaker = coordinator.communicator.matchmaker
-        join_here, released = matchmaker._join_here, asyncio.Event()
+        serving = coordinator.communicator.matchmaker.coordinator
+        join_here, released = serving.join_here, asyncio.Event()
 
         async def answer_some(sender: str, request: dict) -> dict:
             answer = await join_here(sender, request)
@@ -740,7 +741,7 @@ def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_t
                 await released.wait()  # it dies before it answers the others
             return answer
 
-        matchmaker._join_here = answer_some
+        serving.join_here = answer_some
         inputs = [random_tensors(110 + i) for i in range(3)]
         exchanges = [DenseMean(t) for t in inputs]
         pending = [s.communicator.start_all_reduce(e, round_index, "params") for s, e in zip(members, exchanges)]
@@ -755,7 +756,7 @@ def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_t
         assert [s.attempts for s in stats] == [2 if m.peer_id in holders else 1 for m in members]
         assert all((Failure.NO_DECISION in s.failures) == (answered == 2) for s in stats[:answered])
         nearest = best_coordinator(ids - {coordinator.peer_id}, round_index)
-        [group] = [g for s in members for k, g in s.communicator.matchmaker.book.formations().items()
+        [group] = [g for s in members for k, g in s.communicator.matchmaker.coordinator.book.formations().items()
                    if k[0] == round_index]
         assert (group.coordinator, group.peers) == (nearest, tuple(m.peer_id for m in members))
     finally:

@@ -16,7 +16,7 @@ from p2ploco.config import load_config
 from p2ploco.errors import Failure
 from p2ploco.launch import REPO_ROOT, TINY_CONFIG, Child, LocalSwarm
 from p2ploco.metrics import read_records
-from p2ploco.sync.form import best_coordinator
+from p2ploco.sync.join import best_coordinator
 
 FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=4",
         "--set", "swarm.heartbeat_interval=0.5", "--set", "training.checkpoint_every=2"]

@@ -95,12 +95,12 @@ def test_a_hubs_join_does_not_start_the_formations_wait_the_first_contribution_d
     Started at the hub's join, the wait would have closed a group of the hub alone, and the trainers would
     have been told they were late."""
     hub, trainers = helped
-    matchmaker = hub.communicator.matchmaker
+    coordinator = hub.communicator.matchmaker.coordinator
     opened = threading.Event()
 
     def wait_for_the_hubs_formation():
         deadline = time.monotonic() + 30
-        while not any(key[0] == 2 for key in list(matchmaker._forming)) and time.monotonic() < deadline:
+        while not any(key[0] == 2 for key in list(coordinator._forming)) and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(2 * CONFIG.matchmaking_timeout)  # the time that passes is what is tested
         opened.set()
@@ -138,7 +138,7 @@ def test_a_group_that_weighs_a_trainer_otherwise_than_it_joined_or_not_at_all_is
     def accept(tokens: dict[str, int]):
         group = Group("g", 40, "params", peers, hub.peer_id, holdings=tuple((p, ("params",)) for p in peers),
                       tokens=tuple((p, tokens[p]) for p in peers), dial_out=(me.peer_id, other.peer_id))
-        signed = dataclasses.replace(group, grant=hub.communicator.matchmaker.signer.sign(
+        signed = dataclasses.replace(group, grant=hub.communicator.matchmaker.coordinator.signer.sign(
             group_statement("helped", group.group_id, bytes.fromhex(group.digest))))  # as the hub hands it out
         return me.loop.run(me.communicator.matchmaker._accept(signed, {"params": ("x", "y")}, 100, []), 30)
 

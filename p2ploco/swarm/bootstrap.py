@@ -17,7 +17,7 @@ from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack
-from p2ploco.swarm.records import BOOTSTRAP_KEY, MAX_ADDRESSES, PeerRecord
+from p2ploco.swarm.records import BOOTSTRAP_KEY, MAX_ADDRESSES, PeerRecord, PeerRole
 from p2ploco.swarm.wire import DAEMON_ERRORS
 
 
@@ -30,7 +30,7 @@ async def start_bootstrap(initial_peers: Sequence[str], host_maddrs: Sequence[st
     await DialBack(node.protocol.p2p, addresses).start()  # joining nodes ask it whether they can be dialled
     peer_id = str(node.peer_id)
     me = PeerRecord(peer_id=peer_id, round=0, state="serving", fingerprint="", version=__version__,
-                    name=name or human_name(peer_id), role="bootstrap", addresses=addresses[:MAX_ADDRESSES])
+                    name=name or human_name(peer_id), role=PeerRole.BOOTSTRAP, addresses=addresses[:MAX_ADDRESSES])
     defaults = SwarmConfig()
     directory = PeerDirectory(node, BOOTSTRAP_KEY, owner, me, defaults.heartbeat_interval, defaults.peer_ttl)
     await directory.store_record()

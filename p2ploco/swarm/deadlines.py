@@ -30,7 +30,7 @@ margin, within the bound:
   yet) counts as that round. So a claimed slow step makes the others wait at most one round's work (which an honest
   peer that late would have done) and the slack; a claimed fast one shortens only the wait for its own claim, and an
   honest slow peer's own claim keeps the wait for it. A late peer that keeps being expected stretches the next
-  round by what it cost this one, for the STRAGGLER_MISSES rounds the matchmaker still expects it. A peer that has
+  round by what it cost this one, for the STRAGGLER_MISSES rounds the coordinator still expects it. A peer that has
   not finished a round yet (a joiner that coordinates) goes by the lower median of the rounds its peers' records
   state, which one key of three moves no more than the others; before anyone has (a run's first round), and never
   beyond it, ``swarm.matchmaking_timeout``.

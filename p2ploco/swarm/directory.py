@@ -18,8 +18,9 @@ victim, itself and record-only Sybils would otherwise put off the victim's next 
 names Sybils, and decide its rounds meanwhile (it is the one candidate in that view). A group formed by a
 coordinator, or naming a member, whose record the last lookup did not return is followed for one round only,
 until the next lookup (``doubted``). Whoever needs the whole swarm looks every heartbeat: a peer that follows no
-group (it joins, catches up, was left out or alone), and a coordinator while it forms a group (``matchmaker.py``; it
-is one peer per round). A peer the round names that this view does not know (a joiner) is looked up on demand.
+group (it joins, catches up, was left out or alone), and a coordinator while it forms a group
+(``sync/coordinator.py``; it is one peer per round). A peer the round names that this view does not know (a joiner)
+is looked up on demand.
 The directory counts the bytes of the values it stores and reads (``dht_bytes``), so that a round record can say
 what coordination cost.
 """

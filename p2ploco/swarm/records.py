@@ -11,7 +11,7 @@ with it, and a record that does not fit is dropped by the DHT layer and never re
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
@@ -41,6 +41,15 @@ class PeerState(enum.StrEnum):
     LEAVING = "leaving"  # finishing up; joins no new group
     SERVING = "serving"  # a bootstrap peer
     STANDBY = "standby"  # a stage peer waiting for a slot, or for the other stages of its pipeline group
+
+
+class PeerRole(enum.StrEnum):
+    """What a peer is in its run, as its record says: the one place the role names are written (``roles.py``)."""
+
+    REPLICA = "replica"  # a full replica
+    STAGE = "stage"  # one stage of a pipeline group
+    HUB = "hub"  # a replica that trains nothing: it joins every round with no contribution (``roles.py``)
+    BOOTSTRAP = "bootstrap"  # a bootstrap peer: it serves the DHT and trains in no run
 
 
 BOOTSTRAP_KEY = "p2ploco/bootstrap"  # records of bootstrap peers, shared by all runs
@@ -89,7 +98,7 @@ class PeerRecord(BaseModel):
     version: Short = ""
     name: Short = ""  # short human name
     # a full replica, a pipeline stage, a hub (a replica that trains nothing: ``roles.py``), a bootstrap peer
-    role: Literal["replica", "stage", "hub", "bootstrap"] = "replica"
+    role: status_of(PeerRole) = PeerRole.REPLICA
     device: Text = ""
     # local processes that train it together (``p2ploco.ranks``): shown only, it weighs nothing (a contribution's
     # weight is capped by the run's ``training.max_ranks``, whatever a record says)
@@ -143,7 +152,8 @@ class PeerRecord(BaseModel):
 
     def to_value(self) -> dict[str, Any]:
         """The record as stored in the DHT: a msgpack-able dict (hivemind's serializer takes no str subclass)."""
-        return {**self.model_dump(), "state": str(self.state), "reachability": str(self.reachability)}
+        return {**self.model_dump(), "state": str(self.state), "reachability": str(self.reachability),
+                "role": str(self.role)}
 
 
 def parse_records(found: object, now: float) -> dict[str, tuple[PeerRecord, float]]:

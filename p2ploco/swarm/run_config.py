@@ -47,7 +47,7 @@ from p2ploco.config import document_fingerprint
 from p2ploco.errors import ConfigError, PayloadError, SwarmError, TransportError, shown
 from p2ploco.swarm import wire
 from p2ploco.swarm.messages import MAX_TOKENS, Digest, Message, decode
-from p2ploco.swarm.records import PeerRecord, PeerState
+from p2ploco.swarm.records import PeerRecord, PeerRole, PeerState
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def ranked_fingerprints(records: Iterable[PeerRecord], me: str, mine: str = "",
     peers train with as with its own), then to the lower fingerprint."""
     holders: dict[str, list[str]] = {}
     for record in records:
-        if (record.role != "bootstrap" and record.fingerprint and record.peer_id != me
+        if (record.role != PeerRole.BOOTSTRAP and record.fingerprint and record.peer_id != me
                 and record.state != PeerState.LEAVING
                 and (expires_in is None or fresh(record, expires_in.get(record.peer_id, 0.0)))):
             holders.setdefault(record.fingerprint, []).append(record.peer_id)
@@ -166,7 +166,7 @@ async def fetch_run_document(p2p: P2P, run_id: str, records: Iterable[PeerRecord
         return None
     peers = sum(len(holders) for _, holders in ranked)
     fingerprint, holders = ranked[0]
-    trainers = {r.peer_id: r.fingerprint for r in records if r.role != "bootstrap" and r.fingerprint}
+    trainers = {r.peer_id: r.fingerprint for r in records if r.role != PeerRole.BOOTSTRAP and r.fingerprint}
     for peer in (p for p in dict.fromkeys(typed) if trainers.get(p, fingerprint) != fingerprint and p != me):
         if await _ask(p2p, run_id, peer, trainers[peer], mine) is not None:
             raise ConfigConflict(f"the peer you named ({peer[-8:]}) trains another config of run '{shown(run_id)}' "

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
 
 from p2ploco.swarm.messages import decode
-from p2ploco.swarm.records import Amount, Count, PeerRecord
+from p2ploco.swarm.records import Amount, Count, PeerRecord, PeerRole
 
 STATUS_PATH = "/peers"  # what a node's status endpoint serves: ``status_answer`` of its survey
 PEERS_DOCUMENT = "/api/v1/peers"  # the same, among the dashboard's documents (``dashboard/documents.py``)
@@ -42,26 +42,26 @@ class Survey:
 
     @property
     def trainers(self) -> list[PeerRecord]:
-        return [p for p in self.peers if p.role not in ("bootstrap", "hub")]
+        return [p for p in self.peers if p.role not in (PeerRole.BOOTSTRAP, PeerRole.HUB)]
 
     @property
     def hubs(self) -> list[PeerRecord]:
         """The public machines that serve the run's rounds without training (``roles.py``)."""
-        return [p for p in self.peers if p.role == "hub"]
+        return [p for p in self.peers if p.role == PeerRole.HUB]
 
     @property
     def coordinators(self) -> list[PeerRecord]:
         """The peers that can coordinate and reduce a round: those others can dial, hubs among them."""
-        return [p for p in self.peers if p.role != "bootstrap" and not p.dials_out]
+        return [p for p in self.peers if p.role != PeerRole.BOOTSTRAP and not p.dials_out]
 
     def takes_part(self, peer: PeerRecord) -> str:
         """How ``peer`` takes part in the run's rounds: directly (others dial it: it coordinates and reduces), as a
         hub, or, where it only dials out, through the hubs or the public trainers that reduce for it; "nobody to
         coordinate" where there are none (it applies no round: ``SwarmCommunicator._stranded``)."""
-        if peer.role == "bootstrap":
+        if peer.role == PeerRole.BOOTSTRAP:
             return "-"
-        if peer.role == "hub":
-            return "hub"
+        if peer.role == PeerRole.HUB:
+            return PeerRole.HUB.value
         if not peer.dials_out:
             return "direct"
         if self.hubs:

@@ -12,7 +12,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from p2ploco.errors import SwarmError, shown
-from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, parse_records, peers_key
+from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, PeerRole, parse_records, peers_key
 from p2ploco.swarm.schema import RecordSchema
 from p2ploco.swarm.status_document import Survey
 
@@ -71,6 +71,7 @@ async def survey(node: DHTNode, run_id: str) -> Survey:
         values = [getattr(item, "value", None) for item in found]
         return await asyncio.get_running_loop().run_in_executor(None, _parsed, values, now), now
 
-    records, now = await _patiently(look, lambda answer: any(r.role != "bootstrap" for r, _ in answer[0].values()))
-    peers = sorted((r for r, _ in records.values()), key=lambda r: (r.role != "bootstrap", r.name, r.peer_id))
+    records, now = await _patiently(look, lambda answer: any(r.role != PeerRole.BOOTSTRAP
+                                                              for r, _ in answer[0].values()))
+    peers = sorted((r for r, _ in records.values()), key=lambda r: (r.role != PeerRole.BOOTSTRAP, r.name, r.peer_id))
     return Survey(run_id, peers, {p: round(e - now, 1) for p, (_, e) in records.items()})

@@ -136,7 +136,7 @@ class GroupBook:
     against them, and a straggler is told "late" (or, if it is a member whose answer was lost, given its group
     again). A group is kept while it is among the KEEP_PER_PEER latest of some member's (and for at most
     KEEP_SECONDS), so junk cannot push a real group out: a peer that opens formation after formation only ages
-    its own groups. (Only peers with a live record of the run may join at all: ``Matchmaker._refusal``.)"""
+    its own groups. (Only peers with a live record of the run may join at all: ``Coordinator._refusal``.)"""
 
     def __init__(self) -> None:
         self._groups: dict[str, tuple[Group, float]] = {}  # group id -> (group, when it was added)

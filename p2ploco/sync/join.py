@@ -7,7 +7,9 @@ more, so that one key weighs at most one full peer), and whether others can dial
 group lists both for every member, so every reducer weighs a member alike, and the members that only dial out reduce
 no span.
 
-A join request, a wire message (``swarm/wire.py``) with no payload::
+A peer asks the round's coordinator: the peer with the smallest rendezvous score (``rendezvous``) among those it may
+ask; one that knows a better one redirects it there. A join request, a wire message (``swarm/wire.py``) with no
+payload::
 
     {v, round, name, config, state, slices: {slice: [exchange fingerprint, hash]}, pipeline,
      unreachable: [peer ids the joiner could not reach], tokens, dial_out, follows: group digest}
@@ -28,6 +30,7 @@ a round whatever N (``JoinAnswer.on``).
 from __future__ import annotations
 
 import enum
+import hashlib
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
@@ -52,6 +55,23 @@ from p2ploco.swarm.messages import (
 from p2ploco.sync.group import FormationKey, Group, Member
 
 MAX_LEFT_OUT = 256  # peers a group answer may list as left out
+
+
+def join_handler(run_id: str) -> str:
+    """The protocol a run's coordinators serve joins on."""
+    return f"p2ploco/{run_id}/join"
+
+
+def rendezvous(round_index: int, peer: str) -> bytes:
+    """A peer's score for coordinating round ``round_index``; the smallest score wins. It depends on nothing a
+    peer sends during the run: seeded by the round's starting state, a reducer could try low-bit variants of its
+    span until the next round's hash made it coordinator, every round."""
+    return hashlib.sha256(f"{round_index}/{peer}".encode()).digest()
+
+
+def best_coordinator(candidates: set[str], round_index: int) -> str:
+    """The peer of ``candidates`` that coordinates ``round_index``: the smallest rendezvous score."""
+    return min(candidates, key=lambda peer: rendezvous(round_index, peer))
 
 
 class JoinStatus(enum.StrEnum):
