@@ -31,7 +31,7 @@ from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, detect
-from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerState, Reachability, parse_records, peers_key
+from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerRole, PeerState, Reachability, parse_records, peers_key
 from p2ploco.swarm.run_config import ConfigServer, RunDocument, fetch_run_document, tell_conflict
 from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, served_state
 from p2ploco.swarm.status import Host, Route, StatusServer, Surveyed
@@ -71,7 +71,7 @@ class Swarm:
     @classmethod
     def join(cls, run_id: str, config: SwarmConfig, document: dict[str, Any], initial_peers: Sequence[str] = (),
              host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS, announce_maddrs: Sequence[str] = (),
-             identity_path: str | None = None, name: str = "", device: str = "", role: str = "replica",
+             identity_path: str | None = None, name: str = "", device: str = "", role: PeerRole = PeerRole.REPLICA,
              stages: int = 1, max_tokens: int = MAX_TOKENS) -> Swarm:
         """Arrive (``Arrival``) and enter at once: for a peer whose config is settled (``document``: its run
         document, ``Config.run_document``)."""
@@ -264,7 +264,8 @@ class Swarm:
         """The fresh, not-leaving records of stage peers of our config (this one's included), from a fresh look."""
         async def look() -> list[PeerRecord]:
             live = await self.directory.refresh()
-            return [r for r in live.values() if r.role == "stage" and r.fingerprint == self.directory.me.fingerprint
+            return [r for r in live.values()
+                    if r.role == PeerRole.STAGE and r.fingerprint == self.directory.me.fingerprint
                     and r.state != PeerState.LEAVING and r.group and self.directory.fresh(r.peer_id)]
 
         return self.loop.run(look(), CALL_TIMEOUT)
@@ -375,7 +376,7 @@ class Arrival:
         self.loop.run(tell_conflict(self.node.protocol.p2p, self.run_id, run, mine))
 
     def enter(self, config: SwarmConfig, document: dict[str, Any], name: str = "", device: str = "",
-              role: str = "replica", stages: int = 1, max_tokens: int = MAX_TOKENS) -> Swarm:
+              role: PeerRole = PeerRole.REPLICA, stages: int = 1, max_tokens: int = MAX_TOKENS) -> Swarm:
         """Publish this peer's record (carrying ``document``'s fingerprint) and serve rounds, state and the run's
         config. ``stages``: how many slices a pipeline group of this run brings to a round; ``max_tokens``: the
         most tokens one contribution may weigh (``Config.max_contribution_tokens``)."""
@@ -412,8 +413,9 @@ class Arrival:
             book = GroupBook()
             coordinator = Coordinator(p2p, directory, self.run_id, config.matchmaking_timeout, bans, stages, book,
                                       max_tokens, signer, reachability.dials_out)
-            matchmaker = Matchmaker(p2p, directory, coordinator, self.run_id, config.matchmaking_timeout, bans, stages,
-                                    max_tokens, key_of, reachability.dials_out)
+            this_peer = ThisPeer(me_id, role, me.fingerprint)
+            matchmaker = Matchmaker(p2p, directory, coordinator, this_peer, self.run_id, config.matchmaking_timeout,
+                                    bans, stages, max_tokens, key_of, reachability.dials_out)
             deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
                                          config.max_transfer_timeout)
             audits = Audits(p2p, self.run_id, deadlines.base, config.audit)
@@ -427,7 +429,7 @@ class Arrival:
                 await service.start()
             await directory.store_record()
             directory.start_heartbeat()
-            communicator = SwarmCommunicator(loop, ThisPeer(me_id, role, me.fingerprint), directory,
+            communicator = SwarmCommunicator(loop, this_peer, directory,
                                              config.matchmaking_timeout, matchmaker, butterfly, commit)
             return Swarm(loop, node, directory, communicator, state_server, config_server, config, identity, bans,
                          updates)

@@ -159,7 +159,7 @@ class SwarmCommunicator(Communicator):
             raise TrainingError(f"this peer published slices {sorted(held)} but averages {sorted(sync.exchange.parts)}")
         slices = {k: (part.fingerprint(), held[k]) for k, part in sync.exchange.parts.items()}
         group = await self.matchmaker.form_group(sync.round_index, sync.name, slices, self.directory.me.group,
-                                                 sync.failures, sync.exchange.tokens)
+                                                 sync.failures, self.me.weight(sync.exchange.tokens))
         sync.grouped.set()  # the join no longer reads this peer's record: it may announce its next round
         return self._grouped(sync, group)
 

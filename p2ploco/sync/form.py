@@ -73,6 +73,7 @@ from p2ploco.sync.join import (
     parse_group,
     rendezvous,
 )
+from p2ploco.sync.this_peer import ThisPeer
 from p2ploco.sync.whereabouts import Whereabouts
 
 logger = logging.getLogger(__name__)
@@ -85,20 +86,19 @@ class Matchmaker:
     """This peer's joins: it asks each round's coordinator for its group (and the next one, if that group dies),
     checks the group it is given, and follows the group it applied its last round with."""
 
-    def __init__(self, p2p: P2P, directory: PeerDirectory, coordinator: Coordinator, run_id: str, timeout: float,
-                 bans: Bans, stages: int, max_tokens: int, keys: Callable[[str], bytes | None],
+    def __init__(self, p2p: P2P, directory: PeerDirectory, coordinator: Coordinator, me: ThisPeer, run_id: str,
+                 timeout: float, bans: Bans, stages: int, max_tokens: int, keys: Callable[[str], bytes | None],
                  dial_out: bool = False):
-        """``coordinator``: this peer's coordinator side, which it asks as any other when it is the round's best, and
-        whose list of the peers that may coordinate it goes by; ``stages``: slices of a pipeline group;
-        ``max_tokens``: the most tokens a member's contribution may weigh (``Config.max_contribution_tokens``);
-        ``keys``: a peer's public key as its record names it (None: unknown), which the groups its coordinators hand
-        out are checked with; ``dial_out``: this peer cannot be dialled (``swarm/reachability.py``), as its joins say.
-        ``timeout``: the bound on a formation's wait (``swarm.matchmaking_timeout``), which its join waits for at
-        most."""
+        """``me``: this peer, as the sync knows it; ``coordinator``: this peer's coordinator side, which it asks as any
+        other when it is the round's best, and whose list of the peers that may coordinate it goes by;
+        ``stages``: slices of a pipeline group; ``max_tokens``: the most tokens a member's contribution may
+        weigh (``Config.max_contribution_tokens``); ``keys``: a peer's public key as its record names it (None:
+        unknown), which the groups its coordinators hand out are checked with; ``dial_out``: this peer cannot be
+        dialled (``swarm/reachability.py``), as its joins say. ``timeout``: the bound on a formation's wait
+        (``swarm.matchmaking_timeout``), which its join waits for at most."""
         self.p2p, self.directory, self.coordinator, self.timeout, self.bans = p2p, directory, coordinator, timeout, bans
         self.run_id, self.keys, self.stages, self.max_tokens, self.dial_out = run_id, keys, stages, max_tokens, dial_out
-        self.me = directory.me.peer_id
-        self.hub = directory.me.role == PeerRole.HUB  # it trains nothing: it joins with no tokens (``roles.py``)
+        self.me, self.hub = me.peer_id, me.hub
         self.handler_name = join_handler(run_id)
         self._leavers: dict[str, int] = {}  # coordinators that answered they are leaving -> the round they said so
         self.following: Group | None = None  # the group this peer applied its last round with
@@ -124,15 +124,16 @@ class Matchmaker:
 
     async def form_group(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
                          pipeline_group: str = "", failures: list[Failure] | None = None,
-                         tokens: int = 1) -> Group | None:
+                         weight: int = 1) -> Group | None:
         """The group this peer all-reduces with in ``round_index``, given the slices it holds (name -> (exchange
-        fingerprint, hash)), the tokens its contribution carries and, for a stage peer, its pipeline group: a group
-        of one (``alone``) if no coordinator could be reached or none put anyone else with it (the caller decides
-        whether it may commit alone), None if it came too late, is banned, was refused, or is leaving, and must
-        apply nothing this round. What went wrong on the way is added to ``failures``."""
+        fingerprint, hash)), what its contribution weighs (``ThisPeer.weight``) and, for a stage peer, its
+        pipeline group: a group of one (``alone``) if no coordinator could be reached or none put anyone else
+        with it (the caller decides whether it may commit alone), None if it came too late, is banned, was
+        refused, or is leaving, and must apply nothing this round. What went wrong on the way is added to
+        ``failures``."""
         failures = failures if failures is not None else []
         base = self.following  # as named in the request: it may change while the join waits (an overlapped round)
-        request = await self._join_request(round_index, name, slices, pipeline_group, tokens, base)
+        request = await self._join_request(round_index, name, slices, pipeline_group, weight, base)
         self._joins[(round_index, name)] = (request, base, slices)
         for old in list(self._joins)[:-KEEP_JOINS]:
             del self._joins[old]
@@ -258,7 +259,7 @@ class Matchmaker:
                                                      f"waited for its first contribution"}
 
     async def _join_request(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
-                            pipeline_group: str, tokens: int, base: Group | None) -> dict[str, Any]:
+                            pipeline_group: str, weight: int, base: Group | None) -> dict[str, Any]:
         """The join this peer sends coordinators: it names the formation by the state digest the swarm starts the
         round from, as this peer's view of the records has it."""
         me = self.directory.me
@@ -272,18 +273,13 @@ class Matchmaker:
             state_digest, _ = round_state(await self.directory.refresh(), me, round_index, banned)
         return {"round": round_index, "name": name, "config": me.fingerprint, "state": state_digest,
                 "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline_group,
-                "unreachable": [], "tokens": self.weight(tokens), "dial_out": self.dial_out,
+                "unreachable": [], "tokens": weight, "dial_out": self.dial_out,
                 "follows": base.digest if base else ""}
 
     def formation_wait(self, round_index: int) -> float:
         """How long a formation of ``round_index`` waits after its first contribution, as a coordinator judges it
         (``Coordinator.formation_wait``)."""
         return self.coordinator.formation_wait(round_index)
-
-    def weight(self, tokens: int) -> int:
-        """What a contribution trained on ``tokens`` weighs in this peer's joins: at least 1, and 0 for a hub, which
-        sends none (``roles.py``)."""
-        return 0 if self.hub else max(1, tokens)
 
     async def _accept(self, group: Group, slices: dict[str, tuple[str, str]], tokens: int, failures: list[Failure]
                       ) -> Group:

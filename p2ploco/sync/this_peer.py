@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-HUB = "hub"  # the role of a peer that trains nothing (``roles.py``): it joins with no weight
+from p2ploco.swarm.records import PeerRole
 
 
 @dataclass(frozen=True)
 class ThisPeer:
     peer_id: str
-    role: str  # as its record says: replica, stage or hub
+    role: PeerRole  # as its record says
     fingerprint: str  # of the run document it trains (``Config.run_document``)
 
     @property
     def hub(self) -> bool:
-        return self.role == HUB
+        return self.role == PeerRole.HUB
 
     def weight(self, tokens: int) -> int:
         """What this peer's contribution weighs in a sync: the tokens its outer algorithm gave it (``weigh``: those
