@@ -51,9 +51,9 @@ from p2ploco.demo import run_demo, scratch_folder, slices_agree
 from p2ploco.host_memory import keep_freed_memory
 from p2ploco.inner import autocast_for
 from p2ploco.launch import REPO_ROOT, TINY_CONFIG
+from p2ploco.machine import resolve_device
 from p2ploco.metrics import format_table, read_records
 from p2ploco.model import Transformer
-from p2ploco.node import resolve_device
 
 MODELS = {  # a config file and --set on top of it
     "tiny": (TINY_CONFIG, []),

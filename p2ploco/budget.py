@@ -32,9 +32,9 @@ the others. (The bound was 2x: the fast peer of a group 1x, 3x, 10x waited for t
 A peer whose single step outlasts the round (the budget is shorter than its own step) would hold every round
 for it; instead it sits rounds out: it trains one step while its record says it is standing by (no coordinator
 waits for it), keeps the step's work as a round not applied keeps it (error feedback or carry, its tokens owed),
-catches up, and contributes that work in the next round without training in it (``Node._round``). Not in its last
-two rounds (``training.rounds``): the step's work lands a round later at the earliest, while the others are still
-there, so it sits those rounds out idle.
+catches up, and contributes that work in the next round without training in it (``sitting``, which ``Node._round``
+asks each round). Not in its last two rounds (``training.rounds``): the step's work lands a round later at the
+earliest, while the others are still there, so it sits those rounds out idle.
 
 A pipeline group's stages step together: each asks its own budget within every step whether another fits, and the
 group stops where any says no (``InnerTrainer.run_round``), so it trains as many steps as its slowest stage's budget
@@ -46,11 +46,15 @@ every round regardless.
 
 from __future__ import annotations
 
+import enum
 import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
+
+from p2ploco.config import InnerConfig
 
 MAX_SPEED_SPREAD = 16  # the fastest step a budget believes is this many times faster than this peer's own
 FAST_COHORT = 2.0  # peers whose steps take at most this many times the fastest's train H steps: timing noise
@@ -170,3 +174,54 @@ class WallClockBudget:
         peers' steps: all of it, so that they never wait for this peer (half a step was a quarter of their round for
         a 3x peer at H = 5, whose second step ran past their five)."""
         return 0.5 if self.round_seconds > 0 else 1.0
+
+
+def round_budget(inner: InnerConfig, hub: bool, own: StepTimes, swarm_step_seconds: Callable[[], Iterable[float]]
+                 ) -> WallClockBudget | FixedSteps | None:
+    """How many inner steps fit in a round: as many as the swarm's round budget allows (for a pipeline stage, as its
+    group's slowest stage's budget allows), unless this peer trains a fixed H (None), or none (a ``hub``)."""
+    if hub:
+        return FixedSteps(0)
+    if inner.fixed_steps:
+        return None
+    return WallClockBudget(inner.steps, own, swarm_step_seconds, inner.round_seconds)
+
+
+class Sitting(enum.StrEnum):
+    """What a peer does in a round, as far as its step's length goes (module docstring)."""
+
+    TRAINS = "trains"  # it trains the round as the others do
+    CONTRIBUTES = "contributes"  # it contributes the work it kept from the round it sat out, without a step
+    STEPS = "steps"  # it sits the round out, training a step while nobody waits for it
+    IDLES = "idles"  # it sits the round out idle: a step's work would land past its last round
+
+
+@dataclass(frozen=True)
+class SitOut:
+    sitting: Sitting
+    wait: float = 0.0  # seconds it waits first (CONTRIBUTES), or for the others' round (IDLES)
+
+    @property
+    def sits_out(self) -> bool:
+        """What its record says: its step outlasts the round (the others' budgets leave its step time out)."""
+        return self.sitting != Sitting.TRAINS
+
+
+def sitting(budget: WallClockBudget | FixedSteps | None, may_sit_out: bool, kept_tokens: int, catchup_seconds: float,
+            formation_wait: Callable[[], float], last_rounds: bool) -> SitOut:
+    """Whether and how this peer sits the round out. Only a replica that trains alone under a blocking schedule
+    ``may_sit_out`` (a pipeline stage cannot: its group steps together), and only where its step outlasts the
+    others' round (``WallClockBudget.outlasted``). With work kept from the round it sat out (``kept_tokens``) it
+    contributes it, joining once the others may be done with their steps: a formation closes its wait
+    (``formation_wait``) after its first contribution, and one that came early would close before them; their
+    round began about as its catch-up did (``catchup_seconds`` ago). Else it trains a step while nobody waits for
+    it, except in its ``last_rounds`` (the last two), where the step's work would land after the others had
+    finished, alone, and its state would part from theirs: it sits the round out idle."""
+    if not (may_sit_out and isinstance(budget, WallClockBudget) and budget.outlasted()):
+        return SitOut(Sitting.TRAINS)
+    if kept_tokens:
+        return SitOut(Sitting.CONTRIBUTES,
+                      max(0.0, budget.others_round_seconds() - catchup_seconds - formation_wait() / 2))
+    if last_rounds:
+        return SitOut(Sitting.IDLES, budget.others_round_seconds())
+    return SitOut(Sitting.STEPS)

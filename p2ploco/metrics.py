@@ -5,15 +5,38 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import blake3
 
 if TYPE_CHECKING:
     import torch
+
+
+# What a round record reads of the round's results, as the modules that make them (above this one, which the
+# data and the status pages import) have them
+class InnerSteps(Protocol):  # ``inner.InnerStats``
+    loss: float
+    tokens: int
+    steps: int
+    seconds: float
+
+
+class Syncs(Protocol):  # ``outer.base.Synced``: its ``all_reduce`` is a ``collective.exchange.AllReduceResult``
+    all_reduce: Any
+    applied: bool
+
+
+class StateOrigin(Protocol):  # ``standing.Membership``
+    joined_round: int
+    source: str
+    catchup_seconds: float
+    catchup_bytes: int
+    catchup_updates: int
 
 
 @dataclass
@@ -75,12 +98,49 @@ class RoundRecord:
     attempts: int = 1  # butterflies the round's all-reduce ran: 2 when it was redone
     failures: dict[str, int] = field(default_factory=dict)  # what went wrong for this node, by kind (errors.Failure)
 
+    @classmethod
+    def of(cls, round_index: int, started: float, previous: Sequence[RoundRecord], membership: StateOrigin,
+           inner: InnerSteps | None = None, synced: Syncs | None = None, **fields: Any) -> RoundRecord:
+        """The record of ``round_index``, made now: of a round that began at ``started`` (its perf_counter()) after
+        the records ``previous``, trained from a state this node came by as ``membership`` says, with its inner
+        steps' ``inner`` stats and its syncs' result ``synced`` (either None: the round had none), and ``fields``,
+        the rest by name (this node's, its state's and its role's)."""
+        values = {"peers": 1, "eval_loss": None, **(_inner_fields(inner) if inner is not None else {}),
+                  **(_sync_fields(synced) if synced is not None else {}), **fields}
+        utilisation = cls.utilisation(float(values.get("inner_seconds", 0.0)), previous, started)
+        return cls(round=round_index, **values, compute_utilisation=utilisation,
+                   round_seconds=time.perf_counter() - started, joined_round=membership.joined_round,
+                   state_source=membership.source, catchup_seconds=membership.catchup_seconds,
+                   catchup_bytes=membership.catchup_bytes, catchup_updates=membership.catchup_updates,
+                   timestamp=time.time())
+
     @staticmethod
     def utilisation(inner_seconds: float, previous: Sequence[RoundRecord], started: float) -> float:
         """``compute_utilisation`` of a record made now: inner seconds over the wall seconds since the previous
         record (``previous[-1]``; for a node's first record, since ``started``, the round's perf_counter())."""
         wall = time.time() - previous[-1].timestamp if previous else time.perf_counter() - started
         return min(1.0, inner_seconds / wall) if wall > 0 else 0.0
+
+
+def _inner_fields(stats: InnerSteps) -> dict[str, Any]:
+    """What a round record says of the round's inner steps."""
+    return {"loss": stats.loss, "tokens": stats.tokens, "inner_steps": stats.steps, "inner_seconds": stats.seconds}
+
+
+def _sync_fields(synced: Syncs) -> dict[str, Any]:
+    """What a round record says of the round's syncs: who took part and how it ended, and the traffic."""
+    result, traffic = synced.all_reduce, synced.all_reduce.traffic
+    syncs = traffic.sync_bytes or [traffic.bytes_sent + traffic.bytes_received]
+    return {"peers": len(result.peers), "applied": synced.applied, "excluded": result.excluded,
+            "refused_by": result.refused_by,
+            "contributed_tokens": result.tokens, "dropped_peers": result.dropped,
+            "aggregate_tokens": sum(result.weights.values()) if synced.applied else 0,
+            "clipped_peers": result.clipped, "opposed_peers": result.opposed, "attempts": result.attempts,
+            "failures": dict(Counter(str(failure) for failure in result.failures)),
+            "bytes_sent": traffic.bytes_sent, "bytes_received": traffic.bytes_received,
+            "dense_fp32_bytes": traffic.dense_fp32_bytes, "comm_seconds": traffic.seconds,
+            "bits_per_param": 8 * traffic.contribution_bytes / traffic.params if traffic.params else 0.0,
+            "fragment_bytes": syncs, "peak_sync_bytes": max(syncs)}
 
 
 class MetricsLog:

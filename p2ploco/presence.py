@@ -1,8 +1,8 @@
 """What a node shows the swarm, one verb per moment of a round.
 
-Its record's phase, round and state digests (``Swarm.announce_progress``), its results (``Swarm.update_record``)
-and the state it serves to peers catching up (``Swarm.serve_state``). Every verb returns at once: records are
-stored in the background, except where a verb says otherwise.
+Its machine, its record's phase, round and state digests (``Swarm.announce_progress``), its pace and results
+(``Swarm.update_record``, ``Swarm.track``) and the state it serves to peers catching up (``Swarm.serve_state``).
+Every verb returns at once: records are stored in the background, except where a verb says otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +20,19 @@ from p2ploco.swarm.records import EVAL_HISTORY, PeerState
 class Presence:
     def __init__(self, swarm: Swarm, role: Role):
         self.swarm, self.role = swarm, role
+
+    @staticmethod
+    def announce_machine(swarm: Swarm, device: str, ranks: int) -> None:
+        """The device this peer trains on and its local ranks: shown as it starts, before it has a role."""
+        swarm.update_record(device=device, ranks=ranks)
+
+    def track_steps(self) -> None:
+        """Keep the record's inner step and median step time as the worker's are, at every heartbeat: the round
+        budgets of others go by them (``budget.py``). The role's worker is read each time: a stage peer that takes
+        another stage has a new one."""
+        role = self.role
+        self.swarm.track(lambda: {"inner_step": role.worker.inner.step_in_round,
+                                  "step_seconds": role.worker.inner.step_times.median})
 
     def announce_joining(self, round_index: int) -> None:
         """This peer joins at ``round_index`` with the state it holds (seeded, or resumed from a checkpoint)."""
@@ -48,6 +61,16 @@ class Presence:
     def announce_standby(self, round_index: int) -> None:
         """This peer sits ``round_index`` out: nobody waits for its join."""
         self._announce(round_index, PeerState.STANDBY)
+
+    def step_aside(self, round_index: int) -> None:
+        """This peer sits ``round_index`` out to train a step (``budget.Sitting.STEPS``): stored before this returns,
+        before the step: a coordinator that still saw it in the round would wait for it."""
+        self.announce_standby(round_index)
+        self.swarm.flush()
+
+    def announce_sitting_out(self, sits_out: bool) -> None:
+        """Whether this peer's step outlasts the round (``budget.sitting``): the others' budgets leave it out."""
+        self.swarm.update_record(sits_out=sits_out)
 
     def serve(self, round_index: int) -> None:
         """Serve the state this peer holds, as the state of ``round_index``, to peers catching up."""

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,32 @@ def test_a_clean_leave_costs_the_others_no_round(tmp_path):
     assert [r["params_digest"] for r in runs["a"]] == [r["params_digest"] for r in runs["b"]]
     survivors = (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
     assert "could apply this round without it" not in survivors
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_a_partner_ctrl_c_d_while_its_join_waits_at_the_coordinator_costs_the_survivor_no_round(tmp_path):
+    """Of 2 nodes, the survivor coordinates round 3 and comes to it late (a stall before its join), so the leaver's
+    join waits in the survivor's formation when the leaver is Ctrl-C'd. It used to abandon that join at once; the
+    formation then closed with both, the survivor's butterfly waited for a contribution that never came, and it lost
+    the round. The leaver finishes the all-reduce it joined (as its stop line says), then leaves."""
+    ground(tmp_path, "sl", lambda ids: best_coordinator(set(ids.values()), 3) == ids["s"])
+    with LocalSwarm(tmp_path) as swarm:
+        def start(name: str, **kwargs) -> Child:
+            return swarm.start_node(name, TINY_CONFIG, *FAST, "--set", "swarm.min_peers=2", "--identity",
+                                    str(tmp_path / f"{name}.key"), **kwargs)
+
+        survivor = start("s", env={"P2PLOCO_FAULTS": "matchmaking.join@3=stall:3"})
+        leaver = start("l")
+        survivor.wait_for_line(re.compile("fault: stalling at matchmaking.join"), 180)
+        time.sleep(1.5)  # the leaver's join is at the survivor's formation, which waits for the survivor's own
+        leaver.signal(signal.SIGINT)
+        assert leaver.process.wait(60) == 0
+        survivor.wait_for_line(re.compile(r"round\s+5 \|"), 90)
+        survivor.signal(signal.SIGTERM)
+        assert survivor.process.wait(60) == 0
+        records = swarm.records("s")
+    assert [(r["round"], r["applied"]) for r in records if r["round"] >= 3][:3] == [(3, True), (4, True), (5, True)]
 
 
 @pytest.mark.timeout(420)

@@ -13,8 +13,8 @@ from p2ploco.collective.robust import weights
 from p2ploco.collective.sliced import SlicedExchange, reduce_alone
 from p2ploco.config import DiLoCoConfig
 from p2ploco.metrics import RoundRecord
-from p2ploco.node import progress_line
 from p2ploco.outer.diloco import DiLoCo
+from p2ploco.progress import progress_line
 from p2ploco.schedules import RoundHooks
 from p2ploco.schedules.blocking import BlockingRounds
 from p2ploco.testing.communicator import InProcessGroup

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from p2ploco.config import Config, with_overrides
+from p2ploco.config_choice import fits_memory
 from p2ploco.errors import ConfigError
 from p2ploco.host_memory import total_memory
 from p2ploco.metrics import human_bytes
 from p2ploco.model import Transformer, parameter_count
-from p2ploco.node import Node, fits_memory
+from p2ploco.node import Node
 from p2ploco.swarm.messages import decode
 from p2ploco.swarm.run_config import Document
 

@@ -365,17 +365,11 @@ class Matchmaker:
             raise PayloadError(f"group that gives {len(weightless)} member(s) that are no hub no weight")
 
     async def _ask(self, coordinator: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """One join request, abandoned at once if this peer starts leaving. A stream that breaks is asked again:
-        the coordinator may hold our join all the same, and answers a second ask with the group it formed (a next
-        coordinator would form a group the others are not in)."""
-        asked = asyncio.ensure_future(asyncio.wait_for(
-            wire.call(self.p2p, coordinator, self.handler_name, request, attempts=2), timeout))
-        leaving = asyncio.ensure_future(self.leaving.wait())
-        try:
-            await asyncio.wait({asked, leaving}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            leaving.cancel()
-        if not asked.done():
-            asked.cancel()
-            return {"status": JoinStatus.LEAVING}
-        return asked.result()[0]
+        """One join request. A stream that breaks is asked again: the coordinator may hold our join all the same, and
+        answers a second ask with the group it formed (a next coordinator would form a group the others are not in).
+        Not abandoned if this peer starts leaving meanwhile: the coordinator may hold its join already, and the group
+        it closes with it would wait for a contribution that never came (a Ctrl-C then cost the others their round).
+        The peer finishes the all-reduce it joined, then leaves."""
+        response, _ = await asyncio.wait_for(
+            wire.call(self.p2p, coordinator, self.handler_name, request, attempts=2), timeout)
+        return response
