@@ -65,7 +65,8 @@ from p2ploco.swarm.reachability import DialBackRequest, parse_dial_back
 from p2ploco.swarm.records import PeerRecord, peers_key
 from p2ploco.swarm.run_config import parse_document
 from p2ploco.swarm.schema import RecordSchema, record_validator
-from p2ploco.swarm.state import Snapshot, StateRequest, parse_description
+from p2ploco.swarm.state import Snapshot, StateRequest
+from p2ploco.swarm.state_fetch import parse_description
 from p2ploco.swarm.status import Answer, answer_head
 from p2ploco.swarm.status_client import parse_answer
 from p2ploco.swarm.status_document import Survey, status_answer

@@ -4,7 +4,7 @@
     python benchmarks/house.py --root ../old   # another checkout, to compare before and after
     python benchmarks/house.py --json
 
-Rooms are the package's top-level modules and sub-packages (``p2ploco/config.py``, ``p2ploco/swarm/``); an arrow
+Rooms are the package's top-level modules and sub-packages (``p2ploco/model.py``, ``p2ploco/swarm/``); an arrow
 is one room importing another (imports inside functions count: they are dependencies all the same). Rooms stand
 on floors: a room's floor is one above the highest room it imports. An arrow runs back up where two rooms import
 each other, directly or round a cycle: of the arrows on such a cycle, the one carried by the fewest module imports

@@ -35,7 +35,7 @@ PHASES = r"""
 import time
 started = time.perf_counter()
 marks = {{}}
-from p2ploco.cli import CLIENT_HOST_MADDRS
+from p2ploco.cli.inspect import CLIENT_HOST_MADDRS
 from p2ploco.swarm.survey import find_run, survey
 from p2ploco.swarm.dht import start_dht_node
 from p2ploco.swarm.loop import EventLoopThread, finishes_within

@@ -55,8 +55,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workdir", type=Path, help="where logs go [a temporary folder]")
     args = parser.parse_args()
-    if not (args.other / "p2ploco" / "cli.py").is_file():
-        parser.error(f"--other {args.other}: not a p2ploco checkout (no p2ploco/cli.py there)")
+    if not (args.other / "p2ploco" / "__init__.py").is_file():
+        parser.error(f"--other {args.other}: not a p2ploco checkout (no p2ploco/__init__.py there)")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="p2ploco-versions-"))
     checkouts = {f"other{i}": args.other.resolve() for i in range(args.other_nodes)}
     checkouts |= {f"this{i}": REPO_ROOT for i in range(args.this_nodes)}

@@ -38,7 +38,7 @@ MAX_RUNS = 4  # runs one bootstrap hosts hubs for (each is a full replica): reco
 CHECK_EVERY = 30.0  # seconds between checks that a fetched config is still the one most of the run's trainers train
 RESTART_PAUSES = (5.0, 300.0)  # the first pause before a restart, and the longest; it doubles while the hub fails
 STEADY_SECONDS = 600.0  # a hub that ran this long before it exited starts again after the first pause
-REFUSED = 2  # `node start`'s exit code for a config it refuses (cli.reports_errors)
+REFUSED = 2  # `node start`'s exit code for a config it refuses (cli/command.py: reports_errors)
 TCP_PORT = re.compile(r"/tcp/(\d+)")
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")  # a run the hub serves: never '..', '/' or '-x'
 

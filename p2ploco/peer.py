@@ -33,7 +33,9 @@ from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, detect
 from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerRole, PeerState, Reachability, parse_records, peers_key
 from p2ploco.swarm.run_config import ConfigServer, RunDocument, fetch_run_document, tell_conflict
-from p2ploco.swarm.state import Snapshot, StateServer, fetch_state, served_state
+from p2ploco.swarm.state import Snapshot
+from p2ploco.swarm.state_fetch import fetch_state, served_state
+from p2ploco.swarm.state_server import StateServer
 from p2ploco.swarm.status import Host, Route, StatusServer, Surveyed
 from p2ploco.swarm.status_document import PEERS_DOCUMENT, STATUS_PATH
 from p2ploco.swarm.survey import survey

@@ -241,7 +241,8 @@ def describe_a_huge_state(start: int) -> None:
     from p2ploco.errors import PayloadError, TransportError
     from p2ploco.swarm import wire
     from p2ploco.swarm.messages import decode
-    from p2ploco.swarm.state import StateRequest, StateServer, StateStatus
+    from p2ploco.swarm.state import StateRequest, StateStatus
+    from p2ploco.swarm.state_server import StateServer
 
     honest = StateServer._serve
 

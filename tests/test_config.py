@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from p2ploco import config as config_module
 from p2ploco.config import Config, batch_split, config_of_run, differences, keys_set, load_config, split_for_run
+from p2ploco.config import sections as config_sections
 from p2ploco.errors import ConfigError
 
 TINY = "configs/tiny.yaml"
@@ -215,7 +215,7 @@ def test_a_run_document_that_does_not_parse_gets_one_line_naming_it():
 def test_peers_that_speak_another_protocol_version_have_another_fingerprint(monkeypatch):
     """Messages changed between versions: such peers must never meet in a round (the newcomer refuses to start)."""
     current = Config().swarm_fingerprint()
-    monkeypatch.setattr(config_module, "PROTOCOL_VERSION", config_module.PROTOCOL_VERSION - 1)
+    monkeypatch.setattr(config_sections, "PROTOCOL_VERSION", config_sections.PROTOCOL_VERSION - 1)
     assert Config().swarm_fingerprint() != current
 
 

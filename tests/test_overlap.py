@@ -19,8 +19,9 @@ from test_sparseloco import reference_sparse_aggregate
 from p2ploco import checkpoint
 from p2ploco.build import build_replica
 from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
-from p2ploco.config import ConfigError, load_config
+from p2ploco.config import load_config
 from p2ploco.data import ShardSampler
+from p2ploco.errors import ConfigError
 from p2ploco.metrics import read_records, state_digest
 from p2ploco.schedules import Landing, RoundHooks
 from p2ploco.schedules.overlapped import OverlappedRounds

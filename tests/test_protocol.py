@@ -15,10 +15,11 @@ from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.evidence import Claim, Signer, owner_of, result_statement
 from p2ploco.swarm.messages import MAX_PEERS, MAX_REASON, decode
 from p2ploco.sync.admission import admit
-from p2ploco.sync.decide import Cast, Outcome, Vote, _Ballot, decide, examine, parse_decision, parse_vote
+from p2ploco.sync.decide import _Ballot, parse_decision, parse_vote
 from p2ploco.sync.group import KEEP_PER_PEER, Group, GroupBook, Member
 from p2ploco.sync.join import JoinAnswer, best_coordinator, group_answer, parse_group, parse_join, rendezvous
 from p2ploco.sync.reduce_values import Evidence
+from p2ploco.sync.tally import Cast, Outcome, Vote, decide, examine
 
 A, B, C, D = "peerA", "peerB", "peerC", "peerD"
 S = "stage0"

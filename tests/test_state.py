@@ -18,6 +18,7 @@ from p2ploco.config import SwarmConfig
 from p2ploco.errors import PayloadError, SwarmError
 from p2ploco.metrics import state_digest
 from p2ploco.swarm import state as state_module
+from p2ploco.swarm import state_server
 from p2ploco.swarm.consensus import (
     SwarmState,
     contested,
@@ -430,8 +431,8 @@ def test_the_round_before_is_served_from_the_next_ones_tensors_with_what_its_ste
     later_params["layer1.weight"] = torch.randn(512, 1024)  # a dense one
     later_params["layer2.weight"] = earlier.params["layer2.weight"]  # a tensor the step did not touch
     later = Snapshot(5, S, later_params, earlier.shared, state_digest(later_params, earlier.shared))
-    was = state_module.Served(4, S, earlier.state_digest, earlier.blob())
-    served = state_module.demoted(was, state_module.Served(5, S, later.state_digest, later.blob()))
+    was = state_server.Served(4, S, earlier.state_digest, earlier.blob())
+    served = state_server.demoted(was, state_server.Served(5, S, later.state_digest, later.blob()))
     blob = served.blob
     def held(name: str) -> int:
         return blob.base.tensors[blob.base.names.index(f"param/{name}")].data_ptr()

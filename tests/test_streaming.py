@@ -21,9 +21,8 @@ from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange,
 from p2ploco.collective.fp4 import BLOCK_SIZE, HEADER, E3M0Mean
 from p2ploco.compression import e3m0
 from p2ploco.compression.blockwise import BlockLayout
-from p2ploco.config import ConfigError
 from p2ploco.data import ShardSampler
-from p2ploco.errors import PayloadError
+from p2ploco.errors import ConfigError, PayloadError
 from p2ploco.outer.streaming import StreamingDiLoCo
 from p2ploco.schedules import RoundHooks
 from p2ploco.schedules.blocking import BlockingRounds

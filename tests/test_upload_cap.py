@@ -5,7 +5,8 @@ import asyncio
 
 import pytest
 
-from p2ploco.config import ConfigError, load_config
+from p2ploco.config import load_config
+from p2ploco.errors import ConfigError
 from p2ploco.swarm import wire
 from p2ploco.swarm.upload_cap import BURST_SECONDS, CHUNK_BYTES, UploadCap, cap_uploads, upload_cap
 

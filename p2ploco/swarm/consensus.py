@@ -9,7 +9,7 @@ hash of a slice, every peer that sees the same ballots must pick the same one. T
 - a coordinator closing a formation, over what its members say they hold (``sync/admission.py``, which then
   also leaves out the members that cannot take part: a pipeline group that does not bring every stage, the
   holders of a slice that only members behind NAT hold);
-- a coordinator deciding a round whose members disagree, over their votes (``decide.decide``).
+- a coordinator deciding a round whose members disagree, over their votes (``sync/tally.py``: ``decide``).
 
 All three follow ``ranking``: a value ranks by the ballots of firm voters, then by all its ballots,
 then by the value itself, the greater first (an arbitrary order, but the same on every peer). They differ only in

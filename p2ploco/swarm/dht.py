@@ -125,16 +125,7 @@ async def start_dht_node(
     except P2PDaemonError as e:
         explained = True  # its last words (e.g. a listener closed as it exits) would only bury the error's line
         await _reaped(_reapers() - reapers)
-        text = str(e)
-        if "failed to connect to bootstrap peers" in text:
-            raise SwarmError(f"could not reach any bootstrap peer in {', '.join(initial_peers)}: "
-                             f"check the address and that the peer is running") from None
-        if "address already in use" in text:
-            raise port_in_use(" ".join(host_maddrs)) from None
-        if "already taken" in text:
-            raise SwarmError(f"identity {identity.path} is already used by a live peer; "
-                             f"stop that peer or pass another --identity") from None
-        raise SwarmError(f"could not start the p2p daemon: {text.splitlines()[-1] if text else e!r}") from None
+        raise _daemon_failure(e, initial_peers, host_maddrs, identity) from None
     except RuntimeError as e:
         if "bootstrap failed" in str(e):
             raise SwarmError(f"no bootstrap peer in {', '.join(initial_peers)} answered a DHT ping; "
@@ -147,6 +138,21 @@ async def start_dht_node(
                 DAEMON_LOG.handle(record)
         if identity is not None and identity.ephemeral:
             identity.release()
+
+
+def _daemon_failure(e: P2PDaemonError, initial_peers: Sequence[str], host_maddrs: Sequence[str],
+                    identity: Identity | None) -> SwarmError | ConfigError:
+    """The one line that says why the p2p daemon of ``start_dht_node`` failed to start, and what to do."""
+    text = str(e)
+    if "failed to connect to bootstrap peers" in text:
+        return SwarmError(f"could not reach any bootstrap peer in {', '.join(initial_peers)}: "
+                          f"check the address and that the peer is running")
+    if "address already in use" in text:
+        return port_in_use(" ".join(host_maddrs))
+    if "already taken" in text:
+        return SwarmError(f"identity {identity.path} is already used by a live peer; "
+                          f"stop that peer or pass another --identity")
+    return SwarmError(f"could not start the p2p daemon: {text.splitlines()[-1] if text else e!r}")
 
 
 class _HeldRecords(logging.Filter):

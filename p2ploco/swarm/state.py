@@ -35,11 +35,13 @@ answered ``{v, status: ok, round, slice, total, state_digest}`` + the bytes of t
 ``RANGE_BYTES``. The same requests, ranges and manifests serve a round's update (``swarm/updates.py``: what a peer
 that missed a few rounds fetches instead of the state); its answer's ``round`` is the round the update starts,
 its ``state_digest`` the state it leads to.
+
+What a state is (its blobs, its snapshot, the messages) is here; serving it is ``swarm/state_server.py``, fetching
+it ``swarm/state_fetch.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import enum
 import hashlib
@@ -47,24 +49,16 @@ import json
 import logging
 import math
 import struct
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Protocol
 
-import numpy as np
 import torch
-from hivemind.p2p import P2P
 from pydantic import Field
 
-from p2ploco import faults
-from p2ploco.errors import PayloadError, SwarmError, TransportError
+from p2ploco.errors import PayloadError
 from p2ploco.metrics import state_digest
-from p2ploco.swarm import wire
-from p2ploco.swarm.consensus import SwarmState
-from p2ploco.swarm.deadlines import TransferDeadline
-from p2ploco.swarm.messages import MAX_ROUND, Digest, Message, Round, SliceName, decode, status_of
+from p2ploco.swarm.messages import MAX_ROUND, Digest, Message, Round, SliceName, status_of
 from p2ploco.tensorfile import header, raw_bytes
 
 logger = logging.getLogger(__name__)
@@ -77,8 +71,6 @@ MAX_BLOB_HEADER = 1 << 20  # a snapshot's safetensors header (names, shapes, off
 STREAMS_PER_DONOR = 2  # ranges in flight per donor: one is served while the other crosses the wire
 KEEP_SNAPSHOTS = 2
 LATEST = -1  # ask for whatever round the donor has last
-
-Blame = Callable[[str, str], None]  # (donor, what it did): a donor that served or described a state falsely
 
 
 class BlobKind(enum.StrEnum):
@@ -261,164 +253,6 @@ class Snapshot:
         return cls.of_blob(round_index, slice_name, received)
 
 
-@dataclass
-class Served:
-    """A state a node serves: its round, slice and hash, and its bytes."""
-
-    round: int
-    slice: str
-    state_digest: str
-    blob: Blob
-
-
-class PatchedBlob:
-    """An earlier round's state served from a later one's tensors with what the step changed put back: its bytes
-    are ``base``'s (a TensorBlob of the later tensors, or of the earlier ones where a step changed most of a tensor)
-    with, in each tensor ``i`` of ``patches``, the float32 ``values`` at the sorted flat positions ``at``. A sparse
-    outer step (SparseLoCo's) changes a few percent of the coordinates: the earlier round costs those, not a second
-    copy of the model."""
-
-    def __init__(self, base: TensorBlob, patches: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                 manifest: bytes | None = None):
-        """``manifest``: the earlier state's, if it was computed already."""
-        self.base, self.patches, self.total = base, patches, base.total
-        self._manifest = manifest
-
-    def read(self, offset: int, length: int) -> bytes:
-        out = bytearray(self.base.read(offset, length))
-        view = np.frombuffer(out, dtype=np.uint8)
-        for i, (at, values) in self.patches.items():
-            start, numel = self.base.starts[i], self.base.tensors[i].numel()
-            first, last = max(0, (offset - start) // 4), min(numel, -(-(offset + len(out) - start) // 4))
-            if first >= last:
-                continue
-            lo, hi = np.searchsorted(at.numpy(), [first, last])
-            where = (start - offset + 4 * at[lo:hi].numpy())[:, None] + np.arange(4)  # each value's 4 bytes
-            put = values[lo:hi].numpy().view(np.uint8).reshape(-1, 4)
-            inside = (where >= 0) & (where < len(out))
-            view[where[inside]] = put[inside]
-        return bytes(out)
-
-    def manifest(self) -> bytes:
-        if self._manifest is None:
-            self._manifest = b"".join(hashlib.sha256(self.read(at, RANGE_BYTES)).digest()
-                                      for at in range(0, self.total, RANGE_BYTES))
-        return self._manifest
-
-
-def demoted(earlier: Served, later: Served) -> Served:
-    """``earlier`` (a TensorBlob's state) served from ``later``'s tensors where they differ from its own in at most
-    a third of their elements (``PatchedBlob``), so that it no longer holds the earlier tensors that differ little;
-    ``earlier`` itself where the two are not of the same tensors."""
-    old, new = earlier.blob, later.blob
-    if not (isinstance(old, TensorBlob) and isinstance(new, TensorBlob)) or old.head != new.head:
-        return earlier
-    tensors, patches = {}, {}
-    for i, (name, was, now) in enumerate(zip(old.names, old.tensors, new.tensors)):
-        if was.data_ptr() == now.data_ptr():  # the same storage (their shapes are the same): one tensor
-            tensors[name] = now
-            continue
-        at = torch.nonzero(was.view(-1).view(torch.int32) != now.view(-1).view(torch.int32)).view(-1)
-        if len(at) > was.numel() // 3:  # positions and values would cost more than the tensor
-            tensors[name] = was
-            continue
-        tensors[name] = now
-        if len(at):
-            patches[i] = (at, was.view(-1)[at])
-    return Served(earlier.round, earlier.slice, earlier.state_digest,
-                  PatchedBlob(TensorBlob(tensors), patches, old._manifest))
-
-
-def no_updates(slice_name: str, base: str) -> Served | None:
-    """What a server that keeps no updates finds: none."""
-    return None
-
-
-class StateServer:
-    def __init__(self, p2p: P2P, run_id: str, deadline: TransferDeadline,
-                 updates: Callable[[str, str], Served | None] = no_updates):
-        """``updates``: the update of a slice from a state digest that this peer keeps, if any
-        (``UpdateKeeper.find``)."""
-        self.p2p, self.deadline, self.updates = p2p, deadline, updates
-        self.handler_name = f"p2ploco/{run_id}/state"
-        self.snapshots: OrderedDict[int, dict[str, Served]] = OrderedDict()  # round -> slice -> what is served
-        self._latest: dict[str, Served] = {}  # slice -> the last prepared (``prepare_round``'s thread alone)
-
-    async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
-
-    def prepare_round(self, snapshots: list[Snapshot],
-                      ) -> tuple[list[Served], list[tuple[Served, Served | None]]]:
-        """What serving the snapshots of one round (one per slice held) takes, made on the calling thread (always
-        the same one, not the loop's): each as served, and the round before it, still served, as served from this
-        one's tensors where they differ little (``demoted``), so that its own tensors are let go before this
-        returns rather than beside whatever the caller does next (an eval, a checkpoint); an earlier round than the
-        one before (a catch-up jumped past it) is no longer served (None). For ``hold``."""
-        served = [Served(s.round, s.slice, s.state_digest, s.blob()) for s in snapshots]
-        demotions: list[tuple[Served, Served | None]] = []
-        for now in served:
-            was = self._latest.get(now.slice)
-            if was is not None and was.round == now.round - 1:
-                demotions.append((was, demoted(was, now)))
-            elif was is not None and was.round < now.round:  # left behind by a catch-up: nobody fetches it
-                demotions.append((was, None))
-            self._latest[now.slice] = now
-        return served, demotions
-
-    def hold(self, served: list[Served], demotions: list[tuple[Served, Served | None]]) -> None:
-        """Serve ``prepare_round``'s result (call on the loop); rounds beyond KEEP_SNAPSHOTS are dropped, oldest
-        first. A peer that changes the slices it holds (a stage peer that moves) serves the new ones from this round
-        on."""
-        for now in served:
-            self.snapshots.setdefault(now.round, {})[now.slice] = now
-        for was, now in demotions:
-            held = self.snapshots.get(was.round, {})
-            if held.get(was.slice) is was and now is not None:
-                held[was.slice] = now
-            elif held.get(was.slice) is was:
-                del held[was.slice]
-                if not held:
-                    del self.snapshots[was.round]
-        while len(self.snapshots) > KEEP_SNAPSHOTS:
-            self.snapshots.popitem(last=False)
-
-    async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        async with wire.serving(logger, "state request", str(stream_info.peer_id), reader, writer,
-                                self.deadline.seconds(PART_BYTES)):
-            header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.deadline.base)
-            request = decode(StateRequest, header)
-            snapshot = self._find(request)
-            if isinstance(snapshot, dict):  # the answer that it holds none
-                await wire.write_message(writer, snapshot)
-                return
-            loop, blob = asyncio.get_running_loop(), snapshot.blob
-            if request.offset % RANGE_BYTES or request.offset > blob.total:
-                raise PayloadError(f"bad range {request.offset}+{request.length} of a {blob.total}-byte state")
-            if request.length:  # a range
-                await faults.hit_async("state.serve", snapshot.round)
-                payload = blob.read(request.offset, request.length)
-            else:  # the joiner's first question: how big, and the hash of every range
-                payload = await loop.run_in_executor(None, blob.manifest)
-            answer = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": blob.total,
-                      "state_digest": snapshot.state_digest}
-            await asyncio.wait_for(wire.write_message(writer, answer, payload), self.deadline.seconds(len(payload)))
-
-    def _find(self, request: StateRequest) -> Served | dict[str, Any]:
-        """What ``request`` asks for, or the answer that this peer does not hold it."""
-        if request.blob == BlobKind.UPDATE:
-            update = self.updates(request.slice, request.base)
-            if update is None or request.round not in (LATEST, update.round):
-                return {"status": StateStatus.EMPTY}
-            return update
-        rounds = [r for r, held in self.snapshots.items() if request.slice in held]
-        if not rounds:
-            return {"status": StateStatus.EMPTY}
-        round_held = rounds[-1] if request.round == LATEST else request.round
-        if round_held not in rounds:
-            return {"status": StateStatus.MOVED, "round": rounds[-1]}
-        return self.snapshots[round_held][request.slice]
-
-
 class StateRequest(Message):
     round: Annotated[int, Field(ge=LATEST, le=MAX_ROUND)]
     slice: SliceName
@@ -434,194 +268,3 @@ class StateAnswer(Message):
     slice: SliceName = "-"
     total: Annotated[int, Field(ge=0, le=MAX_STATE_BYTES)] = 0  # with ok: the blob's size
     state_digest: Digest = ""
-
-
-@dataclass(frozen=True)
-class Description:
-    """What a donor says of the blob of the state asked for: its size and the hash of every range."""
-
-    total: int
-    manifest: bytes
-
-    def range_hash(self, offset: int) -> bytes:
-        at = 32 * (offset // RANGE_BYTES)
-        return self.manifest[at : at + 32]
-
-
-def parse_description(header: dict[str, Any], payload: bytes, target: SwarmState) -> Description | None:
-    """A donor's description of ``target``'s blob, or None if the donor holds another state; PayloadError if the
-    answer is malformed (a manifest that does not fit the size it states)."""
-    answer = decode(StateAnswer, header)
-    if not _answers_for(answer, target):
-        return None
-    if len(payload) != 32 * -(-answer.total // RANGE_BYTES):
-        raise PayloadError(f"a manifest of {len(payload)} bytes for a {answer.total}-byte state")
-    return Description(answer.total, payload)
-
-
-def _answers_for(answer: StateAnswer, target: SwarmState) -> bool:
-    return answer.status == StateStatus.OK and (answer.round, answer.slice, answer.state_digest) == (
-        target.round, target.slice, target.state_digest)
-
-
-async def request_range(p2p: P2P, handler: str, donor: str, round_index: int, slice_name: str, offset: int,
-                        length: int, timeout: float, base: str | None = None) -> tuple[dict[str, Any], bytes]:
-    """One range of a donor's blob (length 0: its description), of the state of ``round_index`` or, given
-    ``base``, of the update from the state of that digest."""
-    request = {"round": round_index, "slice": slice_name, "offset": offset, "length": length}
-    if base is not None:
-        request.update(blob=BlobKind.UPDATE, base=base)
-    limit = length or MAX_MANIFEST_BYTES
-    return await asyncio.wait_for(wire.call(p2p, donor, handler, request, max_payload=limit), timeout)
-
-
-async def served_state(p2p: P2P, handler: str, claim: SwarmState, timeout: float) -> SwarmState | None:
-    """The latest state of ``claim``'s slice that its lone holder serves, if it is the claimed one or a later round's
-    (a peer whose rounds are short may be past what its record last said by the time it is asked); None if the
-    holder serves neither (a record that claims what its peer does not serve is not followed)."""
-    donor = claim.holders[0]
-    try:
-        header, payload = await request_range(p2p, handler, donor, LATEST, claim.slice, 0, 0, timeout)
-        answer = decode(StateAnswer, header)
-        served = SwarmState(answer.round, claim.slice, answer.state_digest, (donor,))
-        if answer.round < claim.round or (answer.round == claim.round and answer.state_digest != claim.state_digest):
-            return None
-        return served if parse_description(header, payload, served) is not None else None
-    except (PayloadError, TransportError, TimeoutError):
-        return None
-
-
-async def fetch_state(p2p: P2P, handler: str, target: SwarmState, donors: Sequence[str], deadline: TransferDeadline,
-                      tensor_bytes: int, blame: Blame, rates: Sequence[float] = ()) -> Snapshot:
-    """Download ``target`` (a slice's state at the start of a round) from ``donors``; SwarmError if they cannot.
-    ``tensor_bytes``: those of this peer's own state of the slice, which an honest blob holds plus a header (a
-    donor that describes more is malformed: it would have this peer download and hold junk). ``blame`` is told
-    of every donor that described or served the state falsely. A range may
-    take as long as its bytes need at the slowest of ``rates`` (the donors' stated links), within ``deadline``'s
-    floor and cap: a slow donor is not mistaken for a stalled one."""
-    started = time.monotonic()
-
-    async def describe(donor: str) -> Description | None:
-        try:
-            header, payload = await request_range(p2p, handler, donor, target.round, target.slice, 0, 0,
-                                                  deadline.seconds(MAX_MANIFEST_BYTES, rates))
-            description = parse_description(header, payload, target)
-            if description is not None and description.total > tensor_bytes + MAX_BLOB_HEADER:
-                raise PayloadError(f"a {description.total}-byte state where {tensor_bytes} bytes of tensors fit "
-                                   f"this model")
-            return description
-        except PayloadError as e:
-            blame(donor, f"it described {target.slice} of round {target.round} falsely ({e})")
-        except (TransportError, TimeoutError) as e:  # unreachable or slow donors are skipped, unblamed
-            logger.info(f"donor {donor[-8:]} did not describe its state: {e!r}")
-        return None
-
-    # 1. What each donor says the blob is: donors that agree on it are tried together, the most agreed-on first.
-    described = dict(zip(donors, await asyncio.gather(*(describe(donor) for donor in donors))))
-    candidates: dict[Description, list[str]] = {}
-    for donor, description in described.items():
-        if description is not None:
-            candidates.setdefault(description, []).append(donor)
-    ranked = sorted(candidates.items(), key=lambda item: (-len(item[1]), hashlib.sha256(item[0].manifest).digest()))
-    # 2. Its ranges from all of them at once, each checked as it comes; then the whole against the vouched hash.
-    for description, agreeing in ranked:
-        try:
-            blob = await fetch_blob(p2p, handler, target, description, agreeing, deadline, blame, rates)
-            if blob is None:
-                continue
-            snapshot = Snapshot.of_blob(target.round, target.slice, blob)
-            if snapshot.state_digest != target.state_digest:
-                raise PayloadError("its contents do not hash to the state the swarm vouches for")
-        except PayloadError as e:  # every range matched the manifest: the manifest itself was false
-            for donor in agreeing:
-                blame(donor, f"it described {target.slice} of round {target.round} falsely ({e})")
-            continue
-        for donor, other in described.items():  # it described the vouched state, and the state is not that
-            if other is not None and other != description:
-                blame(donor, f"it described {target.slice} of round {target.round} falsely (another manifest)")
-        logger.info(f"fetched {description.total / 1e6:.1f} MB of {target.slice} from {len(agreeing)} donors in "
-                    f"{time.monotonic() - started:.1f} s")
-        return snapshot
-    raise SwarmError(f"no donor served {target.slice} of round {target.round} with the vouched hash "
-                     f"({len(candidates)} description(s) from {sum(d is not None for d in described.values())} of "
-                     f"{len(donors)} donors)")
-
-
-async def fetch_blob(p2p: P2P, handler: str, target: SwarmState, description: Description, donors: list[str],
-                     deadline: TransferDeadline, blame: Blame, rates: Sequence[float], base: str | None = None
-                     ) -> TensorBlob | BytesBlob | None:
-    """The blob ``description`` describes, from ``donors``, every range checked against its manifest and written
-    into the blob's tensors as it arrives (the first part, which holds the header that sizes them, before the
-    others); None if they all failed, stalled or served something else. PayloadError if the header its manifest
-    vouches for is not one of a state (the description is false). ``base``: the blob is the update from the state
-    of that digest (``target``: the round it starts and the state it leads to), received whole as bytes."""
-    total = description.total
-    if total < 8:
-        raise PayloadError(f"a {total}-byte state blob: shorter than its header length")
-    # Parts (whole ranges) small enough that every stream of every donor gets work, large enough to keep overheads
-    # low.
-    wanted = -(-total // (STREAMS_PER_DONOR * len(donors)))
-    part = min(PART_BYTES, max(RANGE_BYTES, -(-wanted // RANGE_BYTES) * RANGE_BYTES))
-    offsets = list(range(0, total, part))
-    working = list(donors)
-
-    async def fetch_part(donor: str, offset: int) -> bytes | None:
-        """The part at ``offset`` from ``donor``, checked; None (and the donor dropped) if it failed to serve it."""
-        length = min(part, total - offset)
-        try:
-            header, data = await request_range(p2p, handler, donor, target.round, target.slice, offset, length,
-                                               deadline.seconds(length, rates), base)
-            if not _answers_for(decode(StateAnswer, header), target):
-                raise PayloadError("it answered for another state")
-            if len(data) != length or any(hashlib.sha256(data[at : at + RANGE_BYTES]).digest()
-                                          != description.range_hash(offset + at)
-                                          for at in range(0, length, RANGE_BYTES)):
-                raise PayloadError(f"bytes {offset}+{length} do not match the manifest it described")
-            return data
-        except PayloadError as e:
-            blame(donor, f"it served {target.slice} of round {target.round} falsely ({e})")
-        except (TransportError, TimeoutError) as e:
-            logger.info(f"donor {donor[-8:]} failed on range {offset}: {e!r}; leaving it to the others")
-        if donor in working:
-            working.remove(donor)
-        return None
-
-    head = None
-    while head is None and working:
-        head = await fetch_part(working[0], 0)
-    if head is None:
-        logger.info(f"download of {target.slice} of round {target.round} from {len(donors)} donor(s) failed")
-        return None
-    blob = TensorBlob.receive(head, total) if base is None else BytesBlob.receive(head, total)
-    parts: asyncio.Queue[int | None] = asyncio.Queue()
-    for offset in offsets[1:]:
-        parts.put_nowait(offset)
-    received = 1
-
-    def release_all() -> None:  # wake every waiting worker: all ranges are in, or nobody is left to fetch
-        for _ in range(STREAMS_PER_DONOR * len(donors)):
-            parts.put_nowait(None)
-
-    async def worker(donor: str) -> None:
-        nonlocal received
-        while (offset := await parts.get()) is not None:
-            if donor not in working:  # its other stream failed: leave the range to the other donors
-                parts.put_nowait(offset)
-                return
-            data = await fetch_part(donor, offset)
-            if data is None:
-                parts.put_nowait(offset)
-                if not working:
-                    release_all()
-                return
-            blob.write(offset, data)
-            received += 1
-            if received == len(offsets):
-                release_all()
-
-    if received < len(offsets):
-        await asyncio.gather(*(worker(donor) for donor in list(working) for _ in range(STREAMS_PER_DONOR)))
-    if received != len(offsets):
-        logger.info(f"download of {target.slice} of round {target.round} from {len(donors)} donor(s) failed")
-        return None
-    return blob

@@ -27,7 +27,7 @@ anyway: ``KEEP_SNAPSHOTS``), never a copy.
 for the update from its own state's digest (``StateRequest`` with ``blob: update`` and ``base``), learns from the
 description the state it leads to, and asks again from there, until the chain reaches the vouched state (at most
 ``MAX_CHAIN`` links, each description a round trip). If the chain's bytes are fewer than the state's it fetches
-them through the state's range machinery (``state.fetch_blob``: every range checked against the manifest most
+them through the state's range machinery (``state_fetch.fetch_blob``: every range checked against the manifest most
 donors describe, donors whose ranges do not match blamed), applies them to new tensors (the published state is
 never written: ``outer/base.py``) and hashes the result once. The state the swarm vouches for is the judge: a
 result that does not hash to it is replayed link by link, hashing after each, and the donors of the first link
@@ -63,20 +63,9 @@ from p2ploco.metrics import state_digest
 from p2ploco.swarm.consensus import SwarmState
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.messages import decode
-from p2ploco.swarm.state import (
-    LATEST,
-    MAX_MANIFEST_BYTES,
-    RANGE_BYTES,
-    Blame,
-    BytesBlob,
-    Description,
-    Served,
-    Snapshot,
-    StateAnswer,
-    StateStatus,
-    fetch_blob,
-    request_range,
-)
+from p2ploco.swarm.state import LATEST, MAX_MANIFEST_BYTES, RANGE_BYTES, BytesBlob, Snapshot, StateAnswer, StateStatus
+from p2ploco.swarm.state_fetch import Blame, Description, fetch_blob, request_range
+from p2ploco.swarm.state_server import Served
 
 logger = logging.getLogger(__name__)
 

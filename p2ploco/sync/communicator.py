@@ -54,11 +54,12 @@ from p2ploco.errors import Failure, PayloadError, TrainingError
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.records import PeerState
-from p2ploco.sync.decide import Decision, Outcome, RoundCommit, Vote, slice_digests
+from p2ploco.sync.decide import RoundCommit
 from p2ploco.sync.form import NOBODY_ANSWERED, Matchmaker
 from p2ploco.sync.group import Group
 from p2ploco.sync.reduce import ButterflyAllReduce
 from p2ploco.sync.reduce_values import Attempt, DroppedFromRound
+from p2ploco.sync.tally import Decision, Outcome, Vote, slice_digests
 from p2ploco.sync.this_peer import ThisPeer
 
 logger = logging.getLogger(__name__)

@@ -1,90 +1,30 @@
-"""Typed run configuration: strict pydantic sections, YAML files, ``--set key=value`` overrides.
-
-Every key of every section can be set from YAML or from the command line. Each key's bound sits on its field
-(``bound``), each rule between keys on the smallest section that holds them, and whatever does not fit reaches
-the person as one line that names the key and the fix: an unknown key, a section set as a value or a value of
-the wrong type as the setting is read (``_settings``), a value out of bounds once the config is built (``_built``).
-"""
+"""The config's sections, each key with its meaning and bound, each rule between keys on the smallest section that
+holds them; ``Config``, all of them, and the run's document: what of it travels with the run."""
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
-from collections.abc import Callable, Collection, Sequence
-from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
-from pydantic.type_adapter import TypeAdapter
+from pydantic import model_validator
 
 from p2ploco import PROTOCOL_VERSION
-from p2ploco.errors import ConfigError
-
-MIN_PEER_TTL = 8.0  # seconds; hivemind's DHT waits up to 3 s for a peer in a lookup
-MAX_WAIT = 3600.0  # seconds: the longest any one wait of a round may be set to (every wait is bounded)
-MAX_STARTUP_WAIT = 86400.0
-MAX_BAN_ROUNDS = 1000
-MAX_GROUP_SIZE = 1 << 20  # LoCo's quantization groups: one scale per at most this many values
-
-
-class OutOfBounds(ValueError):
-    """A value of its field's type outside the field's bounds. ``line`` reads it once ``{key}`` (the dotted key) and
-    ``{value}`` (the value as the field holds it: 1 set for a number reads 1.0) are filled in."""
-
-    def __init__(self, line: str, value: Any):
-        super().__init__(line)
-        self.line, self.value = line, value
-
-
-def bound(holds: Callable[[Any], bool], line: str) -> AfterValidator:
-    """A field's bound: ``holds`` tells whether a value that has the field's type is within it. (A check on the
-    value as held, not ``Field(gt=...)``: pydantic's constraint errors carry the value as given, 1 where the line
-    must show 1.0.)"""
-    def check(value: Any) -> Any:
-        if not holds(value):
-            raise OutOfBounds(line, value)
-        return value
-
-    return AfterValidator(check)
-
-
-def _number_from_text(value: Any) -> Any:
-    """YAML 1.1 reads 3e-4 (an exponent without a dot) as a string."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-def _text_from_number(value: Any) -> Any:
-    """YAML reads a name such as 7 or 1.5 as a number."""
-    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
-
-
-# An integer set for a number is held as a float; no key of the config means anything with NaN or infinity.
-Number = Annotated[float, BeforeValidator(_number_from_text), Field(allow_inf_nan=False)]
-Text = Annotated[str, BeforeValidator(_text_from_number)]
-# one path may be given without the list around it
-Paths = Annotated[list[Text], BeforeValidator(lambda value: [value] if isinstance(value, str) else value)]
-
-LearningRate = Annotated[Number, bound(lambda lr: lr > 0, "{key} ({value}) must be > 0")]
-Momentum = Annotated[Number, bound(lambda m: 0 <= m < 1, "{key} ({value}) must be in [0, 1)")]  # of a moving average
-Fraction = Annotated[Number, bound(lambda f: 0 <= f <= 1, "{key} ({value}) must be in [0, 1]")]
-
-
-STRICT = ConfigDict(strict=True)  # an int is no float and no bool, a number is no bool, a string no number
-
-
-class Section(BaseModel):
-    """A part of the config, a value once built: strict types, no unknown keys."""
-
-    model_config = ConfigDict(**STRICT, extra="forbid", frozen=True)
-
+from p2ploco.config.fields import (
+    MAX_BAN_ROUNDS,
+    MAX_GROUP_SIZE,
+    MAX_STARTUP_WAIT,
+    MAX_WAIT,
+    MIN_PEER_TTL,
+    Fraction,
+    LearningRate,
+    Momentum,
+    Number,
+    Paths,
+    Section,
+    Text,
+    bound,
+)
 
 AtLeastOne = Annotated[int, bound(lambda n: n >= 1, "{key} must be at least 1")]
 ModelScale = Annotated[Number, bound(lambda x: x > 0,
@@ -493,7 +433,7 @@ class Config(Section):
         memory allows); ``data``, ``TrainingData.fingerprint`` (a prepared corpus's digest, a non-default
         tokenizer's, or ""); and the protocol version the run's messages speak. Never where this peer keeps its
         files: a joiner names its own copy, and the digest decides."""
-        settings = {key: value for key, value in _flattened(self.model_dump(mode="json")).items()
+        settings = {key: value for key, value in flattened(self.model_dump(mode="json")).items()
                     if key not in LOCAL_KEYS}
         return {"settings": settings, "round_tokens": self.round_tokens, "data": data, "protocol": PROTOCOL_VERSION}
 
@@ -519,225 +459,11 @@ def document_fingerprint(document: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _flattened(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flattened(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat.update(_flattened(value, f"{prefix}{key}."))
+            flat.update(flattened(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-def config_of_run(document: dict[str, Any], own: Config, overrides: Sequence[str] = ()) -> Config:
-    """The run's config with ``own``'s local settings (``LOCAL_KEYS``) and ``overrides`` (the ``--set`` given, from
-    which ``own`` was built) on top: what a peer that joined without a config file trains with, its batch split one
-    of the run's step (``split_for_run``). ``document``: a run document (``Config.run_document``) from another peer,
-    so checked as a config file is (ConfigError with one line, naming the run's config as the source)."""
-    shared = [setting for key, value in document["settings"].items() if key not in LOCAL_KEYS
-              for setting in _settings(str(key), value, source="the run's config")]
-    local = {key: value for key, value in _flattened(own.model_dump()).items() if key in LOCAL_KEYS}
-    run = _built(Config(), shared + [(tuple(key.split(".")), value) for key, value in local.items()])
-    return _built(split_for_run(run, document, keys_set(overrides)), _overrides(overrides))
-
-
-def split_for_run(config: Config, document: dict[str, Any], given: Collection[str]) -> Config:
-    """``config`` with a batch split of the step of the run whose document is ``document`` (``batch_split``; ``given``:
-    the dotted keys the person set), where the steps and sequence length that make a round with it are the run's
-    (where they are not, the config differs from the run's in those: named as they are). ConfigError, in one line,
-    where no split fits."""
-    tokens_a_step = config.inner.steps * config.data.seq_len
-    if _tokens_a_step(document["settings"]) != tokens_a_step:
-        return config
-    if document["round_tokens"] % tokens_a_step:
-        raise ConfigError(f"run '{config.run_id}''s config says a round holds {document['round_tokens']:,} tokens: "
-                          f"no whole number of sequences of data.seq_len={config.data.seq_len} tokens in each of its "
-                          f"inner.steps={config.inner.steps} steps; its peers serve a broken config: join another run")
-    size, accumulation = batch_split(document["round_tokens"] // tokens_a_step, config.inner, given, config.run_id)
-    return _built(config, [(("inner", "batch_size"), size), (("inner", "grad_accum"), accumulation)])
-
-
-BATCH_KEYS = ("inner.batch_size", "inner.grad_accum")
-
-
-def batch_split(sequences: int, own: InnerConfig, given: Collection[str], run_id: str) -> tuple[int, int]:
-    """``(inner.batch_size, inner.grad_accum)`` of a peer of run ``run_id``, whose steps hold ``sequences`` sequences
-    (their product), with ``own``'s values of the keys the person set (``given``: the dotted keys of their ``--set``).
-    Both set: as set; one set: the other follows; neither: the largest micro-batch that divides ``sequences`` and
-    is no larger than ``own``'s (the default one), and as many of them as make the step (where the run's is
-    larger, more accumulation of smaller micro-batches: the same step in less memory). ConfigError, in one line
-    naming only what the person set and how to fix it, where that makes no split of ``sequences``."""
-    size, accumulation = own.batch_size, own.grad_accum
-    set_size, set_accumulation = (key in given for key in BATCH_KEYS)
-    if set_size and set_accumulation:
-        if size * accumulation != sequences:
-            raise ConfigError(f"--set inner.batch_size={size} --set inner.grad_accum={accumulation} make "
-                              f"{size * accumulation:,} sequences a step, where run '{run_id}' trains {sequences:,}: "
-                              f"set two whose product is {sequences:,}, or drop them (the node then splits the "
-                              f"run's step itself)")
-        return size, accumulation
-    if set_size or set_accumulation:
-        key, value, other = (("inner.batch_size", size, "inner.grad_accum") if set_size else
-                             ("inner.grad_accum", accumulation, "inner.batch_size"))
-        if sequences % value:
-            divisors = [d for d in range(1, min(sequences, 64) + 1) if sequences % d == 0]
-            listed = ", ".join(map(str, divisors)) + (f", ..., {sequences}" if sequences > 64 else "")
-            raise ConfigError(f"--set {key}={value} does not divide the {sequences:,} sequences a step run "
-                              f"'{run_id}' trains (inner.batch_size x inner.grad_accum): set {key} to one of "
-                              f"{listed} ({other} follows), or drop it")
-        return (value, sequences // value) if set_size else (sequences // value, value)
-    micro_batch = next(d for d in range(min(size, sequences), 0, -1) if sequences % d == 0)
-    return micro_batch, sequences // micro_batch
-
-
-def keys_set(overrides: Sequence[str]) -> frozenset[str]:
-    """The dotted keys ``key=value`` overrides set (each key of a section set as a mapping); ConfigError as
-    ``load_config`` gives for one that sets none."""
-    return frozenset(".".join(path) for path, _ in _overrides(overrides))
-
-
-def differences(mine: dict[str, Any], run: dict[str, Any]) -> list[str]:
-    """The keys two run documents (``Config.run_document``) differ in, as ``key: mine (run: theirs)``, sorted; the
-    data and protocol entries by what they mean. What a round holds differs by the batch split only where the
-    steps and sequences that also make it agree (where they do not, their keys are listed)."""
-    keys = sorted(set(mine["settings"]) | set(run["settings"]))
-    lines = [f"{key}={mine['settings'].get(key)!r} (run: {run['settings'].get(key)!r})" for key in keys
-             if mine["settings"].get(key) != run["settings"].get(key)]
-    step = _tokens_a_step(mine["settings"])
-    if mine["round_tokens"] != run["round_tokens"] and step == _tokens_a_step(run["settings"]) > 0:
-        lines.append(f"inner.batch_size x inner.grad_accum: {mine['round_tokens'] // step:,} sequences a step (run: "
-                     f"{run['round_tokens'] / step:,g})")
-    if mine["data"] != run["data"]:
-        lines.append(f"training data {mine['data'][:32] or 'default'} (run: {run['data'][:32] or 'default'}; "
-                     f"data.prepared or data.tokenizer: your copy of the run's)")
-    if mine["protocol"] != run["protocol"]:
-        lines.append(f"protocol version {mine['protocol']} (run: {run['protocol']}; install the run's p2ploco "
-                     f"version)")
-    return lines
-
-
-def _tokens_a_step(settings: dict[str, Any]) -> int:
-    """inner.steps x data.seq_len of a run document's settings (another peer's: 0 where either is no positive
-    integer)."""
-    steps, seq_len = settings.get("inner.steps"), settings.get("data.seq_len")
-    return steps * seq_len if all(type(value) is int and value > 0 for value in (steps, seq_len)) else 0
-
-
-Setting = tuple[tuple[str, ...], Any]  # a key's path and the value set for it
-
-
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
-    """Build a validated Config from an optional YAML file and ``key=value`` overrides."""
-    from_file = [] if path is None else [setting for key, value in _read_yaml(Path(path)).items()
-                                         for setting in _settings(str(key), value, source=str(path))]
-    return _built(Config(), from_file + _overrides(overrides))
-
-
-def with_overrides(config: Config, overrides: Sequence[str]) -> Config:
-    """A validated copy of ``config`` with ``key=value`` overrides applied (as ``--set`` does)."""
-    return _built(config, _overrides(overrides))
-
-
-def _overrides(overrides: Sequence[str]) -> list[Setting]:
-    settings = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set inner.lr=3e-4")
-        settings += _settings(key.strip(), _parse_scalar(raw), source="--set")
-    return settings
-
-
-def _settings(dotted_key: str, value: Any, source: str) -> list[Setting]:
-    """What setting ``dotted_key`` (``inner.lr``) to ``value`` sets: that key, or each key of a mapping set for a
-    section. Refuses, naming ``source``, a key no section has, a section given a value, a value given keys, and a
-    value of the wrong type (its bounds are checked once the whole config is built)."""
-    path = tuple(dotted_key.split("."))
-    section: type[Section] | None = Config
-    for depth, name in enumerate(path):
-        if section is None:
-            raise ConfigError(f"{source}: '{'.'.join(path[:depth])}' is a value, not a section")
-        if name not in section.model_fields:
-            prefix = ".".join(path[:depth])
-            known = [f"{prefix}.{n}" if prefix else n for n in section.model_fields]
-            raise ConfigError(f"{source}: unknown config key '{dotted_key}'{_suggest(dotted_key, known)}")
-        field = section.model_fields[name]
-        section = _section_of(field.annotation)
-    if section is not None:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: '{dotted_key}' is a section, not a value: set its keys "
-                              f"({dotted_key}.KEY=VALUE, or a mapping under {dotted_key}: in YAML)")
-        return [setting for key, item in value.items() for setting in _settings(f"{dotted_key}.{key}", item, source)]
-    _check_type(field, value, f"{source}: {dotted_key}")
-    return [(path, value)]
-
-
-def _section_of(annotation: Any) -> type[Section] | None:
-    return annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
-
-
-WRONG_TYPE = {"float_type": "must be a number", "finite_number": "must be a finite number",
-              "int_type": "must be an integer", "bool_type": "must be true or false",
-              "string_type": "must be a string", "list_type": "must be a list, e.g. [a, b]"}
-
-
-def _check_type(field: FieldInfo, value: Any, where: str) -> None:
-    """ConfigError if ``value`` does not have ``field``'s type, naming the value (or the item of a list) that does
-    not; a value out of the field's bounds passes here."""
-    try:
-        TypeAdapter(field.rebuild_annotation(), config=STRICT).validate_python(value)
-    except ValidationError as e:
-        for error in e.errors():
-            if error["type"] == "literal_error":
-                raise ConfigError(f"{where} must be one of {', '.join(map(str, get_args(field.annotation)))}; "
-                                  f"got {error['input']!r}") from None
-            if error["type"] in WRONG_TYPE:
-                raise ConfigError(f"{where} {WRONG_TYPE[error['type']]}; got {error['input']!r}") from None
-
-
-def _built(base: Config, settings: list[Setting]) -> Config:
-    """``base`` with ``settings`` (each of its key's type) applied; ConfigError with one line for the first value
-    out of its bounds or rule between keys broken, in the order the sections are checked."""
-    tree = base.model_dump()
-    for path, value in settings:
-        node = tree
-        for name in path[:-1]:
-            node = node[name]
-        node[path[-1]] = value
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as e:
-        error = e.errors()[0]
-        broken = error["ctx"]["error"]
-        if isinstance(broken, OutOfBounds):
-            key = ".".join(part for part in error["loc"] if isinstance(part, str))
-            raise ConfigError(broken.line.format(key=key, value=broken.value)) from None
-        raise ConfigError(str(broken)) from None  # a rule between keys, from a section's model validator
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections (model:, inner:, ...)")
-    return data
-
-
-def _parse_scalar(raw: str) -> Any:
-    try:
-        return yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        return raw
-
-
-def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1)
-    return f" (did you mean '{close[0]}'?)" if close else f"; known keys here: {', '.join(known)}"
