@@ -54,13 +54,13 @@ WORDS: dict[str, tuple[str, tuple[Usage, ...]]] = {
         Usage(r"pipeline/|roles\.py|metrics\.py|demo\.py|cli\.py",
               r"(?i)^_?groups?$|group_round|round_of_group|complete_groups|group_sizes", "a pipeline"),
         Usage(r"pipeline/groups\.py$", r"^groups$", "a pipeline (its module)"),
-        Usage(r"compression/topk\.py", r"(?i)group", "a block of a chunk's lower bound"),
+        Usage(r"compression/topk\.py", r"(?i)group", "a cell of a chunk's lower bound"),
         Usage(r"compression/|collective/(fp4|lowbit|grouped)", r"(?i)group(?!_size$)", "a quantization block"),
         Usage(r"ranks/group\.py$", r"^group$", "a node's local ranks' torch process group (its module)"),
         Usage(r"inner\.py|ranks/sharded\.py", r"^group$", "a torch optimizer's parameter group"),
         Usage(r"checkpoint\.py", r"^group$", "a section of a checkpoint's tensors"),
     )),
-    "record": ("the signed entry a peer keeps in the DHT", (
+    "record": ("what a peer keeps, signed, in the DHT", (
         Usage(r"", r"RoundRecord|round_record", "what one round did, in the run directory"),
         Usage(r"metrics\.py|rundir\.py|standing\.py|node\.py|dashboard/|demo\.py|launch\.py",
               r"(?i)^(_?records?|read_records|node_records|hub_records)$", "what one round did, in the run directory"),
@@ -101,8 +101,9 @@ EXEMPT: tuple[tuple[str, str, str], ...] = (
     (r"", r"param_groups?$|new_group|ProcessGroup", "torch's API"),
     (r"", r"^group_size$", "the config key outer.loco.group_size (a sync group's size elsewhere)"),
     (r"swarm/records\.py", r"^group$", "a record's pipeline, on the wire as `group`"),
+    (r"pipeline/links\.py", r"^group$", "a stage message's pipeline, on the wire as `group`"),
     (r"data/(prepared|split)\.py", r"^(documents|held_out_documents)$",
-     "the prepared corpus's format, whose digest the run document carries"),
+     "the prepared corpus's split (entries), whose keys its digest covers and the run document carries"),
     (r"swarm/reachability\.py", r"^judge", "a helper judges reachability: the word's English sense"),
 )
 

@@ -1,4 +1,4 @@
-"""Pipeline groups: stage-boundary traffic, a stage peer's memory against a full replica, codec time.
+"""Pipelines: stage-boundary traffic, a stage peer's memory against a full replica, codec time.
 
 Traffic is counted on a real in-process group (2 stages by default) running one inner step with the
 1F1B schedule: the bytes the first stage sends (activations + token ids) and receives (gradients

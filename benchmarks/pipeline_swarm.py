@@ -1,4 +1,4 @@
-"""A heterogeneous swarm on loopback: one full replica next to one pipeline group of 2 stage peers.
+"""A heterogeneous swarm on loopback: one full replica next to one pipeline of 2 stage peers.
 
 Real processes (a bootstrap peer, ``p2ploco node start`` for the replica and for each stage, as
 ``p2ploco demo --replicas 1 --groups 1`` starts them) train for ``--rounds`` rounds; the table is read
@@ -89,14 +89,14 @@ def main() -> None:
     print(f"\nHeterogeneous swarm on loopback ({args.config.name}): 1 full replica + 1 group of 2 stage peers, "
           f"medians over rounds 1..{figures['rounds']}")
     throughput = [("full replica", f"{figures['replica_tokens_per_second']:.0f}"),
-                  ("pipeline group", f"{figures['group_tokens_per_second']:.0f}")]
+                  ("pipeline", f"{figures['group_tokens_per_second']:.0f}")]
     print(format_table(("replica", "tokens/s"), throughput))
     compressed, plain = figures["boundary_bytes_per_token"], figures["uncompressed_boundary_bytes_per_token"]
     print(format_table(("boundary", "bytes/token (forward + backward)", "ratio"),
                        [("compressed (measured)", f"{compressed:.1f}", f"{plain / compressed:.1f}x"),
                         ("uncompressed bf16", f"{plain:.1f}", "1.0x")]))
     split = []
-    for who, key in (("full replica", "replica_round"), ("pipeline group", "group_round")):
+    for who, key in (("full replica", "replica_round"), ("pipeline", "group_round")):
         t = figures[key]
         compute = t["inner"] - t["stage_transfers"]
         rest = t["round"] - t["inner"] - t["allreduce"]

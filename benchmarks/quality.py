@@ -1,5 +1,5 @@
 """Same token budget, K replicas in one process: AdamW DDP (gradients averaged every step), DiLoCo,
-SparseLoCo and LoCo (every H steps), and heterogeneous SparseLoCo with pipeline groups. Prints the eval loss
+SparseLoCo and LoCo (every H steps), and heterogeneous SparseLoCo with pipelines. Prints the eval loss
 along the way, the final eval loss and the bytes each replica sent + received in total.
 
 The outer algorithms run the same code as real nodes (workers: inner trainer, outer algorithm,
@@ -26,7 +26,7 @@ mean of the K replicas' gradients at every step (one model on their K batches: t
 
 Methods: ``ddp``; ``diloco`` / ``sparseloco`` / ``loco`` / ``streaming`` (every replica full), each with
 optional outer settings after a colon (``H=N``: N inner steps a round, so steps / N rounds); ``uniform:ratio=R``
-(every replica a compressed pipeline group, d/k = R) and ``selective:ratio=R`` (half the replicas full, half
+(every replica a compressed pipeline, d/k = R) and ``selective:ratio=R`` (half the replicas full, half
 compressed groups), SparseLoCo per stage.
 ``ALGORITHM+overlap:UPDATE`` runs overlapped rounds (UPDATE: eager or naive; more settings after a comma). An
 in-process all-reduce ends at once, so an eager round lands at a fixed inner step of the next round, as if
@@ -209,7 +209,7 @@ def steps_at(speed: float, steps: int) -> int:
 
 @dataclass(frozen=True)
 class Method:
-    """How ``run_outer`` runs a method: its config, each replica's kind (full or a pipeline group), when an eager
+    """How ``run_outer`` runs a method: its config, each replica's kind (full or a pipeline), when an eager
     overlapped round lands, and, for ``+speeds``, each replica's slowdown factor and whether its contribution
     weighs its tokens."""
 
@@ -422,7 +422,7 @@ Run = tuple[list[tuple[int, float]], int, int, float | None, Pace | None, Byzant
 
 def run_outer(setup: Setup, method: str, seed: int = 0) -> Run:
     """An outer method: the eval-loss curve (at outer rounds), all-reduce bytes per replica, the
-    stage-boundary bytes per pipeline group (0 without groups), the off-span share of the global update, what
+    stage-boundary bytes per pipeline (0 without pipelines), the off-span share of the global update, what
     replicas of unequal speed trained (None without ``+speeds``), and what the reducers left out of hostile
     replicas' and honest ones' contributions, and the rounds hostile results were caught in (None without an
     attack)."""

@@ -11,7 +11,7 @@ hash. What a busy machine does to the swarm anyway shows in the table, one row p
   unreachable, timeout, late, left out, smaller group, no decision, alone, ...).
 
 A run is an algorithm (``sparseloco``, ``diloco``, ``loco``, ``streaming``; ``+overlap`` runs its rounds
-overlapped) among ``--replicas`` full replicas and ``--groups`` two-stage pipeline groups (then with
+overlapped) among ``--replicas`` full replicas and ``--groups`` two-stage pipelines (then with
 configs/tiny-pipeline.yaml). ``--cpu-hogs K`` runs K busy loops (``python -c "while True: pass"``) for the
 whole run, as other work on a volunteer's machine would. Every node prints its progress as the demo does,
 a line per round; the table comes at the end, and ``--json`` prints its rows as one JSON list.
@@ -127,7 +127,7 @@ def cpu_hogs(count: int) -> Iterator[None]:
 
 @dataclass
 class Replacement:
-    """One stage of a pipeline group killed and replaced by a newcomer, as the records tell it."""
+    """One stage of a pipeline killed and replaced by a newcomer, as the records tell it."""
 
     group: str
     killed: str  # the node killed (SIGKILL, as a crash)
@@ -149,7 +149,7 @@ REPLACEMENT_HEADER = ("group", "killed", "newcomer", "started in round", "its fi
 
 def run_with_replacements(replicas: int, groups: int, rounds: int, times: int, workdir: Path, settings: list[str]
                           ) -> tuple[bool, dict[str, list[dict]], list[Replacement]]:
-    """The soak's swarm, in which stage 1 of every pipeline group is killed (SIGKILL) ``times`` times, evenly spaced
+    """The soak's swarm, in which stage 1 of every pipeline is killed (SIGKILL) ``times`` times, evenly spaced
     over the rounds, and replaced at once by a newcomer for the same slot. Returns whether every node that was not
     killed exited 0, every node's records, and the replacements."""
     members = [(f"node{i}", ()) for i in range(replicas)]
@@ -237,14 +237,14 @@ def main() -> None:
     parser.add_argument("--algorithm", nargs="+", default=["sparseloco"], metavar="RUN",
                         help=f"runs, one after another: {', '.join(ALGORITHMS)}, each optionally +overlap")
     parser.add_argument("--replicas", type=int, default=3, help="full replicas per run [3]")
-    parser.add_argument("--groups", type=int, default=0, help="two-stage pipeline groups per run [0]")
+    parser.add_argument("--groups", type=int, default=0, help="two-stage pipelines per run [0]")
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--cpu-hogs", type=int, default=0, help="busy-loop processes beside the nodes [0]")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every node (repeatable)")
     parser.add_argument("--workdir", type=Path, help="where logs go [a temporary folder]")
     parser.add_argument("--replace-stages", type=int, default=0, metavar="K",
-                        help="kill stage 1 of every pipeline group K times, evenly spaced, each time replaced at once "
+                        help="kill stage 1 of every pipeline K times, evenly spaced, each time replaced at once "
                              "by a newcomer for its slot [0]")
     parser.add_argument("--json", action="store_true", help="also print the rows as one JSON list")
     args = parser.parse_args()
@@ -260,7 +260,7 @@ def main() -> None:
     ran = [soak(run, args.replicas, args.groups, args.rounds, args.cpu_hogs, workdir / run.replace("+", "-"),
                 args.overrides, args.replace_stages) for run in args.algorithm]
     results = [result for result, _ in ran]
-    print(f"\nSoak: {args.replicas} replica(s), {args.groups} pipeline group(s), {args.rounds} rounds, "
+    print(f"\nSoak: {args.replicas} replica(s), {args.groups} pipeline(s), {args.rounds} rounds, "
           f"{args.cpu_hogs} busy loop(s); lost per node in node order ({', '.join(sorted(results[0].lost))}"
           f"{'; a killed stage and its newcomers count as one node' if args.replace_stages else ''})")
     print(format_table(HEADER, [r.row() for r in results]))

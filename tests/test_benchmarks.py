@@ -100,7 +100,7 @@ def test_quality_benchmark_runs_heterogeneous_replicas():
     out = run("benchmarks/quality.py", "--suite", "heterogeneous", "--rounds", "2", "--replicas", "2",
               "--set", "inner.steps=2", "--methods", "sparseloco", "selective:ratio=16", "uniform:ratio=16")
     rows = {line.split()[0]: line.split() for line in out.splitlines()[-3:]}
-    assert rows["sparseloco"][-3:] == ["kB", "-", "-"]  # no pipeline groups: no stage-boundary traffic, no U
+    assert rows["sparseloco"][-3:] == ["kB", "-", "-"]  # no pipelines: no stage-boundary traffic, no U
     assert rows["selective:ratio=16"][-2] == "kB" and rows["uniform:ratio=16"][-2] == "kB"
     assert all(0 < float(rows[m][-1]) < 1 for m in ("selective:ratio=16", "uniform:ratio=16"))  # a share
 

@@ -46,7 +46,7 @@ def tiny_worker() -> tuple[Config, Worker]:
 
 @pytest.mark.timeout(120)
 def test_a_doubtful_peer_waits_for_a_holder_still_in_a_round_it_did_not_apply_and_follows_its_newer_state():
-    """Two stages whose pipeline groups failed round 5 move to round 6 with their old state, doubtful; the full replica
+    """Two stages whose pipelines failed round 5 move to round 6 with their old state, doubtful; the full replica
     that holds their slice trained round 5 alone and is still in it. The stages used to see nothing newer than their
     own state at round 6, clear their doubt, outvote the replica's state once it came, and cost it two rounds. Now
     a doubtful peer waits for the replica to come out of round 5 and fetches its state."""

@@ -22,7 +22,7 @@ from p2ploco.data import (
     plan_split,
     train_bpe,
 )
-from p2ploco.data.split import PIECE_BYTES
+from p2ploco.data.split import PART_BYTES
 from p2ploco.errors import ConfigError
 from p2ploco.metrics import human_count
 
@@ -33,7 +33,7 @@ def config(*overrides: str) -> Config:
     return load_config(None, list(overrides))
 
 
-def documents_of(stream: TokenStream) -> list[bytes]:
+def entries_of(stream: TokenStream) -> list[bytes]:
     """The runs of text between end-of-text tokens of a byte-level stream."""
     (tokens,) = stream.shards
     ends = np.flatnonzero(tokens == EOT)
@@ -74,11 +74,11 @@ def test_text_and_jsonl_files(tmp_path, text_folder):
     names = [name for name, _ in sources.sizes()]
     assert len(names) == 300 and names[0] == "docs/doc000.txt" and names[-1] == "more.jsonl:100"
     data = load_training_data(config(f"data.paths=[{text_folder}, {jsonl}]", "data.seq_len=16", "data.eval_percent=10"))
-    texts = documents_of(data.train) + documents_of(data.eval)
+    texts = entries_of(data.train) + entries_of(data.eval)
     assert len(texts) == 300 and texts[0].startswith(b"document 0: lorem")
 
 
-def test_one_document_holds_out_evenly_spread_blocks(tmp_path):
+def test_one_entry_holds_out_evenly_spread_blocks(tmp_path):
     """The issue's case: one plain text file used to land wholly on one side."""
     lines = [f"line {i:06d} of the only document\n" for i in range(60_000)]  # ~2 MB
     text = "".join(lines).encode()
@@ -86,9 +86,9 @@ def test_one_document_holds_out_evenly_spread_blocks(tmp_path):
     path.write_bytes(text)
     split = plan_split(Sources([str(path)]).sizes(), 2.0)
     assert split.kind == "blocks" and split.documents == 1 and split.held_out_blocks == 16
-    pieces = list(split.pieces("corpus.txt", [text], 0))
-    assert b"".join(piece for _, piece in pieces) == text  # every byte goes to exactly one side
-    held = b"".join(piece for held, piece in pieces if held)
+    parts = list(split.parts("corpus.txt", [text], 0))
+    assert b"".join(part for _, part in parts) == text  # every byte goes to exactly one side
+    held = b"".join(part for held, part in parts if held)
     assert 0.015 < len(held) / len(text) < 0.025
     # spread over the whole file, not one end of it
     held_lines = [int(m.group(1)) for m in re.finditer(rb"^line (\d{6}) of the only document$", held, re.M)]
@@ -96,19 +96,19 @@ def test_one_document_holds_out_evenly_spread_blocks(tmp_path):
     data = load_training_data(config(f"data.paths={path}"))
     assert data.eval.tokens == len(held) + 16  # each held-out block ends with end-of-text
     assert data.train.tokens + data.eval.tokens == len(text) + 16 + 17
-    assert b"".join(documents_of(data.eval)) == held
+    assert b"".join(entries_of(data.eval)) == held
 
 
-def test_ten_thousand_tiny_documents_hold_out_whole_documents(tmp_path):
+def test_ten_thousand_tiny_entries_hold_out_whole_entries(tmp_path):
     path = tmp_path / "tiny.jsonl"
     path.write_text("".join(json.dumps({"text": f"tiny document number {i}."}) + "\n" for i in range(10_000)))
     data = load_training_data(config(f"data.paths={path}", "data.seq_len=16"))
     assert "documents held out" in data.split
     expected = {f"tiny document number {i - 1}.".encode() for i in range(1, 10_001)
                 if is_held_out(f"tiny.jsonl:{i}", 2.0)}
-    held = documents_of(data.eval)
+    held = entries_of(data.eval)
     assert 150 < len(held) < 250 and set(held) == expected and len(set(held)) == len(held)
-    assert not expected & set(documents_of(data.train))
+    assert not expected & set(entries_of(data.train))
 
 
 def test_the_split_is_the_same_on_every_peer(tmp_path):
@@ -119,20 +119,20 @@ def test_the_split_is_the_same_on_every_peer(tmp_path):
     assert np.array_equal(first.train.shards[0], second.train.shards[0])
 
 
-def test_pieces_never_cut_a_character_and_do_not_depend_on_how_the_text_is_read():
-    text = ("é€😀" * (PIECE_BYTES // 3)).encode() + b"a line\n" * 30_000  # without, then with line ends
+def test_parts_never_cut_a_character_and_do_not_depend_on_how_the_text_is_read():
+    text = ("é€😀" * (PART_BYTES // 3)).encode() + b"a line\n" * 30_000  # without, then with line ends
     by_blocks = plan_split([("a", len(text))], 2.0)
-    by_documents = Split("documents", 2.0, 1, len(text))  # pieces cut by size (and at line ends) only
+    by_entries = Split("documents", 2.0, 1, len(text))  # parts cut by size (and at line ends) only
     assert by_blocks.kind == "blocks"
-    for split in (by_blocks, by_documents):
-        whole = list(split.pieces("a", [text], 0))
-        assert len(whole) > 4 and b"".join(piece for _, piece in whole) == text
-        for _, piece in whole:
-            piece.decode("utf-8")  # raises if a piece cut a character in two
-        for size in (7, 1000, PIECE_BYTES + 1, 3 * PIECE_BYTES):  # read in chunks of other sizes: the same pieces
-            assert list(split.pieces("a", (text[i : i + size] for i in range(0, len(text), size)), 0)) == whole
-    sizes = [len(piece) for _, piece in by_documents.pieces("a", [text], 0)]
-    assert max(sizes) <= PIECE_BYTES + 3 and sizes[-2] < PIECE_BYTES  # the last full piece ends at a line end
+    for split in (by_blocks, by_entries):
+        whole = list(split.parts("a", [text], 0))
+        assert len(whole) > 4 and b"".join(part for _, part in whole) == text
+        for _, part in whole:
+            part.decode("utf-8")  # raises if a part cut a character in two
+        for size in (7, 1000, PART_BYTES + 1, 3 * PART_BYTES):  # read in chunks of other sizes: the same parts
+            assert list(split.parts("a", (text[i : i + size] for i in range(0, len(text), size)), 0)) == whole
+    sizes = [len(part) for _, part in by_entries.parts("a", [text], 0)]
+    assert max(sizes) <= PART_BYTES + 3 and sizes[-2] < PART_BYTES  # the last full part ends at a line end
 
 
 def test_errors_name_the_real_cause(tmp_path):

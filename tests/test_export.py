@@ -143,7 +143,7 @@ def test_export_refuses_what_is_not_one_whole_model_in_one_line(tmp_path, args, 
 
 
 def two_stages(tmp_path, rounds_0, rounds_1):
-    """The checkpoint folders of a pipeline group's two stages that saved ``rounds_0`` and ``rounds_1``; the
+    """The checkpoint folders of a pipeline's two stages that saved ``rounds_0`` and ``rounds_1``; the
     whole model's parameters at round r are the seed's plus r."""
     config = load_config("configs/tiny.yaml", ["model.n_layer=4", "model.tie_embeddings=false", "pipeline.stages=2"])
     params = {name: p.detach() for name, p in Transformer(config.model, config.training.seed).named_parameters()}

@@ -1,4 +1,4 @@
-"""Slot claims of pipeline groups: deterministic holders, vacancies filled, groups completed first."""
+"""Slot claims of pipelines: deterministic holders, vacancies filled, pipelines completed first."""
 
 from collections.abc import Callable
 
@@ -19,24 +19,24 @@ def test_the_earliest_claim_holds_a_slot_whoever_looks():
     assert holders(reversed(claims)) == holders(claims)
     assert holders([Claim("b", "g0", 0, 5.0), Claim("a", "g0", 0, 5.0)]) == {("g0", 0): "a"}  # tie: smaller id
     assert complete_groups(claims, 2) == {"g0": ("b", "c")}
-    assert complete_groups(claims, 3) == {}  # stage 2 vacant: the group does not train
+    assert complete_groups(claims, 3) == {}  # stage 2 vacant: the pipeline does not train
     assert formation_epoch("g0", ("b", "c")) == formation_epoch("g0", ("b", "c")) != formation_epoch("g0", ("a", "c"))
 
 
-def test_newcomers_fill_vacancies_completing_groups_first_then_open_a_group():
+def test_newcomers_fill_vacancies_completing_pipelines_first_then_open_a_pipeline():
     claims = [Claim("p1", "g0", 0, 1.0), Claim("p2", "g0", 1, 1.0), Claim("p3", "g1", 0, 2.0)]
     assert choose_slot(claims, "new", stages=2) == ("g1", 1)  # completes g1
     full = claims + [Claim("p4", "g1", 1, 3.0)]
-    assert choose_slot(full, "new", stages=2) == ("g2", 0)  # every group full: a new one
+    assert choose_slot(full, "new", stages=2) == ("g2", 0)  # every pipeline full: a new one
     assert choose_slot([], "first", stages=2) == ("g0", 0)
     three = [Claim("p1", "g0", 0, 1.0), Claim("p2", "g1", 0, 1.0), Claim("p3", "g1", 1, 1.0)]
     assert choose_slot(three, "new", stages=3) == ("g1", 2)  # g1 misses one stage, g0 two
 
 
-def test_a_holder_keeps_its_slot_and_moves_only_to_complete_another_group():
+def test_a_holder_keeps_its_slot_and_moves_only_to_complete_another_pipeline():
     claims = [Claim("p1", "g0", 0, 1.0), Claim("p2", "g0", 1, 1.0), Claim("p3", "g1", 0, 2.0),
               Claim("p4", "g2", 1, 2.0)]
-    assert choose_slot(claims, "p1", stages=2) == ("g0", 0)  # complete group: stays
+    assert choose_slot(claims, "p1", stages=2) == ("g0", 0)  # complete pipeline: stays
     # g1 and g2 each lack one stage: the holder in g2 completes g1 (the smaller name), never both moving
     assert choose_slot(claims, "p3", stages=2) == ("g1", 0)
     assert choose_slot(claims, "p4", stages=2) == ("g1", 1)
@@ -44,18 +44,18 @@ def test_a_holder_keeps_its_slot_and_moves_only_to_complete_another_group():
     assert choose_slot(lonely, "p1", stages=3) == ("g3", 2)  # g0 lacks two stages, g3 one: p1 moves there
     # a loser of a conflict waits as standby on a pinned slot, or takes another one
     conflict = [Claim("old", "g0", 0, 1.0), Claim("late", "g0", 0, 4.0), Claim("p2", "g0", 1, 1.0)]
-    assert choose_slot(conflict, "late", stages=2, group="g0", stage=0) == ("g0", 0)
+    assert choose_slot(conflict, "late", stages=2, pipeline="g0", stage=0) == ("g0", 0)
     assert choose_slot(conflict, "late", stages=2) == ("g1", 0)
 
 
 def test_pins_restrict_the_choice():
     claims = [Claim("p1", "g0", 0, 1.0), Claim("p2", "gx", 1, 1.0)]
-    assert choose_slot(claims, "new", stages=2, group="gx") == ("gx", 0)
+    assert choose_slot(claims, "new", stages=2, pipeline="gx") == ("gx", 0)
     assert choose_slot(claims, "new", stages=2, stage=1) == ("g0", 1)
-    assert choose_slot(claims, "new", stages=2, group="fresh") == ("fresh", 0)
+    assert choose_slot(claims, "new", stages=2, pipeline="fresh") == ("fresh", 0)
 
 
-def test_the_stages_of_a_group_meet_in_the_latest_round_any_of_them_proposed_ahead_of_the_swarm():
+def test_the_stages_of_a_pipeline_meet_in_the_latest_round_any_of_them_proposed_ahead_of_the_swarm():
     # Without other trainers (swarm_round -1) a stage behind a mate moves to the mate's round, and the mate stays.
     assert group_round([8], 7, swarm_round=-1) == 8 and group_round([7], 8, swarm_round=-1) == 8
     # A proposal the swarm has not reached is taken by the stages behind it, and kept by its proposer.
@@ -68,7 +68,7 @@ def test_the_stages_of_a_group_meet_in_the_latest_round_any_of_them_proposed_ahe
 
 
 def looks_until_met(rule: Callable[[list[int], int, int], int], looks: int = 40) -> int | None:
-    """Two stages of a group look in turn at each other's round (a loaded machine: the swarm trains a round between
+    """Two stages of a pipeline look in turn at each other's round (a loaded machine: the swarm trains a round between
     two looks), each moving where ``rule`` says; a stage that moves to a round the swarm has reached finds it moved on,
     and catches up to the swarm's round. The look at which both stand in the same round ahead of the swarm, or None."""
     swarm, rounds = 48, {"a": 47, "b": 48}  # issue 60: stage 0 in odd rounds, stage 1 in even ones, for good

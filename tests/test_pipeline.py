@@ -1,4 +1,4 @@
-"""Pipeline groups in process: the stage schedule, the subspace codec, and heterogeneous SparseLoCo."""
+"""Pipelines in process: the stage schedule, the subspace codec, and heterogeneous SparseLoCo."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Pipeline groups of real stage peers over hivemind, next to a full replica: every holder of a slice agrees
+"""Pipelines of real stage peers over hivemind, next to a full replica: every holder of a slice agrees
 after every round, and a group that loses a stage re-forms with a newcomer while the replica trains on."""
 
 import contextlib

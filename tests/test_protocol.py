@@ -146,7 +146,7 @@ def test_everyone_dropped_or_silent_aborts():
     assert decide(GROUP, {A: MISSING}, A).outcome == Outcome.ABORT
 
 
-# a full replica A holds both slices; a pipeline group of B (stage 0) and C (stage 1); another full replica D
+# a full replica A holds both slices; a pipeline of B (stage 0) and C (stage 1); another full replica D
 MIXED = group(holdings={A: ("stage0", "stage1"), B: ("stage0",), C: ("stage1",), D: ("stage0", "stage1")},
               pipeline_groups=((B, "g0"), (C, "g0")))
 

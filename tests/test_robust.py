@@ -153,7 +153,7 @@ def test_a_majority_is_never_left_out():
 
 
 def test_an_honest_contribution_of_another_kind_left_out_barely_negative_earns_no_strike_and_its_flip_does():
-    """A full replica beside two pipeline groups agrees with them less than they with each other (their updates
+    """A full replica beside two pipelines agrees with them less than they with each other (their updates
     share a subspace), and is left out now and then with an agreement near zero (the soak: an honest replica was
     struck in 3 of 10 rounds and banned, and lost 22 rounds). Left out, not struck; sign-flipped, struck."""
     generator = torch.Generator().manual_seed(11)

@@ -98,7 +98,7 @@ def test_malformed_stage_messages_are_refused_and_a_bad_neighbour_fails_only_its
     neighbour, outsider = servers[0].p2p, servers[2].p2p
     # from a peer that is not stage 0 of this formation: refused before its payload is read, no effect
     assert push(loop, outsider, servers[1], header(), payload)["status"] == "rejected"
-    assert push(loop, neighbour, servers[1], header(epoch=1), payload)["reason"].startswith("message for a group")
+    assert push(loop, neighbour, servers[1], header(epoch=1), payload)["reason"].startswith("message for a pipeline")
     # well-formed from the neighbour: accepted
     assert push(loop, neighbour, servers[1], header(), payload)["status"] == "ok"
     assert receiver.recv_activations((5, 0)).values.shape == (2, 16, 8)
@@ -150,7 +150,7 @@ def test_a_stage_that_gives_up_a_step_releases_the_others_at_once(peers):
 
 @pytest.mark.timeout(120)
 def test_a_stage_that_sends_odd_sums_or_floods_its_neighbour_fails_the_step_not_the_process(peers):
-    """A sum of three addends where the group sums two (torch.stack used to raise out of the step), a negative
+    """A sum of three addends where the pipeline sums two (torch.stack used to raise out of the step), a negative
     squared norm (math.sqrt raised), and messages for steps far ahead (a mailbox held them without bound): each
     fails the step with a PipelineError, which the node handles by sitting the round out."""
     loop, servers = peers
@@ -166,7 +166,7 @@ def test_a_stage_that_sends_odd_sums_or_floods_its_neighbour_fails_the_step_not_
         return push(loop, neighbour, servers[1], header, torch.tensor(values, dtype=torch.float64).numpy().tobytes())
 
     assert addends(3, [1.0, 2.0, 3.0])["status"] == "ok"  # well-formed on its own: the count is checked at the sum
-    with pytest.raises(PipelineError, match="stage 0 sent 3 addends for step 3, where the group sums 2"):
+    with pytest.raises(PipelineError, match="stage 0 sent 3 addends for step 3, where the pipeline sums 2"):
         receiver.all_sum(3, [0.5, 4.0])
     negative = addends(4, [1.0, -4.0])
     assert negative["status"] == "rejected" and "none is negative" in negative["reason"]

@@ -6,12 +6,12 @@ only: no dense decoded tensor is built. ``compress`` is the same selection on a 
 returning the dense decoded tensor as well (tests and tools compare against it).
 
 Top-k on the CPU first bounds each chunk's k-th largest magnitude from below: cut the chunk into 4k or
-more groups, take each group's largest magnitude; at least k elements (those k group maxima) reach the k-th
-largest of the group maxima, so every element of the Top-k does. Only the few elements at or above that
+more cells, take each cell's largest magnitude; at least k elements (those k cell maxima) reach the k-th
+largest of the cell maxima, so every element of the Top-k does. Only the few elements at or above that
 bound (~1.14 k per chunk for Gaussian values) are candidates, and the k-th largest of them is the chunk's; a
 chunk with too many of them (many equal values), too few, a NaN, or ties at the k-th takes the plain path
-(``torch.topk``, where NaN is the largest). The selected set is the Top-k either way. Any partition into groups
-bounds alike, so where groups are many they are strided (element j in group j mod groups): their maxima are an
+(``torch.topk``, where NaN is the largest). The selected set is the Top-k either way. Any partition into cells
+bounds alike, so where cells are many they are strided (element j in cell j mod cells): their maxima are an
 elementwise maximum of contiguous slices, several times faster than a maximum over each short run. k-th largest
 values are ``np.partition``'s (one selection, no sorting of the k above it). 21.4M values on one thread (medians of
 7): 64 of every 4096 (a sender's) 0.12 s, against 0.26 s for ``torch.topk`` over the whole chunk; 128 (a reducer's
@@ -29,7 +29,7 @@ from p2ploco.compression.chunking import ChunkGrid
 from p2ploco.compression.quantize import Quantized, quantize
 from p2ploco.device import to_host
 
-MIN_GROUP = 4  # smallest group of the lower bound worth its cost (a chunk has at least 4k groups)
+MIN_CELL = 4  # elements of the smallest cell of the lower bound worth its cost (a chunk has at least 4k cells)
 MAX_CANDIDATES = 8  # a chunk with more than this many times k candidates takes the plain path
 ROWS_PER_BLOCK = 2048  # chunks selected at once: a block's magnitudes stay in the cache
 
@@ -125,29 +125,30 @@ def _compressed(grid: ChunkGrid, indices: torch.Tensor, quantized: Quantized) ->
 def top_positions(chunked: torch.Tensor, k: int) -> torch.Tensor:
     """(rows, k) int64: the sorted positions of the k largest magnitudes of every row."""
     rows, n = chunked.shape
-    group = next((g for g in range(n // (4 * k), MIN_GROUP - 1, -1) if n % g == 0), None)  # >= 4k groups
-    if chunked.device.type != "cpu" or group is None:
+    cell = next((c for c in range(n // (4 * k), MIN_CELL - 1, -1) if n % c == 0), None)  # >= 4k cells
+    if chunked.device.type != "cpu" or cell is None:
         return torch.topk(chunked.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
     block = min(rows, ROWS_PER_BLOCK)
     scratch = torch.empty(block, n), torch.empty(block, n, dtype=torch.bool)  # reused: no fresh pages per block
-    return torch.cat([_bounded_top_positions(chunked[at : at + block], k, group, scratch)
+    return torch.cat([_bounded_top_positions(chunked[at : at + block], k, cell, scratch)
                       for at in range(0, rows, block)])
 
 
-def _bounded_top_positions(chunked: torch.Tensor, k: int, group: int, scratch: tuple[torch.Tensor, torch.Tensor],
+def _bounded_top_positions(chunked: torch.Tensor, k: int, cell: int, scratch: tuple[torch.Tensor, torch.Tensor],
                            ) -> torch.Tensor:
+    """``top_positions`` of CPU rows, bounded from below by the k-th largest maximum of cells of ``cell`` elements."""
     rows, n = chunked.shape
-    groups = n // group
+    cells = n // cell
     magnitudes = np.abs(chunked.numpy(), out=scratch[0][:rows].numpy())
-    if groups >= group:  # strided groups: the maximum of ``group`` contiguous slices
-        group_max = torch.from_numpy(magnitudes).view(rows, group, groups).amax(dim=1).numpy()
+    if cells >= cell:  # strided cells: the maximum of ``cell`` contiguous slices
+        cell_max = torch.from_numpy(magnitudes).view(rows, cell, cells).amax(dim=1).numpy()
     else:
-        group_max = torch.from_numpy(magnitudes).view(rows, groups, group).amax(dim=2).numpy()
-    bound = kth_largest(group_max, k)
-    # A bound of 0 (a row of fewer than k groups with a value: a reducer's buffer in its first rounds is the sparse
+        cell_max = torch.from_numpy(magnitudes).view(rows, cells, cell).amax(dim=2).numpy()
+    bound = kth_largest(cell_max, k)
+    # A bound of 0 (a row of fewer than k cells with a value: a reducer's buffer in its first rounds is the sparse
     # mean) would make every element a candidate, and a NaN is no candidate but belongs to the Top-k: such rows take
     # the plain path (no candidates: infinity).
-    bound[(bound <= 0) | np.isnan(group_max).any(axis=1, keepdims=True)] = np.inf
+    bound[(bound <= 0) | np.isnan(cell_max).any(axis=1, keepdims=True)] = np.inf
     above = np.greater_equal(magnitudes, bound, out=scratch[1][:rows].numpy())  # numpy's: 2x torch's
     flat = np.flatnonzero(above)  # by row, ascending
     row = flat // n

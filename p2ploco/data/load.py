@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from p2ploco.config import Config
-from p2ploco.data.documents import Sources
+from p2ploco.data.entries import Sources
 from p2ploco.data.prepared import open_prepared, read_manifest, tokenizer_path
 from p2ploco.data.split import Split, plan_split
 from p2ploco.data.streams import MemorySink, TokenStream

@@ -5,7 +5,7 @@ Layout of a prepared folder (nanoGPT's ``train.bin`` convention, cut into shards
     manifest.json          written last (atomically): a folder without it is an unfinished prepare
     tokenizer.json         a copy of the Hugging Face tokenizer used (absent for byte-level)
     train-00000.bin ...    token ids, little-endian uint16 (uint32 if the vocabulary needs it), no header;
-    eval-00000.bin ...     documents end with the tokenizer's end-of-text id
+    eval-00000.bin ...     entries end with the tokenizer's end-of-text id
 
 ``manifest.json`` records the tokenizer (kind, vocabulary size, end-of-text id, sha256), the
 element type, the split, and for each side its token count and shards (file, tokens, sha256).
@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import pydantic
 
-from p2ploco.data.documents import Sources
+from p2ploco.data.entries import Sources
 from p2ploco.data.split import Split, plan_split
 from p2ploco.data.streams import TokenStream
 from p2ploco.data.tokenize import tokenize_corpus
@@ -66,6 +66,8 @@ class SideInfo(_Strict):
 
 
 class SplitInfo(_Strict):
+    """``split.Split`` as the manifest holds it: these keys are digested, so "documents" (a corpus's entries) stays."""
+
     kind: Literal["documents", "blocks"]
     eval_percent: float
     documents: int
@@ -135,7 +137,7 @@ def prepare(paths: Sequence[str], out: Path, tokenizer: Tokenizer, eval_percent:
             shard_tokens: int = DEFAULT_SHARD_TOKENS, scanned: Callable[[Split], None] = lambda split: None,
             progress: Callable[[int], None] = lambda done: None) -> Manifest:
     """Tokenize ``paths`` into shards under ``out`` (a new or empty folder) and write the manifest last.
-    ``scanned`` hears the split once the documents were listed; ``progress`` the bytes tokenized so far."""
+    ``scanned`` hears the split once the entries were listed; ``progress`` the bytes tokenized so far."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} already exists and is not an empty folder; choose a new one "
                           f"(nothing was written)")

@@ -1,12 +1,12 @@
-"""The train/eval split: decided from the documents' names and sizes alone, so every peer makes the same one.
+"""The train/eval split: decided from the corpus entries' names and sizes alone, so every peer makes the same one.
 
-With enough documents, whole documents are held out by a hash of their name (the eval text is
-text the model never trained on, from documents it never saw). A corpus of one or a few
-documents (a single text file, a folder of plays) cannot be split that way: its text is cut into
-fixed blocks of bytes instead, and an evenly spread share of the blocks is held out. Both
-decisions depend only on the names, sizes and order of the documents and on ``eval_percent``.
+With enough entries, whole entries are held out by a hash of their name (the eval text is text
+the model never trained on, from entries it never saw). A corpus of one or a few entries (a
+single text file, a folder of plays) cannot be split that way: its text is cut into fixed blocks
+of bytes instead, and an evenly spread share of the blocks is held out. Both decisions depend
+only on the names, sizes and order of the entries and on ``eval_percent``.
 
-Text reaches the tokenizer in pieces of at most ``PIECE_BYTES``, cut at a line end where one is
+Text reaches the tokenizer in parts of at most ``PART_BYTES``, cut at a line end where one is
 near (and never inside a UTF-8 character), so that a 1 GB file never sits in memory as one string.
 """
 
@@ -20,28 +20,31 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-MIN_HELD_OUT_DOCUMENTS = 8  # fewer held-out documents than this make a poor sample: split by blocks instead
-SHARE_TOLERANCE = 3.0  # a document-level split must hold out between 1/3x and 3x eval_percent of the bytes
+MIN_HELD_OUT_ENTRIES = 8  # fewer held-out entries than this make a poor sample: split by blocks instead
+SHARE_TOLERANCE = 3.0  # an entry-level split must hold out between 1/3x and 3x eval_percent of the bytes
 TARGET_HELD_OUT_BLOCKS = 16  # block-level: aim for this many held-out blocks spread over the corpus
 MIN_BLOCK_BYTES = 1 << 10
 MAX_BLOCK_BYTES = 1 << 20
-PIECE_BYTES = 1 << 16
+PART_BYTES = 1 << 16
 UTF8_MAX = 4  # bytes of the longest UTF-8 character
 
 
 def is_held_out(name: str, eval_percent: float) -> bool:
-    """Document-level: whether the document called ``name`` is held out (a hash of the name, the same everywhere)."""
+    """Entry-level: whether the entry called ``name`` is held out (a hash of the name, the same everywhere)."""
     bucket = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") % 10_000
     return bucket < eval_percent * 100
 
 
 @dataclass(frozen=True)
 class Split:
+    """A corpus's split. Its fields are the prepared corpus's ``split`` (``prepared.SplitInfo``) by name, whose
+    digest the run document carries: "documents" there means entries (the kind "documents" holds out whole ones)."""
+
     kind: Literal["documents", "blocks"]
     eval_percent: float
-    documents: int
+    documents: int  # the corpus's entries
     bytes: int
-    held_out_documents: int = 0  # documents: how many are held out
+    held_out_documents: int = 0  # "documents": how many entries are held out
     block_bytes: int = 0  # windows: the held-out unit
     held_out_blocks: int = 0  # windows: how many blocks are held out, spread evenly
 
@@ -60,27 +63,27 @@ class Split:
         return (f"{self.held_out_blocks} of {self.blocks} blocks of {self.block_bytes:,} bytes held out: "
                 f"{self.documents} document{'s' if self.documents != 1 else ''}, too few to hold out whole ones")
 
-    def pieces(self, name: str, chunks: Iterable[bytes], offset: int) -> Iterator[tuple[bool, bytes]]:
-        """(held out?, text) for the pieces of one document (its text in ``chunks``) that starts ``offset``
+    def parts(self, name: str, chunks: Iterable[bytes], offset: int) -> Iterator[tuple[bool, bytes]]:
+        """(held out?, text) for the parts of one entry (its text in ``chunks``) that starts ``offset``
         bytes into the corpus."""
         if self.kind == "documents":
             held = is_held_out(name, self.eval_percent)
-            for piece, _ in _cut(chunks, offset, lambda at: None):
-                yield held, piece
+            for part, _ in _cut(chunks, offset, lambda at: None):
+                yield held, part
         else:
-            for piece, at in _cut(chunks, offset, lambda at: (at // self.block_bytes + 1) * self.block_bytes):
-                yield at // self.block_bytes in self._held_out_block_indices, piece
+            for part, at in _cut(chunks, offset, lambda at: (at // self.block_bytes + 1) * self.block_bytes):
+                yield at // self.block_bytes in self._held_out_block_indices, part
 
 
-def text_pieces(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    """A document's text (in ``chunks``) in pieces of about PIECE_BYTES, cut at line ends where possible."""
-    return (piece for piece, _ in _cut(chunks, 0, lambda at: None))
+def text_parts(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """An entry's text (in ``chunks``) in parts of about PART_BYTES, cut at line ends where possible."""
+    return (part for part, _ in _cut(chunks, 0, lambda at: None))
 
 
 def _cut(chunks: Iterable[bytes], offset: int, boundary: Callable[[int], int | None]) -> Iterator[tuple[bytes, int]]:
-    """(piece, its offset in the corpus) for a document that starts at ``offset``: each piece ends at the next
-    ``boundary(start)`` (a corpus offset; None: none) if that is within PIECE_BYTES, else at the last line end
-    within PIECE_BYTES (or at PIECE_BYTES); never inside a UTF-8 character. Holds at most a chunk and a piece."""
+    """(part, its offset in the corpus) for an entry that starts at ``offset``: each part ends at the next
+    ``boundary(start)`` (a corpus offset; None: none) if that is within PART_BYTES, else at the last line end
+    within PART_BYTES (or at PART_BYTES); never inside a UTF-8 character. Holds at most a chunk and a part."""
     buffer, start, base = b"", 0, offset  # buffer[start:] is not cut yet; buffer[0] is at corpus offset base
     for chunk in itertools.chain(chunks, [None]):
         final = chunk is None
@@ -88,17 +91,17 @@ def _cut(chunks: Iterable[bytes], offset: int, boundary: Callable[[int], int | N
         while start < len(buffer):
             limit = boundary(base + start)
             hard = len(buffer) if limit is None else min(len(buffer), limit - base)
-            if not final and min(hard, start + PIECE_BYTES) + UTF8_MAX > len(buffer):
-                break  # the piece's end may depend on text not read yet
-            end = _piece_end(buffer, start, hard)
+            if not final and min(hard, start + PART_BYTES) + UTF8_MAX > len(buffer):
+                break  # the part's end may depend on text not read yet
+            end = _part_end(buffer, start, hard)
             yield buffer[start:end], base + start
             start = end
 
 
-def _piece_end(data: bytes, start: int, hard: int) -> int:
-    """Where the piece from ``start`` ends: at ``hard`` if it is near, else at the last line end within
-    PIECE_BYTES (if any); moved past a UTF-8 character it would cut."""
-    soft = start + PIECE_BYTES
+def _part_end(data: bytes, start: int, hard: int) -> int:
+    """Where the part from ``start`` ends: at ``hard`` if it is near, else at the last line end within
+    PART_BYTES (if any); moved past a UTF-8 character it would cut."""
+    soft = start + PART_BYTES
     if hard <= soft:
         end = hard
     else:
@@ -110,22 +113,22 @@ def _piece_end(data: bytes, start: int, hard: int) -> int:
 
 
 def plan_split(sizes: Iterable[tuple[str, int]], eval_percent: float) -> Split:
-    """Hold out whole documents when enough of them (and about the right share of the text) would be;
+    """Hold out whole entries when enough of them (and about the right share of the text) would be;
     else an evenly spread share of fixed blocks of the text."""
-    documents = total = held_documents = held_bytes = 0
+    entries = total = held_entries = held_bytes = 0
     for name, size in sizes:
         if not size:
             continue
-        documents += 1
+        entries += 1
         total += size
         if is_held_out(name, eval_percent):
-            held_documents += 1
+            held_entries += 1
             held_bytes += size
     share = eval_percent / 100
-    if (held_documents >= MIN_HELD_OUT_DOCUMENTS
+    if (held_entries >= MIN_HELD_OUT_ENTRIES
             and share / SHARE_TOLERANCE <= held_bytes / total <= share * SHARE_TOLERANCE):
-        return Split("documents", eval_percent, documents, total, held_out_documents=held_documents)
+        return Split("documents", eval_percent, entries, total, held_out_documents=held_entries)
     block_bytes = min(MAX_BLOCK_BYTES, max(MIN_BLOCK_BYTES, math.ceil(total * share / TARGET_HELD_OUT_BLOCKS)))
     blocks = math.ceil(total / block_bytes)
     held_blocks = min(blocks - 1, max(1, round(blocks * share))) if blocks >= 2 else 0
-    return Split("blocks", eval_percent, documents, total, block_bytes=block_bytes, held_out_blocks=held_blocks)
+    return Split("blocks", eval_percent, entries, total, block_bytes=block_bytes, held_out_blocks=held_blocks)

@@ -1,7 +1,7 @@
 """Tokenize a corpus into a training and a held-out token stream, following its split.
 
-Every document's run of text on one side ends with the tokenizer's end-of-text token: at the end
-of the document, and where a block-level split cuts a held-out block out of it (the text on
+Every entry's run of text on one side ends with the tokenizer's end-of-text token: at the end
+of the entry, and where a block-level split cuts a held-out block out of it (the text on
 either side of the cut does not continue across it).
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from p2ploco.data.documents import Sources
+from p2ploco.data.entries import Sources
 from p2ploco.data.split import Split
 from p2ploco.data.streams import TokenSink
 from p2ploco.data.tokenizer import ENCODE_BYTES, Tokenizer
@@ -44,9 +44,9 @@ def tokenize_corpus(sources: Sources, tokenizer: Tokenizer, split: Split, train:
         batched = 0
 
     offset = 0
-    for document in sources.documents():
+    for entry in sources.entries():
         previous: tuple[bool, bytes] | None = None
-        for held, text in split.pieces(document.name, document.chunks, offset):
+        for held, text in split.parts(entry.name, entry.chunks, offset):
             if previous is not None:
                 add(previous[0], previous[1], previous[0] != held)
             previous = held, text

@@ -1,7 +1,7 @@
 """Tokenizers: byte-level by default, or a Hugging Face ``tokenizer.json`` read from a local file.
 
-A tokenizer turns pieces of UTF-8 text into token ids and names one id, ``eot``, that ends every
-document in a token stream. ``digest`` identifies it: peers of a run must tokenize alike, so a
+A tokenizer turns parts of UTF-8 text into token ids and names one id, ``eot``, that ends every
+corpus entry in a token stream. ``digest`` identifies it: peers of a run must tokenize alike, so a
 non-default tokenizer's digest joins the run fingerprint (byte-level has none: it is fixed).
 ``train_bpe`` trains a byte-level BPE tokenizer on local text (``p2ploco data train-tokenizer``).
 """
@@ -15,11 +15,11 @@ from typing import Protocol
 
 import numpy as np
 
-from p2ploco.data.documents import Sources
-from p2ploco.data.split import text_pieces
+from p2ploco.data.entries import Sources
+from p2ploco.data.split import text_parts
 from p2ploco.errors import ConfigError
 
-# Names that end a document in common tokenizers; train_bpe adds the first one.
+# Names that end a text (a corpus entry) in common tokenizers; train_bpe adds the first one.
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 # Text handed to the tokenizer at once: a Hugging Face tokenizer encodes a batch on all cores, and holds
 # about 25 bytes per token of it while it does.
@@ -32,13 +32,13 @@ class Tokenizer(Protocol):
     name: str  # shown to people: "byte-level", or the tokenizer file
     digest: str  # "" for byte-level; else the sha256 of the tokenizer's canonical JSON
 
-    def encode_batch(self, pieces: Sequence[bytes]) -> list[np.ndarray]: ...
+    def encode_batch(self, parts: Sequence[bytes]) -> list[np.ndarray]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
 class ByteTokenizer:
-    """UTF-8 bytes are tokens 0..255; 256 separates documents."""
+    """UTF-8 bytes are tokens 0..255; 256 separates entries."""
 
     vocab_size = 257
     eot = 256
@@ -48,8 +48,8 @@ class ByteTokenizer:
     def encode(self, data: bytes) -> np.ndarray:
         return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
 
-    def encode_batch(self, pieces: Sequence[bytes]) -> list[np.ndarray]:
-        return [self.encode(piece) for piece in pieces]
+    def encode_batch(self, parts: Sequence[bytes]) -> list[np.ndarray]:
+        return [self.encode(part) for part in parts]
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -81,8 +81,8 @@ class HuggingFaceTokenizer:
         self.name = str(path)
         self.digest = hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()
 
-    def encode_batch(self, pieces: Sequence[bytes]) -> list[np.ndarray]:
-        texts = [piece.decode("utf-8", errors="replace") for piece in pieces]
+    def encode_batch(self, parts: Sequence[bytes]) -> list[np.ndarray]:
+        texts = [part.decode("utf-8", errors="replace") for part in parts]
         encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(encoding.ids, dtype=np.uint32) for encoding in encodings]
 
@@ -124,16 +124,16 @@ def train_bpe(texts: Iterator[str], vocab_size: int, out: Path) -> HuggingFaceTo
 
 def train_bpe_on_sources(sources: Sources, vocab_size: int, out: Path, progress: Callable[[int], None],
                          ) -> tuple[HuggingFaceTokenizer, int]:
-    """``train_bpe`` on the text of every document of ``sources``, in pieces cut at line ends (``text_pieces``);
-    ``progress`` is told the bytes of text read so far after each piece. Returns the tokenizer and the bytes read."""
+    """``train_bpe`` on the text of every entry of ``sources``, in parts cut at line ends (``text_parts``);
+    ``progress`` is told the bytes of text read so far after each part. Returns the tokenizer and the bytes read."""
     read = 0
 
     def texts() -> Iterator[str]:
         nonlocal read
-        for document in sources.documents():
-            for piece in text_pieces(document.chunks):
-                yield piece.decode("utf-8", errors="replace")
-                read += len(piece)
+        for entry in sources.entries():
+            for part in text_parts(entry.chunks):
+                yield part.decode("utf-8", errors="replace")
+                read += len(part)
                 progress(read)
 
     tokenizer = train_bpe(texts(), vocab_size, out)

@@ -1,1 +1,1 @@
-"""Pipeline groups of weak peers: stages, subspace-compressed boundaries, the 1F1B schedule and its transport."""
+"""Pipelines of weak peers: stages, subspace-compressed boundaries, the 1F1B schedule and its transport."""

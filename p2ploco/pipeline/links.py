@@ -1,8 +1,8 @@
-"""Stage links over hivemind: the transport of a pipeline group whose stages run on different peers.
+"""Stage links over hivemind: the transport of a pipeline whose stages run on different peers.
 
 Every stage peer serves one stream handler, ``p2ploco/<run>/stage``, and pushes to its neighbours:
 activations forward to stage s + 1, gradients back to stage s - 1, and its addends of the per-step
-sums to every stage of the group. A push is one framed message (``swarm/wire.py``) on a fresh
+sums to every stage of the pipeline. A push is one framed message (``swarm/wire.py``) on a fresh
 binary stream, which carries any size (hivemind's unary limit does not apply), and is answered with
 one status:
 
@@ -16,12 +16,12 @@ one status:
                 abort:       nothing
     answer:   {v, status: ok | rejected, reason}
 
-The receiver knows who may send what: only the peer holding stage s - 1 of its current group
-(``epoch`` counts re-formations) may send activations, only stage s + 1 gradients, only members sums.
-It checks the sender before it reads a payload, bounds every shape by the group's schedule (batch,
+The receiver knows who may send what: only the peer holding stage s - 1 of its current pipeline
+(``epoch`` counts re-formations) may send activations, only stage s + 1 gradients, only its stages sums.
+It checks the sender before it reads a payload, bounds every shape by the pipeline's schedule (batch,
 sequence, width, vocabulary), reads exactly the bytes those shapes need, and refuses non-finite
 values and out-of-range ids. A bad message from the expected neighbour fails the step it belongs to
-(the waiting stage gets a PipelineError at once, and the group's round with it); a message from
+(the waiting stage gets a PipelineError at once, and the pipeline's round with it); a message from
 anyone else is refused and changes nothing. No process ever stops for a message.
 """
 
@@ -76,7 +76,7 @@ Shape = Annotated[list[Annotated[int, Field(ge=0, le=MAX_DIMENSION)]], Field(max
 
 class StageHeader(Message):
     kind: status_of(Kind)
-    group: Name
+    group: Name  # the pipeline (a wire name)
     epoch: Annotated[int, Field(ge=0, le=MAX_ROUND)]
     step: Annotated[int, Field(ge=0, le=MAX_ROUND)]
     micro: Annotated[int, Field(ge=0, le=MAX_DIMENSION)] = 0
@@ -93,16 +93,16 @@ class StageAnswer(Message):
 
 @dataclass(frozen=True)
 class StageLinks:
-    """One formation of a group: which peer holds each stage (``epoch`` counts re-formations)."""
+    """One formation of a pipeline: which peer holds each stage (``epoch`` counts re-formations)."""
 
-    group: str
+    pipeline: str
     epoch: int
     peers: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """What every message of a group must fit: the group's micro-batch shape and the boundary width."""
+    """What every message of a pipeline must fit: the pipeline's micro-batch shape and the boundary width."""
 
     micro_batches: int
     batch_size: int
@@ -114,7 +114,7 @@ class Schedule:
 
     @classmethod
     def of(cls, config: Config) -> Schedule:
-        """The schedule every stage of a group of this config runs (the group shares these inner settings)."""
+        """The schedule every stage of a pipeline of this config runs (the pipeline shares these inner settings)."""
         c = config
         width = c.pipeline.rank if c.pipeline.compressed else c.model.d_model
         return cls(c.inner.grad_accum, c.inner.batch_size, c.data.seq_len, width, c.model.vocab_size,
@@ -148,7 +148,7 @@ class _Message:
 
 
 class StageLinkServer:
-    """What this stage peer receives: one mailbox per direction, plus the group's sums."""
+    """What this stage peer receives: one mailbox per direction, plus the pipeline's sums."""
 
     def __init__(self, p2p: P2P, run_id: str, timeout: float):
         self.p2p, self.timeout = p2p, timeout
@@ -179,13 +179,13 @@ class StageLinkServer:
 
     def _expected_sender(self, header: StageHeader) -> tuple[StageLinks, Mailbox, int]:
         links = self.links
-        if links is None or header.group != links.group or header.epoch != links.epoch:
-            raise PayloadError("message for a group formation this peer does not serve")
+        if links is None or header.group != links.pipeline or header.epoch != links.epoch:
+            raise PayloadError("message for a pipeline formation this peer does not serve")
         if header.kind is Kind.ACTIVATIONS:
             return links, self.activations, self.stage - 1
         if header.kind is Kind.GRADIENTS:
             return links, self.gradients, self.stage + 1
-        return links, self.sums, header.from_stage  # sums and aborts: any member
+        return links, self.sums, header.from_stage  # sums and aborts: any stage of the pipeline
 
     def admit(self, message: _Message, raw: dict[str, Any], length: int) -> None:
         """Check a message's header before its payload is read: its kind, that ``message.sender`` is the stage that
@@ -314,7 +314,7 @@ def from_bytes(data: bytes, dtype: torch.dtype, shape: Sequence[int]) -> torch.T
 
 
 class RemoteTransport(StageTransport):
-    """This stage's links to the other stages of its group, over hivemind streams."""
+    """This stage's links to the other stages of its pipeline, over hivemind streams."""
 
     def __init__(self, loop: EventLoopThread, server: StageLinkServer, links: StageLinks, stage: int,
                  schedule: Schedule, timeout: float):
@@ -324,7 +324,7 @@ class RemoteTransport(StageTransport):
 
     def _push(self, kind: Kind, to_stage: int, key: MicroKey, tensors: Sequence[torch.Tensor],
               **extra: object) -> None:
-        header = {"kind": kind.value, "group": self.links.group, "epoch": self.links.epoch, "step": key[0],
+        header = {"kind": kind.value, "group": self.links.pipeline, "epoch": self.links.epoch, "step": key[0],
                   "micro": key[1], "shapes": [list(t.shape) for t in tensors],
                   "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors], **extra}
         payload = b"".join(tensor_bytes(t) for t in tensors)
@@ -396,7 +396,7 @@ class RemoteTransport(StageTransport):
                    for s in range(self.stages)]
         for s, addend in enumerate(addends):
             if addend.shape != mine.shape:
-                raise PipelineError(f"stage {s} sent {addend.numel()} addends for step {step}, where the group sums "
+                raise PipelineError(f"stage {s} sent {addend.numel()} addends for step {step}, where the pipeline sums "
                                     f"{mine.numel()}")
         return [float(v) for v in torch.stack(addends).sum(0)]  # in stage order: the same on every stage
 

@@ -1,4 +1,4 @@
-"""One stage's part of a pipeline group's inner step: micro-batches through S stages, 1F1B.
+"""One stage's part of a pipeline's inner step: micro-batches through S stages, 1F1B.
 
 Each stage runs this schedule on its own (in its own thread here, on its own peer over hivemind) and
 meets its neighbours only through the transport. Stage s runs min(S - s - 1, M) forwards first, then
@@ -11,11 +11,11 @@ alternates one forward and one backward, then drains the backwards:
 micro-batches' activations, where GPipe holds all M until the backwards start. Weak peers are
 short of memory, not of patience, and M (``inner.grad_accum``) can then grow freely.
 
-Forward on stage s: the first stage draws the window (B, T + 1 ids) from the group's sampler and
+Forward on stage s: the first stage draws the window (B, T + 1 ids) from the pipeline's sampler and
 embeds ``ids[:, :-1]``; a later stage rebuilds h from the received values inside autograd (the
 received tensor is a leaf, so its gradient is what goes back). The last stage computes the loss
 against ``ids[:, 1:]``; the others encode their output and send it on. Every loss is scaled by 1 / M,
-as gradient accumulation in one model does, so the group's update equals the unsplit model's.
+as gradient accumulation in one model does, so the pipeline's update equals the unsplit model's.
 """
 
 from __future__ import annotations
@@ -60,17 +60,17 @@ class PipelineStage(GradientSource):
         self._in_flight: dict[MicroKey, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def link(self, transport: StageTransport, sampler: ShardSampler | None) -> None:
-        """Train with the stages ``transport`` reaches; ``sampler``: the group's data, on the first stage only
-        (later stages get the token ids with the activations). A group that re-forms links again."""
+        """Train with the stages ``transport`` reaches; ``sampler``: the pipeline's data, on the first stage only
+        (later stages get the token ids with the activations). A pipeline that re-forms links again."""
         if transport.stage != self.stage:
             raise ValueError(f"a transport of stage {transport.stage} for stage {self.stage}")
         if self.model.first != (sampler is not None):
-            raise ValueError("the first stage, and only it, draws the group's batches")
+            raise ValueError("the first stage, and only it, draws the pipeline's batches")
         self.transport, self.sampler = transport, sampler
 
     def accumulate(self, step: int) -> float:
         if self.transport is None:
-            raise PipelineError(f"stage {self.stage} is not linked to a pipeline group")
+            raise PipelineError(f"stage {self.stage} is not linked to a pipeline")
         loss = 0.0
         try:
             for op, micro in self.order:
@@ -87,11 +87,11 @@ class PipelineStage(GradientSource):
         return loss
 
     def reduce(self, step: int, values: Sequence[float]) -> list[float]:
-        """The group's sums (the loss, the squared gradient norm); PipelineError if they are not finite and
-        non-negative: some stage's inputs made its step overflow, and the group's round fails, not this peer."""
+        """The pipeline's sums (the loss, the squared gradient norm); PipelineError if they are not finite and
+        non-negative: some stage's inputs made its step overflow, and the pipeline's round fails, not this peer."""
         sums = self.transport.all_sum(step, values)
         if not all(math.isfinite(v) and v >= 0 for v in sums):
-            raise PipelineError(f"step {step}: the group's loss and squared gradient norm are {sums}; a stage's "
+            raise PipelineError(f"step {step}: the pipeline's loss and squared gradient norm are {sums}; a stage's "
                                 f"inputs made it overflow")
         return sums
 

@@ -3,7 +3,7 @@
 A stage sends the activations of each micro-batch to the next stage and the gradients with respect to
 what it received back to the previous one, each message keyed by (inner step, micro-batch). Token
 ids travel with the activations, so the last stage gets its targets without a side channel. The
-stages of a group also sum a few numbers per step (squared gradient norms for one global clipping
+stages of a pipeline also sum a few numbers per step (squared gradient norms for one global clipping
 coefficient, the loss). ``pipeline/links.py`` links stages on different peers over hivemind;
 ``p2ploco.testing.transport`` links S stages in one process (tests, benchmarks) behind the same interface.
 
@@ -72,7 +72,7 @@ class StageTransport(ABC):
 
     @abstractmethod
     def all_sum(self, step: int, values: Sequence[float]) -> list[float]:
-        """The element-wise sum of ``values`` (finite and non-negative: losses, squared norms) over the group's
+        """The element-wise sum of ``values`` (finite and non-negative: losses, squared norms) over the pipeline's
         stages (every stage gets the same numbers); PipelineError if a stage sends other addends."""
 
     @abstractmethod

@@ -1,9 +1,10 @@
-"""Where text comes from: files, JSONL records, folders of them, or the embedded standard-library corpus.
+"""Where text comes from: files, JSONL files (an entry a line), folders of them, or the standard library.
 
-A corpus is read twice, in the same order: once for its documents' names and sizes (enough to
-decide the train/eval split, and it finds a malformed JSONL line before any tokenizing starts),
-once for their text. Names are stable across machines (a path relative to the folder given, a
-JSONL file and line), because a document-level split is decided by them.
+A corpus is a sequence of entries (a text file, or one line of a JSONL file), each a name and a text.
+It is read twice, in the same order: once for its entries' names and sizes (enough to decide the
+train/eval split, and it finds a malformed JSONL line before any tokenizing starts), once for their
+text. Names are stable across machines (a path relative to the folder given, a JSONL file and line),
+because an entry-level split is decided by them.
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ CHUNK_BYTES = 1 << 22  # text files are read this much at a time: a 1 GB file ne
 
 
 @dataclass(frozen=True)
-class Document:
-    name: str  # stable across machines: it decides a document-level split
+class Entry:
+    name: str  # stable across machines: it decides an entry-level split
     chunks: Iterable[bytes]  # its UTF-8 text, in order (to be read once)
 
 
 class Sources:
-    """The documents of ``data.paths`` (text files, JSONL files, folders of them), or of the standard library."""
+    """The entries of ``data.paths`` (text files, JSONL files, folders of them), or of the standard library."""
 
     def __init__(self, paths: Sequence[str] = (), origin: str = "data.paths"):
         """``origin`` names where the paths came from in error messages (a config key, a CLI argument)."""
         if paths:
-            self.files = [file for entry in paths for file in _files_of(entry, origin)]
+            self.files = [file for given in paths for file in _files_of(given, origin)]
             self.description = ", ".join(paths)
         else:
             root = Path(sysconfig.get_paths()["stdlib"])
@@ -47,25 +48,25 @@ class Sources:
         return sum(path.stat().st_size for path, _ in self.files)
 
     def sizes(self) -> Iterator[tuple[str, int]]:
-        """Each document's name and size in bytes, without reading text files (JSONL files are parsed)."""
+        """Each entry's name and size in bytes, without reading text files (JSONL files are parsed)."""
         for path, name in self.files:
             if path.suffix == ".jsonl":
-                for document in _jsonl_documents(path, name):
-                    yield document.name, sum(map(len, document.chunks))
+                for entry in _jsonl_entries(path, name):
+                    yield entry.name, sum(map(len, entry.chunks))
             else:
                 yield name, path.stat().st_size
 
-    def documents(self) -> Iterator[Document]:
+    def entries(self) -> Iterator[Entry]:
         for path, name in self.files:
             if path.suffix == ".jsonl":
-                yield from _jsonl_documents(path, name)
+                yield from _jsonl_entries(path, name)
             else:
-                yield Document(name, _chunks_of(path))
+                yield Entry(name, _chunks_of(path))
 
 
-def _files_of(entry: str, origin: str) -> list[tuple[Path, str]]:
-    """(path, document name) of one entry of data.paths."""
-    root = Path(entry).expanduser()
+def _files_of(given: str, origin: str) -> list[tuple[Path, str]]:
+    """(path, entry name) of each file one path of data.paths names."""
+    root = Path(given).expanduser()
     if root.is_dir():
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         if not files:
@@ -82,8 +83,8 @@ def _chunks_of(path: Path) -> Iterator[bytes]:
             yield chunk
 
 
-def _jsonl_documents(path: Path, name: str) -> Iterator[Document]:
-    """One document per line's "text"; a malformed line stops the reading with its file and line number."""
+def _jsonl_entries(path: Path, name: str) -> Iterator[Entry]:
+    """One entry per line's "text"; a malformed line stops the reading with its file and line number."""
     with path.open("rb") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -96,4 +97,4 @@ def _jsonl_documents(path: Path, name: str) -> Iterator[Document]:
             if not isinstance(text, str):
                 raise ConfigError(f"{path}:{number}: field \"text\" must be a string, not "
                                   f"{type(text).__name__}; fix or remove the line")
-            yield Document(f"{name}:{number}", (text.encode("utf-8", errors="replace"),))
+            yield Entry(f"{name}:{number}", (text.encode("utf-8", errors="replace"),))
