@@ -37,7 +37,7 @@ from p2ploco.metrics import format_table, human_bytes
 from p2ploco.outer import build_outer
 from p2ploco.peer import Swarm
 from p2ploco.slices import slice_name
-from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.records import Phase
 from p2ploco.swarm.state import Snapshot
 from p2ploco.swarm.updates import KEEP_SHARE, Update, applied, changes_of, named_tensors
 from p2ploco.testing.communicator import InProcessGroup
@@ -63,7 +63,7 @@ def donor(config_path: str, initial_peers: list[str], pipe: Connection) -> None:
     swarm = Swarm.join(RUN_ID, config.swarm, config.run_document(), initial_peers)
     try:
         swarm.serve_state([snapshot])
-        swarm.announce_progress(ROUND, PeerState.TRAINING, snapshot.state_digest, {SLICE: snapshot.state_digest})
+        swarm.announce_progress(ROUND, Phase.TRAINING, snapshot.state_digest, {SLICE: snapshot.state_digest})
         swarm.flush()  # the record goes out in the background: the joiner looks for it at once
         pipe.send(snapshot.state_digest)
         pipe.recv()  # returns or raises EOFError when the benchmark is done

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from p2ploco.config import load_config
 from p2ploco.launch import TINY_CONFIG, Child, LocalSwarm
-from p2ploco.metrics import format_table, read_records
+from p2ploco.metrics import format_table, read_summaries
 
 POLL = 0.2  # seconds between looks at the nodes' metrics
 KILL_JITTER = 3.0  # a kill lands up to this long after the swarm's progress reached its round
@@ -98,7 +98,7 @@ def run_swarm(label: str, workdir: Path, nodes: int, rounds: int, extra: list[st
 
     def progress() -> int:
         """Rounds the swarm has completed: one more than the highest round any node recorded."""
-        return 1 + max((r["round"] for d in set(log_dirs) for r in read_records(d / "metrics.jsonl")), default=-1)
+        return 1 + max((r["round"] for d in set(log_dirs) for r in read_summaries(d / "metrics.jsonl")), default=-1)
 
     with LocalSwarm(workdir) as swarm:
         run.started = time.time()
@@ -111,7 +111,8 @@ def run_swarm(label: str, workdir: Path, nodes: int, rounds: int, extra: list[st
             if kill_every and next_kill <= done <= rounds - rejoin_rounds:
                 # A node that trains (it finished a round since it started): killed mid-round, not mid-start-up.
                 victims = [n for n, c in children.items() if c.process.poll() is None
-                           and any(r["timestamp"] > started_at[n] for r in read_records(current[n] / "metrics.jsonl"))]
+                           and any(r["timestamp"] > started_at[n]
+                                   for r in read_summaries(current[n] / "metrics.jsonl"))]
                 if victims:
                     victim = rng.choice(victims)
                     delay = rng.uniform(0.0, KILL_JITTER)  # somewhere in a round: inner steps, matchmaking, all-reduce
@@ -129,7 +130,7 @@ def run_swarm(label: str, workdir: Path, nodes: int, rounds: int, extra: list[st
         for name, child in children.items():
             run.exit_codes[name] = child.process.wait(60) if child.process.poll() is None else child.process.returncode
     for log_dir in sorted(set(log_dirs)):
-        run.records.extend(read_records(log_dir / "metrics.jsonl"))
+        run.records.extend(read_summaries(log_dir / "metrics.jsonl"))
     return run
 
 

@@ -105,6 +105,7 @@ EXEMPT: tuple[tuple[str, str, str], ...] = (
     (r"data/(prepared|split)\.py", r"^(documents|held_out_documents)$",
      "the prepared corpus's split (entries), whose keys its digest covers and the run document carries"),
     (r"swarm/reachability\.py", r"^judge", "a helper judges reachability: the word's English sense"),
+    (r"metrics\.py", r"^group$", "a round summary's pipeline, a key of metrics.jsonl that run directories hold"),
 )
 
 

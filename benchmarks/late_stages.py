@@ -41,14 +41,14 @@ def run_once(workdir: Path, late_seconds: float, busy_loops: int, baseline_round
             full.wait_for_line(re.compile(rf"round\s+{baseline_rounds} \|"), 180)
             first = swarm.start_node("first", CONFIG, *STAGE)
             time.sleep(late_seconds)  # the scenario's delay, not a synchronisation
-            arrived = swarm.records("full")[-1]["round"] + 1  # the replica's round as the second stage starts
+            arrived = swarm.summaries("full")[-1]["round"] + 1  # the replica's round as the second stage starts
             second = swarm.start_node("second", CONFIG, *STAGE)
             trained = None
             try:
                 trained = max(int(stage.wait_for_line(TRAINED, patience).group(1)) for stage in (first, second))
             except SwarmError:  # no trained round within ``patience``: the run says so
                 pass
-            replica = swarm.records("full")
+            replica = swarm.summaries("full")
     finally:
         for loop in loops:
             loop.kill()

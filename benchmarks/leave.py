@@ -61,7 +61,7 @@ def trial(workdir: Path, at: float) -> Trial:
         leaver.wait_for_line(re.compile(rf"round\s+{WARM_ROUNDS - 1} \|"), START_TIMEOUT)
         # its last round ended as that line was printed: the next one begins now
         began = time.monotonic()
-        records = swarm.records("leaver")
+        records = swarm.summaries("leaver")
         round_seconds = statistics.median(r["round_seconds"] for r in records[-WARM_ROUNDS:])
         time.sleep(max(0.0, at * round_seconds - (time.monotonic() - began)))
         into = time.monotonic() - began
@@ -75,11 +75,11 @@ def trial(workdir: Path, at: float) -> Trial:
         interrupted = WARM_ROUNDS
         deadline = time.monotonic() + SURVIVE_TIMEOUT
         while time.monotonic() < deadline and not any(r["round"] >= interrupted + AFTER_ROUNDS
-                                                       for r in swarm.records("survivor")):
+                                                       for r in swarm.summaries("survivor")):
             if survivor.process.poll() is not None:
                 break
             time.sleep(0.5)
-        left, stayed = swarm.records("leaver"), swarm.records("survivor")
+        left, stayed = swarm.summaries("leaver"), swarm.summaries("survivor")
     ids = {records[0]["peer_id"], stayed[0]["peer_id"]} if stayed else set()
     coordinator = ("leaver" if ids and best_coordinator(ids, interrupted) == records[0]["peer_id"] else
                    "survivor" if ids else "?")

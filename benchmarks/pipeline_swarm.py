@@ -25,7 +25,7 @@ from pathlib import Path
 
 from p2ploco.config import load_config, with_overrides
 from p2ploco.demo import run_demo, scratch_folder
-from p2ploco.metrics import format_table, read_records
+from p2ploco.metrics import format_table, read_summaries
 from p2ploco.pipeline.transport import id_dtype
 
 REPLICA, STAGES = "node0", ("g0s0", "g0s1")
@@ -46,7 +46,7 @@ def measure(config_path: Path, rounds: int, overrides: list[str], workdir: Path,
                   scratch=scratch)
     if not ok:
         raise SystemExit(f"error: the swarm did not finish every round with identical slices; logs in {workdir}")
-    records = {name: [r for r in read_records(workdir / name / "metrics.jsonl") if r["round"] > 0]
+    records = {name: [r for r in read_summaries(workdir / name / "metrics.jsonl") if r["round"] > 0]
                for name in (REPLICA, *STAGES)}
     replica, first, last = records[REPLICA], records[STAGES[0]], records[STAGES[1]]
     wire_bytes = id_dtype(config.model.vocab_size).itemsize
@@ -66,7 +66,8 @@ def measure(config_path: Path, rounds: int, overrides: list[str], workdir: Path,
         "uncompressed_boundary_bytes_per_token": uncompressed,
         "replica_round": {"inner": median(replica, "inner_seconds"), "stage_transfers": 0.0,
                           "allreduce": median(replica, "comm_seconds"), "round": median(replica, "round_seconds")},
-        "group_round": {"inner": slowest_stage("inner_seconds"), "stage_transfers": slowest_stage("boundary_seconds"),
+        "pipeline_round": {"inner": slowest_stage("inner_seconds"),
+                           "stage_transfers": slowest_stage("boundary_seconds"),
                         "allreduce": slowest_stage("comm_seconds"), "round": slowest_stage("round_seconds")},
     }
 
@@ -96,7 +97,7 @@ def main() -> None:
                        [("compressed (measured)", f"{compressed:.1f}", f"{plain / compressed:.1f}x"),
                         ("uncompressed bf16", f"{plain:.1f}", "1.0x")]))
     split = []
-    for who, key in (("full replica", "replica_round"), ("pipeline", "group_round")):
+    for who, key in (("full replica", "replica_round"), ("pipeline", "pipeline_round")):
         t = figures[key]
         compute = t["inner"] - t["stage_transfers"]
         rest = t["round"] - t["inner"] - t["allreduce"]

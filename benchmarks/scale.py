@@ -10,7 +10,7 @@ A design is what each span's reducer sends back (``outer.sparseloco.result``):
 - ``resparsified``: the bounded design (``result=resparsified``, the default): the reducer sends the Top-k of the
   mean, so a peer's traffic should stay flat in N.
 
-From the nodes' round records (``metrics.jsonl``, ``p2ploco.metrics.RoundRecord``) it prints one row per (N, design):
+From the nodes' round records (``metrics.jsonl``, ``p2ploco.metrics.RoundSummary``) it prints one row per (N, design):
 
 - bytes sent and received per peer per round (``bytes_sent``, ``bytes_received``: the all-reduce payload), means
   over every peer and the steady rounds (1 .. R-2: round 0 includes start-up, the last round evaluates and writes
@@ -71,7 +71,7 @@ import wan  # noqa: E402  (benchmarks/wan.py: hashes_agree, by_round, stop_all, 
 from p2ploco.config import load_config  # noqa: E402
 from p2ploco.errors import ConfigError, SwarmError  # noqa: E402
 from p2ploco.launch import ADDRESS, LOOPBACK, TINY_CONFIG, Child, cli  # noqa: E402
-from p2ploco.metrics import format_table, human_bytes, read_records  # noqa: E402
+from p2ploco.metrics import format_table, human_bytes, read_summaries  # noqa: E402
 
 DESIGNS = {"butterfly": "exact", "resparsified": "resparsified"}  # design -> outer.sparseloco.result
 DEFAULT_DESIGN = "resparsified"
@@ -154,7 +154,7 @@ def run_setting(peers: int, design: str, config: str, user: list[str], rounds: i
         wan.stop_all(children)  # SIGTERM to all, then reap each (SIGKILL to its process group if it lingers)
         if share:
             share.close()
-    records = [read_records(node.metrics_dir / "metrics.jsonl") for node in nodes]
+    records = [read_summaries(node.metrics_dir / "metrics.jsonl") for node in nodes]
     return Outcome(peers, design, records, time.monotonic() - started, error, workdir)
 
 
@@ -163,7 +163,7 @@ def watch(label: str, nodes: list[Child], rounds: int, deadline: float, progress
     0, else why it stopped waiting (a node failed, or the deadline passed)."""
     shown: set[int] = set()
     while True:
-        records = [read_records(node.metrics_dir / "metrics.jsonl") for node in nodes]
+        records = [read_summaries(node.metrics_dir / "metrics.jsonl") for node in nodes]
         for index in sorted(complete_rounds(records) - shown):
             rows = wan.by_round(records, index)
             agree = wan.hashes_agree(rows, len(nodes))

@@ -7,7 +7,7 @@ hash. What a busy machine does to the swarm anyway shows in the table, one row p
 - rounds redone (some all-reduce failed, and the coordinator ran it again among the same peers);
 - rounds lost per node (applied by some node, but not by that one: not applied, or no record of it);
 - splits: rounds after which two nodes that applied the round hold different parameters (per slice);
-- failures counted by kind, summed over the nodes (``RoundRecord.failures``: stream closed, stream broke,
+- failures counted by kind, summed over the nodes (``RoundSummary.failures``: stream closed, stream broke,
   unreachable, timeout, late, left out, smaller group, no decision, alone, ...).
 
 A run is an algorithm (``sparseloco``, ``diloco``, ``loco``, ``streaming``; ``+overlap`` runs its rounds
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from p2ploco.demo import run_demo
 from p2ploco.launch import REPO_ROOT, TINY_CONFIG, LocalSwarm
-from p2ploco.metrics import format_table, read_records
+from p2ploco.metrics import format_table, read_summaries
 
 PIPELINE_CONFIG = REPO_ROOT / "configs" / "tiny-pipeline.yaml"
 ALGORITHMS = ("sparseloco", "diloco", "loco", "streaming")
@@ -177,7 +177,7 @@ def run_with_replacements(replicas: int, groups: int, rounds: int, times: int, w
                 for name in stuck:
                     swarm.nodes[name].stop()
                 break
-            replica_round = max((r["round"] for r in swarm.records("node0")), default=-1)
+            replica_round = max((r["round"] for r in swarm.summaries("node0")), default=-1)
             if replica_round >= shown + PROGRESS_ROUNDS:
                 shown = replica_round
                 print(f"round {replica_round} of {rounds} (node0)", flush=True)
@@ -195,7 +195,7 @@ def run_with_replacements(replicas: int, groups: int, rounds: int, times: int, w
                     print(f"round {replica_round}: killed {victim}, started {newcomer} in its place", flush=True)
             time.sleep(POLL_SECONDS)
         codes = {name: child.process.returncode for name, child in swarm.nodes.items()}
-        records = {name: swarm.records(name) for name in swarm.nodes}
+        records = {name: swarm.summaries(name) for name in swarm.nodes}
     for replacement in replacements:
         replacement.started_in = next((r["round"] for r in records["node0"] if r["timestamp"] > replacement.started),
                                       None)
@@ -228,7 +228,7 @@ def soak(run: str, replicas: int, groups: int, rounds: int, hogs: int, workdir: 
         else:
             ok = run_demo(replicas, groups, 2, rounds, config, workdir, settings)
             names = [f"node{i}" for i in range(replicas)] + [f"g{g}s{s}" for g in range(groups) for s in range(2)]
-            records = {name: read_records(workdir / name / "metrics.jsonl") for name in names}
+            records = {name: read_summaries(workdir / name / "metrics.jsonl") for name in names}
     return summarise(run, rounds, records, time.monotonic() - started, ok), replacements
 
 

@@ -52,7 +52,7 @@ from p2ploco.host_memory import keep_freed_memory
 from p2ploco.inner import autocast_for
 from p2ploco.launch import REPO_ROOT, TINY_CONFIG
 from p2ploco.machine import resolve_device
-from p2ploco.metrics import format_table, read_records
+from p2ploco.metrics import format_table, read_summaries
 from p2ploco.model import Transformer
 
 MODELS = {  # a config file and --set on top of it
@@ -289,7 +289,7 @@ def measure_run(model: str, extra: list[str], nodes: int, steps: int, overlap: b
         sets.append("outer.sparseloco.overlap=true")
     with scratch_folder("p2ploco-throughput-") as workdir:
         ok = run_demo(nodes, 0, 1, rounds, path, workdir, sets, out=log, scratch=True)
-        runs = [read_records(path) for path in sorted(workdir.glob("node*/metrics.jsonl"))]
+        runs = [read_summaries(path) for path in sorted(workdir.glob("node*/metrics.jsonl"))]
         if not ok or len(runs) != nodes:
             raise SystemExit(f"error: the run of {nodes} node(s), H={steps}{', overlapped' if overlap else ''} "
                              f"failed (its log above; its nodes' logs in {workdir})")

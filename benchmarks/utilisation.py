@@ -24,7 +24,7 @@ import sys
 
 from p2ploco.demo import run_demo, scratch_folder, slices_agree
 from p2ploco.launch import TINY_CONFIG
-from p2ploco.metrics import format_table, read_records
+from p2ploco.metrics import format_table, read_summaries
 
 SETTING_21M = ["model.d_model=768", "model.n_layer=3", "model.n_head=12", "inner.steps=3", "inner.batch_size=2",
                "data.seq_len=64", "training.eval_every=1000"]
@@ -36,7 +36,7 @@ def measure(setting: str, algorithm: str, nodes: int, rounds: int, overrides: li
     with scratch_folder("p2ploco-utilisation-") as workdir:
         ok = run_demo(nodes, 0, 1, rounds, TINY_CONFIG, workdir,
                       [*SETTING_21M, f"outer.algorithm={algorithm}", *overlap, *overrides], out=log, scratch=True)
-        records = {f"node{i}": read_records(workdir / f"node{i}" / "metrics.jsonl") for i in range(nodes)}
+        records = {f"node{i}": read_summaries(workdir / f"node{i}" / "metrics.jsonl") for i in range(nodes)}
         middle = [r for rs in records.values() for r in rs if 1 <= r["round"] <= rounds - 2]
         if not ok or not middle:
             raise SystemExit(f"the {setting} run did not complete (see the lines above; its nodes' logs in {workdir})")

@@ -69,7 +69,7 @@ def main() -> None:
                                         env={"PYTHONPATH": str(checkout)})
                  for name, checkout in checkouts.items()}
         codes = {name: node.process.wait(120 + 60 * args.rounds) for name, node in nodes.items()}
-        records = {name: [in_current_names(r) for r in swarm.records(name)] for name in nodes}
+        records = {name: [in_current_names(r) for r in swarm.summaries(name)] for name in nodes}
     refusals = {name: line for name in nodes for line in (workdir / f"{name}.log").read_text().splitlines()
                 if REFUSAL in line}
     # One swarm if nobody refused anyone; else two, each of which must agree within itself.

@@ -97,7 +97,7 @@ import torch
 from p2ploco.config import load_config
 from p2ploco.errors import ConfigError, SwarmError
 from p2ploco.launch import ADDRESS, TINY_CONFIG, Child, cli
-from p2ploco.metrics import format_table, human_bytes, read_records
+from p2ploco.metrics import format_table, human_bytes, read_summaries
 from p2ploco.model import Transformer
 
 PREFIX = "p2pwan-"  # namespaces are p2pwan-<pid of the run>-<role>
@@ -442,7 +442,7 @@ def run_setting(setting: Setting, config_path: str, overrides: list[str], rounds
                 kill = (setting.kill_bootstrap_hub, "the bootstrap's hub", BootstrapHub(bootstrap.log_path))
             records = watch(setting, children[1:], rounds, timeout, kill, served)
             for path in served:  # it serves the run until the bootstrap stops: its rounds of the run
-                records[hosts:hosts] = [[r for r in read_records(path) if r["round"] < rounds]]
+                records[hosts:hosts] = [[r for r in read_summaries(path) if r["round"] < rounds]]
             return records
         finally:
             stop_all(children)
@@ -491,7 +491,7 @@ def watch(setting: Setting, nodes: list[Child], rounds: int, timeout: float,
     shown: set[int] = set()
     killed: Child | BootstrapHub | None = None
     while True:
-        records = [read_records(node.metrics_dir / "metrics.jsonl") for node in nodes]
+        records = [read_summaries(node.metrics_dir / "metrics.jsonl") for node in nodes]
         if kill is not None and killed is None and all(any(r["round"] >= kill[0] - 1 for r in got)
                                                        for node, got in zip(nodes, records) if node is not kill[2]):
             killed = kill[2]
@@ -499,7 +499,7 @@ def watch(setting: Setting, nodes: list[Child], rounds: int, timeout: float,
             print(f"[{setting.label}] killed {kill[1]} (SIGKILL, its daemon too) as round {kill[0]} began",
                   flush=True)
         alive = [got for node, got in zip(nodes, records) if node is not killed]
-        served = [read_records(path) for path in also]
+        served = [read_summaries(path) for path in also]
         for round_index in sorted(set.intersection(*({r["round"] for r in got} for got in alive + served)) - shown):
             rows = by_round(records, round_index)
             agree = hashes_agree(rows + by_round(served, round_index), len(alive) + len(served))

@@ -17,8 +17,8 @@ from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.pipeline.subspace import PlainBoundary, Subspace, SubspaceConstraint, constrained_dims
 from p2ploco.pipeline.transport import StageTransport
 from p2ploco.ranks.data_parallel import DataParallelBatches
-from p2ploco.ranks.group import LocalRanks
 from p2ploco.ranks.leader import Leader
+from p2ploco.ranks.processes import LocalRanks
 from p2ploco.worker import Worker
 
 

@@ -21,7 +21,7 @@ DASHBOARD_AT = re.compile(r"dashboard at (http://\S+)")  # what a node prints on
 STARTUP_SECONDS = 120.0  # for a node to start and print it
 
 
-def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path, workdir: Path,
+def run_demo(replicas: int, pipelines: int, stages: int, rounds: int, config: Path, workdir: Path,
              overrides: Sequence[str] = (), out: Callable[[str], None] = print, ranks: int = 1,
              status_port: int | None = None, scratch: bool = False) -> bool:
     """Run the swarm to completion, printing a line per round and a summary; True if all went well.
@@ -37,9 +37,9 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
         overrides = [f"training.max_ranks={ranks}", *overrides]
     members += [(f"g{g}s{s}", ("--role", PeerRole.STAGE.value, "--group", f"g{g}", "--stage", str(s))
                  + (serves if not replicas and g == s == 0 else ()))
-                for g in range(groups) for s in range(stages)]
+                for g in range(pipelines) for s in range(stages)]
     what = (f"{replicas} full replica(s)" + (f" (node0 on {ranks} local ranks)" if ranks > 1 else "")
-            + (f" and {groups} pipeline group(s) of {stages} stages" if groups else ""))
+            + (f" and {pipelines} pipeline(s) of {stages} stages" if pipelines else ""))
     out(f"p2ploco demo: a bootstrap peer, {what} on loopback, {rounds} rounds of {config.name}")
     out(f"logs and metrics: {workdir}")
     started = time.monotonic()
@@ -55,27 +55,27 @@ def run_demo(replicas: int, groups: int, stages: int, rounds: int, config: Path,
         shown = 0
         while True:
             done = all(swarm.nodes[n].process.poll() is not None for n in names)
-            records = {n: swarm.records(n) for n in names}
-            while all(any(r["round"] == shown for r in records[n]) for n in names):
-                out(_round_line(shown, [r for n in names for r in records[n] if r["round"] == shown]))
+            summaries = {n: swarm.summaries(n) for n in names}
+            while all(any(r["round"] == shown for r in summaries[n]) for n in names):
+                out(_round_line(shown, [r for n in names for r in summaries[n] if r["round"] == shown]))
                 shown += 1
             if done:
                 break
             time.sleep(POLL_SECONDS)
         codes = {n: swarm.nodes[n].process.returncode for n in names}
-    records = {n: swarm.records(n) for n in names}
-    out(_summary(records, time.monotonic() - started))
+    summaries = {n: swarm.summaries(n) for n in names}
+    out(_summary(summaries, time.monotonic() - started))
     failed = [n for n, code in codes.items() if code != 0]
     for name in failed:
         log = workdir / (name + ".log")
         errors = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
         out(f"FAILED: {name} {how_it_ended(codes[name])}{f' ({errors[-1]})' if errors else ''}; its log: {log}")
-    agreement = slices_agree(records)
+    agreement = slices_agree(summaries)
     for slice_name, agree in agreement.items():
-        holders = sum(any(slice_name in r["slice_digest"] for r in rs) for rs in records.values())
+        holders = sum(any(slice_name in r["slice_digest"] for r in rs) for rs in summaries.values())
         which = f"all {holders} nodes" if len(agreement) == 1 else f"all {holders} holders of {slice_name}"
         out(f"identical global parameters on {which} after every round: {'yes' if agree else 'NO'}")
-    ok = not failed and all(agreement.values()) and all(len(r) == rounds for r in records.values())
+    ok = not failed and all(agreement.values()) and all(len(r) == rounds for r in summaries.values())
     size = sum(path.stat().st_size for path in workdir.rglob("*") if path.is_file())
     fate = "removed once the benchmark has read it" if scratch and ok else "it stays until you delete it"
     out(f"logs, metrics and checkpoints: {workdir} ({human_bytes(size)}; {fate})")
@@ -120,14 +120,14 @@ def _sample(log_dirs: list[Path]) -> str:
             f"for transformers: p2ploco export ... --out DIR):\n{shown}")
 
 
-def _round_line(round_index: int, records: list[dict]) -> str:
+def _round_line(round_index: int, summaries: list[dict]) -> str:
     def mean(key: str) -> float:
-        return sum(r[key] for r in records) / len(records)
+        return sum(r[key] for r in summaries) / len(summaries)
 
-    evals = [r["eval_loss"] for r in records if r["eval_loss"] is not None]
-    group_sizes = sorted({r["peers"] for r in records})
-    identical = all(slices_agree({"round": records}).values())
-    return (f"round {round_index:>3} | peers {'/'.join(map(str, group_sizes))} | loss {mean('loss'):.3f} | "
+    evals = [r["eval_loss"] for r in summaries if r["eval_loss"] is not None]
+    sync_sizes = sorted({r["peers"] for r in summaries})
+    identical = all(slices_agree({"round": summaries}).values())
+    return (f"round {round_index:>3} | peers {'/'.join(map(str, sync_sizes))} | loss {mean('loss'):.3f} | "
             f"eval {f'{evals[0]:.3f}' if evals else '-'} | "
             f"traffic/node {human_bytes(mean('bytes_sent') + mean('bytes_received'))} | "
             f"inner {mean('inner_seconds'):.1f}s comm {mean('comm_seconds'):.1f}s "
@@ -135,11 +135,11 @@ def _round_line(round_index: int, records: list[dict]) -> str:
             f"params {'identical' if identical else 'DIFFER'}")
 
 
-def slices_agree(records: dict[str, list[dict]]) -> dict[str, bool]:
+def slices_agree(summaries: dict[str, list[dict]]) -> dict[str, bool]:
     """For each slice, whether every node that applied a round holds the same parameters of it after that round."""
     seen: dict[tuple[str, int], set[str]] = {}
-    for node_records in records.values():
-        for r in node_records:
+    for node_summaries in summaries.values():
+        for r in node_summaries:
             if not r["applied"]:
                 continue
             for slice_name, digest in r["slice_digest"].items():
@@ -148,9 +148,9 @@ def slices_agree(records: dict[str, list[dict]]) -> dict[str, bool]:
     return {name: all(len(d) == 1 for (n, _), d in seen.items() if n == name) for name in names}
 
 
-def _summary(records: dict[str, list[dict]], seconds: float) -> str:
+def _summary(summaries: dict[str, list[dict]], seconds: float) -> str:
     rows = []
-    for name, rs in records.items():
+    for name, rs in summaries.items():
         evals = [r["eval_loss"] for r in rs if r["eval_loss"] is not None]
 
         def per_round(key: str, rs: list[dict] = rs) -> float:

@@ -47,7 +47,7 @@ class TransportError(ProtocolError):
 
 
 class Failure(enum.StrEnum):
-    """What went wrong for a peer in a round. Its record counts them by kind (``RoundRecord.failures``), and
+    """What went wrong for a peer in a round. Its record counts them by kind (``RoundSummary.failures``), and
     ``benchmarks/soak.py`` sums them over a run."""
 
     STREAM_CLOSED = "stream closed"  # a stream ended mid-message

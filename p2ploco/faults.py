@@ -139,12 +139,15 @@ SEAMS = {
 _swapped: dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]] = {}
 
 
-def swap(seam: str, replacement: Callable[[Any, Callable[..., Any]], Callable[..., Any]]) -> None:
+def swap(seam: str, replacement: Callable[[Any, Callable[..., Any]], Callable[..., Any]] | None) -> None:
     """From now on, this process does ``replacement(owner, honest)`` at ``seam`` instead of ``honest`` (``owner``:
-    the object whose behaviour it is). For hostile peers in tests only."""
+    the object whose behaviour it is; None: the honest behaviour again). For hostile peers in tests only."""
     if seam not in SEAMS:
         raise ValueError(f"no seam {seam!r}; seams: {', '.join(SEAMS)}")
-    _swapped[seam] = replacement
+    if replacement is None:
+        _swapped.pop(seam, None)
+    else:
+        _swapped[seam] = replacement
 
 
 def seam(name: str, owner: Any, honest: Callable[..., Any]) -> Callable[..., Any]:

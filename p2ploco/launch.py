@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from p2ploco.errors import SwarmError
-from p2ploco.metrics import read_records
+from p2ploco.metrics import read_summaries
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 ADDRESS = re.compile(r"(/ip4/\S+/tcp/\d+/p2p/\w+)")
@@ -102,7 +102,7 @@ def cli(*args: str) -> list[str]:
 class LocalSwarm:
     def __init__(self, workdir: Path, bootstrap: str = "p2ploco", hub: bool = False):
         """``bootstrap``: "p2ploco" runs ``p2ploco dht``; "hivemind" runs the stock ``hivemind-dht``. ``hub``: the
-        p2ploco bootstrap hosts a hub for the run (``hosted_hub.py``; its records: ``hub_records``)."""
+        p2ploco bootstrap hosts a hub for the run (``hosted_hub.py``; its records: ``hub_summaries``)."""
         self.workdir, self.hub = workdir, hub
         workdir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
@@ -135,12 +135,12 @@ class LocalSwarm:
         self.nodes[name] = child
         return child
 
-    def records(self, name: str) -> list[dict]:
-        return read_records(self.nodes[name].metrics_dir / "metrics.jsonl")
+    def summaries(self, name: str) -> list[dict]:
+        return read_summaries(self.nodes[name].metrics_dir / "metrics.jsonl")
 
-    def hub_records(self, run_id: str) -> list[dict]:
+    def hub_summaries(self, run_id: str) -> list[dict]:
         """The records of the hub the bootstrap hosts (``hub=True``) for ``run_id``."""
-        return read_records(self.workdir / "hub" / run_id / "metrics.jsonl")
+        return read_summaries(self.workdir / "hub" / run_id / "metrics.jsonl")
 
     def close(self) -> None:
         for child in self.children:  # all leave at once, rather than one after another

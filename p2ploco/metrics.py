@@ -40,7 +40,7 @@ class StateOrigin(Protocol):  # ``standing.Membership``
 
 
 @dataclass
-class RoundRecord:
+class RoundSummary:
     round: int
     peers: int  # size of the group this node all-reduced with (1 when alone)
     loss: float  # mean inner training loss of the round
@@ -99,8 +99,8 @@ class RoundRecord:
     failures: dict[str, int] = field(default_factory=dict)  # what went wrong for this node, by kind (errors.Failure)
 
     @classmethod
-    def of(cls, round_index: int, started: float, previous: Sequence[RoundRecord], membership: StateOrigin,
-           inner: InnerSteps | None = None, synced: Syncs | None = None, **fields: Any) -> RoundRecord:
+    def of(cls, round_index: int, started: float, previous: Sequence[RoundSummary], membership: StateOrigin,
+           inner: InnerSteps | None = None, synced: Syncs | None = None, **fields: Any) -> RoundSummary:
         """The record of ``round_index``, made now: of a round that began at ``started`` (its perf_counter()) after
         the records ``previous``, trained from a state this node came by as ``membership`` says, with its inner
         steps' ``inner`` stats and its syncs' result ``synced`` (either None: the round had none), and ``fields``,
@@ -115,7 +115,7 @@ class RoundRecord:
                    timestamp=time.time())
 
     @staticmethod
-    def utilisation(inner_seconds: float, previous: Sequence[RoundRecord], started: float) -> float:
+    def utilisation(inner_seconds: float, previous: Sequence[RoundSummary], started: float) -> float:
         """``compute_utilisation`` of a record made now: inner seconds over the wall seconds since the previous
         record (``previous[-1]``; for a node's first record, since ``started``, the round's perf_counter())."""
         wall = time.time() - previous[-1].timestamp if previous else time.perf_counter() - started
@@ -150,9 +150,9 @@ class MetricsLog:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def append(self, record: RoundRecord) -> None:
+    def append(self, summary: RoundSummary) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(asdict(record)) + "\n")
+            f.write(json.dumps(asdict(summary)) + "\n")
 
 
 class TensorBoardLog:
@@ -170,15 +170,15 @@ class TensorBoardLog:
         else:
             self.writer = SummaryWriter(str(directory))
 
-    def write(self, record: RoundRecord) -> None:
+    def write(self, summary: RoundSummary) -> None:
         if self.writer is None:
             return
-        values = asdict(record)
+        values = asdict(summary)
         for name in self.SCALARS:
             if values[name] is not None:
-                self.writer.add_scalar(f"round/{name}", values[name], record.round)
-        if record.round_seconds:
-            self.writer.add_scalar("round/tokens_per_second", record.tokens / record.round_seconds, record.round)
+                self.writer.add_scalar(f"round/{name}", values[name], summary.round)
+        if summary.round_seconds:
+            self.writer.add_scalar("round/tokens_per_second", summary.tokens / summary.round_seconds, summary.round)
         self.writer.flush()
 
     def close(self) -> None:
@@ -186,16 +186,16 @@ class TensorBoardLog:
             self.writer.close()
 
 
-def read_records(path: Path) -> list[dict]:
+def read_summaries(path: Path) -> list[dict]:
     """Records written so far; a torn last line (a writer killed mid-write) is skipped."""
-    records = []
+    summaries = []
     if path.exists():
         for line in path.read_text().splitlines():
             try:
-                records.append(json.loads(line))
+                summaries.append(json.loads(line))
             except ValueError:
                 continue
-    return records
+    return summaries
 
 
 def params_sha256(names: Sequence[str], tensors: Iterable[torch.Tensor]) -> str:

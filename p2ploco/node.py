@@ -30,19 +30,19 @@ from p2ploco.checkpoint import Checkpoint
 from p2ploco.collective.exchange import AllReduceResult
 from p2ploco.config import Config
 from p2ploco.config_choice import config_to_train
-from p2ploco.dashboard.documents import ROUNDS_DOCUMENT, RUN_DOCUMENT, RoundsFeed, config_rows, run_document
+from p2ploco.dashboard.documents import ROUNDS_DOCUMENT, RUN_STATUS, RoundsFeed, config_rows, run_status
 from p2ploco.dashboard.page import PAGE_PATH, page_routes
 from p2ploco.data import Batch, TrainingData, eval_batches, load_training_data
 from p2ploco.errors import ConfigError, PipelineError
 from p2ploco.host_memory import give_back_freed, keep_freed_memory
 from p2ploco.machine import describe_device, resolve_device
-from p2ploco.metrics import RoundRecord
+from p2ploco.metrics import RoundSummary
 from p2ploco.outer.base import Synced
 from p2ploco.peer import Arrival, Swarm
 from p2ploco.presence import Presence
 from p2ploco.progress import join_command, join_instructions, progress_line, summary
 from p2ploco.ranks import LocalRanks, RankError
-from p2ploco.ranks.group import RankSetup
+from p2ploco.ranks.processes import RankSetup
 from p2ploco.roles import HUB, REPLICA, STAGE, HubRole, ReplicaRole, Role, RoleOptions, StageRole
 from p2ploco.rundir import RunDirectory
 from p2ploco.schedules import RoundHooks, RoundSchedule, build_schedule
@@ -78,7 +78,7 @@ class Node:
         self.run_files: tuple[RunDirectory, Checkpoint | None] | None = None  # and the checkpoint to resume from
         self.status_address = status_address
         self.log_dir, self.resume, self.role_options = log_dir, resume, role or RoleOptions()
-        self.records: list[RoundRecord] = []
+        self.summaries: list[RoundSummary] = []
         # the members of the newest aggregate this node applied, and the tokens each weighed: the dashboard's shares
         self.weights: dict[str, int] = {}
         self.stopping = threading.Event()
@@ -92,13 +92,13 @@ class Node:
         self.stopping.set()
         if self.swarm is not None:
             self.swarm.request_leave()
-        if not self.records:
+        if not self.summaries:
             return ("leaving before its first round ended: nothing is trained, so no checkpoint is written (start "
                     "again in the same way; signal again to stop at once)")
         return ("leaving: the round's inner steps stop here, an all-reduce under way is finished, then a checkpoint "
                 "is written (signal again to stop at once)")
 
-    def run(self) -> list[RoundRecord]:
+    def run(self) -> list[RoundSummary]:
         c = self.config
         keep_freed_memory()
         if c.training.threads:
@@ -124,14 +124,14 @@ class Node:
                 finally:
                     if self.ranks is not None:
                         self.ranks.close()
-        if not self.records and self.stopping.is_set():
-            return self.records  # stopped before its first round: the line the stop printed says all there is
+        if not self.summaries and self.stopping.is_set():
+            return self.summaries  # stopped before its first round: the line the stop printed says all there is
         if self.stopping.is_set() or self.failure is not None:
             self.out(f"[{me}] left the swarm after {len(self.records)} round(s)")
-        self.out(summary(self.records, time.perf_counter() - started))
+        self.out(summary(self.summaries, time.perf_counter() - started))
         if self.failure is not None:
             raise self.failure
-        return self.records
+        return self.summaries
 
     def _train(self, swarm: Swarm, status: tuple[socket.socket, str] | None, device: torch.device) -> None:
         """From the swarm joined to the exit checkpoint: the role, the rounds, the checkpoint."""
@@ -160,7 +160,7 @@ class Node:
             if self.failure is not None and c.training.shard:
                 self.out(f"[{me}] no exit checkpoint: the rank that left held shards of the model and of its "
                          f"optimizer state; the last checkpoint in {files.checkpoints} stands")
-            elif self.records:  # one that trained nothing writes none: it would hold the seed's state (or
+            elif self.summaries:  # one that trained nothing writes none: it would hold the seed's state (or
                 # one a checkpoint or the swarm still holds), and make the next start in this folder need --resume
                 self._save_on_exit(swarm, role, schedule, files, standing)
                 self.out(f"[{me}] checkpoint of round {standing.round} written to {files.checkpoints}")
@@ -235,11 +235,11 @@ class Node:
     def _serve_status(self, swarm: Swarm, listening: socket.socket, address: str) -> None:
         """Serve the run's survey, this node's rounds and the run's config, and the dashboard that draws them."""
         c = self.config
-        run = run_document(c.run_id, swarm.peer_id, swarm.directory.me.name, c.swarm.peer_ttl,
+        run = run_status(c.run_id, swarm.peer_id, swarm.directory.me.name, c.swarm.peer_ttl,
                            join_command(c.run_id, swarm.addresses()), config_rows(c))
         swarm.serve_status(listening, self.status_address[0], {
-            **page_routes(), RUN_DOCUMENT: constant(Answer(200, run)),
-            ROUNDS_DOCUMENT: RoundsFeed(swarm.peer_id, self.records, lambda: self.weights)})
+            **page_routes(), RUN_STATUS: constant(Answer(200, run)),
+            ROUNDS_DOCUMENT: RoundsFeed(swarm.peer_id, self.summaries, lambda: self.weights)})
         where = f"THIS_MACHINE:{address.rpartition(':')[2]}" if self.status_address[0] in WILDCARDS else address
         self.out(f"[{swarm.peer_id[-8:]}] status served at http://{address}{STATUS_PATH}; read it with "
                  f"`p2ploco peers --from {where}`; dashboard at http://{address}{PAGE_PATH}")
@@ -290,9 +290,9 @@ class Node:
                 schedule = build_schedule(c, role.worker)
                 self.out(f"[{me}] now {role.describe()}")
                 standing = replace(standing, membership=Membership(standing.round, "init"))
-            standing = catch_up(schedule, standing, first=not self.records)
+            standing = catch_up(schedule, standing, first=not self.summaries)
             if self._past_last_round(standing.round):
-                if not self.records:
+                if not self.summaries:
                     self.out(f"[{me}] the run is at round {standing.round}, past its last round "
                              f"({c.training.rounds - 1}): nothing to train; training.rounds (--max-rounds) counts "
                              f"from the run's start")
@@ -301,14 +301,14 @@ class Node:
                 standing = waited
                 continue
             try:
-                record = self._round(swarm, presence, role, schedule, standing, held_out)
+                summary = self._round(swarm, presence, role, schedule, standing, held_out)
             except RankError as e:  # the node cannot train on: it leaves as it does when stopped, and says why
                 self.out(f"[{me}] round {standing.round}: {e}")
                 self.failure = e
                 break
-            if record is None:  # stopped during the inner steps: the round is abandoned
+            if summary is None:  # stopped during the inner steps: the round is abandoned
                 break
-            standing = self._recorded(swarm, presence, role, schedule, files, standing, record)
+            standing = self._recorded(swarm, presence, role, schedule, files, standing, summary)
             if self.failure is not None:
                 break
         return standing, schedule
@@ -326,7 +326,7 @@ class Node:
             return self._stand_by(presence, standing, "doubt", f"[{me}] round {standing.round}: this stage's state "
                                   f"may not be the swarm's (it did not apply the last round); it trains once it has "
                                   f"the swarm's state of this round")
-        seeded = standing.membership.source == "init" and standing.round > 0 and not self.records
+        seeded = standing.membership.source == "init" and standing.round > 0 and not self.summaries
         if seeded and (trained := swarm.trained_elsewhere(role.worker.seed_digest)):
             # It holds the seed's state where others hold trained ones (it could not fetch theirs yet): it
             # trains nothing on it, and tries again (a group trained on a newcomer's seed once, and the swarm
@@ -337,29 +337,29 @@ class Node:
         if role.ready(standing.round, presence.in_for_round(standing.round, standing.doubtful),
                       partial(presence.announce_standby, standing.round), self.stopping):
             return None
-        group_round = role.round_of_group(standing.round)
-        if group_round > standing.round:  # its pipeline group meets in a round ahead: it stands by there and, once
+        pipeline_round = role.round_of_pipeline(standing.round)
+        if pipeline_round > standing.round:  # its pipeline group meets in a round ahead: it stands by there and, once
             # the swarm is there too, fetches that round's state (catch-up: its state is doubtful, it did not apply
             # the rounds between) and trains it with the group
-            self.out(f"[{me}] its pipeline group meets in round {group_round} (this stage: {standing.round}): it "
+            self.out(f"[{me}] its pipeline group meets in round {pipeline_round} (this stage: {standing.round}): it "
                      f"moves there")
-            standing = replace(standing, round=group_round, waiting_for="", unsettled=None, doubtful=True)
-            presence.announce_standby(group_round)
+            standing = replace(standing, round=pipeline_round, waiting_for="", unsettled=None, doubtful=True)
+            presence.announce_standby(pipeline_round)
             return standing
         return self._stand_by(presence, standing, role.waiting_for, f"[{me}] standby: waiting for {role.waiting_for}")
 
     def _recorded(self, swarm: Swarm, presence: Presence, role: Role, schedule: RoundSchedule, files: RunDirectory,
-                  standing: Standing, record: RoundRecord) -> Standing:
+                  standing: Standing, summary: RoundSummary) -> Standing:
         """Where the node stands once ``record`` is written, shown and reported, and the checkpoint due written (if
         a rank failed meanwhile, ``self.failure`` says so)."""
-        files.write(record)
-        self.records.append(record)
-        self.out(progress_line(swarm.peer_id, record))
-        presence.report(self.records)
-        standing = standing.after(record)
+        files.write(summary)
+        self.summaries.append(summary)
+        self.out(progress_line(swarm.peer_id, summary))
+        presence.report(self.summaries)
+        standing = standing.after(summary)
         if standing.unsettled is not None:  # settling publishes our next round: only once a round in flight
             # has its group, whose formation reads our record
-            schedule.settle(swarm.round_wait())
+            schedule.land_in_flight(swarm.round_wait())
         every = self.config.training.checkpoint_every
         if every and standing.round % every == 0:
             try:  # a sharded replica's checkpoint gathers its ranks' shards
@@ -383,7 +383,7 @@ class Node:
         return standing
 
     def _round(self, swarm: Swarm, presence: Presence, role: Role, schedule: RoundSchedule, standing: Standing,
-               held_out: list[Batch]) -> RoundRecord | None:
+               held_out: list[Batch]) -> RoundSummary | None:
         """One round by the schedule, an eval and the record. None if the node was stopped during the inner steps."""
         c = self.config
         worker, round_index, membership = role.worker, standing.round, standing.membership
@@ -412,7 +412,7 @@ class Node:
                      f"round out and catches up")
             schedule.restart()
             presence.announce_standby(round_index)
-            return self._record(swarm, role, round_index, membership, started, loss=float("nan"),
+            return self._summary(swarm, role, round_index, membership, started, loss=float("nan"),
                                 applied=False, excluded=True)
         if outcome is None:
             return None
@@ -425,24 +425,24 @@ class Node:
         synced = outcome.comm or Synced(AllReduceResult([swarm.peer_id], committed=False), applied=False)
         evaluated = role.evaluates and (round_index % c.training.eval_every == 0
                                         or round_index + 1 == c.training.rounds)
-        return self._record(swarm, role, round_index, membership, started, inner=outcome.inner,
+        return self._summary(swarm, role, round_index, membership, started, inner=outcome.inner,
                             synced=self._synced(synced), eval_loss=worker.evaluate(held_out) if evaluated else None,
                             density=worker.outer.density, update_norm=worker.outer.take_update_norm())
 
     def _sit_out(self, swarm: Swarm, presence: Presence, role: Role, schedule: RoundSchedule, standing: Standing,
-                 started: float, sits: SitOut) -> RoundRecord | None:
+                 started: float, sits: SitOut) -> RoundSummary | None:
         """Sit the round out as ``sits`` says: idle, or training a step while nobody waits for it (None if the node
         was stopped during it)."""
         round_index, membership = standing.round, standing.membership
         presence.step_aside(round_index)
         if sits.sitting == Sitting.IDLES:
             self.stopping.wait(sits.wait)
-            return self._record(swarm, role, round_index, membership, started, loss=float("nan"), applied=False,
+            return self._summary(swarm, role, round_index, membership, started, loss=float("nan"), applied=False,
                                 sat_out=True)
         outcome = schedule.sit_out(round_index, self.stopping.is_set, swarm.peer_id)
         if outcome is None:
             return None
-        return self._record(swarm, role, round_index, membership, started, inner=outcome.inner,
+        return self._summary(swarm, role, round_index, membership, started, inner=outcome.inner,
                             synced=self._synced(outcome.comm), sat_out=True)
 
     def _synced(self, synced: Synced) -> Synced:
@@ -451,12 +451,12 @@ class Node:
             self.weights = dict(synced.all_reduce.weights)
         return synced
 
-    def _record(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
-                **fields: Any) -> RoundRecord:
-        """The round's record (``RoundRecord.of``) with what this node, its state and its role say of it."""
+    def _summary(self, swarm: Swarm, role: Role, round_index: int, membership: Membership, started: float,
+                **fields: Any) -> RoundSummary:
+        """The round's record (``RoundSummary.of``) with what this node, its state and its role say of it."""
         worker = role.worker
         dht_sent, dht_received = swarm.take_dht_bytes()
-        return RoundRecord.of(round_index, started, self.records, membership, **fields, dht_bytes_sent=dht_sent,
+        return RoundSummary.of(round_index, started, self.summaries, membership, **fields, dht_bytes_sent=dht_sent,
                               dht_bytes_received=dht_received, params_digest=worker.params_digest,
                               slice_digest=dict(worker.slice_digest), peer_id=swarm.peer_id,
                               reachability=str(swarm.reachability), **role.record_fields())

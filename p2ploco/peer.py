@@ -31,7 +31,7 @@ from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, detect
-from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerRole, PeerState, Reachability, parse_records, peers_key
+from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerRole, Phase, Reachability, parse_records, peers_key
 from p2ploco.swarm.run_config import ConfigServer, RunDocument, fetch_run_document, tell_conflict
 from p2ploco.swarm.state import Snapshot
 from p2ploco.swarm.state_fetch import fetch_state, served_state
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 CALL_TIMEOUT = 30.0  # bound on quick calls into the loop (record updates, address lookups)
 PROBE_TIMEOUT = 5.0  # to ask a lone peer whether it serves the state its record claims
 PROBE_MEMORY = 10.0  # seconds an answer to that question is trusted
-JUDGE_GRACE = 10.0  # a leaving peer still decides the rounds of the groups it formed, for at most this long
+COORDINATOR_GRACE = 10.0  # a leaving peer still decides the rounds of the groups it formed, for at most this long
 
 
 class Swarm:
@@ -128,7 +128,7 @@ class Swarm:
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)
 
-    def announce_progress(self, round_index: int, phase: PeerState, params_digest: str, slices: dict[str, str],
+    def announce_progress(self, round_index: int, phase: Phase, params_digest: str, slices: dict[str, str],
                           unsettled: bool = False) -> None:
         """Announce where this peer is: its phase, the round it works on and the state digests it started from (of all
         it holds, and of each slice), and whether that state is unsettled (its last round may have ended otherwise
@@ -169,15 +169,15 @@ class Swarm:
         unsettled record's does (below a settled one's, however far ahead it claims to be)."""
         async def look() -> dict[str, SwarmState]:
             me = self.directory.me.model_copy(update={"round": round_index, "slices": dict(slices),
-                                                     "state": PeerState.TRAINING, "unsettled": unsettled})
+                                                     "state": Phase.TRAINING, "unsettled": unsettled})
             live = await (self.directory.refresh() if fresh else self.directory.view())
             chosen: dict[str, SwarmState] = {}
             for name in slices:
                 for state in ranked_states(live, me, name, (seeds or {}).get(name, "")):
-                    followed = (state if state.vouched or me.peer_id in state.holders
+                    adopted = (state if state.vouched or me.peer_id in state.holders
                                 else None if state.holders[0] in distrusted else await self._served(state))
-                    if followed is not None:
-                        chosen[name] = followed
+                    if adopted is not None:
+                        chosen[name] = adopted
                         break
             return chosen
 
@@ -268,7 +268,7 @@ class Swarm:
             live = await self.directory.refresh()
             return [r for r in live.values()
                     if r.role == PeerRole.STAGE and r.fingerprint == self.directory.me.fingerprint
-                    and r.state != PeerState.LEAVING and r.group and self.directory.fresh(r.peer_id)]
+                    and r.state != Phase.LEAVING and r.group and self.directory.fresh(r.peer_id)]
 
         return self.loop.run(look(), CALL_TIMEOUT)
 
@@ -283,7 +283,7 @@ class Swarm:
     def request_leave(self) -> None:
         """Start leaving now (safe from a signal handler): stop joining groups, tell the others."""
         async def withdraw() -> None:
-            self.directory.update_soon(state=PeerState.LEAVING)
+            self.directory.update_soon(state=Phase.LEAVING)
             await self.communicator.matchmaker.withdraw()
 
         asyncio.run_coroutine_threadsafe(withdraw(), self.loop.loop)
@@ -296,12 +296,12 @@ class Swarm:
                 await self.surveyed.close()
             # Either step may hang if the daemon is already gone (e.g. SIGTERM to the whole process group).
             try:
-                if not await finishes_within(self.directory.update(state=PeerState.LEAVING), FAREWELL_TIMEOUT):
+                if not await finishes_within(self.directory.update(state=Phase.LEAVING), FAREWELL_TIMEOUT):
                     logger.info("could not announce leaving: the DHT did not answer")
             except wire.DAEMON_ERRORS as e:
                 logger.info(f"could not announce leaving: {e!r}")
             await finishes_within(self.communicator.matchmaker.withdraw(), FAREWELL_TIMEOUT)
-            await finishes_within(self.communicator.commit.judge_to_the_end(), JUDGE_GRACE)
+            await finishes_within(self.communicator.commit.coordinate_to_the_end(), COORDINATOR_GRACE)
             await finishes_within(self.node.shutdown(), FAREWELL_TIMEOUT)
 
         try:
@@ -388,7 +388,7 @@ class Arrival:
             p2p, me_id = node.protocol.p2p, str(node.peer_id)
             cap_uploads(config.max_upload_mbit)
             addresses = await visible_maddrs(node)
-            me = PeerRecord(peer_id=me_id, round=0, state=PeerState.JOINING, fingerprint=document_fingerprint(document),
+            me = PeerRecord(peer_id=me_id, round=0, state=Phase.JOINING, fingerprint=document_fingerprint(document),
                             version=__version__, name=name or human_name(me_id), device=device, role=role,
                             bandwidth_mbit=config.published_mbit, addresses=addresses[:MAX_ADDRESSES],
                             ttl=config.peer_ttl)

@@ -11,10 +11,10 @@ import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from p2ploco.metrics import RoundRecord
+from p2ploco.metrics import RoundSummary
 from p2ploco.peer import Swarm
 from p2ploco.roles import Role
-from p2ploco.swarm.records import EVAL_HISTORY, PeerState
+from p2ploco.swarm.records import EVAL_HISTORY, Phase
 
 
 class Presence:
@@ -36,31 +36,31 @@ class Presence:
 
     def announce_joining(self, round_index: int) -> None:
         """This peer joins at ``round_index`` with the state it holds (seeded, or resumed from a checkpoint)."""
-        self._announce(round_index, PeerState.JOINING)
+        self._announce(round_index, Phase.JOINING)
 
     def announce_catching_up(self, round_index: int, digests: dict[str, str]) -> None:
         """This peer heads for ``round_index`` with these state digests (slice -> digest), about to fetch them;
         stored before this returns: a round being formed waits for this peer rather than closing early, but only
         once its coordinator sees this."""
-        self.swarm.announce_progress(round_index, PeerState.JOINING, "", digests)
+        self.swarm.announce_progress(round_index, Phase.JOINING, "", digests)
         self.swarm.flush()
 
     def announce_own_state(self, round_index: int, doubtful: bool) -> None:
         """This peer trains ``round_index`` from the state it holds, for the swarm's state to be compared with (a
         ``doubtful`` state has no say on it: ``swarm/consensus.py``)."""
-        self._announce(round_index, PeerState.TRAINING, doubtful)
+        self._announce(round_index, Phase.TRAINING, doubtful)
 
     def in_for_round(self, round_index: int, doubtful: bool) -> Callable[[], None]:
         """The announcement that this peer trains ``round_index``, made when the round may be named
         (``RoundHooks.announce``; a stage makes it earlier too, to assemble its pipeline group). The state digests are
         taken now: an overlapped round in flight may land before the announcement is made."""
         worker = self.role.worker
-        return partial(self.swarm.announce_progress, round_index, PeerState.TRAINING, worker.params_digest,
+        return partial(self.swarm.announce_progress, round_index, Phase.TRAINING, worker.params_digest,
                        dict(worker.slice_digest), doubtful)
 
     def announce_standby(self, round_index: int) -> None:
         """This peer sits ``round_index`` out: nobody waits for its join."""
-        self._announce(round_index, PeerState.STANDBY)
+        self._announce(round_index, Phase.STANDBY)
 
     def step_aside(self, round_index: int) -> None:
         """This peer sits ``round_index`` out to train a step (``budget.Sitting.STEPS``): stored before this returns,
@@ -76,16 +76,16 @@ class Presence:
         """Serve the state this peer holds, as the state of ``round_index``, to peers catching up."""
         self.swarm.serve_state(self.role.worker.snapshots(round_index))
 
-    def report(self, records: Sequence[RoundRecord]) -> None:
+    def report(self, records: Sequence[RoundSummary]) -> None:
         """Show the last round's results in this peer's record."""
         self.swarm.update_record(**public_fields(records))
 
-    def _announce(self, round_index: int, phase: PeerState, doubtful: bool = False) -> None:
+    def _announce(self, round_index: int, phase: Phase, doubtful: bool = False) -> None:
         worker = self.role.worker
         self.swarm.announce_progress(round_index, phase, worker.params_digest, worker.slice_digest, doubtful)
 
 
-def public_fields(records: Sequence[RoundRecord]) -> dict[str, object]:
+def public_fields(records: Sequence[RoundSummary]) -> dict[str, object]:
     """What this node's DHT record tells others about its last round."""
     def finite(value: float | None) -> float | None:  # the record schema admits no NaN or inf
         return round(value, 4) if value is not None and math.isfinite(value) else None

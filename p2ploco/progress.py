@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from p2ploco.config import Config
-from p2ploco.metrics import RoundRecord, format_table, human_bytes
+from p2ploco.metrics import RoundSummary, format_table, human_bytes
 from p2ploco.roles import HUB
 
 
@@ -26,7 +26,7 @@ def join_instructions(config: Config, addresses: Sequence[str]) -> list[str]:
     return lines
 
 
-def progress_line(peer_id: str, r: RoundRecord) -> str:
+def progress_line(peer_id: str, r: RoundSummary) -> str:
     evaluated = f"{r.eval_loss:.3f}" if r.eval_loss is not None else "-"
     rate = r.tokens / r.inner_seconds if r.inner_seconds else 0.0
     notes = (" | sat out: its step outlasts the round, its work goes into the next" if r.sat_out and r.tokens else
@@ -52,7 +52,7 @@ def progress_line(peer_id: str, r: RoundRecord) -> str:
             f"{notes} | {r.params_digest[:10]}")
 
 
-def summary(records: Sequence[RoundRecord], seconds: float) -> str:
+def summary(records: Sequence[RoundSummary], seconds: float) -> str:
     if not records:
         return f"no round completed ({seconds:.1f} s)"
     evals = [r.eval_loss for r in records if r.eval_loss is not None]

@@ -21,7 +21,7 @@ from p2ploco.build import build_rank_trainer
 from p2ploco.config import Config
 from p2ploco.data import ShardSampler, load_training_data
 from p2ploco.host_memory import keep_freed_memory
-from p2ploco.ranks.group import Command, LocalRanks
+from p2ploco.ranks.processes import Command, LocalRanks
 
 PR_SET_PDEATHSIG = 1
 

@@ -2,7 +2,7 @@
 
 ``Node`` keeps the lifecycle (join, catch up, rounds, records, checkpoints, leave); a role owns the
 worker and decides when it may train a round. A replica holds the whole model and may always train.
-A stage peer takes a (group, stage) slot (``pipeline/groups.py``: the rules every peer applies to the
+A stage peer takes a (group, stage) slot (``pipeline/assembly.py``: the rules every peer applies to the
 same signed records), holds that stage's slice, and trains a round only when its pipeline group is
 complete and every stage of it has reached that round; it then links to the group's other stages over
 hivemind streams (``pipeline/links.py``). Until then it waits as standby, keeping its slice up to date,
@@ -34,24 +34,24 @@ from p2ploco.config import Config
 from p2ploco.data import ShardSampler, TrainingData
 from p2ploco.errors import shown
 from p2ploco.peer import Swarm
-from p2ploco.pipeline.groups import Claim, choose_slot, complete_groups, formation_epoch, group_round
+from p2ploco.pipeline.assembly import Claim, choose_slot, complete_pipelines, formation_epoch, pipeline_round
 from p2ploco.pipeline.links import RemoteTransport, Schedule, StageLinks, StageLinkServer
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.ranks import LocalRanks
-from p2ploco.swarm.records import PeerRole, PeerState
+from p2ploco.swarm.records import PeerRole, Phase
 from p2ploco.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 REPLICA, STAGE, HUB = PeerRole.REPLICA, PeerRole.STAGE, PeerRole.HUB  # what a node trains as: its record's role
-IN_ROUND = (PeerState.TRAINING, PeerState.AVERAGING)  # a stage that announced it is in for its round
+IN_ROUND = (Phase.TRAINING, Phase.AVERAGING)  # a stage that announced it is in for its round
 ASSEMBLY_POLL = 0.25  # seconds between looks at whether the other stages of a group are in for the round
 
 
 @dataclass(frozen=True)
 class RoleOptions:
     kind: str = REPLICA  # replica (the whole model), stage (one stage of a pipeline group) or hub (trains nothing)
-    group: str | None = None  # a stage's pinned pipeline group (None: any)
+    pipeline: str | None = None  # a stage's pinned pipeline group (None: any)
     stage: int | None = None  # a stage's pinned stage (None: any)
 
 
@@ -83,9 +83,9 @@ class Role(ABC):
         too)."""
         return True
 
-    def round_of_group(self, round_index: int) -> int:
-        """The round this peer trains next as its pipeline group has it (``pipeline.groups.group_round``): the round
-        its group meets in, ahead of ``round_index``, or ``round_index``. A replica has no group."""
+    def round_of_pipeline(self, round_index: int) -> int:
+        """The round this peer trains next as its pipeline has it (``pipeline.assembly.pipeline_round``): the round
+        it meets in, ahead of ``round_index``, or ``round_index``. A replica has no pipeline."""
         return round_index
 
     def record_fields(self) -> dict[str, Any]:
@@ -142,9 +142,9 @@ class StageRole(Role):
         self.transport: RemoteTransport | None = None
         self._counted: tuple[int, int, float] = (0, 0, 0.0)  # boundary traffic and time as of the last record
 
-    def pin(self, group: str, stage: int) -> None:
+    def pin(self, pipeline: str, stage: int) -> None:
         """Claim this slot (a stage resumed from its checkpoint goes back to the stage it holds)."""
-        self.options = RoleOptions(STAGE, self.options.group or group, stage)
+        self.options = RoleOptions(STAGE, self.options.pipeline or pipeline, stage)
 
     def _claims(self) -> list[tuple[Claim, str, int, str]]:
         return [(Claim(r.peer_id, r.group, r.stage, r.since), r.schedule, r.round, r.state)
@@ -155,7 +155,7 @@ class StageRole(Role):
         claims = [claim for claim, *_ in self._claims() if claim.peer_id != me]
         if self.slot is not None:
             claims.append(Claim(me, *self.slot, self.swarm.directory.me.since))
-        slot = choose_slot(claims, me, self.config.pipeline.stages, self.options.group, self.options.stage)
+        slot = choose_slot(claims, me, self.config.pipeline.stages, self.options.pipeline, self.options.stage)
         if slot == self.slot:
             return False
         logger.info(f"stage slot {shown(slot[0])}/{slot[1]} (was {self.slot})")  # a tuple shows its strings escaped
@@ -166,12 +166,12 @@ class StageRole(Role):
         self.worker, self.gradients = build_stage(self.config, self.device, slot[1])
         return True
 
-    def _group(self) -> tuple[tuple[str, ...] | None, dict[str, tuple[str, int, str]]]:
+    def _pipeline(self) -> tuple[tuple[str, ...] | None, dict[str, tuple[str, int, str]]]:
         """The holders of this peer's group if it is complete and this peer holds its slot (else None), and each
         holder's (schedule, round, state)."""
-        group, stage = self.slot
+        pipeline, stage = self.slot
         claims = self._claims()
-        peers = complete_groups([claim for claim, *_ in claims], self.config.pipeline.stages).get(group)
+        peers = complete_pipelines([claim for claim, *_ in claims], self.config.pipeline.stages).get(pipeline)
         if peers is None or peers[stage] != self.swarm.peer_id:
             return None, {}
         return peers, {claim.peer_id: (schedule, round_of, state) for claim, schedule, round_of, state in claims
@@ -179,34 +179,34 @@ class StageRole(Role):
 
     def ready(self, round_index: int, announce: Callable[[], None], stand_by: Callable[[], None],
               stopping: threading.Event) -> bool:
-        group, stage = self.slot
-        peers, mates = self._group()
+        pipeline, stage = self.slot
+        peers, mates = self._pipeline()
         if peers is None:
-            self.waiting_for = f"group {shown(group)} to have all {self.config.pipeline.stages} stages"
+            self.waiting_for = f"pipeline {shown(pipeline)} to have all {self.config.pipeline.stages} stages"
             return False
         if any(schedule != self.schedule for schedule, _, _ in mates.values()):
-            self.waiting_for = (f"group {shown(group)}'s stages to share inner settings (inner.* and data.seq_len must "
-                                f"match on every stage)")
+            self.waiting_for = (f"pipeline {shown(pipeline)}'s stages to share inner settings (inner.* and "
+                                f"data.seq_len must match on every stage)")
             return False
-        links = StageLinks(group, formation_epoch(group, peers), peers)
+        links = StageLinks(pipeline, formation_epoch(pipeline, peers), peers)
         if links != self.links:
             self.links = links
             self.transport = RemoteTransport(self.swarm.loop, self.server, links, stage, Schedule.of(self.config),
                                              self.config.swarm.allreduce_timeout)
             c = self.config
-            sampler = (ShardSampler(self.data.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"group-{group}")
+            sampler = (ShardSampler(self.data.train, c.data.seq_len, c.inner.batch_size, c.run_id, f"group-{pipeline}")
                        if stage == 0 else None)
             self.gradients.link(self.transport, sampler)
             self._counted = (0, 0, 0.0)
         if -1 < self._swarm_round(peers) < round_index - 1:
-            # the round the group meets in (``round_of_group``): its state comes when the swarm's trainers reach it (a
-            # round behind is the swarm finishing the last round, as the stages are done with it first)
-            self.waiting_for = f"the swarm to reach round {round_index}, where group {shown(group)} meets"
+            # the round the pipeline meets in (``round_of_pipeline``): its state comes when the swarm's trainers reach
+            # it (a round behind is the swarm finishing the last round, as the stages are done with it first)
+            self.waiting_for = f"the swarm to reach round {round_index}, where pipeline {shown(pipeline)} meets"
             return False
-        self.waiting_for = f"every stage of group {shown(group)} to be in round {round_index}"
+        self.waiting_for = f"every stage of pipeline {shown(pipeline)} to be in round {round_index}"
         # Assembling: until every stage is in this round, this one stands by in it (a coordinator does not wait for a
         # group that may never come together); once all are, it is in for the round, and waits for the others to be too.
-        if not self._all_in(peers, round_index, lambda state: state != PeerState.LEAVING, stopping, stand_by):
+        if not self._all_in(peers, round_index, lambda state: state != Phase.LEAVING, stopping, stand_by):
             return False
         announce()  # the round's coordinator now waits for this stage; the others may send to it
         return self._all_in(peers, round_index, lambda state: state in IN_ROUND, stopping)
@@ -216,10 +216,10 @@ class StageRole(Role):
         """Whether every other stage of the group ``peers`` comes to be in ``round_index`` in a state that ``meets``
         asks, within the wait for a round to end (``Swarm.round_wait``; ``waiting`` is announced once, if this stage
         has to wait for them). False at once if the group changes, or a stage is in a later round (the group meets
-        where ``round_of_group`` says)."""
+        where ``round_of_pipeline`` says)."""
         deadline = time.monotonic() + self.swarm.round_wait()
         while not stopping.is_set() and time.monotonic() < deadline:
-            peers_now, mates = self._group()
+            peers_now, mates = self._pipeline()
             if peers_now != peers:
                 return False  # the group changed while it assembled
             others = [(round_of, state) for peer, (_, round_of, state) in mates.items() if peer != self.swarm.peer_id]
@@ -233,12 +233,12 @@ class StageRole(Role):
             stopping.wait(min(self.config.swarm.heartbeat_interval, ASSEMBLY_POLL))
         return False
 
-    def round_of_group(self, round_index: int) -> int:
-        peers, mates = self._group()
+    def round_of_pipeline(self, round_index: int) -> int:
+        peers, mates = self._pipeline()
         if peers is None:
             return round_index
         me = self.swarm.peer_id
-        return group_round([round_of for peer, (_, round_of, _) in mates.items() if peer != me], round_index,
+        return pipeline_round([round_of for peer, (_, round_of, _) in mates.items() if peer != me], round_index,
                            self._swarm_round(peers))
 
     def _swarm_round(self, peers: tuple[str, ...]) -> int:
@@ -247,7 +247,7 @@ class StageRole(Role):
         fingerprint = self.swarm.directory.me.fingerprint
         return max((r.round for r in self.swarm.directory.live.values()
                     if r.peer_id not in peers and r.fingerprint == fingerprint
-                    and r.state in (*IN_ROUND, PeerState.JOINING)), default=-1)
+                    and r.state in (*IN_ROUND, Phase.JOINING)), default=-1)
 
     def record_fields(self) -> dict[str, Any]:
         t = self.transport

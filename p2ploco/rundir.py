@@ -11,7 +11,7 @@ from p2ploco import checkpoint
 from p2ploco.checkpoint import Checkpoint
 from p2ploco.config import Config
 from p2ploco.errors import CheckpointError
-from p2ploco.metrics import MetricsLog, RoundRecord, TensorBoardLog
+from p2ploco.metrics import MetricsLog, RoundSummary, TensorBoardLog
 
 RESUME = "always"  # --resume: continue the checkpoint in the run directory; there must be one ("auto": if any)
 
@@ -40,9 +40,9 @@ class RunDirectory:
         if self.board.writer is not None:
             out(f"TensorBoard logs in {path / 'tensorboard'}")
 
-    def write(self, record: RoundRecord) -> None:
-        self.metrics.append(record)
-        self.board.write(record)
+    def write(self, summary: RoundSummary) -> None:
+        self.metrics.append(summary)
+        self.board.write(summary)
 
     def save(self, state: Checkpoint) -> None:
         """Start writing ``state`` in the background (after the write under way)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from p2ploco.metrics import RoundRecord
+from p2ploco.metrics import RoundSummary
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,11 @@ class Standing:
     # the reducers that refused its contribution in its last round: it follows none of their lone states after it
     refused_by: frozenset[str] = frozenset()
 
-    def after(self, record: RoundRecord) -> Standing:
+    def after(self, summary: RoundSummary) -> Standing:
         """Once this round is recorded. Alone, or not applied: the others may hold another state after it (they
         committed without us, or a judge we could not reach decided otherwise)."""
         membership = replace(self.membership, catchup_seconds=0.0, catchup_bytes=0, catchup_updates=0)  # said once
         return Standing(self.round + 1, membership,
-                        unsettled=self.round if record.peers == 1 or not record.applied else None,
-                        doubtful=self.doubtful or not record.applied, sat_out=record.sat_out,
-                        refused_by=frozenset(record.refused_by))
+                        unsettled=self.round if summary.peers == 1 or not summary.applied else None,
+                        doubtful=self.doubtful or not summary.applied, sat_out=summary.sat_out,
+                        refused_by=frozenset(summary.refused_by))

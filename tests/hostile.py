@@ -238,32 +238,31 @@ def serve_a_false_state(start: int) -> None:
 
 
 def describe_a_huge_state(start: int) -> None:
+    from p2ploco import faults
     from p2ploco.errors import PayloadError, TransportError
     from p2ploco.swarm import wire
     from p2ploco.swarm.messages import decode
     from p2ploco.swarm.state import StateRequest, StateStatus
-    from p2ploco.swarm.state_server import StateServer
 
-    honest = StateServer._serve
+    def answering(server: Any, honest: Callable[..., Any]) -> Callable[..., Any]:
+        async def serve(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if not server.snapshots or next(reversed(server.snapshots)) < start:
+                return await honest(stream_info, reader, writer)
+            try:
+                header, _ = await wire.read_message(reader, max_payload=0)
+                request = decode(StateRequest, header)
+                snapshot = server.snapshots.get(request.round, {}).get(request.slice)
+                if snapshot is not None and not request.length:
+                    await wire.write_message(writer, {"status": str(StateStatus.OK), "round": snapshot.round,
+                                                      "slice": snapshot.slice, "total": 2**62,
+                                                      "state_digest": snapshot.state_digest})
+            except (PayloadError, TransportError):
+                pass
+            finally:
+                await wire.hang_up(reader, writer, server.deadline.base)
+        return serve
 
-    async def serve(self: StateServer, stream_info: Any, reader: asyncio.StreamReader,
-                    writer: asyncio.StreamWriter) -> None:
-        if not self.snapshots or next(reversed(self.snapshots)) < start:
-            return await honest(self, stream_info, reader, writer)
-        try:
-            header, _ = await wire.read_message(reader, max_payload=0)
-            request = decode(StateRequest, header)
-            snapshot = self.snapshots.get(request.round, {}).get(request.slice)
-            if snapshot is not None and not request.length:
-                await wire.write_message(writer, {"status": str(StateStatus.OK), "round": snapshot.round,
-                                                  "slice": snapshot.slice, "total": 2**62,
-                                                  "state_digest": snapshot.state_digest})
-        except (PayloadError, TransportError):
-            pass
-        finally:
-            await wire.hang_up(reader, writer, self.deadline.base)
-
-    StateServer._serve = serve
+    faults.swap("answer.state", answering)
 
 
 def send_junk_joins(start: int) -> None:
@@ -318,7 +317,7 @@ def forge_leaving_records(start: int) -> None:
     from hivemind.utils import get_dht_time
 
     from p2ploco.swarm.directory import PeerDirectory
-    from p2ploco.swarm.records import PeerState
+    from p2ploco.swarm.records import Phase
 
     honest = PeerDirectory.store_record
 
@@ -326,7 +325,7 @@ def forge_leaving_records(start: int) -> None:
         await honest(self, list_run)
         if self.me.round >= start:
             for victim in sorted(set(self.live) - {self.me.peer_id}):
-                forged = {**self.me.to_value(), "peer_id": victim, "state": str(PeerState.LEAVING)}
+                forged = {**self.me.to_value(), "peer_id": victim, "state": str(Phase.LEAVING)}
                 await self.node.store(self.key, subkey=self.owner, value=forged,
                                       expiration_time=get_dht_time() + self.ttl)
 

@@ -31,7 +31,7 @@ from p2ploco.outer.sparseloco import SparseLoCo
 from p2ploco.peer import Swarm
 from p2ploco.swarm import wire
 from p2ploco.swarm.messages import MAX_TOKENS
-from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.records import Phase
 from p2ploco.sync.communicator import PARTNER_ROUNDS
 from p2ploco.sync.contribute import parse_reply
 from p2ploco.sync.group import Group
@@ -51,7 +51,7 @@ def trio():
     try:
         join_swarms("test", 3, CONFIG, swarms)
         for s in swarms:
-            s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
+            s.announce_progress(0, Phase.JOINING, "start-state", {"params": "start-state"})
         assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)
         yield sorted(swarms, key=lambda s: s.peer_id)  # canonical order: the order of the sum
     finally:
@@ -73,7 +73,7 @@ def agreeing_tensors(seed: int, count: int = 3) -> list[list[torch.Tensor]]:
 def all_reduce(swarms, exchanges):
     round_index = next(rounds)
     for s in swarms:
-        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        s.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
     return all_reduce_at(swarms, exchanges, round_index)
 
 
@@ -300,7 +300,7 @@ def test_sparse_contribution_with_nan_side_info_is_dropped(trio):
     exchanges = sparse_exchanges(range(3), layout)
     bad = exchanges[2]
     bad.compressed[0].shift = np.float32("nan")
-    bad._encoded.clear()
+    bad.compressed = bad.compressed  # what it sends, encoded anew
     stats = all_reduce(trio, exchanges)
     assert stats[0].dropped == stats[1].dropped == [trio[2].peer_id]
     assert all(torch.equal(a, b) for a, b in zip(exchanges[0].aggregate(), exchanges[1].aggregate()))
@@ -444,9 +444,9 @@ def test_a_formation_waits_for_a_peer_still_finishing_the_previous_round(trio):
     next(rounds)
     round_index = next(rounds)  # >= 1, so that the previous round exists
     early, moving = trio[:2], trio[2]
-    moving.announce_progress(round_index - 1, PeerState.TRAINING, "start-state", {"params": "start-state"})
+    moving.announce_progress(round_index - 1, Phase.TRAINING, "start-state", {"params": "start-state"})
     for s in early:
-        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        s.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
     assert all(s.flush() for s in trio)
     tensors = [random_tensors(60 + i) for i in range(3)]
 
@@ -462,7 +462,7 @@ def test_a_formation_waits_for_a_peer_still_finishing_the_previous_round(trio):
         deadline = time.monotonic() + 30
         while not joined_or_closed() and time.monotonic() < deadline:
             time.sleep(0.01)
-        moving.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        moving.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
         futures.append(pool.submit(moving.communicator.all_reduce, DenseMean(tensors[2]), round_index, "params"))
         stats = [f.result(timeout=60) for f in futures]
     assert [len(s.peers) for s in stats] == [3, 3, 3] and all(s.committed for s in stats)
@@ -478,7 +478,7 @@ def test_the_coordinator_of_a_round_does_not_follow_the_state_it_starts_from(tri
     state = next(f"ground-{k}" for k in itertools.count() if by_round != min(
         ids, key=lambda p: hashlib.sha256(f"{round_index}/ground-{k}/{p}".encode()).digest()))
     for s in trio:
-        s.announce_progress(round_index, PeerState.AVERAGING, state, {"params": state})
+        s.announce_progress(round_index, Phase.AVERAGING, state, {"params": state})
     assert all(s.flush() for s in trio)
     exchanges = [DenseMean(random_tensors(80 + i)) for i in range(3)]
     with ThreadPoolExecutor(3) as pool:
@@ -495,7 +495,7 @@ def test_a_member_that_asks_its_coordinator_again_gets_the_same_group(trio):
     in, not "late" (nor form a group of its own elsewhere, while the others wait for it in vain)."""
     round_index = next(rounds)
     for s in trio:
-        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        s.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
     exchanges = [DenseMean(random_tensors(70 + i)) for i in range(3)]
     with ThreadPoolExecutor(3) as pool:
         stats = [f.result(timeout=60) for f in [pool.submit(s.communicator.all_reduce, e, round_index, "params")
@@ -537,7 +537,7 @@ def test_joins_from_outside_the_run_are_refused_and_do_not_disturb_its_rounds(tr
     group out of the coordinator's book, so that every vote failed)."""
     round_index = next(rounds)
     for s in trio:
-        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        s.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
     assert all(s.flush() for s in trio)
     coordinator = trio[0].communicator.matchmaker.coordinator
     loop = trio[0].loop
@@ -604,7 +604,7 @@ def test_the_round_budget_goes_by_the_step_times_of_recent_partners_not_of_any_r
         liar.update_record(step_seconds=1e-300)
         for s in trio:
             s.update_record(step_seconds=0.1)
-            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+            s.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
         assert liar.flush() and all(s.flush() for s in trio)
         stats = all_reduce_at(trio, [DenseMean(random_tensors(90 + i)) for i in range(3)], round_index)
         assert all(len(s.peers) == 3 and s.committed for s in stats)
@@ -617,7 +617,7 @@ def test_the_round_budget_goes_by_the_step_times_of_recent_partners_not_of_any_r
         # A partner's absurd claim is left out too, and a banned partner's step is not read.
         round_index = next(rounds)
         for s in (*trio, liar):
-            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+            s.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
         assert all(s.flush() for s in (*trio, liar))
         stats = all_reduce_at([*trio, liar], [DenseMean(random_tensors(95 + i)) for i in range(4)], round_index)
         assert all(len(s.peers) == 4 and s.committed for s in stats)
@@ -638,7 +638,7 @@ def test_rounds_a_peer_does_not_apply_leave_its_partners_as_they_were(trio, monk
     def all_reduce_now(seed: int) -> list:
         round_index = next(rounds)
         for s in trio:
-            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+            s.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
         assert all(s.flush() for s in trio)
         return round_index, [DenseMean(random_tensors(seed + i)) for i in range(3)]
 
@@ -663,12 +663,12 @@ def test_a_peer_alone_because_its_coordinator_is_leaving_applies_its_round():
         a, b = join_swarms("pair", 2, CONFIG, swarms)
         round_index = next(r for r in range(1000) if best_coordinator({a.peer_id, b.peer_id}, r) == b.peer_id)
         for s in (a, b):
-            s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+            s.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
         assert all(s.flush() for s in (a, b))
         b.loop.run(b.communicator.matchmaker.withdraw(), 30)
         result = a.communicator.all_reduce(DenseMean(random_tensors(7)), round_index, "params")
         assert (result.committed, result.peers, Failure.ALONE in result.failures) == (True, [a.peer_id], False)
-        assert b.directory.me.state == PeerState.AVERAGING  # what its record still says
+        assert b.directory.me.state == Phase.AVERAGING  # what its record still says
     finally:
         for s in swarms:
             s.leave()
@@ -683,8 +683,8 @@ def test_a_peer_alone_while_the_others_sit_the_round_out_applies_it():
     try:
         a, b = join_swarms("sitting-out", 2, CONFIG, swarms)
         round_index = next(r for r in range(1000) if best_coordinator({a.peer_id, b.peer_id}, r) == a.peer_id)
-        a.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
-        b.announce_progress(round_index + 1, PeerState.JOINING, "start-state", {"params": "start-state"})
+        a.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
+        b.announce_progress(round_index + 1, Phase.JOINING, "start-state", {"params": "start-state"})
         b.update_record(sits_out=True)
         assert all(s.flush() for s in (a, b))
         result = a.communicator.all_reduce(DenseMean(random_tensors(8)), round_index, "params")
@@ -704,13 +704,13 @@ def coordinator_and_members(run_id: str, count: int, config: SwarmConfig, swarms
     round, the coordinator and the members (in id order)."""
     join_swarms(run_id, count, config, swarms)
     for s in swarms:
-        s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
+        s.announce_progress(0, Phase.JOINING, "start-state", {"params": "start-state"})
     assert all(s.wait_for_peers(count, 30) == count for s in swarms)
     ids = {s.peer_id for s in swarms}
     round_index = next(r for r in range(2, 1000) if best_coordinator(ids, r) == swarms[0].peer_id)
     coordinator, members = swarms[0], sorted(swarms[1:], key=lambda s: s.peer_id)
     for s in members:
-        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        s.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
     assert all(s.flush() for s in swarms)
     return round_index, coordinator, members
 

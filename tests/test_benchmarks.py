@@ -138,7 +138,7 @@ def test_pipeline_swarm_benchmark_measures_a_real_group_next_to_a_replica():
     assert figures["boundary_bytes_per_token"] == pytest.approx(2 * 8 * 2 + 2 * 129 / 128 + 16 / (8 * 128))
     assert figures["uncompressed_boundary_bytes_per_token"] == pytest.approx(2 * 128 * 2 + 2 * 129 / 128)
     assert figures["rounds"] == 1 and figures["group_tokens_per_second"] > 0 < figures["replica_tokens_per_second"]
-    assert 0 < figures["group_round"]["stage_transfers"] < figures["group_round"]["inner"]
+    assert 0 < figures["pipeline_round"]["stage_transfers"] < figures["pipeline_round"]["inner"]
 
 
 @pytest.mark.slow  # a joiner fetching state from real donors is in the default run through test_elastic.py

@@ -19,7 +19,7 @@ from p2ploco.metrics import state_digest
 from p2ploco.presence import Presence
 from p2ploco.schedules import build_schedule
 from p2ploco.standing import Membership, Standing
-from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.records import Phase
 from p2ploco.swarm.state import Snapshot
 from p2ploco.testing.swarm import CPU
 from p2ploco.worker import Worker
@@ -58,15 +58,15 @@ def test_a_doubtful_peer_waits_for_a_holder_still_in_a_round_it_did_not_apply_an
     try:
         replica, stage, me = join_swarms("catchup-test", 3, SWARM, swarms)
         replica.serve_state([replica_round_5])
-        replica.announce_progress(5, PeerState.TRAINING, replica_round_5.state_digest,
+        replica.announce_progress(5, Phase.TRAINING, replica_round_5.state_digest,
                                   {old.slice: replica_round_5.state_digest})
-        stage.announce_progress(6, PeerState.TRAINING, old.state_digest, {old.slice: old.state_digest},
+        stage.announce_progress(6, Phase.TRAINING, old.state_digest, {old.slice: old.state_digest},
                                 unsettled=True)
         assert replica.flush() and stage.flush()
 
         def replica_ends_round_5() -> None:
             replica.serve_state([replica_round_6])
-            replica.announce_progress(6, PeerState.TRAINING, replica_round_6.state_digest,
+            replica.announce_progress(6, Phase.TRAINING, replica_round_6.state_digest,
                                       {old.slice: replica_round_6.state_digest})
 
         later = threading.Timer(2.0, replica_ends_round_5)
@@ -93,7 +93,7 @@ def test_a_peer_waiting_for_its_unsettled_round_to_settle_serves_the_state_its_r
     try:
         me, behind, newcomer = join_swarms("catchup-serve", 3, SWARM, swarms)
         (held,) = worker.snapshots(6)
-        behind.announce_progress(5, PeerState.TRAINING, "b" * 64, {held.slice: "b" * 64})
+        behind.announce_progress(5, Phase.TRAINING, "b" * 64, {held.slice: "b" * 64})
         assert behind.flush()
         standing = Standing(6, Membership(6, "peer"), unsettled=5)
         waiting = threading.Thread(target=CatchUp(config, me, Presence(me, HeldWorker(worker)), threading.Event(),
@@ -136,7 +136,7 @@ def test_a_peer_that_missed_three_rounds_applies_their_updates_and_holds_the_swa
         for donor in donors:
             for snapshot in served:
                 donor.serve_state([snapshot])
-            donor.announce_progress(6, PeerState.TRAINING, served[-1].state_digest,
+            donor.announce_progress(6, Phase.TRAINING, served[-1].state_digest,
                                     {first.slice: served[-1].state_digest})
             assert donor.flush()
         caught_up = CatchUp(config, me, Presence(me, HeldWorker(worker)), threading.Event(), said.append)(
@@ -171,7 +171,7 @@ def test_donors_whose_update_leads_elsewhere_are_banned_and_the_state_is_fetched
         for donor, served in [(honest, after), *((liar, forged) for liar in liars)]:
             donor.serve_state([before])
             donor.serve_state([served])
-            donor.announce_progress(6, PeerState.TRAINING, after.state_digest, {before.slice: after.state_digest})
+            donor.announce_progress(6, Phase.TRAINING, after.state_digest, {before.slice: after.state_digest})
             assert donor.flush()
         caught_up = CatchUp(config, me, Presence(me, HeldWorker(worker)), threading.Event(), said.append)(
             build_schedule(config, worker), sat_out(6), first=False)

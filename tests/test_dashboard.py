@@ -11,19 +11,19 @@ from importlib.resources import files
 import pytest
 
 from p2ploco.dashboard import documents
-from p2ploco.dashboard.documents import ROUNDS_DOCUMENT, RUN_DOCUMENT, RoundsFeed, outcome_of, run_document
+from p2ploco.dashboard.documents import ROUNDS_DOCUMENT, RUN_STATUS, RoundsFeed, outcome_of, run_status
 from p2ploco.dashboard.page import page_routes
 from p2ploco.dashboard.relay import relay_routes
-from p2ploco.metrics import RoundRecord
+from p2ploco.metrics import RoundSummary
 from p2ploco.swarm.loop import EventLoopThread
 from p2ploco.swarm.status import Answer, Host, Route, StatusServer, constant, listen
 
 
-def record(round_index: int, **changes: object) -> RoundRecord:
+def record(round_index: int, **changes: object) -> RoundSummary:
     fields = {"peers": 3, "loss": 3.0 - round_index / 10, "eval_loss": None, "params_digest": "a" * 64,
               "round_seconds": 1.5, "tokens": 100, "inner_seconds": 1.0, "comm_seconds": 0.5,
               "aggregate_tokens": 250, **changes}
-    return RoundRecord(round=round_index, **fields)
+    return RoundSummary(round=round_index, **fields)
 
 
 def test_the_rounds_document_pages_forward_from_a_round_and_holds_only_what_json_holds(monkeypatch):
@@ -97,12 +97,12 @@ def get(address: str, target: str, method: str = "GET") -> tuple[int, dict[str, 
     return int(status_line.split(" ")[1]), dict(line.split(": ", 1) for line in lines), body
 
 
-RUN = run_document("tiny", "peer-a", "<b>bold</b>", 10.0, "p2ploco node start --run-id tiny", [("run", "tiny")])
+RUN = run_status("tiny", "peer-a", "<b>bold</b>", 10.0, "p2ploco node start --run-id tiny", [("run", "tiny")])
 
 
-def node_routes(records: list[RoundRecord]) -> dict[str, Route]:
+def node_routes(records: list[RoundSummary]) -> dict[str, Route]:
     return {**page_routes(), ROUNDS_DOCUMENT: RoundsFeed("peer-a", records, dict),
-            RUN_DOCUMENT: constant(Answer(200, RUN))}
+            RUN_STATUS: constant(Answer(200, RUN))}
 
 
 def test_the_page_and_its_documents_are_served_with_a_policy_that_runs_only_the_pages_own_scripts():
@@ -172,10 +172,10 @@ def test_the_relay_passes_on_the_nodes_documents_and_only_the_queries_the_page_s
     with serving(routes) as node, serving(relay_routes(node)) as relay:
         status, headers, page = get(relay, "/")
         assert status == 200 and page == get(node, "/")[2]
-        assert json.loads(get(relay, RUN_DOCUMENT)[2]) == json.loads(RUN)
+        assert json.loads(get(relay, RUN_STATUS)[2]) == json.loads(RUN)
         assert [r["round"] for r in json.loads(get(relay, f"{ROUNDS_DOCUMENT}?after=2")[2])["rounds"]] == [3, 4]
         assert get(relay, f"{ROUNDS_DOCUMENT}?after=2%0d%0aX-Evil:%201")[0] == 400
-        assert get(relay, f"{RUN_DOCUMENT}?x=1")[0] == 400
+        assert get(relay, f"{RUN_STATUS}?x=1")[0] == 400
         assert queries == ["after=2"]  # what the relay refused never reached the node
 
 
@@ -193,10 +193,10 @@ def broken(body: bytes, head: bytes = b"HTTP/1.1 200 OK\r\nConnection: close\r\n
 ])
 def test_a_node_that_answers_anything_but_a_document_is_one_line_from_the_relay(answer, why):
     with answering(answer) as node, serving(relay_routes(node)) as relay:
-        status, headers, body = get(relay, RUN_DOCUMENT)
+        status, headers, body = get(relay, RUN_STATUS)
     message = body.decode()
     assert status == 502 and headers["Content-Type"].startswith("text/plain")
-    assert message.startswith(f"http://{node}{RUN_DOCUMENT} ") and why in message, message
+    assert message.startswith(f"http://{node}{RUN_STATUS} ") and why in message, message
     assert message.endswith("\n") and message[:-1].isprintable() and len(message) < 400
 
 

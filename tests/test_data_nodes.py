@@ -46,7 +46,7 @@ def test_a_node_joins_with_one_address_trains_the_runs_config_and_a_conflicting_
         assert conflicting.process.wait(60) == 2
         b = swarm.start_node("b", None, *run, *corpus)
         assert [a.process.wait(180), b.process.wait(60)] == [0, 0]
-        runs = {name: swarm.records(name) for name in "ab"}
+        runs = {name: swarm.summaries(name) for name in "ab"}
     refused = (tmp_path / "swarm" / "c.log").read_text().strip().splitlines()
     assert refused[-1] == ("error: this node's config differs from that of run 'ours', which 1 of its 1 peer(s) "
                            "(trainers and hubs) hold: inner.lr=0.01 (run: 0.002); drop those --set")
@@ -75,6 +75,6 @@ def test_two_nodes_train_on_one_plain_ten_megabyte_text_file(tmp_path):
         nodes = [swarm.start_node(name, TINY_CONFIG, *FAST, "--max-rounds", str(rounds), "--set", "swarm.min_peers=2",
                                   "--set", f"data.paths={corpus}") for name in "ab"]
         assert [node.process.wait(240) for node in nodes] == [0, 0]
-        runs = {name: swarm.records(name) for name in "ab"}
+        runs = {name: swarm.summaries(name) for name in "ab"}
     assert "blocks of" in (tmp_path / "swarm" / "a.log").read_text()
     assert_trained_together(runs, rounds)

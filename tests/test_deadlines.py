@@ -23,7 +23,7 @@ from p2ploco.swarm.deadlines import (
     round_bound,
     round_wait,
 )
-from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.records import Phase
 from p2ploco.testing.communicator import InProcessGroup
 
 RULE = TransferDeadline(base=30.0, min_mbit=10.0, cap=600.0)
@@ -123,7 +123,7 @@ def test_a_coordinator_waits_by_the_steps_its_peers_publish_and_a_liars_claim_co
 
         for s in swarms:
             s.update_record(step_seconds=0.2)
-            s.announce_progress(1, PeerState.TRAINING, "start", {"params": "start"})
+            s.announce_progress(1, Phase.TRAINING, "start", {"params": "start"})
         assert published() == 60.0  # nobody has finished a round: nothing measured
         me.update_record(round_seconds=4.0)
         assert published() == pytest.approx(slack + ARRIVAL_STEPS * 0.2)
@@ -153,7 +153,7 @@ def run_round_with_a_slow_link(min_bandwidth_mbit: float, run_id: str, monkeypat
         swarms.sort(key=lambda s: s.peer_id)
         slow = swarms[0]
         for s in swarms:
-            s.announce_progress(0, PeerState.JOINING, "start", {"params": "start"})
+            s.announce_progress(0, Phase.JOINING, "start", {"params": "start"})
         assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)
         real_write = wire.write_message
 
@@ -173,7 +173,7 @@ def run_round_with_a_slow_link(min_bandwidth_mbit: float, run_id: str, monkeypat
                   for seed in range(3)]
         exchanges = [DenseMean(t) for t in inputs]
         for s in swarms:
-            s.announce_progress(0, PeerState.AVERAGING, "start", {"params": "start"})
+            s.announce_progress(0, Phase.AVERAGING, "start", {"params": "start"})
         with ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(s.communicator.all_reduce, e, 0, "params") for s, e in zip(swarms, exchanges)]
             stats = [f.result(timeout=120) for f in futures]

@@ -16,7 +16,7 @@ from helpers import ground
 from p2ploco.config import load_config
 from p2ploco.errors import Failure
 from p2ploco.launch import REPO_ROOT, TINY_CONFIG, Child, LocalSwarm
-from p2ploco.metrics import read_records
+from p2ploco.metrics import read_summaries
 from p2ploco.sync.join import best_coordinator
 
 FAST = ["--set", "inner.steps=5", "--set", "swarm.matchmaking_timeout=10", "--set", "swarm.allreduce_timeout=4",
@@ -69,7 +69,7 @@ def test_a_clean_leave_costs_the_others_no_round(tmp_path):
         nodes["c"].wait_for_line(re.compile(r"round\s+2 \|"), 150)
         nodes["c"].signal(signal.SIGINT)
         assert [nodes[name].process.wait(240) for name in "cab"] == [0, 0, 0]
-        runs = {name: swarm.records(name) for name in "ab"}
+        runs = {name: swarm.summaries(name) for name in "ab"}
     left = (tmp_path / "c.log").read_text()
     assert "SIGINT: leaving: the round's inner steps stop here" in left and "left the swarm after" in left
     for records in runs.values():
@@ -102,7 +102,7 @@ def test_a_partner_ctrl_c_d_while_its_join_waits_at_the_coordinator_costs_the_su
         survivor.wait_for_line(re.compile(r"round\s+5 \|"), 90)
         survivor.signal(signal.SIGTERM)
         assert survivor.process.wait(60) == 0
-        records = swarm.records("s")
+        records = swarm.summaries("s")
     assert [(r["round"], r["applied"]) for r in records if r["round"] >= 3][:3] == [(3, True), (4, True), (5, True)]
 
 
@@ -134,7 +134,7 @@ def test_crash_leave_join_and_rejoin(tmp_path, algorithm):
         for node in (a, b, e, d):
             node.signal(signal.SIGTERM)
         assert [node.process.wait(60) for node in (a, b, e, d)] == [0, 0, 0, 0]
-        runs = {name: swarm.records(name) for name in "abcde"}
+        runs = {name: swarm.summaries(name) for name in "abcde"}
 
     assert_agreement(runs)
     # Round 3 lost a peer mid all-reduce: the survivors redid it among themselves; the next round applies.
@@ -200,7 +200,7 @@ def test_survivors_agree_whenever_a_peer_is_killed(tmp_path):
                  for name in ("a", "b", *victims)}
         assert [nodes[name].process.wait(240) for name in victims] == [-signal.SIGKILL] * len(victims)
         assert [nodes[name].process.wait(120) for name in "ab"] == [0, 0]
-        runs = {name: swarm.records(name) for name in nodes}
+        runs = {name: swarm.summaries(name) for name in nodes}
 
     for name, records in runs.items():  # each victim died in its round, the others finished every round
         finished = [r["round"] for r in records]
@@ -241,7 +241,7 @@ def test_a_whole_swarm_resumes_from_its_checkpoints(tmp_path, algorithm):
                                   "--set", "swarm.min_peers=2", "--identity", str(tmp_path / f"{n}.key"))
                  for n in "ab"]
         assert [node.process.wait(180) for node in again] == [0, 0]
-        runs = {n: swarm.records(n) for n in "ab"}
+        runs = {n: swarm.summaries(n) for n in "ab"}
     for records in runs.values():
         assert [r["round"] for r in records] == [0, 1, 2, 3, 4]
         assert [r["state_source"] for r in records[3:]] == ["checkpoint", "checkpoint"]
@@ -296,7 +296,7 @@ def test_a_node_resumes_from_the_intact_checkpoint_beside_a_corrupt_newest_one_a
         f"skipped the checkpoint of round 2 (checkpoint file {folder}/state-2.safetensors is corrupt (checksum "
         f"mismatch)); resuming from round 1, the newest intact checkpoint in {folder}"), resumed.stdout
     assert f"resumed from {folder} at round 1" in resumed.stdout
-    records = read_records(tmp_path / "node" / "metrics.jsonl")
+    records = read_summaries(tmp_path / "node" / "metrics.jsonl")
     assert [(r["round"], r["state_source"]) for r in records[2:]] == [(1, "checkpoint"), (2, "checkpoint")]
 
 

@@ -80,7 +80,7 @@ def test_a_run_the_hub_refuses_leaves_the_bootstrap_serving_its_trainers(tmp_pat
         assert said.group(0).endswith("this peer goes on without a hub for it")
         second = swarm.start_node("b", TINY_CONFIG, *run)
         assert first.process.wait(150) == 0 and second.process.wait(150) == 0
-        runs = [swarm.records(name) for name in "ab"]
+        runs = [swarm.summaries(name) for name in "ab"]
         assert bootstrap.process.poll() is None  # still serving
     assert [r["round"] for r in runs[0]] == [r["round"] for r in runs[1]] == [0, 1, 2]
     assert [a["params_digest"] for a in runs[0]] == [b["params_digest"] for b in runs[1]]

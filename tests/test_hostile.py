@@ -45,7 +45,7 @@ def run_swarm(workdir: Path, honest: str, behaviour: str | None, rounds: int, pe
         assert [nodes[name].process.wait(240) for name in honest] == [0] * len(honest)  # nobody exits early
         if behaviour is not None:
             nodes["x"].process.wait(60)
-        return {name: swarm.records(name) for name in nodes}, hostile_id
+        return {name: swarm.summaries(name) for name in nodes}, hostile_id
 
 
 def report(title: str, rows: dict[str, float]) -> None:
@@ -202,7 +202,7 @@ def test_a_donor_describing_a_false_state_is_banned_and_the_joiner_catches_up_fr
             node.signal(signal.SIGTERM)
         assert [nodes[name].process.wait(60) for name in ("a", "b", joiner)] == [0, 0, 0]
         nodes["x"].process.wait(60)
-        runs = {name: swarm.records(name) for name in ("a", "b", joiner)}
+        runs = {name: swarm.summaries(name) for name in ("a", "b", joiner)}
     assert_agreement(runs)
     log = (tmp_path / f"{joiner}.log").read_text()
     assert f"leaving {hostile[-8:]} out of this node's rounds until round" in log
@@ -283,7 +283,7 @@ def test_a_stage_that_sends_nonsense_fails_its_groups_rounds_never_a_process(tmp
         if nodes[honest_stage].process.poll() is None:
             nodes[honest_stage].signal(signal.SIGTERM)
         assert nodes[honest_stage].process.wait(60) == 0
-        runs = {name: swarm.records(name) for name in ("full", honest_stage)}
+        runs = {name: swarm.summaries(name) for name in ("full", honest_stage)}
     full, group = runs["full"], runs[honest_stage]
     # The replica trains on: it may lose the first attacked round only (a peer that finds itself alone while the
     # stage peers' records still show that round applies nothing rather than split from them).
@@ -309,7 +309,7 @@ def test_two_keys_claiming_the_next_round_with_a_state_of_their_own_move_nobody(
         assert [nodes[name].process.wait(240) for name in "abcd"] == [0] * 4
         for name in ("x1", "x2"):
             nodes[name].process.wait(60)
-        honest = {name: swarm.records(name) for name in "abcd"}
+        honest = {name: swarm.summaries(name) for name in "abcd"}
     assert_agreement(honest)
     for name, records in honest.items():
         log = (tmp_path / f"{name}.log").read_text()
@@ -423,7 +423,7 @@ def join_after_a_helper(workdir: Path, behaviour: str | None, rounds: int) -> di
         start("c")
         assert [swarm.nodes[name].process.wait(300) for name in "abc"] == [0, 0, 0]
         swarm.nodes["x"].process.wait(60)
-        return {name: swarm.records(name) for name in "abc"}
+        return {name: swarm.summaries(name) for name in "abc"}
 
 
 @pytest.mark.slow  # two swarms of four, ten rounds each; the rule is in the default run (test_reachability.py)
@@ -577,7 +577,7 @@ def hub_swarm(workdir: Path, hub_behaviour: str, rounds: int) -> tuple[dict[str,
         for name in hubs:
             nodes[name].signal(signal.SIGTERM)
             nodes[name].process.wait(60)
-        return {name: swarm.records(name) for name in "abc"}, hostile
+        return {name: swarm.summaries(name) for name in "abc"}, hostile
 
 
 @pytest.mark.slow  # two swarms of 10 rounds; the rule is in the default run (above, and test_protocol.py)
@@ -634,7 +634,7 @@ def test_records_without_a_config_behind_them_and_one_daemon_of_another_config_e
     from p2ploco.config import load_config
     from p2ploco.peer import Arrival, Swarm
     from p2ploco.swarm.directory import PeerDirectory
-    from p2ploco.swarm.records import PeerRecord, PeerState, peers_key
+    from p2ploco.swarm.records import PeerRecord, Phase, peers_key
 
     overrides = [setting for setting in FAST if setting != "--set"]
     honest_config = load_config(TINY_CONFIG, overrides)
@@ -655,7 +655,7 @@ def test_records_without_a_config_behind_them_and_one_daemon_of_another_config_e
                 arrival = Arrival.start("tiny", "client", [swarm.bootstrap_address], ["/ip4/127.0.0.1/tcp/0"],
                                         identity_path=str(tmp_path / f"{name}.key"))
                 decoys.append(arrival)
-                record = PeerRecord(peer_id=arrival.peer_id, round=1, state=PeerState.TRAINING, role="replica",
+                record = PeerRecord(peer_id=arrival.peer_id, round=1, state=Phase.TRAINING, role="replica",
                                     fingerprint=honest_config.swarm_fingerprint(""), ttl=honest_config.swarm.peer_ttl)
                 directory = PeerDirectory(arrival.node, peers_key("tiny"), arrival.owner, record, 0.5,
                                           honest_config.swarm.peer_ttl, run_id="tiny")
@@ -663,7 +663,7 @@ def test_records_without_a_config_behind_them_and_one_daemon_of_another_config_e
                 arrival.loop.loop.call_soon_threadsafe(directory.start_heartbeat)
             other = Swarm.join("tiny", theirs.swarm, theirs.run_document(""), [swarm.bootstrap_address],
                                ["/ip4/127.0.0.1/tcp/0"])
-            other.announce_progress(1, PeerState.TRAINING, "f" * 64, {"stage0": "f" * 64})
+            other.announce_progress(1, Phase.TRAINING, "f" * 64, {"stage0": "f" * 64})
             assert other.flush()
             newcomer = swarm.start_node("c", None, "--run-id", "tiny", "--max-rounds", str(latest_round() + 40))
             assert newcomer.process.wait(240) == 0
@@ -679,7 +679,7 @@ def test_records_without_a_config_behind_them_and_one_daemon_of_another_config_e
                 other.leave()
         nodes["a"].signal(signal.SIGTERM)
         assert nodes["a"].process.wait(60) == 0
-        runs = {name: swarm.records(name) for name in "abc"}
+        runs = {name: swarm.summaries(name) for name in "abc"}
     newcomer_log = (tmp_path / "c.log").read_text()
     assert re.search(r"training the config of run 'tiny': \d+ of its \d+ peer\(s\) \(trainers and hubs\) hold it",
                      newcomer_log)

@@ -20,7 +20,7 @@ from p2ploco.errors import Failure, PayloadError
 from p2ploco.launch import TINY_CONFIG, cli
 from p2ploco.peer import Swarm
 from p2ploco.swarm.evidence import group_statement
-from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.records import Phase
 from p2ploco.sync.contribute import parse_reply
 from p2ploco.sync.group import Group
 
@@ -46,7 +46,7 @@ def helped():
             swarms.append(Swarm.join("helped", client, run_document(), initial_peers=hub.addresses(),
                                      host_maddrs=LOOPBACK))
         for s in swarms:
-            s.announce_progress(0, PeerState.JOINING, "start-state", {"params": "start-state"})
+            s.announce_progress(0, Phase.JOINING, "start-state", {"params": "start-state"})
         assert all(s.wait_for_peers(3, 30) == 3 for s in swarms)
         yield hub, swarms[1:]
     finally:
@@ -58,7 +58,7 @@ def run_round(hub, trainers, round_index, seed, hub_first: threading.Event | Non
     """One all-reduce of the hub (no contribution: zeros, never sent) and the trainers; their results and
     exchanges, hub first."""
     for s in (hub, *trainers):
-        s.announce_progress(round_index, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+        s.announce_progress(round_index, Phase.AVERAGING, "start-state", {"params": "start-state"})
     assert all(s.flush() for s in (hub, *trainers))
     exchanges = [DenseMean([torch.zeros(shape) for shape in SHAPES])] + [
         DenseMean(tensors(seed + i)) for i in range(len(trainers))]
@@ -120,9 +120,9 @@ def test_a_hub_waiting_for_a_round_the_trainers_have_passed_stops_waiting_and_ca
     contribution will come to it. It is told it is late within a heartbeat or two, instead of waiting out the
     hour a hub's join may wait for a round's first contribution."""
     hub, trainers = helped
-    hub.announce_progress(30, PeerState.AVERAGING, "start-state", {"params": "start-state"})
+    hub.announce_progress(30, Phase.AVERAGING, "start-state", {"params": "start-state"})
     for s in trainers:
-        s.announce_progress(31, PeerState.TRAINING, "start-state", {"params": "start-state"})
+        s.announce_progress(31, Phase.TRAINING, "start-state", {"params": "start-state"})
     assert all(s.flush() for s in (hub, *trainers))
     result = hub.communicator.all_reduce(DenseMean([torch.zeros(shape) for shape in SHAPES]), 30, "params")
     assert not result.committed and Failure.LATE in result.failures, result.failures

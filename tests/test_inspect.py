@@ -23,7 +23,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
-from p2ploco.metrics import RoundRecord, TensorBoardLog
+from p2ploco.metrics import RoundSummary, TensorBoardLog
 from p2ploco.monitor import COLUMNS, peer_rows, peers_rich, peers_text, status_json, status_text
 from p2ploco.swarm.dht import start_dht_node
 from p2ploco.swarm.identity import Identity, peer_id_of
@@ -234,7 +234,7 @@ def test_round_records_reach_tensorboard(tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     board = TensorBoardLog(tmp_path)
     for round_index, loss in enumerate((4.0, 3.5)):
-        board.write(RoundRecord(round=round_index, peers=3, loss=loss, eval_loss=loss + 0.1, params_digest="x",
+        board.write(RoundSummary(round=round_index, peers=3, loss=loss, eval_loss=loss + 0.1, params_digest="x",
                                 bytes_sent=100, bytes_received=200, dense_fp32_bytes=30000, density=1 / 64,
                                 bits_per_param=0.15, tokens=4096, inner_seconds=1.0, comm_seconds=0.5,
                                 round_seconds=2.0))
@@ -354,7 +354,7 @@ def test_peers_lists_exactly_the_running_nodes_with_their_rounds(swarm):
     local, ids, _ = swarm
 
     def last_finished() -> dict[str, int]:
-        return {name: max(r["round"] for r in local.records(name)) for name in ids}
+        return {name: max(r["round"] for r in local.summaries(name)) for name in ids}
 
     before = last_finished()
     peers = listing(local.bootstrap_address)["peers"]
@@ -463,7 +463,7 @@ def test_the_dashboard_draws_the_run_live_in_a_browser_and_shows_what_peers_wrot
         browser.screenshot(tmp_path / "dashboard.png")
         console = list(browser.console)
     # The loss chart has a point for each of those rounds: node a's loss, as its metrics hold it.
-    by_round = {r["round"]: r["loss"] for r in local.records("a")}
+    by_round = {r["round"]: r["loss"] for r in local.summaries("a")}
     rounds, losses = drawn[0], drawn[1]
     assert len(rounds) >= len(loaded) + 3 and rounds == sorted(set(rounds))
     assert losses == [by_round[r] for r in rounds]
@@ -539,7 +539,7 @@ def test_the_status_port_refuses_broken_requests_and_keeps_serving_and_training(
                     "another site": 403}
         for what, code in expected.items():
             assert answers[what].startswith(f"HTTP/1.1 {code} ".encode()), (what, answers[what][:80])
-        rounds_before = max(r["round"] for r in local.records("a"))
+        rounds_before = max(r["round"] for r in local.summaries("a"))
         good = ask(status_address, b"GET /peers HTTP/1.1\r\nHost: localhost\r\n\r\n")
     finally:
         silent.close()

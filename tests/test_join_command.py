@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from p2ploco.launch import LOOPBACK, REPO_ROOT, Child, LocalSwarm, cli
-from p2ploco.metrics import read_records
+from p2ploco.metrics import read_summaries
 
 # each config at a size that trains on a CPU in seconds, through its own overrides
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=32",
@@ -47,7 +47,7 @@ def test_the_join_command_a_run_prints_joins_it_as_printed(tmp_path: Path, confi
     finally:
         for child in children:
             child.stop()
-    runs = [read_records(child.metrics_dir / "metrics.jsonl") for child in children]
+    runs = [read_summaries(child.metrics_dir / "metrics.jsonl") for child in children]
     assert [[(r["round"], r["peers"], r["applied"]) for r in records] for records in runs] == [[(0, 2, True)]] * 2
     assert runs[0][0]["params_digest"] == runs[1][0]["params_digest"]
 
@@ -68,7 +68,7 @@ def test_a_node_with_the_config_file_fits_its_split_to_the_runs_step_and_one_tha
         fitted = swarm.start_node("fitted", config, *common, "--set", "inner.batch_size=8", "--max-rounds", "1")
         assert fitted.process.wait(180) == 0
         assert first.process.wait(60) == 0
-        runs = [swarm.records(name) for name in ("first", "fitted")]
+        runs = [swarm.summaries(name) for name in ("first", "fitted")]
     assert (tmp_path / "refused.log").read_text().strip().splitlines()[-1] == (
         "error: --set inner.batch_size=8 --set inner.grad_accum=1 make 8 sequences a step, where run 'my-run' trains "
         "32: set two whose product is 32, or drop them (the node then splits the run's step itself)")

@@ -22,7 +22,7 @@ from p2ploco.compression.blockwise import BlockLayout, compensate, quantize
 from p2ploco.config import LoCoConfig, OuterConfig
 from p2ploco.data import ShardSampler
 from p2ploco.errors import PayloadError
-from p2ploco.metrics import read_records
+from p2ploco.metrics import read_summaries
 from p2ploco.outer.loco import LoCo
 from p2ploco.schedules import RoundHooks
 from p2ploco.schedules.blocking import BlockingRounds
@@ -368,7 +368,7 @@ def test_three_real_nodes_train_with_loco_and_agree_every_round(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "identical global parameters on all 3 nodes after every round: yes" in result.stdout
     assert re.search(r"round\s+5 \| peers 3 \|", result.stdout)
-    runs = [read_records(tmp_path / f"node{i}" / "metrics.jsonl") for i in range(3)]
+    runs = [read_summaries(tmp_path / f"node{i}" / "metrics.jsonl") for i in range(3)]
     for records in runs:
         assert [r["round"] for r in records] == list(range(6)) and all(r["applied"] for r in records)
         assert records[-1]["eval_loss"] < records[0]["eval_loss"]

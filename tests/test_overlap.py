@@ -22,7 +22,7 @@ from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
 from p2ploco.config import load_config
 from p2ploco.data import ShardSampler
 from p2ploco.errors import ConfigError
-from p2ploco.metrics import read_records, state_digest
+from p2ploco.metrics import read_summaries, state_digest
 from p2ploco.schedules import Landing, RoundHooks
 from p2ploco.schedules.overlapped import OverlappedRounds
 from p2ploco.swarm.state import Snapshot
@@ -322,7 +322,7 @@ def test_three_real_nodes_overlap_rounds_with_identical_params(tmp_path):
                             capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "identical global parameters on all 3 nodes after every round: yes" in result.stdout
-    runs = [read_records(tmp_path / f"node{i}" / "metrics.jsonl") for i in range(3)]
+    runs = [read_summaries(tmp_path / f"node{i}" / "metrics.jsonl") for i in range(3)]
     for records in runs:
         assert [r["round"] for r in records] == [0, 1, 2, 3]
         assert records[0]["bytes_sent"] == 0  # nothing has landed at the end of the first round

@@ -12,7 +12,7 @@ from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
 from p2ploco.collective.robust import weights
 from p2ploco.collective.sliced import SlicedExchange, reduce_alone
 from p2ploco.config import DiLoCoConfig
-from p2ploco.metrics import RoundRecord
+from p2ploco.metrics import RoundSummary
 from p2ploco.outer.diloco import DiLoCo
 from p2ploco.progress import progress_line
 from p2ploco.schedules import RoundHooks
@@ -193,14 +193,14 @@ def test_a_round_that_trained_no_step_prints_no_loss_and_says_whose_work_it_cont
     """After a round it sat out, a slow peer contributes the step it kept, with no step of its own: its round line
     used to read ``loss nan``. It reads ``loss -`` and says what the round did; a round that trained prints its
     loss."""
-    kept = RoundRecord(round=7, peers=3, loss=float("nan"), eval_loss=None, params_digest="ab" * 32,
+    kept = RoundSummary(round=7, peers=3, loss=float("nan"), eval_loss=None, params_digest="ab" * 32,
                        round_seconds=1.0, inner_steps=0, tokens=0, contributed_tokens=1024)
     line = progress_line("x" * 46, kept)
     assert "nan" not in line and "| loss - |" in line
     assert "no step of its own: it contributed the work it kept from the round it sat out" in line
-    idle = RoundRecord(round=8, peers=1, loss=float("nan"), eval_loss=None, params_digest="ab" * 32,
+    idle = RoundSummary(round=8, peers=1, loss=float("nan"), eval_loss=None, params_digest="ab" * 32,
                        round_seconds=1.0, inner_steps=0, sat_out=True, applied=False)
     assert "nan" not in progress_line("x" * 46, idle) and "sat out idle" in progress_line("x" * 46, idle)
-    trained = RoundRecord(round=9, peers=3, loss=2.5, eval_loss=None, params_digest="ab" * 32, round_seconds=1.0,
+    trained = RoundSummary(round=9, peers=3, loss=2.5, eval_loss=None, params_digest="ab" * 32, round_seconds=1.0,
                           inner_steps=4, tokens=4096, contributed_tokens=4096)
     assert "| loss 2.500 |" in progress_line("x" * 46, trained) and "no step" not in progress_line("x" * 46, trained)

@@ -42,7 +42,7 @@ def test_a_full_replica_and_a_group_of_two_stage_peers_train_through_a_stock_hiv
                  "s0": swarm.start_node("s0", PIPELINE_CONFIG, *common, *stage("g0", 0)),
                  "s1": swarm.start_node("s1", PIPELINE_CONFIG, *common, *stage("g0", 1))}
         assert [node.process.wait(240) for node in nodes.values()] == [0, 0, 0]
-        runs = {name: swarm.records(name) for name in nodes}
+        runs = {name: swarm.summaries(name) for name in nodes}
     held = held_hashes(runs)
     assert {round_index for _, round_index in held} == set(range(rounds))
     assert all(len(hashes) == 1 for hashes in held.values()), held
@@ -107,7 +107,7 @@ def test_a_group_that_loses_a_stage_re_forms_with_a_newcomer_while_the_replica_t
         swarm.nodes["s0"].signal(signal.SIGTERM)
         newcomer.signal(signal.SIGTERM)
         assert [swarm.nodes[n].process.wait(60) for n in ("s0", "new")] == [0, 0]
-        runs = {name: swarm.records(name) for name in ("full", "s0", "new")}
+        runs = {name: swarm.summaries(name) for name in ("full", "s0", "new")}
     assert all(len(hashes) == 1 for hashes in held_hashes(runs).values())
     replica = {r["round"]: r for r in runs["full"]}
     assert all(replica[r]["applied"] for r in range(REPLICA_ROUNDS))  # every round committed, with or without the group
@@ -148,13 +148,13 @@ def test_stages_that_join_one_after_another_on_a_busy_machine_form_their_group_a
         full = swarm.start_node("full", PIPELINE_CONFIG)
         full.wait_for_line(re.compile(r"round\s+1 \|"), 180)
         first = swarm.start_node("first", PIPELINE_CONFIG, "--role", "stage")
-        first.wait_for_line(re.compile(r"standby: waiting for group g0 to have all 2 stages"), 180)
-        alone = swarm.records("full")[-1]["round"]
+        first.wait_for_line(re.compile(r"standby: waiting for pipeline g0 to have all 2 stages"), 180)
+        alone = swarm.summaries("full")[-1]["round"]
         full.wait_for_line(re.compile(rf"round\s+{alone + LATE_ROUNDS} \|"), 180)
         second = swarm.start_node("second", PIPELINE_CONFIG, "--role", "stage")
         together = max(int(stage.wait_for_line(trained, 180).group(1)) for stage in (first, second))
         full.wait_for_line(re.compile(rf"round\s+{together + 2} \|"), 60)
-        runs = {name: swarm.records(name) for name in ("full", "first", "second")}
+        runs = {name: swarm.summaries(name) for name in ("full", "first", "second")}
         replica_log = full.log_path.read_text()
     groups = [{r["round"] for r in runs[name] if r["applied"] and r["peers"] == 3 and r["group"] == "g0"}
               for name in ("first", "second")]

@@ -25,9 +25,9 @@ A, B, C, D = "peerA", "peerB", "peerC", "peerD"
 S = "stage0"
 
 
-def group(peers=(A, B, C, D), attempt=0, holdings=None, pipeline_groups=()):
+def group(peers=(A, B, C, D), attempt=0, holdings=None, pipelines=()):
     holdings = holdings or {p: (S,) for p in peers}
-    return Group("g", 5, "params", tuple(peers), A, attempt, tuple((p, holdings[p]) for p in peers), pipeline_groups,
+    return Group("g", 5, "params", tuple(peers), A, attempt, tuple((p, holdings[p]) for p in peers), pipelines,
                  tokens=tuple((p, 1) for p in peers))
 
 
@@ -148,7 +148,7 @@ def test_everyone_dropped_or_silent_aborts():
 
 # a full replica A holds both slices; a pipeline of B (stage 0) and C (stage 1); another full replica D
 MIXED = group(holdings={A: ("stage0", "stage1"), B: ("stage0",), C: ("stage1",), D: ("stage0", "stage1")},
-              pipeline_groups=((B, "g0"), (C, "g0")))
+              pipelines=((B, "g0"), (C, "g0")))
 
 
 def test_each_slice_is_judged_among_its_holders():
@@ -164,12 +164,12 @@ def test_each_slice_is_judged_among_its_holders():
     decision = decide(MIXED, accused, A)  # C accused twice: out, with its group
     assert decision.outcome == Outcome.COMMIT  # the full replicas and B agree on every slice they hold
     redo = decide(MIXED, {A: full, B: s0, C: DROPPED, D: Cast(Vote.HOLDS, {"stage0": "x", "stage1": "z"})}, A).redo
-    assert redo.peers == (A, D) and redo.holders("stage1") == (A, D) and redo.pipeline_groups == ()
+    assert redo.peers == (A, D) and redo.holders("stage1") == (A, D) and redo.pipelines == ()
 
 
 def test_a_closing_formation_keeps_the_majority_state_and_whole_pipeline_groups():
-    def member(pipeline_group="", **slices):
-        return Member(tuple(sorted((k, ("fp", v)) for k, v in slices.items())), pipeline_group)
+    def member(pipeline="", **slices):
+        return Member(tuple(sorted((k, ("fp", v)) for k, v in slices.items())), pipeline)
 
     members = {A: member(stage0="x", stage1="y"), B: member("g0", stage0="x"), C: member("g0", stage1="y"),
                D: member("g1", stage0="x"), "peerE": member(stage0="stale", stage1="y")}

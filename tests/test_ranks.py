@@ -38,7 +38,7 @@ ROUNDS = textwrap.dedent("""
     from p2ploco.data import ShardSampler, eval_batches, load_training_data
     from p2ploco.inner import evaluate
     from p2ploco.ranks import LocalRanks
-    from p2ploco.ranks.group import RankSetup
+    from p2ploco.ranks.processes import RankSetup
 
     config = load_config(sys.argv[1], sys.argv[4:])
     data = load_training_data(config)
@@ -117,7 +117,7 @@ HELD = textwrap.dedent("""
     from p2ploco.config import load_config
     from p2ploco.data import ShardSampler, load_training_data
     from p2ploco.ranks import LocalRanks
-    from p2ploco.ranks.group import RankSetup
+    from p2ploco.ranks.processes import RankSetup
 
     config = load_config(sys.argv[1], sys.argv[3:])
     cpu = torch.device("cpu")
@@ -225,7 +225,7 @@ def test_a_two_rank_node_trains_with_one_rank_nodes_with_identical_params_and_tw
     with LocalSwarm(tmp_path) as swarm:
         nodes = start_three(swarm, rounds, sharded)
         assert {name: node.process.wait(260) for name, node in nodes.items()} == {"two": 0, "a": 0, "b": 0}
-        runs = {name: swarm.records(name) for name in nodes}
+        runs = {name: swarm.summaries(name) for name in nodes}
         log = nodes["two"].log_path.read_text()
     _applied_alike(runs, rounds)
     for two, one in zip(runs["two"], runs["a"]):
@@ -247,7 +247,7 @@ def test_a_killed_rank_takes_its_node_out_cleanly_while_the_others_train_on(tmp_
         nodes["two"].wait_for_line(re.compile(r"round\s+1 \|"), 120)
         os.kill(rank_1, signal.SIGKILL)
         codes = {name: node.process.wait(200) for name, node in nodes.items()}
-        runs = {name: swarm.records(name) for name in ("a", "b")}
+        runs = {name: swarm.summaries(name) for name in ("a", "b")}
         log = nodes["two"].log_path.read_text()
     assert codes == {"two": 1, "a": 0, "b": 0}
     assert re.search(r"round [2-9]: local rank 1 exited \(code -9\); the node cannot train without it and leaves the "

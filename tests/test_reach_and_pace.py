@@ -30,7 +30,7 @@ def test_a_peer_that_only_dials_out_takes_part_in_every_round(tmp_path):
                  for name in "abc"]
         for node in nodes:
             assert node.process.wait(240) == 0
-        runs = [swarm.records(name) for name in "abc"]
+        runs = [swarm.summaries(name) for name in "abc"]
     identical_every_round(runs)
     assert [r["reachability"] for r in runs[2]] == ["client"] * ROUNDS
     assert {r["reachability"] for records in runs[:2] for r in records} == {"public"}  # detected by dial-back
@@ -63,7 +63,7 @@ def test_trainers_that_only_dial_out_apply_nothing_alone_say_why_once_and_train_
         hub = swarm.start_node("hub", TINY_CONFIG, *FAST, "--set", "swarm.min_peers=2", "--role", "hub",
                                "--max-rounds", str(rounds))
         assert [node.process.wait(240) for node in trainers.values()] == [0, 0]
-        runs = {name: swarm.records(name) for name in "ab"}
+        runs = {name: swarm.summaries(name) for name in "ab"}
         hub.terminate()
     for name, records in runs.items():
         assert len(STRANDED.findall((tmp_path / f"{name}.log").read_text())) == 1, name  # said once
@@ -98,8 +98,8 @@ def test_trainers_that_all_only_dial_out_train_together_through_the_bootstraps_h
                  for name in "ab"]
         for node in nodes:
             assert node.process.wait(240) == 0
-        hub = swarm.hub_records("tiny")[:ROUNDS]  # it serves the run until the bootstrap stops
-        runs = {"a": swarm.records("a"), "b": swarm.records("b")}
+        hub = swarm.hub_summaries("tiny")[:ROUNDS]  # it serves the run until the bootstrap stops
+        runs = {"a": swarm.summaries("a"), "b": swarm.summaries("b")}
     identical_every_round([hub, *runs.values()])
     assert all(r["tokens"] == 0 and r["contributed_tokens"] == 0 and r["role"] == "hub" for r in hub)
     assert all(r["reachability"] == "public" for r in hub)  # dialled back at the bootstrap's machine
@@ -118,7 +118,7 @@ def test_a_bootstrap_hosts_a_hub_for_each_run_trained_through_it(tmp_path):
         nodes = [swarm.start_node(name, TINY_CONFIG, *FAST, "--set", "swarm.min_peers=2", "--max-rounds", str(ROUNDS),
                                   "--run-id", run, "--reachability", "client") for name, run in runs.items()]
         assert [node.process.wait(240) for node in nodes] == [0, 0]
-        trained = {run: (swarm.records(name), swarm.hub_records(run)[:ROUNDS]) for name, run in runs.items()}
+        trained = {run: (swarm.summaries(name), swarm.hub_summaries(run)[:ROUNDS]) for name, run in runs.items()}
     for run, (records, hub) in trained.items():
         assert [r["round"] for r in records] == [r["round"] for r in hub] == list(range(ROUNDS)), run
         assert all(r["applied"] and r["peers"] == 2 for r in records + hub), run
@@ -136,7 +136,7 @@ def test_a_slow_peer_trains_fewer_steps_and_its_tokens_count(tmp_path):
                  for name in "abs"]
         for node in nodes:
             assert node.process.wait(240) == 0
-        runs = [swarm.records(name) for name in "abs"]
+        runs = [swarm.summaries(name) for name in "abs"]
     identical_every_round(runs)
     fast, slow = runs[0], runs[2]
     # Once the fast peers' step times are known the slow peer trains a fraction of H, and says so; a step of it
@@ -166,7 +166,7 @@ def test_a_peer_whose_step_outlasts_the_round_sits_rounds_out_and_its_work_is_ap
                  for name in "abs"]
         for node in nodes:
             assert node.process.wait(240) == 0
-        runs = {name: swarm.records(name) for name in "abs"}
+        runs = {name: swarm.summaries(name) for name in "abs"}
     slow = runs["s"]
     # Its last two rounds it sits out idle (a step's work would land after the others finished); before, a step
     idle = [r["round"] for r in slow if r["sat_out"] and not r["inner_steps"]]

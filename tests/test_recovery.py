@@ -34,7 +34,7 @@ def test_failed_rounds_cost_a_redo_or_the_failing_peers_round_and_the_swarm_come
                                         env={"P2PLOCO_FAULTS": FAULTS[name]} if name in FAULTS else None)
                  for name in "abc"}
         assert [nodes[name].process.wait(240) for name in "abc"] == [0, 0, 0]
-        runs = {name: {r["round"]: r for r in swarm.records(name)} for name in "abc"}
+        runs = {name: {r["round"]: r for r in swarm.summaries(name)} for name in "abc"}
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in "abc"}
     ids = {name: runs[name][0]["peer_id"][-8:] for name in "abc"}
     # An overlapped round's all-reduce lands in the next round's record; a peer that catches up there fetches

@@ -9,7 +9,7 @@ from helpers import LOOPBACK, run_document
 
 from p2ploco.config import SwarmConfig, document_fingerprint
 from p2ploco.peer import Arrival, Swarm
-from p2ploco.swarm.records import PeerRecord, PeerState
+from p2ploco.swarm.records import PeerRecord, Phase
 from p2ploco.swarm.run_config import ConfigConflict, ConfigUnserved, ranked_fingerprints
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10)
@@ -25,7 +25,7 @@ def swarms():
             peers = started[0].addresses() if started else ()
             started.append(Swarm.join("test", CONFIG, document, initial_peers=peers, host_maddrs=LOOPBACK))
         for s in started:
-            s.announce_progress(0, PeerState.JOINING, "start", {"params": "start"})
+            s.announce_progress(0, Phase.JOINING, "start", {"params": "start"})
         assert all(s.wait_for_peers(2, 30) == 2 for s in started[:2])  # each sees the other of its config
         yield started
     finally:

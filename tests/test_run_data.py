@@ -1,16 +1,15 @@
-"""What a node that came without a config needs of its run's files (``Node._needs_run_data``): peers never say where
-they keep theirs, so a joiner of a run on a prepared corpus or a tokenizer of its own names its copy."""
+"""What a node that came without a config needs of its run's files (``config_choice.needs_run_data``): peers never
+say where they keep theirs, so a joiner of a run on a prepared corpus or a tokenizer of its own names its copy."""
 
 import pytest
 import torch
 
 from p2ploco.config import Config, with_overrides
-from p2ploco.config_choice import fits_memory
+from p2ploco.config_choice import fits_memory, needs_run_data
 from p2ploco.errors import ConfigError
 from p2ploco.host_memory import total_memory
 from p2ploco.metrics import human_bytes
 from p2ploco.model import Transformer, parameter_count
-from p2ploco.node import Node
 from p2ploco.swarm.messages import decode
 from p2ploco.swarm.run_config import Document
 
@@ -32,11 +31,11 @@ def test_a_run_document_names_no_path_of_its_peer():
                                              (f"tokenizer:{DIGEST}", "data.tokenizer", "a tokenizer of its own")])
 def test_a_joiner_without_its_copy_of_the_runs_files_is_told_in_one_line(data, key, what):
     with pytest.raises(ConfigError) as refused:
-        Node._needs_run_data(with_overrides(Config(), ["run_id=ours"]), document(data))
+        needs_run_data(with_overrides(Config(), ["run_id=ours"]), document(data))
     assert str(refused.value) == (f"run 'ours' trains on {what} (digest {DIGEST[:16]}); pass --set {key}=PATH, "
                                   f"your copy of it (its digest must be the run's)")
-    Node._needs_run_data(with_overrides(Config(), ["run_id=ours", f"{key}=/mine"]), document(data))
-    Node._needs_run_data(with_overrides(Config(), ["run_id=ours"]), document(""))  # the default corpus: nothing
+    needs_run_data(with_overrides(Config(), ["run_id=ours", f"{key}=/mine"]), document(data))
+    needs_run_data(with_overrides(Config(), ["run_id=ours"]), document(""))  # the default corpus: nothing
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.tie_embeddings=false"], ["model.d_ff=100", "model.n_layer=3"]])

@@ -31,7 +31,7 @@ from p2ploco.swarm.consensus import (
     tally,
 )
 from p2ploco.swarm.directory import FOREIGN_NAMED, LOOKUPS_PER_ROUND, PeerDirectory, payload_bytes
-from p2ploco.swarm.records import PeerRecord, PeerState
+from p2ploco.swarm.records import PeerRecord, Phase
 from p2ploco.swarm.state import BytesBlob, Snapshot
 from p2ploco.sync.admission import admit
 from p2ploco.sync.group import Member
@@ -474,7 +474,7 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
     snapshot = big_snapshot(5)
     for donor in donors:
         donor.serve_state([big_snapshot(5)])
-        donor.announce_progress(5, PeerState.TRAINING, snapshot.state_digest, {S: snapshot.state_digest})
+        donor.announce_progress(5, Phase.TRAINING, snapshot.state_digest, {S: snapshot.state_digest})
         assert donor.flush()  # records go out in the background: the joiner must see them
     donors[0].loop.loop.call_soon_threadsafe(time.sleep, 8)  # this donor's event loop hangs: a stalled peer
     target = joiner.swarm_state(0, {S: "fresh"})[S]
@@ -504,9 +504,9 @@ def test_a_lone_claim_is_followed_only_if_its_holder_serves_it(donors_and_joiner
     donors, joiner = donors_and_joiner
     served = big_snapshot(6)
     donors[0].serve_state([served])
-    donors[0].announce_progress(6, PeerState.TRAINING, served.state_digest, {S: served.state_digest})
-    donors[1].announce_progress(10**6, PeerState.TRAINING, "f" * 64, {S: "f" * 64})  # a liar: claims a round far ahead
-    donors[2].announce_progress(8, PeerState.TRAINING, "e" * 64, {S: "e" * 64})  # serves round 5 at most, not this
+    donors[0].announce_progress(6, Phase.TRAINING, served.state_digest, {S: served.state_digest})
+    donors[1].announce_progress(10**6, Phase.TRAINING, "f" * 64, {S: "f" * 64})  # a liar: claims a round far ahead
+    donors[2].announce_progress(8, Phase.TRAINING, "e" * 64, {S: "e" * 64})  # serves round 5 at most, not this
     assert all(donor.flush() for donor in donors)
     target = joiner.swarm_state(0, {S: "fresh"})[S]
     assert (target.round, target.state_digest, target.holders) == (6, served.state_digest, (donors[0].peer_id,))
@@ -522,9 +522,9 @@ def test_a_lone_holder_past_its_record_is_followed_to_the_round_it_serves(donors
     donors, joiner = donors_and_joiner
     claimed = big_snapshot(10)
     donors[0].serve_state([claimed])
-    donors[0].announce_progress(10, PeerState.TRAINING, claimed.state_digest, {S: claimed.state_digest})
+    donors[0].announce_progress(10, Phase.TRAINING, claimed.state_digest, {S: claimed.state_digest})
     for other in donors[1:]:
-        other.announce_progress(3, PeerState.TRAINING, "d" * 64, {S: other.peer_id[-8:] * 8})  # lone, behind
+        other.announce_progress(3, Phase.TRAINING, "d" * 64, {S: other.peer_id[-8:] * 8})  # lone, behind
     assert all(donor.flush() for donor in donors)
     donors[0].serve_state([big_snapshot(11)])
     donors[0].serve_state([latest := big_snapshot(12)])  # round 10 is no longer held (KEEP_SNAPSHOTS = 2)
@@ -543,7 +543,7 @@ def test_a_donor_that_dies_mid_transfer_is_routed_around(monkeypatch):
         snapshot = big_snapshot(7)
         for donor in donors:
             donor.serve_state([big_snapshot(7)])
-            donor.announce_progress(7, PeerState.TRAINING, snapshot.state_digest, {S: snapshot.state_digest})
+            donor.announce_progress(7, Phase.TRAINING, snapshot.state_digest, {S: snapshot.state_digest})
             assert donor.flush()
 
         async def victim_dies(point: str, round_index: int) -> None:
@@ -582,7 +582,7 @@ def test_a_donor_that_serves_or_describes_the_state_falsely_is_banned_and_routed
         invented.served = BytesBlob(bytes(corrupted))
         for donor, snapshot in ((flipper, flipped), (inventor, invented), (honest, big_snapshot(9))):
             donor.serve_state([snapshot])
-            donor.announce_progress(9, PeerState.TRAINING, true.state_digest, {S: true.state_digest})
+            donor.announce_progress(9, Phase.TRAINING, true.state_digest, {S: true.state_digest})
             assert donor.flush()
         target = joiner.swarm_state(0, {S: "fresh"})[S]
         assert set(target.holders) == {flipper.peer_id, inventor.peer_id, honest.peer_id}

@@ -11,7 +11,7 @@ import pytest
 
 from p2ploco.demo import how_it_ended
 from p2ploco.launch import TINY_CONFIG, LocalSwarm, cli
-from p2ploco.metrics import read_records
+from p2ploco.metrics import read_summaries
 
 PEER_ID = "12D3KooWJ4cJv1Dk5qw6xcEgp53RK6D3ijRbFuB8UvPLECdd6ED9"
 FIELDS = {"round", "peers", "loss", "eval_loss", "params_digest", "bytes_sent", "bytes_received", "dense_fp32_bytes",
@@ -43,7 +43,7 @@ def test_demo_three_nodes_train_together_with_identical_params(tmp_path):
     heading = next(i for i, line in enumerate(lines) if line.startswith("sample from the final checkpoint"))
     assert f"p2ploco sample {tmp_path / 'node0' / 'checkpoint'}" in lines[heading]
     assert heading < len(lines) - 1 and all(line.startswith("  | ") for line in lines[heading + 1:])
-    runs = [read_records(tmp_path / f"node{i}" / "metrics.jsonl") for i in range(3)]
+    runs = [read_summaries(tmp_path / f"node{i}" / "metrics.jsonl") for i in range(3)]
     for records in runs:
         assert [r["round"] for r in records] == [0, 1, 2]
         assert all(FIELDS <= set(r) and r["peers"] == 3 for r in records)
@@ -68,7 +68,7 @@ def test_nodes_join_through_a_stock_hivemind_dht(tmp_path):
         nodes = [swarm.start_node(name, TINY_CONFIG, "--max-rounds", "2", "--set", "swarm.min_peers=2")
                  for name in ("a", "b")]
         assert [node.process.wait(200) for node in nodes] == [0, 0]
-        a, b = swarm.records("a"), swarm.records("b")
+        a, b = swarm.summaries("a"), swarm.summaries("b")
     assert [r["peers"] for r in a] == [2, 2]
     assert [r["params_digest"] for r in a] == [r["params_digest"] for r in b]
 
@@ -221,4 +221,4 @@ def test_a_node_stopped_before_its_first_round_writes_no_checkpoint_and_starts_a
         assert not (tmp_path / "joiner" / "checkpoint").exists()
         again = swarm.start_node("joiner", TINY_CONFIG, "--max-rounds", "1")
         assert again.process.wait(120) == 0
-    assert [r["round"] for r in swarm.records("joiner")] == [0]
+    assert [r["round"] for r in swarm.summaries("joiner")] == [0]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ploco.metrics import RoundRecord
+from p2ploco.metrics import RoundSummary
 
 WAN = [sys.executable, "benchmarks/wan.py"]
 PREFIX = "p2pwan-"
@@ -163,6 +163,6 @@ def test_a_sat_out_steps_work_counts_as_applied_when_a_later_applied_round_carri
 
 
 def test_compute_utilisation_is_inner_time_over_wall_time_since_the_previous_record():
-    previous = RoundRecord(0, 2, 1.0, None, "x", 0, 0, 0, 1.0, 0.1, 0, 1.0, 1.0, 2.0, timestamp=time.time() - 4.0)
-    assert RoundRecord.utilisation(1.0, [previous], time.perf_counter()) == pytest.approx(0.25, abs=0.01)
-    assert RoundRecord.utilisation(1.0, [], time.perf_counter() - 2.0) == pytest.approx(0.5, abs=0.01)
+    previous = RoundSummary(0, 2, 1.0, None, "x", 0, 0, 0, 1.0, 0.1, 0, 1.0, 1.0, 2.0, timestamp=time.time() - 4.0)
+    assert RoundSummary.utilisation(1.0, [previous], time.perf_counter()) == pytest.approx(0.25, abs=0.01)
+    assert RoundSummary.utilisation(1.0, [], time.perf_counter() - 2.0) == pytest.approx(0.5, abs=0.01)

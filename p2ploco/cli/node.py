@@ -52,7 +52,7 @@ def node() -> None:
               help="Train the whole model, one stage of a pipeline group (needs pipeline.stages >= 2), or nothing: "
                    "a hub holds the model and coordinates and reduces rounds for trainers that cannot be dialled "
                    "(a public machine).")
-@click.option("--group", "pipeline_group", help="With --role stage: join this pipeline group [any with a free slot].")
+@click.option("--group", "pipeline", help="With --role stage: join this pipeline group [any with a free slot].")
 @click.option("--stage", type=click.IntRange(min=0), help="With --role stage: hold this stage [any free one].")
 @click.option("--status-port", type=click.IntRange(0, 65535),
               help="Serve the run's status over HTTP on this port (0: any free one), read by `p2ploco peers --from "
@@ -68,7 +68,7 @@ def node_start(config_path: str | None, initial_peers: tuple[str, ...], run_docu
                announce_maddrs: tuple[str, ...], identity: str | None, run_id: str | None, max_rounds: int | None,
                nproc_per_node: int | None, log_dir: str | None, overrides: tuple[str, ...], resume: str | None,
                name: str,
-               role: str, pipeline_group: str | None, stage: int | None, status_port: int | None, status_host: str,
+               role: str, pipeline: str | None, stage: int | None, status_port: int | None, status_host: str,
                reachability: str | None) -> None:
     """Join (or start) a swarm and train."""
     from p2ploco import faults
@@ -78,7 +78,7 @@ def node_start(config_path: str | None, initial_peers: tuple[str, ...], run_docu
     try:
         faults.hit("start.load", 0)
         _start_node(config_path, initial_peers, run_document, host_maddrs, announce_maddrs, identity, run_id,
-                    max_rounds, nproc_per_node, log_dir, overrides, resume, name, role, pipeline_group, stage,
+                    max_rounds, nproc_per_node, log_dir, overrides, resume, name, role, pipeline, stage,
                     status_port, status_host, reachability)
     except KeyboardInterrupt:  # 128 + SIGINT, as a shell reports an interrupted command
         click.echo("error: stopped during start-up, before the node trained anything: no checkpoint was written; "
@@ -89,7 +89,7 @@ def node_start(config_path: str | None, initial_peers: tuple[str, ...], run_docu
 def _start_node(config_path: str | None, initial_peers: tuple[str, ...], run_document: str | None,
                 host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...], identity: str | None,
                 run_id: str | None, max_rounds: int | None, nproc_per_node: int | None, log_dir: str | None,
-                overrides: tuple[str, ...], resume: str | None, name: str, role: str, pipeline_group: str | None,
+                overrides: tuple[str, ...], resume: str | None, name: str, role: str, pipeline: str | None,
                 stage: int | None, status_port: int | None, status_host: str, reachability: str | None) -> None:
     from p2ploco.config import load_config
     from p2ploco.node import Node, SwarmOptions
@@ -112,14 +112,14 @@ def _start_node(config_path: str | None, initial_peers: tuple[str, ...], run_doc
     if status_port is None and click.get_current_context().get_parameter_source("status_host") \
             != click.core.ParameterSource.DEFAULT:
         raise ConfigError("--status-host goes with --status-port PORT (0: any free port)")
-    if role != PeerRole.STAGE and (pipeline_group is not None or stage is not None):
+    if role != PeerRole.STAGE and (pipeline is not None or stage is not None):
         raise ConfigError("--group and --stage go with --role stage")
-    if pipeline_group is not None and not 0 < len(pipeline_group) <= 64:
+    if pipeline is not None and not 0 < len(pipeline) <= 64:
         raise ConfigError("--group must be a name of 1 to 64 characters")
     train_until_stopped(Node(config, SwarmOptions(initial_peers, host_maddrs, announce_maddrs, identity, name),
                              Path(log_dir) if log_dir else None, config_path, resume=resume, out=click.echo,
                              document_path=Path(run_document) if run_document else None,
-                             role=RoleOptions(role, pipeline_group, stage),
+                             role=RoleOptions(role, pipeline, stage),
                              status_address=None if status_port is None else (status_host, status_port),
                              overrides=list(overrides) + extra))
 

@@ -33,10 +33,10 @@ from p2ploco.swarm.status import Answer
 
 if TYPE_CHECKING:
     from p2ploco.config import Config
-    from p2ploco.metrics import RoundRecord
+    from p2ploco.metrics import RoundSummary
 
 ROUNDS_DOCUMENT = "/api/v1/rounds"
-RUN_DOCUMENT = "/api/v1/run"
+RUN_STATUS = "/api/v1/run"
 DOCUMENT_FORMAT = 1
 MAX_ROUNDS_PER_ANSWER = 2000  # about 0.8 MB of JSON: a page holding none asks a few times for a long run's
 MAX_AFTER_DIGITS = 12
@@ -46,7 +46,7 @@ def finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def outcome_of(r: RoundRecord) -> str:
+def outcome_of(r: RoundSummary) -> str:
     """How round ``r`` ended for its node, in a few words: applied (alone, after a redo), sat out, or not applied
     and why (what went wrong for it: ``errors.Failure``)."""
     if r.sat_out:
@@ -57,7 +57,7 @@ def outcome_of(r: RoundRecord) -> str:
     return f"not applied: {why}"
 
 
-def round_entry(r: RoundRecord) -> dict[str, Any]:
+def round_entry(r: RoundSummary) -> dict[str, Any]:
     return {"round": r.round, "time": r.timestamp, "peers": r.peers, "loss": finite(r.loss),
             "eval_loss": finite(r.eval_loss), "tokens": r.tokens, "aggregate_tokens": r.aggregate_tokens,
             "applied": r.applied, "outcome": outcome_of(r), "attempts": r.attempts, "inner_seconds": r.inner_seconds,
@@ -81,9 +81,9 @@ class RoundsFeed:
     Each record is encoded once, the first time it is asked for (off the event loop), so an update that asks for
     the newest rounds costs what they are."""
 
-    def __init__(self, peer_id: str, records: Sequence[RoundRecord], weights: Callable[[], Mapping[str, int]]):
+    def __init__(self, peer_id: str, summaries: Sequence[RoundSummary], weights: Callable[[], Mapping[str, int]]):
         """``weights``: the members of the newest aggregate the node applied, and the tokens each weighed."""
-        self.peer_id, self.records, self.weights = peer_id, records, weights
+        self.peer_id, self.summaries, self.weights = peer_id, summaries, weights
         self._encoded: list[bytes] = []  # records[i] as JSON, for the first len(_encoded) records
         self._encoding = threading.Lock()  # requests encode in executor threads
 
@@ -94,19 +94,19 @@ class RoundsFeed:
         return Answer(200, await asyncio.get_running_loop().run_in_executor(None, self.answer, after))
 
     def answer(self, after: int) -> bytes:
-        records = list(self.records)  # one look: the training thread may append meanwhile
+        summaries = list(self.summaries)  # one look: the training thread may append meanwhile
         with self._encoding:
-            for r in records[len(self._encoded):]:
+            for r in summaries[len(self._encoded):]:
                 self._encoded.append(json.dumps(round_entry(r), allow_nan=False).encode())
-            encoded = self._encoded[:len(records)]
-        start = next((i for i in range(len(records) - 1, -1, -1) if records[i].round <= after), -1) + 1
+            encoded = self._encoded[:len(summaries)]
+        start = next((i for i in range(len(summaries) - 1, -1, -1) if summaries[i].round <= after), -1) + 1
         chosen = encoded[start:start + MAX_ROUNDS_PER_ANSWER]
         head = {"format": DOCUMENT_FORMAT, "peer_id": self.peer_id,
-                "more": start + MAX_ROUNDS_PER_ANSWER < len(records), "weights": dict(self.weights())}
+                "more": start + MAX_ROUNDS_PER_ANSWER < len(summaries), "weights": dict(self.weights())}
         return json.dumps(head).encode()[:-1] + b', "rounds": [' + b", ".join(chosen) + b"]}"
 
 
-def run_document(run_id: str, peer_id: str, name: str, peer_ttl: float, join_command: str,
+def run_status(run_id: str, peer_id: str, name: str, peer_ttl: float, join_command: str,
                  config: Sequence[tuple[str, str]]) -> bytes:
     """RUN_DOCUMENT's body: the run, the serving peer, how to join, and ``config`` as (label, text) rows."""
     return json.dumps({"format": DOCUMENT_FORMAT, "run_id": run_id, "peer_id": peer_id, "name": name,

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Callable
 
-from p2ploco.dashboard.documents import DOCUMENT_FORMAT, ROUNDS_DOCUMENT, RUN_DOCUMENT, parse_after
+from p2ploco.dashboard.documents import DOCUMENT_FORMAT, ROUNDS_DOCUMENT, RUN_STATUS, parse_after
 from p2ploco.dashboard.page import PAGE_PATH, page_routes
 from p2ploco.errors import SwarmError, shown
 from p2ploco.swarm.status import Answer, Host, Route, StatusServer, listen, why_not_listening
@@ -74,13 +74,13 @@ def relay_routes(address: str) -> dict[str, Route]:
     """The dashboard of the node at ``address``: the page from here, its documents from there."""
     return {**page_routes(), PEERS_DOCUMENT: Relayed(address, PEERS_DOCUMENT, lambda query: not query),
             ROUNDS_DOCUMENT: Relayed(address, ROUNDS_DOCUMENT, lambda query: parse_after(query) is not None),
-            RUN_DOCUMENT: Relayed(address, RUN_DOCUMENT, lambda query: not query)}
+            RUN_STATUS: Relayed(address, RUN_STATUS, lambda query: not query)}
 
 
 def serve_dashboard(address: str, host: str, port: int, out: Callable[[str], None]) -> None:
     """Serve the dashboard of the node at ``address`` on ``host:port`` until interrupted. The node is read once
     first, so that a wrong address is one line at once, not a page that says so."""
-    run = read_document(address, RUN_DOCUMENT)
+    run = read_document(address, RUN_STATUS)
     try:
         listening, served_at = listen(host, port)
     except OSError as e:

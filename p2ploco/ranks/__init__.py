@@ -14,6 +14,6 @@ A rank that dies breaks the next collective: rank 0 raises ``RankError`` and the
 after writing its checkpoint; the other peers lose at most the round it was in.
 """
 
-from p2ploco.ranks.group import LocalRanks, RankError
+from p2ploco.ranks.processes import LocalRanks, RankError
 
 __all__ = ["LocalRanks", "RankError"]

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from p2ploco.data import ShardSampler
 from p2ploco.inner import GradientSource, autocast_for, on_device
-from p2ploco.ranks.group import LocalRanks
+from p2ploco.ranks.processes import LocalRanks
 
 
 class RankBatches(GradientSource):

@@ -18,7 +18,7 @@ import torch
 
 from p2ploco.data import Batch
 from p2ploco.inner import evaluate
-from p2ploco.ranks.group import Command, LocalRanks
+from p2ploco.ranks.processes import Command, LocalRanks
 
 
 class Leader:

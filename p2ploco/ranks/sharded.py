@@ -33,7 +33,7 @@ from p2ploco.data import Batch, ShardSampler
 from p2ploco.inner import loss_sums
 from p2ploco.model import Transformer
 from p2ploco.ranks.data_parallel import RankBatches
-from p2ploco.ranks.group import Command, LocalRanks
+from p2ploco.ranks.processes import Command, LocalRanks
 
 
 def shard_model(model: Transformer, ranks: LocalRanks) -> None:

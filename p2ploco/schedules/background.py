@@ -78,11 +78,11 @@ class Background:
         step = self.worker.outer.prepare(outer_sync) if result.committed else None
         return Landed(outer_sync, result, step)
 
-    def take(self, landed: Landed, follow: list[torch.Tensor] | tuple[()] = ()) -> Synced:
+    def take(self, landed: Landed, alongside: list[torch.Tensor] | tuple[()] = ()) -> Synced:
         """On the training thread: put ``landed``'s step in place, or give back what its round took; ``follow`` takes
         the same step."""
         with self.worker.lock:
-            self.worker.outer.take(landed.outer_sync, landed.step, follow)
+            self.worker.outer.take(landed.outer_sync, landed.step, alongside)
         return Synced(landed.result, landed.step is not None)
 
     def close(self) -> None:

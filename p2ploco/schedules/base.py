@@ -71,7 +71,7 @@ class RoundSchedule(ABC):
         """Wait for a round still in flight and land it (before an exit checkpoint); None if there is none."""
         return None
 
-    def settle(self, timeout: float) -> None:  # noqa: B027 (only an overlapped schedule has anything to wait for)
+    def land_in_flight(self, timeout: float) -> None:  # noqa: B027 (only an overlapped schedule has anything to wait for)
         """Wait, at most ``timeout`` seconds, until a round in flight knows its group: from then on the peer's
         record may name a later round without changing how that one is formed."""
 

@@ -242,7 +242,7 @@ class OverlappedRounds(RoundSchedule):
         self.worker.load_into_model()
         return synced
 
-    def settle(self, timeout: float) -> None:
+    def land_in_flight(self, timeout: float) -> None:
         flight = self.flight
         if flight is None:
             return

@@ -45,7 +45,7 @@ from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.evidence import Proof, proofs_key
 from p2ploco.swarm.identity import OWNER_SUBKEY, peer_id_of
 from p2ploco.swarm.messages import decode
-from p2ploco.swarm.records import RUNS_KEY, PeerRecord, PeerState, parse_records
+from p2ploco.swarm.records import RUNS_KEY, PeerRecord, Phase, parse_records
 from p2ploco.swarm.wire import DAEMON_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class PeerDirectory:
         it likes, so at most FOREIGN_NAMED are ever named. A bootstrap peer's directory (no run) has nothing to say."""
         if self.run_id is None:
             return
-        foreign = sorted({r.fingerprint for r in live.values() if r.state != PeerState.LEAVING}
+        foreign = sorted({r.fingerprint for r in live.values() if r.state != Phase.LEAVING}
                          - {self.me.fingerprint} - self._foreign_named)[:FOREIGN_NAMED - len(self._foreign_named)]
         if not foreign:
             return
@@ -266,7 +266,7 @@ class PeerDirectory:
     def of_run(self, peer_id: str) -> bool:
         """Whether ``peer_id`` has a live record of this run's config, as last seen (this peer's own included)."""
         record = self.live.get(peer_id)
-        return (record is not None and record.fingerprint == self.me.fingerprint and record.state != PeerState.LEAVING
+        return (record is not None and record.fingerprint == self.me.fingerprint and record.state != Phase.LEAVING
                 and self.fresh(peer_id))
 
     def dials_out(self, peer_id: str) -> bool:
@@ -319,7 +319,7 @@ class PeerDirectory:
         deadline = time.monotonic() + timeout
         while True:
             peers = [r for r in (await self.refresh()).values()
-                     if r.fingerprint == self.me.fingerprint and r.state != PeerState.LEAVING and r.slices]
+                     if r.fingerprint == self.me.fingerprint and r.state != Phase.LEAVING and r.slices]
             if len(peers) >= count or any(r.active for r in peers) or time.monotonic() >= deadline or stop.is_set():
                 return len(peers)
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))

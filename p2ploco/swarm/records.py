@@ -32,7 +32,7 @@ class Reachability(enum.StrEnum):
         return self is not Reachability.PUBLIC
 
 
-class PeerState(enum.StrEnum):
+class Phase(enum.StrEnum):
     """What a peer is doing, as its record says."""
 
     JOINING = "joining"  # fetching or waiting for the swarm's state
@@ -90,7 +90,7 @@ class PeerRecord(BaseModel):
 
     peer_id: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     round: Annotated[int, Field(ge=0, le=MAX_ROUND)]  # the round this peer is working on
-    state: status_of(PeerState)
+    state: status_of(Phase)
     fingerprint: Short  # of the config parts every peer of a round must share (Config.swarm_fingerprint)
     params_digest: Short = ""  # hash of the global parameters this peer holds, at the start of `round`
     slices: Annotated[dict[Annotated[str, StringConstraints(max_length=32)], Short],
@@ -140,7 +140,7 @@ class PeerRecord(BaseModel):
     @property
     def active(self) -> bool:
         """Training or averaging with a known state: a peer others can average with or fetch from."""
-        return self.state in (PeerState.TRAINING, PeerState.AVERAGING) and bool(self.slices)
+        return self.state in (Phase.TRAINING, Phase.AVERAGING) and bool(self.slices)
 
     @classmethod
     def parse(cls, value: object) -> PeerRecord | None:

@@ -47,7 +47,7 @@ from p2ploco.config import document_fingerprint
 from p2ploco.errors import ConfigError, PayloadError, SwarmError, TransportError, shown
 from p2ploco.swarm import wire
 from p2ploco.swarm.messages import MAX_TOKENS, Digest, Message, decode
-from p2ploco.swarm.records import PeerRecord, PeerRole, PeerState
+from p2ploco.swarm.records import PeerRecord, PeerRole, Phase
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def ranked_fingerprints(records: Iterable[PeerRecord], me: str, mine: str = "",
     holders: dict[str, list[str]] = {}
     for record in records:
         if (record.role != PeerRole.BOOTSTRAP and record.fingerprint and record.peer_id != me
-                and record.state != PeerState.LEAVING
+                and record.state != Phase.LEAVING
                 and (expires_in is None or fresh(record, expires_in.get(record.peer_id, 0.0)))):
             holders.setdefault(record.fingerprint, []).append(record.peer_id)
     counts = Counter({fingerprint: len(peers) for fingerprint, peers in holders.items()})

@@ -121,7 +121,7 @@ class StateServer:
         self._latest: dict[str, Served] = {}  # slice -> the last prepared (``prepare_round``'s thread alone)
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(self.handler_name, self._serve)
+        await self.p2p.add_binary_stream_handler(self.handler_name, faults.seam("answer.state", self, self._serve))
 
     def prepare_round(self, snapshots: list[Snapshot],
                       ) -> tuple[list[Served], list[tuple[Served, Served | None]]]:

@@ -28,12 +28,12 @@ def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | No
     kept = {peer: m for peer, m in members.items() if peer not in refused}
     brought: dict[str, set[str]] = {}
     for m in kept.values():
-        if m.pipeline_group:
-            brought.setdefault(m.pipeline_group, set()).update(name for name, _ in m.slices)
+        if m.pipeline:
+            brought.setdefault(m.pipeline, set()).update(name for name, _ in m.slices)
     incomplete = {name for name, slices in brought.items() if len(slices) < stages}
     for peer, m in list(kept.items()):
-        if m.pipeline_group in incomplete:
-            refused[peer] = f"its pipeline group {m.pipeline_group} did not bring all {stages} stages to this round"
+        if m.pipeline in incomplete:
+            refused[peer] = f"its pipeline group {m.pipeline} did not bring all {stages} stages to this round"
             del kept[peer]
     # A slice needs a member others can dial to reduce it; members that only dial out cannot reduce for each other.
     reducible = {name for m in kept.values() if not m.dial_out for name, _ in m.slices}

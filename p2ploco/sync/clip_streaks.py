@@ -3,7 +3,7 @@
 A reducer clips a contribution longer than ``outer.clip_factor`` times the lower median norm (``collective/robust.py``).
 In a healthy swarm that happens for a few rounds at a time: a peer that trained alone for a while, or whose error
 buffer holds more rounds than a newcomer's, sends more than the others until their buffers fill. That is no news
-(each round's record counts the peers it clipped, ``RoundRecord.clipped_peers``). A peer clipped round after round
+(each round's record counts the peers it clipped, ``RoundSummary.clipped_peers``). A peer clipped round after round
 for longer than that is: it moves the model more than the others every round. It is named once, with the count.
 """
 

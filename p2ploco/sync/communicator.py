@@ -53,7 +53,7 @@ from p2ploco.collective.sliced import SlicedExchange, as_sliced, reduce_alone
 from p2ploco.errors import Failure, PayloadError, TrainingError
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.loop import EventLoopThread
-from p2ploco.swarm.records import PeerState
+from p2ploco.swarm.records import Phase
 from p2ploco.sync.decide import RoundCommit
 from p2ploco.sync.form import NOBODY_ANSWERED, Matchmaker
 from p2ploco.sync.group import Group
@@ -153,7 +153,7 @@ class SwarmCommunicator(Communicator):
         # The record of this round (published in the background as the round began) must be out before joining:
         # the coordinator waits for the peers whose records say they work on this round. Normally long stored.
         await self.directory.flush(timeout=self.join_timeout)
-        self.directory.update_soon(state=PeerState.AVERAGING)  # informative only: nobody waits for it
+        self.directory.update_soon(state=Phase.AVERAGING)  # informative only: nobody waits for it
         held = self.directory.me.slices  # the hash of each slice at the start of the round, as the node published it
         # Some of them (Streaming DiLoCo averages one fragment at a time), each as it was at the round's start.
         if not set(sync.exchange.parts) <= set(held):

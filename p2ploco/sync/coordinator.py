@@ -53,7 +53,7 @@ from p2ploco.swarm.deadlines import formation_wait
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import Signer, group_statement
 from p2ploco.swarm.messages import MAX_REASON
-from p2ploco.swarm.records import PeerRecord, PeerRole, PeerState
+from p2ploco.swarm.records import PeerRecord, PeerRole, Phase
 from p2ploco.sync.admission import admit
 from p2ploco.sync.group import FormationKey, Group, GroupBook, Member
 from p2ploco.sync.join import JoinStatus, best_coordinator, group_answer, join_handler, parse_join
@@ -125,7 +125,7 @@ class Coordinator:
         """Peers that may coordinate: live peers of this run's config that can be dialled, not leaving, not known
         unreachable."""
         config = self.directory.me.fingerprint
-        live = {p for p, r in self.directory.live.items() if r.state != PeerState.LEAVING and r.fingerprint == config
+        live = {p for p, r in self.directory.live.items() if r.state != Phase.LEAVING and r.fingerprint == config
                 and not r.dials_out and p not in self.bans.proofs}
         if not self.leaving.is_set() and not self.dial_out:
             live.add(self.me)
@@ -315,7 +315,7 @@ class Coordinator:
         banned = self.bans.active(round_index)
         _, chosen = round_state(live, self.directory.me, round_index, banned)
         runs_here = {p for p, r in live.items() if r.fingerprint == config
-                     and r.state not in (PeerState.LEAVING, PeerState.STANDBY)
+                     and r.state not in (Phase.LEAVING, Phase.STANDBY)
                      and self.directory.fresh(p) and p not in banned}
         claim = {p for p in runs_here if live[p].round == round_index and live[p].slices
                  and all(chosen.get(k) == v for k, v in live[p].slices.items())}
@@ -346,8 +346,8 @@ class Coordinator:
         peers = sorted(members)
         group = Group(secrets.token_hex(8), round_index, name, tuple(peers), self.me,
                       holdings=tuple((p, tuple(sorted(dict(members[p].slices)))) for p in peers),
-                      pipeline_groups=tuple((p, members[p].pipeline_group) for p in peers
-                                            if members[p].pipeline_group),
+                      pipelines=tuple((p, members[p].pipeline) for p in peers
+                                            if members[p].pipeline),
                       left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())),
                       tokens=tuple((p, members[p].tokens) for p in peers),
                       dial_out=tuple(p for p in peers if members[p].dial_out))

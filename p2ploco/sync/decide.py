@@ -131,7 +131,7 @@ class RoundCommit:
         self.bans, self.signer, self.keys = bans, signer, keys
         self.handler_name = f"p2ploco/{run_id}/vote"
         self._ballots: dict[str, _Ballot] = {}
-        self._decided = asyncio.Event()  # set whenever a ballot is decided (``judge_to_the_end`` waits on it)
+        self._decided = asyncio.Event()  # set whenever a ballot is decided (``coordinate_to_the_end`` waits on it)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_vote)
@@ -151,29 +151,29 @@ class RoundCommit:
         place = {peer: i for i, peer in enumerate(group.peers)}
         pieces = wire.pack([[e.slice, e.piece.start, e.piece.stop, place[e.reducer], e.digest, e.signature]
                             for e in evidence])
-        judge = group.coordinator
+        coordinator = group.coordinator
         try:
             await faults.hit_async("commit.vote", group.round_index)
-            if judge == self.me:
+            if coordinator == self.me:
                 response = await self._decide_here(self.me, request, pieces)
             else:
                 response, _ = await asyncio.wait_for(
-                    wire.call(self.p2p, judge, self.handler_name, request, payload=pieces, attempts=2),
+                    wire.call(self.p2p, coordinator, self.handler_name, request, payload=pieces, attempts=2),
                     2 * self.timeout + 5)
-            decision = parse_decision(response, group, judge)
-            if decision.redo is not None and judge != self.me and not signed_by(
-                    self.keys(judge) or b"", group_statement(self.run_id, decision.redo.group_id,
+            decision = parse_decision(response, group, coordinator)
+            if decision.redo is not None and coordinator != self.me and not signed_by(
+                    self.keys(coordinator) or b"", group_statement(self.run_id, decision.redo.group_id,
                                                              bytes.fromhex(decision.redo.digest)), decision.redo.grant):
                 raise PayloadError("a redo its coordinator's key did not sign")
         except (PayloadError, TransportError, TimeoutError) as e:  # unreachable or confused: apply nothing, catch up
-            logger.warning(f"round {group.round_index}: no decision from the coordinator {judge[-8:]} ({e!r}); "
+            logger.warning(f"round {group.round_index}: no decision from the coordinator {coordinator[-8:]} ({e!r}); "
                            f"applying nothing")
             return Decision(Outcome.ABORT), wire.failure_of(e)
         for proof in decision.proofs:
             self.bans.convict(proof, group.round_index)
         return decision, None
 
-    async def judge_to_the_end(self) -> None:
+    async def coordinate_to_the_end(self) -> None:
         """This peer is leaving: first decide the rounds of the groups it formed that are still voting (a peer that
         coordinates a round it does not train, standing by, would otherwise leave its members without a judge, and
         they would apply nothing). Returns once none is open; the caller bounds the wait."""
@@ -339,7 +339,7 @@ def cast_of(vote: VoteRequest, entries: list[PieceEntry], group: Group) -> Cast:
                 frozenset(vote.refused), frozenset(vote.refused_by), evidence)
 
 
-def parse_decision(response: dict[str, Any], group: Group, judge: str) -> Decision:
+def parse_decision(response: dict[str, Any], group: Group, coordinator: str) -> Decision:
     """The coordinator's answer to a vote; PayloadError if malformed."""
     answer = decode(DecisionAnswer, response)
     proofs = tuple(answer.proofs)
@@ -348,7 +348,7 @@ def parse_decision(response: dict[str, Any], group: Group, judge: str) -> Decisi
             raise PayloadError("a second redo of one round")
         if not set(answer.peers) <= set(group.peers) or not set(answer.passive) <= set(answer.peers):
             raise PayloadError("redo group names peers outside the round's group")
-        return Decision(answer.outcome, redo=group.among(answer.group_id, tuple(answer.peers), judge,
+        return Decision(answer.outcome, redo=group.among(answer.group_id, tuple(answer.peers), coordinator,
                                                          tuple(answer.passive), answer.grant),
                         reason=answer.reason, proofs=proofs)
     return Decision(answer.outcome, answer.digests if answer.outcome == Outcome.COMMIT else {}, reason=answer.reason,

@@ -61,7 +61,7 @@ from p2ploco.swarm.consensus import contested, round_state
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import group_statement, signed_by
 from p2ploco.swarm.messages import decode
-from p2ploco.swarm.records import PeerRecord, PeerRole, PeerState
+from p2ploco.swarm.records import PeerRecord, PeerRole, Phase
 from p2ploco.sync.coordinator import HUB_PATIENCE, PROBE_EVERY, Coordinator
 from p2ploco.sync.group import Group
 from p2ploco.sync.join import (
@@ -123,7 +123,7 @@ class Matchmaker:
         await self.coordinator.withdraw()
 
     async def form_group(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
-                         pipeline_group: str = "", failures: list[Failure] | None = None,
+                         pipeline: str = "", failures: list[Failure] | None = None,
                          weight: int = 1) -> Group | None:
         """The group this peer all-reduces with in ``round_index``, given the slices it holds (name -> (exchange
         fingerprint, hash)), what its contribution weighs (``ThisPeer.weight``) and, for a stage peer, its
@@ -133,7 +133,7 @@ class Matchmaker:
         ``failures``."""
         failures = failures if failures is not None else []
         base = self.following  # as named in the request: it may change while the join waits (an overlapped round)
-        request = await self._join_request(round_index, name, slices, pipeline_group, weight, base)
+        request = await self._join_request(round_index, name, slices, pipeline, weight, base)
         self._joins[(round_index, name)] = (request, base, slices)
         for old in list(self._joins)[:-KEEP_JOINS]:
             del self._joins[old]
@@ -239,7 +239,7 @@ class Matchmaker:
         def passed(live: dict[str, PeerRecord]) -> bool:
             trainers = [r for p, r in live.items() if r.role != PeerRole.HUB
                         and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
-                        and r.state != PeerState.LEAVING]
+                        and r.state != Phase.LEAVING]
             return 2 * sum(r.round > round_index for r in trainers) > len(trainers)
 
         asked = asyncio.ensure_future(asking)
@@ -259,7 +259,7 @@ class Matchmaker:
                                                      f"waited for its first contribution"}
 
     async def _join_request(self, round_index: int, name: str, slices: dict[str, tuple[str, str]],
-                            pipeline_group: str, weight: int, base: Group | None) -> dict[str, Any]:
+                            pipeline: str, weight: int, base: Group | None) -> dict[str, Any]:
         """The join this peer sends coordinators: it names the formation by the state digest the swarm starts the
         round from, as this peer's view of the records has it."""
         me = self.directory.me
@@ -272,7 +272,7 @@ class Matchmaker:
             # catches up, and the records of those that applied it may not be in this view yet. One fresh look.
             state_digest, _ = round_state(await self.directory.refresh(), me, round_index, banned)
         return {"round": round_index, "name": name, "config": me.fingerprint, "state": state_digest,
-                "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline_group,
+                "slices": {k: list(v) for k, v in sorted(slices.items())}, "pipeline": pipeline,
                 "unreachable": [], "tokens": weight, "dial_out": self.dial_out,
                 "follows": base.digest if base else ""}
 
@@ -321,7 +321,7 @@ class Matchmaker:
         ahead = sorted(p for p, r in live.items() if p != self.me and r.round >= since
                        and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
                        and not r.sits_out and r.role != PeerRole.HUB
-                       and r.state not in (PeerState.LEAVING, PeerState.STANDBY, PeerState.SERVING)
+                       and r.state not in (Phase.LEAVING, Phase.STANDBY, Phase.SERVING)
                        and p not in banned and self._leavers.get(p, -1) < round_index)
         # A peer behind a NAT cannot be dialled: its fresh record is all there is to go by.
         dialled = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)

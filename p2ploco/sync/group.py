@@ -37,7 +37,7 @@ class Group:
     coordinator: str  # who formed the group; it also decides the round's outcome
     attempt: int = 0  # 1 for the redo of a failed all-reduce among its survivors
     holdings: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (peer, the slices it holds), in peer order
-    pipeline_groups: tuple[tuple[str, str], ...] = ()  # (stage peer, its pipeline group), in peer order
+    pipelines: tuple[tuple[str, str], ...] = ()  # (stage peer, its pipeline group), in peer order
     left_out: tuple[tuple[str, str], ...] = ()  # (peer, why): joined or expected, and not in the group
     # (peer, tokens its contribution carries: its weight; 0: a hub's, which sends none), in peer order
     tokens: tuple[tuple[str, int], ...] = ()
@@ -60,8 +60,8 @@ class Group:
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """Each member's entry: what a group answer says of it (``sync/join.py``), and what ``digest`` hashes."""
-        holdings, pipeline_groups, tokens = dict(self.holdings), dict(self.pipeline_groups), dict(self.tokens)
-        return {peer: {"holdings": list(holdings[peer]), "pipeline": pipeline_groups.get(peer, ""),
+        holdings, pipelines, tokens = dict(self.holdings), dict(self.pipelines), dict(self.tokens)
+        return {peer: {"holdings": list(holdings[peer]), "pipeline": pipelines.get(peer, ""),
                        "tokens": tokens[peer], "dial_out": peer in self.dial_out} for peer in self.peers}
 
     def without(self) -> str:
@@ -100,17 +100,17 @@ class Group:
         kept = set(peers)
         return Group(group_id, self.round_index, self.name, tuple(sorted(kept)), coordinator, 1,
                      tuple(h for h in self.holdings if h[0] in kept),
-                     tuple(p for p in self.pipeline_groups if p[0] in kept),
+                     tuple(p for p in self.pipelines if p[0] in kept),
                      tokens=tuple(t for t in self.tokens if t[0] in kept),
                      dial_out=tuple(p for p in self.dial_out if p in kept),
                      passive=tuple(sorted(kept & set(passive))), grant=grant)
 
-    def whole_pipeline_groups(self, peers: set[str]) -> set[str]:
+    def whole_pipelines(self, peers: set[str]) -> set[str]:
         """``peers`` less the stage peers of a pipeline group that is not whole among them."""
-        pipeline_groups = dict(self.pipeline_groups)
-        broken = {name for peer, name in self.pipeline_groups if any(
-            other not in peers for other, other_name in self.pipeline_groups if other_name == name)}
-        return {peer for peer in peers if pipeline_groups.get(peer) not in broken}
+        pipelines = dict(self.pipelines)
+        broken = {name for peer, name in self.pipelines if any(
+            other not in peers for other, other_name in self.pipelines if other_name == name)}
+        return {peer for peer in peers if pipelines.get(peer) not in broken}
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Member:
     its contribution carries, and whether others can dial it (one that only dials out reduces no span)."""
 
     slices: tuple[tuple[str, tuple[str, str]], ...]
-    pipeline_group: str = ""
+    pipeline: str = ""
     tokens: int = 1
     dial_out: bool = False
     follows: str = ""  # the digest of the group it applied its last round with ("" if none): answered relative to it

@@ -187,7 +187,7 @@ def group_answer(group: Group, base: Group | None = None, follows: str = "") -> 
                 "removed": sorted(set(before) - set(entries)), "left_out": dict(group.left_out)}
     return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers),
             "holdings": {peer: list(slices) for peer, slices in group.holdings},
-            "pipelines": dict(group.pipeline_groups), "left_out": dict(group.left_out), "tokens": dict(group.tokens),
+            "pipelines": dict(group.pipelines), "left_out": dict(group.left_out), "tokens": dict(group.tokens),
             "dial_out": list(group.dial_out), "grant": group.grant}
 
 

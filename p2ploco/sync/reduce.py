@@ -262,7 +262,7 @@ class ButterflyAllReduce:
         failed = replace(delivery, outcome=Outcome.MALFORMED, reason=reason, evidence=None,
                          error=AllReduceError(f"no aggregate from reducer {e.reducer[-8:]}: {reason}",
                                               Failure.MALFORMED))
-        self._settle(e.reducer, failed.outcome, failed.reason, (), group.round_index)
+        self._act_on(e.reducer, failed.outcome, failed.reason, (), group.round_index)
         return [*deliveries[:at], failed, *deliveries[at + 1:]]
 
     def _attempt(self, inboxes: list[Inbox], reduced: list[Reduced], deliveries: list[Delivery], traffic: Traffic,
@@ -298,7 +298,7 @@ class ButterflyAllReduce:
             evidence=tuple(sorted((e for e in [*(r.evidence for r in reduced), *(d.evidence for d in deliveries)]
                                    if e is not None and len(e.piece)), key=lambda e: (e.slice, e.piece.start))))
 
-    def _settle(self, peer: str, outcome: Outcome, reason: str, inboxes: Iterable[Inbox], round_index: int,
+    def _act_on(self, peer: str, outcome: Outcome, reason: str, inboxes: Iterable[Inbox], round_index: int,
                 failure: Failure | None = None, proof: Proof | None = None) -> None:
         """What this peer does about ``peer``, the other side of a transfer of a piece, for what came of it: the one
         place that misses, rejects, bans, strikes and convicts. ``inboxes``: our pieces that ``peer`` owes
@@ -323,7 +323,7 @@ class ButterflyAllReduce:
         to."""
         delivery = await self.contributor.send(peer, route, piece)
         proof = self._two_versions(route.group, delivery.error) if isinstance(delivery.error, OtherVersion) else None
-        self._settle(peer, delivery.outcome, delivery.reason, ours, route.group.round_index, proof=proof)
+        self._act_on(peer, delivery.outcome, delivery.reason, ours, route.group.round_index, proof=proof)
         # Refused, not gone: our other pieces still go out, so that it waits for none in vain. Unreachable, broken or
         # out of time: the next pieces would fare no better.
         if delivery.error is not None and not isinstance(delivery.error, DroppedFromRound) and route.failure is None:
@@ -365,12 +365,12 @@ class ButterflyAllReduce:
                                 reason="this reducer failed on its contribution (see its log)")
             inboxes = (self.reducer.owed_by(sender) if served.outcome == Outcome.MALFORMED
                        else [served.inbox] if served.inbox is not None else [])
-            self._settle(sender, served.outcome, served.reason, inboxes, self.current_round, served.failure)
+            self._act_on(sender, served.outcome, served.reason, inboxes, self.current_round, served.failure)
             if served.refusal is not None:
                 await refuse(writer, served.refusal)
         finally:
             if inbox is not None:
-                inbox.settle(sender)
+                inbox.close_stream(sender)
             await wire.hang_up(reader, writer, inbox.transfer if inbox is not None else self.timeout)
 
     async def _answer_result(self, inbox: Inbox, sender: str, writer: asyncio.StreamWriter) -> Served:

@@ -48,7 +48,7 @@ class Inbox:
     missed: dict[str, tuple[Failure | None, str]] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)  # dropped for malformed data (or banned here)
     connected: set[str] = field(default_factory=set)  # senders that opened a stream to us
-    settled: set[str] = field(default_factory=set)  # senders whose stream with us has ended
+    closed_streams: set[str] = field(default_factory=set)  # senders whose stream with us has ended
     bytes_in: int = 0
     bytes_out: int = 0
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -74,7 +74,7 @@ class Inbox:
         (it then counts). Not the sender's fault: it votes "missing", and a redo takes it along. A hub's link that
         failed: the result is not waited on to reach it."""
         if sender in self.listeners:
-            self.settle(sender)
+            self.close_stream(sender)
         elif self._pending(sender):
             self.missed[sender] = (failure, reason)
             logger.warning(f"round {self.group.round_index}: going on without {sender[-8:]}'s contribution to span "
@@ -97,8 +97,8 @@ class Inbox:
             return Refusal(ReduceStatus.MISSED, self.missed[sender][1])
         return None
 
-    def settle(self, sender: str) -> None:
-        self.settled.add(sender)
+    def close_stream(self, sender: str) -> None:
+        self.closed_streams.add(sender)
         self._check()
 
     def _pending(self, sender: str) -> bool:
@@ -108,7 +108,7 @@ class Inbox:
         out = set(self.missed) | set(self.rejected)
         if self.senders <= set(self.payloads) | out:
             self.arrived.set()
-        if self.senders | self.listeners <= self.settled | (out - self.connected):
+        if self.senders | self.listeners <= self.closed_streams | (out - self.connected):
             self.served.set()
 
 

@@ -150,7 +150,7 @@ def decide(group: Group, votes: dict[str, Cast], me: str, convicted: frozenset[s
             and set(majority) == counted_slices:
         return Decision(Outcome.COMMIT, majority, reason=f"committed without {left_out}" if left_out else "")
     if group.attempt == 0:
-        survivors = tuple(sorted(group.whole_pipeline_groups(set(counted))))
+        survivors = tuple(sorted(group.whole_pipelines(set(counted))))
         redo = _redo(group, survivors, {(r, m) for r, m in pairs if r in survivors and m in survivors}, me)
         if redo is not None:
             missing = sorted(p[-8:] for p in survivors if counted[p].vote != Vote.HOLDS)

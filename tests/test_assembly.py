@@ -2,14 +2,14 @@
 
 from collections.abc import Callable
 
-from p2ploco.pipeline.groups import (
+from p2ploco.pipeline.assembly import (
     ASSEMBLY_LEAD,
     Claim,
     choose_slot,
-    complete_groups,
+    complete_pipelines,
     formation_epoch,
-    group_round,
     holders,
+    pipeline_round,
 )
 
 
@@ -18,8 +18,8 @@ def test_the_earliest_claim_holds_a_slot_whoever_looks():
     assert holders(claims) == {("g0", 0): "b", ("g0", 1): "c"}
     assert holders(reversed(claims)) == holders(claims)
     assert holders([Claim("b", "g0", 0, 5.0), Claim("a", "g0", 0, 5.0)]) == {("g0", 0): "a"}  # tie: smaller id
-    assert complete_groups(claims, 2) == {"g0": ("b", "c")}
-    assert complete_groups(claims, 3) == {}  # stage 2 vacant: the pipeline does not train
+    assert complete_pipelines(claims, 2) == {"g0": ("b", "c")}
+    assert complete_pipelines(claims, 3) == {}  # stage 2 vacant: the pipeline does not train
     assert formation_epoch("g0", ("b", "c")) == formation_epoch("g0", ("b", "c")) != formation_epoch("g0", ("a", "c"))
 
 
@@ -57,14 +57,14 @@ def test_pins_restrict_the_choice():
 
 def test_the_stages_of_a_pipeline_meet_in_the_latest_round_any_of_them_proposed_ahead_of_the_swarm():
     # Without other trainers (swarm_round -1) a stage behind a mate moves to the mate's round, and the mate stays.
-    assert group_round([8], 7, swarm_round=-1) == 8 and group_round([7], 8, swarm_round=-1) == 8
+    assert pipeline_round([8], 7, swarm_round=-1) == 8 and pipeline_round([7], 8, swarm_round=-1) == 8
     # A proposal the swarm has not reached is taken by the stages behind it, and kept by its proposer.
-    assert group_round([17], 12, swarm_round=14) == 17 and group_round([12], 17, swarm_round=14) == 17
+    assert pipeline_round([17], 12, swarm_round=14) == 17 and pipeline_round([12], 17, swarm_round=14) == 17
     # The latest round any stage is in is one the swarm has reached: a new proposal, ASSEMBLY_LEAD past the swarm.
-    assert group_round([12], 10, swarm_round=14) == 14 + ASSEMBLY_LEAD == group_round([10], 12, swarm_round=14)
-    assert group_round([14], 14, swarm_round=14) == 14 + ASSEMBLY_LEAD
+    assert pipeline_round([12], 10, swarm_round=14) == 14 + ASSEMBLY_LEAD == pipeline_round([10], 12, swarm_round=14)
+    assert pipeline_round([14], 14, swarm_round=14) == 14 + ASSEMBLY_LEAD
     # A mate's record that claims a round far ahead of everyone moves a stage ASSEMBLY_LEAD rounds a look, no faster.
-    assert group_round([10**6], 7, swarm_round=7) == 7 + ASSEMBLY_LEAD == group_round([10**6], 7, swarm_round=-1)
+    assert pipeline_round([10**6], 7, swarm_round=7) == 7 + ASSEMBLY_LEAD == pipeline_round([10**6], 7, swarm_round=-1)
 
 
 def looks_until_met(rule: Callable[[list[int], int, int], int], looks: int = 40) -> int | None:
@@ -83,4 +83,4 @@ def looks_until_met(rule: Callable[[list[int], int, int], int], looks: int = 40)
 
 
 def test_two_stages_that_look_in_turn_while_the_swarm_moves_on_do_not_chase_each_other():
-    assert looks_until_met(group_round) == 1
+    assert looks_until_met(pipeline_round) == 1

@@ -15,7 +15,7 @@ vacancy that would complete a pipeline ahead of its own (fewer stages missing, t
 holders never swap back and forth; two peers that move to the same slot are sorted out by the rule
 above.
 
-The stages of a pipeline train a round together, so they must agree on which round is next (``group_round``). A
+The stages of a pipeline train a round together, so they must agree on which round is next (``pipeline_round``). A
 round the swarm's trainers have reached is no place to meet: its state is served only while they are in it, and a
 stage that moved there catches up to wherever the swarm is by then, so two stages that each moved to the other's
 round chased each other's round for good on a loaded machine. The pipeline meets in a round ahead of the swarm
@@ -61,7 +61,7 @@ def formation_epoch(pipeline: str, peers: tuple[str, ...]) -> int:
     return int.from_bytes(hashlib.sha256("|".join((pipeline, *peers)).encode()).digest()[:6], "big")
 
 
-def complete_groups(claims: Iterable[Claim], stages: int) -> dict[str, tuple[str, ...]]:
+def complete_pipelines(claims: Iterable[Claim], stages: int) -> dict[str, tuple[str, ...]]:
     """Pipelines whose S slots are all held, with the holder of each stage in stage order."""
     held = holders(claims)
     names = {pipeline for pipeline, _ in held}
@@ -98,7 +98,7 @@ def choose_slot(claims: Iterable[Claim], me: str, stages: int, pipeline: str | N
     return fresh, stage if stage is not None else 0
 
 
-def group_round(mates: Iterable[int], round_index: int, swarm_round: int) -> int:
+def pipeline_round(mates: Iterable[int], round_index: int, swarm_round: int) -> int:
     """The round a stage at ``round_index`` meets its pipeline in, given the rounds its pipeline's other stages are
     in and the furthest round a trainer of the run outside its pipeline is in (``swarm_round``; -1: none): the latest
     of the stages' rounds while the swarm has not reached it, else a new proposal ``ASSEMBLY_LEAD`` rounds past the
