@@ -114,7 +114,7 @@ class Node:
         try:
             self._train(swarm, status, device)
         except KeyboardInterrupt:  # a second signal: stop now, keep the last periodic checkpoint
-            self.out(f"[{me}] stopped at once after {len(self.records)} round(s); no exit checkpoint")
+            self.out(f"[{me}] stopped at once after {len(self.summaries)} round(s); no exit checkpoint")
         finally:
             try:  # a periodic checkpoint being written is finished, also when stopped at once
                 self.run_files[0].close()
@@ -127,7 +127,7 @@ class Node:
         if not self.summaries and self.stopping.is_set():
             return self.summaries  # stopped before its first round: the line the stop printed says all there is
         if self.stopping.is_set() or self.failure is not None:
-            self.out(f"[{me}] left the swarm after {len(self.records)} round(s)")
+            self.out(f"[{me}] left the swarm after {len(self.summaries)} round(s)")
         self.out(summary(self.summaries, time.perf_counter() - started))
         if self.failure is not None:
             raise self.failure
