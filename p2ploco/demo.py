@@ -25,19 +25,14 @@ def run_demo(replicas: int, pipelines: int, stages: int, rounds: int, config: Pa
              overrides: Sequence[str] = (), out: Callable[[str], None] = print, ranks: int = 1,
              status_port: int | None = None, scratch: bool = False) -> bool:
     """Run the swarm to completion, printing a line per round and a summary; True if all went well.
-    ``groups`` pipeline groups get one stage peer per stage (pinned, so the run is the same every time).
+    ``pipelines`` pipelines get one stage peer per stage (pinned, so the run is the same every time).
     ``overrides`` (``key=value``) go to every node as ``--set``. ``ranks``: node0 trains on that many local ranks
     (``p2ploco.ranks``), and the run counts them all (``training.max_ranks``). ``status_port``: the first node serves
     its status and the dashboard there, on loopback (0: a port the OS picks; None: not served). ``scratch``: ``workdir``
     is a benchmark's ``scratch_folder``, removed once read if the run went well."""
-    serves = ("--status-port", str(status_port)) if status_port is not None else ()  # the first node started
-    members = [("node0", (("--nproc-per-node", str(ranks)) if ranks > 1 else ()) + serves)] if replicas else []
-    members += [(f"node{i}", ()) for i in range(1, replicas)]
+    members = _members(replicas, pipelines, stages, ranks, status_port)
     if ranks > 1:
         overrides = [f"training.max_ranks={ranks}", *overrides]
-    members += [(f"g{g}s{s}", ("--role", PeerRole.STAGE.value, "--group", f"g{g}", "--stage", str(s))
-                 + (serves if not replicas and g == s == 0 else ()))
-                for g in range(pipelines) for s in range(stages)]
     what = (f"{replicas} full replica(s)" + (f" (node0 on {ranks} local ranks)" if ranks > 1 else "")
             + (f" and {pipelines} pipeline(s) of {stages} stages" if pipelines else ""))
     out(f"p2ploco demo: a bootstrap peer, {what} on loopback, {rounds} rounds of {config.name}")
@@ -52,19 +47,48 @@ def run_demo(replicas: int, pipelines: int, stages: int, rounds: int, config: Pa
         if status_port is not None:  # printed before the node joins: a port that is taken ends it at once
             url = swarm.nodes[names[0]].wait_for_line(DASHBOARD_AT, STARTUP_SECONDS).group(1)
             out(f"dashboard: {url} (open it in a browser: it draws the run as it trains, until the demo ends)")
-        shown = 0
-        while True:
-            done = all(swarm.nodes[n].process.poll() is not None for n in names)
-            summaries = {n: swarm.summaries(n) for n in names}
-            while all(any(r["round"] == shown for r in summaries[n]) for n in names):
-                out(_round_line(shown, [r for n in names for r in summaries[n] if r["round"] == shown]))
-                shown += 1
-            if done:
-                break
-            time.sleep(POLL_SECONDS)
-        codes = {n: swarm.nodes[n].process.returncode for n in names}
+        codes = _watch(swarm, names, out)
     summaries = {n: swarm.summaries(n) for n in names}
     out(_summary(summaries, time.monotonic() - started))
+    ok = _report(summaries, codes, rounds, workdir, scratch, out)
+    if ok:
+        # A replica's final checkpoint, or the stages' of the first pipeline: the model the swarm trained.
+        sources = [workdir / "node0"] if replicas else [workdir / f"g0s{s}" for s in range(stages)]
+        out(_sample(sources))
+    return ok
+
+
+def _members(replicas: int, pipelines: int, stages: int, ranks: int, status_port: int | None
+             ) -> list[tuple[str, tuple[str, ...]]]:
+    """Each node of the demo and its arguments: the replicas, then one stage peer per stage of each pipeline; the
+    first of them serves the status port, if asked."""
+    serves = ("--status-port", str(status_port)) if status_port is not None else ()  # the first node started
+    members = [("node0", (("--nproc-per-node", str(ranks)) if ranks > 1 else ()) + serves)] if replicas else []
+    members += [(f"node{i}", ()) for i in range(1, replicas)]
+    members += [(f"g{g}s{s}", ("--role", PeerRole.STAGE.value, "--group", f"g{g}", "--stage", str(s))
+                 + (serves if not replicas and g == s == 0 else ()))
+                for g in range(pipelines) for s in range(stages)]
+    return members
+
+
+def _watch(swarm: LocalSwarm, names: list[str], out: Callable[[str], None]) -> dict[str, int]:
+    """A line per round as every node has recorded it, until every node has exited; their exit codes."""
+    shown = 0
+    while True:
+        done = all(swarm.nodes[n].process.poll() is not None for n in names)
+        summaries = {n: swarm.summaries(n) for n in names}
+        while all(any(r["round"] == shown for r in summaries[n]) for n in names):
+            out(_round_line(shown, [r for n in names for r in summaries[n] if r["round"] == shown]))
+            shown += 1
+        if done:
+            return {n: swarm.nodes[n].process.returncode for n in names}
+        time.sleep(POLL_SECONDS)
+
+
+def _report(summaries: dict[str, list[dict]], codes: dict[str, int], rounds: int, workdir: Path, scratch: bool,
+            out: Callable[[str], None]) -> bool:
+    """What failed, whether every holder of each slice agreed after every round, and where the files are; True if
+    every node exited 0, agreed, and recorded every round."""
     failed = [n for n, code in codes.items() if code != 0]
     for name in failed:
         log = workdir / (name + ".log")
@@ -81,10 +105,6 @@ def run_demo(replicas: int, pipelines: int, stages: int, rounds: int, config: Pa
     out(f"logs, metrics and checkpoints: {workdir} ({human_bytes(size)}; {fate})")
     if failed:
         out(f"demo FAILED: {'; '.join(f'{name} {how_it_ended(codes[name])}' for name in failed)}")
-    if ok:
-        # A replica's final checkpoint, or the stages' of the first pipeline group: the model the swarm trained.
-        sources = [workdir / "node0"] if replicas else [workdir / f"g0s{s}" for s in range(stages)]
-        out(_sample(sources))
     return ok
 
 

@@ -41,13 +41,8 @@ from p2ploco.swarm.status_document import PEERS_DOCUMENT, STATUS_PATH
 from p2ploco.swarm.survey import survey
 from p2ploco.swarm.updates import Chain, UpdateKeeper, caught_up, describe_chain, fetch_chain
 from p2ploco.swarm.upload_cap import cap_uploads
-from p2ploco.sync.audit import Audits
 from p2ploco.sync.communicator import SwarmCommunicator
-from p2ploco.sync.coordinator import Coordinator
-from p2ploco.sync.decide import RoundCommit
-from p2ploco.sync.form import Matchmaker
-from p2ploco.sync.group import GroupBook
-from p2ploco.sync.reduce import ButterflyAllReduce
+from p2ploco.sync.start import start_sync
 from p2ploco.sync.this_peer import ThisPeer
 
 logger = logging.getLogger(__name__)
@@ -380,67 +375,59 @@ class Arrival:
     def enter(self, config: SwarmConfig, document: dict[str, Any], name: str = "", device: str = "",
               role: PeerRole = PeerRole.REPLICA, stages: int = 1, max_tokens: int = MAX_TOKENS) -> Swarm:
         """Publish this peer's record (carrying ``document``'s fingerprint) and serve rounds, state and the run's
-        config. ``stages``: how many slices a pipeline group of this run brings to a round; ``max_tokens``: the
-        most tokens one contribution may weigh (``Config.max_contribution_tokens``)."""
-        node, identity, loop = self.node, self.identity, self.loop
+        config. ``stages``: how many slices a pipeline of this run brings to a round; ``max_tokens``: the most
+        tokens one contribution may weigh (``Config.max_contribution_tokens``)."""
 
         async def start() -> Swarm:
-            p2p, me_id = node.protocol.p2p, str(node.peer_id)
+            p2p = self.node.protocol.p2p
             cap_uploads(config.max_upload_mbit)
-            addresses = await visible_maddrs(node)
-            me = PeerRecord(peer_id=me_id, round=0, state=Phase.JOINING, fingerprint=document_fingerprint(document),
-                            version=__version__, name=name or human_name(me_id), device=device, role=role,
-                            bandwidth_mbit=config.published_mbit, addresses=addresses[:MAX_ADDRESSES],
-                            ttl=config.peer_ttl)
-            directory = PeerDirectory(node, peers_key(self.run_id), self.owner, me, config.heartbeat_interval,
-                                      config.peer_ttl, run_id=self.run_id)
-            live = (await directory.refresh()).values()
-            if config.reachability == "auto":  # the bootstrap peers the user named, then public peers of the run
-                public = [r.peer_id for r in live if not r.dials_out and r.peer_id != me_id]
-                reachability = await detect(p2p, [Multiaddr(a)["p2p"] for a in self.initial_peers], public,
-                                            addresses)
-            else:
-                reachability = Reachability(config.reachability)
-            if not reachability.dials_out:  # others can dial it: it serves the DHT and the dial-back probe
-                await start_serving(node)
-                await DialBack(p2p, addresses).start()
-            logger.info(f"reachability: {reachability}")
-            directory.update_soon(reachability=reachability)  # stored with the first store_record, below
+            directory, reachability = await self._membership(config, document, name, device, role)
             bans = directory.bans = Bans(config.ban_rounds, self.run_id)
-            signer = Signer(identity.key)
-
-            def key_of(peer: str) -> bytes | None:
-                return signer.public_key if peer == me_id else directory.keys.get(peer)
-
-            book = GroupBook()
-            coordinator = Coordinator(p2p, directory, self.run_id, config.matchmaking_timeout, bans, stages, book,
-                                      max_tokens, signer, reachability.dials_out)
-            this_peer = ThisPeer(me_id, role, me.fingerprint)
-            matchmaker = Matchmaker(p2p, directory, coordinator, this_peer, self.run_id, config.matchmaking_timeout,
-                                    bans, stages, max_tokens, key_of, reachability.dials_out)
             deadlines = TransferDeadline(config.allreduce_timeout, config.min_bandwidth_mbit,
                                          config.max_transfer_timeout)
-            audits = Audits(p2p, self.run_id, deadlines.base, config.audit)
-            butterfly = ButterflyAllReduce(p2p, me_id, self.run_id, deadlines, bans, signer, key_of, directory.rates,
-                                           matchmaker.whereabouts, audits)
-            commit = RoundCommit(p2p, me_id, self.run_id, config.allreduce_timeout, book, bans, signer, key_of)
+            me = ThisPeer(directory.me.peer_id, role, directory.me.fingerprint)
+            communicator = await start_sync(self.loop, p2p, directory, me, self.run_id, config, deadlines, bans,
+                                            Signer(self.identity.key), stages, max_tokens, reachability.dials_out)
             updates = UpdateKeeper()
             state_server = StateServer(p2p, self.run_id, deadlines, updates.find)
             config_server = ConfigServer(p2p, self.run_id, document, deadlines.base)
-            for service in (coordinator, audits, butterfly, commit, state_server, config_server):
+            for service in (state_server, config_server):
                 await service.start()
             await directory.store_record()
             directory.start_heartbeat()
-            communicator = SwarmCommunicator(loop, this_peer, directory,
-                                             config.matchmaking_timeout, matchmaker, butterfly, commit)
-            return Swarm(loop, node, directory, communicator, state_server, config_server, config, identity, bans,
-                         updates)
+            return Swarm(self.loop, self.node, directory, communicator, state_server, config_server, config,
+                         self.identity, bans, updates)
 
         try:
-            return loop.run(start())
+            return self.loop.run(start())
         except BaseException:  # interrupted too: no loop thread or identity lock outlives a failed join
             self.abandon()
             raise
+
+    async def _membership(self, config: SwarmConfig, document: dict[str, Any], name: str, device: str,
+                          role: PeerRole) -> tuple[PeerDirectory, Reachability]:
+        """This peer's directory, its record not stored yet, and whether others can dial it: found out from the
+        bootstrap peers the user named, then the run's public peers; a peer others can dial serves the DHT and the
+        dial-back probe."""
+        node, p2p, me_id = self.node, self.node.protocol.p2p, str(self.node.peer_id)
+        addresses = await visible_maddrs(node)
+        me = PeerRecord(peer_id=me_id, round=0, state=Phase.JOINING, fingerprint=document_fingerprint(document),
+                        version=__version__, name=name or human_name(me_id), device=device, role=role,
+                        bandwidth_mbit=config.published_mbit, addresses=addresses[:MAX_ADDRESSES], ttl=config.peer_ttl)
+        directory = PeerDirectory(node, peers_key(self.run_id), self.owner, me, config.heartbeat_interval,
+                                  config.peer_ttl, run_id=self.run_id)
+        live = (await directory.refresh()).values()
+        if config.reachability == "auto":
+            public = [r.peer_id for r in live if not r.dials_out and r.peer_id != me_id]
+            reachability = await detect(p2p, [Multiaddr(a)["p2p"] for a in self.initial_peers], public, addresses)
+        else:
+            reachability = Reachability(config.reachability)
+        if not reachability.dials_out:
+            await start_serving(node)
+            await DialBack(p2p, addresses).start()
+        logger.info(f"reachability: {reachability}")
+        directory.update_soon(reachability=reachability)  # stored with the first store_record
+        return directory, reachability
 
     def abandon(self) -> None:
         """Stop the DHT node and its daemon: this peer does not enter the run. Once: ``enter`` abandons on its own

@@ -35,20 +35,7 @@ class TrainedModel:
         group, of round ``round_index`` (None: the newest round they all hold; a group whose stages were stopped
         at once may have exit checkpoints a round apart) of one run. CheckpointError (one line) if a directory is
         no checkpoint of a run, or they do not make one whole model."""
-        configs, held = [], {}
-        for directory in directories:
-            if not checkpoint.exists(directory):
-                raise CheckpointError(f"{directory} is not a checkpoint (no {checkpoint.POINTER}): pass the "
-                                      f"checkpoint folder of a run's --log-dir, e.g. runs/RUN/PEER/checkpoint")
-            config_file = directory.parent / "config.json"
-            if not config_file.is_file():
-                raise CheckpointError(f"no config.json next to {directory}: the checkpoint must sit in the "
-                                      f"--log-dir its node wrote")
-            try:
-                configs.append(load_config(config_file))
-            except ConfigError as e:
-                raise CheckpointError(f"{config_file}: {e}") from None
-            held[directory] = checkpoint.rounds(directory)
+        configs, held = zip(*(_config_and_rounds(directory) for directory in directories), strict=True)
         config = configs[0]
         runs = sorted({c.run_id for c in configs})
         if len(runs) > 1:
@@ -56,41 +43,17 @@ class TrainedModel:
                                   f"one pipeline group")
         if any(c.model != config.model or c.training.seed != config.training.seed for c in configs):
             raise CheckpointError("the checkpoints are of different models: pass the stages of one pipeline group")
-        common = set.intersection(*(set(rounds) for rounds in held.values()))
-        if round_index is None:
-            if not common:
-                listing = "; ".join(f"{d}: {', '.join(map(str, rounds))}" for d, rounds in held.items())
-                raise CheckpointError(f"the checkpoints hold no round in common ({listing}): pass the stages' "
-                                      f"checkpoints of one pipeline group")
-            round_index = max(common)
-        elif round_index not in common:
-            lacking = next(d for d, rounds in held.items() if round_index not in rounds)
-            choice = (f"--round {' or '.join(map(str, sorted(common, reverse=True)))}" if common else
-                      "the stages' checkpoints of one pipeline group")
-            raise CheckpointError(f"{lacking} holds no checkpoint of round {round_index} (it holds "
-                                  f"{', '.join(map(str, held[lacking]))}): pass {choice}")
-        params: dict[str, torch.Tensor] = {}
-        holders: dict[str, Path] = {}
-        others = sorted(common - {round_index}, reverse=True)
-        for directory in directories:
-            try:
-                saved = checkpoint.load(directory, None, None, round_index)
-            except CheckpointError as e:  # a corrupt file: another round they all hold may be intact
-                another = f": pass --round {' or '.join(map(str, others))}" if others else ""
-                raise CheckpointError(f"{e}{another}") from None
-            if twice := [name for name in saved.params if name in params]:
-                raise CheckpointError(f"{holders[twice[0]]} and {directory} both hold {_describe(twice)} of the "
-                                      f"model: pass one full replica's checkpoint, or one per stage of a pipeline "
-                                      f"group")
-            params.update(saved.params)
-            holders.update(dict.fromkeys(saved.params, directory))
+        rounds = dict(zip(directories, held, strict=True))
+        round_index = _round_in_common(rounds, round_index)
+        common = set.intersection(*(set(r) for r in rounds.values()))
+        params = _params(directories, round_index, sorted(common - {round_index}, reverse=True))
         with torch.device("meta"):
             expected = [name for name, _ in Transformer(config.model, config.training.seed).named_parameters()]
         missing = [name for name in expected if name not in params]
         if missing:
             raise CheckpointError(f"the checkpoints hold no {_describe(missing)} of the model: pass every stage's "
                                   f"checkpoint of the pipeline group")
-        return cls(config, {name: params[name] for name in expected}, round_index, held)
+        return cls(config, {name: params[name] for name in expected}, round_index, rounds)
 
     def subspace(self) -> Subspace | None:
         """The run's frozen U and F when its stage boundaries are compressed (the input is E[tok] + F[tok])."""
@@ -125,3 +88,56 @@ def _ranges(numbers: list[int]) -> str:
         else:
             runs.append([n])
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _config_and_rounds(directory: Path) -> tuple[Config, list[int]]:
+    """The config of the node that wrote the checkpoint ``directory``, and the rounds it holds."""
+    if not checkpoint.exists(directory):
+        raise CheckpointError(f"{directory} is not a checkpoint (no {checkpoint.POINTER}): pass the "
+                              f"checkpoint folder of a run's --log-dir, e.g. runs/RUN/PEER/checkpoint")
+    config_file = directory.parent / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"no config.json next to {directory}: the checkpoint must sit in the "
+                              f"--log-dir its node wrote")
+    try:
+        return load_config(config_file), checkpoint.rounds(directory)
+    except ConfigError as e:
+        raise CheckpointError(f"{config_file}: {e}") from None
+
+
+def _round_in_common(held: dict[Path, list[int]], round_index: int | None) -> int:
+    """``round_index`` if every checkpoint holds it (None: the newest round they all hold)."""
+    common = set.intersection(*(set(rounds) for rounds in held.values()))
+    if round_index is None:
+        if not common:
+            listing = "; ".join(f"{d}: {', '.join(map(str, rounds))}" for d, rounds in held.items())
+            raise CheckpointError(f"the checkpoints hold no round in common ({listing}): pass the stages' "
+                                  f"checkpoints of one pipeline group")
+        return max(common)
+    if round_index not in common:
+        lacking = next(d for d, rounds in held.items() if round_index not in rounds)
+        choice = (f"--round {' or '.join(map(str, sorted(common, reverse=True)))}" if common else
+                  "the stages' checkpoints of one pipeline group")
+        raise CheckpointError(f"{lacking} holds no checkpoint of round {round_index} (it holds "
+                              f"{', '.join(map(str, held[lacking]))}): pass {choice}")
+    return round_index
+
+
+def _params(directories: list[Path], round_index: int, others: list[int]) -> dict[str, torch.Tensor]:
+    """The params every checkpoint holds of ``round_index``, each held once (``others``: the rounds they also all
+    hold, named where a file is corrupt)."""
+    params: dict[str, torch.Tensor] = {}
+    holders: dict[str, Path] = {}
+    for directory in directories:
+        try:
+            saved = checkpoint.load(directory, None, None, round_index)
+        except CheckpointError as e:  # a corrupt file: another round they all hold may be intact
+            another = f": pass --round {' or '.join(map(str, others))}" if others else ""
+            raise CheckpointError(f"{e}{another}") from None
+        if twice := [name for name in saved.params if name in params]:
+            raise CheckpointError(f"{holders[twice[0]]} and {directory} both hold {_describe(twice)} of the "
+                                  f"model: pass one full replica's checkpoint, or one per stage of a pipeline "
+                                  f"group")
+        params.update(saved.params)
+        holders.update(dict.fromkeys(saved.params, directory))
+    return params
