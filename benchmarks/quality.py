@@ -79,7 +79,7 @@ import torch
 from p2ploco.budget import FixedSteps
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange, dense_fp32_bytes
-from p2ploco.collective.robust import weights
+from p2ploco.collective.robust import mean_factors
 from p2ploco.collective.sliced import SlicedExchange, as_sliced
 from p2ploco.collective.sparse import SparseExchange
 from p2ploco.compression.topk import CompressedTensor
@@ -242,9 +242,10 @@ class Pace:
         return sum(t for t, slow in zip(self.tokens, self.slow()) if slow) / sum(self.tokens)
 
     def slow_weight_share(self) -> float:
-        """The slow replicas' share of the weight in every round's mean (``robust.weights``; every round trains the
-        same steps)."""
-        scales = weights([1.0] * len(self.tokens), self.tokens, 0.0)[0] if self.weighted else [1.0] * len(self.tokens)
+        """The slow replicas' share of the weight in every round's mean (``robust.mean_factors``; every round trains
+        the same steps)."""
+        uniform = [1.0] * len(self.tokens)
+        scales = mean_factors(uniform, self.tokens, 0.0)[0] if self.weighted else uniform
         return sum(s for s, slow in zip(scales, self.slow()) if slow) / len(scales)
 
 

@@ -135,6 +135,7 @@ SEAMS = {
     "answer.contributions": "how a reducer answers the streams of contributions to its spans",
     "answer.state": "how a donor answers peers catching up (``StateServer``)",
     "answer.dialback": "how a public peer answers dial-back requests (``DialBack``)",
+    "coordinator.decide": "how a coordinator decides a round from its members' votes (``sync/tally.py``'s ``decide``)",
 }
 _swapped: dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]] = {}
 

@@ -150,7 +150,7 @@ def send_bad_headers(start: int) -> None:
     from p2ploco import faults
     from p2ploco.errors import Failure, PayloadError, TransportError
     from p2ploco.swarm import wire
-    from p2ploco.sync.reduce_values import Delivery, DroppedFromRound, Outcome
+    from p2ploco.sync.reduce_values import Delivery, DroppedFromRound, TransferOutcome
 
     def contributing(butterfly: Any, honest: Callable[..., Any]) -> Callable[..., Any]:
         async def contribute(ours: list[Any], peer: str, *args: Any) -> Delivery:
@@ -171,7 +171,7 @@ def send_bad_headers(start: int) -> None:
             pass
         finally:
             writer.close()
-        return Delivery(reducer=peer, encoded=0, outcome=Outcome.REFUSED, error=DroppedFromRound(
+        return Delivery(reducer=peer, encoded=0, outcome=TransferOutcome.REFUSED, error=DroppedFromRound(
             f"sent reducer {peer[-8:]} a malformed header, on purpose", Failure.REJECTED))
 
     faults.swap("reduce.contribute", contributing)
@@ -203,17 +203,18 @@ def answer_with_deep_status(start: int) -> None:
 def redo_forever(start: int) -> None:
     import secrets
 
-    from p2ploco.sync import decide
+    from p2ploco import faults
+    from p2ploco.sync.tally import Decision, Outcome
 
-    honest = decide.decide
+    def deciding(_: Any, honest: Callable[..., Any]) -> Callable[..., Any]:
+        def redo_always(group: Any, votes: Any, me: str, *args: Any) -> Any:
+            if group.round_index < start:
+                return honest(group, votes, me, *args)
+            return Decision(Outcome.REDO, redo=group.among(secrets.token_hex(8), group.peers, me),
+                            reason="redoing, on purpose")
+        return redo_always
 
-    def redo_always(group: Any, votes: Any, me: str, *args: Any) -> Any:
-        if group.round_index < start:
-            return honest(group, votes, me, *args)
-        return decide.Decision(decide.Outcome.REDO, redo=group.among(secrets.token_hex(8), group.peers, me),
-                               reason="redoing, on purpose")
-
-    decide.decide = redo_always
+    faults.swap("coordinator.decide", deciding)
 
 
 def serve_a_false_state(start: int) -> None:

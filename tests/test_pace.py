@@ -9,7 +9,7 @@ from p2ploco.budget import FixedSteps, StepTimes, WallClockBudget
 from p2ploco.build import build_replica
 from p2ploco.collective.dense import DenseMean
 from p2ploco.collective.exchange import AllReduceResult, Communicator, Exchange
-from p2ploco.collective.robust import weights
+from p2ploco.collective.robust import mean_factors
 from p2ploco.collective.sliced import SlicedExchange, reduce_alone
 from p2ploco.config import DiLoCoConfig
 from p2ploco.metrics import RoundSummary
@@ -47,12 +47,12 @@ def test_contributions_weigh_the_tokens_they_were_trained_on():
 
 
 def test_weights_are_the_tokens_share_and_a_claim_weighs_at_most_a_full_round():
-    assert weights([1.0, 1.0, 1.0], [1000, 1000, 4000], 0.0)[0] == [0.5, 0.5, 2.0]
-    assert weights([1.0, 1.0], [5, 5], 2.0)[0] == [1.0, 1.0] and weights([], [], 2.0) == ([], [])
+    assert mean_factors([1.0, 1.0, 1.0], [1000, 1000, 4000], 0.0)[0] == [0.5, 0.5, 2.0]
+    assert mean_factors([1.0, 1.0], [5, 5], 2.0)[0] == [1.0, 1.0] and mean_factors([], [], 2.0) == ([], [])
     # A peer that owes a missed round's tokens claims them with the next contribution, up to a round's worth.
     outer = DiLoCo([torch.zeros(3)], DiLoCoConfig(), max_tokens=4000)
     outer.unapplied_tokens = 10**12
-    assert outer.weigh(1000) == 4000
+    assert outer.tokens_behind(1000) == 4000
 
 
 class NotApplied(Communicator):

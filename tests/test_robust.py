@@ -80,9 +80,9 @@ def test_contributions_within_the_bound_keep_every_bit():
 def test_norms_weights_and_the_zero_median():
     assert robust.norm(np.array([3.0, 4.0], dtype=np.float32)) == 5.0
     # lower median of 1, 3, 5, 100 is 3: bound 6
-    assert robust.weights([5.0, 1.0, 3.0, 100.0], [1] * 4, 2.0) == ([1.0, 1.0, 1.0, float(np.float32(0.06))], [3])
-    assert robust.weights([5.0, 100.0], [1, 1], 0.0) == ([1.0, 1.0], [])  # clipping off
-    assert robust.weights([0.0, 0.0, 7.0], [1] * 3, 2.0) == ([1.0] * 3, [])  # a zero median erases nothing
+    assert robust.mean_factors([5.0, 1.0, 3.0, 100.0], [1] * 4, 2.0) == ([1.0, 1.0, 1.0, float(np.float32(0.06))], [3])
+    assert robust.mean_factors([5.0, 100.0], [1, 1], 0.0) == ([1.0, 1.0], [])  # clipping off
+    assert robust.mean_factors([0.0, 0.0, 7.0], [1] * 3, 2.0) == ([1.0] * 3, [])  # a zero median erases nothing
     with pytest.raises(PayloadError, match="absurdly large"):
         robust.norm(np.array([3e38, 3e38], dtype=np.float32) * np.float32(1))
     with pytest.raises(PayloadError, match="absurdly large"):
@@ -92,7 +92,7 @@ def test_norms_weights_and_the_zero_median():
 def test_the_bound_grows_with_the_tokens_trained_so_neither_a_fast_nor_a_slow_peer_is_clipped():
     # 10, 3 and 1 steps: norms that grow slower than the steps (noise adds up as a square root)
     norms, tokens = [5.0, 2.16, 1.0], [10, 3, 1]
-    factors, clipped = robust.weights(norms, tokens, 2.0)
+    factors, clipped = robust.mean_factors(norms, tokens, 2.0)
     assert clipped == []
     total = sum(tokens)
     assert factors == [float(np.float32(3 * t / total)) for t in tokens]  # weighed by tokens, nothing clipped
@@ -101,10 +101,10 @@ def test_the_bound_grows_with_the_tokens_trained_so_neither_a_fast_nor_a_slow_pe
     # Two fast peers, a 3x and a 10x slower one, norms growing as the square root of the steps: nobody is clipped,
     # where a bound linear in the tokens (norm per token) would clip the slowest (1.0 against 2 x 3.16 / 10).
     norms, tokens = [math.sqrt(10), math.sqrt(10), math.sqrt(3), 1.0], [10, 10, 3, 1]
-    assert robust.weights(norms, tokens, 2.0)[1] == []
+    assert robust.mean_factors(norms, tokens, 2.0)[1] == []
     assert 1.0 > 2 * sorted(c * 10 / t for c, t in zip(norms, tokens))[1] / 10
     # A peer that claims a full round's tokens for a sign-flipped, scaled-up update is held to a full round's norm.
-    factors, clipped = robust.weights([5.0, 5.0, 5.0, 400.0], [10, 10, 10, 10], 2.0)
+    factors, clipped = robust.mean_factors([5.0, 5.0, 5.0, 400.0], [10, 10, 10, 10], 2.0)
     assert clipped == [3] and math.isclose(factors[3] * 400.0, 10.0, rel_tol=1e-6)
 
 
@@ -347,9 +347,9 @@ def test_a_non_finite_global_update_is_refused_and_nothing_changes():
 
 def test_a_contribution_weighs_at_most_a_full_round_of_tokens():
     algorithm = DiLoCo([torch.zeros(4)], DiLoCoConfig(), max_tokens=1000)
-    assert algorithm.weigh(300) == 300
+    assert algorithm.tokens_behind(300) == 300
     algorithm.unapplied_tokens = 900  # a round not applied: its tokens are owed to the next contribution
-    assert algorithm.weigh(300) == 1000 and algorithm.unapplied_tokens == 0
+    assert algorithm.tokens_behind(300) == 1000 and algorithm.unapplied_tokens == 0
 
 
 def test_a_peer_clipped_for_a_few_rounds_is_no_news_and_one_clipped_round_after_round_is_named_once(caplog):

@@ -104,7 +104,7 @@ class Exchange(ABC):
     @abstractmethod
     def combine(self, span: Span, contributions: Sequence[Any], factors: Sequence[float]) -> Any:
         """The aggregate of parsed contributions, given in the group's canonical order, each one multiplied by its
-        float32 factor first (``robust.weights``: its weight in the mean times its clipping scale). A result that
+        float32 factor first (``robust.mean_factors``: its weight in the mean times its clipping scale). A result that
         is quantized again is kept within ``limit`` of them (``robust.within``)."""
 
     def limit(self, factors: Sequence[float], norms: Sequence[float]) -> float:
@@ -128,7 +128,7 @@ class Exchange(ABC):
         this replica's own contribution is the true one, the result is no longer than the combined contributions
         allow, and (``Policy.drop_opposed``) it does not point against this replica's own contribution (unless the
         reducer left that out, or the span had fewer than three contributions: two cannot tell which is wrong)."""
-        factors, _ = robust.weights(receipt.norms, receipt.tokens, self.policy.clip_factor)
+        factors, _ = robust.mean_factors(receipt.norms, receipt.tokens, self.policy.clip_factor)
         robust.check_result(values.values, self.limit(factors, receipt.norms))
         if receipt.own is None:
             return
@@ -311,7 +311,7 @@ def weigh(exchange: Exchange, span: Span, contributions: Sequence[tuple[str, byt
                  else robust.Direction([], []))
     kept = [i for i in range(len(parsed)) if i not in direction.opposed]
     weights = [tokens[senders[i]] if tokens else 1 for i in kept]
-    factors, clipped = robust.weights([norms[i] for i in kept], weights, exchange.policy.clip_factor)
+    factors, clipped = robust.mean_factors([norms[i] for i in kept], weights, exchange.policy.clip_factor)
     return Weighing(parsed, senders, payloads, rejected, kept, list(direction.opposed),
                     [senders[i] for i in direction.struck], weights, factors, [senders[kept[i]] for i in clipped])
 

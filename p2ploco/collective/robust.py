@@ -185,7 +185,7 @@ def gram(vectors: Sequence[Vector], scales: Sequence[float]) -> np.ndarray:
     return out
 
 
-def weights(norms: Sequence[float], tokens: Sequence[int], clip_factor: float) -> tuple[list[float], list[int]]:
+def mean_factors(norms: Sequence[float], tokens: Sequence[int], clip_factor: float) -> tuple[list[float], list[int]]:
     """Each contribution's factor in the mean, rounded to float32 (its weight factor ``n * w_i / sum(w)`` times its
     clipping scale), and the positions of those clipped to ``clip_factor`` times the lower median norm for the
     tokens trained (scaled by the square root of the tokens, module docstring).

@@ -332,7 +332,7 @@ class SparseExchange(Exchange):
         if norms != receipt.norms:
             raise PayloadError(f"a relayed result of {len(contributions)} contributions whose norms are not the "
                                f"{len(receipt.norms)} its receipt names")
-        factors, _ = robust.weights(receipt.norms, receipt.tokens, self.policy.clip_factor)
+        factors, _ = robust.mean_factors(receipt.norms, receipt.tokens, self.policy.clip_factor)
         return self._aggregate(span, contributions, factors)
 
     def _span_digest(self, span: Span, values: SparseValues, receipt: Receipt) -> bytes:

@@ -152,11 +152,11 @@ class OuterAlgorithm(ABC):
                    start: Sequence[torch.Tensor] | None = None, tokens: int = 1) -> OuterSync:
         """This replica's exchange for the round: its pseudo-gradient ``start - local_params`` (``start``: the
         global params by default), encoded as the algorithm sends it, weighted by ``tokens`` (what the inner steps
-        trained on) plus the tokens of work not applied yet (``weigh``). Changes only local state (what it takes
+        trained on) plus the tokens of work not applied yet (``tokens_behind``). Changes only local state (what it takes
         from an error-feedback buffer, or the carry, is given back by ``take`` if the round is not applied)."""
 
-    def weigh(self, tokens: int) -> int:
-        """The weight of a contribution trained on ``tokens``: those, and the tokens of earlier work that is in it
+    def tokens_behind(self, tokens: int) -> int:
+        """The tokens behind a contribution trained on ``tokens``: those, and the tokens of earlier work that is in it
         because no aggregate applied it yet (given back by ``take`` if this round is not applied either), at most
         ``max_tokens`` (the run's ``training.max_ranks`` full rounds: no contribution weighs more than that many full
         peers', and coordinators refuse more)."""

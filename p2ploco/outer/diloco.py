@@ -32,7 +32,7 @@ class DiLoCo(OuterAlgorithm):
         # 2. Its mean over the replicas of this round, every slice among its holders, weighted by tokens trained.
         return OuterSync(round_index, SlicedExchange({
             name: DenseMean([deltas[i] for i in positions], self.config.wire_dtype, self.policy)
-            for name, positions in self.slices.items()}, self.weigh(tokens)), sent=deltas)
+            for name, positions in self.slices.items()}, self.tokens_behind(tokens)), sent=deltas)
 
     def prepare(self, outer_sync: OuterSync) -> OuterStep | None:
         # 3. Outer SGD with (Nesterov) momentum.

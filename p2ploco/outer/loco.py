@@ -75,7 +75,7 @@ class LoCo(OuterAlgorithm):
         # 3. All-reduce of every slice among its holders (``OuterSync.start``): each span's reducer bounds the
         #    contributions, averages them in float32 and re-quantizes the mean with its own buffer; everybody
         #    decodes the same bytes.
-        return LoCoSync(round_index, SlicedExchange(exchanges, self.weigh(tokens)), sent=deltas, errors=errors)
+        return LoCoSync(round_index, SlicedExchange(exchanges, self.tokens_behind(tokens)), sent=deltas, errors=errors)
 
     def prepare(self, outer_sync: OuterSync) -> OuterStep | None:
         # 4. DiLoCo's outer step on the decoded aggregate: SGD with Nesterov momentum.

@@ -85,7 +85,7 @@ class SparseLoCo(OuterAlgorithm):
                                                         self.result_layouts.get(name),
                                                         functools.partial(self._resend, taken, positions),
                                                         self.device)
-                                   for name, positions in self.slices.items()}, self.weigh(tokens))
+                                   for name, positions in self.slices.items()}, self.tokens_behind(tokens))
         return SparseSync(round_index, exchange, taken=taken)
 
     def _resend(self, taken: list[Taken], positions: Sequence[int], layout: SparseLayout) -> list[CompressedTensor]:

@@ -1,7 +1,7 @@
 """The member's side of the butterfly (``sync/reduce.py``): send this peer's contribution to each piece to the piece's
 reducer, and take back and check the piece's result. What came of each piece is a value (``Delivery``): a broken
 link, a timeout or a malformed answer is turned into one here, at the edge, and what this peer does about the reducer
-is left to ``ButterflyAllReduce._settle``."""
+is left to ``ButterflyAllReduce._act_on``."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from p2ploco.sync.reduce_values import (
     DroppedFromRound,
     Evidence,
     OtherVersion,
-    Outcome,
     ReduceAnswer,
     ReducerElsewhere,
     ReduceStatus,
+    TransferOutcome,
 )
 
 logger = logging.getLogger(__name__)
@@ -101,9 +101,9 @@ def answered_without(reducer: str, encoded: int, error: AllReduceError, sent: in
     """A reducer's answer that holds no aggregate (``error``: it refused our contribution, went on without it, or
     takes part in the round elsewhere), or a route that failed before."""
     if isinstance(error, ReducerElsewhere):  # it sends us nothing either
-        return Delivery(reducer=reducer, encoded=encoded, sent=sent, outcome=Outcome.ELSEWHERE, error=error,
+        return Delivery(reducer=reducer, encoded=encoded, sent=sent, outcome=TransferOutcome.ELSEWHERE, error=error,
                         reason="it takes part in this round in another group")
-    return Delivery(reducer=reducer, encoded=encoded, sent=sent, outcome=Outcome.REFUSED, error=error)
+    return Delivery(reducer=reducer, encoded=encoded, sent=sent, outcome=TransferOutcome.REFUSED, error=error)
 
 
 class Contributor:
@@ -136,19 +136,19 @@ class Contributor:
             await faults.hit_async("allreduce.contribute", group.round_index)
             return await self._take(peer, route, piece, reader, None if listens else payload)
         except TransportError as e:  # the reducer crashed, or the link to it broke: it will not send us its part
-            return Delivery(reducer=peer, encoded=len(payload), sent=sent, outcome=Outcome.MISSED,
+            return Delivery(reducer=peer, encoded=len(payload), sent=sent, outcome=TransferOutcome.MISSED,
                             reason=f"the link to it failed ({e})",
                             error=AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", wire.failure_of(e)))
         except TimeoutError:  # slow is not dead: its own contributions may still come
-            return Delivery(reducer=peer, encoded=len(payload), sent=sent, outcome=Outcome.LATE,
+            return Delivery(reducer=peer, encoded=len(payload), sent=sent, outcome=TransferOutcome.LATE,
                             error=AllReduceError(f"no aggregate from reducer {peer[-8:]} in time", Failure.TIMEOUT))
         except OpposedResult as e:  # what an honest result does rarely, a hostile one always
-            return Delivery(reducer=peer, encoded=len(payload), sent=sent, outcome=Outcome.OPPOSED,
+            return Delivery(reducer=peer, encoded=len(payload), sent=sent, outcome=TransferOutcome.OPPOSED,
                             reason=f"its result for span {piece.start}:{piece.stop} pointed against this peer's own "
                                    f"contribution",
                             error=AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", Failure.MALFORMED))
         except PayloadError as e:  # its answer or aggregate is malformed (or exceeds what it combined)
-            return Delivery(reducer=peer, encoded=len(payload), sent=sent, outcome=Outcome.MALFORMED,
+            return Delivery(reducer=peer, encoded=len(payload), sent=sent, outcome=TransferOutcome.MALFORMED,
                             reason=f"malformed answer to our contribution: {e}",
                             error=AllReduceError(f"no aggregate from reducer {peer[-8:]}: {e}", Failure.MALFORMED))
         finally:

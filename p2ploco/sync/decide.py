@@ -241,8 +241,9 @@ class RoundCommit:
                 self.bans.convict(proof, group.round_index)
             for liar in liars:
                 self.bans.ban(liar, group.round_index, "its vote listed a result its reducer did not sign")
-            decision = decide(group, {p: c for p, c in ballot.votes.items() if p not in liars}, self.me,
-                              frozenset(p.accused for p in proofs) | self._convicted(group))
+            deciding = faults.seam("coordinator.decide", self, decide)
+            decision = deciding(group, {p: c for p, c in ballot.votes.items() if p not in liars}, self.me,
+                                frozenset(p.accused for p in proofs) | self._convicted(group))
             decision = Decision(decision.outcome, decision.digests, self._granted(decision.redo), decision.reason,
                                 tuple(self.bans.proofs[p] for p in group.peers if p in self.bans.proofs)[:MAX_PROOFS])
             if decision.redo is not None:

@@ -73,7 +73,7 @@ the next coordinator instead (``SwarmCommunicator``). Naming a made-up coordinat
 
 The member's side is ``sync/contribute.py``, the reducer's ``sync/serve.py``, the values both hand back
 ``sync/reduce_values.py``: each transfer of a piece ends in an ``Outcome``, and what this peer does about the other
-side (miss, reject, ban, strike, convict) is decided in one place, ``ButterflyAllReduce._settle``.
+side (miss, reject, ban, strike, convict) is decided in one place, ``ButterflyAllReduce._act_on``.
 """
 
 from __future__ import annotations
@@ -107,10 +107,10 @@ from p2ploco.sync.reduce_values import (
     Delivery,
     DroppedFromRound,
     OtherVersion,
-    Outcome,
     Reduced,
     ReducerElsewhere,
     ReduceStatus,
+    TransferOutcome,
 )
 from p2ploco.sync.serve import Inbox, Reducer, Refusal, Served, broken, malformed, refuse, refused, take
 from p2ploco.sync.whereabouts import Whereabouts
@@ -259,7 +259,7 @@ class ButterflyAllReduce:
             return deliveries
         reason = f"it failed an audit of its result for span {e.piece.start}:{e.piece.stop}: {why}"
         logger.warning(f"round {group.round_index}: refused reducer {e.reducer[-8:]}: {reason}")
-        failed = replace(delivery, outcome=Outcome.MALFORMED, reason=reason, evidence=None,
+        failed = replace(delivery, outcome=TransferOutcome.MALFORMED, reason=reason, evidence=None,
                          error=AllReduceError(f"no aggregate from reducer {e.reducer[-8:]}: {reason}",
                                               Failure.MALFORMED))
         self._act_on(e.reducer, failed.outcome, failed.reason, (), group.round_index)
@@ -298,21 +298,22 @@ class ButterflyAllReduce:
             evidence=tuple(sorted((e for e in [*(r.evidence for r in reduced), *(d.evidence for d in deliveries)]
                                    if e is not None and len(e.piece)), key=lambda e: (e.slice, e.piece.start))))
 
-    def _act_on(self, peer: str, outcome: Outcome, reason: str, inboxes: Iterable[Inbox], round_index: int,
+    def _act_on(self, peer: str, outcome: TransferOutcome, reason: str, inboxes: Iterable[Inbox], round_index: int,
                 failure: Failure | None = None, proof: Proof | None = None) -> None:
         """What this peer does about ``peer``, the other side of a transfer of a piece, for what came of it: the one
         place that misses, rejects, bans, strikes and convicts. ``inboxes``: our pieces that ``peer`` owes
         contributions to and that go on without it; ``failure``: what a miss counts (None: counted once, elsewhere);
         ``proof``: that the group's coordinator handed out two versions of it."""
-        if outcome in (Outcome.MISSED, Outcome.ELSEWHERE):  # no blame: it votes "missing", a redo takes it along
+        # no blame for a miss: it votes "missing", and a redo takes it along
+        if outcome in (TransferOutcome.MISSED, TransferOutcome.ELSEWHERE):
             for inbox in inboxes:
                 inbox.miss(peer, failure, reason)
-        elif outcome == Outcome.MALFORMED:  # out of every piece it owes us, banned here; a reducer is accused
+        elif outcome == TransferOutcome.MALFORMED:  # out of every piece it owes us, banned here; a reducer is accused
             for inbox in inboxes:
                 inbox.reject(peer, reason)
             self.bans.ban(peer, round_index, reason)
-        elif outcome == Outcome.OPPOSED:  # what an honest result does rarely, a hostile one always: refused and accused
-            # (a reducer every member refuses is redone without), and struck rather than banned at once
+        elif outcome == TransferOutcome.OPPOSED:  # what an honest result does rarely, a hostile one always: refused
+            # and accused (a reducer every member refuses is redone without), and struck rather than banned at once
             self.bans.strike(peer, round_index, reason)
         if proof is not None:
             self.bans.convict(proof, round_index)
@@ -361,9 +362,9 @@ class ButterflyAllReduce:
                 served = malformed(str(e))
             except Exception:  # a bug: keep serving, miss the sender rather than wait for it, and say where it is
                 logger.exception(f"contribution from {sender[-8:]} failed unexpectedly")
-                served = Served(outcome=Outcome.MISSED, failure=Failure.MISSED, inbox=inbox,
+                served = Served(outcome=TransferOutcome.MISSED, failure=Failure.MISSED, inbox=inbox,
                                 reason="this reducer failed on its contribution (see its log)")
-            inboxes = (self.reducer.owed_by(sender) if served.outcome == Outcome.MALFORMED
+            inboxes = (self.reducer.owed_by(sender) if served.outcome == TransferOutcome.MALFORMED
                        else [served.inbox] if served.inbox is not None else [])
             self._act_on(sender, served.outcome, served.reason, inboxes, self.current_round, served.failure)
             if served.refusal is not None:
@@ -388,7 +389,7 @@ class ButterflyAllReduce:
         reply, result = self.answer(inbox.group, inbox.exchange, reduced, sender)
         await asyncio.wait_for(wire.write_message(writer, reply, result), inbox.transfer)
         inbox.bytes_out += len(result)
-        return Served(outcome=Outcome.DELIVERED)
+        return Served(outcome=TransferOutcome.DELIVERED)
 
     def answer(self, group: Group, exchange: Exchange, reduced: Reduced, sender: str) -> tuple[dict[str, Any], bytes]:
         """What this reducer answers ``sender`` for a piece it ``reduced`` (the same result, receipt and signature for

@@ -62,9 +62,9 @@ class OtherVersion(ReducerElsewhere):
         self.version, self.grant = version, grant
 
 
-class Outcome(enum.Enum):
+class TransferOutcome(enum.Enum):
     """What came of one transfer of a piece between a member and a reducer, as either side saw it. What this peer
-    does about the other side follows from it alone (``ButterflyAllReduce._settle``)."""
+    does about the other side follows from it alone (``ButterflyAllReduce._act_on``)."""
 
     DELIVERED = "delivered"  # the piece's result came back (a member) or went out (a reducer)
     REFUSED = "refused"  # the other side said no, or is out of the piece already: nothing more to do
@@ -98,7 +98,7 @@ class Delivery:
 
     reducer: str
     encoded: int  # bytes of our contribution
-    outcome: Outcome = Outcome.DELIVERED
+    outcome: TransferOutcome = TransferOutcome.DELIVERED
     reason: str = ""  # why, where the outcome is not DELIVERED: what this peer records against the reducer
     sent: int = 0  # of them on the wire (0: it never went out)
     received: int = 0  # bytes of the aggregate that came back
@@ -111,7 +111,7 @@ class Delivery:
     @property
     def accused(self) -> bool:
         """Its answer was malformed, or its result pointed against our contribution: our vote accuses it."""
-        return self.outcome in (Outcome.OPPOSED, Outcome.MALFORMED)
+        return self.outcome in (TransferOutcome.OPPOSED, TransferOutcome.MALFORMED)
 
 
 @dataclass(frozen=True)

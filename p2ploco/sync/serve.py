@@ -1,7 +1,7 @@
 """The reducer's side of the butterfly (``sync/reduce.py``): the pieces of this peer's spans as their contributions
 come in, combining each into the one result every member is answered, and the steps of taking one contribution. What
 came of a contribution is a value (``Served``): what this peer does about its sender is left to
-``ButterflyAllReduce._settle``."""
+``ButterflyAllReduce._act_on``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from p2ploco.swarm.evidence import Signer, result_statement
 from p2ploco.sync.audit import Audits
 from p2ploco.sync.clip_streaks import ClipStreaks
 from p2ploco.sync.group import Group
-from p2ploco.sync.reduce_values import Contribution, Evidence, Outcome, Reduced, ReduceStatus
+from p2ploco.sync.reduce_values import Contribution, Evidence, Reduced, ReduceStatus, TransferOutcome
 from p2ploco.sync.whereabouts import Whereabouts
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class Refusal(NamedTuple):
 class Served:
     """What came of one contribution to a piece of ours."""
 
-    outcome: Outcome
+    outcome: TransferOutcome
     reason: str = ""  # what this peer records against the sender (a miss's or a ban's reason)
     failure: Failure | None = None  # MISSED: what the miss counts
     inbox: Inbox | None = None  # MISSED, ELSEWHERE: the piece that goes on without the sender
@@ -137,19 +137,19 @@ def malformed(what: str) -> Served:
     """A malformed contribution (``what`` is wrong with it): its sender is out of every piece it owes us, and
     banned."""
     reason = f"malformed contribution: {what}"
-    return Served(outcome=Outcome.MALFORMED, reason=reason, refusal=Refusal(ReduceStatus.REJECTED, reason))
+    return Served(outcome=TransferOutcome.MALFORMED, reason=reason, refusal=Refusal(ReduceStatus.REJECTED, reason))
 
 
 def broken(error: TransportError | TimeoutError, inbox: Inbox | None) -> Served:
     """The sender's link failed, or it is too slow: ``inbox`` goes on without it."""
     reason = f"its link failed ({error})" if isinstance(error, TransportError) else "it timed out"
-    return Served(outcome=Outcome.MISSED, reason=reason, failure=wire.failure_of(error), inbox=inbox,
+    return Served(outcome=TransferOutcome.MISSED, reason=reason, failure=wire.failure_of(error), inbox=inbox,
                   refusal=Refusal(ReduceStatus.MISSED, reason))
 
 
 def refused(refusal: Refusal) -> Served:
     """The sender is out of the piece already (unreachable, banned, too late) or was never in it: no new offence."""
-    return Served(outcome=Outcome.REFUSED, refusal=refusal)
+    return Served(outcome=TransferOutcome.REFUSED, refusal=refusal)
 
 
 async def take(inbox: Inbox, contribution: Contribution, length: int, sender: str,
@@ -246,7 +246,8 @@ class Reducer:
         inbox: Inbox = pending.result()
         if contribution.version != inbox.group.digest:  # the coordinator handed out two versions of the group: the
             # sender's shows ours (signed) and the coordinator is proven; neither member is at fault
-            return Served(outcome=Outcome.ELSEWHERE, reason="it holds another version of the group", inbox=inbox,
+            return Served(outcome=TransferOutcome.ELSEWHERE, reason="it holds another version of the group",
+                          inbox=inbox,
                           refusal=Refusal(ReduceStatus.MISSED, f"contribution for another version of group "
                                           f"{key[0][:32]!r}", elsewhere=True, version=inbox.group))
         if sender not in inbox.senders | inbox.listeners:

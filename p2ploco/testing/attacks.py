@@ -72,7 +72,7 @@ class Equivocating(HostileReducer):
 
 def exact_mean(exchange: SparseExchange, span: Span, reduction: SpanReduction) -> tuple[SparseValues, float]:
     """The exact weighted mean of the contributions ``reduction`` combined, and the length its result may have."""
-    factors, _ = robust.weights(reduction.norms, reduction.tokens, exchange.policy.clip_factor)
+    factors, _ = robust.mean_factors(reduction.norms, reduction.tokens, exchange.policy.clip_factor)
     combined = [exchange.parse(span, payload) for _, payload in reduction.weighed[: len(reduction.norms)]]
     mean, _ = exchange.expected(span, combined, factors)
     return SparseValues(mean.positions, mean.values), exchange.limit(factors, reduction.norms)
