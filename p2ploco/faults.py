@@ -135,6 +135,8 @@ SEAMS = {
     "answer.contributions": "how a reducer answers the streams of contributions to its spans",
     "answer.state": "how a donor answers peers catching up (``StateServer``)",
     "answer.dialback": "how a public peer answers dial-back requests (``DialBack``)",
+    "reduce.result": "the result a reducer answers for its own span of a sparse exchange, from the span's mean "
+                     "(``SparseExchange.resparsify``; its audits of others' results stay honest)",
     "coordinator.decide": "how a coordinator decides a round from its members' votes (``sync/tally.py``'s ``decide``)",
 }
 _swapped: dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]] = {}

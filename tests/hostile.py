@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -87,49 +86,52 @@ def flip_contributions(factor: float, start: int) -> None:
     scale_contributions(factor, start, claim_the_most_tokens=True)
 
 
-def scale_results(factor: float, start: int) -> None:
-    from p2ploco.collective import sparse
-    from p2ploco.sync.reduce import ButterflyAllReduce
+def attacking_from(start: int) -> list[bool]:
+    """A flag that says, once each sync of this node starts forming, whether its round is one it attacks."""
+    from p2ploco import faults
 
-    honest_run, honest_take = ButterflyAllReduce.run, sparse.take_
     attacking = [False]
 
-    async def run(self: ButterflyAllReduce, group: Any, *args: Any) -> Any:
-        attacking[0] = group.round_index >= start
-        return await honest_run(self, group, *args)
+    def forming(_: Any, honest: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        async def marked(sync: Any) -> Any:
+            attacking[0] = sync.round_index >= start
+            return await honest(sync)
+        return marked
 
-    def take_(buffer: Any, choice: Any, scale: float = 1.0) -> Any:  # what a reducer sends of its span's result
-        return honest_take(buffer, choice, scale * factor if attacking[0] else scale)
+    faults.swap("sync.forming", forming)
+    return attacking
 
-    ButterflyAllReduce.run, sparse.take_ = run, take_
+
+def scale_results(factor: float, start: int) -> None:
+    from p2ploco import faults
+    from p2ploco.compression.sparse_format import SparseValues
+
+    attacking = attacking_from(start)
+
+    def resulting(_: Any, honest: Callable[..., Any]) -> Callable[..., Any]:
+        def scaled(span: Any, mean: Any, contributions: int, limit: float) -> Any:
+            if not attacking[0]:
+                return honest(span, mean, contributions, limit)
+            # the mean and the bound the contributions allow, both times the factor: the result is honest's, scaled
+            return honest(span, SparseValues(mean.positions, mean.values * np.float32(factor)), contributions,
+                          limit * factor)
+        return scaled
+
+    faults.swap("reduce.result", resulting)
 
 
 def steer_results(push: float, start: int) -> None:
-    from p2ploco.collective.sparse import SparseExchange
-    from p2ploco.sync.reduce import ButterflyAllReduce
+    from p2ploco import faults
     from p2ploco.testing.attacks import steered
 
-    honest_run, honest_combine, honest_resparsify = (ButterflyAllReduce.run, SparseExchange.combine,
-                                                     SparseExchange.resparsify)
-    attacking, combining = [False], threading.local()
+    attacking = attacking_from(start)
 
-    async def run(self: ButterflyAllReduce, group: Any, *args: Any) -> Any:
-        attacking[0] = group.round_index >= start
-        return await honest_run(self, group, *args)
+    def resulting(exchange: Any, honest: Callable[..., Any]) -> Callable[..., Any]:
+        def steering(span: Any, mean: Any, *args: Any) -> Any:
+            return honest(span, steered(mean, exchange.numel(span), push) if attacking[0] else mean, *args)
+        return steering
 
-    def combine(self: SparseExchange, *args: Any) -> Any:  # its own span's result; its audits of others stay honest
-        combining.on = attacking[0]
-        try:
-            return honest_combine(self, *args)
-        finally:
-            combining.on = False
-
-    def resparsify(self: SparseExchange, span: Any, mean: Any, *args: Any) -> Any:
-        if getattr(combining, "on", False):
-            mean = steered(mean, self.numel(span), push)
-        return honest_resparsify(self, span, mean, *args)
-
-    ButterflyAllReduce.run, SparseExchange.combine, SparseExchange.resparsify = run, combine, resparsify
+    faults.swap("reduce.result", resulting)
 
 
 def lie_about_the_round(claimed: int, start: int) -> None:

@@ -134,8 +134,9 @@ def test_pipeline_benchmark_reports_the_boundary_ratio_as_json():
 def test_pipeline_swarm_benchmark_measures_a_real_group_next_to_a_replica():
     figures = json.loads(run("benchmarks/pipeline_swarm.py", "--rounds", "2", "--json").splitlines()[-1])
     # tiny-pipeline: rank 8 in bf16 each way, 129 uint16 token ids per 128-token window, and per inner step of
-    # 2 x 4 windows one sum message (2 float64s: the squared gradient norm and the loss) to the other stage
-    assert figures["boundary_bytes_per_token"] == pytest.approx(2 * 8 * 2 + 2 * 129 / 128 + 16 / (8 * 128))
+    # 2 x 4 windows one sum message (3 float64s: the loss, the squared gradient norm and the stop vote) to the other
+    # stage
+    assert figures["boundary_bytes_per_token"] == pytest.approx(2 * 8 * 2 + 2 * 129 / 128 + 24 / (8 * 128))
     assert figures["uncompressed_boundary_bytes_per_token"] == pytest.approx(2 * 128 * 2 + 2 * 129 / 128)
     assert figures["rounds"] == 1 and figures["group_tokens_per_second"] > 0 < figures["replica_tokens_per_second"]
     assert 0 < figures["pipeline_round"]["stage_transfers"] < figures["pipeline_round"]["inner"]

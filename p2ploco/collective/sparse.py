@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from p2ploco import faults
 from p2ploco.collective import robust
 from p2ploco.collective.exchange import Exchange, Receipt, Span, contribution_digest, supersede
 from p2ploco.compression import sparse_format as fmt
@@ -232,8 +233,9 @@ class SparseExchange(Exchange):
             combined = _Resparsified(fmt.as_resparsified(contributions[0].payload), contributions[0].values)
         else:
             values = self._aggregate(span, [c.values for c in contributions], factors)
-            combined = (self.resparsify(span, values, len(contributions),
-                                         self.limit(factors, [c.norm for c in contributions]))
+            resparsify = faults.seam("reduce.result", self, self.resparsify)  # its own span's result: answered
+            combined = (resparsify(span, values, len(contributions),
+                                   self.limit(factors, [c.norm for c in contributions]))
                         if self.resparsified else _Aggregate(self.layout, span, [c.payload for c in contributions],
                                                              values))
         self._combined[span] = combined
