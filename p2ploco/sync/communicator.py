@@ -125,7 +125,9 @@ class SwarmCommunicator(Communicator):
         # Replaced whole, never changed in place: the training thread reads it while the event loop writes it.
         self.partners: frozenset[str] = frozenset()
         self._stranded_said = False  # said, since this peer last applied a round, that nobody can coordinate
-        self._handlers = {SyncState.FORMING: self._form, SyncState.REDUCING: self._reduce,
+        # FORMING is a seam: a hostile peer in the tests swaps it (``faults.py``) before its node starts
+        self._handlers = {SyncState.FORMING: faults.seam("sync.forming", self, self._form),
+                          SyncState.REDUCING: self._reduce,
                           SyncState.VOTING: self._vote, SyncState.REJOINING: self._rejoin,
                           SyncState.ALONE: self._alone}
 
@@ -142,8 +144,7 @@ class SwarmCommunicator(Communicator):
     async def _run(self, sync: Sync) -> AllReduceResult:
         state = SyncState.FORMING
         while state is not SyncState.DONE:
-            handler = self._handlers[state]
-            state = await (faults.seam("sync.forming", self, handler) if state is SyncState.FORMING else handler)(sync)
+            state = await self._handlers[state](sync)
         return self._result(sync)
 
     # ---- the states ---------------------------------------------------------------------------------------
