@@ -51,18 +51,17 @@ class Usage:
 WORDS: dict[str, tuple[str, tuple[Usage, ...]]] = {
     "group": ("the peers of one sync", (
         Usage(r"", r"(?i)pipeline_groups?", "a pipeline"),
-        Usage(r"pipeline/|roles\.py|metrics\.py|demo\.py|cli\.py",
+        Usage(r"pipeline/|roles\.py|metrics\.py|demo\.py|cli/",
               r"(?i)^_?groups?$|group_round|round_of_group|complete_groups|group_sizes", "a pipeline"),
-        Usage(r"pipeline/groups\.py$", r"^groups$", "a pipeline (its module)"),
         Usage(r"compression/topk\.py", r"(?i)group", "a cell of a chunk's lower bound"),
-        Usage(r"compression/|collective/(fp4|lowbit|grouped)", r"(?i)group(?!_size$)", "a quantization block"),
-        Usage(r"ranks/group\.py$", r"^group$", "a node's local ranks' torch process group (its module)"),
+        Usage(r"compression/|collective/(fp4|lowbit|blocked)", r"(?i)group(?!_size$)", "a quantization block"),
+        Usage(r"ranks/", r"^group$", "a node's local ranks' torch process group"),
         Usage(r"inner\.py|ranks/sharded\.py", r"^group$", "a torch optimizer's parameter group"),
         Usage(r"checkpoint\.py", r"^group$", "a section of a checkpoint's tensors"),
     )),
     "record": ("what a peer keeps, signed, in the DHT", (
         Usage(r"", r"RoundRecord|round_record", "what one round did, in the run directory"),
-        Usage(r"metrics\.py|rundir\.py|standing\.py|node\.py|dashboard/|demo\.py|launch\.py",
+        Usage(r"metrics\.py|rundir\.py|standing\.py|node\.py|presence\.py|progress\.py|dashboard/|demo\.py|launch\.py",
               r"(?i)^(_?records?|read_records|node_records|hub_records)$", "what one round did, in the run directory"),
     )),
     "follow": ("a peer follows the group it applied its last round with", (
@@ -72,9 +71,9 @@ WORDS: dict[str, tuple[str, tuple[Usage, ...]]] = {
         Usage(r"peer\.py", r"^followed$", "a state to fetch"),
     )),
     "settle": ("a round settles for a peer that ended it as the others did", (
-        Usage(r"node\.py", r"^_settle$", "agreeing on the run's config"),
+        Usage(r"node\.py|config_choice\.py", r"^_?settle$", "agreeing on the run's config"),
         Usage(r"schedules/", r"^settle$", "waiting for a sync in flight to land"),
-        Usage(r"sync/reduce\.py", r"^settled?$", "a sender's stream ending"),
+        Usage(r"sync/", r"^settled?$", "a sender's stream ending"),
     )),
     "standing": ("what a node's loop carries from round to round (standing.py)", (
         Usage(r"swarm/consensus\.py|sync/", r"standing", "a voter whose last round settled"),
@@ -91,7 +90,7 @@ WORDS: dict[str, tuple[str, tuple[Usage, ...]]] = {
 # glossary concept -> the names that call it by another word
 SYNONYMS: dict[str, tuple[Usage, ...]] = {
     "coordinator": (Usage(r"", r"(?i)judge", "judge"),),
-    "span": (Usage(r"sync/reduce\.py", r"(?i)session", "session"),),
+    "span": (Usage(r"sync/", r"(?i)session", "session"),),
     "phase": (Usage(r"", r"PeerState|peer_state", "state"),),
     "sync": (Usage(r"outer/", r"Round$", "round"),),
 }

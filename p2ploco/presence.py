@@ -76,23 +76,23 @@ class Presence:
         """Serve the state this peer holds, as the state of ``round_index``, to peers catching up."""
         self.swarm.serve_state(self.role.worker.snapshots(round_index))
 
-    def report(self, records: Sequence[RoundSummary]) -> None:
+    def report(self, summaries: Sequence[RoundSummary]) -> None:
         """Show the last round's results in this peer's record."""
-        self.swarm.update_record(**public_fields(records))
+        self.swarm.update_record(**public_fields(summaries))
 
     def _announce(self, round_index: int, phase: Phase, doubtful: bool = False) -> None:
         worker = self.role.worker
         self.swarm.announce_progress(round_index, phase, worker.params_digest, worker.slice_digest, doubtful)
 
 
-def public_fields(records: Sequence[RoundSummary]) -> dict[str, object]:
+def public_fields(summaries: Sequence[RoundSummary]) -> dict[str, object]:
     """What this node's DHT record tells others about its last round."""
     def finite(value: float | None) -> float | None:  # the record schema admits no NaN or inf
         return round(value, 4) if value is not None and math.isfinite(value) else None
 
-    r = records[-1]
+    r = summaries[-1]
     traffic = r.bytes_sent + r.bytes_received
-    evals = [[x.round, finite(x.eval_loss)] for x in records if finite(x.eval_loss) is not None][-EVAL_HISTORY:]
+    evals = [[x.round, finite(x.eval_loss)] for x in summaries if finite(x.eval_loss) is not None][-EVAL_HISTORY:]
     return {"loss": finite(r.loss), "eval_loss": finite(r.eval_loss),
             "tokens_per_second": round(r.tokens / r.round_seconds, 1) if r.round_seconds else 0.0,
             "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,

@@ -52,28 +52,28 @@ def progress_line(peer_id: str, r: RoundSummary) -> str:
             f"{notes} | {r.params_digest[:10]}")
 
 
-def summary(records: Sequence[RoundSummary], seconds: float) -> str:
-    if not records:
+def summary(summaries: Sequence[RoundSummary], seconds: float) -> str:
+    if not summaries:
         return f"no round completed ({seconds:.1f} s)"
-    evals = [r.eval_loss for r in records if r.eval_loss is not None]
-    rounds = ("rounds", f"{len(records)} ({records[0].round} to {records[-1].round}, "
-                        f"{sum(not r.applied for r in records)} not applied)")
-    group = ("mean group size", f"{sum(r.peers for r in records) / len(records):.1f}")
-    digest = ("final params digest", records[-1].params_digest[:16])
-    if records[-1].role == HUB:
+    evals = [r.eval_loss for r in summaries if r.eval_loss is not None]
+    rounds = ("rounds", f"{len(summaries)} ({summaries[0].round} to {summaries[-1].round}, "
+                        f"{sum(not r.applied for r in summaries)} not applied)")
+    group = ("mean group size", f"{sum(r.peers for r in summaries) / len(summaries):.1f}")
+    digest = ("final params digest", summaries[-1].params_digest[:16])
+    if summaries[-1].role == HUB:
         return format_table(("summary", "value"), [
             rounds, group,
             ("bytes per round (reduced / served)",
-             f"{human_bytes(sum(r.bytes_received for r in records) / len(records))} / "
-             f"{human_bytes(sum(r.bytes_sent for r in records) / len(records))}"),
-            ("time (comm / total)", f"{sum(r.comm_seconds for r in records):.1f} s / {seconds:.1f} s"), digest])
+             f"{human_bytes(sum(r.bytes_received for r in summaries) / len(summaries))} / "
+             f"{human_bytes(sum(r.bytes_sent for r in summaries) / len(summaries))}"),
+            ("time (comm / total)", f"{sum(r.comm_seconds for r in summaries):.1f} s / {seconds:.1f} s"), digest])
     return format_table(("summary", "value"), [
         rounds,
         ("eval loss first -> last", f"{evals[0]:.3f} -> {evals[-1]:.3f}" if evals else "-"),
         group,
         ("bytes per round (sent + received)",
-         human_bytes(sum(r.bytes_sent + r.bytes_received for r in records) / len(records))),
-        ("tokens trained", f"{sum(r.tokens for r in records):,}"),
-        ("time (inner / comm / total)", f"{sum(r.inner_seconds for r in records):.1f} s / "
-                                        f"{sum(r.comm_seconds for r in records):.1f} s / {seconds:.1f} s"),
+         human_bytes(sum(r.bytes_sent + r.bytes_received for r in summaries) / len(summaries))),
+        ("tokens trained", f"{sum(r.tokens for r in summaries):,}"),
+        ("time (inner / comm / total)", f"{sum(r.inner_seconds for r in summaries):.1f} s / "
+                                        f"{sum(r.comm_seconds for r in summaries):.1f} s / {seconds:.1f} s"),
         digest])
