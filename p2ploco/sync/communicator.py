@@ -132,7 +132,11 @@ class SwarmCommunicator(Communicator):
                           SyncState.ALONE: self._alone}
 
     def all_reduce(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
-        return self.loop.run(self._run(Sync(as_sliced(exchange, name), round_index, name, threading.Event())))
+        return self.loop.run(self.sync(exchange, round_index, name))
+
+    async def sync(self, exchange: Exchange, round_index: int, name: str) -> AllReduceResult:
+        """One sync, on the swarm's loop (``all_reduce`` from any other thread)."""
+        return await self._run(Sync(as_sliced(exchange, name), round_index, name, threading.Event()))
 
     def start_all_reduce(self, exchange: Exchange, round_index: int, name: str) -> PendingAllReduce:
         grouped = threading.Event()

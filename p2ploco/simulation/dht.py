@@ -1,0 +1,142 @@
+"""A Kademlia model of hivemind's DHT, for the real ``PeerDirectory`` of simulated peers (``SimDHTNode``: the calls
+of hivemind's ``DHTNode`` that p2ploco makes).
+
+The DHT's servers are the peers others can dial (and bootstrap nodes); each has hivemind's node id. A value under a
+key lives on the ``REPLICAS`` servers nearest the key's id by XOR distance, as hivemind's ``store`` writes it
+(``num_replicas`` = 5). Values are hivemind's bytes: the real serializer and the node's real record validator
+(``swarm/schema.py``: a peer record is signed on store and checked, its signature stripped, on read), so a record
+weighs what it weighs in the real DHT. A store reaches every replica (each checks it), a lookup with
+``latest=True`` hears from every replica (hivemind's traversal does not stop at the first value), and both first
+walk ``hops`` routing steps of ``ROUTING_BYTES`` each way. The bytes a server takes in and sends out are counted
+(``served``): that the replicas of one key serve every lookup of it is what this model is for. Every message goes
+over the simulated links, so a lookup that returns many records takes the time their bytes need."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from p2ploco.simulation.network import SimNetwork, SimP2P
+
+REPLICAS = 5  # hivemind's DHTNode num_replicas
+BUCKET = 20  # hivemind's bucket_size: nodes a routing answer names
+ROUTING_BYTES = 64 + BUCKET * 48  # one find request and its answer (node ids and addresses)
+CHECKED_KEPT = 1 << 18  # record checks remembered
+
+
+@dataclass
+class SimDHT:
+    network: SimNetwork
+    servers: dict[DHTID, str] = field(default_factory=dict)  # node id -> peer id of each server
+    # key id -> subkey bytes -> (signed value bytes, expiration), as each key's replicas hold it (kept once: the
+    # replicas of a key hold the same values in this model)
+    storage: dict[DHTID, dict[bytes, tuple[bytes, float]]] = field(default_factory=lambda: defaultdict(dict))
+    served: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # server -> bytes in and out
+    # a record's signed bytes -> its value stripped of the signature, or None if it does not validate: a record is
+    # checked once for all simulated peers (the check is a pure function of its bytes, and every peer of a run
+    # holds the same validator), which a real peer pays for every record of every lookup
+    _checked: dict[tuple[bytes, bytes, bytes, float], bytes | None] = field(default_factory=dict)
+
+    def checked(self, record: DHTRecord, validator: RecordValidatorBase) -> bytes | None:
+        """``record``'s value without its signature if ``validator`` takes it, else None."""
+        key = (record.key, record.subkey, record.value, record.expiration_time)
+        if key not in self._checked:
+            if len(self._checked) > CHECKED_KEPT:
+                self._checked.clear()
+            self._checked[key] = validator.strip_value(record) if validator.validate(record) else None
+        return self._checked[key]
+
+    def serve(self, peer: str) -> None:
+        self.servers[DHTID.generate(source=peer)] = peer
+
+    def leave(self, peer: str) -> None:
+        self.servers.pop(DHTID.generate(source=peer), None)
+
+    def replicas(self, key_id: DHTID) -> list[str]:
+        nearest = sorted(self.servers, key=key_id.xor_distance)[:REPLICAS]
+        return [self.servers[node] for node in nearest]
+
+    @property
+    def hops(self) -> int:
+        return max(1, math.ceil(math.log2(max(2, len(self.servers) / BUCKET))))
+
+    async def route(self, peer: str) -> None:
+        """The routing walk toward a key before a store or lookup: ``hops`` requests and answers."""
+        for _ in range(self.hops):
+            await self._carry(peer, peer, ROUTING_BYTES, through=None)
+
+    async def _carry(self, sender: str, receiver: str, size: int, through: str | None) -> None:
+        """``size`` bytes from ``sender`` to ``receiver`` (a round trip's worth when both are one: routing), counted
+        at ``through``, the server that takes or sends them."""
+        network = self.network
+        if through is not None:
+            self.served[through] += size
+        if sender == receiver or receiver not in network.links or sender not in network.links:
+            link = network.links.get(sender)
+            await asyncio.sleep(2 * (link.latency if link else 0.05))
+            return
+        _, arrival = network.carry(sender, receiver, size)
+        await asyncio.sleep(max(0.0, arrival - network.loop.time()))
+
+
+class SimDHTNode:
+    """One peer's DHT node: store and get through the model, with the peer's own record validator."""
+
+    def __init__(self, dht: SimDHT, p2p: SimP2P, validator: RecordValidatorBase, server: bool):
+        self.dht, self.p2p, self.validator = dht, p2p, validator
+        self.protocol = _Protocol(p2p)
+        self.peer_id: PeerID = p2p.peer_id
+        if server:
+            dht.serve(str(self.peer_id))
+
+    async def store(self, key: str, value: Any, expiration_time: float, subkey: Any = None, **_: Any) -> bool:
+        me, key_id = str(self.peer_id), DHTID.generate(source=key)
+        subkey_bytes = MSGPackSerializer.dumps(subkey)
+        record = DHTRecord(key_id.to_bytes(), subkey_bytes, MSGPackSerializer.dumps(value), expiration_time)
+        signed = self.validator.sign_value(record)
+        record = DHTRecord(record.key, subkey_bytes, signed, expiration_time)
+        await self.dht.route(me)
+        replicas = self.dht.replicas(key_id)
+        size = len(key_id.to_bytes()) + len(subkey_bytes) + len(signed) + 16
+        await asyncio.gather(*(self.dht._carry(me, replica, size, through=replica) for replica in replicas))
+        if not replicas or self.dht.checked(record, self.validator) is None:
+            return False
+        held = self.dht.storage[key_id]
+        if subkey_bytes not in held or held[subkey_bytes][1] <= expiration_time:
+            held[subkey_bytes] = (signed, expiration_time)
+        return True
+
+    async def get(self, key: str, latest: bool = False, **_: Any) -> ValueWithExpiration | None:
+        me, key_id = str(self.peer_id), DHTID.generate(source=key)
+        await self.dht.route(me)
+        now = time.time()
+        held = {s: (v, e) for s, (v, e) in self.dht.storage.get(key_id, {}).items() if e > now}
+        self.dht.storage[key_id] = held
+        size = sum(len(s) + len(v) + 8 for s, (v, _) in held.items()) + 32
+        replicas = self.dht.replicas(key_id)
+        asked = replicas if latest else replicas[:1]
+        await asyncio.gather(*(self.dht._carry(replica, me, size, through=replica) for replica in asked))
+        if not held or not replicas:
+            return None
+        found = {}
+        for subkey_bytes, (signed, expires) in held.items():
+            value = self.dht.checked(DHTRecord(key_id.to_bytes(), subkey_bytes, signed, expires), self.validator)
+            if value is not None:
+                found[MSGPackSerializer.loads(subkey_bytes)] = ValueWithExpiration(MSGPackSerializer.loads(value),
+                                                                                   expires)
+        return ValueWithExpiration(found, max(e for _, e in held.values())) if found else None
+
+
+@dataclass
+class _Protocol:
+    p2p: SimP2P
