@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from p2ploco import faults
 from p2ploco.simulation.clock import VirtualLoop, virtual_time
-from p2ploco.simulation.swarm import RUN, RoundOutcome, Scenario, SimulatedSwarm
+from p2ploco.simulation.swarm import RUN, RoundOutcome, Scenario, SimulatedSwarm, scaled_results
 from p2ploco.sync.join import join_handler
 
 
@@ -30,6 +31,8 @@ class Report:
     busiest_dht_bytes: float  # the busiest DHT server's bytes in and out, per heartbeat
     newcomer_seconds: float | None  # mean virtual time from a newcomer's start to its first applied round
     newcomers: int
+    ban_seconds: float | None  # mean virtual time from an attacker's first attacking round to its ban by most peers
+    attackers_banned: int
     virtual_seconds: float
     wall_seconds: float
     cpu_seconds: float  # the simulated peers' CPU time, all together
@@ -46,6 +49,8 @@ def simulate(scenario: Scenario, on_round: Callable[[RoundOutcome], None] = lamb
     try:
         swarm = SimulatedSwarm(scenario, loop)
         swarm.on_round = lambda index: on_round(swarm.round_outcome(index))
+        if scenario.attackers:
+            faults.swap("reduce.result", scaled_results(swarm))
         with virtual_time(loop):
             loop.run_until_complete(swarm.run())
             left = asyncio.all_tasks(loop)  # the peers' services, still serving: cancelled, and let finish
@@ -54,6 +59,7 @@ def simulate(scenario: Scenario, on_round: Callable[[RoundOutcome], None] = lamb
             loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         return report(swarm, time.perf_counter() - started)
     finally:
+        faults.swap("reduce.result", None)
         asyncio.set_event_loop(None)
         loop.close()
 
@@ -73,6 +79,8 @@ def report(swarm: SimulatedSwarm, wall: float) -> Report:
     newcomers = [p for p in swarm.peers if p.index >= scenario.peers]
     settled = [p.first_applied_at - p.joined_at for p in newcomers if p.first_applied_at is not None]
     heartbeats = max(1.0, loop.now / swarm.config.swarm.heartbeat_interval)
+    attacking_since = swarm.round_began.get(scenario.attack_from)
+    bans = [when - attacking_since for when in swarm.banned_at.values() if attacking_since is not None]
     return Report(
         peers=scenario.peers, rounds=scenario.rounds, rounds_by_all=sum(o.by_all for o in outcomes),
         applied_share=round(sum(row.applied for p in swarm.peers for row in p.rounds.values()) / peer_rounds, 4),
@@ -88,4 +96,5 @@ def report(swarm: SimulatedSwarm, wall: float) -> Report:
                               / scenario.rounds, 4),
         busiest_dht_bytes=round(max(swarm.dht.served.values(), default=0) / heartbeats),
         newcomer_seconds=round(statistics.mean(settled), 1) if settled else None, newcomers=len(newcomers),
+        ban_seconds=round(statistics.mean(bans), 1) if bans else None, attackers_banned=len(bans),
         virtual_seconds=round(loop.now, 1), wall_seconds=round(wall, 1), cpu_seconds=round(sum(loop.cpu.values()), 1))

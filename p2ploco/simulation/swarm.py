@@ -18,16 +18,20 @@ import logging
 import math
 import random
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+import numpy as np
 import torch
 from hivemind.p2p import PeerID
 
 from p2ploco import __version__
 from p2ploco.collective.exchange import AllReduceResult, PendingAllReduce
+from p2ploco.compression.sparse_format import SparseValues
 from p2ploco.config import Config, document_fingerprint, load_config
 from p2ploco.errors import SwarmError
 from p2ploco.metrics import state_digest
@@ -70,12 +74,14 @@ class Scenario:
     stragglers: float = 0.0  # peers whose inner steps take STRAGGLER_FACTOR times as long
     straggler_factor: float = 3.0
     inner_seconds: float = 60.0  # virtual time of a round's inner steps
-    params: int = 1 << 20  # parameters of the simulated model (one 64 x 64 matrix per 4096)
+    params: int = 1 << 16  # parameters of the simulated model (one 64 x 64 matrix per 4096)
     latency: tuple[float, float] = (0.01, 0.08)  # one-way, seconds: drawn per peer
     mbit: tuple[float, float] = (50.0, 500.0)  # up and down link rates, drawn per peer
     seed: int = 0
     settings: tuple[str, ...] = ()  # config overrides, after SETTINGS
     config: str | None = None  # a config file: its settings (before ``settings``), and its model's parameter shapes
+    attackers: int = 0  # peers (public, of the first) that answer the spans they reduce with their result scaled
+    attack_from: int = 1  # the round from which they do
 
 
 @dataclass
@@ -109,6 +115,7 @@ class SimPeer:
     index: int
     link: Link
     straggler: bool = False
+    attacker: bool = False  # scales the results of the spans it reduces (``SCALE``)
     joined_at: float = 0.0
     left_at: float | None = None
     first_applied_at: float | None = None
@@ -171,6 +178,8 @@ class SimPeer:
             started, dht_before = swarm.loop.time(), directory.dht_bytes
             await asyncio.sleep(self.inner_seconds(round_index))
             outer_sync = self.outer.contribute(self.trained(round_index), round_index, tokens=TOKENS)
+            if self.attacker and round_index >= swarm.scenario.attack_from:
+                swarm.hostile_exchanges.update(outer_sync.exchange.parts.values())
             result = await self.communicator.sync(outer_sync.exchange, round_index, "params")
             outer_sync.all_reduce = finished(result)
             synced = self.outer.finish(outer_sync)
@@ -291,6 +300,23 @@ def _blame_nobody(donor: str, why: str) -> None:
     logger.info(f"donor {donor[-8:]}: {why}")
 
 
+SCALE = 8.0  # what an attacker multiplies the results of its spans by
+
+
+def scaled_results(swarm: SimulatedSwarm) -> Callable[[Any, Callable[..., Any]], Callable[..., Any]]:
+    """The ``reduce.result`` seam (``faults.py``) of a swarm with attackers: an attacker's exchange answers its span's
+    mean, and the bound the contributions allow, times SCALE (well-formed and finite); everyone else's, honestly."""
+    def resulting(exchange: Any, honest: Callable[..., Any]) -> Callable[..., Any]:
+        if exchange not in swarm.hostile_exchanges:
+            return honest
+
+        def scaled(span: Any, mean: SparseValues, contributions: int, limit: float) -> Any:
+            return honest(span, SparseValues(mean.positions, mean.values * np.float32(SCALE)), contributions,
+                          limit * SCALE)
+        return scaled
+    return resulting
+
+
 class SimulatedSwarm:
     def __init__(self, scenario: Scenario, loop: VirtualLoop):
         self.scenario, self.loop = scenario, loop
@@ -305,6 +331,8 @@ class SimulatedSwarm:
         self.peers: list[SimPeer] = []
         self.ended: dict[int, set[str]] = defaultdict(set)  # round -> peers whose sync of it returned
         self.round_began: dict[int, float] = {}  # round -> when its first peer began training it
+        self.hostile_exchanges: weakref.WeakSet = weakref.WeakSet()  # the attackers' exchanges: they scale results
+        self.banned_at: dict[str, float] = {}  # attacker -> when most honest peers had banned it
         self.on_round: Callable[[int], None] = lambda r: None  # called once every live peer ended a round
         self._reported = -1
         if scenario.config is None:
@@ -331,6 +359,7 @@ class SimulatedSwarm:
 
     def round_ended(self, peer: SimPeer, round_index: int) -> None:
         self.ended[round_index].add(peer.peer_id)
+        self._look_for_bans(round_index)
         syncing = any(p.live and p.training == round_index and p.peer_id not in self.ended[round_index]
                       for p in self.peers)
         for done in range(self._reported + 1, round_index + 1):
@@ -338,9 +367,16 @@ class SimulatedSwarm:
                 self._reported = done
                 self.on_round(done)
 
+    def _look_for_bans(self, round_index: int) -> None:
+        """Note when each attacker is first banned by most of the honest peers that are there."""
+        honest = [p for p in self.peers if p.live and not p.attacker and p.directory is not None]
+        for attacker in (p for p in self.peers if p.attacker and p.peer_id not in self.banned_at):
+            if honest and 2 * sum(p.directory.bans.banned(attacker.peer_id, round_index) for p in honest) > len(honest):
+                self.banned_at[attacker.peer_id] = self.loop.time()
+
     def round_outcome(self, round_index: int) -> RoundOutcome:
-        """How round ``round_index`` went: the peers that synced it and stayed, and who of them applied it."""
-        rows = [p.rounds[round_index] for p in self.peers if round_index in p.rounds
+        """How round ``round_index`` went: the honest peers that synced it and stayed, and who of them applied it."""
+        rows = [p.rounds[round_index] for p in self.peers if round_index in p.rounds and not p.attacker
                 and (p.left_at is None or p.left_at > p.rounds[round_index].ended)]
         applied = [r for r in rows if r.applied]
         return RoundOutcome(round_index, len(rows), len(applied), len({r.digest for r in applied}),
@@ -348,9 +384,12 @@ class SimulatedSwarm:
 
     async def run(self) -> None:
         first = [self.new_peer() for _ in range(self.scenario.peers)]
-        if not any(not p.link.nat for p in first):  # somebody must be dialable: the first peer is
-            first[0] = SimPeer(self, 0, Link(first[0].link.latency, first[0].link.up, first[0].link.down, False))
-            self.peers[0] = first[0]
+        public = [p for p in first if not p.link.nat]
+        if not public:  # somebody must be dialable: the first peer is
+            first[0] = self.peers[0] = SimPeer(self, 0, replace(first[0].link, nat=False))
+            public = [first[0]]
+        for peer in public[:self.scenario.attackers]:
+            peer.attacker = True
         await asyncio.gather(*(on_behalf_of(peer.peer_id, peer.start()) for peer in first))
         for peer in first:
             peer.task = on_behalf_of(peer.peer_id, peer.begin())

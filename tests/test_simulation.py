@@ -1,0 +1,61 @@
+"""The protocol's own code in a simulated internet (``p2ploco/simulation/``): virtual time, simulated links and DHT,
+every peer's real directory, sync services and outer algorithm."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from p2ploco.simulation.clock import SimulationStalled, VirtualLoop, virtual_time
+from p2ploco.simulation.report import simulate
+from p2ploco.simulation.swarm import Scenario
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_virtual_time_jumps_to_the_next_timer_and_real_time_reads_it():
+    loop = VirtualLoop()
+
+    async def nap() -> tuple[float, float]:
+        before = time.monotonic()
+        await asyncio.sleep(3600)
+        return before, time.monotonic()
+
+    started = time.perf_counter()
+    with virtual_time(loop):
+        before, after = loop.run_until_complete(nap())
+    loop.close()
+    assert after - before == pytest.approx(3600)
+    assert time.perf_counter() - started < 60  # the hour passed in virtual time only, and the real clock is back
+
+
+def test_a_loop_with_nothing_scheduled_says_it_stalled():
+    loop = VirtualLoop()
+    with virtual_time(loop), pytest.raises(SimulationStalled):
+        loop.run_until_complete(loop.create_future())
+    loop.close()
+
+
+def test_a_simulated_swarm_behind_nats_applies_every_round_with_one_digest():
+    rounds = []
+    report = simulate(Scenario(peers=32, rounds=3, nat_share=0.3), rounds.append)
+    assert [(o.round, o.synced, o.applied, o.digests) for o in rounds] == [(r, 32, 32, 1) for r in range(3)]
+    assert report.rounds_by_all == 3
+    assert report.allreduce_bytes > 0 and report.dht_bytes > 0 and report.busiest_dht_bytes > 0
+
+
+@pytest.mark.slow
+def test_peers_that_crash_leave_and_join_cost_the_others_no_round():
+    report = simulate(Scenario(peers=48, rounds=4, nat_share=0.3, churn=0.04, seed=1))
+    assert report.newcomers > 0 and report.newcomer_seconds is not None  # newcomers trained and applied rounds
+    assert report.applied_share > 0.9
+
+
+@pytest.mark.slow
+def test_reducers_that_scale_their_results_are_banned_and_the_others_apply_every_round():
+    rounds = []
+    report = simulate(Scenario(peers=24, rounds=3, nat_share=0.3, attackers=2, params=1 << 18), rounds.append)
+    assert report.attackers_banned == 2
+    assert [(o.synced, o.applied, o.digests) for o in rounds] == [(22, 22, 1)] * 3
