@@ -26,6 +26,9 @@ KEEP_PER_PEER = 16  # a group is remembered while it is among this many latest o
 KEEP_SECONDS = 600.0  # ... and at most this long
 
 
+_NONE: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ())  # a slice nobody holds
+
+
 @dataclass(frozen=True)
 class Group:
     """The peers that all-reduce together in one round (or, with ``attempt`` 1, in the redo among its survivors)."""
@@ -70,21 +73,31 @@ class Group:
 
     def holders(self, slice_name: str) -> tuple[str, ...]:
         """The members that hold ``slice_name``, in canonical order: each contributes to every span of it."""
-        return tuple(peer for peer, slices in self.holdings if slice_name in slices)
+        return self._of_slice.get(slice_name, _NONE)[0]
+
+    @cached_property
+    def _of_slice(self) -> dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
+        """Per slice, its holders, contributors and reducers, found once: a round asks for them per piece, and a scan
+        of the group each time made that O(N^2) per member (found by ``benchmarks/simulate.py``)."""
+        tokens, reducing_none = dict(self.tokens), set(self.dial_out) | set(self.passive)
+        holders: dict[str, list[str]] = {}
+        for peer, slices in self.holdings:
+            for name in slices:
+                holders.setdefault(name, []).append(peer)
+        return {name: (tuple(peers), tuple(p for p in peers if tokens.get(p, 1) > 0),
+                       tuple(p for p in peers if p not in reducing_none)) for name, peers in holders.items()}
 
     def contributors(self, slice_name: str) -> tuple[str, ...]:
         """The holders of ``slice_name`` that send a contribution to each of its spans, in canonical order: all but
         the hubs (``roles.py``: a public peer that trains nothing joins with no tokens; it reduces spans and takes
         the results, and sends nothing of its own)."""
-        tokens = dict(self.tokens)  # none listed: equal weights, every holder contributes
-        return tuple(peer for peer in self.holders(slice_name) if tokens.get(peer, 1) > 0)
+        return self._of_slice.get(slice_name, _NONE)[1]  # no tokens listed: equal weights, every holder contributes
 
     def reducers(self, slice_name: str) -> tuple[str, ...]:
         """The holders of ``slice_name`` that others can dial, in canonical order, less the passive ones: the i-th
         reduces span i. A member that can only dial out sends its contributions and reads the results on streams it
         opened; a passive one does so too (a redo's refusers: ``commit.decide``)."""
-        return tuple(peer for peer in self.holders(slice_name)
-                     if peer not in self.dial_out and peer not in self.passive)
+        return self._of_slice.get(slice_name, _NONE)[2]
 
     def tokens_of(self) -> dict[str, int]:
         """Each member's weight: the tokens its contribution carries."""
