@@ -10,7 +10,7 @@ import torch
 from helpers import run_outer_replicas
 
 from p2ploco.collective.exchange import reduce_span
-from p2ploco.collective.sparse import ResultLayouts, SparseExchange
+from p2ploco.collective.sparse import MIN_FITTED_K, ResultLayouts, SparseExchange
 from p2ploco.compression import sparse_format as fmt
 from p2ploco.compression.chunking import chunk_grid
 from p2ploco.compression.quantize import quantize
@@ -111,12 +111,12 @@ def reference_sparseloco(initial, locals_per_round, config: SparseLoCoConfig):
 def sent_grid(shape, config: SparseLoCoConfig, replicas: int):
     """How a replica of a group of ``replicas`` chunks a tensor and how many values it sends per chunk: topk, or with
     resparsified results where the replicas' values may not fit a result's chunk, the result's k // replicas (at
-    least 1)."""
+    least MIN_FITTED_K)."""
     grid = chunk_grid(shape, config.chunk_size, config.topk)
     cap = chunk_grid(shape, config.chunk_size, config.result_topk).k
     if config.result == "exact" or min(replicas * grid.k, grid.chunk_numel) <= cap:
         return grid
-    return dataclasses.replace(grid, k=max(1, cap // replicas))
+    return dataclasses.replace(grid, k=min(grid.k, max(MIN_FITTED_K, cap // replicas)))
 
 
 def reference_sparse_aggregate(deltas, errors, config: SparseLoCoConfig):
@@ -202,25 +202,27 @@ def test_a_result_keeps_what_its_contributions_selected_up_to_the_cap():
 
 
 def test_a_large_group_sends_fewer_values_each_so_that_a_result_holds_them_all():
-    """From the group size at which n x topk passes the result's cap, each holder sends cap // n values per chunk
-    (at least 1), so a result of all n keeps every value sent; chunks sent whole always fit."""
+    """From the group size at which n x topk passes the result's cap, each holder sends cap // n values per chunk,
+    so a result of all n keeps every value sent, down to MIN_FITTED_K per chunk (beyond cap / MIN_FITTED_K holders
+    the result keeps the cap's k of them); chunks sent whole always fit."""
     contributions = SparseLayout([chunk_grid(shape, 64, 64) for shape in SHAPES])
     results = ResultLayouts(contributions, SparseLayout([chunk_grid(shape, 64, 256) for shape in SHAPES]))
     assert results.shared(1) is results and results.shared(3) is results
     assert [g.k for g in results.shared(4).contributions.grids] == [64, 1, 64, 37]  # 4 x 38 would pass 150
-    assert [results.shared(n).contributions.grids[0].k for n in (5, 16, 300)] == [51, 16, 1]
-    for n in (5, 16, 100):
+    assert [results.shared(n).contributions.grids[0].k for n in (5, 16, 64, 65, 300)] == [51, 16, 4, 4, 4]
+    for n in (5, 16, 64):
         shared = results.shared(n)
-        assert all(min(grid.k * n, grid.chunk_numel) <= most.k or grid.k == 1
+        assert all(min(grid.k * n, grid.chunk_numel) <= most.k or grid.k in (1, MIN_FITTED_K)
                    for grid, most in zip(shared.contributions.grids, shared.cap.grids))
         assert shared.for_contributions(n).grids[0].k == n * shared.contributions.grids[0].k
+    assert results.shared(100).for_contributions(100).grids[0].k == 256  # 100 x 4 values: the cap's 256 kept
     assert results.shared(16).contributions.grids[2].k == 64  # a vector's chunks: sent whole, they fit any group
 
 
-@pytest.mark.parametrize("holders, k", [(3, 32), (MAX_PEERS, 1)])
+@pytest.mark.parametrize("holders, k", [(3, 32), (MAX_PEERS, MIN_FITTED_K)])
 def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_fits_each_group_again(holders, k):
     """Fitted to 3 holders under a cap of 96, a contribution sends 32 values per chunk; to a group a coordinator
-    padded to the most members a group may have, 1: either way its buffer plus what it sends is what the buffer held
+    padded to the most members a group may have, MIN_FITTED_K: either way its buffer plus what it sends is what the buffer held
     before, and the exchange's fingerprint (what joiners compare) stays. Fitted then to a group of 2 (its first group
     died, and the next coordinator's has 2 holders), it sends 48, bit for bit what a peer whose first group that is
     sends, and still loses nothing; a round not applied gives every value back."""
@@ -287,7 +289,7 @@ def test_a_checkpoints_error_feedback_is_each_buffer_as_if_the_round_in_flight_w
 def test_resparsified_results_equal_a_written_out_reference(aggregate, result_topk):
     """Each reducer compresses its span's mean again, keeping result_topk values per chunk or all that 3 replicas
     can have sent if fewer: with 256 they send 64 each (192 in all); with 96, 32 each (3 x 64 would not fit); with
-    2, 1 each, and the result drops one of 3. Every replica applies the same bits, and no reducer keeps a buffer: a
+    2, MIN_FITTED_K (4) each, and the result keeps 2 of up to 12. Every replica applies the same bits, and no reducer keeps a buffer: a
     result is a function of the contributions alone."""
     config = SparseLoCoConfig(aggregate=aggregate, result="resparsified", result_topk=result_topk)
     replicas = 3

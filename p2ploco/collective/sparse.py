@@ -50,6 +50,10 @@ from p2ploco.compression.topk import CompressedTensor, choose
 from p2ploco.errors import PayloadError
 
 CPU = torch.device("cpu")
+# The fewest values per chunk a contribution fitted to its group sends. At 2 (a group of more than 85 holders under
+# the default cap of 256) honest members' results pointed against their own contributions (cosine -0.09: every
+# round redone, none applied, benchmarks/simulate.py at 96 and 128 peers); 3 (80 holders) and 4 committed (issue 63).
+MIN_FITTED_K = 4
 SPAN_HEADER = struct.Struct("<3q")  # span start, span stop, positions: hashed before each span's aggregate
 
 
@@ -94,9 +98,10 @@ class ResultLayouts:
     def shared(self, holders: int) -> ResultLayouts:
         """The layouts of a group of ``holders`` contributors: where their selections may not fit a result's chunk
         (holders x k values, or the whole chunk if fewer: a vector's chunks are sent whole), each sends the cap's
-        k // holders values per chunk instead (at least 1), so that their union fits."""
+        k // holders values per chunk instead, at least ``MIN_FITTED_K``, so that their union fits (beyond
+        cap k / MIN_FITTED_K holders it does not, and the reducer's result drops what the cap has no room for)."""
         grids = [grid if min(holders * grid.k, grid.chunk_numel) <= most.k else
-                 replace(grid, k=max(1, most.k // holders))
+                 replace(grid, k=min(grid.k, max(MIN_FITTED_K, most.k // holders)))
                  for grid, most in zip(self.contributions.grids, self.cap.grids)]
         return self if all(g.k == grid.k for g, grid in zip(grids, self.contributions.grids)) else (
             ResultLayouts(SparseLayout(grids), self.cap))
