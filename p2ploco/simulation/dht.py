@@ -73,9 +73,9 @@ class SimDHT:
     async def route(self, peer: str) -> None:
         """The routing walk toward a key before a store or lookup: ``hops`` requests and answers."""
         for _ in range(self.hops):
-            await self._carry(peer, peer, ROUTING_BYTES, through=None)
+            await self.carry(peer, peer, ROUTING_BYTES, through=None)
 
-    async def _carry(self, sender: str, receiver: str, size: int, through: str | None) -> None:
+    async def carry(self, sender: str, receiver: str, size: int, through: str | None) -> None:
         """``size`` bytes from ``sender`` to ``receiver`` (a round trip's worth when both are one: routing), counted
         at ``through``, the server that takes or sends them."""
         network = self.network
@@ -108,7 +108,7 @@ class SimDHTNode:
         await self.dht.route(me)
         replicas = self.dht.replicas(key_id)
         size = len(key_id.to_bytes()) + len(subkey_bytes) + len(signed) + 16
-        await asyncio.gather(*(self.dht._carry(me, replica, size, through=replica) for replica in replicas))
+        await asyncio.gather(*(self.dht.carry(me, replica, size, through=replica) for replica in replicas))
         if not replicas or self.dht.checked(record, self.validator) is None:
             return False
         held = self.dht.storage[key_id]
@@ -125,7 +125,7 @@ class SimDHTNode:
         size = sum(len(s) + len(v) + 8 for s, (v, _) in held.items()) + 32
         replicas = self.dht.replicas(key_id)
         asked = replicas if latest else replicas[:1]
-        await asyncio.gather(*(self.dht._carry(replica, me, size, through=replica) for replica in asked))
+        await asyncio.gather(*(self.dht.carry(replica, me, size, through=replica) for replica in asked))
         if not held or not replicas:
             return None
         found = {}

@@ -41,7 +41,7 @@ from p2ploco.outer.base import OuterAlgorithm, whole
 from p2ploco.simulation.clock import VirtualLoop, on_behalf_of
 from p2ploco.simulation.dht import SimDHT, SimDHTNode
 from p2ploco.simulation.keys import simulation_keys
-from p2ploco.simulation.network import Link, SimNetwork
+from p2ploco.simulation.network import Link, SimNetwork, SimP2P
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import ranked_states
 from p2ploco.swarm.deadlines import TransferDeadline
@@ -125,6 +125,8 @@ class SimPeer:
     directory: PeerDirectory | None = None
     server: StateServer | None = None
     outer: OuterAlgorithm | None = None
+    p2p: SimP2P | None = None
+    deadlines: TransferDeadline | None = None
     task: asyncio.Task | None = None
 
     def __post_init__(self) -> None:
@@ -139,7 +141,7 @@ class SimPeer:
         """Enter the swarm as ``peer.Arrival.enter`` does: a DHT node, a record, the sync services, a state server."""
         swarm, config = self.swarm, self.swarm.config
         c = config.swarm
-        p2p = swarm.network.daemon(PeerID.from_base58(self.peer_id), self.link)
+        self.p2p = p2p = swarm.network.daemon(PeerID.from_base58(self.peer_id), self.link)
         validator, owner = record_validator(self.key, RUN)
         node = SimDHTNode(swarm.dht, p2p, validator, server=not self.link.nat)
         reachability = Reachability.RELAYED if self.link.nat else Reachability.PUBLIC
@@ -151,13 +153,12 @@ class SimPeer:
                                                    run_id=RUN)
         await directory.refresh()
         bans = directory.bans = Bans(c.ban_rounds, RUN)
-        deadlines = TransferDeadline(c.allreduce_timeout, c.min_bandwidth_mbit, c.max_transfer_timeout)
+        self.deadlines = deadlines = TransferDeadline(c.allreduce_timeout, c.min_bandwidth_mbit, c.max_transfer_timeout)
         this = ThisPeer(self.peer_id, PeerRole.REPLICA, swarm.fingerprint)
         self.communicator = await start_sync(None, p2p, directory, this, RUN, c, deadlines, bans, Signer(self.key), 1,
                                              config.max_contribution_tokens, self.link.nat)
         self.server = StateServer(p2p, RUN, deadlines)
         await self.server.start()
-        self.deadlines = deadlines
         self.outer = build_outer(config.outer, swarm.initial_params(), max_tokens=config.max_contribution_tokens)
         directory.live_fields = lambda: {"inner_step": self.inner_step(), "step_seconds": self.step_seconds()}
         await directory.store_record()
@@ -260,7 +261,7 @@ class SimPeer:
                 target = states[0]
                 donors = [p for p in target.holders if p != self.peer_id and not directory.dials_out(p)]
                 try:
-                    snapshot = await fetch_state(self.communicator.butterfly.p2p, self.server.handler_name, target,
+                    snapshot = await fetch_state(self.p2p, self.server.handler_name, target,
                                                  donors, self.deadlines, self.swarm.state_bytes, _blame_nobody,
                                                  directory.rates(donors))
                 except SwarmError as e:
