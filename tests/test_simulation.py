@@ -9,6 +9,7 @@ import time
 import pytest
 
 from p2ploco.simulation.clock import SimulationStalled, VirtualLoop, virtual_time
+from p2ploco.simulation.keys import simulation_keys
 from p2ploco.simulation.report import simulate
 from p2ploco.simulation.swarm import Scenario
 
@@ -36,6 +37,15 @@ def test_a_loop_with_nothing_scheduled_says_it_stalled():
     with virtual_time(loop), pytest.raises(SimulationStalled):
         loop.run_until_complete(loop.create_future())
     loop.close()
+
+
+def test_simulation_keys_are_made_once_and_read_back_the_same(tmp_path):
+    cache = tmp_path / "keys.bin"
+    made = simulation_keys(2, cache)
+    again = simulation_keys(3, cache)  # the two kept, one more made and kept
+    assert [k.to_bytes() for k in again[:2]] == [k.to_bytes() for k in made]
+    assert len({k.to_bytes() for k in again}) == 3 and len(simulation_keys(3, cache)) == 3
+    assert [k.to_bytes() for k in simulation_keys(3, cache)] == [k.to_bytes() for k in again]
 
 
 def test_a_simulated_swarm_behind_nats_applies_every_round_with_one_digest():
