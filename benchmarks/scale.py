@@ -71,7 +71,7 @@ import wan  # noqa: E402  (benchmarks/wan.py: hashes_agree, by_round, stop_all, 
 from p2ploco.config import load_config  # noqa: E402
 from p2ploco.errors import ConfigError, SwarmError  # noqa: E402
 from p2ploco.launch import ADDRESS, LOOPBACK, TINY_CONFIG, Child, cli  # noqa: E402
-from p2ploco.metrics import format_table, human_bytes, read_summaries  # noqa: E402
+from p2ploco.metrics import format_table, human_bytes, read_summaries, steady_rounds  # noqa: E402
 
 DESIGNS = {"butterfly": "exact", "resparsified": "resparsified"}  # design -> outer.sparseloco.result
 DEFAULT_DESIGN = "resparsified"
@@ -190,19 +190,11 @@ def complete_rounds(records: list[list[dict]]) -> set[int]:
     return set.intersection(*({r["round"] for r in got} for got in records)) if records else set()
 
 
-def steady(rounds: list[int]) -> list[int]:
-    """Rounds 1 .. R-2 of the completed ones (round 0 includes start-up, the last evaluates and checkpoints); with
-    fewer than 3, all but round 0; with one, that one."""
-    if len(rounds) >= 3:
-        return rounds[1:-1]
-    return rounds[1:] or rounds
-
-
 def summarise(outcome: Outcome, rounds: int) -> dict:
     """The setting's row (see the module docstring); byte means are per peer per round."""
     n = outcome.peers
     done = sorted(complete_rounds(outcome.records))
-    measured = steady(done)
+    measured = steady_rounds(done)
     flat = [r for index in measured for r in wan.by_round(outcome.records, index)]
     agree = [wan.hashes_agree(wan.by_round(outcome.records, index), n) for index in done]
 

@@ -198,6 +198,16 @@ def read_summaries(path: Path) -> list[dict]:
     return summaries
 
 
+def steady_rounds(rounds: Sequence[int]) -> list[int]:
+    """The rounds a benchmark's per-round means go over: 1 .. R-2 of ``rounds`` (round 0 includes the start-up, the
+    last one evaluates and checkpoints, or has no newcomers after it); with fewer than 3, all but round 0; with one,
+    that one."""
+    rounds = list(rounds)
+    if len(rounds) >= 3:
+        return rounds[1:-1]
+    return rounds[1:] or rounds
+
+
 def params_sha256(names: Sequence[str], tensors: Iterable[torch.Tensor]) -> str:
     """Digest of parameters by name, shape and float32 bits: equal exactly when the parameters are."""
     return _hexdigest(hashlib.sha256(), sorted(zip(names, tensors), key=lambda item: item[0]))

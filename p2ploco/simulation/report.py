@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from p2ploco import faults
+from p2ploco.metrics import steady_rounds
 from p2ploco.simulation.clock import VirtualLoop, virtual_time
 from p2ploco.simulation.swarm import RUN, RoundOutcome, Scenario, SimulatedSwarm, scaled_results
 from p2ploco.sync.join import join_handler
@@ -67,10 +68,7 @@ def simulate(scenario: Scenario, on_round: Callable[[RoundOutcome], None] = lamb
 def report(swarm: SimulatedSwarm, wall: float) -> Report:
     scenario, network, loop = swarm.scenario, swarm.network, swarm.loop
     outcomes = [swarm.round_outcome(r) for r in range(scenario.rounds)]
-    # per-round means over the steady rounds, as scale.py takes them: 1 .. R-2 (round 0 includes the start, and the
-    # last round's churn has no newcomers after it); with fewer than 3 rounds, 1.., or all
-    steady = set(range(1, scenario.rounds - 1) if scenario.rounds >= 3 else range(min(1, scenario.rounds - 1),
-                                                                                  scenario.rounds))
+    steady = set(steady_rounds(range(scenario.rounds)))  # per-round means go over these, as scale.py's do
     rows = [row for p in swarm.peers for r, row in p.rounds.items() if r in steady]
     applied = [row for row in rows if row.applied]
     peer_rounds = max(1, sum(len(p.rounds) for p in swarm.peers))  # for totals over the whole run
