@@ -7,7 +7,8 @@ key lives on the ``REPLICAS`` servers nearest the key's id by XOR distance, as h
 (``swarm/schema.py``: a peer record is signed on store and checked, its signature stripped, on read), so a record
 weighs what it weighs in the real DHT. A store reaches every replica (each checks it), a lookup with
 ``latest=True`` hears from every replica (hivemind's traversal does not stop at the first value), and both first
-walk ``hops`` routing steps of ``ROUTING_BYTES`` each way. The bytes a server takes in and sends out are counted
+walk ``hops`` routing round trips (their time only: routing bytes are left out, as ``PeerDirectory.dht_bytes``
+leaves them out). The bytes a server takes in and sends out are counted
 (``served``): that the replicas of one key serve every lookup of it is what this model is for. Every message goes
 over the simulated links, so a lookup that returns many records takes the time their bytes need."""
 
@@ -30,7 +31,6 @@ from p2ploco.simulation.network import SimNetwork, SimP2P
 
 REPLICAS = 5  # hivemind's DHTNode num_replicas
 BUCKET = 20  # hivemind's bucket_size: nodes a routing answer names
-ROUTING_BYTES = 64 + BUCKET * 48  # one find request and its answer (node ids and addresses)
 CHECKED_KEPT = 1 << 18  # record checks remembered
 
 
@@ -46,6 +46,7 @@ class SimDHT:
     # checked once for all simulated peers (the check is a pure function of its bytes, and every peer of a run
     # holds the same validator), which a real peer pays for every record of every lookup
     _checked: dict[tuple[bytes, bytes, bytes, float], bytes | None] = field(default_factory=dict)
+    _replicas: dict[DHTID, list[str]] = field(default_factory=dict)  # per key, while no server comes or goes
 
     def checked(self, record: DHTRecord, validator: RecordValidatorBase) -> bytes | None:
         """``record``'s value without its signature if ``validator`` takes it, else None."""
@@ -58,35 +59,32 @@ class SimDHT:
 
     def serve(self, peer: str) -> None:
         self.servers[DHTID.generate(source=peer)] = peer
+        self._replicas.clear()
 
     def leave(self, peer: str) -> None:
         self.servers.pop(DHTID.generate(source=peer), None)
+        self._replicas.clear()
 
     def replicas(self, key_id: DHTID) -> list[str]:
-        nearest = sorted(self.servers, key=key_id.xor_distance)[:REPLICAS]
-        return [self.servers[node] for node in nearest]
+        """The servers nearest ``key_id`` (every store and lookup asks; found again after a server came or went)."""
+        if key_id not in self._replicas:
+            nearest = sorted(self.servers, key=key_id.xor_distance)[:REPLICAS]
+            self._replicas[key_id] = [self.servers[node] for node in nearest]
+        return self._replicas[key_id]
 
     @property
     def hops(self) -> int:
         return max(1, math.ceil(math.log2(max(2, len(self.servers) / BUCKET))))
 
     async def route(self, peer: str) -> None:
-        """The routing walk toward a key before a store or lookup: ``hops`` requests and answers."""
-        for _ in range(self.hops):
-            await self.carry(peer, peer, ROUTING_BYTES, through=None)
+        """The routing walk toward a key before a store or lookup: ``hops`` round trips from ``peer``."""
+        await asyncio.sleep(self.hops * 2 * self.network.links[peer].latency)
 
-    async def carry(self, sender: str, receiver: str, size: int, through: str | None) -> None:
-        """``size`` bytes from ``sender`` to ``receiver`` (a round trip's worth when both are one: routing), counted
-        at ``through``, the server that takes or sends them."""
-        network = self.network
-        if through is not None:
-            self.served[through] += size
-        if sender == receiver or receiver not in network.links or sender not in network.links:
-            link = network.links.get(sender)
-            await asyncio.sleep(2 * (link.latency if link else 0.05))
-            return
-        _, arrival = network.carry(sender, receiver, size)
-        await asyncio.sleep(max(0.0, arrival - network.loop.time()))
+    async def carry(self, sender: str, receiver: str, size: int, through: str) -> None:
+        """``size`` bytes from ``sender`` to ``receiver``, counted at ``through``, the server taking or sending them."""
+        self.served[through] += size
+        _, arrival = self.network.carry(sender, receiver, size)
+        await asyncio.sleep(max(0.0, arrival - self.network.loop.time()))
 
 
 class SimDHTNode:
