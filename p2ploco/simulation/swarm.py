@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ploco import __version__
 from p2ploco.collective.exchange import AllReduceResult, PendingAllReduce
@@ -130,7 +131,7 @@ class SimPeer:
     task: asyncio.Task | None = None
 
     def __post_init__(self) -> None:
-        self.key = self.swarm.keys[self.index]
+        self.key = self.swarm.key(self.index)
         self.peer_id = owner_of(self.key.get_public_key().to_bytes())
 
     @property
@@ -173,7 +174,7 @@ class SimPeer:
         while round_index < swarm.scenario.rounds:
             self.training = round_index
             digest = self.digest()
-            self.serve(round_index)
+            self.serve(round_index, digest)
             directory.update_soon(round=round_index, state=Phase.TRAINING, params_digest=digest,
                                   slices={SLICE: digest}, step_seconds=self.step_seconds(), unsettled=False)
             started, dht_before = swarm.loop.time(), directory.dht_bytes
@@ -240,10 +241,9 @@ class SimPeer:
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return {f"p{i}": p for i, p in enumerate(self.outer.params)}, self.outer.shared_state()
 
-    def serve(self, round_index: int) -> None:
-        """Serve the state this peer starts ``round_index`` from, to peers that catch up."""
-        params, shared = self.state()
-        snapshot = Snapshot(round_index, SLICE, params, shared, state_digest(params, shared))
+    def serve(self, round_index: int, digest: str) -> None:
+        """Serve the state this peer starts ``round_index`` from (of ``digest``), to peers that catch up."""
+        snapshot = Snapshot(round_index, SLICE, *self.state(), digest)
         self.server.hold(*self.server.prepare_round([snapshot]))
 
     async def catch_up(self, round_index: int) -> int:
@@ -277,7 +277,8 @@ class SimPeer:
     async def begin(self) -> None:
         """One of the run's first peers: wait for the others, as a node waits for ``swarm.min_peers``, and train."""
         c = self.swarm.config.swarm
-        self.directory.update_soon(slices={SLICE: self.digest()}, params_digest=self.digest())  # its starting state
+        digest = self.digest()
+        self.directory.update_soon(slices={SLICE: digest}, params_digest=digest)  # the state it starts from
         await self.directory.wait_for_peers(self.swarm.scenario.peers, c.startup_timeout, threading.Event())
         await self.train(0)
 
@@ -327,8 +328,7 @@ class SimulatedSwarm:
         self.network = SimNetwork(loop)
         self.dht = SimDHT(self.network)
         self.draw = random.Random(scenario.seed)
-        joiners = math.ceil(scenario.peers * scenario.churn / 2) * 2 * scenario.rounds
-        self.keys = simulation_keys(scenario.peers + joiners + 2)
+        self.keys = simulation_keys(scenario.peers + math.ceil(scenario.peers * scenario.churn) * scenario.rounds)
         self.peers: list[SimPeer] = []
         self.ended: dict[int, set[str]] = defaultdict(set)  # round -> peers whose sync of it returned
         self.round_began: dict[int, float] = {}  # round -> when its first peer began training it
@@ -341,6 +341,12 @@ class SimulatedSwarm:
         else:  # the config's model, as a node trains it
             self._shapes = [p.shape for p in Transformer(self.config.model, self.config.training.seed).parameters()]
         self.state_bytes = sum(4 * shape.numel() for shape in self._shapes)
+
+    def key(self, index: int) -> RSAPrivateKey:
+        """Peer ``index``'s key: those made for the expected churn first, more if the run outlasts it."""
+        if index >= len(self.keys):
+            self.keys = simulation_keys(max(index + 1, 2 * len(self.keys)))
+        return self.keys[index]
 
     def initial_params(self) -> list[torch.Tensor]:
         draw = torch.Generator().manual_seed(self.scenario.seed)
@@ -399,12 +405,8 @@ class SimulatedSwarm:
             await asyncio.wait_for(self._trained(), self.time_limit())
         except TimeoutError:
             logger.warning(f"the simulation ran out of its {self.time_limit():.0f} s of virtual time")
-        finally:
+        finally:  # the peers' services stop with the loop's tasks (``report.simulate``)
             churn.cancel()
-            for peer in self.peers:
-                if peer.live:
-                    self.crash(peer)
-                    peer.left_at = None
 
     def time_limit(self) -> float:
         """Virtual seconds the run may take: every round's inner steps and its longest sync, twice over."""
