@@ -20,13 +20,21 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 KEEP_PER_PEER = 16  # a group is remembered while it is among this many latest of one of its members' ...
 KEEP_SECONDS = 600.0  # ... and at most this long
 
 
-_NONE: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ())  # a slice nobody holds
+class _SliceRoles(NamedTuple):
+    """A slice's members in a group, each in canonical order (``Group.holders``, ``contributors``, ``reducers``)."""
+
+    holders: tuple[str, ...] = ()
+    contributors: tuple[str, ...] = ()
+    reducers: tuple[str, ...] = ()
+
+
+_NOBODY = _SliceRoles()  # a slice nobody holds
 
 
 @dataclass(frozen=True)
@@ -73,10 +81,10 @@ class Group:
 
     def holders(self, slice_name: str) -> tuple[str, ...]:
         """The members that hold ``slice_name``, in canonical order: each contributes to every span of it."""
-        return self._of_slice.get(slice_name, _NONE)[0]
+        return self._of_slice.get(slice_name, _NOBODY).holders
 
     @cached_property
-    def _of_slice(self) -> dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
+    def _of_slice(self) -> dict[str, _SliceRoles]:
         """Per slice, its holders, contributors and reducers, found once: a round asks for them per piece, and a scan
         of the group each time made that O(N^2) per member (found by ``benchmarks/simulate.py``)."""
         tokens, reducing_none = dict(self.tokens), set(self.dial_out) | set(self.passive)
@@ -84,20 +92,20 @@ class Group:
         for peer, slices in self.holdings:
             for name in slices:
                 holders.setdefault(name, []).append(peer)
-        return {name: (tuple(peers), tuple(p for p in peers if tokens.get(p, 1) > 0),
-                       tuple(p for p in peers if p not in reducing_none)) for name, peers in holders.items()}
+        return {name: _SliceRoles(tuple(peers), tuple(p for p in peers if tokens.get(p, 1) > 0),
+                                  tuple(p for p in peers if p not in reducing_none)) for name, peers in holders.items()}
 
     def contributors(self, slice_name: str) -> tuple[str, ...]:
         """The holders of ``slice_name`` that send a contribution to each of its spans, in canonical order: all but
         the hubs (``roles.py``: a public peer that trains nothing joins with no tokens; it reduces spans and takes
         the results, and sends nothing of its own)."""
-        return self._of_slice.get(slice_name, _NONE)[1]  # no tokens listed: equal weights, every holder contributes
+        return self._of_slice.get(slice_name, _NOBODY).contributors  # no tokens listed: every holder contributes
 
     def reducers(self, slice_name: str) -> tuple[str, ...]:
         """The holders of ``slice_name`` that others can dial, in canonical order, less the passive ones: the i-th
         reduces span i. A member that can only dial out sends its contributions and reads the results on streams it
         opened; a passive one does so too (a redo's refusers: ``commit.decide``)."""
-        return self._of_slice.get(slice_name, _NONE)[2]
+        return self._of_slice.get(slice_name, _NOBODY).reducers
 
     def tokens_of(self) -> dict[str, int]:
         """Each member's weight: the tokens its contribution carries."""
