@@ -39,6 +39,7 @@ import json
 import logging
 import sys
 
+from p2ploco.errors import ConfigError
 from p2ploco.metrics import format_table, human_bytes
 from p2ploco.simulation.report import Report, simulate
 from p2ploco.simulation.swarm import Scenario
@@ -74,9 +75,10 @@ def main() -> int:
                         help="scale.py's setting: no NAT, no churn, every peer public (compare with scale.py)")
     parser.add_argument("--json", action="store_true", help="one JSON object per N instead of the table")
     args = parser.parse_args()
-    for name in ("peers", "rounds"):
-        if min(getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]) < 1:
-            parser.error(f"--{name} must be at least 1")
+    if min(args.peers) < 1 or args.rounds < 1:
+        parser.error("--peers and --rounds must be at least 1")
+    if args.attackers < 0 or args.params < 1:
+        parser.error("--attackers must be at least 0 and --params at least 1")
     for name in ("churn", "nat", "stragglers"):
         if not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name} must be in [0, 1)")
@@ -93,7 +95,10 @@ def main() -> int:
             print(f"[N={peers}] round {outcome.round}: {outcome.applied} of {outcome.synced} applied it, "
                   f"{outcome.digests} digest(s)", file=sys.stderr, flush=True)
 
-        reports.append(simulate(scenario, said))
+        try:
+            reports.append(simulate(scenario, said))
+        except ConfigError as e:  # --config or --set: one line, as the node says it
+            parser.error(str(e))
         if args.json:
             print(json.dumps(reports[-1].to_json()), flush=True)
     if not args.json:
