@@ -62,7 +62,7 @@ from p2ploco.swarm.evidence import Claim, Proof, Signed, Signer, proofs_key, res
 from p2ploco.swarm.identity import Identity, peer_id_of
 from p2ploco.swarm.messages import decode
 from p2ploco.swarm.reachability import DialBackRequest, parse_dial_back
-from p2ploco.swarm.records import PeerRecord, peers_key
+from p2ploco.swarm.records import PeerRecord, run_records
 from p2ploco.swarm.run_config import parse_document
 from p2ploco.swarm.schema import RecordSchema, record_validator
 from p2ploco.swarm.state import Snapshot, StateRequest
@@ -140,12 +140,12 @@ IDENTITY.release()  # no daemon: only its key signs
 VALIDATOR, OWNER = record_validator(IDENTITY.key, "fuzz")
 RECORD = PeerRecord(peer_id=peer_id_of(OWNER), round=3, state="training", fingerprint="f" * 16, params_digest="a" * 64,
                     name="swift-otter", addresses=["/ip4/1.2.3.4/tcp/1"], eval_history=[[1, 4.5]]).to_value()
-SCHEMA = RecordSchema([peers_key("fuzz")])
+SCHEMA = RecordSchema([run_records("fuzz")])
 STATUS_BODY = status_answer(Survey("fuzz", [PeerRecord.parse(RECORD)], {RECORD["peer_id"]: 9.5}))
 STATUS_ANSWER = answer_head(Answer(200, STATUS_BODY)) + STATUS_BODY  # what a node's status endpoint serves
 # what a node serves for its run's config (``swarm/run_config.py``), and a bootstrap fetches for its hub
 RUN_DOCUMENT = json.dumps(load_config(TINY_CONFIG).run_document("embedded:" + "a" * 16), sort_keys=True).encode()
-RECORD_KEY = DHTID.generate(source=peers_key("fuzz")).to_bytes()
+RECORD_KEY = DHTID.generate(source=run_records("fuzz").of(peer_id_of(OWNER))).to_bytes()
 SIGNED = VALIDATOR.sign_value(DHTRecord(RECORD_KEY, MSGPackSerializer.dumps(OWNER), MSGPackSerializer.dumps(RECORD),
                                         get_dht_time() + 10))
 SIGNER = Signer(IDENTITY.key)
@@ -160,7 +160,7 @@ def _signed(digest: bytes) -> Signed:
 PROOF = Proof(claim=Claim.RESULT, accused=ACCUSED, key=SIGNER.public_key, group_id=GROUP.group_id, group=GROUP.digest,
               slice="stage0", span=[0, 40], first=_signed(b"1" * 32), second=_signed(b"2" * 32)).to_value()
 PROOF_KEY = DHTID.generate(source=proofs_key("fuzz")).to_bytes()
-RUN_SCHEMA = RecordSchema([peers_key("fuzz")], "fuzz")
+RUN_SCHEMA = RecordSchema([run_records("fuzz")], "fuzz")
 # a vote's evidence: the pieces it took, each with its digest and its reducer's signature
 VOTE_PIECES = wire.pack([["stage0", 0, 40, 1, b"1" * 32, _signed(b"1" * 32).signature],
                          ["stage0", 40, 80, 0, b"3" * 32, b"s" * 256]])

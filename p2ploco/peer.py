@@ -31,7 +31,16 @@ from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.messages import MAX_TOKENS
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack, detect
-from p2ploco.swarm.records import MAX_ADDRESSES, PeerRecord, PeerRole, Phase, Reachability, parse_records, peers_key
+from p2ploco.swarm.records import (
+    MAX_ADDRESSES,
+    PeerRecord,
+    PeerRole,
+    Phase,
+    Reachability,
+    parse_records,
+    read_entries,
+    run_records,
+)
 from p2ploco.swarm.run_config import ConfigServer, RunDocument, fetch_run_document, tell_conflict
 from p2ploco.swarm.state import Snapshot
 from p2ploco.swarm.state_fetch import fetch_state, served_state
@@ -352,9 +361,9 @@ class Arrival:
             # node that just joined may need a few lookups). One that brings its own goes by the first answer, so
             # that the first node of a run does not wait for peers that are not there.
             if mine:
-                found = await self.node.get(peers_key(self.run_id), latest=True)
+                found = await read_entries(self.node, run_records(self.run_id).keys)
                 now = get_dht_time()
-                parsed = parse_records(getattr(found, "value", None), now).values()
+                parsed = parse_records(found, now).values()
                 records, expires_in = [r for r, _ in parsed], {r.peer_id: e - now for r, e in parsed}
             else:
                 surveyed = await survey(self.node, self.run_id)
@@ -414,7 +423,7 @@ class Arrival:
         me = PeerRecord(peer_id=me_id, round=0, state=Phase.JOINING, fingerprint=document_fingerprint(document),
                         version=__version__, name=name or human_name(me_id), device=device, role=role,
                         bandwidth_mbit=config.published_mbit, addresses=addresses[:MAX_ADDRESSES], ttl=config.peer_ttl)
-        directory = PeerDirectory(node, peers_key(self.run_id), self.owner, me, config.heartbeat_interval,
+        directory = PeerDirectory(node, run_records(self.run_id), self.owner, me, config.heartbeat_interval,
                                   config.peer_ttl, run_id=self.run_id)
         live = (await directory.refresh()).values()
         if config.reachability == "auto":

@@ -634,7 +634,7 @@ def test_records_without_a_config_behind_them_and_one_daemon_of_another_config_e
     from p2ploco.config import load_config
     from p2ploco.peer import Arrival, Swarm
     from p2ploco.swarm.directory import PeerDirectory
-    from p2ploco.swarm.records import PeerRecord, Phase, peers_key
+    from p2ploco.swarm.records import PeerRecord, Phase, run_records
 
     overrides = [setting for setting in FAST if setting != "--set"]
     honest_config = load_config(TINY_CONFIG, overrides)
@@ -657,7 +657,7 @@ def test_records_without_a_config_behind_them_and_one_daemon_of_another_config_e
                 decoys.append(arrival)
                 record = PeerRecord(peer_id=arrival.peer_id, round=1, state=Phase.TRAINING, role="replica",
                                     fingerprint=honest_config.swarm_fingerprint(""), ttl=honest_config.swarm.peer_ttl)
-                directory = PeerDirectory(arrival.node, peers_key("tiny"), arrival.owner, record, 0.5,
+                directory = PeerDirectory(arrival.node, run_records("tiny"), arrival.owner, record, 0.5,
                                           honest_config.swarm.peer_ttl, run_id="tiny")
                 arrival.loop.run(directory.store_record(list_run=True), 30)
                 arrival.loop.loop.call_soon_threadsafe(directory.start_heartbeat)

@@ -28,7 +28,7 @@ from p2ploco.monitor import COLUMNS, peer_rows, peers_rich, peers_text, status_j
 from p2ploco.swarm.dht import start_dht_node
 from p2ploco.swarm.identity import Identity, peer_id_of
 from p2ploco.swarm.loop import EventLoopThread
-from p2ploco.swarm.records import PeerRecord, peers_key
+from p2ploco.swarm.records import PeerRecord, key_index, run_records
 from p2ploco.swarm.schema import record_validator
 from p2ploco.swarm.status_document import Survey
 
@@ -144,8 +144,10 @@ def test_peers_say_how_each_trainer_takes_part_and_status_warns_where_nobody_can
         assert not any(line.startswith("warning") for line in status_text(served).splitlines())
 
 
-def dht_record(subkey: bytes, value: object) -> DHTRecord:
-    return DHTRecord(DHTID.generate(source=peers_key("tiny")).to_bytes(), MSGPackSerializer.dumps(subkey),
+def dht_record(subkey: bytes, value: dict) -> DHTRecord:
+    """``value`` as a record under its peer's record key in run "tiny"."""
+    return DHTRecord(DHTID.generate(source=run_records("tiny").of(value["peer_id"])).to_bytes(),
+                     MSGPackSerializer.dumps(subkey),
                      MSGPackSerializer.dumps(value), get_dht_time() + 10)
 
 
@@ -183,13 +185,18 @@ def test_a_record_names_its_signer_holds_one_subkey_and_lapses_within_the_longes
     validator, owner = record_validator(identity.key, "tiny")
     mine = peer_id_of(owner)
 
-    def signed(subkey: bytes, value: dict, expires: float) -> DHTRecord:
-        record = DHTRecord(DHTID.generate(source=peers_key("tiny")).to_bytes(), MSGPackSerializer.dumps(subkey),
+    def signed(subkey: bytes, value: dict, expires: float, index: int | None = None) -> DHTRecord:
+        keys = run_records("tiny")
+        key = keys.of(value["peer_id"]) if index is None else keys.keys[index]
+        record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey),
                            MSGPackSerializer.dumps(value), expires)
         return DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
 
     soon = get_dht_time() + 10
     assert validator.validate(signed(owner, valid_value(peer_id=mine), soon))
+    # only under its own record key: a lookup of that key alone finds it (``PeerDirectory.look_up``)
+    other_key = (key_index(mine, len(run_records("tiny").keys)) + 1) % len(run_records("tiny").keys)
+    assert not validator.validate(signed(owner, valid_value(peer_id=mine), soon, index=other_key))
     assert not validator.validate(signed(owner, valid_value(peer_id=NOBODY, state="leaving"), soon))
     assert not validator.validate(signed(owner + b"#2", valid_value(peer_id=mine), soon))  # a second subkey
     assert not validator.validate(signed(owner, valid_value(peer_id=mine), get_dht_time() + 10 * 365 * 86400))
@@ -376,9 +383,10 @@ def test_a_forged_record_is_never_listed(swarm):
     try:
         forger = loop.run(DHTNode.create(initial_peers=[local.bootstrap_address],
                                          host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validator=Forger()), 60)
-        loop.run(forger.store(peers_key("tiny"), subkey=victim, value=valid_value(peer_id="12D3KooWForged"),
+        record_key = run_records("tiny").of("12D3KooWForged")
+        loop.run(forger.store(record_key, subkey=victim, value=valid_value(peer_id="12D3KooWForged"),
                               expiration_time=get_dht_time() + 60), 60)  # the honest peers refuse it
-        held = forger.protocol.storage.get(DHTID.generate(source=peers_key("tiny")))
+        held = forger.protocol.storage.get(DHTID.generate(source=record_key))
         assert held is not None and victim in dict(held.value.items())  # the forger will hand it out
         peers = listing(local.bootstrap_address)["peers"]
         assert "12D3KooWForged" not in {p["peer_id"] for p in peers}

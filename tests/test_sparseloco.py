@@ -221,11 +221,11 @@ def test_a_large_group_sends_fewer_values_each_so_that_a_result_holds_them_all()
 
 @pytest.mark.parametrize("holders, k", [(3, 32), (MAX_PEERS, MIN_FITTED_K)])
 def test_a_contribution_fitted_to_its_group_sends_fewer_values_loses_none_and_fits_each_group_again(holders, k):
-    """Fitted to 3 holders under a cap of 96, a contribution sends 32 values per chunk; to a group a coordinator
-    padded to the most members a group may have, MIN_FITTED_K: either way its buffer plus what it sends is what the buffer held
-    before, and the exchange's fingerprint (what joiners compare) stays. Fitted then to a group of 2 (its first group
-    died, and the next coordinator's has 2 holders), it sends 48, bit for bit what a peer whose first group that is
-    sends, and still loses nothing; a round not applied gives every value back."""
+    """Fitted to 3 holders under a cap of 96, a contribution sends 32 values per chunk; to a group a coordinator padded
+    to the most members a group may have, MIN_FITTED_K: either way its buffer plus what it sends is what the
+    buffer held before, and the exchange's fingerprint (what joiners compare) stays. Fitted then to a group of 2
+    (its first group died, and the next coordinator's has 2 holders), it sends 48, bit for bit what a peer whose
+    first group that is sends, and still loses nothing; a round not applied gives every value back."""
     generator = torch.Generator().manual_seed(3)
     params = [torch.randn(s, generator=generator) for s in SHAPES]
     local = [p + 0.05 * torch.randn(p.shape, generator=generator) for p in params]
@@ -287,10 +287,10 @@ def test_a_checkpoints_error_feedback_is_each_buffer_as_if_the_round_in_flight_w
 
 @pytest.mark.parametrize("aggregate, result_topk", [("mean", 96), ("sum", 96), ("mean", 256), ("mean", 2)])
 def test_resparsified_results_equal_a_written_out_reference(aggregate, result_topk):
-    """Each reducer compresses its span's mean again, keeping result_topk values per chunk or all that 3 replicas
-    can have sent if fewer: with 256 they send 64 each (192 in all); with 96, 32 each (3 x 64 would not fit); with
-    2, MIN_FITTED_K (4) each, and the result keeps 2 of up to 12. Every replica applies the same bits, and no reducer keeps a buffer: a
-    result is a function of the contributions alone."""
+    """Each reducer compresses its span's mean again, keeping result_topk values per chunk or all that 3 replicas can
+    have sent if fewer: with 256 they send 64 each (192 in all); with 96, 32 each (3 x 64 would not fit); with 2,
+    MIN_FITTED_K (4) each, and the result keeps 2 of up to 12. Every replica applies the same bits, and no
+    reducer keeps a buffer: a result is a function of the contributions alone."""
     config = SparseLoCoConfig(aggregate=aggregate, result="resparsified", result_topk=result_topk)
     replicas = 3
     initial, locals_per_round, algorithms, _ = run_sparseloco(replicas, 3, config)

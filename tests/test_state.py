@@ -31,7 +31,7 @@ from p2ploco.swarm.consensus import (
     tally,
 )
 from p2ploco.swarm.directory import FOREIGN_NAMED, LOOKUPS_PER_ROUND, PeerDirectory, payload_bytes
-from p2ploco.swarm.records import PeerRecord, Phase
+from p2ploco.swarm.records import PeerRecord, Phase, RecordKeys
 from p2ploco.swarm.state import BytesBlob, Snapshot
 from p2ploco.sync.admission import admit
 from p2ploco.sync.group import Member
@@ -179,6 +179,9 @@ def test_one_vote_rule_ranks_by_firm_ballots_then_ballots_then_value():
     assert order == [(5, "a"), (6, "b"), (9, "c"), (8, "d")]
 
 
+ONE_KEY = RecordKeys(("run/peers",))  # the records of these tests' runs, under one DHT key
+
+
 class _FakeNode:
     """Stores and lookups of one DHT key, in memory."""
 
@@ -189,14 +192,14 @@ class _FakeNode:
         self.stored.setdefault(key, {})[subkey] = ValueWithExpiration(value, expiration_time)
         return True
 
-    async def get(self, key, latest=False):
-        return ValueWithExpiration(dict(self.stored.get(key, {})), get_dht_time() + 10)
+    async def get_many(self, keys, sufficient_expiration_time=None):
+        return {key: ValueWithExpiration(dict(self.stored.get(key, {})), get_dht_time() + 10) for key in keys}
 
 
 def test_the_directory_counts_the_record_bytes_it_stores_and_reads():
     node = _FakeNode()
     me = record("m", 3, "x")
-    directory = PeerDirectory(node, "p2ploco/run/peers", b"owner", me, 1.0, 10.0, run_id="run")
+    directory = PeerDirectory(node, RecordKeys(("p2ploco/run/peers",)), b"owner", me, 1.0, 10.0, run_id="run")
 
     async def heartbeat():
         assert directory.dht_bytes == (0, 0)
@@ -211,13 +214,36 @@ def test_the_directory_counts_the_record_bytes_it_stores_and_reads():
     asyncio.run(heartbeat())
 
 
+def test_a_peer_the_view_lacks_is_looked_up_under_its_record_key_alone():
+    """A joiner named in a group, or asking a coordinator to join, is read from the one record key its id hashes
+    to: ~N / keys records, where a whole lookup reads all N."""
+    node, keys = _FakeNode(), RecordKeys(tuple(f"run/peers/{i}" for i in range(4)))
+    me, others = record("m", 0, "x"), [record(f"p{i:02d}", 0, "x") for i in range(40)]
+    for r in [me, *others]:
+        node.stored.setdefault(keys.of(r.peer_id), {})[r.peer_id] = ValueWithExpiration(r.to_value(),
+                                                                                          get_dht_time() + 60)
+    directory = PeerDirectory(node, keys, b"owner", me, 1.0, 10.0)
+    joiner = others[7].peer_id
+    under_its_key = {r.peer_id for r in [me, *others] if keys.of(r.peer_id) == keys.of(joiner)}
+
+    async def looks() -> None:
+        assert joiner in await directory.look_up([joiner])
+        assert set(directory.live) == under_its_key | {"m"} and len(under_its_key) < len(others) / 2
+        assert directory.dht_bytes[1] == sum(payload_bytes(p, r.to_value()) for r in [me, *others]
+                                             if (p := r.peer_id) in under_its_key)
+        assert directory.looked_at(joiner) > directory.refreshed_at  # read alone: no whole lookup happened
+        assert set(await directory.refresh()) == {r.peer_id for r in [me, *others]}
+
+    asyncio.run(looks())
+
+
 @pytest.mark.parametrize("peers", [4, 16, 64])
 def test_a_peer_that_follows_its_group_reads_about_as_many_records_per_round_whatever_the_swarm_size(peers):
     node = _FakeNode()
     me, others = record("m", 0, "x"), [record(f"p{i}", 0, "x") for i in range(peers - 1)]
     for r in [me, *others]:  # N records under the run's key, this peer's own included
         node.stored.setdefault("run/peers", {})[r.peer_id] = ValueWithExpiration(r.to_value(), get_dht_time() + 60)
-    directory = PeerDirectory(node, "run/peers", b"owner", me, 1.0, 10.0)
+    directory = PeerDirectory(node, ONE_KEY, b"owner", me, 1.0, 10.0)
     one_record = payload_bytes(others[0].peer_id, others[0].to_value())
 
     async def rounds() -> list[int]:
@@ -251,7 +277,7 @@ def test_peers_of_other_configs_are_named_once_each_as_they_come_into_view_and_n
     with this node: it says so in one line when each config first comes into view, not only when it joins, and
     records anyone can publish under as many fingerprints as they like cannot flood its log."""
     node, me = _FakeNode(), record("m", 0, "x")
-    directory = PeerDirectory(node, "run/peers", b"owner", me, 1.0, 10.0, run_id="run")
+    directory = PeerDirectory(node, ONE_KEY, b"owner", me, 1.0, 10.0, run_id="run")
 
     def publish(*records: PeerRecord) -> None:
         for r in records:
@@ -286,7 +312,7 @@ def _following_directory(peers: int) -> tuple[PeerDirectory, list[str]]:
     for peer in [*others, "m"]:
         node.stored.setdefault("run/peers", {})[peer] = ValueWithExpiration(record(peer, 0, "x").to_value(),
                                                                             get_dht_time() + 60)
-    return PeerDirectory(node, "run/peers", b"owner", record("m", 0, "x"), 1.0, 10.0), others
+    return PeerDirectory(node, ONE_KEY, b"owner", record("m", 0, "x"), 1.0, 10.0), others
 
 
 async def _rounds_looked(directory: PeerDirectory, rounds: range) -> list[int]:
@@ -343,7 +369,7 @@ def test_the_followed_group_stays_in_view_when_its_records_lapse_and_the_others_
     for peer in ("a", "b"):
         node.stored.setdefault("run/peers", {})[peer] = ValueWithExpiration(record(peer, 1, "x").to_value(),
                                                                             get_dht_time() + 0.2)
-    directory = PeerDirectory(node, "run/peers", b"owner", record("m", 1, "x"), 1.0, 10.0)
+    directory = PeerDirectory(node, ONE_KEY, b"owner", record("m", 1, "x"), 1.0, 10.0)
 
     async def lapse() -> set[str]:
         await directory.refresh()

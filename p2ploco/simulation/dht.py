@@ -5,8 +5,8 @@ The DHT's servers are the peers others can dial (and bootstrap nodes); each has 
 key lives on the ``REPLICAS`` servers nearest the key's id by XOR distance, as hivemind's ``store`` writes it
 (``num_replicas`` = 5). Values are hivemind's bytes: the real serializer and the node's real record validator
 (``swarm/schema.py``: a peer record is signed on store and checked, its signature stripped, on read), so a record
-weighs what it weighs in the real DHT. A store reaches every replica (each checks it), a lookup with
-``latest=True`` hears from every replica (hivemind's traversal does not stop at the first value), and both first
+weighs what it weighs in the real DHT. A store reaches every replica (each checks it), a lookup of the latest
+values hears from every replica (hivemind's traversal does not stop at the first value), and both first
 walk ``hops`` routing round trips (their time only: routing bytes are left out, as ``PeerDirectory.dht_bytes``
 leaves them out). The bytes a server takes in and sends out are counted
 (``served``): that the replicas of one key serve every lookup of it is what this model is for. Every message goes
@@ -114,9 +114,19 @@ class SimDHTNode:
             held[subkey_bytes] = (signed, expiration_time)
         return True
 
-    async def get(self, key: str, latest: bool = False, **_: Any) -> ValueWithExpiration | None:
-        me, key_id = str(self.peer_id), DHTID.generate(source=key)
+    async def get_many(self, keys: tuple[str, ...], sufficient_expiration_time: float | None = None, **_: Any
+                       ) -> dict[str, ValueWithExpiration | None]:
+        """Each key's values, as one traversal finds them (hivemind's ``get_many``): one routing walk, then every
+        replica of each key answers (``sufficient_expiration_time`` infinite, as ``latest=True`` asks), or the
+        first only."""
+        me = str(self.peer_id)
         await self.dht.route(me)
+        found = await asyncio.gather(*(self._read(me, key, latest=sufficient_expiration_time == math.inf)
+                                       for key in keys))
+        return dict(zip(keys, found))
+
+    async def _read(self, me: str, key: str, latest: bool) -> ValueWithExpiration | None:
+        key_id = DHTID.generate(source=key)
         now = time.time()
         held = {s: (v, e) for s, (v, e) in self.dht.storage.get(key_id, {}).items() if e > now}
         self.dht.storage[key_id] = held

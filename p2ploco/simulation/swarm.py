@@ -48,7 +48,7 @@ from p2ploco.swarm.consensus import ranked_states
 from p2ploco.swarm.deadlines import TransferDeadline
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import Signer, owner_of
-from p2ploco.swarm.records import PeerRecord, PeerRole, Phase, Reachability, peers_key
+from p2ploco.swarm.records import PeerRecord, PeerRole, Phase, Reachability, run_records
 from p2ploco.swarm.schema import record_validator
 from p2ploco.swarm.state import Snapshot
 from p2ploco.swarm.state_fetch import fetch_state
@@ -150,7 +150,7 @@ class SimPeer:
                         version=__version__, name=f"sim{self.index}", role=PeerRole.REPLICA, device="cpu",
                         bandwidth_mbit=round(self.link.up * 8 / 1e6, 1), ttl=c.peer_ttl, reachability=reachability,
                         addresses=[str(a) for a in await p2p.get_visible_maddrs()])
-        self.directory = directory = PeerDirectory(node, peers_key(RUN), owner, me, c.heartbeat_interval, c.peer_ttl,
+        self.directory = directory = PeerDirectory(node, run_records(RUN), owner, me, c.heartbeat_interval, c.peer_ttl,
                                                    run_id=RUN)
         await directory.refresh()
         bans = directory.bans = Bans(c.ban_rounds, RUN)

@@ -17,7 +17,7 @@ from p2ploco.swarm.identity import Identity
 from p2ploco.swarm.loop import EventLoopThread, finishes_within
 from p2ploco.swarm.names import human_name
 from p2ploco.swarm.reachability import DialBack
-from p2ploco.swarm.records import BOOTSTRAP_KEY, MAX_ADDRESSES, PeerRecord, PeerRole
+from p2ploco.swarm.records import BOOTSTRAP_RECORDS, MAX_ADDRESSES, PeerRecord, PeerRole
 from p2ploco.swarm.wire import DAEMON_ERRORS
 
 
@@ -32,7 +32,7 @@ async def start_bootstrap(initial_peers: Sequence[str], host_maddrs: Sequence[st
     me = PeerRecord(peer_id=peer_id, round=0, state="serving", fingerprint="", version=__version__,
                     name=name or human_name(peer_id), role=PeerRole.BOOTSTRAP, addresses=addresses[:MAX_ADDRESSES])
     defaults = SwarmConfig()
-    directory = PeerDirectory(node, BOOTSTRAP_KEY, owner, me, defaults.heartbeat_interval, defaults.peer_ttl)
+    directory = PeerDirectory(node, BOOTSTRAP_RECORDS, owner, me, defaults.heartbeat_interval, defaults.peer_ttl)
     await directory.store_record()
     directory.start_heartbeat()
     return node, addresses

@@ -5,25 +5,23 @@ it long before it lapses (``fresh``). The heartbeat stores this node's record; a
 state) is stored at once in the background, so that the others see it within a store's time without the caller
 waiting for it.
 
-Reading is what grows with the swarm: one lookup returns all N records (~1.3 KB each, half of it the owner's
-key and signature), so a peer that looked on every heartbeat would read O(N) per heartbeat, O(N^2) for the
-swarm. A peer that applied its last round with a group *follows* that group: the group is its view of the
-swarm (its members' records as last seen stand for them; a member that has left costs at most one failed dial),
-and it looks up the records only on its turn, once every ceil(n / LOOKUPS_PER_ROUND) rounds, so that it reads
-about LOOKUPS_PER_ROUND records per round whatever N, and a peer that has parted from the swarm (a minority
-that formed a group of its own) still finds out within that many rounds (``catchup.py``). n counts the members
-that *vouched* for the group in the round: they delivered this peer a contribution or an aggregate, with a
-daemon of their own. The members a coordinator merely named do not count: a hostile coordinator's group of its
-victim, itself and record-only Sybils would otherwise put off the victim's next look for as many rounds as it
-names Sybils, and decide its rounds meanwhile (it is the one candidate in that view). A group formed by a
-coordinator, or naming a member, whose record the last lookup did not return is followed for one round only,
-until the next lookup (``doubted``). Whoever needs the whole swarm looks every heartbeat: a peer that follows no
-group (it joins, catches up, was left out or alone), and a coordinator while it forms a group
-(``sync/coordinator.py``; it is one peer per round). A peer the round names that this view does not know (a joiner)
-is looked up on demand.
-The directory counts the bytes of the values it stores and reads (``dht_bytes``), so that a round record can say
-what coordination cost.
-"""
+Reading is what grows with the swarm: one lookup of all a run's record keys (``records.RecordKeys``) returns all N
+records (~1.3 KB each, half of it the owner's key and signature), so a peer that looked on every heartbeat would
+read O(N) per heartbeat, O(N^2) for the swarm. A peer that applied its last round with a group *follows* that group:
+the group is its view of the swarm (its members' records as last seen stand for them; a member that has left costs
+at most one failed dial), and it looks up the records only on its turn, once every ceil(n / LOOKUPS_PER_ROUND)
+rounds, so that it reads about LOOKUPS_PER_ROUND records per round whatever N, and a peer that has parted from the
+swarm (a minority that formed a group of its own) still finds out within that many rounds (``catchup.py``). n counts
+the members that *vouched* for the group in the round: they delivered this peer a contribution or an aggregate, with
+a daemon of their own. The members a coordinator merely named do not count: a hostile coordinator's group of its
+victim, itself and record-only Sybils would otherwise put off the victim's next look for as many rounds as it names
+Sybils, and decide its rounds meanwhile (it is the one candidate in that view). A group formed by a coordinator, or
+naming a member, whose record neither the last lookup nor a look-up of its key since returned is followed for one
+round only, until the next lookup (``doubted``). Whoever needs the whole swarm looks every heartbeat: a peer that follows no group (it joins, catches
+up, was left out or alone), and a coordinator while it forms a group (``sync/coordinator.py``; it is one peer per
+round). A peer the round names that this view does not know (a joiner) is looked up on demand, under its own record
+key alone (``look_up``). The directory counts the bytes of the values it stores and reads (``dht_bytes``), so that a
+round record can say what coordination cost."""
 
 from __future__ import annotations
 
@@ -45,7 +43,7 @@ from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.evidence import Proof, proofs_key
 from p2ploco.swarm.identity import OWNER_SUBKEY, peer_id_of
 from p2ploco.swarm.messages import decode
-from p2ploco.swarm.records import RUNS_KEY, PeerRecord, Phase, parse_records
+from p2ploco.swarm.records import RUNS_KEY, PeerRecord, Phase, RecordKeys, merged_entries, parse_records
 from p2ploco.swarm.wire import DAEMON_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -65,14 +63,16 @@ class PeerDirectory:
     """This node's record (published on a heartbeat, and in the background when it changes) and the last view
     of everyone's (refreshed on the heartbeat)."""
 
-    def __init__(self, node: DHTNode, key: str, owner: bytes, me: PeerRecord, interval: float, ttl: float,
+    def __init__(self, node: DHTNode, records: RecordKeys, owner: bytes, me: PeerRecord, interval: float, ttl: float,
                  run_id: str | None = None):
-        self.node, self.key, self.owner, self.me, self.interval, self.ttl = node, key, owner, me, interval, ttl
+        self.node, self.records, self.owner, self.me = node, records, owner, me
+        self.interval, self.ttl = interval, ttl
         self.run_id = run_id  # listed under RUNS_KEY while this peer trains it
         self.live: dict[str, PeerRecord] = {}
         # other peers' public keys (OpenSSH form), as their records' subkeys name them: their signatures' check
         self.keys: dict[str, bytes] = {}
         self.refreshed_at = -math.inf  # local time of the last lookup of everyone's records
+        self._key_read_at: dict[str, float] = {}  # local time each record key was last read alone (``look_up``)
         self.moved_at = -math.inf  # local time this node's record last changed round or state
         self.watchers: set[asyncio.Event] = set()  # set after every lookup, for whoever waits on the view
         self._expires: dict[str, float] = {}  # DHT time at which each record in `live` lapses
@@ -111,7 +111,8 @@ class PeerDirectory:
         self.me.uptime = round(time.monotonic() - self._started, 1)
         changes = self._changes
         expires = get_dht_time() + self.ttl
-        entries: list[tuple[str, object, dict[str, Any]]] = [(self.key, self.owner, self.me.to_value())]
+        entries: list[tuple[str, object, dict[str, Any]]] = [(self.records.of(self.me.peer_id), self.owner,
+                                                              self.me.to_value())]
         if list_run and self.run_id is not None:
             entries.append((RUNS_KEY, self.run_id, {"version": self.me.version}))
             if self.bans is not None:  # passed on: each proof this node holds, from the DHT, a decision or a round
@@ -157,19 +158,55 @@ class PeerDirectory:
         now = get_dht_time()
         live = self._unexpired(now)
         convicting = self.bans is not None and self.run_id is not None
+        proofs_at = (proofs_key(self.run_id),) if convicting else ()
         try:
-            found, proofs = await asyncio.gather(self.node.get(self.key, latest=True),
-                                                 self.node.get(proofs_key(self.run_id), latest=True) if convicting
-                                                 else asyncio.sleep(0))
+            found = await self.node.get_many(self.records.keys + proofs_at, sufficient_expiration_time=math.inf)
         except DAEMON_ERRORS as e:  # the daemon or a link failed mid-lookup
             logger.info(f"peer lookup failed, keeping the last view: {e!r}")
-            found = proofs = None
-        entries = getattr(found, "value", None)
-        if isinstance(entries, dict):
-            self._bytes_received += sum(payload_bytes(subkey, getattr(item, "value", None))
-                                        for subkey, item in entries.items())
+            found = {}
+        found_records = self._take(merged_entries(found, self.records.keys), now, live)
+        live[self.me.peer_id] = self.me
+        self.keys = {peer: key for peer, key in self.keys.items() if peer in live}
+        self._convict(getattr(found.get(proofs_at[0]) if proofs_at else None, "value", None), live)
+        self._name_foreign(live)
+        self.live, self.refreshed_at = live, time.monotonic()
+        self.seen, self.doubted = frozenset(found_records) | {self.me.peer_id}, False
+        for watcher in self.watchers:
+            watcher.set()
+        return live
+
+    async def look_up(self, peers: Iterable[str]) -> dict[str, PeerRecord]:
+        """The live records, with those of ``peers`` (ones this view lacks: joiners) read afresh from their record keys
+        alone: about N / RUN_RECORD_KEYS records each, where a whole lookup reads N."""
+        keys = sorted({self.records.of(peer) for peer in peers})
+        now = get_dht_time()
+        try:
+            found = await self.node.get_many(tuple(keys), sufficient_expiration_time=math.inf)
+        except DAEMON_ERRORS as e:
+            logger.info(f"peer lookup failed, keeping the last view: {e!r}")
+            return self.live
+        looked = time.monotonic()
+        self._key_read_at.update((key, looked) for key in keys)
+        live = self._unexpired(now)
+        found_records = self._take(merged_entries(found, keys), now, live)
+        live[self.me.peer_id] = self.me
+        self.live = live
+        self.seen |= set(found_records)  # a member found so is no reason to doubt the group it is in (``follow``)
+        return live
+
+    def looked_at(self, peer_id: str) -> float:
+        """Local time this node last read ``peer_id``'s record from the DHT: in a whole lookup, or alone under its
+        record key."""
+        return max(self.refreshed_at, self._key_read_at.get(self.records.of(peer_id), -math.inf))
+
+    def _take(self, entries: dict[Any, Any], now: float, live: dict[str, PeerRecord]
+              ) -> dict[str, tuple[PeerRecord, float]]:
+        """Put the records among DHT ``entries`` into ``live`` (newer ones only) and note their owners' keys; returns
+        them."""
+        self._bytes_received += sum(payload_bytes(subkey, getattr(item, "value", None))
+                                    for subkey, item in entries.items())
         found_records = parse_records(entries, now)
-        for subkey in entries if isinstance(entries, dict) else ():  # the DHT layer checked that its key signed it
+        for subkey in entries:  # the DHT layer checked that its key signed it
             owner = OWNER_SUBKEY.fullmatch(subkey) if isinstance(subkey, bytes) else None
             if owner is not None and peer_id_of(subkey) in found_records:
                 self.keys[peer_id_of(subkey)] = owner.group(1)
@@ -177,15 +214,7 @@ class PeerDirectory:
             if expires > self._expires.get(peer_id, 0.0):
                 self._refreshed[peer_id] = time.monotonic()
             live[peer_id], self._expires[peer_id] = record, expires
-        live[self.me.peer_id] = self.me
-        self.keys = {peer: key for peer, key in self.keys.items() if peer in live}
-        self._convict(getattr(proofs, "value", None), live)
-        self._name_foreign(live)
-        self.live, self.refreshed_at = live, time.monotonic()
-        self.seen, self.doubted = frozenset(found_records) | {self.me.peer_id}, False
-        for watcher in self.watchers:
-            watcher.set()
-        return live
+        return found_records
 
     def _convict(self, found: object, live: dict[str, PeerRecord]) -> None:
         """Convict the peers of this run that the proofs ``found`` in the DHT accuse (each checked here). Proofs

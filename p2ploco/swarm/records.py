@@ -1,9 +1,12 @@
 """Peer records in the DHT: who is in a run, where each peer stands, and what it is doing.
 
 Each node keeps its own record fresh on a heartbeat (``swarm/directory.py``); a record that is not refreshed
-expires, and with it the peer's place in the swarm. All records of a run live under one DHT key
-(``peers_key``), so a single lookup lists the swarm. The subkey is the owner's RSA public key and the value
-carries its signature: only the owner can write its record (``swarm/schema.py``). A record is read from anyone,
+expires, and with it the peer's place in the swarm. A run's records are spread over ``RUN_RECORD_KEYS`` DHT keys
+(``RecordKeys``), each peer's under the one its id hashes to: one lookup of them all (``read_entries``) lists the
+swarm, one key finds a given peer, and no DHT node stores or serves every record of a run (under one key, the
+five nodes nearest it answered every lookup of the swarm, and past ~3,000 peers the answer outgrew hivemind's
+4 MiB message). The subkey is the owner's RSA public key and the value carries its signature: only the owner can
+write its record (``swarm/schema.py``), and only under its own record key. A record is read from anyone,
 so it is a strict, bounded pydantic model: every node, and ``p2ploco peers``, parses what it stores or receives
 with it, and a record that does not fit is dropped by the DHT layer and never reaches the application.
 """
@@ -11,6 +14,10 @@ with it, and a record that does not fit is dropped by the DHT layer and never re
 from __future__ import annotations
 
 import enum
+import hashlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
@@ -62,9 +69,49 @@ MAX_RANKS = 1024
 EVAL_HISTORY = 16  # (round, eval loss) pairs a record keeps, for the trend in `p2ploco status`
 
 
-def peers_key(run_id: str) -> str:
-    """The DHT key under which every peer of ``run_id`` publishes its record."""
-    return f"p2ploco/{run_id}/peers"
+RUN_RECORD_KEYS = 32  # DHT keys a run's records are spread over: ~3,000 records each fit a lookup's answer
+
+
+@dataclass(frozen=True)
+class RecordKeys:
+    """The DHT keys a directory's records live under, and which of them holds a given peer's: the one its id
+    hashes to. A run's peers have ``RUN_RECORD_KEYS`` (``run_records``), the bootstrap peers, a handful, one."""
+
+    keys: tuple[str, ...]
+
+    def of(self, peer_id: str) -> str:
+        return self.keys[key_index(peer_id, len(self.keys))]
+
+
+def key_index(peer_id: str, keys: int) -> int:
+    """Which of ``keys`` record keys holds ``peer_id``'s record: its id's hash, so that nobody chooses it."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % keys
+
+
+def run_records(run_id: str) -> RecordKeys:
+    """The DHT keys under which the peers of ``run_id`` publish their records."""
+    return RecordKeys(tuple(f"p2ploco/{run_id}/peers/{index}" for index in range(RUN_RECORD_KEYS)))
+
+
+BOOTSTRAP_RECORDS = RecordKeys((BOOTSTRAP_KEY,))
+
+
+async def read_entries(node: Any, keys: Iterable[str]) -> dict[Any, Any]:
+    """The DHT entries (subkey -> value with expiration) under ``keys``, merged (``merged_entries``): one traversal
+    for all of them (hivemind's ``get_many``), each key's latest values."""
+    keys = tuple(keys)
+    return merged_entries(await node.get_many(keys, sufficient_expiration_time=math.inf), keys)
+
+
+def merged_entries(found: dict[str, Any], keys: Iterable[str]) -> dict[Any, Any]:
+    """The entries of ``keys`` in a ``get_many`` answer, as one dictionary: a subkey names its owner, and a record
+    lies under one key, so entries never collide."""
+    entries: dict[Any, Any] = {}
+    for key in keys:
+        value = getattr(found.get(key), "value", None)
+        if isinstance(value, dict):
+            entries.update(value)
+    return entries
 
 
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]

@@ -23,7 +23,7 @@ from p2ploco.errors import PayloadError
 from p2ploco.swarm.evidence import Proof, proofs_key
 from p2ploco.swarm.identity import peer_id_of
 from p2ploco.swarm.messages import decode
-from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, peers_key
+from p2ploco.swarm.records import BOOTSTRAP_RECORDS, RUNS_KEY, PeerRecord, RecordKeys, key_index, run_records
 
 MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; anything much larger is junk
 MAX_RECORD_TTL = MAX_WAIT + 5.0  # the longest swarm.peer_ttl, plus the clock skew DHT peers tolerate
@@ -32,13 +32,16 @@ MAX_RECORD_TTL = MAX_WAIT + 5.0  # the longest swarm.peer_ttl, plus the clock sk
 class RecordSchema(RecordValidatorBase):
     """DHT-level rules for p2ploco's keys: a peer record is signed (its subkey names the owner's public key, and
     nothing else, so a key holds one record per run key), parses as PeerRecord, names the signer's own peer id
-    (``identity.peer_id_of``: nobody publishes for another peer), and lapses within ``MAX_RECORD_TTL`` (an
+    (``identity.peer_id_of``: nobody publishes for another peer), lies under its owner's record key (``RecordKeys.of``:
+    a lookup of that key alone finds it), and lapses within ``MAX_RECORD_TTL`` (an
     abandoned record does not linger); run names are short strings; a run's proof (``evidence.proofs_key``) holds
     and is stored under the peer id it accuses, so that nobody can overwrite one with anything else. Other keys
     pass untouched. Every DHT node applies these rules to what it stores, and every reader to what it receives."""
 
-    def __init__(self, record_keys: Iterable[str], run_id: str | None = None):
-        self.record_keys = {DHTID.generate(source=key).to_bytes() for key in record_keys}
+    def __init__(self, listings: Iterable[RecordKeys], run_id: str | None = None):
+        # each record key -> (its index, how many keys its listing has)
+        self.record_keys = {DHTID.generate(source=key).to_bytes(): (index, len(listing.keys))
+                            for listing in listings for index, key in enumerate(listing.keys)}
         self.runs_key = DHTID.generate(source=RUNS_KEY).to_bytes()
         # a run's proofs key -> the run (each proof is checked against its run)
         self.proof_keys = {} if run_id is None else {DHTID.generate(source=proofs_key(run_id)).to_bytes(): run_id}
@@ -62,8 +65,8 @@ class RecordSchema(RecordValidatorBase):
             return proof.accused == subkey and proof.holds(self.proof_keys[record.key])
         if not isinstance(subkey, bytes):
             return False
-        parsed = PeerRecord.parse(value)
-        return parsed is not None and parsed.peer_id == peer_id_of(subkey)
+        parsed, (index, keys) = PeerRecord.parse(value), self.record_keys[record.key]
+        return parsed is not None and parsed.peer_id == peer_id_of(subkey) and key_index(parsed.peer_id, keys) == index
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         if not isinstance(other, RecordSchema):
@@ -90,5 +93,5 @@ def record_validator(signing_key: RSAPrivateKey, run_id: str | None = None) -> t
     signs, and the subkey they are stored under. The key must be the one behind the node's peer id
     (``identity.Identity``), or others refuse its records."""
     signatures = SignatureValidator(signing_key)
-    keys = [BOOTSTRAP_KEY] + ([peers_key(run_id)] if run_id is not None else [])
-    return CompositeValidator([signatures, RecordSchema(keys, run_id)]), signatures.local_public_key
+    listings = [BOOTSTRAP_RECORDS] + ([run_records(run_id)] if run_id is not None else [])
+    return CompositeValidator([signatures, RecordSchema(listings, run_id)]), signatures.local_public_key

@@ -4,6 +4,7 @@ serves (``swarm/status.py``)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -12,7 +13,15 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from p2ploco.errors import SwarmError, shown
-from p2ploco.swarm.records import BOOTSTRAP_KEY, RUNS_KEY, PeerRecord, PeerRole, parse_records, peers_key
+from p2ploco.swarm.records import (
+    BOOTSTRAP_KEY,
+    RUNS_KEY,
+    PeerRecord,
+    PeerRole,
+    merged_entries,
+    parse_records,
+    run_records,
+)
 from p2ploco.swarm.schema import RecordSchema
 from p2ploco.swarm.status_document import Survey
 
@@ -51,7 +60,7 @@ async def find_run(node: DHTNode, run_id: str | None) -> str:
         if len(runs) > 1:
             raise SwarmError(f"several runs train in this swarm ({', '.join(map(shown, runs))}): pass --run-id")
         run_id = runs[0]
-    node.protocol.record_validator.extend([RecordSchema([peers_key(run_id)])])
+    node.protocol.record_validator.extend([RecordSchema([run_records(run_id)])])
     return run_id
 
 
@@ -67,8 +76,9 @@ async def survey(node: DHTNode, run_id: str) -> Survey:
     thread: a lookup holds up to about 2,000 records, and a node's event loop runs its rounds meanwhile."""
     async def look() -> tuple[dict[str, tuple[PeerRecord, float]], float]:
         now = get_dht_time()
-        found = await asyncio.gather(node.get(peers_key(run_id), latest=True), node.get(BOOTSTRAP_KEY, latest=True))
-        values = [getattr(item, "value", None) for item in found]
+        record_keys = run_records(run_id).keys
+        found = await node.get_many(record_keys + (BOOTSTRAP_KEY,), sufficient_expiration_time=math.inf)
+        values = [merged_entries(found, record_keys), getattr(found.get(BOOTSTRAP_KEY), "value", None)]
         return await asyncio.get_running_loop().run_in_executor(None, _parsed, values, now), now
 
     records, now = await _patiently(look, lambda answer: any(r.role != PeerRole.BOOTSTRAP

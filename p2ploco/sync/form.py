@@ -344,16 +344,16 @@ class Matchmaker:
 
     async def _check_plausible(self, group: Group) -> None:
         """PayloadError unless every member of ``group`` is a live peer this peer knows, itself included. A
-        member this view lacks (a joiner) is looked up, and may have published its record a moment ago: one more
-        look before refusing."""
+        member this view lacks (a joiner) is looked up under its record key, and may have published its record a
+        moment ago: one more look before refusing."""
         if self.me not in group.peers:
             raise PayloadError("group without this peer")
         known = set(self.directory.live)
         if not set(group.peers) <= known:
-            known = set(await self.directory.refresh())
+            known = set(await self.directory.look_up(set(group.peers) - known))
         if not set(group.peers) <= known:
             await asyncio.sleep(self.directory.interval)
-            known = set(await self.directory.refresh())
+            known = set(await self.directory.look_up(set(group.peers) - known))
         unknown = set(group.peers) - known
         if unknown:
             raise PayloadError(f"group of {len(group.peers)} names {len(unknown)} peer(s) this peer does not know")
