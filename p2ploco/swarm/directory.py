@@ -17,11 +17,11 @@ a daemon of their own. The members a coordinator merely named do not count: a ho
 victim, itself and record-only Sybils would otherwise put off the victim's next look for as many rounds as it names
 Sybils, and decide its rounds meanwhile (it is the one candidate in that view). A group formed by a coordinator, or
 naming a member, whose record neither the last lookup nor a look-up of its key since returned is followed for one
-round only, until the next lookup (``doubted``). Whoever needs the whole swarm looks every heartbeat: a peer that follows no group (it joins, catches
-up, was left out or alone), and a coordinator while it forms a group (``sync/coordinator.py``; it is one peer per
-round). A peer the round names that this view does not know (a joiner) is looked up on demand, under its own record
-key alone (``look_up``). The directory counts the bytes of the values it stores and reads (``dht_bytes``), so that a
-round record can say what coordination cost."""
+round only, until the next lookup (``doubted``). Whoever needs the whole swarm looks every heartbeat: a peer that
+follows no group (it joins, catches up, was left out or alone), and a coordinator while it forms a group
+(``sync/coordinator.py``; it is one peer per round). A peer the round names that this view does not know (a joiner)
+is looked up on demand, under its own record key alone (``look_up``). The directory counts the bytes of the values
+it stores and reads (``dht_bytes``), so that a round record can say what coordination cost."""
 
 from __future__ import annotations
 
