@@ -15,7 +15,7 @@ Bytes are counted per peer (``sent``, ``received``): payload as written, plus ``
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +48,9 @@ class _End:
     reader: asyncio.StreamReader
     closed: bool = False
     last_arrival: float = 0.0  # when the last message written to this end arrives (messages keep their order)
+    # what is on its way to this end, in the order it was sent: a message's bytes and size, or None for the end of
+    # the stream. Each arrival delivers the head: timers due at one instant may run in any order, arrivals may not
+    in_flight: deque[tuple[bytes, int] | None] = field(default_factory=deque)
 
 
 @dataclass(eq=False)
@@ -65,7 +68,7 @@ class SimWriter:
 
     def write(self, data: bytes) -> None:
         mine, theirs = self._stream.ends[self._side], self._stream.ends[1 - self._side]
-        if mine.closed:
+        if mine.closed or not self._network.alive(mine.peer):
             raise ConnectionResetError("write on a closed stream")
         self._left_at = self._network.transmit(self._stream, mine.peer, theirs, bytes(data))
 
@@ -137,12 +140,19 @@ class SimNetwork:
         left, to.last_arrival = self.carry(sender, to.peer, size, after=to.last_arrival)
         self.sent[sender] += size
         self.served[stream.ends[1].peer, stream.protocol] += size
-        self.loop.call_at(to.last_arrival, self._deliver, to, data, size)
+        to.in_flight.append((data, size))
+        self.loop.call_at(to.last_arrival, self._arrive, to)
         return left
 
-    def _deliver(self, to: _End, data: bytes, size: int) -> None:
-        if to.closed or not self.alive(to.peer):
+    def _arrive(self, to: _End) -> None:
+        """The next thing on its way to ``to`` arrives: fed to its reader, unless the end is closed or gone."""
+        message = to.in_flight.popleft()
+        if to.closed or not self.alive(to.peer) or to.reader.at_eof():
             return
+        if message is None:
+            to.reader.feed_eof()
+            return
+        data, size = message
         self.received[to.peer] += size
         to.reader.feed_data(data)
 
@@ -152,8 +162,9 @@ class SimNetwork:
             for end in stream.ends:
                 self._open[end.peer].discard(stream)
         link = self.links.get(closer) or Link()
-        when = max(self.loop.time() + link.latency, to.last_arrival)
-        self.loop.call_at(when, lambda: to.reader.at_eof() or to.reader.feed_eof())
+        to.last_arrival = max(self.loop.time() + link.latency, to.last_arrival)
+        to.in_flight.append(None)
+        self.loop.call_at(to.last_arrival, self._arrive, to)
 
     def connections_of(self, peer: str) -> list[str]:
         return [other for connection in self._connected if peer in connection for other in connection - {peer}]
