@@ -3,6 +3,7 @@
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import signal
 import time
@@ -196,6 +197,19 @@ class _FakeNode:
         return {key: ValueWithExpiration(dict(self.stored.get(key, {})), get_dht_time() + 10) for key in keys}
 
 
+class _CountingNode(_FakeNode):
+    """A _FakeNode that lists the keys of every lookup, and when each began."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.began = [], []
+
+    async def get_many(self, keys, sufficient_expiration_time=None):
+        self.reads.append(tuple(keys))
+        self.began.append(time.monotonic())
+        return await super().get_many(keys, sufficient_expiration_time)
+
+
 def test_the_directory_counts_the_record_bytes_it_stores_and_reads():
     node = _FakeNode()
     me = record("m", 3, "x")
@@ -214,24 +228,30 @@ def test_the_directory_counts_the_record_bytes_it_stores_and_reads():
     asyncio.run(heartbeat())
 
 
-def test_a_peer_the_view_lacks_is_looked_up_under_its_record_key_alone():
+def test_a_peer_the_view_lacks_is_looked_up_under_its_record_key_alone_and_a_key_at_most_once_a_heartbeat():
     """A joiner named in a group, or asking a coordinator to join, is read from the one record key its id hashes
-    to: ~N / keys records, where a whole lookup reads all N."""
-    node, keys = _FakeNode(), RecordKeys(tuple(f"run/peers/{i}" for i in range(4)))
+    to: ~N / keys records, where a whole lookup reads all N. Anyone can name made-up peers: however many ask at
+    once, a key is read once, and again only a heartbeat after that read began."""
+    node, keys = _CountingNode(), RecordKeys(tuple(f"run/peers/{i}" for i in range(4)))
     me, others = record("m", 0, "x"), [record(f"p{i:02d}", 0, "x") for i in range(40)]
     for r in [me, *others]:
         node.stored.setdefault(keys.of(r.peer_id), {})[r.peer_id] = ValueWithExpiration(r.to_value(),
-                                                                                          get_dht_time() + 60)
-    directory = PeerDirectory(node, keys, b"owner", me, 1.0, 10.0)
+                                                                                        get_dht_time() + 60)
+    heartbeat = 0.2
+    directory = PeerDirectory(node, keys, b"owner", me, heartbeat, 10.0)
     joiner = others[7].peer_id
     under_its_key = {r.peer_id for r in [me, *others] if keys.of(r.peer_id) == keys.of(joiner)}
+    neighbours = sorted(under_its_key - {joiner, "m"})
 
     async def looks() -> None:
-        assert joiner in await directory.look_up([joiner])
+        views = await asyncio.gather(*(directory.look_up([peer]) for peer in [joiner, *neighbours]))
+        assert all(joiner in view for view in views) and node.reads == [(keys.of(joiner),)]
         assert set(directory.live) == under_its_key | {"m"} and len(under_its_key) < len(others) / 2
         assert directory.dht_bytes[1] == sum(payload_bytes(p, r.to_value()) for r in [me, *others]
                                              if (p := r.peer_id) in under_its_key)
-        assert directory.looked_at(joiner) > directory.refreshed_at  # read alone: no whole lookup happened
+        assert directory.refreshed_at == -math.inf  # no whole lookup happened
+        await directory.look_up([joiner])  # asked after the first read began: read again, a heartbeat after it
+        assert node.reads == [(keys.of(joiner),)] * 2 and node.began[1] - node.began[0] >= heartbeat
         assert set(await directory.refresh()) == {r.peer_id for r in [me, *others]}
 
     asyncio.run(looks())

@@ -72,7 +72,8 @@ class PeerDirectory:
         # other peers' public keys (OpenSSH form), as their records' subkeys name them: their signatures' check
         self.keys: dict[str, bytes] = {}
         self.refreshed_at = -math.inf  # local time of the last lookup of everyone's records
-        self._key_read_at: dict[str, float] = {}  # local time each record key was last read alone (``look_up``)
+        self._key_read_at: dict[str, float] = {}  # local time each record key's last read alone began (``look_up``)
+        self._key_reads: dict[str, asyncio.Future] = {}  # the read of each key under way or due
         self.moved_at = -math.inf  # local time this node's record last changed round or state
         self.watchers: set[asyncio.Event] = set()  # set after every lookup, for whoever waits on the view
         self._expires: dict[str, float] = {}  # DHT time at which each record in `live` lapses
@@ -176,28 +177,42 @@ class PeerDirectory:
         return live
 
     async def look_up(self, peers: Iterable[str]) -> dict[str, PeerRecord]:
-        """The live records, with those of ``peers`` (ones this view lacks: joiners) read afresh from their record keys
-        alone: about N / RUN_RECORD_KEYS records each, where a whole lookup reads N."""
-        keys = sorted({self.records.of(peer) for peer in peers})
-        now = get_dht_time()
-        try:
-            found = await self.node.get_many(tuple(keys), sufficient_expiration_time=math.inf)
-        except DAEMON_ERRORS as e:
-            logger.info(f"peer lookup failed, keeping the last view: {e!r}")
-            return self.live
-        looked = time.monotonic()
-        self._key_read_at.update((key, looked) for key in keys)
-        live = self._unexpired(now)
-        found_records = self._take(merged_entries(found, keys), now, live)
-        live[self.me.peer_id] = self.me
-        self.live = live
-        self.seen |= set(found_records)  # a member found so is no reason to doubt the group it is in (``follow``)
-        return live
+        """The live records, with those of ``peers`` (ones this view lacks: joiners) read from the DHT from now on,
+        under their record keys alone: about N / RUN_RECORD_KEYS records a key, where a whole lookup reads N. A
+        peer stores its record before it asks anything of another, so a read begun now finds it. Anyone can name
+        made-up peers, so one key is read at most once a heartbeat, whoever asks: a read of it already under way,
+        or due, serves everyone who asked before it began."""
+        asked = time.monotonic()
+        await asyncio.gather(*(self._read_key(key, asked) for key in {self.records.of(peer) for peer in peers}))
+        return self.live
 
-    def looked_at(self, peer_id: str) -> float:
-        """Local time this node last read ``peer_id``'s record from the DHT: in a whole lookup, or alone under its
-        record key."""
-        return max(self.refreshed_at, self._key_read_at.get(self.records.of(peer_id), -math.inf))
+    async def _read_key(self, key: str, asked: float) -> None:
+        """Return once a read of ``key`` begun at or after ``asked`` is over (at most two: one under way may have
+        begun before)."""
+        while self._key_read_at.get(key, -math.inf) < asked:
+            if key not in self._key_reads:
+                due = self._key_read_at.get(key, -math.inf) + self.interval
+                self._key_reads[key] = asyncio.ensure_future(self._read_key_at(key, due))
+            await asyncio.shield(self._key_reads[key])
+
+    async def _read_key_at(self, key: str, due: float) -> None:
+        """Read ``key`` at local time ``due`` (now if past) and take its records into the view."""
+        try:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            self._key_read_at[key] = time.monotonic()
+            now = get_dht_time()
+            try:
+                found = await self.node.get_many((key,), sufficient_expiration_time=math.inf)
+            except DAEMON_ERRORS as e:  # the daemon or a link failed mid-lookup
+                logger.info(f"peer lookup failed, keeping the last view: {e!r}")
+                return
+            live = self._unexpired(now)
+            found_records = self._take(merged_entries(found, (key,)), now, live)
+            live[self.me.peer_id] = self.me
+            self.live = live
+            self.seen |= set(found_records)  # a member found so is no reason to doubt its group (``follow``)
+        finally:
+            del self._key_reads[key]
 
     def _take(self, entries: dict[Any, Any], now: float, live: dict[str, PeerRecord]
               ) -> dict[str, tuple[PeerRecord, float]]:

@@ -245,12 +245,11 @@ class Coordinator:
     async def _refusal(self, sender: str, key: FormationKey) -> str | None:
         """Why a join from ``sender`` for ``key`` is refused, if it is: a peer joins only rounds of this run's config,
         with a live record of it (anyone can open a stream; only peers of the run form groups), and only a few at
-        once. An unknown sender is looked up afresh under its record key, at most once a heartbeat per key: its record
-        may be a moment old, and anyone can ask to join with new keys."""
+        once. An unknown sender is looked up under its record key (``PeerDirectory.look_up``): its record may be a
+        moment old."""
         if key[2] != self.directory.me.fingerprint:
             return f"coordinator {self.me[-8:]} trains another config"
-        stale = time.monotonic() - self.directory.looked_at(sender) > self.directory.interval
-        if not self.directory.of_run(sender) and stale:
+        if not self.directory.of_run(sender):
             await self.directory.look_up([sender])
         if not self.directory.of_run(sender):
             return f"coordinator {self.me[-8:]} sees no live record of this run's config for this peer"
