@@ -113,6 +113,7 @@ class Coordinator:
         self._missed: Counter[str] = Counter()  # rounds each peer was waited for in vain here, in a row
         self._missed_round: dict[str, int] = {}  # the last round counted for each: a round counts once
         self._asked: dict[int, set[str]] = {}  # round -> the peers that asked to join some formation of it here
+        self._checking: Counter[FormationKey] = Counter()  # joins being checked (``_refusal``), per formation
         # the group this peer applied its last round with (``Matchmaker.follow``): a joiner that follows that very
         # version of it too is answered its difference (``join.group_answer``)
         self.following: Group | None = None
@@ -202,7 +203,7 @@ class Coordinator:
             return {"status": JoinStatus.LEFT_OUT, "reason": f"this peer claims {member.tokens} tokens, more than a "
                                                              f"contribution may weigh ({self.max_tokens})"}
         self._note_asked(sender, round_index)
-        refusal = None if sender == self.me else await self._refusal(sender, key)
+        refusal = None if sender == self.me else await self._checked(sender, key)
         if refusal is not None:
             return {"status": JoinStatus.LEFT_OUT, "reason": refusal}
         if key not in self._forming and sender != self.me:  # an open formation is finished even while leaving
@@ -242,6 +243,20 @@ class Coordinator:
                               [r.step_seconds for r in peers if r.role != PeerRole.HUB],
                               [r.round_seconds for r in peers])
 
+    async def _checked(self, sender: str, key: FormationKey) -> str | None:
+        """``_refusal``, while which the formation of ``key`` does not close: a joiner this view lacks is looked up
+        (a heartbeat at most), and a formation that closed meanwhile would tell it "late"; the deadline still
+        bounds the wait."""
+        self._checking[key] += 1
+        try:
+            return await self._refusal(sender, key)
+        finally:
+            self._checking[key] -= 1
+            if not self._checking[key]:
+                del self._checking[key]
+            if key in self._forming:
+                self._forming[key].changed.set()
+
     async def _refusal(self, sender: str, key: FormationKey) -> str | None:
         """Why a join from ``sender`` for ``key`` is refused, if it is: a peer joins only rounds of this run's config,
         with a live record of it (anyone can open a stream; only peers of the run form groups), and only a few at
@@ -275,7 +290,7 @@ class Coordinator:
                     formation.closed.set_result(best)
                     return
                 chosen, runs_here = self._await_peers(formation, live)
-                if not formation.awaited and formation.contributed():
+                if not formation.awaited and formation.contributed() and formation.key not in self._checking:
                     # A peer of this run still at an earlier round in this view may have moved to this one since
                     # the view was taken: before closing without it, one fresh look (none when all are in).
                     behind = {p for p in runs_here if live[p].round < round_index} - set(formation.members) \
