@@ -106,6 +106,9 @@ def test_a_partner_ctrl_c_d_while_its_join_waits_at_the_coordinator_costs_the_su
     assert [(r["round"], r["applied"]) for r in records if r["round"] >= 3][:3] == [(3, True), (4, True), (5, True)]
 
 
+# 70 s: the default run keeps a clean leave, a crash rejoined with run_node.sh, and a join with one address
+# (tests/test_data_nodes.py)
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_crash_leave_join_and_rejoin(tmp_path, algorithm):

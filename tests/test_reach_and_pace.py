@@ -49,6 +49,7 @@ STRANDED = re.compile(r"round (\d+): 1 other trainer\(s\) of this run are live \
                       r"can .*Fix: a hub")
 
 
+@pytest.mark.slow  # 56 s; the default run keeps a peer that only dials out taking part in every round
 @pytest.mark.timeout(300)
 def test_trainers_that_only_dial_out_apply_nothing_alone_say_why_once_and_train_together_once_a_hub_starts(tmp_path):
     """Two trainers in client mode (as behind home routers) and a bootstrap without a hub: nobody can coordinate. Each
