@@ -31,6 +31,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 STALE_HEARTBEATS = 3  # a record not renewed for this many heartbeats (or half its ttl) belongs to a dead peer
 FOREIGN_NAMED = 8  # config fingerprints of other peers of the run a node names in its log, at most
 LOOKUPS_PER_ROUND = 4  # records a peer that follows its group reads per round, on average, whatever N
+KEY_READS = 4  # reads of one record key alone (``look_up``) a heartbeat at most: a join burst's, not a flood's
 PROOFS_KEPT = 8  # proofs this node stores again on every heartbeat (its newest), so that they outlive it in the DHT
 
 
@@ -72,7 +74,8 @@ class PeerDirectory:
         # other peers' public keys (OpenSSH form), as their records' subkeys name them: their signatures' check
         self.keys: dict[str, bytes] = {}
         self.refreshed_at = -math.inf  # local time of the last lookup of everyone's records
-        self._key_read_at: dict[str, float] = {}  # local time each record key's last read alone began (``look_up``)
+        # local times the latest KEY_READS reads of each record key alone began (``look_up``), oldest first
+        self._key_read_at: dict[str, deque[float]] = {}
         self._key_reads: dict[str, asyncio.Future] = {}  # the read of each key under way or due
         self.moved_at = -math.inf  # local time this node's record last changed round or state
         self.watchers: set[asyncio.Event] = set()  # set after every lookup, for whoever waits on the view
@@ -180,18 +183,19 @@ class PeerDirectory:
         """The live records, with those of ``peers`` (ones this view lacks: joiners) read from the DHT from now on,
         under their record keys alone: about N / RUN_RECORD_KEYS records a key, where a whole lookup reads N. A
         peer stores its record before it asks anything of another, so a read begun now finds it. Anyone can name
-        made-up peers, so one key is read at most once a heartbeat, whoever asks: a read of it already under way,
-        or due, serves everyone who asked before it began."""
+        made-up peers, so one key is read at most KEY_READS times a heartbeat, whoever asks: a read of it already
+        under way, or due, serves everyone who asked before it began."""
         asked = time.monotonic()
         await asyncio.gather(*(self._read_key(key, asked) for key in {self.records.of(peer) for peer in peers}))
         return self.live
 
     async def _read_key(self, key: str, asked: float) -> None:
         """Return once a read of ``key`` begun at or after ``asked`` is over (at most two: one under way may have
-        begun before)."""
-        while self._key_read_at.get(key, -math.inf) < asked:
+        begun before); the read waits until the KEY_READS-th latest began a heartbeat ago."""
+        while self._key_read_at.get(key, [-math.inf])[-1] < asked:
             if key not in self._key_reads:
-                due = self._key_read_at.get(key, -math.inf) + self.interval
+                began = self._key_read_at.get(key, ())
+                due = began[0] + self.interval if len(began) == KEY_READS else -math.inf
                 self._key_reads[key] = asyncio.ensure_future(self._read_key_at(key, due))
             await asyncio.shield(self._key_reads[key])
 
@@ -199,7 +203,7 @@ class PeerDirectory:
         """Read ``key`` at local time ``due`` (now if past) and take its records into the view."""
         try:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
-            self._key_read_at[key] = time.monotonic()
+            self._key_read_at.setdefault(key, deque(maxlen=KEY_READS)).append(time.monotonic())
             now = get_dht_time()
             try:
                 found = await self.node.get_many((key,), sufficient_expiration_time=math.inf)
