@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import secrets
 import time
@@ -113,7 +114,8 @@ class Coordinator:
         self._missed: Counter[str] = Counter()  # rounds each peer was waited for in vain here, in a row
         self._missed_round: dict[str, int] = {}  # the last round counted for each: a round counts once
         self._asked: dict[int, set[str]] = {}  # round -> the peers that asked to join some formation of it here
-        self._checking: Counter[FormationKey] = Counter()  # joins being checked (``_refusal``), per formation
+        self._checking: dict[FormationKey, set[int]] = {}  # joins being checked (``_refusal``), per formation
+        self._check_ids = itertools.count()
         # the group this peer applied its last round with (``Matchmaker.follow``): a joiner that follows that very
         # version of it too is answered its difference (``join.group_answer``)
         self.following: Group | None = None
@@ -244,14 +246,15 @@ class Coordinator:
                               [r.round_seconds for r in peers])
 
     async def _checked(self, sender: str, key: FormationKey) -> str | None:
-        """``_refusal``, while which the formation of ``key`` does not close: a joiner this view lacks is looked up
-        (a heartbeat at most), and a formation that closed meanwhile would tell it "late"; the deadline still
-        bounds the wait."""
-        self._checking[key] += 1
+        """``_refusal``, noted as a check under way for the formation of ``key``: a joiner this view lacks is looked
+        up (a heartbeat at most), and a formation that closed meanwhile would tell it "late"
+        (``_close_when_complete`` waits for the checks under way when it could close)."""
+        check = next(self._check_ids)
+        self._checking.setdefault(key, set()).add(check)
         try:
             return await self._refusal(sender, key)
         finally:
-            self._checking[key] -= 1
+            self._checking[key].discard(check)
             if not self._checking[key]:
                 del self._checking[key]
             if key in self._forming:
@@ -278,6 +281,9 @@ class Coordinator:
         round_index = formation.key[0]
         probed = time.monotonic()
         chosen: dict[str, str] = {}  # the hash of each slice most records show at this round
+        # The joins being checked when the formation could first close: waited for, and no later ones, or joins
+        # from made-up peers, one after another, would hold it open until its deadline
+        held: set[int] | None = None
         self.directory.watchers.add(formation.changed)  # a heartbeat's lookup is an event too
         try:
             await self.directory.refresh()  # once, when the first peer joins: who works on this round?
@@ -290,7 +296,11 @@ class Coordinator:
                     formation.closed.set_result(best)
                     return
                 chosen, runs_here = self._await_peers(formation, live)
-                if not formation.awaited and formation.contributed() and formation.key not in self._checking:
+                complete = not formation.awaited and formation.contributed()
+                if complete:
+                    checking = self._checking.get(formation.key, set())
+                    held = checking.copy() if held is None else held & checking
+                if complete and not held:
                     # A peer of this run still at an earlier round in this view may have moved to this one since
                     # the view was taken: before closing without it, one fresh look (none when all are in).
                     behind = {p for p in runs_here if live[p].round < round_index} - set(formation.members) \
