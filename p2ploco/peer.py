@@ -43,7 +43,7 @@ from p2ploco.swarm.records import (
 )
 from p2ploco.swarm.run_config import ConfigServer, RunDocument, fetch_run_document, tell_conflict
 from p2ploco.swarm.state import Snapshot
-from p2ploco.swarm.state_fetch import fetch_state, served_state
+from p2ploco.swarm.state_fetch import choose_donors, fetch_state, served_state
 from p2ploco.swarm.state_server import StateServer
 from p2ploco.swarm.status import Host, Route, StatusServer, Surveyed
 from p2ploco.swarm.status_document import PEERS_DOCUMENT, STATUS_PATH
@@ -246,12 +246,9 @@ class Swarm:
         return None if changes is None else caught_up(chain, changes, blame)
 
     def _donors(self, target: SwarmState) -> list[str]:
-        """The holders of ``target`` that this peer may fetch it from."""
-        # A peer behind a NAT cannot be dialled for the state: it is a donor only over a connection it opened to this
-        # one (a hub started again, whose trainers all dial out, holds nothing else to catch up from)
-        connected = self.loop.run(wire.connected_directly(self.node.protocol.p2p), CALL_TIMEOUT)
-        return [p for p in target.holders if p != self.peer_id and not self.bans.banned(p, target.round)
-                and (not self.directory.dials_out(p) or p in connected)]
+        """The holders of ``target`` that this peer fetches it from (``choose_donors``)."""
+        return self.loop.run(choose_donors(self.node.protocol.p2p, target, self.peer_id, self.bans, self.directory),
+                             CALL_TIMEOUT)
 
     def _blamer(self, target: SwarmState) -> Callable[[str, str], None]:
         def blame(donor: str, why: str) -> None:

@@ -5,6 +5,7 @@ import hashlib
 import logging
 import math
 import os
+import random
 import signal
 import time
 
@@ -20,6 +21,7 @@ from p2ploco.errors import PayloadError, SwarmError
 from p2ploco.metrics import state_digest
 from p2ploco.swarm import state as state_module
 from p2ploco.swarm import state_server
+from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import (
     SwarmState,
     contested,
@@ -32,8 +34,9 @@ from p2ploco.swarm.consensus import (
     tally,
 )
 from p2ploco.swarm.directory import FOREIGN_NAMED, KEY_READS, LOOKUPS_PER_ROUND, PeerDirectory, payload_bytes
-from p2ploco.swarm.records import PeerRecord, Phase, RecordKeys
+from p2ploco.swarm.records import PeerRecord, Phase, Reachability, RecordKeys
 from p2ploco.swarm.state import BytesBlob, Snapshot
+from p2ploco.swarm.state_fetch import MAX_DONORS, choose_donors
 from p2ploco.sync.admission import admit
 from p2ploco.sync.group import Member
 
@@ -534,6 +537,35 @@ def test_state_comes_from_several_donors_and_a_stalled_one_is_routed_around(dono
     assert all(torch.equal(fetched.params[k], snapshot.params[k]) for k in snapshot.params)
     assert torch.equal(fetched.shared["momentum.0"], snapshot.shared["momentum.0"])
     assert state_module.PART_BYTES * 2 < snapshot.blob().total  # really fetched in several parts
+
+
+def test_a_state_many_hold_is_fetched_from_a_few_reachable_unbanned_holders_drawn_anew_each_time():
+    """A state all N hold is fetched from MAX_DONORS of them, not described N times to each newcomer: none behind
+    a NAT that has no connection to this peer, none banned here, and another draw when the fetch is tried again."""
+    node, holders = _FakeNode(), [f"p{i:02d}" for i in range(40)]
+    natted, banned = set(holders[:10]), holders[10]
+    for peer in holders:
+        reach = Reachability.CLIENT if peer in natted else Reachability.PUBLIC
+        node.stored.setdefault("run/peers", {})[peer] = ValueWithExpiration(
+            record(peer, 5, "x").model_copy(update={"reachability": reach}).to_value(), get_dht_time() + 60)
+    directory = PeerDirectory(node, ONE_KEY, b"owner", record("m", 5, "x"), 1.0, 10.0)
+    bans = Bans(2, "run")
+    bans.ban(banned, 5, "served a false state")
+    target = SwarmState(5, S, "x", tuple([*holders, "m"]))
+
+    class Unconnected:  # a daemon holding no direct connection: no peer behind a NAT can donate
+        async def list_peers(self):
+            return []
+
+    async def draws() -> list[list[str]]:
+        await directory.refresh()
+        return [await choose_donors(Unconnected(), target, "m", bans, directory, random.Random(seed))
+                for seed in range(2)]
+
+    first, second = asyncio.run(draws())
+    for donors in (first, second):
+        assert len(set(donors)) == len(donors) == MAX_DONORS and set(donors) <= set(holders[11:])
+    assert set(first) != set(second)
 
 
 def test_a_state_nobody_holds_is_refused(donors_and_joiner):

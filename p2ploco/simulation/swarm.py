@@ -51,7 +51,7 @@ from p2ploco.swarm.evidence import Signer, owner_of
 from p2ploco.swarm.records import PeerRecord, PeerRole, Phase, Reachability, run_records
 from p2ploco.swarm.schema import record_validator
 from p2ploco.swarm.state import Snapshot
-from p2ploco.swarm.state_fetch import fetch_state
+from p2ploco.swarm.state_fetch import choose_donors, fetch_state
 from p2ploco.swarm.state_server import StateServer
 from p2ploco.sync.communicator import SwarmCommunicator
 from p2ploco.sync.start import start_sync
@@ -259,7 +259,8 @@ class SimPeer:
                 return states[0].round
             if states:
                 target = states[0]
-                donors = [p for p in target.holders if p != self.peer_id and not directory.dials_out(p)]
+                donors = await choose_donors(self.p2p, target, self.peer_id, directory.bans, directory,
+                                             self.swarm.draw)
                 try:
                     snapshot = await fetch_state(self.p2p, self.server.handler_name, target,
                                                  donors, self.deadlines, self.swarm.state_bytes, _blame_nobody,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -16,8 +17,10 @@ from hivemind.p2p import P2P
 
 from p2ploco.errors import PayloadError, SwarmError, TransportError
 from p2ploco.swarm import wire
+from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import SwarmState
 from p2ploco.swarm.deadlines import TransferDeadline
+from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.messages import decode
 from p2ploco.swarm.state import (
     LATEST,
@@ -38,6 +41,22 @@ logger = logging.getLogger(__name__)
 
 
 Blame = Callable[[str, str], None]  # (donor, what it did): a donor that served or described a state falsely
+# Holders a peer fetches a state from, at most: enough streams to fill a newcomer's link, and flat in N (a state that
+# all 256 of a swarm hold was described 171 times to each newcomer, and split into as many ranges)
+MAX_DONORS = 8
+
+
+async def choose_donors(p2p: P2P, target: SwarmState, me: str, bans: Bans, directory: PeerDirectory,
+                        draw: random.Random | None = None) -> list[str]:
+    """The holders of ``target`` that peer ``me`` fetches it from: at most MAX_DONORS of those not banned here and
+    reachable, drawn at random, so that newcomers spread over the holders and a fetch that failed draws others when
+    it is tried again."""
+    # A peer behind a NAT cannot be dialled for the state: it is a donor only over a connection it opened to this
+    # one (a hub started again, whose trainers all dial out, holds nothing else to catch up from)
+    connected = await wire.connected_directly(p2p)
+    eligible = [p for p in target.holders if p != me and not bans.banned(p, target.round)
+                and (not directory.dials_out(p) or p in connected)]
+    return eligible if len(eligible) <= MAX_DONORS else (draw or random).sample(eligible, MAX_DONORS)
 
 
 @dataclass(frozen=True)
