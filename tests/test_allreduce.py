@@ -765,6 +765,45 @@ def test_a_member_whose_coordinator_died_after_answering_it_joins_the_round_at_t
 
 
 @pytest.mark.timeout(180)
+def test_a_member_that_crashes_after_answering_a_reducer_is_not_waited_for_by_it():
+    """Member x reduces its span for the others and crashes before it sends them its own contributions: no stream of
+    theirs to x is left to break. Each probes the members that owe it a contribution and never began to send it,
+    finds x's daemon gone, and goes on without it (it used to wait the whole transfer deadline); the round is redone
+    without x and commits."""
+    config = SwarmConfig(matchmaking_timeout=15, allreduce_timeout=60, heartbeat_interval=0.5, peer_ttl=10,
+                         ban_rounds=0)
+    swarms = []
+    answered = threading.Semaphore(0)
+    try:
+        round_index, _, members = coordinator_and_members("crashed-member", 4, config, swarms)
+        x, others = members[0], members[1:]
+
+        def crash_before_sending(owner, honest):
+            async def contribute(ours, peer, route, piece):
+                if owner.me == x.peer_id:
+                    await asyncio.Event().wait()  # x sends nothing: it crashes first
+                delivery = await honest(ours, peer, route, piece)
+                if peer == x.peer_id:
+                    answered.release()
+                return delivery
+
+            return contribute
+
+        faults.swap("reduce.contribute", crash_before_sending)
+        exchanges = [DenseMean(random_tensors(130 + i)) for i in range(3)]
+        pending = [s.communicator.start_all_reduce(e, round_index, "params") for s, e in zip(members, exchanges)]
+        assert all(answered.acquire(timeout=60) for _ in others)  # x answered both
+        x.loop.run(x.node.protocol.p2p.shutdown(), 30)
+        stats = [p.wait(90) for p in pending[1:]]
+        assert [(s.committed, s.peers) for s in stats] == [(True, [o.peer_id for o in others])] * 2
+        assert all(Failure.UNREACHABLE in s.failures and Failure.TIMEOUT not in s.failures for s in stats)
+    finally:
+        faults.swap("reduce.contribute", None)
+        for s in swarms:
+            s.leave()
+
+
+@pytest.mark.timeout(180)
 def test_a_coordinator_that_leaves_decides_the_round_of_the_group_it_formed_first():
     """The coordinator of a round trains none of it (a peer sitting rounds out, idle at the end of its run) and
     leaves as soon as it has formed the group: it used to shut down before the members voted, and they applied

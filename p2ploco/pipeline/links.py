@@ -55,7 +55,6 @@ DTYPES = {"uint16": torch.uint16, "int32": torch.int32, "float32": torch.float32
 MAX_ADDENDS = 16
 MAX_BOUNDARY_MAGNITUDE = 1e5  # no honest activation or activation-gradient comes near: the forward would overflow
 MAX_DIMENSION = 1 << 31  # of a tensor on the wire, or a stage or micro-batch index
-PROBE_EVERY = 2.0  # seconds between checks, while waiting for a stage's message, that its peer is still there
 PROBES_TO_GIVE_UP = 2  # consecutive failed checks before a stage's peer counts as gone (a busy daemon may miss one)
 
 
@@ -362,12 +361,12 @@ class RemoteTransport(StageTransport):
         deadline = started + self.timeout
         peer = self.links.peers[from_stage]
         missed = 0
-        while not mailbox.wait(key, min(PROBE_EVERY, max(0.0, deadline - time.monotonic())), what):
+        while not mailbox.wait(key, min(wire.PROBE_EVERY, max(0.0, deadline - time.monotonic())), what):
             if time.monotonic() >= deadline:
                 raise PipelineError(f"no {what} for step {key[0]} micro-batch {key[1]} from stage {from_stage} "
                                     f"within {self.timeout:.0f} s")
-            alive = self.loop.run(wire.reachable(self.server.p2p, peer, self.server.handler_name, PROBE_EVERY),
-                                  PROBE_EVERY + 5)
+            alive = self.loop.run(wire.reachable(self.server.p2p, peer, self.server.handler_name, wire.PROBE_EVERY),
+                                  wire.PROBE_EVERY + 5)
             missed = 0 if alive else missed + 1
             if missed >= PROBES_TO_GIVE_UP:
                 raise PipelineError(f"stage {from_stage} ({peer[-8:]}) cannot be reached: it has gone")

@@ -254,6 +254,12 @@ async def _until_closed(reader: asyncio.StreamReader) -> None:
         pass
 
 
+# Seconds between checks that a peer waited for can still be reached (``reachable``): by a coordinator of the peers
+# its formation awaits, of the voters its ballot awaits, by a reducer of the members that owe it a contribution, by a
+# pipeline stage of the stage whose message it waits for
+PROBE_EVERY = 2.0
+
+
 async def reachable(p2p: P2P, peer_id: str, handler: str, timeout: float) -> bool:
     """False if ``peer_id``'s daemon cannot be dialled or refuses the stream (the peer crashed); True if a stream
     opens, or the answer is merely slow (slow is not dead). The stream is closed at once."""

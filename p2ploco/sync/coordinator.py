@@ -67,7 +67,6 @@ STRAGGLER_MISSES = 2  # formations a peer was expected in and never joined, afte
 BAN_MISSES = 4  # and after which it is banned: its record claims rounds it never joins
 KEEP_ASKED_ROUNDS = 8  # rounds for which a coordinator remembers who asked to join (an overlapped peer asks ahead)
 LEAVE_GRACE = 5.0  # a leaving coordinator still answers the groups it is forming, for at most this long
-PROBE_EVERY = 2.0  # seconds between checks that the peers a formation waits for can still be reached
 HUB_PATIENCE = 3600.0  # seconds a hub's join waits for a round's first contribution (a round may be long)
 
 
@@ -309,14 +308,14 @@ class Coordinator:
                         await self.directory.refresh()
                         continue
                     break
-                if time.monotonic() >= probed + PROBE_EVERY:  # a peer killed in its inner steps is not waited for
+                if time.monotonic() >= probed + wire.PROBE_EVERY:  # a peer killed in its inner steps is not waited for
                     probed = time.monotonic()
                     probes = sorted(p for p in formation.awaited - {self.me} if not live[p].dials_out)
-                    alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
+                    alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, wire.PROBE_EVERY)
                                                    for p in probes))
                     formation.dead.update(p for p, ok in zip(probes, alive) if not ok)
                 # Woken by a join, a heartbeat's lookup, the next probe or the deadline: no polling of the DHT.
-                wake = min(probed + PROBE_EVERY, formation.deadline)
+                wake = min(probed + wire.PROBE_EVERY, formation.deadline)
                 try:
                     await asyncio.wait_for(formation.changed.wait(), max(0.0, wake - time.monotonic()))
                 except TimeoutError:

@@ -98,7 +98,6 @@ from p2ploco.sync.tally import (
 logger = logging.getLogger(__name__)
 
 KEEP_BALLOTS = 16
-PROBE_EVERY = 2.0  # seconds between looks at whether awaited voters are still reachable
 MAX_PIECES = 1 << 16  # pieces one vote may list evidence for
 PIECE_ENTRY_BYTES = 600  # a piece's evidence in a vote's payload, at most (a 256-byte signature: ~330)
 
@@ -268,11 +267,11 @@ class RoundCommit:
         waited for until the deadline. A member behind a NAT cannot be dialled at all: its vote is waited
         for."""
         while True:
-            await asyncio.sleep(PROBE_EVERY)
+            await asyncio.sleep(wire.PROBE_EVERY)
             for peer in ballot.waiting_for():
                 if peer == self.me or peer in ballot.group.dial_out:
                     continue
-                if not await wire.reachable(self.p2p, peer, self.handler_name, PROBE_EVERY):
+                if not await wire.reachable(self.p2p, peer, self.handler_name, wire.PROBE_EVERY):
                     logger.info(f"round {ballot.group.round_index}: {peer[-8:]} cannot be reached; not waiting "
                                 f"for its vote")
                     ballot.dead.add(peer)

@@ -62,7 +62,7 @@ from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import group_statement, signed_by
 from p2ploco.swarm.messages import decode
 from p2ploco.swarm.records import PeerRecord, PeerRole, Phase
-from p2ploco.sync.coordinator import HUB_PATIENCE, PROBE_EVERY, Coordinator
+from p2ploco.sync.coordinator import HUB_PATIENCE, Coordinator
 from p2ploco.sync.group import Group
 from p2ploco.sync.join import (
     JOIN_FAILURES,
@@ -324,7 +324,7 @@ class Matchmaker:
                        and r.state not in (Phase.LEAVING, Phase.STANDBY, Phase.SERVING)
                        and p not in banned and self._leavers.get(p, -1) < round_index)
         # A peer behind a NAT cannot be dialled: its fresh record is all there is to go by.
-        dialled = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, PROBE_EVERY)
+        dialled = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, wire.PROBE_EVERY)
                                          for p in ahead if not live[p].dials_out))
         reached = iter(dialled)
         alive = [p for p in ahead if live[p].dials_out or next(reached)]

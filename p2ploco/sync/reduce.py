@@ -162,6 +162,7 @@ class ButterflyAllReduce:
         plan = self._plan(group, exchange)
         contribute = faults.seam("reduce.contribute", self, self._contribute)
         sends = [asyncio.create_task(contribute(*send)) for send in plan.sends]
+        probe = asyncio.create_task(self._probe_owing(plan.inboxes, group))
         reduced: list[Reduced] = []
         own_bytes = 0
         error: AllReduceError | None = None
@@ -180,8 +181,9 @@ class ButterflyAllReduce:
         except PayloadError as e:  # our own span could not be reduced (no valid contribution), or not received
             error = AllReduceError(f"{e!r}", Failure.MALFORMED)
         finally:
-            for task in sends:
+            for task in [*sends, probe]:
                 task.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
             outcomes = await asyncio.gather(*sends, return_exceptions=True)  # reap them
             for inbox in plan.inboxes:
                 self.reducer.close(inbox)
@@ -195,6 +197,20 @@ class ButterflyAllReduce:
                           sum(d.received for d in deliveries) + sum(i.bytes_in for i in plan.inboxes),
                           plan.dense_fp32_bytes, own_bytes + sum(d.encoded for d in deliveries), plan.params)
         return self._attempt(plan.inboxes, reduced, deliveries, traffic, error)
+
+    async def _probe_owing(self, inboxes: list[Inbox], group: Group) -> None:
+        """Every PROBE_EVERY seconds, try to open a stream to each member that owes one of our pieces a contribution
+        and has not begun to send it: one whose daemon cannot be reached has crashed (after it answered our own
+        contributions, or our send to it would have failed), and is not waited for until the deadline. One that
+        began sends on a stream whose end tells; one behind a NAT cannot be dialled, and is waited for."""
+        while True:
+            await asyncio.sleep(wire.PROBE_EVERY)
+            silent = sorted({p for inbox in inboxes for p in inbox.owing() - inbox.connected} - set(group.dial_out))
+            alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, wire.PROBE_EVERY)
+                                           for p in silent))
+            for peer in (p for p, ok in zip(silent, alive) if not ok):
+                self._act_on(peer, TransferOutcome.MISSED, "it cannot be reached", inboxes, group.round_index,
+                             Failure.UNREACHABLE)
 
     def _measure(self, inboxes: list[Inbox]) -> None:
         """Each sender's last piece, for the next rounds' deadlines."""

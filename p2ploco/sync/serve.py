@@ -97,6 +97,10 @@ class Inbox:
             return Refusal(ReduceStatus.MISSED, self.missed[sender][1])
         return None
 
+    def owing(self) -> set[str]:
+        """The senders whose contribution may still come."""
+        return {p for p in self.senders if self._pending(p)}
+
     def close_stream(self, sender: str) -> None:
         self.closed_streams.add(sender)
         self._check()
