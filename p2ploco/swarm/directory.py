@@ -298,6 +298,13 @@ class PeerDirectory:
         """The link rates (Mbit/s, 0: not stated) that ``peers`` state in their records, as last seen."""
         return [self.live[p].bandwidth_mbit for p in peers if p in self.live]
 
+    async def stopped(self, peers: Iterable[str]) -> set[str]:
+        """Of ``peers``, those whose records, read from now on (``look_up``), are no longer renewed: they crashed."""
+        peers = set(peers)
+        if peers:
+            await self.look_up(peers)
+        return {p for p in peers if not self.fresh(p)}
+
     async def view(self) -> dict[str, PeerRecord]:
         """The records as last seen if they will do: unless this node doubts the group it follows, looked up
         since this node moved to its current round (the others publish theirs as they move, too), or this node

@@ -81,6 +81,7 @@ from p2ploco.swarm.evidence import (
 )
 from p2ploco.swarm.messages import MAX_PEERS, Digest, Message, PeerIds, Reason, SliceName, decode, status_of
 from p2ploco.sync.group import Group, GroupBook
+from p2ploco.sync.liveness import Stopped, gone
 from p2ploco.sync.reduce_values import Evidence
 from p2ploco.sync.tally import (
     MAX_PROOFS,
@@ -122,12 +123,13 @@ class _Ballot:
 
 class RoundCommit:
     def __init__(self, p2p: P2P, me: str, run_id: str, timeout: float, book: GroupBook, bans: Bans, signer: Signer,
-                 keys: Callable[[str], bytes | None]):
+                 keys: Callable[[str], bytes | None], stopped: Stopped):
         """``book``: the groups this peer coordinates (the matchmaker adds them; redos decided here too); ``bans``:
         who is out here, and the proofs this peer holds; ``signer``: signs the redo groups it decides; ``keys``: a
-        peer's public key as its record names it (None: unknown)."""
+        peer's public key as its record names it (None: unknown); ``stopped``: those of the given peers whose records
+        are no longer renewed, read afresh."""
         self.p2p, self.me, self.run_id, self.timeout, self.book = p2p, me, run_id, timeout, book
-        self.bans, self.signer, self.keys = bans, signer, keys
+        self.bans, self.signer, self.keys, self.stopped = bans, signer, keys, stopped
         self.handler_name = f"p2ploco/{run_id}/vote"
         self._ballots: dict[str, _Ballot] = {}
         self._decided = asyncio.Event()  # set whenever a ballot is decided (``coordinate_to_the_end`` waits on it)
@@ -262,20 +264,16 @@ class RoundCommit:
             group_statement(self.run_id, redo.group_id, bytes.fromhex(redo.digest))))
 
     async def _probe(self, ballot: _Ballot) -> None:
-        """Every PROBE_EVERY seconds, try to open a stream to each member still awaited: one whose daemon cannot
-        be reached at all has crashed (after delivering its span, or nobody would wait for it), and is not
-        waited for until the deadline. A member behind a NAT cannot be dialled at all: its vote is waited
-        for."""
+        """Every PROBE_EVERY seconds, look at each member still awaited: one that crashed (after delivering its span,
+        or nobody would wait for it) is not waited for until the deadline (``liveness.gone``)."""
         while True:
             await asyncio.sleep(wire.PROBE_EVERY)
-            for peer in ballot.waiting_for():
-                if peer == self.me or peer in ballot.group.dial_out:
-                    continue
-                if not await wire.reachable(self.p2p, peer, self.handler_name, wire.PROBE_EVERY):
-                    logger.info(f"round {ballot.group.round_index}: {peer[-8:]} cannot be reached; not waiting "
-                                f"for its vote")
-                    ballot.dead.add(peer)
-                    ballot.changed.set()
+            awaited = set(ballot.waiting_for()) - {self.me}
+            for peer, reason in sorted((await gone(self.p2p, self.handler_name, awaited, ballot.group.dial_out,
+                                                   self.stopped)).items()):
+                logger.info(f"round {ballot.group.round_index}: not waiting for the vote of {peer[-8:]}: {reason}")
+                ballot.dead.add(peer)
+                ballot.changed.set()
 
 
 Signature = Annotated[bytes, Field(max_length=MAX_SIGNATURE)]

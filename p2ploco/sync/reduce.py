@@ -100,6 +100,7 @@ from p2ploco.swarm.messages import decode
 from p2ploco.sync.audit import Audits
 from p2ploco.sync.contribute import Contributor, Route
 from p2ploco.sync.group import Group
+from p2ploco.sync.liveness import Stopped, gone
 from p2ploco.sync.reduce_values import (
     AllReduceError,
     Attempt,
@@ -131,14 +132,17 @@ class _Plan:
 
 class ButterflyAllReduce:
     def __init__(self, p2p: P2P, me: str, run_id: str, deadline: TransferDeadline, bans: Bans, signer: Signer,
-                 keys: Callable[[str], bytes | None], rates: Callable[[Iterable[str]], list[float]] = lambda peers: [],
+                 keys: Callable[[str], bytes | None], rates: Callable[[Iterable[str]], list[float]],
+                 stopped: Stopped,
                  whereabouts: Whereabouts | None = None, audits: Audits | None = None):
         """``signer``: signs the results this peer answers; ``keys``: a peer's public key, as its record names it
         (None: unknown), which its signatures are checked with; ``rates``: the link rates (Mbit/s, 0: not stated) the
-        given peers report; ``whereabouts``: where this peer takes part in each round (the matchmaker's notes), so
+        given peers report; ``stopped``: those of the given peers whose records are no longer renewed, read afresh;
+        ``whereabouts``: where this peer takes part in each round (the matchmaker's notes), so
         that a contribution for a group it never takes part in is refused at once; ``audits``: what this peer shows
         auditors of its pieces, and how it audits one piece of another reducer after each attempt (None: neither)."""
         self.p2p, self.me, self.run_id, self.deadline, self.bans, self.rates = p2p, me, run_id, deadline, bans, rates
+        self.stopped = stopped
         self.signer, self.keys, self.audits = signer, keys, audits
         self.whereabouts = whereabouts if whereabouts is not None else Whereabouts()
         self.timeout = deadline.base  # for what does not grow with the payload: headers, answers, lookups
@@ -199,18 +203,16 @@ class ButterflyAllReduce:
         return self._attempt(plan.inboxes, reduced, deliveries, traffic, error)
 
     async def _probe_owing(self, inboxes: list[Inbox], group: Group) -> None:
-        """Every PROBE_EVERY seconds, try to open a stream to each member that owes one of our pieces a contribution
-        and has not begun to send it: one whose daemon cannot be reached has crashed (after it answered our own
-        contributions, or our send to it would have failed), and is not waited for until the deadline. One that
-        began sends on a stream whose end tells; one behind a NAT cannot be dialled, and is waited for."""
+        """Every PROBE_EVERY seconds, look at each member that owes one of our pieces a contribution and has not
+        begun to send it (one that began sends on a stream whose end tells): one that crashed (after it answered our
+        own contributions, or our send to it would have failed) is not waited for until the deadline
+        (``liveness.gone``)."""
         while True:
             await asyncio.sleep(wire.PROBE_EVERY)
-            silent = sorted({p for inbox in inboxes for p in inbox.owing() - inbox.connected} - set(group.dial_out))
-            alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, wire.PROBE_EVERY)
-                                           for p in silent))
-            for peer in (p for p, ok in zip(silent, alive) if not ok):
-                self._act_on(peer, TransferOutcome.MISSED, "it cannot be reached", inboxes, group.round_index,
-                             Failure.UNREACHABLE)
+            silent = {p for inbox in inboxes for p in inbox.owing() - inbox.connected}
+            crashed = await gone(self.p2p, self.handler_name, silent, group.dial_out, self.stopped)
+            for peer, reason in sorted(crashed.items()):
+                self._act_on(peer, TransferOutcome.MISSED, reason, inboxes, group.round_index, Failure.UNREACHABLE)
 
     def _measure(self, inboxes: list[Inbox]) -> None:
         """Each sender's last piece, for the next rounds' deadlines."""

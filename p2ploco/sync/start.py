@@ -39,8 +39,9 @@ async def start_sync(loop: EventLoopThread, p2p: P2P, directory: PeerDirectory, 
                             max_tokens, key_of, dial_out)
     audits = Audits(p2p, run_id, deadlines.base, config.audit)
     butterfly = ButterflyAllReduce(p2p, me.peer_id, run_id, deadlines, bans, signer, key_of, directory.rates,
-                                   matchmaker.whereabouts, audits)
-    commit = RoundCommit(p2p, me.peer_id, run_id, config.allreduce_timeout, book, bans, signer, key_of)
+                                   directory.stopped, matchmaker.whereabouts, audits)
+    commit = RoundCommit(p2p, me.peer_id, run_id, config.allreduce_timeout, book, bans, signer, key_of,
+                         directory.stopped)
     for service in (coordinator, audits, butterfly, commit):
         await service.start()
     return SwarmCommunicator(loop, me, directory, config.matchmaking_timeout, matchmaker, butterfly, commit)
