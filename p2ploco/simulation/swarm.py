@@ -260,7 +260,7 @@ class SimPeer:
             if states:
                 target = states[0]
                 donors = await choose_donors(self.p2p, target, self.peer_id, directory.bans, directory,
-                                             self.swarm.draw)
+                                             self.swarm.donor_draw)
                 try:
                     snapshot = await fetch_state(self.p2p, self.server.handler_name, target,
                                                  donors, self.deadlines, self.swarm.state_bytes, _blame_nobody,
@@ -328,7 +328,8 @@ class SimulatedSwarm:
         self.fingerprint = document_fingerprint(self.config.run_document())
         self.network = SimNetwork(loop)
         self.dht = SimDHT(self.network)
-        self.draw = random.Random(scenario.seed)
+        self.draw = random.Random(scenario.seed)  # the scenario's: links, churn
+        self.donor_draw = random.Random(scenario.seed + 1)  # the peers' (``choose_donors``): the scenario's draws stay
         self.keys = simulation_keys(scenario.peers + math.ceil(scenario.peers * scenario.churn) * scenario.rounds)
         self.peers: list[SimPeer] = []
         self.ended: dict[int, set[str]] = defaultdict(set)  # round -> peers whose sync of it returned
