@@ -1,7 +1,7 @@
 """Scale: real p2ploco nodes on loopback, N = 2, 4, 8, 16, per-peer traffic and round time for two designs.
 
-For each swarm size N (``--peers``) and design (``--designs``) the script starts a bootstrap peer (``p2ploco dht``)
-and N ``p2ploco node start`` processes, each with its own p2p daemon, all on 127.0.0.1 (port 0), with
+For each swarm size N (``--peers``) and design (``--designs``) the script starts a bootstrap peer (``p2ploco dht
+--no-hub``) and N ``p2ploco node start`` processes, each with its own p2p daemon, all on 127.0.0.1 (port 0), with
 configs/tiny.yaml (``--config``) and ``swarm.min_peers=N``, and lets them train ``--rounds`` outer rounds together.
 A design is what each span's reducer sends back (``outer.sparseloco.result``):
 
@@ -136,7 +136,9 @@ def run_setting(peers: int, design: str, config: str, user: list[str], rounds: i
     started = time.monotonic()
     sets = [f"swarm.min_peers={peers}", *overrides_for(design, user)]
     try:
-        bootstrap = Child("bootstrap", cli("dht", "--host-maddrs", LOOPBACK), workdir / "bootstrap.log")
+        # No hub: it would join the trainers' rounds once it has fetched their config (round 5 of 6 at N = 8), a
+        # group of N + 1, and the rows measure N trainers
+        bootstrap = Child("bootstrap", cli("dht", "--host-maddrs", LOOPBACK, "--no-hub"), workdir / "bootstrap.log")
         children.append(bootstrap)
         address = bootstrap.wait_for_line(ADDRESS, timeout=120).group(1)
         for i in range(peers):
