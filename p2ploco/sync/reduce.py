@@ -187,8 +187,7 @@ class ButterflyAllReduce:
         finally:
             for task in [*sends, probe]:
                 task.cancel()
-            await asyncio.gather(probe, return_exceptions=True)
-            outcomes = await asyncio.gather(*sends, return_exceptions=True)  # reap them
+            outcomes = await asyncio.gather(*sends, probe, return_exceptions=True)  # reap them
             for inbox in plan.inboxes:
                 self.reducer.close(inbox)
         for outcome in outcomes:
