@@ -16,7 +16,7 @@ from p2ploco.swarm.evidence import Claim, Signer, owner_of, result_statement
 from p2ploco.swarm.messages import MAX_PEERS, MAX_REASON, decode
 from p2ploco.sync.admission import admit
 from p2ploco.sync.decide import _Ballot, parse_decision, parse_vote
-from p2ploco.sync.group import KEEP_PER_PEER, Group, GroupBook, Member
+from p2ploco.sync.group import KEEP_PER_PEER, MAX_REDUCERS, Group, GroupBook, Member
 from p2ploco.sync.join import JoinAnswer, best_coordinator, group_answer, parse_group, parse_join, rendezvous
 from p2ploco.sync.reduce_values import Evidence
 from p2ploco.sync.tally import Cast, Outcome, Vote, decide, examine
@@ -257,7 +257,8 @@ def test_a_group_answered_relative_to_the_group_the_joiner_follows_is_small_and_
     assert len(msgpack.packb(full)) > 150_000 and len(msgpack.packb(relative)) < 800  # O(N) against O(changes)
     as_given = parse_group(decode(JoinAnswer, relative).on(last), 5, "params", peers[1])
     assert as_given == parse_group(decode(JoinAnswer, full).on(None), 5, "params", peers[1])
-    assert as_given.tokens_of()[peers[7]] == 5120 and as_given.reducers(S) == tuple(members[:-1])
+    assert as_given.tokens_of()[peers[7]] == 5120 and as_given.reducers(S) == now.reducers(S)
+    assert peers[-1] not in as_given.reducers(S)  # the dial-out joiner
     # Relative to a group this joiner does not follow, it is refused: the coordinator went by another one.
     with pytest.raises(PayloadError, match="relative to another group"):
         decode(JoinAnswer, relative).on(now)
@@ -290,6 +291,25 @@ def test_a_joiner_that_follows_another_version_of_the_coordinators_group_is_answ
     assert parse_group(relative.on(honest), 5, "params", A) == parse_group(answer.on(None), 5, "params", A)
     with pytest.raises(PayloadError, match="relative to another group \\(or version of it\\)"):
         relative.on(hostile)
+
+
+def test_a_large_group_draws_at_most_max_reducers_of_its_dialable_holders_by_its_id():
+    peers = tuple(sorted(f"peer{i:03d}" for i in range(3 * MAX_REDUCERS)))
+
+    def drawn(group_id, passive=()):
+        return Group(group_id, 5, "params", peers, peers[0], 0, tuple((p, (S,)) for p in peers),
+                     tokens=tuple((p, 1) for p in peers), dial_out=peers[::2], passive=passive)
+
+    reducers = drawn("g1").reducers(S)
+    assert len(set(reducers)) == MAX_REDUCERS and reducers == tuple(sorted(reducers))
+    assert not set(reducers) & set(peers[::2])  # none that only dials out
+    assert drawn("g1").reducers(S) == reducers  # every member holding the group draws alike
+    assert drawn("g2").reducers(S) != reducers  # another group (a redo's id) draws anew
+    assert not set(drawn("g1", passive=reducers[:3]).reducers(S)) & set(reducers[:3])
+    assert drawn("g1").contributors(S) == peers  # every member still contributes to every span
+    small = Group("g", 5, "params", peers[:MAX_REDUCERS], peers[0], 0,
+                  tuple((p, (S,)) for p in peers[:MAX_REDUCERS]), tokens=tuple((p, 1) for p in peers[:MAX_REDUCERS]))
+    assert small.reducers(S) == peers[:MAX_REDUCERS]
 
 
 def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends():

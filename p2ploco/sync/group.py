@@ -9,6 +9,11 @@ and are not in it, and why: a group smaller than that is the coordinator's decis
 all-reduce (``sync/reduce.py``) cuts each slice among its holders by it, and its coordinator judges the members'
 commit votes against it (``sync/decide.py``).
 
+Of more than MAX_REDUCERS holders of a slice that can be dialled, a draw of MAX_REDUCERS reduces it: with every one
+reducing, each member opened a stream to each and read a receipt naming every member from each, O(N) streams and
+O(N^2) receipt bytes a member a round (``benchmarks/simulate.py``). Drawn, a member opens MAX_REDUCERS streams; a
+reducer takes N / MAX_REDUCERS times the bytes of its span that an undrawn butterfly's reducer takes.
+
 A peer that coordinates remembers the groups it formed in its ``GroupBook``, by id and by the formation they closed.
 """
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
+MAX_REDUCERS = 32  # the most members that reduce spans of one slice: with more, a group's draw (``Group.reducers``)
 KEEP_PER_PEER = 16  # a group is remembered while it is among this many latest of one of its members' ...
 KEEP_SECONDS = 600.0  # ... and at most this long
 
@@ -93,7 +99,18 @@ class Group:
             for name in slices:
                 holders.setdefault(name, []).append(peer)
         return {name: _SliceRoles(tuple(peers), tuple(p for p in peers if tokens.get(p, 1) > 0),
-                                  tuple(p for p in peers if p not in reducing_none)) for name, peers in holders.items()}
+                                  self._drawn(name, [p for p in peers if p not in reducing_none]))
+                for name, peers in holders.items()}
+
+    def _drawn(self, slice_name: str, eligible: list[str]) -> tuple[str, ...]:
+        """At most MAX_REDUCERS of ``eligible``, in canonical order: those whose hash with the group id and the slice
+        is lowest. Every member draws alike from the group it holds; the group id is drawn by the coordinator when
+        the formation closes (and anew for a redo), after the joins, so no joiner can choose a key that reduces."""
+        if len(eligible) <= MAX_REDUCERS:
+            return tuple(eligible)
+        rank = {p: hashlib.sha256(f"{self.group_id}/{slice_name}/{p}".encode()).digest() for p in eligible}
+        drawn = set(sorted(eligible, key=rank.__getitem__)[:MAX_REDUCERS])
+        return tuple(p for p in eligible if p in drawn)
 
     def contributors(self, slice_name: str) -> tuple[str, ...]:
         """The holders of ``slice_name`` that send a contribution to each of its spans, in canonical order: all but
@@ -102,8 +119,8 @@ class Group:
         return self._of_slice.get(slice_name, _NOBODY).contributors  # no tokens listed: every holder contributes
 
     def reducers(self, slice_name: str) -> tuple[str, ...]:
-        """The holders of ``slice_name`` that others can dial, in canonical order, less the passive ones: the i-th
-        reduces span i. A member that can only dial out sends its contributions and reads the results on streams it
+        """The holders of ``slice_name`` that others can dial, in canonical order, less the passive ones, and of more
+        than MAX_REDUCERS a draw of that many (``_drawn``): the i-th reduces span i. A member that can only dial out sends its contributions and reads the results on streams it
         opened; a passive one does so too (a redo's refusers: ``commit.decide``)."""
         return self._of_slice.get(slice_name, _NOBODY).reducers
 

@@ -233,7 +233,11 @@ class ButterflyAllReduce:
         # deadline by which every contribution must be in allows for both phases' bytes. Our wait for those is what
         # this peer measured (``TransferDeadline.expected``); our sends wait for their reducers' answers to the bound,
         # as the reducers decide when they answer.
-        volume = sum(part.max_payload_bytes(range(part.num_units)) for part in exchange.parts.values())
+        # A drawn reducer of a large group (``group.MAX_REDUCERS``) takes that many senders' pieces of a span of that
+        # size: its link carries their share of a whole contribution.
+        volume = int(sum(part.max_payload_bytes(range(part.num_units))
+                         * max(1.0, len(group.contributors(name)) / max(1, len(group.reducers(name))))
+                         for name, part in exchange.parts.items()))
         rates = self.rates(group.peers)
         transfer, answered = self.deadline.expected(2 * volume, rates), self.deadline.seconds(2 * volume, rates)
         deadline = time.monotonic() + transfer
