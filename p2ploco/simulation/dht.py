@@ -42,20 +42,24 @@ class SimDHT:
     # replicas of a key hold the same values in this model)
     storage: dict[DHTID, dict[bytes, tuple[bytes, float]]] = field(default_factory=lambda: defaultdict(dict))
     served: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # server -> bytes in and out
-    # a record's signed bytes -> its value stripped of the signature, or None if it does not validate: a record is
-    # checked once for all simulated peers (the check is a pure function of its bytes, and every peer of a run
-    # holds the same validator), which a real peer pays for every record of every lookup
-    _checked: dict[tuple[bytes, bytes, bytes, float], bytes | None] = field(default_factory=dict)
+    # a record's signed bytes -> its subkey and value as a lookup returns them (loaded, the signature stripped), or
+    # None if it does not validate: a record is checked and loaded once for all simulated peers (both are pure
+    # functions of its bytes, every peer of a run holds the same validator, and nothing changes what a lookup
+    # returned), which a real peer does for every record of every lookup
+    _opened: dict[tuple[bytes, bytes, bytes, float], tuple[Any, ValueWithExpiration] | None] = field(
+        default_factory=dict)
     _replicas: dict[DHTID, list[str]] = field(default_factory=dict)  # per key, while no server comes or goes
 
-    def checked(self, record: DHTRecord, validator: RecordValidatorBase) -> bytes | None:
-        """``record``'s value without its signature if ``validator`` takes it, else None."""
+    def opened(self, record: DHTRecord, validator: RecordValidatorBase) -> tuple[Any, ValueWithExpiration] | None:
+        """``record``'s subkey and value without its signature, loaded, if ``validator`` takes it, else None."""
         key = (record.key, record.subkey, record.value, record.expiration_time)
-        if key not in self._checked:
-            if len(self._checked) > CHECKED_KEPT:
-                self._checked.clear()
-            self._checked[key] = validator.strip_value(record) if validator.validate(record) else None
-        return self._checked[key]
+        if key not in self._opened:
+            if len(self._opened) > CHECKED_KEPT:
+                self._opened.clear()
+            self._opened[key] = (MSGPackSerializer.loads(record.subkey), ValueWithExpiration(
+                MSGPackSerializer.loads(validator.strip_value(record)), record.expiration_time)
+            ) if validator.validate(record) else None
+        return self._opened[key]
 
     def serve(self, peer: str) -> None:
         self.servers[DHTID.generate(source=peer)] = peer
@@ -80,11 +84,16 @@ class SimDHT:
         """The routing walk toward a key before a store or lookup: ``hops`` round trips from ``peer``."""
         await asyncio.sleep(self.hops * 2 * self.network.links[peer].latency)
 
-    async def carry(self, sender: str, receiver: str, size: int, through: str) -> None:
-        """``size`` bytes from ``sender`` to ``receiver``, counted at ``through``, the server taking or sending them."""
+    def carry(self, sender: str, receiver: str, size: int, through: str) -> float:
+        """``size`` bytes from ``sender`` to ``receiver``, counted at ``through``, the server taking or sending them:
+        when they arrive. A store or lookup sends its messages at once and waits for the last (``until``): one timer
+        for them all, not one task each (a lookup of everyone is 32 keys times 5 replicas)."""
         self.served[through] += size
-        _, arrival = self.network.carry(sender, receiver, size)
-        await asyncio.sleep(max(0.0, arrival - self.network.loop.time()))
+        return self.network.carry(sender, receiver, size)[1]
+
+    async def until(self, arrivals: list[float]) -> None:
+        """Wait for the last of ``arrivals``."""
+        await asyncio.sleep(max([0.0, *(a - self.network.loop.time() for a in arrivals)]))
 
 
 class SimDHTNode:
@@ -106,8 +115,8 @@ class SimDHTNode:
         await self.dht.route(me)
         replicas = self.dht.replicas(key_id)
         size = len(key_id.to_bytes()) + len(subkey_bytes) + len(signed) + 16
-        await asyncio.gather(*(self.dht.carry(me, replica, size, through=replica) for replica in replicas))
-        if not replicas or self.dht.checked(record, self.validator) is None:
+        await self.dht.until([self.dht.carry(me, replica, size, through=replica) for replica in replicas])
+        if not replicas or self.dht.opened(record, self.validator) is None:
             return False
         held = self.dht.storage[key_id]
         if subkey_bytes not in held or held[subkey_bytes][1] <= expiration_time:
@@ -121,27 +130,27 @@ class SimDHTNode:
         first only."""
         me = str(self.peer_id)
         await self.dht.route(me)
-        found = await asyncio.gather(*(self._read(me, key, latest=sufficient_expiration_time == math.inf)
-                                       for key in keys))
-        return dict(zip(keys, found))
+        now, arrivals, held = time.time(), [], {}
+        ids = {key: DHTID.generate(source=key) for key in keys}
+        for key, key_id in ids.items():
+            held[key] = {s: (v, e) for s, (v, e) in self.dht.storage.get(key_id, {}).items() if e > now}
+            self.dht.storage[key_id] = held[key]
+            size = sum(len(s) + len(v) + 8 for s, (v, _) in held[key].items()) + 32
+            replicas = self.dht.replicas(key_id)
+            asked = replicas if sufficient_expiration_time == math.inf else replicas[:1]
+            arrivals += [self.dht.carry(replica, me, size, through=replica) for replica in asked]
+        await self.dht.until(arrivals)
+        return {key: self._found(key_id, held[key]) for key, key_id in ids.items()}
 
-    async def _read(self, me: str, key: str, latest: bool) -> ValueWithExpiration | None:
-        key_id = DHTID.generate(source=key)
-        now = time.time()
-        held = {s: (v, e) for s, (v, e) in self.dht.storage.get(key_id, {}).items() if e > now}
-        self.dht.storage[key_id] = held
-        size = sum(len(s) + len(v) + 8 for s, (v, _) in held.items()) + 32
-        replicas = self.dht.replicas(key_id)
-        asked = replicas if latest else replicas[:1]
-        await asyncio.gather(*(self.dht.carry(replica, me, size, through=replica) for replica in asked))
-        if not held or not replicas:
+    def _found(self, key_id: DHTID, held: dict[bytes, tuple[bytes, float]]) -> ValueWithExpiration | None:
+        """The values under ``key_id`` that this peer's validator takes, of those its replicas ``held``."""
+        if not held or not self.dht.replicas(key_id):
             return None
         found = {}
         for subkey_bytes, (signed, expires) in held.items():
-            value = self.dht.checked(DHTRecord(key_id.to_bytes(), subkey_bytes, signed, expires), self.validator)
-            if value is not None:
-                found[MSGPackSerializer.loads(subkey_bytes)] = ValueWithExpiration(MSGPackSerializer.loads(value),
-                                                                                   expires)
+            opened = self.dht.opened(DHTRecord(key_id.to_bytes(), subkey_bytes, signed, expires), self.validator)
+            if opened is not None:
+                found[opened[0]] = opened[1]
         return ValueWithExpiration(found, max(e for _, e in held.values())) if found else None
 
 
