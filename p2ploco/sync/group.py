@@ -120,8 +120,9 @@ class Group:
 
     def reducers(self, slice_name: str) -> tuple[str, ...]:
         """The holders of ``slice_name`` that others can dial, in canonical order, less the passive ones, and of more
-        than MAX_REDUCERS a draw of that many (``_drawn``): the i-th reduces span i. A member that can only dial out sends its contributions and reads the results on streams it
-        opened; a passive one does so too (a redo's refusers: ``commit.decide``)."""
+        than MAX_REDUCERS a draw of that many (``_drawn``): the i-th reduces span i. A member that can only dial out
+        sends its contributions and reads the results on streams it opened; a passive one and one not drawn do so
+        too (a redo's refusers: ``commit.decide``)."""
         return self._of_slice.get(slice_name, _NOBODY).reducers
 
     def tokens_of(self) -> dict[str, int]:
