@@ -3,8 +3,10 @@
 Every replica compresses its own random pseudo-gradient of the ~150M model's shapes; the butterfly
 among N peers is then sized exactly as the swarm runs it: span i reduced by peer i, each sender's
 encoded contribution to every other span, each reducer's result (relay or union, whichever is
-smaller) to every other peer. Dense rows are the fp32 / fp16 butterfly of the same parameters. LoCo
-(``outer.loco`` defaults: 4-bit codes, a float32 scale per 128 values) is sized the same way: each
+smaller) to every other peer. (Past ``group.MAX_REDUCERS`` = 32 reducers a group draws 32 of its members to
+reduce: the bytes per peer below are then about what its members average, of which a drawn reducer carries N / 32
+times a member's share of the contributions and results.) Dense rows are the fp32 / fp16 butterfly of the same
+parameters. LoCo (``outer.loco`` defaults: 4-bit codes, a float32 scale per 128 values) is sized the same way: each
 sender's low-bit contribution to every other span, each reducer's re-quantized mean back.
 
 Peak bandwidth: Streaming DiLoCo syncs P fragments (``outer.streaming``) at different inner steps, so what

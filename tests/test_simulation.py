@@ -12,6 +12,7 @@ from p2ploco.simulation.clock import SimulationStalled, VirtualLoop, virtual_tim
 from p2ploco.simulation.keys import simulation_keys
 from p2ploco.simulation.report import simulate
 from p2ploco.simulation.swarm import Scenario
+from p2ploco.sync.group import MAX_REDUCERS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,6 +55,16 @@ def test_a_simulated_swarm_behind_nats_applies_every_round_with_one_digest():
     assert [(o.round, o.synced, o.applied, o.digests) for o in rounds] == [(r, 32, 32, 1) for r in range(3)]
     assert report.rounds_by_all == 3
     assert report.allreduce_bytes > 0 and report.dht_bytes > 0 and report.busiest_dht_bytes > 0
+
+
+def test_a_group_of_more_dialable_peers_than_max_reducers_draws_its_reducers_and_applies_every_round():
+    peers = MAX_REDUCERS + 16  # none behind a NAT: every member could reduce
+    rounds = []
+    report = simulate(Scenario(peers=peers, rounds=2, nat_share=0.0), rounds.append)
+    assert [(o.round, o.synced, o.applied, o.digests) for o in rounds] == [(r, peers, peers, 1) for r in range(2)]
+    # one stream per drawn reducer's span (and a few for the join, the vote, an audit), where each member opened
+    # one to each of the peers - 1 others when every member reduced
+    assert report.streams < peers - 1
 
 
 @pytest.mark.slow
