@@ -81,6 +81,11 @@ class PeerDirectory:
         self.watchers: set[asyncio.Event] = set()  # set after every lookup, for whoever waits on the view
         self._expires: dict[str, float] = {}  # DHT time at which each record in `live` lapses
         self._refreshed: dict[str, float] = {}  # local time at which each record was last seen renewed
+        # per DHT subkey, the last entry read under it: its expiry, its bytes and its record (None: none). An entry
+        # is stored anew with a later expiry on every heartbeat, so one read again with the same expiry is the same
+        # entry: a lookup of everyone parses only the records renewed since the last (at 1,024 simulated peers,
+        # parsing every record of every lookup was nearly all of the run)
+        self._entries: dict[Any, tuple[Any, int, PeerRecord | None]] = {}
         self._tasks: list[asyncio.Task] = []
         self._started = time.monotonic()
         self._foreign_named: set[str] = set()  # config fingerprints of other peers of the run, said in the log
@@ -168,7 +173,9 @@ class PeerDirectory:
         except DAEMON_ERRORS as e:  # the daemon or a link failed mid-lookup
             logger.info(f"peer lookup failed, keeping the last view: {e!r}")
             found = {}
-        found_records = self._take(merged_entries(found, self.records.keys), now, live)
+        entries = merged_entries(found, self.records.keys)
+        found_records = self._take(entries, now, live)
+        self._entries = {subkey: entry for subkey, entry in self._entries.items() if subkey in entries}
         live[self.me.peer_id] = self.me
         self.keys = {peer: key for peer, key in self.keys.items() if peer in live}
         self._convict(getattr(found.get(proofs_at[0]) if proofs_at else None, "value", None), live)
@@ -222,9 +229,13 @@ class PeerDirectory:
               ) -> dict[str, tuple[PeerRecord, float]]:
         """Put the records among DHT ``entries`` into ``live`` (newer ones only) and note their owners' keys; returns
         them."""
-        self._bytes_received += sum(payload_bytes(subkey, getattr(item, "value", None))
-                                    for subkey, item in entries.items())
-        found_records = parse_records(entries, now)
+        for subkey, item in entries.items():
+            expires = getattr(item, "expiration_time", None)
+            if self._entries.get(subkey, (None,))[0] != expires:
+                value = getattr(item, "value", None)
+                self._entries[subkey] = (expires, payload_bytes(subkey, value), PeerRecord.parse(value))
+            self._bytes_received += self._entries[subkey][1]
+        found_records = parse_records(entries, now, lambda subkey, _: self._entries[subkey][2])
         for subkey in entries:  # the DHT layer checked that its key signed it
             owner = OWNER_SUBKEY.fullmatch(subkey) if isinstance(subkey, bytes) else None
             if owner is not None and peer_id_of(subkey) in found_records:

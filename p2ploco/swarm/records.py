@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -203,15 +203,20 @@ class PeerRecord(BaseModel):
                 "role": str(self.role)}
 
 
-def parse_records(found: object, now: float) -> dict[str, tuple[PeerRecord, float]]:
-    """Records and their expiry from a DHT dictionary value, by peer id (one each: a record names its signer)."""
+def parse_records(found: object, now: float,
+                  parse: Callable[[Any, Any], PeerRecord | None] = lambda _, item: PeerRecord.parse(
+                      getattr(item, "value", None))) -> dict[str, tuple[PeerRecord, float]]:
+    """Records and their expiry from a DHT dictionary value, by peer id (one each: a record names its signer);
+    ``parse``: the record in one (subkey, entry), None if none."""
     records: dict[str, tuple[PeerRecord, float]] = {}
     if not isinstance(found, dict):
         return records
-    for item in found.values():
-        record = PeerRecord.parse(getattr(item, "value", None))
+    for subkey, item in found.items():
         expires = getattr(item, "expiration_time", None)
-        if record is None or not isinstance(expires, float) or expires <= now:
+        if not isinstance(expires, float) or expires <= now:
+            continue
+        record = parse(subkey, item)
+        if record is None:
             continue
         if record.peer_id not in records or records[record.peer_id][1] < expires:
             records[record.peer_id] = (record, expires)
