@@ -83,8 +83,8 @@ class PeerDirectory:
         self._refreshed: dict[str, float] = {}  # local time at which each record was last seen renewed
         # per DHT subkey, the last entry read under it: its expiry, its bytes and its record (None: none). An entry
         # is stored anew with a later expiry on every heartbeat, so one read again with the same expiry is the same
-        # entry: a lookup of everyone parses only the records renewed since the last (at 1,024 simulated peers,
-        # parsing every record of every lookup was nearly all of the run)
+        # entry, and is not parsed again. Reads come faster than renewals while a run starts (``wait_for_peers``)
+        # and while a formation is open: 20 % of the entries 128 simulated peers read in a round's run were such
         self._entries: dict[Any, tuple[Any, int, PeerRecord | None]] = {}
         self._tasks: list[asyncio.Task] = []
         self._started = time.monotonic()
