@@ -304,7 +304,10 @@ def test_a_large_group_draws_at_most_max_reducers_of_its_dialable_holders_by_its
     assert len(set(reducers)) == MAX_REDUCERS and reducers == tuple(sorted(reducers))
     assert not set(reducers) & set(peers[::2])  # none that only dials out
     assert drawn("g1").reducers(S) == reducers  # every member holding the group draws alike
-    assert drawn("g2").reducers(S) != reducers  # another group (a redo's id) draws anew
+    assert drawn("g2").reducers(S) != reducers  # another group draws anew
+    # ... but a redo only from those its first attempt drew: the members an attempt refused reduce nothing in it,
+    # and no hostile key left undrawn gets its turn in the redo
+    assert drawn("g1").among("redo", peers, peers[0], passive=reducers[:3]).reducers(S) == reducers[3:]
     assert not set(drawn("g1", passive=reducers[:3]).reducers(S)) & set(reducers[:3])
     assert drawn("g1").contributors(S) == peers  # every member still contributes to every span
     small = Group("g", 5, "params", peers[:MAX_REDUCERS], peers[0], 0,

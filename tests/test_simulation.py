@@ -80,3 +80,15 @@ def test_reducers_that_scale_their_results_are_banned_and_the_others_apply_every
     report = simulate(Scenario(peers=24, rounds=3, nat_share=0.3, attackers=2, params=1 << 18), rounds.append)
     assert report.attackers_banned == 2
     assert [(o.synced, o.applied, o.digests) for o in rounds] == [(22, 22, 1)] * 3
+
+
+@pytest.mark.slow
+def test_hostile_reducers_a_first_attempt_did_not_draw_get_no_turn_in_its_redo():
+    """48 public peers, 32 drawn to reduce, 8 of them hostile from round 1: a first attempt draws some of the 8 (all of
+    them, or none, in about 3 % of attempts), its members refuse them, and the redo goes on without. Drawn afresh,
+    the redo handed hostile keys the first attempt had not drawn their turn, and the round was dropped by all."""
+    rounds = []
+    report = simulate(Scenario(peers=48, rounds=3, nat_share=0.0, attackers=8, params=1 << 18), rounds.append)
+    assert [(o.synced, o.applied, o.digests) for o in rounds] == [(40, 40, 1)] * 3
+    assert report.attackers_banned > 0
+

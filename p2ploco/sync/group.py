@@ -61,6 +61,9 @@ class Group:
     dial_out: tuple[str, ...] = ()  # members that can only dial out: they reduce no span
     # members that reduce no span in this attempt (a redo's: each refused members it has shown no reason for)
     passive: tuple[str, ...] = ()
+    # in a redo, per slice, the members its first attempt drew to reduce it (``_drawn``); none reduces it in the redo
+    # but of these: drawn afresh, k hostile keys took turns, one in each attempt, and the round was lost
+    reducing: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # the coordinator's signature of this group under its id (``evidence.group_statement``): what a member shows a
     # reducer that holds another version of the group, which together prove that the coordinator handed out two
     grant: bytes = field(default=b"", compare=False, repr=False)
@@ -72,8 +75,10 @@ class Group:
         an answer relative to that group its base, a contribution and a vote the version of the group they are for,
         and the coordinator signs it. A hostile coordinator may hand its members versions of one group id that differ in
         some entry (a victim's tokens); named by its id alone, they passed for each other."""
+        drawn = [[name, list(peers)] for name, peers in self.reducing]
         return hashlib.sha256(json.dumps([self.group_id, self.round_index, self.name, self.attempt, self.coordinator,
-                                          list(self.passive), self.entries()], sort_keys=True).encode()).hexdigest()
+                                          list(self.passive), self.entries(), *([drawn] if drawn else [])],
+                                         sort_keys=True).encode()).hexdigest()
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """Each member's entry: what a group answer says of it (``sync/join.py``), and what ``digest`` hashes."""
@@ -93,13 +98,14 @@ class Group:
     def _of_slice(self) -> dict[str, _SliceRoles]:
         """Per slice, its holders, contributors and reducers, found once: a round asks for them per piece, and a scan
         of the group each time made that O(N^2) per member (found by ``benchmarks/simulate.py``)."""
-        tokens, reducing_none = dict(self.tokens), set(self.dial_out) | set(self.passive)
+        tokens, reducing_none, drawn = dict(self.tokens), set(self.dial_out) | set(self.passive), dict(self.reducing)
         holders: dict[str, list[str]] = {}
         for peer, slices in self.holdings:
             for name in slices:
                 holders.setdefault(name, []).append(peer)
         return {name: _SliceRoles(tuple(peers), tuple(p for p in peers if tokens.get(p, 1) > 0),
-                                  self._drawn(name, [p for p in peers if p not in reducing_none]))
+                                  self._drawn(name, [p for p in peers if p not in reducing_none
+                                                     and (name not in drawn or p in drawn[name])]))
                 for name, peers in holders.items()}
 
     def _drawn(self, slice_name: str, eligible: list[str]) -> tuple[str, ...]:
@@ -134,15 +140,16 @@ class Group:
 
     def among(self, group_id: str, peers: tuple[str, ...], coordinator: str, passive: tuple[str, ...] = (),
               grant: bytes = b"") -> Group:
-        """The redo of this round among ``peers`` (each keeps its holdings), of whom ``passive`` reduce nothing;
-        ``grant``: the coordinator's signature of it."""
+        """The redo of this round among ``peers`` (each keeps its holdings), of whom ``passive`` reduce nothing, nor
+        does any member the first attempt did not draw (``reducing``); ``grant``: the coordinator's signature of it."""
         kept = set(peers)
+        drawn = self.reducing if self.attempt else tuple((name, self.reducers(name)) for name in sorted(self._of_slice))
         return Group(group_id, self.round_index, self.name, tuple(sorted(kept)), coordinator, 1,
                      tuple(h for h in self.holdings if h[0] in kept),
                      tuple(p for p in self.pipelines if p[0] in kept),
                      tokens=tuple(t for t in self.tokens if t[0] in kept),
                      dial_out=tuple(p for p in self.dial_out if p in kept),
-                     passive=tuple(sorted(kept & set(passive))), grant=grant)
+                     passive=tuple(sorted(kept & set(passive))), reducing=drawn, grant=grant)
 
     def whole_pipelines(self, peers: set[str]) -> set[str]:
         """``peers`` less the stage peers of a pipeline group that is not whole among them."""
