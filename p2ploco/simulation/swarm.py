@@ -45,7 +45,7 @@ from p2ploco.simulation.keys import simulation_keys
 from p2ploco.simulation.network import Link, SimNetwork, SimP2P
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import ranked_states
-from p2ploco.swarm.deadlines import TransferDeadline
+from p2ploco.swarm.deadlines import TransferDeadline, round_bound, round_wait
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import Signer, owner_of
 from p2ploco.swarm.records import PeerRecord, PeerRole, Phase, Reachability, run_records
@@ -249,7 +249,11 @@ class SimPeer:
     async def catch_up(self, round_index: int) -> int:
         """The round to train next, once this peer holds the state the swarm's records vouch for at
         ``round_index`` or later (fetched from its holders), as a node's catch-up does."""
-        directory, interval = self.directory, self.swarm.config.swarm.heartbeat_interval
+        directory, c = self.directory, self.swarm.config.swarm
+        interval, loop = c.heartbeat_interval, self.swarm.loop
+        # how long the round under way may still take, as a node waits for it (``Swarm.round_wait``)
+        deadline = loop.time() + round_wait(round_bound(c.matchmaking_timeout, c.allreduce_timeout), interval,
+                                            [r.round_seconds for r in directory.live.values()])
         while round_index < self.swarm.scenario.rounds and self.swarm.running_round() < self.swarm.scenario.rounds:
             live = await directory.refresh()
             me = directory.me.model_copy(update={"round": round_index, "slices": {SLICE: self.digest()},
@@ -271,6 +275,11 @@ class SimPeer:
                     self.outer.load_params([snapshot.params[f"p{i}"] for i in range(len(self.outer.params))])
                     self.outer.load_shared_state(snapshot.shared)
                     return target.round
+            elif loop.time() >= deadline:
+                # Nobody holds a state of this round or later once the round under way is over: every survivor
+                # dropped the last round (its coordinator aborted it), nobody is ahead, and a node that is not
+                # behind trains on from its own state (``catchup.py``)
+                return round_index
             directory.update_soon(state=Phase.JOINING, round=round_index)
             await asyncio.sleep(interval)
         return self.swarm.scenario.rounds  # the run is over
