@@ -17,7 +17,15 @@ from p2ploco.swarm.messages import MAX_PEERS, MAX_REASON, decode
 from p2ploco.sync.admission import admit
 from p2ploco.sync.decide import _Ballot, parse_decision, parse_vote
 from p2ploco.sync.group import KEEP_PER_PEER, MAX_REDUCERS, Group, GroupBook, Member
-from p2ploco.sync.join import JoinAnswer, best_coordinator, group_answer, parse_group, parse_join, rendezvous
+from p2ploco.sync.join import (
+    MAX_ANSWER_BYTES,
+    JoinAnswer,
+    best_coordinator,
+    group_answer,
+    parse_group,
+    parse_join,
+    rendezvous,
+)
 from p2ploco.sync.reduce_values import Evidence
 from p2ploco.sync.tally import Cast, Outcome, Vote, decide, examine
 
@@ -255,6 +263,8 @@ def test_a_group_answered_relative_to_the_group_the_joiner_follows_is_small_and_
                 grant=b"s" * 256)
     full, relative = group_answer(now), group_answer(now, last, last.digest)
     assert len(msgpack.packb(full)) > 150_000 and len(msgpack.packb(relative)) < 800  # O(N) against O(changes)
+    # the whole group is past any other message's header limit, and within a group answer's
+    assert wire.MAX_HEADER_BYTES < len(msgpack.packb(full)) < MAX_ANSWER_BYTES
     as_given = parse_group(decode(JoinAnswer, relative).on(last), 5, "params", peers[1])
     assert as_given == parse_group(decode(JoinAnswer, full).on(None), 5, "params", peers[1])
     assert as_given.tokens_of()[peers[7]] == 5120 and as_given.reducers(S) == now.reducers(S)

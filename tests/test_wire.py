@@ -71,6 +71,22 @@ def test_malformed_frames_raise_payload_error(data, message):
         asyncio.run(read(data, max_payload=50))
 
 
+def test_a_header_past_the_limit_is_read_only_where_the_caller_allows_it():
+    """A group answer that lists a thousand members takes ~170 kB: its joiner reads it under a bound of its own."""
+    big = frame({"v": PROTOCOL_VERSION, "peers": ["p" * 52] * 2000})
+    with pytest.raises(PayloadError, match="exceeds the 65536-byte limit"):
+        asyncio.run(read(big, max_payload=0))
+
+    async def allowed():
+        reader = asyncio.StreamReader()
+        reader.feed_data(big)
+        reader.feed_eof()
+        return await wire.read_message(reader, 0, max_header=1 << 20)
+
+    header, _ = asyncio.run(allowed())
+    assert len(header["peers"]) == 2000
+
+
 def test_a_header_nested_deeper_than_any_message_is_refused_before_anything_reads_it():
     """msgpack unpacks 1024 levels; formatting or comparing a value nested 1020 deep overflows Python's stack
     (RecursionError, which no handler expects: it crashed every node that read such a reducer's answer)."""

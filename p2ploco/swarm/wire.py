@@ -120,13 +120,14 @@ async def write_message(writer: asyncio.StreamWriter, header: dict[str, Any], pa
             await writer.drain()
 
 
-async def read_header(reader: asyncio.StreamReader) -> tuple[dict[str, Any], int]:
-    """The header of the next message and the length of the payload that follows it."""
+async def read_header(reader: asyncio.StreamReader, max_header: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], int]:
+    """The header of the next message (of at most ``max_header`` bytes: more only where a message's own bound says,
+    a group answer's) and the length of the payload that follows it."""
     with _link("the stream broke while reading"):
         try:
             head_len, payload_len = PREFIX.unpack(await reader.readexactly(PREFIX.size))
-            if head_len > MAX_HEADER_BYTES:
-                raise PayloadError(f"message header of {head_len} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+            if head_len > max_header:
+                raise PayloadError(f"message header of {head_len} bytes exceeds the {max_header}-byte limit")
             raw = await reader.readexactly(head_len)
         except asyncio.IncompleteReadError as e:
             raise StreamClosed(f"stream closed mid-message ({len(e.partial)} of {e.expected} bytes)") from None
@@ -181,8 +182,9 @@ async def read_payload(reader: asyncio.StreamReader, length: int, limit: int) ->
             raise StreamClosed(f"payload truncated: {len(e.partial)} of {length} bytes") from None
 
 
-async def read_message(reader: asyncio.StreamReader, max_payload: int) -> tuple[dict[str, Any], bytes]:
-    header, length = await read_header(reader)
+async def read_message(reader: asyncio.StreamReader, max_payload: int, max_header: int = MAX_HEADER_BYTES
+                       ) -> tuple[dict[str, Any], bytes]:
+    header, length = await read_header(reader, max_header)
     return header, await read_payload(reader, length, max_payload)
 
 
@@ -198,7 +200,8 @@ async def open_stream(p2p: P2P, peer_id: str, handler: str) -> tuple[asyncio.Str
 
 
 async def call(p2p: P2P, peer_id: str, handler: str, header: dict[str, Any], max_payload: int = 0,
-               payload: bytes = b"", attempts: int = 1) -> tuple[dict[str, Any], bytes]:
+               payload: bytes = b"", attempts: int = 1, max_header: int = MAX_HEADER_BYTES
+               ) -> tuple[dict[str, Any], bytes]:
     """One request and its answer on a fresh stream to ``peer_id``'s ``handler`` (the caller bounds the time),
     which this side closes once it has read the answer. ``attempts`` > 1 asks again on a new stream when a
     stream breaks (a TransportError other than Unreachable): for requests that are safe to repeat, whose
@@ -208,7 +211,7 @@ async def call(p2p: P2P, peer_id: str, handler: str, header: dict[str, Any], max
         reader, writer = await open_stream(p2p, peer_id, handler)
         try:
             await write_message(writer, header, payload)
-            return await read_message(reader, max_payload)
+            return await read_message(reader, max_payload, max_header)
         except TransportError:
             if attempt >= attempts:
                 raise

@@ -66,6 +66,7 @@ from p2ploco.sync.coordinator import HUB_PATIENCE, Coordinator
 from p2ploco.sync.group import Group
 from p2ploco.sync.join import (
     JOIN_FAILURES,
+    MAX_ANSWER_BYTES,
     JoinAnswer,
     JoinStatus,
     best_coordinator,
@@ -371,5 +372,6 @@ class Matchmaker:
         it closes with it would wait for a contribution that never came (a Ctrl-C then cost the others their round).
         The peer finishes the all-reduce it joined, then leaves."""
         response, _ = await asyncio.wait_for(
-            wire.call(self.p2p, coordinator, self.handler_name, request, attempts=2), timeout)
+            wire.call(self.p2p, coordinator, self.handler_name, request, attempts=2, max_header=MAX_ANSWER_BYTES),
+            timeout)
         return response
