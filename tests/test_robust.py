@@ -386,3 +386,17 @@ def test_sparse_distance_and_cosine_are_those_of_the_dense_vectors(overlap):
     assert robust.distance2(a, b) == pytest.approx(float((dense_a - dense_b) @ (dense_a - dense_b)), rel=1e-12)
     lengths = np.linalg.norm(dense_a) * np.linalg.norm(dense_b)
     assert robust.cosine(a, b) == pytest.approx(float(dense_a @ dense_b) / lengths if lengths else 0.0, abs=1e-12)
+
+
+def test_the_gram_of_sparse_contributions_that_share_positions_is_their_dense_gram():
+    """Eight contributions that select the same 20 positions (runs of 8 in the sorted whole) and some of their own:
+    their pairs are counted in several batches (one n x n count per n * n pairs), and every product is in it once."""
+    rng = np.random.default_rng(3)
+    shared = np.sort(rng.choice(1000, 20, replace=False))
+    vectors, dense = [], np.zeros((8, 1000))
+    for i in range(8):
+        positions = np.union1d(shared, rng.choice(1000, 30, replace=False)).astype(np.int64)
+        values = rng.standard_normal(len(positions)).astype(np.float32)
+        vectors.append(robust.Vector(values, positions))
+        dense[i, positions] = values.astype(np.float64) * (i + 1)
+    assert np.allclose(robust.gram(vectors, [float(i + 1) for i in range(8)]), dense @ dense.T, rtol=1e-12, atol=0)
