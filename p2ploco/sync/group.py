@@ -111,7 +111,8 @@ class Group:
     def _drawn(self, slice_name: str, eligible: list[str]) -> tuple[str, ...]:
         """At most MAX_REDUCERS of ``eligible``, in canonical order: those whose hash with the group id and the slice
         is lowest. Every member draws alike from the group it holds; the group id is drawn by the coordinator when
-        the formation closes (and anew for a redo), after the joins, so no joiner can choose a key that reduces."""
+        the formation closes, after the joins, so no joiner can choose a key that reduces. A redo draws nobody anew:
+        its eligible are the first attempt's drawn (``reducing``), never more than MAX_REDUCERS."""
         if len(eligible) <= MAX_REDUCERS:
             return tuple(eligible)
         rank = {p: hashlib.sha256(f"{self.group_id}/{slice_name}/{p}".encode()).digest() for p in eligible}
