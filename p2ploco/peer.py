@@ -51,6 +51,7 @@ from p2ploco.swarm.survey import survey
 from p2ploco.swarm.updates import Chain, UpdateKeeper, caught_up, describe_chain, fetch_chain
 from p2ploco.swarm.upload_cap import cap_uploads
 from p2ploco.sync.communicator import SwarmCommunicator
+from p2ploco.sync.group import Group
 from p2ploco.sync.start import start_sync
 from p2ploco.sync.this_peer import ThisPeer
 
@@ -109,6 +110,10 @@ class Swarm:
         """How long a formation of ``round_index`` waits after its first contribution, as this peer would judge it now
         (``Matchmaker.formation_wait``; a coordinator judges by the same rule). Read between rounds: no lookup."""
         return self.communicator.matchmaker.formation_wait(round_index)
+
+    def applied_with(self) -> Group | None:
+        """The group this peer applied its last round with (None: none, or its own update alone)."""
+        return self.communicator.matchmaker.following
 
     def round_wait(self) -> float:
         """How long to wait for the round under way to end (``deadlines.round_wait``), by the round times this run's

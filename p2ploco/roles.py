@@ -34,7 +34,7 @@ from p2ploco.config import Config
 from p2ploco.data import ShardSampler, TrainingData
 from p2ploco.errors import shown
 from p2ploco.peer import Swarm
-from p2ploco.pipeline.assembly import Claim, choose_slot, complete_pipelines, formation_epoch, pipeline_round
+from p2ploco.pipeline.assembly import Claim, choose_slot, complete_pipelines, formation_epoch, in_step, pipeline_round
 from p2ploco.pipeline.links import RemoteTransport, Schedule, StageLinks, StageLinkServer
 from p2ploco.pipeline.schedule import PipelineStage
 from p2ploco.ranks import LocalRanks
@@ -205,8 +205,14 @@ class StageRole(Role):
             return False
         self.waiting_for = f"every stage of pipeline {shown(pipeline)} to be in round {round_index}"
         # Assembling: until every stage is in this round, this one stands by in it (a coordinator does not wait for a
-        # group that may never come together); once all are, it is in for the round, and waits for the others to be too.
-        if not self._all_in(peers, round_index, lambda state: state != Phase.LEAVING, stopping, stand_by):
+        # group that may never come together), unless the group is in step (``in_step``: it applied the last round
+        # together); once all are, it is in for the round, and waits for the others to be too.
+        others = {peer: (round_of, state in IN_ROUND) for peer, (_, round_of, state) in mates.items()
+                  if peer != self.swarm.peer_id}
+        applied = self.swarm.applied_with()
+        together = applied is not None and in_step(others, round_index, applied.round_index, applied.peers)
+        if not self._all_in(peers, round_index, lambda state: state != Phase.LEAVING, stopping,
+                            announce if together else stand_by):
             return False
         announce()  # the round's coordinator now waits for this stage; the others may send to it
         return self._all_in(peers, round_index, lambda state: state in IN_ROUND, stopping)

@@ -9,6 +9,7 @@ from p2ploco.pipeline.assembly import (
     complete_pipelines,
     formation_epoch,
     holders,
+    in_step,
     pipeline_round,
 )
 
@@ -84,3 +85,16 @@ def looks_until_met(rule: Callable[[list[int], int, int], int], looks: int = 40)
 
 def test_two_stages_that_look_in_turn_while_the_swarm_moves_on_do_not_chase_each_other():
     assert looks_until_met(pipeline_round) == 1
+
+
+def test_a_stage_is_in_step_with_the_mates_it_applied_the_round_before_with_while_each_is_in_it_or_this_one():
+    group = ("a", "b", "c", "replica")
+    assert in_step({"b": (20, True)}, 21, applied=20, group=group)  # b finishes round 20 still
+    assert in_step({"b": (21, True), "c": (20, True)}, 21, applied=20, group=group)
+    assert not in_step({"b": (20, True)}, 21, applied=19, group=group)  # this stage did not apply round 20
+    assert not in_step({"d": (20, True)}, 21, applied=20, group=group)  # d was not in the group that applied it
+    assert not in_step({"b": (20, False)}, 21, applied=20, group=group)  # b stands by, or catches up
+    assert not in_step({"b": (21, False)}, 21, applied=20, group=group)  # b stands by in this round: it may not come
+    assert not in_step({"b": (19, True)}, 21, applied=20, group=group)
+    assert not in_step({"b": (22, True)}, 21, applied=20, group=group)
+    assert not in_step({"b": (21, True), "c": (19, True)}, 21, applied=20, group=group)  # every mate, not one

@@ -29,7 +29,7 @@ and train it (``StageRole.ready``, ``Node._loop``).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 Slot = tuple[str, int]  # (pipeline name, stage)
@@ -96,6 +96,18 @@ def choose_slot(claims: Iterable[Claim], me: str, stages: int, pipeline: str | N
         return pipeline, stage if stage is not None else 0  # every slot of the pinned pipeline is held: standby
     fresh = next(f"g{n}" for n in range(len(pipelines) + 1) if f"g{n}" not in pipelines)
     return fresh, stage if stage is not None else 0
+
+
+def in_step(mates: Mapping[str, tuple[int, bool]], round_index: int, applied: int, group: Collection[str]) -> bool:
+    """Whether a stage at ``round_index`` is in step with its pipeline's other stages, each given by peer as (its
+    round, whether it is in that round: training or averaging it): it applied the round before (``applied``, the
+    last round it applied, with the members ``group``) with every one of them, and each is in that round still or
+    in this one. Such a stage is in for the round at once: one that stood by until its mates' records caught up
+    was not waited for by the round's coordinator, which closed a group without the pipeline, and every peer lost
+    the round (``StageRole.ready``). A mate killed since, whose record still shows that round, costs the round's
+    formation its wait, once."""
+    return applied == round_index - 1 and all(peer in group and in_round and round_of in (applied, round_index)
+                                              for peer, (round_of, in_round) in mates.items())
 
 
 def pipeline_round(mates: Iterable[int], round_index: int, swarm_round: int) -> int:
