@@ -151,7 +151,7 @@ class SimPeer:
                         bandwidth_mbit=round(self.link.up * 8 / 1e6, 1), ttl=c.peer_ttl, reachability=reachability,
                         addresses=[str(a) for a in await p2p.get_visible_maddrs()])
         self.directory = directory = PeerDirectory(node, run_records(RUN), owner, me, c.heartbeat_interval, c.peer_ttl,
-                                                   run_id=RUN)
+                                                   run_id=RUN, entries=swarm.dht_entries)
         await directory.refresh()
         bans = directory.bans = Bans(c.ban_rounds, RUN)
         self.deadlines = deadlines = TransferDeadline(c.allreduce_timeout, c.min_bandwidth_mbit, c.max_transfer_timeout)
@@ -337,6 +337,7 @@ class SimulatedSwarm:
         self.fingerprint = document_fingerprint(self.config.run_document())
         self.network = SimNetwork(loop)
         self.dht = SimDHT(self.network)
+        self.dht_entries: dict = {}  # the record entries every peer's directory has read (``PeerDirectory``)
         self.draw = random.Random(scenario.seed)  # the scenario's: links, churn
         self.donor_draw = random.Random(scenario.seed + 1)  # the peers' (``choose_donors``): the scenario's draws stay
         self.keys = simulation_keys(scenario.peers + math.ceil(scenario.peers * scenario.churn) * scenario.rounds)

@@ -66,7 +66,9 @@ class PeerDirectory:
     of everyone's (refreshed on the heartbeat)."""
 
     def __init__(self, node: DHTNode, records: RecordKeys, owner: bytes, me: PeerRecord, interval: float, ttl: float,
-                 run_id: str | None = None):
+                 run_id: str | None = None, entries: dict[Any, tuple[Any, int, PeerRecord | None]] | None = None):
+        """``entries``: the memo of DHT entries read (``_entries``), where many directories in one process read the
+        same records (a simulation's peers: each parsed every record, N^2 a heartbeat); a node has its own."""
         self.node, self.records, self.owner, self.me = node, records, owner, me
         self.interval, self.ttl = interval, ttl
         self.run_id = run_id  # listed under RUNS_KEY while this peer trains it
@@ -85,7 +87,7 @@ class PeerDirectory:
         # is stored anew with a later expiry on every heartbeat, so one read again with the same expiry is the same
         # entry, and is not parsed again. Reads come faster than renewals while a run starts (``wait_for_peers``)
         # and while a formation is open: 20 % of the entries 128 simulated peers read in a round's run were such
-        self._entries: dict[Any, tuple[Any, int, PeerRecord | None]] = {}
+        self._entries = {} if entries is None else entries
         self._tasks: list[asyncio.Task] = []
         self._started = time.monotonic()
         self._foreign_named: set[str] = set()  # config fingerprints of other peers of the run, said in the log
@@ -175,7 +177,8 @@ class PeerDirectory:
             found = {}
         entries = merged_entries(found, self.records.keys)
         found_records = self._take(entries, now, live)
-        self._entries = {subkey: entry for subkey, entry in self._entries.items() if subkey in entries}
+        for subkey in [subkey for subkey in self._entries if subkey not in entries]:  # in place: it may be shared
+            del self._entries[subkey]
         live[self.me.peer_id] = self.me
         self.keys = {peer: key for peer, key in self.keys.items() if peer in live}
         self._convict(getattr(found.get(proofs_at[0]) if proofs_at else None, "value", None), live)
