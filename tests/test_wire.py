@@ -12,11 +12,11 @@ from p2ploco.swarm import wire
 from p2ploco.swarm.loop import EventLoopThread
 
 
-async def read(data: bytes, max_payload: int):
+async def read(data: bytes, max_payload: int, max_header: int = wire.MAX_HEADER_BYTES):
     reader = asyncio.StreamReader()
     reader.feed_data(data)
     reader.feed_eof()
-    return await wire.read_message(reader, max_payload)
+    return await wire.read_message(reader, max_payload, max_header)
 
 
 def frame(header: object, payload: bytes = b"", declared: int | None = None) -> bytes:
@@ -76,14 +76,7 @@ def test_a_header_past_the_limit_is_read_only_where_the_caller_allows_it():
     big = frame({"v": PROTOCOL_VERSION, "peers": ["p" * 52] * 2000})
     with pytest.raises(PayloadError, match="exceeds the 65536-byte limit"):
         asyncio.run(read(big, max_payload=0))
-
-    async def allowed():
-        reader = asyncio.StreamReader()
-        reader.feed_data(big)
-        reader.feed_eof()
-        return await wire.read_message(reader, 0, max_header=1 << 20)
-
-    header, _ = asyncio.run(allowed())
+    header, _ = asyncio.run(read(big, max_payload=0, max_header=1 << 20))
     assert len(header["peers"]) == 2000
 
 
