@@ -138,13 +138,15 @@ SEAMS = {
     "reduce.result": "the result a reducer answers for its own span of a sparse exchange, from the span's mean "
                      "(``SparseExchange.resparsify``; its audits of others' results stay honest)",
     "coordinator.decide": "how a coordinator decides a round from its members' votes (``sync/tally.py``'s ``decide``)",
+    "audit.check": "how a member re-reduces the piece it audits and judges the result (``collective/exchange.audit``)",
 }
 _swapped: dict[str, Callable[[Any, Callable[..., Any]], Callable[..., Any]]] = {}
 
 
 def swap(seam: str, replacement: Callable[[Any, Callable[..., Any]], Callable[..., Any]] | None) -> None:
     """From now on, this process does ``replacement(owner, honest)`` at ``seam`` instead of ``honest`` (``owner``:
-    the object whose behaviour it is; None: the honest behaviour again). For hostile peers in tests only."""
+    the object whose behaviour it is; None: the honest behaviour again). For hostile peers in tests, and for the
+    simulation's peers that share one process (``simulation/``), only."""
     if seam not in SEAMS:
         raise ValueError(f"no seam {seam!r}; seams: {', '.join(SEAMS)}")
     if replacement is None:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 
+from p2ploco.collective.exchange import Receipt
+from p2ploco.collective.robust import Vector
 from p2ploco.simulation.clock import SimulationStalled, VirtualLoop, virtual_time
 from p2ploco.simulation.keys import simulation_keys
 from p2ploco.simulation.report import simulate
-from p2ploco.simulation.swarm import Scenario
+from p2ploco.simulation.swarm import Scenario, shared_audits
 from p2ploco.sync.group import MAX_REDUCERS
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,6 +41,32 @@ def test_a_loop_with_nothing_scheduled_says_it_stalled():
     with virtual_time(loop), pytest.raises(SimulationStalled):
         loop.run_until_complete(loop.create_future())
     loop.close()
+
+
+def test_members_that_audit_a_piece_alike_share_one_verdict_and_any_difference_gets_its_own():
+    worked_out = []
+
+    def honest(exchange, span, contributions, tokens, receipt, values):
+        worked_out.append(values.values[0])
+        return None if values.values[0] == 1.0 else "its result is farther from the mean"
+
+    audit = shared_audits()(None, honest)
+    contributions = [("a", b"\x01\x02"), ("b", b"\x03")]
+    receipt = Receipt(norms=(1.0, 2.0), tokens=(5, 5), own=0, contributions=(b"da", b"db"))
+    taken = Vector(np.array([1.0], dtype=np.float32), np.array([3]))
+    scaled = Vector(np.array([8.0], dtype=np.float32), np.array([3]))
+
+    assert audit("x", range(0, 4), contributions, {"a": 5, "b": 5}, receipt, taken) is None
+    # another member: its own place in the receipt differs, its copies of the bytes are its own
+    again = Receipt(norms=(1.0, 2.0), tokens=(5, 5), own=1, contributions=(b"da", b"db"))
+    copied = Vector(taken.values.copy(), taken.positions.copy())
+    assert audit("x", range(0, 4), list(contributions), {"b": 5, "a": 5}, again, copied) is None
+    assert worked_out == [1.0]
+    assert audit("x", range(0, 4), contributions, {"a": 5, "b": 5}, receipt, scaled) == (
+        "its result is farther from the mean")
+    assert audit("x", range(0, 4), [("a", b"\x01\x02"), ("b", b"\x04")], {"a": 5, "b": 5}, receipt, taken) is None
+    assert audit("x", range(4, 8), contributions, {"a": 5, "b": 5}, receipt, taken) is None
+    assert worked_out == [1.0, 8.0, 1.0, 1.0]
 
 
 def test_simulation_keys_are_made_once_and_read_back_the_same(tmp_path):

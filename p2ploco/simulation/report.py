@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from p2ploco import faults
 from p2ploco.metrics import steady_rounds
 from p2ploco.simulation.clock import VirtualLoop, virtual_time
-from p2ploco.simulation.swarm import RUN, RoundOutcome, Scenario, SimulatedSwarm, scaled_results
+from p2ploco.simulation.swarm import RUN, RoundOutcome, Scenario, SimulatedSwarm, scaled_results, shared_audits
 from p2ploco.sync.join import join_handler
 
 
@@ -52,6 +52,7 @@ def simulate(scenario: Scenario, on_round: Callable[[RoundOutcome], None] = lamb
         swarm.on_round = lambda index: on_round(swarm.round_outcome(index))
         if scenario.attackers:
             faults.swap("reduce.result", scaled_results(swarm))
+        faults.swap("audit.check", shared_audits())
         with virtual_time(loop):
             loop.run_until_complete(swarm.run())
             left = asyncio.all_tasks(loop)  # the peers' services, still serving: cancelled, and let finish
@@ -61,6 +62,7 @@ def simulate(scenario: Scenario, on_round: Callable[[RoundOutcome], None] = lamb
         return report(swarm, time.perf_counter() - started)
     finally:
         faults.swap("reduce.result", None)
+        faults.swap("audit.check", None)
         asyncio.set_event_loop(None)
         loop.close()
 

@@ -19,7 +19,7 @@ import math
 import random
 import threading
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -31,7 +31,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ploco import __version__
-from p2ploco.collective.exchange import AllReduceResult, PendingAllReduce
+from p2ploco.collective import robust
+from p2ploco.collective.exchange import AllReduceResult, PendingAllReduce, Receipt
 from p2ploco.compression.sparse_format import SparseValues
 from p2ploco.config import Config, document_fingerprint, load_config
 from p2ploco.errors import SwarmError
@@ -327,6 +328,32 @@ def scaled_results(swarm: SimulatedSwarm) -> Callable[[Any, Callable[..., Any]],
                           limit * SCALE)
         return scaled
     return resulting
+
+
+SHARED_VERDICTS = 1024  # audits' verdicts the simulation keeps for the peers that audit the same piece alike
+
+
+def shared_audits() -> Callable[[Any, Callable[..., Any]], Callable[..., Any]]:
+    """The ``audit.check`` seam (``faults.py``) of a simulated swarm: an audit's verdict is a function of what it is
+    given (its peers all run one outer algorithm on one slice, so the exchange's kind and the span stand for the rest),
+    and the members that audit one piece with the same payloads, receipt and taken values are told the verdict of the
+    first of them, worked out by the honest audit. Else N members re-reducing a piece of N contributions each would
+    cost the simulation N^3 a round, the peers they stand for N^2 each."""
+    verdicts: OrderedDict[tuple, str | None] = OrderedDict()
+
+    def auditing(audits: Any, honest: Callable[..., Any]) -> Callable[..., Any]:
+        def once(exchange: Any, span: range, contributions: list[tuple[str, bytes]], tokens: dict[str, int],
+                 receipt: Receipt, values: robust.Vector) -> str | None:
+            key = (type(exchange), span, tuple(contributions), tuple(sorted(tokens.items())), receipt.norms,
+                   receipt.tokens, receipt.opposed, receipt.contributions, values.values.tobytes(),
+                   None if values.positions is None else values.positions.tobytes())
+            if key not in verdicts:
+                verdicts[key] = honest(exchange, span, contributions, tokens, receipt, values)
+                while len(verdicts) > SHARED_VERDICTS:
+                    verdicts.popitem(last=False)
+            return verdicts[key]
+        return once
+    return auditing
 
 
 class SimulatedSwarm:

@@ -39,6 +39,7 @@ from typing import Annotated, Any
 from hivemind.p2p import P2P
 from pydantic import Field, model_validator
 
+from p2ploco import faults
 from p2ploco.collective.exchange import Exchange, Receipt, Span, audit
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
@@ -159,5 +160,6 @@ class Audits:
             payloads.append(blob[at : at + length])
             at += length
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, audit, exchange, span, list(zip(weighed, payloads)),
+        checking = faults.seam("audit.check", self, audit)
+        return await loop.run_in_executor(None, checking, exchange, span, list(zip(weighed, payloads)),
                                           group.tokens_of(), receipt, exchange.taken(span))
