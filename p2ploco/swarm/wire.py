@@ -154,22 +154,29 @@ def unpack(raw: bytes, what: str) -> Any:
     return value
 
 
+_CONTAINERS = frozenset({dict, list})
+
+
 def nested_within(value: Any, limit: int) -> bool:
     """Whether ``value``'s maps and lists nest at most ``limit`` levels deep, found without recursion: msgpack
-    unpacks up to 1024 levels, and formatting or comparing such a value overflows Python's stack."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: list[Any] = [*item.keys(), *item.values()]
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
+    unpacks up to 1024 levels, and formatting or comparing such a value overflows Python's stack. For values as
+    msgpack and json make them (plain dicts and lists, no subclass); level by level, so that the scalars most
+    messages are made of cost one type lookup each."""
+    level, depth = [value], 1
+    while True:
+        nested = [item for item in level if type(item) in _CONTAINERS]
+        if not nested:
+            return True
         if depth > limit:
             return False
-        stack.extend((child, depth + 1) for child in children)
-    return True
+        depth += 1
+        level = []
+        for item in nested:
+            if type(item) is dict:
+                level.extend(item.keys())
+                level.extend(item.values())
+            else:
+                level.extend(item)
 
 
 async def read_payload(reader: asyncio.StreamReader, length: int, limit: int) -> bytes:
