@@ -37,6 +37,7 @@ from p2ploco.sync.contribute import parse_reply
 from p2ploco.sync.group import Group
 from p2ploco.sync.join import best_coordinator
 from p2ploco.sync.reduce_values import ReducerElsewhere, ReduceStatus
+from p2ploco.sync.serve import Inbox
 from p2ploco.testing.communicator import InProcessGroup
 
 CONFIG = SwarmConfig(matchmaking_timeout=5, allreduce_timeout=3, heartbeat_interval=0.5, peer_ttl=10, ban_rounds=0)
@@ -866,3 +867,43 @@ def test_a_coordinator_that_leaves_decides_the_round_of_the_group_it_formed_firs
     finally:
         for s in swarms[1:]:
             s.leave()
+
+
+def test_a_piece_waits_for_owed_contributions_and_open_streams_only_and_for_a_left_out_sender_that_connects_anyway():
+    """``Inbox``: contributions have arrived once every sender delivered or was left out; the result is served once
+    every sender's and hub's stream ended, a left-out sender that never connected excepted."""
+    async def events() -> list[tuple[bool, bool]]:
+        group = Group("g", 3, "params", ("a", "b", "c", "hub"), "a")
+        inbox = Inbox(group, "params", range(0, 8), None, {"b", "c"}, {"hub"}, 5.0, time.monotonic() + 5.0)
+        seen = []
+
+        def note() -> None:
+            seen.append((inbox.arrived.is_set(), inbox.served.is_set()))
+        inbox.connect("b")
+        inbox.deliver("b", b"payload")
+        note()  # c still owed
+        inbox.miss("c", Failure.TIMEOUT, "too late")
+        note()  # every contribution in or left out; b's and the hub's streams still open
+        assert inbox.owing() == set() and inbox.refusal("c") is not None
+        inbox.close_stream("b")
+        inbox.connect("c")  # left out, connects all the same: it is answered its refusal, and waited on
+        inbox.close_stream("hub")
+        note()
+        inbox.close_stream("c")
+        note()
+        return seen
+
+    assert asyncio.run(events()) == [(False, False), (True, False), (True, False), (True, True)]
+
+
+def test_a_sender_left_out_before_it_connected_is_not_waited_on():
+    async def served() -> bool:
+        group = Group("g", 3, "params", ("a", "b", "c"), "a")
+        inbox = Inbox(group, "params", range(0, 8), None, {"b", "c"}, set(), 5.0, time.monotonic() + 5.0)
+        inbox.connect("b")
+        inbox.deliver("b", b"payload")
+        inbox.reject("c", "banned here")
+        inbox.close_stream("b")
+        return inbox.served.is_set() and inbox.owing() == set()
+
+    assert asyncio.run(served())

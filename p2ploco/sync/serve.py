@@ -56,11 +56,23 @@ class Inbox:
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def __post_init__(self) -> None:
+        # kept as they change, so that each of N senders' events costs O(1), not a pass over the N (O(N^2) a piece):
+        # the senders whose contribution may still come, and the senders and hubs this piece's result still waits on
+        # (their stream is open, or may open: a sender left out that connected anyway is answered its refusal)
+        self._owed = set(self.senders)
+        self._unserved = self.senders | self.listeners
         self._check()
+
+    def connect(self, sender: str) -> None:
+        """``sender`` opened a stream to this piece: its stream is waited on until it ends."""
+        self.connected.add(sender)
+        if (sender in self.senders or sender in self.listeners) and sender not in self.closed_streams:
+            self._unserved.add(sender)
 
     def deliver(self, sender: str, payload: bytes) -> None:
         self.payloads[sender] = payload
         self.delivered_at[sender] = time.monotonic()
+        self._owed.discard(sender)
         self._check()
 
     def arrivals(self) -> dict[str, float]:
@@ -77,6 +89,7 @@ class Inbox:
             self.close_stream(sender)
         elif self._pending(sender):
             self.missed[sender] = (failure, reason)
+            self._left_out(sender)
             logger.warning(f"round {self.group.round_index}: going on without {sender[-8:]}'s contribution to span "
                            f"{self.piece.start}:{self.piece.stop}: {reason}")
             self._check()
@@ -85,6 +98,7 @@ class Inbox:
         """Drop ``sender`` for sending malformed data (or for being banned here): it is out of the round."""
         if self._pending(sender):
             self.rejected[sender] = reason
+            self._left_out(sender)
             logger.warning(f"round {self.group.round_index}: dropped {sender[-8:]} from span "
                            f"{self.piece.start}:{self.piece.stop}: {reason}")
             self._check()
@@ -99,20 +113,26 @@ class Inbox:
 
     def owing(self) -> set[str]:
         """The senders whose contribution may still come."""
-        return {p for p in self.senders if self._pending(p)}
+        return set(self._owed)
 
     def close_stream(self, sender: str) -> None:
         self.closed_streams.add(sender)
+        self._unserved.discard(sender)
         self._check()
 
     def _pending(self, sender: str) -> bool:
-        return sender in self.senders and sender not in self.payloads and self.refusal(sender) is None
+        return sender in self._owed
+
+    def _left_out(self, sender: str) -> None:
+        """``sender`` is missed or rejected: owed no more, and not waited on unless its stream is open."""
+        self._owed.discard(sender)
+        if sender not in self.connected:
+            self._unserved.discard(sender)
 
     def _check(self) -> None:
-        out = set(self.missed) | set(self.rejected)
-        if self.senders <= set(self.payloads) | out:
+        if not self._owed:
             self.arrived.set()
-        if self.senders | self.listeners <= self.closed_streams | (out - self.connected):
+        if not self._unserved:
             self.served.set()
 
 
@@ -160,7 +180,7 @@ async def take(inbox: Inbox, contribution: Contribution, length: int, sender: st
                reader: asyncio.StreamReader) -> Served | None:
     """Check ``sender``'s ``contribution`` to ``inbox``'s piece (``length`` bytes of payload follow its header) and read
     its payload in: None once it is in (or, from a hub, none is due), else what came of it."""
-    inbox.connected.add(sender)
+    inbox.connect(sender)
     if contribution.listen != (sender in inbox.listeners):
         return malformed("a hub's contribution, or a member's request for the result without one")
     if contribution.listen and length:
