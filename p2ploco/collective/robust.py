@@ -215,14 +215,14 @@ def mean_factors(norms: Sequence[float], tokens: Sequence[int], clip_factor: flo
         per_token = sorted(c * math.sqrt(top / t) for c, t in zip(norms, tokens))  # as if trained on the most tokens
         median = per_token[(n - 1) // 2]
         bound = clip_factor * median if median > 0 else None  # a zero median would erase every contribution
-    factors, clipped = [], []
+    exact, clipped = [], []
     for i, (c, t, s) in enumerate(zip(norms, tokens, scales, strict=True)):
         limit = None if bound is None else bound * math.sqrt(t / top)
         if limit is not None and c > limit:
             clipped.append(i)
             s *= limit / c
-        factors.append(float(np.float32(s)))
-    return factors, clipped
+        exact.append(s)
+    return np.array(exact, dtype=np.float32).tolist(), clipped  # each rounded as np.float32(s) rounds it
 
 
 def scaled(values: np.ndarray, factor: float) -> np.ndarray:
