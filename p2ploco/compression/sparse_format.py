@@ -46,6 +46,7 @@ CONTRIBUTION, RELAY, UNION, RESPARSIFIED = 0, 1, 2, 3
 _KIND_NAMES = {CONTRIBUTION: "contribution", RELAY: "relay", UNION: "union", RESPARSIFIED: "resparsified result"}
 HEADER = struct.Struct("<2sBB4s")
 SIDE = struct.Struct("<5f")  # shift, then the decode table
+SAFE_SUM = 2.0**127  # below half of float32's largest value: a shift plus a table value this small cannot overflow
 U16, U32 = struct.Struct("<H"), struct.Struct("<I")
 MAX_RICE_WIDTH = 16
 
@@ -215,10 +216,15 @@ def _encode(layout: SparseLayout, kind: int, slices: Sequence[TensorSlice], part
 def _checked_side(side: np.ndarray) -> tuple[np.float32, np.ndarray]:
     """(shift, decode table) of one tensor's side info; PayloadError if a value could decode to NaN or Inf."""
     shift, table = side[0], side[1:]
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught just below
-        decoded_table = table + shift  # a value decodes to table[code] + shift: float32, as on the sender
-    if not np.isfinite(side).all() or not np.isfinite(decoded_table).all():
+    if not np.isfinite(side).all():
         raise PayloadError("sparse payload holds NaN or Inf side info")
+    # a value decodes to table[code] + shift: float32, as on the sender. Where no sum can come near float32's
+    # largest value it cannot overflow, and numpy's error state (costly to enter for a table of 4) is left alone
+    if abs(float(shift)) + max(map(abs, table.tolist()), default=0.0) >= SAFE_SUM:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught just below
+            decoded_table = table + shift
+        if not np.isfinite(decoded_table).all():
+            raise PayloadError("sparse payload holds NaN or Inf side info")
     return shift, table
 
 
