@@ -23,8 +23,10 @@ import hashlib
 import json
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 MAX_REDUCERS = 32  # the most members that reduce spans of one slice: with more, a group's draw (``Group.reducers``)
@@ -132,9 +134,14 @@ class Group:
         too (a redo's refusers: ``commit.decide``)."""
         return self._of_slice.get(slice_name, _NOBODY).reducers
 
-    def tokens_of(self) -> dict[str, int]:
-        """Each member's weight: the tokens its contribution carries."""
-        return dict(self.tokens)
+    def tokens_of(self) -> Mapping[str, int]:
+        """Each member's weight: the tokens its contribution carries (read-only: made once a group, each member's
+        every result and audit reads it)."""
+        return self._tokens
+
+    @cached_property
+    def _tokens(self) -> Mapping[str, int]:
+        return MappingProxyType(dict(self.tokens))
 
     def slices_of(self, peer: str) -> tuple[str, ...]:
         return dict(self.holdings).get(peer, ())
