@@ -17,7 +17,10 @@ From the nodes' round records (``metrics.jsonl``, ``p2ploco.metrics.RoundSummary
   the exit checkpoint; with fewer than 3 rounds, rounds 1.., or all);
 - DHT bytes sent and received per peer per round (``dht_bytes_sent``, ``dht_bytes_received``; "n/a" where the
   records have no such fields), the same means;
-- the median round time (``round_seconds``) and all-reduce time (``comm_seconds``) over the steady node-rounds;
+- the median round time (``round_seconds``) and all-reduce time (``comm_seconds``) over the steady node-rounds
+  (with ``--json`` also the median inner time, and ``outer_seconds_median``: the time from one round's record to
+  the next that is not the round's own, a node's outer step and record keeping; ``simulate.py --agreement`` takes
+  both, as ``--inner-seconds`` and ``--outer-seconds``, to compare with this run);
 - the rounds completed by all N (every node wrote its record of the round) out of R;
 - hashes equal: in every one of the R rounds all N nodes applied it, in one group of N, and hold the same
   ``params_digest`` after it (``wan.hashes_agree``);
@@ -208,6 +211,11 @@ def summarise(outcome: Outcome, rounds: int) -> dict:
     def median(key: str) -> float | None:
         return round(statistics.median(r[key] for r in flat), 3) if flat else None
 
+    # a node's time outside its rounds' round_seconds (its outer step, evaluation, round record): from one round's
+    # record to the next, less the next round's own time. Its DHT bytes are counted over the whole of it
+    outside = [b["timestamp"] - a["timestamp"] - b["round_seconds"] for got in outcome.records
+               for a, b in zip(got, got[1:]) if b["round"] in measured and "timestamp" in a and "timestamp" in b]
+
     return {
         "peers": n, "design": outcome.design, "result": DESIGNS[outcome.design],
         "rounds": rounds, "rounds_completed": len(done), "steady_rounds": measured,
@@ -216,6 +224,7 @@ def summarise(outcome: Outcome, rounds: int) -> dict:
         "dense_fp32_bytes_per_peer": per_peer("dense_fp32_bytes"),
         "round_seconds_median": median("round_seconds"), "comm_seconds_median": median("comm_seconds"),
         "inner_seconds_median": median("inner_seconds"),
+        "outer_seconds_median": round(statistics.median(outside), 3) if outside else None,
         "hashes_equal": len(done) == rounds and all(agree), "rounds_hashes_equal": sum(agree),
         "wall_seconds": round(outcome.seconds, 1), "error": outcome.error, "logs": str(outcome.logs),
     }

@@ -68,6 +68,9 @@ def main() -> int:
                         help="public peers that answer the spans they reduce with their results scaled 8x")
     parser.add_argument("--params", type=int, default=1 << 16, help="parameters of the simulated model")
     parser.add_argument("--inner-seconds", type=float, default=60.0, help="virtual time of a round's inner steps")
+    parser.add_argument("--outer-seconds", type=float, default=0.0,
+                        help="virtual time from a round's sync to the next round's inner steps (a node's outer step "
+                             "and round record; scale.py's outer_seconds_median, to compare with it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", help="a config file: its settings, and its model's shapes (default: --params)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
@@ -79,6 +82,8 @@ def main() -> int:
         parser.error("--peers and --rounds must be at least 1")
     if args.attackers < 0 or args.params < 1:
         parser.error("--attackers must be at least 0 and --params at least 1")
+    if args.inner_seconds <= 0 or args.outer_seconds < 0:
+        parser.error("--inner-seconds must be above 0 and --outer-seconds at least 0")
     for name in ("churn", "nat", "stragglers"):
         if not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name} must be in [0, 1)")
@@ -89,7 +94,8 @@ def main() -> int:
     for peers in args.peers:
         scenario = Scenario(peers=peers, rounds=args.rounds, nat_share=args.nat, churn=args.churn,
                             stragglers=args.stragglers, params=args.params, inner_seconds=args.inner_seconds,
-                            seed=args.seed, settings=tuple(args.set), config=args.config, attackers=args.attackers)
+                            outer_seconds=args.outer_seconds, seed=args.seed, settings=tuple(args.set),
+                            config=args.config, attackers=args.attackers)
 
         def said(outcome, peers=peers) -> None:
             print(f"[N={peers}] round {outcome.round}: {outcome.applied} of {outcome.synced} applied it, "

@@ -76,6 +76,9 @@ class Scenario:
     stragglers: float = 0.0  # peers whose inner steps take STRAGGLER_FACTOR times as long
     straggler_factor: float = 3.0
     inner_seconds: float = 60.0  # virtual time of a round's inner steps
+    # virtual time from a round's sync to the next round's inner steps: a node's outer step, evaluation and round
+    # record, free here (0) but where set to a real run's (``scale.py``'s ``outer_seconds_median``, for agreement)
+    outer_seconds: float = 0.0
     params: int = 1 << 16  # parameters of the simulated model (one 64 x 64 matrix per 4096)
     latency: tuple[float, float] = (0.01, 0.08)  # one-way, seconds: drawn per peer
     mbit: tuple[float, float] = (50.0, 500.0)  # up and down link rates, drawn per peer
@@ -186,8 +189,10 @@ class SimPeer:
             result = await self.communicator.sync(outer_sync.exchange, round_index, "params")
             outer_sync.all_reduce = finished(result)
             synced = self.outer.finish(outer_sync)
-            dht_after = directory.dht_bytes
-            self.rounds[round_index] = PeerRound(synced.applied, self.digest(), result, started, swarm.loop.time(),
+            ended = swarm.loop.time()
+            await asyncio.sleep(swarm.scenario.outer_seconds)
+            dht_after = directory.dht_bytes  # as a node takes them for its round record: after its outer step
+            self.rounds[round_index] = PeerRound(synced.applied, self.digest(), result, started, ended,
                                                  (dht_after[0] - dht_before[0], dht_after[1] - dht_before[1]))
             seconds, traffic = swarm.loop.time() - started, result.traffic
             moved = traffic.bytes_sent + traffic.bytes_received
@@ -451,7 +456,8 @@ class SimulatedSwarm:
         """Virtual seconds the run may take: every round's inner steps and its longest sync, twice over."""
         c = self.config.swarm
         return 2 * self.scenario.rounds * (self.scenario.inner_seconds * self.scenario.straggler_factor
-                                           + c.matchmaking_timeout + c.allreduce_timeout) + 600
+                                           + self.scenario.outer_seconds + c.matchmaking_timeout
+                                           + c.allreduce_timeout) + 600
 
     async def _trained(self) -> None:
         """Until every peer's training ended (the last round, or it left); a peer's bug is raised here."""
