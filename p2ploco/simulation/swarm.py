@@ -36,10 +36,11 @@ from p2ploco.collective.exchange import AllReduceResult, PendingAllReduce, Recei
 from p2ploco.compression.sparse_format import SparseValues
 from p2ploco.config import Config, document_fingerprint, load_config
 from p2ploco.errors import SwarmError
-from p2ploco.metrics import state_digest
+from p2ploco.metrics import RoundSummary, state_digest
 from p2ploco.model import Transformer
 from p2ploco.outer import build_outer
 from p2ploco.outer.base import OuterAlgorithm, whole
+from p2ploco.presence import public_fields
 from p2ploco.simulation.clock import VirtualLoop, on_behalf_of
 from p2ploco.simulation.dht import SimDHT, SimDHTNode
 from p2ploco.simulation.keys import simulation_keys
@@ -49,6 +50,7 @@ from p2ploco.swarm.consensus import ranked_states
 from p2ploco.swarm.deadlines import TransferDeadline, round_bound, round_wait
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import Signer, owner_of
+from p2ploco.swarm.names import human_name
 from p2ploco.swarm.records import PeerRecord, PeerRole, Phase, Reachability, run_records
 from p2ploco.swarm.schema import record_validator
 from p2ploco.swarm.state import Snapshot
@@ -126,6 +128,7 @@ class SimPeer:
     first_applied_at: float | None = None
     training: int = -1  # the round it trains or syncs now
     rounds: dict[int, PeerRound] = field(default_factory=dict)
+    summaries: list[RoundSummary] = field(default_factory=list)  # its round records, as a node keeps them
     communicator: SwarmCommunicator | None = None
     directory: PeerDirectory | None = None
     server: StateServer | None = None
@@ -151,7 +154,7 @@ class SimPeer:
         node = SimDHTNode(swarm.dht, p2p, validator, server=not self.link.nat)
         reachability = Reachability.RELAYED if self.link.nat else Reachability.PUBLIC
         me = PeerRecord(peer_id=self.peer_id, round=0, state=Phase.JOINING, fingerprint=swarm.fingerprint,
-                        version=__version__, name=f"sim{self.index}", role=PeerRole.REPLICA, device="cpu",
+                        version=__version__, name=human_name(self.peer_id), role=PeerRole.REPLICA, device="cpu",
                         bandwidth_mbit=round(self.link.up * 8 / 1e6, 1), ttl=c.peer_ttl, reachability=reachability,
                         addresses=[str(a) for a in await p2p.get_visible_maddrs()])
         self.directory = directory = PeerDirectory(node, run_records(RUN), owner, me, c.heartbeat_interval, c.peer_ttl,
@@ -179,6 +182,11 @@ class SimPeer:
             self.training = round_index
             digest = self.digest()
             self.serve(round_index, digest)
+            # A node's record says at each round's start whether it sits rounds out (``budget.sitting``; a simulated
+            # peer never does: it trains a step at least), a store of its own: the node's loop thread begins it while
+            # its trainer goes on to announce the round
+            directory.update_soon(sits_out=False)
+            await asyncio.sleep(0)
             directory.update_soon(round=round_index, state=Phase.TRAINING, params_digest=digest,
                                   slices={SLICE: digest}, step_seconds=self.step_seconds(), unsettled=False)
             started, dht_before = swarm.loop.time(), directory.dht_bytes
@@ -194,13 +202,16 @@ class SimPeer:
             dht_after = directory.dht_bytes  # as a node takes them for its round record: after its outer step
             self.rounds[round_index] = PeerRound(synced.applied, self.digest(), result, started, ended,
                                                  (dht_after[0] - dht_before[0], dht_after[1] - dht_before[1]))
-            seconds, traffic = swarm.loop.time() - started, result.traffic
-            moved = traffic.bytes_sent + traffic.bytes_received
-            directory.update_soon(  # what a node's record tells of its last round (``presence.public_fields``)
-                loss=round(4.0 - 0.01 * round_index, 4), tokens_per_second=round(TOKENS / seconds, 1),
-                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
-                compression=round(traffic.dense_fp32_bytes / moved, 1) if moved else 0.0,
-                round_seconds=round(seconds, 2))
+            traffic = result.traffic
+            # its round record, as a node's shows in its DHT record: made-up losses (nothing here learns), an eval
+            # where a node evaluates (every ``training.eval_every`` rounds and the last)
+            evaluated = round_index % swarm.config.training.eval_every == 0 or round_index + 1 == swarm.scenario.rounds
+            self.summaries.append(RoundSummary(
+                round=round_index, peers=len(result.peers), loss=4.0 - 0.01 * round_index,
+                eval_loss=4.1 - 0.01 * round_index if evaluated else None, params_digest=self.digest(),
+                round_seconds=swarm.loop.time() - started, bytes_sent=traffic.bytes_sent,
+                bytes_received=traffic.bytes_received, dense_fp32_bytes=traffic.dense_fp32_bytes, tokens=TOKENS))
+            directory.update_soon(**public_fields(self.summaries))
             swarm.round_ended(self, round_index)
             if synced.applied:
                 if self.first_applied_at is None:
