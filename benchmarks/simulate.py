@@ -27,9 +27,15 @@ For each N of ``--peers`` it prints, as each round ends, how many peers applied 
     python benchmarks/simulate.py                              # N = 64 256, 5 rounds, 1 % churn, 30 % NAT
     python benchmarks/simulate.py --peers 64 256 1024 --rounds 3 --json
 
-Rows are comparable with each other and with ``scale.py``'s (``--agreement`` runs the setting ``scale.py`` uses at
-8 and 16 peers: no NAT, no churn). The simulation counts CPU time, never waits it: a virtual round takes what its
-messages need on the links, with every peer's computation free.
+Rows are comparable with each other and with ``scale.py``'s. ``--agreement`` runs the setting ``scale.py`` uses at
+8 and 16 peers: no NAT, no churn, and the settings ``scale.py`` gives every node, before any ``--set``. Pass it that
+run's config and the config's heartbeat, and the run's ``inner_seconds_median`` and ``outer_seconds_median``:
+
+    python benchmarks/simulate.py --agreement --peers 8 --rounds 6 --config configs/tiny.yaml \
+        --set swarm.heartbeat_interval=1 --inner-seconds 1.92 --outer-seconds 0.01
+
+The simulation counts CPU time, never waits it: a virtual round takes what its messages need on the links, with
+every peer's computation free.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ import argparse
 import json
 import logging
 import sys
+
+import scale  # benchmarks/scale.py: the settings its nodes get, for --agreement
 
 from p2ploco.errors import ConfigError
 from p2ploco.metrics import format_table, human_bytes
@@ -88,13 +96,15 @@ def main() -> int:
         if not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name} must be in [0, 1)")
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    settings = tuple(args.set)
     if args.agreement:
         args.churn = args.nat = 0.0
+        settings = (*scale.SETTINGS, *settings)
     reports = []
     for peers in args.peers:
         scenario = Scenario(peers=peers, rounds=args.rounds, nat_share=args.nat, churn=args.churn,
                             stragglers=args.stragglers, params=args.params, inner_seconds=args.inner_seconds,
-                            outer_seconds=args.outer_seconds, seed=args.seed, settings=tuple(args.set),
+                            outer_seconds=args.outer_seconds, seed=args.seed, settings=settings,
                             config=args.config, attackers=args.attackers)
 
         def said(outcome, peers=peers) -> None:

@@ -100,7 +100,7 @@ class PeerRound:
     result: AllReduceResult
     started: float  # virtual time at which it began the round's inner steps
     ended: float  # at which its sync returned
-    dht_bytes: tuple[int, int]  # stored, read during the round (``PeerDirectory.dht_bytes``)
+    dht_bytes: tuple[int, int]  # stored, read since the round before's record (``SimPeer.take_dht_bytes``)
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,7 @@ class SimPeer:
     training: int = -1  # the round it trains or syncs now
     rounds: dict[int, PeerRound] = field(default_factory=dict)
     summaries: list[RoundSummary] = field(default_factory=list)  # its round records, as a node keeps them
+    dht_taken: tuple[int, int] = (0, 0)  # ``directory.dht_bytes`` at the last ``take_dht_bytes``
     communicator: SwarmCommunicator | None = None
     directory: PeerDirectory | None = None
     server: StateServer | None = None
@@ -182,14 +183,12 @@ class SimPeer:
             self.training = round_index
             digest = self.digest()
             self.serve(round_index, digest)
-            # A node's record says at each round's start whether it sits rounds out (``budget.sitting``; a simulated
-            # peer never does: it trains a step at least), a store of its own: the node's loop thread begins it while
-            # its trainer goes on to announce the round
-            directory.update_soon(sits_out=False)
-            await asyncio.sleep(0)
+            # the round's announcement, with whether this peer sits rounds out (``budget.sitting``: a simulated peer
+            # never does, it trains a step at least), which a node says just before it: one store
             directory.update_soon(round=round_index, state=Phase.TRAINING, params_digest=digest,
-                                  slices={SLICE: digest}, step_seconds=self.step_seconds(), unsettled=False)
-            started, dht_before = swarm.loop.time(), directory.dht_bytes
+                                  slices={SLICE: digest}, step_seconds=self.step_seconds(), unsettled=False,
+                                  sits_out=False)
+            started = swarm.loop.time()
             await asyncio.sleep(self.inner_seconds(round_index))
             outer_sync = self.outer.contribute(self.trained(round_index), round_index, tokens=TOKENS)
             if self.attacker and round_index >= swarm.scenario.attack_from:
@@ -199,9 +198,8 @@ class SimPeer:
             synced = self.outer.finish(outer_sync)
             ended = swarm.loop.time()
             await asyncio.sleep(swarm.scenario.outer_seconds)
-            dht_after = directory.dht_bytes  # as a node takes them for its round record: after its outer step
             self.rounds[round_index] = PeerRound(synced.applied, self.digest(), result, started, ended,
-                                                 (dht_after[0] - dht_before[0], dht_after[1] - dht_before[1]))
+                                                 self.take_dht_bytes())
             traffic = result.traffic
             # its round record, as a node's shows in its DHT record: made-up losses (nothing here learns), an eval
             # where a node evaluates (every ``training.eval_every`` rounds and the last)
@@ -212,6 +210,7 @@ class SimPeer:
                 round_seconds=swarm.loop.time() - started, bytes_sent=traffic.bytes_sent,
                 bytes_received=traffic.bytes_received, dense_fp32_bytes=traffic.dense_fp32_bytes, tokens=TOKENS))
             directory.update_soon(**public_fields(self.summaries))
+            await asyncio.sleep(0)  # stored apart from the next round's announcement, as a node's loop thread does
             swarm.round_ended(self, round_index)
             if synced.applied:
                 if self.first_applied_at is None:
@@ -219,6 +218,14 @@ class SimPeer:
                 round_index += 1
             else:
                 round_index = await self.catch_up(round_index + 1)
+
+    def take_dht_bytes(self) -> tuple[int, int]:
+        """The DHT bytes (stored, read) since the last call, as a node takes them for each round record
+        (``Swarm.take_dht_bytes``): its last round record's store, a catch-up's lookups and its outer step count in
+        the round after them."""
+        now = self.directory.dht_bytes
+        taken, self.dht_taken = self.dht_taken, now
+        return now[0] - taken[0], now[1] - taken[1]
 
     def inner_seconds(self, round_index: int) -> float:
         """How long this peer trains round ``round_index``: its H steps, or, where it starts the round after the swarm
