@@ -83,7 +83,8 @@ def main() -> int:
     parser.add_argument("--config", help="a config file: its settings, and its model's shapes (default: --params)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     parser.add_argument("--agreement", action="store_true",
-                        help="scale.py's setting: no NAT, no churn, every peer public (compare with scale.py)")
+                        help="scale.py's setting: no NAT, no churn, every peer public, scale.py's node settings "
+                             "(compare with scale.py)")
     parser.add_argument("--json", action="store_true", help="one JSON object per N instead of the table")
     args = parser.parse_args()
     if min(args.peers) < 1 or args.rounds < 1:
