@@ -455,7 +455,7 @@ class Node:
                 **fields: Any) -> RoundSummary:
         """The round's record (``RoundSummary.of``) with what this node, its state and its role say of it."""
         worker = role.worker
-        dht_sent, dht_received = swarm.take_dht_bytes()
+        dht_sent, dht_received = swarm.directory.take_dht_bytes()
         return RoundSummary.of(round_index, started, self.summaries, membership, **fields, dht_bytes_sent=dht_sent,
                               dht_bytes_received=dht_received, params_digest=worker.params_digest,
                               slice_digest=dict(worker.slice_digest), peer_id=swarm.peer_id,

@@ -71,7 +71,6 @@ class Swarm:
         self.state_server, self.config_server, self.updates = state_server, config_server, updates
         self.config, self.identity, self.bans = config, identity, bans
         self._refusals: dict[tuple[str, int, str, str], float] = {}  # a lone claim its holder did not serve -> when
-        self._dht_bytes_taken = (0, 0)  # ``directory.dht_bytes`` at the last ``take_dht_bytes``
         self.status_server: StatusServer | None = None
         self.surveyed: Surveyed | None = None  # the status server's survey (``serve_status``)
 
@@ -126,13 +125,6 @@ class Swarm:
                   and not self.bans.banned(p, me.round)]
         return round_wait(round_bound(c.matchmaking_timeout, c.allreduce_timeout), directory.interval,
                           [*rounds, me.round_seconds])
-
-    def take_dht_bytes(self) -> tuple[int, int]:
-        """Bytes of peer records this peer stored in and read from the DHT (sent, received) since the last call
-        (``PeerDirectory.dht_bytes``: application payload, not hivemind's routing)."""
-        now = self.directory.dht_bytes
-        (sent, received), self._dht_bytes_taken = self._dht_bytes_taken, now
-        return now[0] - sent, now[1] - received
 
     def addresses(self) -> list[str]:
         return self.loop.run(visible_maddrs(self.node), CALL_TIMEOUT)

@@ -100,7 +100,7 @@ class PeerRound:
     result: AllReduceResult
     started: float  # virtual time at which it began the round's inner steps
     ended: float  # at which its sync returned
-    dht_bytes: tuple[int, int]  # stored, read since the round before's record (``SimPeer.take_dht_bytes``)
+    dht_bytes: tuple[int, int]  # stored, read since the round before's record (``PeerDirectory.take_dht_bytes``)
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,6 @@ class SimPeer:
     training: int = -1  # the round it trains or syncs now
     rounds: dict[int, PeerRound] = field(default_factory=dict)
     summaries: list[RoundSummary] = field(default_factory=list)  # its round records, as a node keeps them
-    dht_taken: tuple[int, int] = (0, 0)  # ``directory.dht_bytes`` at the last ``take_dht_bytes``
     communicator: SwarmCommunicator | None = None
     directory: PeerDirectory | None = None
     server: StateServer | None = None
@@ -199,7 +198,7 @@ class SimPeer:
             ended = swarm.loop.time()
             await asyncio.sleep(swarm.scenario.outer_seconds)
             self.rounds[round_index] = PeerRound(synced.applied, self.digest(), result, started, ended,
-                                                 self.take_dht_bytes())
+                                                 directory.take_dht_bytes())
             traffic = result.traffic
             # its round record, as a node's shows in its DHT record: made-up losses (nothing here learns), an eval
             # where a node evaluates (every ``training.eval_every`` rounds and the last)
@@ -218,14 +217,6 @@ class SimPeer:
                 round_index += 1
             else:
                 round_index = await self.catch_up(round_index + 1)
-
-    def take_dht_bytes(self) -> tuple[int, int]:
-        """The DHT bytes (stored, read) since the last call, as a node takes them for each round record
-        (``Swarm.take_dht_bytes``): its last round record's store, a catch-up's lookups and its outer step count in
-        the round after them."""
-        now = self.directory.dht_bytes
-        taken, self.dht_taken = self.dht_taken, now
-        return now[0] - taken[0], now[1] - taken[1]
 
     def inner_seconds(self, round_index: int) -> float:
         """How long this peer trains round ``round_index``: its H steps, or, where it starts the round after the swarm

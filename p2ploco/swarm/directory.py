@@ -96,6 +96,7 @@ class PeerDirectory:
         self._stored = asyncio.Condition()
         self._dirty = asyncio.Event()
         self._bytes_sent = self._bytes_received = 0
+        self._bytes_taken = (0, 0)  # ``dht_bytes`` at the last ``take_dht_bytes``
         self.live_fields: Callable[[], dict[str, Any]] = dict  # fields that change between updates
         self.followed: frozenset[str] = frozenset()  # the others of the group this peer applied its last round with
         self.vouched: frozenset[str] = frozenset()  # those of them that took part in it with this peer
@@ -113,6 +114,13 @@ class PeerDirectory:
         however many replicas hivemind writes, and those each lookup returns (signatures stripped). Not hivemind's
         own traffic: routing, the lookups' hops, replication and the p2p daemon's framing are left out."""
         return self._bytes_sent, self._bytes_received
+
+    def take_dht_bytes(self) -> tuple[int, int]:
+        """``dht_bytes`` (sent, received) since the last call: what a node's round record counts, from one record to
+        the next (the simulation's peers take theirs alike)."""
+        now = self.dht_bytes
+        (sent, received), self._bytes_taken = self._bytes_taken, now
+        return now[0] - sent, now[1] - received
 
     async def store_record(self, list_run: bool = False) -> None:
         """Store this node's record now (and, on the heartbeat, list its run: that listing only has to outlive
