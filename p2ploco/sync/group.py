@@ -84,9 +84,10 @@ class Group:
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """Each member's entry: what a group answer says of it (``sync/join.py``), and what ``digest`` hashes."""
-        holdings, pipelines, tokens = dict(self.holdings), dict(self.pipelines), dict(self.tokens)
+        holdings, pipelines, tokens, dial_out = (dict(self.holdings), dict(self.pipelines), dict(self.tokens),
+                                                 frozenset(self.dial_out))
         return {peer: {"holdings": list(holdings[peer]), "pipeline": pipelines.get(peer, ""),
-                       "tokens": tokens[peer], "dial_out": peer in self.dial_out} for peer in self.peers}
+                       "tokens": tokens[peer], "dial_out": peer in dial_out} for peer in self.peers}
 
     def without(self) -> str:
         """Who the coordinator left out and why, as a member logs it ("" if nobody)."""
