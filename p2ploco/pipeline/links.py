@@ -40,6 +40,7 @@ import torch
 from hivemind.p2p import P2P
 from pydantic import Field, StringConstraints
 
+from p2ploco.aio import in_time
 from p2ploco.config import Config
 from p2ploco.errors import PayloadError, PipelineError, TransportError
 from p2ploco.pipeline.schedule import WIRE_DTYPES
@@ -228,11 +229,11 @@ class StageLinkServer:
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         message = _Message(str(stream_info.peer_id))
         try:
-            header, length = await asyncio.wait_for(wire.read_header(reader), self.timeout)
+            header, length = await in_time(wire.read_header(reader), self.timeout)
             self.admit(message, header, length)
-            payload = await asyncio.wait_for(wire.read_payload(reader, length, length), self.timeout)
+            payload = await in_time(wire.read_payload(reader, length, length), self.timeout)
             self.deliver(message, payload)
-            await asyncio.wait_for(wire.write_message(writer, {"status": Status.OK.value}), self.timeout)
+            await in_time(wire.write_message(writer, {"status": Status.OK.value}), self.timeout)
         except TransportError as e:  # the sender resends on a fresh stream, or has crashed (the waiting stage's
             # probes find that out): the step is not failed for one broken stream
             if message.kind is not None:  # else a liveness probe: a stream opened and closed at once
@@ -242,8 +243,8 @@ class StageLinkServer:
             logger.warning(f"stage message from {message.sender[-8:]} refused: {reason}")
             message.fail(reason)
             try:
-                await asyncio.wait_for(wire.write_message(writer, {"status": Status.REJECTED.value,
-                                                                   "reason": reason[:200]}), 1.0)
+                await in_time(wire.write_message(writer, {"status": Status.REJECTED.value,
+                                                          "reason": reason[:200]}), 1.0)
             except (TransportError, TimeoutError):
                 pass  # the sender is gone or stalled; it will time out on its own
         finally:
@@ -334,7 +335,7 @@ class RemoteTransport(StageTransport):
         started = time.monotonic()
         push = wire.call(self.server.p2p, peer, self.server.handler_name, header, payload=payload, attempts=2)
         try:
-            answer, _ = self.loop.run(asyncio.wait_for(push, self.timeout), self.timeout + 5)
+            answer, _ = self.loop.run(in_time(push, self.timeout), self.timeout + 5)
         except (TransportError, TimeoutError) as e:
             raise PipelineError(f"could not send {kind.value} of step {key[0]} to stage {to_stage} "
                                 f"({peer[-8:]}): {e!r}") from None

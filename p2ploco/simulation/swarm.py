@@ -31,6 +31,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ploco import __version__
+from p2ploco.aio import in_time
 from p2ploco.collective import robust
 from p2ploco.collective.exchange import AllReduceResult, PendingAllReduce, Receipt
 from p2ploco.compression.sparse_format import SparseValues
@@ -455,7 +456,7 @@ class SimulatedSwarm:
             peer.task = on_behalf_of(peer.peer_id, peer.begin())
         churn = asyncio.ensure_future(self._churn())
         try:
-            await asyncio.wait_for(self._trained(), self.time_limit())
+            await in_time(self._trained(), self.time_limit())
         except TimeoutError:
             logger.warning(f"the simulation ran out of its {self.time_limit():.0f} s of virtual time")
         finally:  # the peers' services stop with the loop's tasks (``report.simulate``)

@@ -39,6 +39,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2ploco import PROTOCOL_VERSION
+from p2ploco.aio import in_time
 from p2ploco.errors import PayloadError, shown
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.evidence import Proof, proofs_key
@@ -165,7 +166,7 @@ class PeerDirectory:
         change = self._changes if change is None else change
         async with self._stored:
             try:
-                await asyncio.wait_for(self._stored.wait_for(lambda: self._attempted >= change), timeout)
+                await in_time(self._stored.wait_for(lambda: self._attempted >= change), timeout)
             except TimeoutError:
                 return False
         return True

@@ -58,6 +58,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import Field
 
 from p2ploco import faults
+from p2ploco.aio import in_time
 from p2ploco.errors import PayloadError, TransportError, shown
 from p2ploco.swarm import wire
 from p2ploco.swarm.messages import Message, decode
@@ -157,7 +158,7 @@ class DialBack:
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = str(stream_info.peer_id)
         async with wire.serving(logger, "dial-back request", sender, reader, writer, ASK_TIMEOUT, logging.DEBUG):
-            header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), ASK_TIMEOUT)
+            header, _ = await in_time(wire.read_message(reader, max_payload=0), ASK_TIMEOUT)
             request = decode(DialBackRequest, header)
             host = ip_host(stream_info.addr)
             answer = {"dialled": False, "reached": [], "seen_at": host or ""}
@@ -185,7 +186,7 @@ def ip_host(address: Multiaddr) -> str | None:
 async def dial(host: str, port: int) -> bool:
     """Whether a TCP connection to ``host:port`` opens within DIAL_TIMEOUT (it is closed at once)."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), DIAL_TIMEOUT)
+        _, writer = await in_time(asyncio.open_connection(host, port), DIAL_TIMEOUT)
     except (OSError, TimeoutError):
         return False
     writer.close()
@@ -206,7 +207,7 @@ async def ask(p2p: P2P, helper: str, ports: list[int]) -> DialBackAnswer | None:
     """``helper``'s answer to a request to dial this peer back at ``ports``, or None where it gives no voice: it
     serves no probe (a stock hivemind peer) or is gone, would not dial, hung, or answered garbage."""
     try:
-        header, _ = await asyncio.wait_for(wire.call(p2p, helper, HANDLER, {"ports": ports}), ASK_TIMEOUT)
+        header, _ = await in_time(wire.call(p2p, helper, HANDLER, {"ports": ports}), ASK_TIMEOUT)
         answer = parse_dial_back(header, ports)
     except wire.Unreachable:
         return None

@@ -43,6 +43,7 @@ from typing import Annotated, Any
 from hivemind.p2p import P2P
 from pydantic import Field, StringConstraints
 
+from p2ploco.aio import in_time
 from p2ploco.config import document_fingerprint
 from p2ploco.errors import ConfigError, PayloadError, SwarmError, TransportError, shown
 from p2ploco.swarm import wire
@@ -112,7 +113,7 @@ class ConfigServer:
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         asker = str(stream_info.peer_id)
         async with wire.serving(logger, "config request", asker, reader, writer, self.timeout):
-            header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.timeout)
+            header, _ = await in_time(wire.read_message(reader, max_payload=0), self.timeout)
             request = decode(ConfigRequest, header)
             if request.fingerprint not in ("", self.fingerprint) and asker not in self.told:
                 self.told.add(asker)
@@ -227,7 +228,7 @@ def load_run_document(path: Path) -> RunDocument:
 async def _ask(p2p: P2P, run_id: str, donor: str, fingerprint: str, mine: str) -> dict[str, Any] | None:
     """``donor``'s document if its digest is ``fingerprint``; None if the donor does not answer with one."""
     try:
-        header, payload = await asyncio.wait_for(
+        header, payload = await in_time(
             wire.call(p2p, donor, handler_name(run_id), {"fingerprint": mine}, max_payload=MAX_DOCUMENT_BYTES),
             ASK_TIMEOUT)
         decode(ConfigAnswer, header)

@@ -15,6 +15,7 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
+from p2ploco.aio import in_time
 from p2ploco.errors import PayloadError, SwarmError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
@@ -95,7 +96,7 @@ async def request_range(p2p: P2P, handler: str, donor: str, round_index: int, sl
     if base is not None:
         request.update(blob=BlobKind.UPDATE, base=base)
     limit = length or MAX_MANIFEST_BYTES
-    return await asyncio.wait_for(wire.call(p2p, donor, handler, request, max_payload=limit), timeout)
+    return await in_time(wire.call(p2p, donor, handler, request, max_payload=limit), timeout)
 
 
 async def served_state(p2p: P2P, handler: str, claim: SwarmState, timeout: float) -> SwarmState | None:

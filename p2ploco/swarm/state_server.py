@@ -17,6 +17,7 @@ import torch
 from hivemind.p2p import P2P
 
 from p2ploco import faults
+from p2ploco.aio import in_time
 from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.deadlines import TransferDeadline
@@ -161,7 +162,7 @@ class StateServer:
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async with wire.serving(logger, "state request", str(stream_info.peer_id), reader, writer,
                                 self.deadline.seconds(PART_BYTES)):
-            header, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.deadline.base)
+            header, _ = await in_time(wire.read_message(reader, max_payload=0), self.deadline.base)
             request = decode(StateRequest, header)
             snapshot = self._find(request)
             if isinstance(snapshot, dict):  # the answer that it holds none
@@ -177,7 +178,7 @@ class StateServer:
                 payload = await loop.run_in_executor(None, blob.manifest)
             answer = {"status": StateStatus.OK, "round": snapshot.round, "slice": snapshot.slice, "total": blob.total,
                       "state_digest": snapshot.state_digest}
-            await asyncio.wait_for(wire.write_message(writer, answer, payload), self.deadline.seconds(len(payload)))
+            await in_time(wire.write_message(writer, answer, payload), self.deadline.seconds(len(payload)))
 
     def _find(self, request: StateRequest) -> Served | dict[str, Any]:
         """What ``request`` asks for, or the answer that this peer does not hold it."""

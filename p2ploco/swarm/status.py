@@ -54,6 +54,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
+from p2ploco.aio import in_time
 from p2ploco.swarm.loop import finishes_within
 from p2ploco.swarm.status_document import STATUS_PATH, Survey, status_answer
 
@@ -310,7 +311,7 @@ class StatusServer:
     async def _answer(self, reader: asyncio.StreamReader, connection: Connection) -> tuple[Answer, bool]:
         """The answer to the request ``reader`` carries, and whether to send its body."""
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
+            head = await in_time(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             return Answer.error(400, f"send one HTTP/1.x request: GET {STATUS_PATH}"), True
         lines = head.split(b"\r\n")

@@ -51,6 +51,7 @@ import msgpack
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 
 from p2ploco import PROTOCOL_VERSION
+from p2ploco.aio import in_time
 from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm.messages import MAX_PEER_ID
 from p2ploco.swarm.upload_cap import CHUNK_BYTES, upload_cap
@@ -232,7 +233,7 @@ async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ti
     what the caller still sends is read and dropped, and a caller that keeps the stream open is cut off after
     ``timeout`` seconds. Closing first could lose the answer (module docstring)."""
     try:
-        await asyncio.wait_for(_until_closed(reader), timeout)
+        await in_time(_until_closed(reader), timeout)
     except (TimeoutError, *DAEMON_ERRORS):  # cut off, or the link is gone already: nothing left to deliver
         pass
     finally:
@@ -274,7 +275,7 @@ async def reachable(p2p: P2P, peer_id: str, handler: str, timeout: float) -> boo
     """False if ``peer_id``'s daemon cannot be dialled or refuses the stream (the peer crashed); True if a stream
     opens, or the answer is merely slow (slow is not dead). The stream is closed at once."""
     try:
-        _, writer = await asyncio.wait_for(open_stream(p2p, peer_id, handler), timeout)
+        _, writer = await in_time(open_stream(p2p, peer_id, handler), timeout)
     except TimeoutError:
         return True
     except (PayloadError, TransportError):

@@ -40,6 +40,7 @@ from hivemind.p2p import P2P
 from pydantic import Field, model_validator
 
 from p2ploco import faults
+from p2ploco.aio import in_time
 from p2ploco.collective.exchange import Exchange, Receipt, Span, audit
 from p2ploco.errors import PayloadError, TransportError
 from p2ploco.swarm import wire
@@ -108,7 +109,7 @@ class Audits:
     async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         asker = str(stream_info.peer_id)
         async with wire.serving(logger, "audit", asker, reader, writer, self.timeout):
-            header, _ = await asyncio.wait_for(wire.read_message(reader, 0), self.timeout)
+            header, _ = await in_time(wire.read_message(reader, 0), self.timeout)
             request = decode(AuditRequest, header)
             payloads, why = self._shown(asker, request)
             if payloads is None:
@@ -142,7 +143,7 @@ class Audits:
         ``transfer``: the deadline of its answer (``most_shown`` bytes: a reducer that stalls it fails)."""
         limit = self.most_shown(exchange, span, weighed)
         try:
-            reply, blob = await asyncio.wait_for(
+            reply, blob = await in_time(
                 wire.call(self.p2p, reducer, self.handler_name,
                           {"group_id": group.group_id, "slice": slice_name, "span": [span.start, span.stop]},
                           max_payload=limit), transfer)

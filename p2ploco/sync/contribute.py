@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from hivemind.p2p import P2P
 
 from p2ploco import faults
+from p2ploco.aio import in_time
 from p2ploco.collective.exchange import Exchange, Receipt, Span, contribution_digest
 from p2ploco.collective.robust import OpposedResult
 from p2ploco.errors import Failure, PayloadError, TransportError
@@ -126,12 +127,12 @@ class Contributor:
             async with route.turn:  # one piece on the wire to a reducer at a time: it reduces one as the next comes
                 if route.failure is not None:
                     return answered_without(peer, len(payload), route.failure)
-                reader, writer = await asyncio.wait_for(wire.open_stream(self.p2p, peer, self.handler_name),
-                                                        self.timeout)
+                reader, writer = await in_time(wire.open_stream(self.p2p, peer, self.handler_name),
+                                               self.timeout)
                 header = {"group_id": group.group_id, "round": group.round_index, "slice": route.slice,
                           "span": [piece.start, piece.stop], "coordinator": group.coordinator, "listen": listens,
                           "version": group.digest}
-                await asyncio.wait_for(wire.write_message(writer, header, payload), route.transfer)
+                await in_time(wire.write_message(writer, header, payload), route.transfer)
             sent = len(payload)
             await faults.hit_async("allreduce.contribute", group.round_index)
             return await self._take(peer, route, piece, reader, None if listens else payload)
@@ -162,7 +163,7 @@ class Contributor:
         group, exchange = route.group, route.exchange
         encoded, sent = len(payload or b""), len(payload or b"")
         # The reducer may wait a transfer's time for the slowest sender before it answers, and the answer takes another.
-        reply, result = await asyncio.wait_for(
+        reply, result = await in_time(
             wire.read_message(reader, exchange.max_result_bytes(piece, len(group.peers))), 2 * route.transfer)
         answer = parse_reply(reply, group, self.me, payload)
         if isinstance(answer, AllReduceError):  # the reducer refused our contribution or went on without it

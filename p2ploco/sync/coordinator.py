@@ -47,6 +47,7 @@ from typing import Any
 
 from hivemind.p2p import P2P
 
+from p2ploco.aio import in_time
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import round_state
@@ -151,7 +152,7 @@ class Coordinator:
         sender = str(stream_info.peer_id)
         # a join that broke off is asked again: worth a debug line only
         async with wire.serving(logger, "join request", sender, reader, writer, self.timeout, logging.DEBUG):
-            request, _ = await asyncio.wait_for(wire.read_message(reader, max_payload=0), self.timeout)
+            request, _ = await in_time(wire.read_message(reader, max_payload=0), self.timeout)
             response = await self.join_here(sender, request)
             await wire.write_message(writer, response)
 
@@ -317,7 +318,7 @@ class Coordinator:
                 # Woken by a join, a heartbeat's lookup, the next probe or the deadline: no polling of the DHT.
                 wake = min(probed + wire.PROBE_EVERY, formation.deadline)
                 try:
-                    await asyncio.wait_for(formation.changed.wait(), max(0.0, wake - time.monotonic()))
+                    await in_time(formation.changed.wait(), max(0.0, wake - time.monotonic()))
                 except TimeoutError:
                     pass
         finally:

@@ -69,6 +69,7 @@ from hivemind.p2p import P2P
 from pydantic import Field, StringConstraints, model_validator
 
 from p2ploco import faults
+from p2ploco.aio import in_time
 from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
@@ -158,7 +159,7 @@ class RoundCommit:
             if coordinator == self.me:
                 response = await self._decide_here(self.me, request, pieces)
             else:
-                response, _ = await asyncio.wait_for(
+                response, _ = await in_time(
                     wire.call(self.p2p, coordinator, self.handler_name, request, payload=pieces, attempts=2),
                     2 * self.timeout + 5)
             decision = parse_decision(response, group, coordinator)
@@ -189,7 +190,7 @@ class RoundCommit:
     async def _serve_vote(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         voter = str(stream_info.peer_id)
         async with wire.serving(logger, "vote", voter, reader, writer, self.timeout):
-            request, pieces = await asyncio.wait_for(
+            request, pieces = await in_time(
                 wire.read_message(reader, max_payload=MAX_PIECES * PIECE_ENTRY_BYTES), self.timeout)
             await wire.write_message(writer, await self._decide_here(voter, request, pieces))
 
@@ -217,7 +218,7 @@ class RoundCommit:
         if voter not in ballot.votes:
             ballot.votes[voter] = cast
         ballot.changed.set()
-        decision: Decision = await asyncio.wait_for(asyncio.shield(ballot.decided), 2 * self.timeout)
+        decision: Decision = await in_time(asyncio.shield(ballot.decided), 2 * self.timeout)
         response: dict[str, Any] = {"outcome": decision.outcome, "digests": decision.digests,
                                     "reason": decision.reason, "proofs": [p.to_value() for p in decision.proofs]}
         if decision.redo is not None:
@@ -231,7 +232,7 @@ class RoundCommit:
             while ballot.waiting_for() and time.monotonic() < ballot.deadline:
                 ballot.changed.clear()
                 try:
-                    await asyncio.wait_for(ballot.changed.wait(), ballot.deadline - time.monotonic())
+                    await in_time(ballot.changed.wait(), ballot.deadline - time.monotonic())
                 except TimeoutError:
                     pass
         finally:

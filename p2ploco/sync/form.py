@@ -54,6 +54,7 @@ from typing import Any
 from hivemind.p2p import P2P
 
 from p2ploco import faults
+from p2ploco.aio import in_time
 from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
@@ -228,7 +229,7 @@ class Matchmaker:
                 or not await self.stranded_with(round_index):
             return False
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.leaving.wait(), self.directory.interval)
+            await in_time(self.leaving.wait(), self.directory.interval)
         return not self.leaving.is_set()
 
     async def _unless_passed(self, round_index: int, asking: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
@@ -371,7 +372,7 @@ class Matchmaker:
         Not abandoned if this peer starts leaving meanwhile: the coordinator may hold its join already, and the group
         it closes with it would wait for a contribution that never came (a Ctrl-C then cost the others their round).
         The peer finishes the all-reduce it joined, then leaves."""
-        response, _ = await asyncio.wait_for(
+        response, _ = await in_time(
             wire.call(self.p2p, coordinator, self.handler_name, request, attempts=2, max_header=MAX_ANSWER_BYTES),
             timeout)
         return response

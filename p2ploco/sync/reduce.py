@@ -89,6 +89,7 @@ from typing import Any
 from hivemind.p2p import P2P
 
 from p2ploco import faults
+from p2ploco.aio import in_time
 from p2ploco.collective.exchange import Exchange, Span, Traffic, dense_fp32_bytes, pieces
 from p2ploco.collective.sliced import SlicedExchange
 from p2ploco.errors import Failure, PayloadError, TransportError
@@ -368,7 +369,7 @@ class ButterflyAllReduce:
         inbox: Inbox | None = None
         try:
             try:
-                header, length = await asyncio.wait_for(wire.read_header(reader), self.timeout)
+                header, length = await in_time(wire.read_header(reader), self.timeout)
                 contribution = decode(Contribution, header)
                 found = await self.reducer.find(contribution, sender)
                 if isinstance(found, Served):
@@ -399,7 +400,7 @@ class ButterflyAllReduce:
         """Answer ``sender`` the result of ``inbox``'s piece once it is reduced, unless its contribution is not in
         it."""
         try:
-            reduced: Reduced = await asyncio.wait_for(asyncio.shield(inbox.result), 2 * inbox.transfer)
+            reduced: Reduced = await in_time(asyncio.shield(inbox.result), 2 * inbox.transfer)
         except PayloadError as e:  # this reducer could not combine its piece at all: not the sender's fault
             return refused(Refusal(ReduceStatus.MISSED, f"the span could not be reduced: {e}"))
         rejected = reduced.reduction.rejected
@@ -408,7 +409,7 @@ class ButterflyAllReduce:
         if refusal is not None:
             return refused(refusal)
         reply, result = self.answer(inbox.group, inbox.exchange, reduced, sender)
-        await asyncio.wait_for(wire.write_message(writer, reply, result), inbox.transfer)
+        await in_time(wire.write_message(writer, reply, result), inbox.transfer)
         inbox.bytes_out += len(result)
         return Served(outcome=TransferOutcome.DELIVERED)
 
@@ -425,6 +426,6 @@ class ButterflyAllReduce:
 
 async def _bounded(awaitable: Any, timeout: float) -> None:
     try:
-        await asyncio.wait_for(awaitable, timeout)
+        await in_time(awaitable, timeout)
     except TimeoutError:
         logger.info("some senders did not collect the aggregate of our span in time")

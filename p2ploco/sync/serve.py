@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from p2ploco import faults
+from p2ploco.aio import in_time
 from p2ploco.collective.exchange import Exchange, Span, SpanReduction, reduce_span
 from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
@@ -196,7 +197,7 @@ async def take(inbox: Inbox, contribution: Contribution, length: int, sender: st
                          f"reduces {expected} of round {inbox.group.round_index}")
     if not contribution.listen:
         limit = inbox.exchange.max_payload_bytes(inbox.piece)
-        payload = await asyncio.wait_for(wire.read_payload(reader, length, limit), inbox.transfer)
+        payload = await in_time(wire.read_payload(reader, length, limit), inbox.transfer)
         inbox.bytes_in += len(payload)
         inbox.deliver(sender, payload)
     return None
@@ -210,7 +211,7 @@ async def refuse(writer: asyncio.StreamWriter, refusal: Refusal) -> None:
     if refusal.version is not None and refusal.version.grant:
         answer.update(version=refusal.version.digest, grant=refusal.version.grant)
     try:
-        await asyncio.wait_for(wire.write_message(writer, answer), 1.0)
+        await in_time(wire.write_message(writer, answer), 1.0)
     except (TransportError, TimeoutError):
         pass
 
@@ -314,7 +315,7 @@ class Reducer:
         """Combine the piece's contributions (``own``: this peer's, None for a hub's, which sends none), take the
         result as every member does, and sign its digest: the one result this peer answers for the piece."""
         try:
-            await asyncio.wait_for(inbox.arrived.wait(), max(0.0, inbox.deadline - time.monotonic()))
+            await in_time(inbox.arrived.wait(), max(0.0, inbox.deadline - time.monotonic()))
         except TimeoutError:
             for sender in inbox.senders | (inbox.listeners - inbox.connected):  # a hub not there by now: gone
                 inbox.miss(sender, Failure.TIMEOUT, f"sent nothing within {inbox.transfer:.0f} s")
