@@ -82,12 +82,18 @@ class Group:
                                           list(self.passive), self.entries(), *([drawn] if drawn else [])],
                                          sort_keys=True).encode()).hexdigest()
 
-    def entries(self) -> dict[str, dict[str, Any]]:
-        """Each member's entry: what a group answer says of it (``sync/join.py``), and what ``digest`` hashes."""
+    def entries(self) -> Mapping[str, Mapping[str, Any]]:
+        """Each member's entry: what a group answer says of it (``sync/join.py``), and what ``digest`` hashes. Made
+        once a group, and shared (read them only): a coordinator's answer to each joiner, and a member's group, read
+        them."""
+        return self._entries
+
+    @cached_property
+    def _entries(self) -> Mapping[str, Mapping[str, Any]]:
         holdings, pipelines, tokens, dial_out = (dict(self.holdings), dict(self.pipelines), dict(self.tokens),
                                                  frozenset(self.dial_out))
-        return {peer: {"holdings": list(holdings[peer]), "pipeline": pipelines.get(peer, ""),
-                       "tokens": tokens[peer], "dial_out": peer in dial_out} for peer in self.peers}
+        return {peer: {"holdings": list(holdings[peer]), "pipeline": pipelines.get(peer, ""), "tokens": tokens[peer],
+                       "dial_out": peer in dial_out} for peer in self.peers}
 
     def without(self) -> str:
         """Who the coordinator left out and why, as a member logs it ("" if nobody)."""
