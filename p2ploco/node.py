@@ -423,8 +423,7 @@ class Node:
         presence.serve(round_index + 1)
         # Nothing landed (the first round in flight, or the one dropped by a catch-up): nothing applied either
         synced = outcome.comm or Synced(AllReduceResult([swarm.peer_id], committed=False), applied=False)
-        evaluated = role.evaluates and (round_index % c.training.eval_every == 0
-                                        or round_index + 1 == c.training.rounds)
+        evaluated = role.evaluates and c.training.evaluates_after(round_index)
         return self._summary(swarm, role, round_index, membership, started, inner=outcome.inner,
                             synced=self._synced(synced), eval_loss=worker.evaluate(held_out) if evaluated else None,
                             density=worker.outer.density, update_norm=worker.outer.take_update_norm())

@@ -260,3 +260,10 @@ def test_a_sharded_replica_is_refused_where_replicas_project_their_weights_whole
         load_config(pipeline, ["training.shard=true", "pipeline.compression=uniform"])
     assert str(error.value) == ("training.shard does not go with pipeline.compression=uniform (whose replicas project "
                                 "their weights whole): use selective compression, or training.shard=false")
+
+
+def test_a_peer_evaluates_every_eval_every_rounds_and_after_the_runs_last():
+    training = load_config(None, ["training.eval_every=3", "training.rounds=8"]).training
+    assert [r for r in range(8) if training.evaluates_after(r)] == [0, 3, 6, 7]
+    endless = load_config(None, ["training.eval_every=3"]).training  # rounds 0: no last round
+    assert [r for r in range(8) if endless.evaluates_after(r)] == [0, 3, 6]

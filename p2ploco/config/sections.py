@@ -339,6 +339,11 @@ class TrainingConfig(Section):
     # (``ranks/sharded.py``). A node on one rank has nothing to shard it over and trains it whole.
     shard: bool = False
 
+    def evaluates_after(self, round_index: int) -> bool:
+        """Whether a peer that can score the held-out data (``Role.evaluates``) does after ``round_index``: every
+        ``eval_every`` rounds, and after the run's last."""
+        return round_index % self.eval_every == 0 or round_index + 1 == self.rounds
+
 
 class Config(Section):
     """The run: one section per part of a node, and the rules between sections."""

@@ -202,8 +202,8 @@ class SimPeer:
                                                  directory.take_dht_bytes())
             traffic = result.traffic
             # its round record, as a node's shows in its DHT record: made-up losses (nothing here learns), an eval
-            # where a node evaluates (every ``training.eval_every`` rounds and the last)
-            evaluated = round_index % swarm.config.training.eval_every == 0 or round_index + 1 == swarm.scenario.rounds
+            # where a node evaluates
+            evaluated = swarm.config.training.evaluates_after(round_index)
             self.summaries.append(RoundSummary(
                 round=round_index, peers=len(result.peers), loss=4.0 - 0.01 * round_index,
                 eval_loss=4.1 - 0.01 * round_index if evaluated else None, params_digest=self.digest(),
@@ -374,7 +374,8 @@ def shared_audits() -> Callable[[Any, Callable[..., Any]], Callable[..., Any]]:
 class SimulatedSwarm:
     def __init__(self, scenario: Scenario, loop: VirtualLoop):
         self.scenario, self.loop = scenario, loop
-        self.config: Config = load_config(scenario.config, [*SETTINGS, *scenario.settings])
+        self.config: Config = load_config(scenario.config, [*SETTINGS, *scenario.settings,
+                                                            f"training.rounds={scenario.rounds}"])
         self.steps = self.config.inner.steps
         self.fingerprint = document_fingerprint(self.config.run_document())
         self.network = SimNetwork(loop)
