@@ -262,6 +262,52 @@ def test_a_peer_the_view_lacks_is_looked_up_under_its_record_key_alone_and_a_key
     asyncio.run(looks())
 
 
+def test_a_whole_lookup_that_ends_after_a_key_read_keeps_what_the_read_found():
+    """A member checks its group's members against its view, and reads the key of one it lacks (a joiner): the
+    heartbeat's whole lookup, begun before the joiner stored its record and answered after the read, put the view
+    back as it was before the read: the member no longer knew the joiner, waited a heartbeat to look again, and its
+    contributions came too late for the reducers (the simulation of 256 peers: a redo of the whole group). Nor does
+    that older answer take back a renewal the read found."""
+    keys = RecordKeys(tuple(f"run/peers/{i}" for i in range(4)))
+    me, old = record("m", 0, "x"), record("p00", 0, "x")
+    joiner = next(f"j{i}" for i in range(100) if keys.of(f"j{i}") == keys.of(old.peer_id))
+    stored_at = get_dht_time()
+
+    class HeldNode(_FakeNode):
+        """Answers a whole lookup with what it held when asked, once ``answer`` is set; a key read at once."""
+
+        async def get_many(self, keys_read, sufficient_expiration_time=None):
+            found = await super().get_many(keys_read, sufficient_expiration_time)
+            if len(keys_read) > 1:
+                await answer.wait()
+            return found
+
+    node = HeldNode()
+    for r in (me, old):
+        node.stored.setdefault(keys.of(r.peer_id), {})[r.peer_id] = ValueWithExpiration(r.to_value(), stored_at + 60)
+    directory = PeerDirectory(node, keys, b"owner", me, 1.0, 10.0)
+
+    async def race() -> None:
+        nonlocal answer
+        answer = asyncio.Event()
+        answer.set()
+        assert set(await directory.refresh()) == {"m", old.peer_id}
+        answer.clear()
+        whole = asyncio.ensure_future(directory.refresh())
+        await asyncio.sleep(0)  # the whole lookup has asked
+        for r in (record(joiner, 0, "x"), record(old.peer_id, 1, "x")):  # a joiner's first record, a renewal
+            node.stored[keys.of(joiner)][r.peer_id] = ValueWithExpiration(r.to_value(), stored_at + 70)
+        found = await directory.look_up([joiner])
+        assert joiner in found and found[old.peer_id].round == 1
+        answer.set()
+        view = await whole
+        assert joiner in view and view[old.peer_id].round == 1
+        assert joiner in directory.live and directory.live[old.peer_id].round == 1
+
+    answer = None
+    asyncio.run(race())
+
+
 @pytest.mark.parametrize("peers", [4, 16, 64])
 def test_a_peer_that_follows_its_group_reads_about_as_many_records_per_round_whatever_the_swarm_size(peers):
     node = _FakeNode()

@@ -176,7 +176,6 @@ class PeerDirectory:
         that stalls, a partial answer): records seen before are kept until they lapse, so a peer only
         ever leaves the view by expiring or by a newer record of its own."""
         now = get_dht_time()
-        live = self._unexpired(now)
         convicting = self.bans is not None and self.run_id is not None
         proofs_at = (proofs_key(self.run_id),) if convicting else ()
         try:
@@ -184,6 +183,9 @@ class PeerDirectory:
         except DAEMON_ERRORS as e:  # the daemon or a link failed mid-lookup
             logger.info(f"peer lookup failed, keeping the last view: {e!r}")
             found = {}
+        # the view as it is now: a key read (``look_up``) that ended while this lookup was under way found records
+        # this lookup's answers may predate (a joiner's first, a renewal)
+        live = self._unexpired(now)
         entries = merged_entries(found, self.records.keys)
         found_records = self._take(entries, now, live)
         for subkey in [subkey for subkey in self._entries if subkey not in entries]:  # in place: it may be shared
@@ -253,9 +255,11 @@ class PeerDirectory:
             if owner is not None and peer_id_of(subkey) in found_records:
                 self.keys[peer_id_of(subkey)] = owner.group(1)
         for peer_id, (record, expires) in found_records.items():
-            if expires > self._expires.get(peer_id, 0.0):
+            known = self._expires.get(peer_id, 0.0)
+            if expires > known:
                 self._refreshed[peer_id] = time.monotonic()
-            live[peer_id], self._expires[peer_id] = record, expires
+            if expires >= known:  # an answer older than a read that ended before it does not take a record back
+                live[peer_id], self._expires[peer_id] = record, expires
         return found_records
 
     def _convict(self, found: object, live: dict[str, PeerRecord]) -> None:
