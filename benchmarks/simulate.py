@@ -34,6 +34,9 @@ run's config and the config's heartbeat, and the run's ``inner_seconds_median`` 
     python benchmarks/simulate.py --agreement --peers 8 --rounds 6 --config configs/tiny.yaml \
         --set swarm.heartbeat_interval=1 --inner-seconds 1.92 --outer-seconds 0.01
 
+``--log FILE`` keeps every simulated peer's log lines, stamped with the virtual time and the peer's id: what a
+person reads to trace why a round was redone or who waited for whom.
+
 The simulation counts CPU time, never waits it: a virtual round takes what its messages need on the links, with
 every peer's computation free.
 """
@@ -49,6 +52,7 @@ import scale  # benchmarks/scale.py: the settings its nodes get, for --agreement
 
 from p2ploco.errors import ConfigError
 from p2ploco.metrics import format_table, human_bytes
+from p2ploco.simulation.clock import PeerStamp
 from p2ploco.simulation.report import Report, simulate
 from p2ploco.simulation.swarm import Scenario
 
@@ -86,6 +90,9 @@ def main() -> int:
                         help="scale.py's setting: no NAT, no churn, every peer public, scale.py's node settings "
                              "(compare with scale.py)")
     parser.add_argument("--json", action="store_true", help="one JSON object per N instead of the table")
+    parser.add_argument("--log", metavar="FILE",
+                        help="write the simulated peers' log lines (INFO and above) to FILE, each with its virtual "
+                             "time and the id of the peer that logged it")
     args = parser.parse_args()
     if min(args.peers) < 1 or args.rounds < 1:
         parser.error("--peers and --rounds must be at least 1")
@@ -97,6 +104,13 @@ def main() -> int:
         if not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name} must be in [0, 1)")
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    if args.log:
+        trace = logging.FileHandler(args.log, mode="w")
+        trace.addFilter(PeerStamp())
+        trace.setFormatter(logging.Formatter("%(virtual)10.3f %(peer)8s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().handlers[0].setLevel(logging.ERROR)  # the console keeps to errors
+        logging.getLogger().addHandler(trace)
+        logging.getLogger().setLevel(logging.INFO)
     settings = tuple(args.set)
     if args.agreement:
         args.churn = args.nat = 0.0

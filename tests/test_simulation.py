@@ -4,6 +4,7 @@ every peer's real directory, sync services and outer algorithm."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from p2ploco.collective.exchange import Receipt
 from p2ploco.collective.robust import Vector
-from p2ploco.simulation.clock import SimulationStalled, VirtualLoop, virtual_time
+from p2ploco.simulation.clock import PeerStamp, SimulationStalled, VirtualLoop, on_behalf_of, virtual_time
 from p2ploco.simulation.keys import simulation_keys
 from p2ploco.simulation.report import simulate
 from p2ploco.simulation.swarm import Scenario, shared_audits
@@ -41,6 +42,35 @@ def test_a_loop_with_nothing_scheduled_says_it_stalled():
     with virtual_time(loop), pytest.raises(SimulationStalled):
         loop.run_until_complete(loop.create_future())
     loop.close()
+
+
+def test_a_log_line_names_the_simulated_peer_it_was_logged_for_and_its_virtual_time():
+    loop, lines = VirtualLoop(), []
+    log = logging.getLogger("p2ploco.test_simulation")
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append((record.peer, round(record.virtual, 3), record.getMessage()))
+
+    keep = Keep()
+    keep.addFilter(PeerStamp())
+    log.addHandler(keep)
+
+    async def peer() -> None:
+        await asyncio.sleep(90)
+        log.warning("late")
+
+    async def run() -> None:
+        log.warning("simulation")
+        await on_behalf_of("QmSimulatedPeerA1b2C3d4", peer())
+
+    try:
+        with virtual_time(loop):
+            loop.run_until_complete(run())
+    finally:
+        log.removeHandler(keep)
+        loop.close()
+    assert lines == [("", 0.0, "simulation"), ("A1b2C3d4", 90.0, "late")]
 
 
 def test_members_that_audit_a_piece_alike_share_one_verdict_and_any_difference_gets_its_own():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import selectors
 import sys
 import time
@@ -29,6 +30,17 @@ EPOCH = 1.8e9  # what time.time() reads at virtual time 0: a plausible date, so 
 
 # (peer, service): whom a task works for, and as what (a handler's name, or "node" for the peer's own work)
 acting: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("acting", default=("", ""))
+
+
+class PeerStamp(logging.Filter):
+    """Stamps each log record with the virtual time it was made at (``virtual``, seconds) and the simulated peer it
+    was made for (``peer``: its id's last 8 characters; "" for the simulation's own): one process logs for all peers,
+    and a trace of one of them needs both."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.virtual = record.created - EPOCH  # ``time.time`` reads the loop's clock while a simulation runs
+        record.peer = acting.get()[0][-8:]
+        return True
 
 
 class SimulationStalled(RuntimeError):
