@@ -294,8 +294,16 @@ class PeerDirectory:
 
     def _unexpired(self, now: float) -> dict[str, PeerRecord]:
         """The records in view that have not lapsed, and those of the followed group as last seen."""
-        return {p: r for p, r in self.live.items()
-                if self._expires.get(p, 0.0) > now or p in self.followed or p == self.me.peer_id}
+        return {p: r for p, r in self.live.items() if self._holds(p, now)}
+
+    def _holds(self, peer_id: str, now: float) -> bool:
+        return self._expires.get(peer_id, 0.0) > now or peer_id in self.followed or peer_id == self.me.peer_id
+
+    def lacks(self, peers: Iterable[str]) -> set[str]:
+        """Of ``peers``, those this view holds no record of that has not lapsed (``live`` keeps a lapsed one until the
+        next heartbeat or read rebuilds it): the ones to ``look_up``."""
+        now = get_dht_time()
+        return {p for p in peers if p not in self.live or not self._holds(p, now)}
 
     def follow(self, peers: Iterable[str], vouched: Iterable[str] = (), coordinator: str = "") -> None:
         """This peer applied its last round with ``peers`` (none: it did not, or applied it alone), formed by

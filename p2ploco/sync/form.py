@@ -346,17 +346,19 @@ class Matchmaker:
 
     async def _check_plausible(self, group: Group) -> None:
         """PayloadError unless every member of ``group`` is a live peer this peer knows, itself included. A
-        member this view lacks (a joiner) is looked up under its record key, and may have published its record a
-        moment ago: one more look before refusing."""
+        member this view lacks (a joiner, or one whose record lapsed here: a peer that follows its group reads the
+        others' records now and then) is looked up under its record key, and may have published its record a moment
+        ago: one more look a heartbeat later before refusing."""
         if self.me not in group.peers:
             raise PayloadError("group without this peer")
-        known = set(self.directory.live)
-        if not set(group.peers) <= known:
-            known = set(await self.directory.look_up(set(group.peers) - known))
-        if not set(group.peers) <= known:
+        unknown = self.directory.lacks(group.peers)
+        if unknown:
+            await self.directory.look_up(unknown)
+            unknown = self.directory.lacks(group.peers)
+        if unknown:
             await asyncio.sleep(self.directory.interval)
-            known = set(await self.directory.look_up(set(group.peers) - known))
-        unknown = set(group.peers) - known
+            await self.directory.look_up(unknown)
+            unknown = self.directory.lacks(group.peers)
         if unknown:
             raise PayloadError(f"group of {len(group.peers)} names {len(unknown)} peer(s) this peer does not know")
         # Only a hub contributes nothing: a coordinator that gave trainers no weight would make the group's aggregate
