@@ -103,14 +103,16 @@ def main() -> int:
     for name in ("churn", "nat", "stragglers"):
         if not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name} must be in [0, 1)")
-    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    console = logging.StreamHandler()
+    console.setLevel(logging.ERROR)
+    handlers: list[logging.Handler] = [console]
     if args.log:
         trace = logging.FileHandler(args.log, mode="w")
         trace.addFilter(PeerStamp())
         trace.setFormatter(logging.Formatter("%(virtual)10.3f %(peer)8s %(levelname)s %(name)s: %(message)s"))
-        logging.getLogger().handlers[0].setLevel(logging.ERROR)  # the console keeps to errors
-        logging.getLogger().addHandler(trace)
-        logging.getLogger().setLevel(logging.INFO)
+        handlers.append(trace)
+    logging.basicConfig(level=logging.INFO if args.log else logging.ERROR,
+                        format="%(levelname)s %(name)s: %(message)s", handlers=handlers)
     settings = tuple(args.set)
     if args.agreement:
         args.churn = args.nat = 0.0
