@@ -73,7 +73,7 @@ from p2ploco.swarm.status_document import Survey, status_answer
 from p2ploco.sync.audit import AuditAnswer, AuditRequest
 from p2ploco.sync.contribute import parse_reply
 from p2ploco.sync.decide import cast_of, parse_decision, parse_vote
-from p2ploco.sync.group import Group
+from p2ploco.sync.group import MAX_REDUCERS, Group
 from p2ploco.sync.join import JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.sync.reduce_values import Contribution
 
@@ -417,7 +417,7 @@ def e3m0_result(data: bytes) -> None:
 def join_answer(header: dict[str, Any]) -> None:
     answer = decode(JoinAnswer, header)
     if answer.status == JoinStatus.GROUP:
-        parse_group(answer.on(FOLLOWED), 3, "params", OTHER)
+        parse_group(answer.on(FOLLOWED), 3, "params", OTHER, MAX_REDUCERS)
 
 
 def stage_message(parts: tuple[dict[str, Any], bytes]) -> None:

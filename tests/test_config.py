@@ -53,6 +53,7 @@ def test_tiny_config_loads_and_overrides_reach_every_section():
     ("swarm.matchmaking_timeout=.nan", "swarm.matchmaking_timeout must be a finite number"),
     ("swarm.allreduce_timeout=1e9", "must be in (0, 3600] seconds"),
     ("swarm.ban_rounds=-1", "swarm.ban_rounds (-1) must be in [0, 1000]"),
+    ("swarm.max_reducers=2", "swarm.max_reducers (2) must be in [4, 1024]: fewer hands one reducer a quarter"),
     ("swarm.min_bandwidth_mbit=0", "swarm.min_bandwidth_mbit (0.0) must be in (0, 1e6]"),
     ("swarm.bandwidth_mbit=-5", "swarm.bandwidth_mbit (-5.0) in [0, 1e6] Mbit/s"),
     ("swarm.max_transfer_timeout=10", "swarm.max_transfer_timeout (10.0) must be in [swarm.allreduce_timeout=300.0"),

@@ -265,8 +265,8 @@ def test_a_group_answered_relative_to_the_group_the_joiner_follows_is_small_and_
     assert len(msgpack.packb(full)) > 150_000 and len(msgpack.packb(relative)) < 800  # O(N) against O(changes)
     # the whole group is past any other message's header limit, and within a group answer's
     assert wire.MAX_HEADER_BYTES < len(msgpack.packb(full)) < MAX_ANSWER_BYTES
-    as_given = parse_group(decode(JoinAnswer, relative).on(last), 5, "params", peers[1])
-    assert as_given == parse_group(decode(JoinAnswer, full).on(None), 5, "params", peers[1])
+    as_given = parse_group(decode(JoinAnswer, relative).on(last), 5, "params", peers[1], MAX_REDUCERS)
+    assert as_given == parse_group(decode(JoinAnswer, full).on(None), 5, "params", peers[1], MAX_REDUCERS)
     assert as_given.tokens_of()[peers[7]] == 5120 and as_given.reducers(S) == now.reducers(S)
     assert peers[-1] not in as_given.reducers(S)  # the dial-out joiner
     # Relative to a group this joiner does not follow, it is refused: the coordinator went by another one.
@@ -294,11 +294,12 @@ def test_a_joiner_that_follows_another_version_of_the_coordinators_group_is_answ
     _, _, joiner = parse_join({**JOIN, "follows": hostile.digest})
     answer = decode(JoinAnswer, group_answer(now, honest, joiner.follows))
     assert not answer.base and answer.peers == list(members)
-    assert parse_group(answer.on(hostile), 5, "params", A).tokens_of()[C] == 10240
+    assert parse_group(answer.on(hostile), 5, "params", A, MAX_REDUCERS).tokens_of()[C] == 10240
     # The answer relative to the honest version leaves C out as unchanged; on the hostile version it is refused.
     relative = decode(JoinAnswer, group_answer(now, honest, honest.digest))
     assert relative.base == honest.digest and C not in relative.changed
-    assert parse_group(relative.on(honest), 5, "params", A) == parse_group(answer.on(None), 5, "params", A)
+    assert (parse_group(relative.on(honest), 5, "params", A, MAX_REDUCERS)
+            == parse_group(answer.on(None), 5, "params", A, MAX_REDUCERS))
     with pytest.raises(PayloadError, match="relative to another group \\(or version of it\\)"):
         relative.on(hostile)
 
@@ -325,11 +326,26 @@ def test_a_large_group_draws_at_most_max_reducers_of_its_dialable_holders_by_its
     assert small.reducers(S) == peers[:MAX_REDUCERS]
 
 
+
+def test_a_run_that_sets_max_reducers_draws_that_many_and_its_groups_say_so():
+    peers = tuple(sorted(f"peer{i:03d}" for i in range(40)))
+
+    def group(max_reducers):
+        return Group("g1", 5, "params", peers, peers[0], 0, tuple((p, (S,)) for p in peers),
+                     tokens=tuple((p, 1) for p in peers), max_reducers=max_reducers)
+
+    eight = group(8)
+    # the same hash order draws both: the run's 8 are the lowest 8 of the default's 32
+    assert len(set(eight.reducers(S))) == 8 and set(eight.reducers(S)) < set(group(MAX_REDUCERS).reducers(S))
+    assert eight.digest != group(MAX_REDUCERS).digest  # a group of another run's draw is another version
+    redo = eight.among("redo", peers, peers[0], passive=eight.reducers(S)[:2])
+    assert redo.max_reducers == 8 and redo.reducers(S) == eight.reducers(S)[2:]
+
 def test_group_vote_and_decision_parsers_refuse_what_an_honest_peer_never_sends():
     answer = {"status": "group", "group_id": "g", "peers": [A, B], "holdings": {A: [S], B: [S]}, "pipelines": {},
               "left_out": {C: "it did not join within 20 s"}, "tokens": {A: 3000, B: 1000}, "dial_out": [B],
               "grant": b"signed"}
-    group = parse_group(decode(JoinAnswer, answer), 1, "params", A)
+    group = parse_group(decode(JoinAnswer, answer), 1, "params", A, MAX_REDUCERS)
     assert group.holders(S) == (A, B) and group.without() == "peerC (it did not join within 20 s)"
     assert group.reducers(S) == (A,) and group.tokens_of() == {A: 3000, B: 1000}
     for bad in ({**answer, "peers": []}, {**answer, "peers": [B, A]},  # empty, not in canonical order

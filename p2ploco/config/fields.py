@@ -12,6 +12,11 @@ MIN_PEER_TTL = 8.0  # seconds; hivemind's DHT waits up to 3 s for a peer in a lo
 MAX_WAIT = 3600.0  # seconds: the longest any one wait of a round may be set to (every wait is bounded)
 MAX_STARTUP_WAIT = 86400.0
 MAX_BAN_ROUNDS = 1000
+# The most members that reduce spans of one slice (``swarm.max_reducers``; a group of more draws that many,
+# ``sync/group.py``), and its bounds: fewer hands one key a quarter of a slice or more, more makes every member
+# read that many receipts of every member a round
+MAX_REDUCERS = 32
+REDUCERS_BOUNDS = (4, 1024)
 MAX_GROUP_SIZE = 1 << 20  # LoCo's quantization groups: one scale per at most this many values
 
 

@@ -13,9 +13,11 @@ from p2ploco import PROTOCOL_VERSION
 from p2ploco.config.fields import (
     MAX_BAN_ROUNDS,
     MAX_GROUP_SIZE,
+    MAX_REDUCERS,
     MAX_STARTUP_WAIT,
     MAX_WAIT,
     MIN_PEER_TTL,
+    REDUCERS_BOUNDS,
     Fraction,
     LearningRate,
     Momentum,
@@ -271,6 +273,13 @@ class SwarmConfig(Section):
     # after each butterfly, re-reduce one random piece another reducer answered (sync/audit.py): about one
     # contribution's bytes more a round; a node that does not audit still shows its pieces to those that do
     audit: bool = True
+    # the most members that reduce spans of a slice: a group of more dialable holders draws this many
+    # (sync/group.py). Each member opens this many streams and reads as many receipts naming every member; each
+    # drawn reducer carries N / this many members' share of its span
+    max_reducers: Annotated[int, bound(lambda n: REDUCERS_BOUNDS[0] <= n <= REDUCERS_BOUNDS[1],
+                                       f"{{key}} ({{value}}) must be in [{REDUCERS_BOUNDS[0]}, {REDUCERS_BOUNDS[1]}]: "
+                                       f"fewer hands one reducer a quarter of a slice or more, more makes every member "
+                                       f"read that many receipts naming every member a round")] = MAX_REDUCERS
     # whether other peers can dial this one (swarm/reachability.py): auto asks a peer to dial it back at start;
     # public, relayed (only through a circuit relay) or client (it can only dial out) skip the probe
     reachability: Literal["auto", "public", "relayed", "client"] = "auto"

@@ -100,14 +100,16 @@ class Coordinator:
     formations it holds and opens none."""
 
     def __init__(self, p2p: P2P, directory: PeerDirectory, run_id: str, timeout: float, bans: Bans, stages: int,
-                 book: GroupBook, max_tokens: int, signer: Signer, dial_out: bool = False):
+                 book: GroupBook, max_tokens: int, max_reducers: int, signer: Signer, dial_out: bool = False):
         """``stages``: slices of a pipeline group, all of which it must bring to a round; ``max_tokens``: the most
-        tokens a member's contribution may weigh (``Config.max_contribution_tokens``); ``signer``: signs the groups
+        tokens a member's contribution may weigh (``Config.max_contribution_tokens``); ``max_reducers``: the run's
+        ``swarm.max_reducers``, which the groups it forms carry; ``signer``: signs the groups
         this peer forms; ``dial_out``: this peer cannot be dialled (``swarm/reachability.py``): it never coordinates.
         ``timeout``: the bound on a formation's wait (``swarm.matchmaking_timeout``)."""
         self.p2p, self.directory, self.timeout, self.bans = p2p, directory, timeout, bans
         self.run_id, self.signer = run_id, signer
         self.stages, self.book, self.max_tokens, self.dial_out = stages, book, max_tokens, dial_out
+        self.max_reducers = max_reducers
         self.me = directory.me.peer_id
         self.handler_name = join_handler(run_id)
         self._forming: dict[FormationKey, _Formation] = {}
@@ -378,7 +380,7 @@ class Coordinator:
                                             if members[p].pipeline),
                       left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())),
                       tokens=tuple((p, members[p].tokens) for p in peers),
-                      dial_out=tuple(p for p in peers if members[p].dial_out))
+                      dial_out=tuple(p for p in peers if members[p].dial_out), max_reducers=self.max_reducers)
         group = dataclasses.replace(group, grant=self.signer.sign(group_statement(self.run_id, group.group_id,
                                                                                   bytes.fromhex(group.digest))))
         self.book.add(group, formation.key)

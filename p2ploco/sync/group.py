@@ -9,10 +9,11 @@ and are not in it, and why: a group smaller than that is the coordinator's decis
 all-reduce (``sync/reduce.py``) cuts each slice among its holders by it, and its coordinator judges the members'
 commit votes against it (``sync/decide.py``).
 
-Of more than MAX_REDUCERS holders of a slice that can be dialled, a draw of MAX_REDUCERS reduces it: with every one
-reducing, each member opened a stream to each and read a receipt naming every member from each, O(N) streams and
-O(N^2) receipt bytes a member a round (``benchmarks/simulate.py``). Drawn, a member opens MAX_REDUCERS streams; a
-reducer takes N / MAX_REDUCERS times the bytes of its span that an undrawn butterfly's reducer takes.
+Of more than ``max_reducers`` holders of a slice that can be dialled (the run's ``swarm.max_reducers``, MAX_REDUCERS
+by default), a draw of that many reduces it: with every one reducing, each member opened a stream to each and read a
+receipt naming every member from each, O(N) streams and O(N^2) receipt bytes a member a round
+(``benchmarks/simulate.py``). Drawn, a member opens ``max_reducers`` streams; a reducer takes N / ``max_reducers``
+times the bytes of its span that an undrawn butterfly's reducer takes.
 
 A peer that coordinates remembers the groups it formed in its ``GroupBook``, by id and by the formation they closed.
 """
@@ -29,7 +30,8 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-MAX_REDUCERS = 32  # the most members that reduce spans of one slice: with more, a group's draw (``Group.reducers``)
+from p2ploco.config.fields import MAX_REDUCERS
+
 KEEP_PER_PEER = 16  # a group is remembered while it is among this many latest of one of its members' ...
 KEEP_SECONDS = 600.0  # ... and at most this long
 
@@ -66,20 +68,23 @@ class Group:
     # in a redo, per slice, the members its first attempt drew to reduce it (``_drawn``); none reduces it in the redo
     # but of these: drawn afresh, k hostile keys took turns, one in each attempt, and the round was lost
     reducing: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    max_reducers: int = MAX_REDUCERS  # the run's ``swarm.max_reducers``: a slice of more reducers draws this many
     # the coordinator's signature of this group under its id (``evidence.group_statement``): what a member shows a
     # reducer that holds another version of the group, which together prove that the coordinator handed out two
     grant: bytes = field(default=b"", compare=False, repr=False)
 
     @cached_property
     def digest(self) -> str:
-        """The group as one value: a hash of its id, round, sync, attempt, coordinator and passive members and of
-        every member's entry (holdings, pipeline group, tokens, dial-out). A join names the group it follows by it,
-        an answer relative to that group its base, a contribution and a vote the version of the group they are for,
-        and the coordinator signs it. A hostile coordinator may hand its members versions of one group id that differ in
-        some entry (a victim's tokens); named by its id alone, they passed for each other."""
+        """The group as one value: a hash of its id, round, sync, attempt, coordinator, passive members and
+        ``max_reducers``, and of every member's entry (holdings, pipeline group, tokens, dial-out). A join names the
+        group it follows by it, an answer relative to that group its base, a contribution and a vote the version of
+        the group they are for, and the coordinator signs it. A hostile coordinator may hand its members versions of
+        one group id that differ in some entry (a victim's tokens); named by its id alone, they passed
+        for each other."""
         drawn = [[name, list(peers)] for name, peers in self.reducing]
         return hashlib.sha256(json.dumps([self.group_id, self.round_index, self.name, self.attempt, self.coordinator,
-                                          list(self.passive), self.entries(), *([drawn] if drawn else [])],
+                                          list(self.passive), self.max_reducers, self.entries(),
+                                          *([drawn] if drawn else [])],
                                          sort_keys=True).encode()).hexdigest()
 
     def entries(self) -> Mapping[str, Mapping[str, Any]]:
@@ -118,14 +123,14 @@ class Group:
                 for name, peers in holders.items()}
 
     def _drawn(self, slice_name: str, eligible: list[str]) -> tuple[str, ...]:
-        """At most MAX_REDUCERS of ``eligible``, in canonical order: those whose hash with the group id and the slice
-        is lowest. Every member draws alike from the group it holds; the group id is drawn by the coordinator when
+        """At most ``max_reducers`` of ``eligible``, in canonical order: those whose hash with the group id and the
+        slice is lowest. Every member draws alike from the group it holds; the group id is drawn by the coordinator when
         the formation closes, after the joins, so no joiner can choose a key that reduces. A redo draws nobody anew:
-        its eligible are the first attempt's drawn (``reducing``), never more than MAX_REDUCERS."""
-        if len(eligible) <= MAX_REDUCERS:
+        its eligible are the first attempt's drawn (``reducing``), never more than ``max_reducers``."""
+        if len(eligible) <= self.max_reducers:
             return tuple(eligible)
         rank = {p: hashlib.sha256(f"{self.group_id}/{slice_name}/{p}".encode()).digest() for p in eligible}
-        drawn = set(sorted(eligible, key=rank.__getitem__)[:MAX_REDUCERS])
+        drawn = set(sorted(eligible, key=rank.__getitem__)[:self.max_reducers])
         return tuple(p for p in eligible if p in drawn)
 
     def contributors(self, slice_name: str) -> tuple[str, ...]:
@@ -136,7 +141,7 @@ class Group:
 
     def reducers(self, slice_name: str) -> tuple[str, ...]:
         """The holders of ``slice_name`` that others can dial, in canonical order, less the passive ones, and of more
-        than MAX_REDUCERS a draw of that many (``_drawn``): the i-th reduces span i. A member that can only dial out
+        than ``max_reducers`` a draw of that many (``_drawn``): the i-th reduces span i. A member that can only dial out
         sends its contributions and reads the results on streams it opened; a passive one and one not drawn do so
         too (a redo's refusers: ``commit.decide``)."""
         return self._of_slice.get(slice_name, _NOBODY).reducers
@@ -164,7 +169,8 @@ class Group:
                      tuple(p for p in self.pipelines if p[0] in kept),
                      tokens=tuple(t for t in self.tokens if t[0] in kept),
                      dial_out=tuple(p for p in self.dial_out if p in kept),
-                     passive=tuple(sorted(kept & set(passive))), reducing=drawn, grant=grant)
+                     passive=tuple(sorted(kept & set(passive))), reducing=drawn,
+                     max_reducers=self.max_reducers, grant=grant)
 
     def whole_pipelines(self, peers: set[str]) -> set[str]:
         """``peers`` less the stage peers of a pipeline group that is not whole among them."""

@@ -196,11 +196,12 @@ def group_answer(group: Group, base: Group | None = None, follows: str = "") -> 
             "dial_out": list(group.dial_out), "grant": group.grant}
 
 
-def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: str) -> Group:
+def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: str, max_reducers: int) -> Group:
     """The group in a coordinator's answer (its status is ``group``), with the coordinator's signature as given (the
-    joiner checks it: ``Matchmaker``)."""
+    joiner checks it: ``Matchmaker``); ``max_reducers``: the run's, which the answer does not carry (every member
+    of a formation holds the run's config)."""
     return Group(answer.group_id, round_index, name, tuple(answer.peers), coordinator, 0,
                  tuple((p, tuple(sorted(set(answer.holdings[p])))) for p in answer.peers),
                  tuple((p, answer.pipelines[p]) for p in answer.peers if p in answer.pipelines),
                  tuple(sorted(answer.left_out.items())), tuple((p, answer.tokens[p]) for p in answer.peers),
-                 tuple(answer.dial_out), grant=answer.grant)
+                 tuple(answer.dial_out), max_reducers=max_reducers, grant=answer.grant)
