@@ -29,6 +29,8 @@ from p2ploco.simulation.clock import on_behalf_of
 FRAME_BYTES = 12  # a yamux data frame's header, per message written
 STREAM_OPEN_BYTES = 80  # a new stream: yamux's window update and multistream-select's protocol names
 
+LOOPBACK = Multiaddr("/ip4/127.0.0.1/tcp/1")  # every simulated daemon's address: the links are what differ
+
 Handler = Callable[[StreamInfo, asyncio.StreamReader, "SimWriter"], Awaitable[None]]
 
 
@@ -194,10 +196,9 @@ class SimNetwork:
         self.served[callee, handler_name] += STREAM_OPEN_BYTES
         self.received[callee] += STREAM_OPEN_BYTES
         self.streams_opened[caller] += 1
-        info = StreamInfo(PeerID.from_base58(caller), Multiaddr("/ip4/127.0.0.1/tcp/1"), handler_name)
+        info = StreamInfo(self.daemons[caller].peer_id, LOOPBACK, handler_name)
         daemon.serve(handler, info, stream.ends[1].reader, SimWriter(self, stream, 1))
-        return StreamInfo(PeerID.from_base58(callee), info.addr, handler_name), stream.ends[0].reader, \
-            SimWriter(self, stream, 0)
+        return StreamInfo(daemon.peer_id, LOOPBACK, handler_name), stream.ends[0].reader, SimWriter(self, stream, 0)
 
 
 @dataclass
@@ -221,7 +222,7 @@ class SimP2P:
         task.add_done_callback(self.tasks.discard)
 
     async def list_peers(self) -> list[PeerInfo]:
-        return [PeerInfo(PeerID.from_base58(other), [Multiaddr("/ip4/127.0.0.1/tcp/1")])
+        return [PeerInfo(PeerID.from_base58(other), [LOOPBACK])
                 for other in self.network.connections_of(str(self.peer_id))]
 
     async def get_visible_maddrs(self, latest: bool = False) -> list[Multiaddr]:
