@@ -15,7 +15,7 @@ from p2ploco.collective.robust import Vector
 from p2ploco.simulation.clock import PeerStamp, SimulationStalled, VirtualLoop, on_behalf_of, virtual_time
 from p2ploco.simulation.keys import simulation_keys
 from p2ploco.simulation.report import simulate
-from p2ploco.simulation.swarm import Scenario, shared_audits
+from p2ploco.simulation.swarm import Scenario, SimulatedSwarm, shared_audits
 from p2ploco.sync.group import MAX_REDUCERS
 
 pytestmark = pytest.mark.timeout(300)
@@ -126,6 +126,30 @@ def test_256_simulated_peers_apply_5_rounds_each_with_one_digest():
                                settings=("swarm.max_reducers=8",)), rounds.append)
     assert [(o.round, o.synced, o.applied, o.digests) for o in rounds] == [(r, 256, 256, 1) for r in range(5)]
     assert report.streams < 16  # the run's setting reached every group's draw: 8 spans, a join, a vote, an audit
+
+
+def test_a_peer_behind_a_nat_that_crashes_in_its_inner_steps_is_left_out_when_its_tether_breaks(caplog):
+    # Nobody can dial it: before tethers its round's formation waited for its record to go stale (3 heartbeats of
+    # 10 s here) or to the end of its wait, and left it out as "did not join". Its tether to the round's coordinator
+    # now breaks with its process, and the formation goes on without it at the next look.
+    crashed = []
+
+    async def crash_a_natted_peer_in_round_1(swarm: SimulatedSwarm) -> None:
+        await asyncio.sleep(95.0)  # round 1's inner steps: from about 62 s to 122 s
+        assert 1 in swarm.round_began and 2 not in swarm.round_began
+        victim = next(p for p in swarm.peers if p.link.nat)
+        crashed.append(victim.peer_id)
+        swarm.crash(victim)
+
+    rounds = []
+    with caplog.at_level(logging.INFO, logger="p2ploco.sync.coordinator"):
+        simulate(Scenario(peers=6, rounds=3, nat_share=0.5), rounds.append, crash_a_natted_peer_in_round_1)
+    [victim] = crashed
+    without = [r.getMessage() for r in caplog.records if r.name == "p2ploco.sync.coordinator"
+               and "formed a group of" in r.getMessage()]
+    assert [line for line in without if victim[-8:] in line] == [
+        f"round 1: formed a group of 5 without {victim[-8:]} (its tether broke)"]
+    assert [(o.round, o.synced, o.applied, o.digests) for o in rounds] == [(0, 6, 6, 1), (1, 5, 5, 1), (2, 5, 5, 1)]
 
 def test_a_group_of_more_dialable_peers_than_max_reducers_draws_its_reducers_and_applies_every_round():
     peers = MAX_REDUCERS + 16  # none behind a NAT: every member could reduce

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from p2ploco import faults
 from p2ploco.metrics import steady_rounds
@@ -42,8 +43,11 @@ class Report:
         return asdict(self)
 
 
-def simulate(scenario: Scenario, on_round: Callable[[RoundOutcome], None] = lambda outcome: None) -> Report:
-    """Run ``scenario`` in virtual time and report it; ``on_round`` hears of each round once every peer ended it."""
+def simulate(scenario: Scenario, on_round: Callable[[RoundOutcome], None] = lambda outcome: None,
+             events: Callable[[SimulatedSwarm], Coroutine[Any, Any, None]] | None = None) -> Report:
+    """Run ``scenario`` in virtual time and report it; ``on_round`` hears of each round once every peer ended it;
+    ``events``: what happens to the swarm beside the scenario's churn (a peer that crashes at a chosen time), run
+    alongside it."""
     started = time.perf_counter()
     loop = VirtualLoop()
     asyncio.set_event_loop(loop)
@@ -54,6 +58,8 @@ def simulate(scenario: Scenario, on_round: Callable[[RoundOutcome], None] = lamb
             faults.swap("reduce.result", scaled_results(swarm))
         faults.swap("audit.check", shared_audits())
         with virtual_time(loop):
+            if events is not None:
+                loop.create_task(events(swarm))
             loop.run_until_complete(swarm.run())
             left = asyncio.all_tasks(loop)  # the peers' services, still serving: cancelled, and let finish
             for task in left:

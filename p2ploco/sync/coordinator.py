@@ -59,6 +59,7 @@ from p2ploco.swarm.records import PeerRecord, PeerRole, Phase
 from p2ploco.sync.admission import admit
 from p2ploco.sync.group import FormationKey, Group, GroupBook, Member
 from p2ploco.sync.join import JoinStatus, best_coordinator, group_answer, join_handler, parse_join
+from p2ploco.sync.tether import Tethers
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,9 @@ class _Formation:
     awaited: set[str] = field(default_factory=set)  # expected peers that had not joined at the last look
     waited_for: set[str] = field(default_factory=set)  # every peer it awaited at some look, and stragglers
     unreachable: set[str] = field(default_factory=set)  # peers the members could not reach
-    dead: set[str] = field(default_factory=set)  # expected peers the coordinator could not reach while waiting
+    # expected peers gone while it waited, and how that is known: the coordinator could not reach one, or the tether
+    # of one behind a NAT broke (``sync/tether.py``)
+    dead: dict[str, str] = field(default_factory=dict)
     joined: float = field(default_factory=time.monotonic)  # when the latest member joined
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -100,16 +103,18 @@ class Coordinator:
     formations it holds and opens none."""
 
     def __init__(self, p2p: P2P, directory: PeerDirectory, run_id: str, timeout: float, bans: Bans, stages: int,
-                 book: GroupBook, max_tokens: int, max_reducers: int, signer: Signer, dial_out: bool = False):
+                 book: GroupBook, max_tokens: int, max_reducers: int, signer: Signer, tethers: Tethers,
+                 dial_out: bool = False):
         """``stages``: slices of a pipeline group, all of which it must bring to a round; ``max_tokens``: the most
         tokens a member's contribution may weigh (``Config.max_contribution_tokens``); ``max_reducers``: the run's
-        ``swarm.max_reducers``, which the groups it forms carry; ``signer``: signs the groups
-        this peer forms; ``dial_out``: this peer cannot be dialled (``swarm/reachability.py``): it never coordinates.
-        ``timeout``: the bound on a formation's wait (``swarm.matchmaking_timeout``)."""
+        ``swarm.max_reducers``, which the groups it forms carry; ``signer``: signs the groups this peer forms;
+        ``tethers``: those the peers behind NATs hold to it (a broken one tells that its peer crashed); ``dial_out``:
+        this peer cannot be dialled (``swarm/reachability.py``): it never coordinates. ``timeout``: the bound on a
+        formation's wait (``swarm.matchmaking_timeout``)."""
         self.p2p, self.directory, self.timeout, self.bans = p2p, directory, timeout, bans
         self.run_id, self.signer = run_id, signer
         self.stages, self.book, self.max_tokens, self.dial_out = stages, book, max_tokens, dial_out
-        self.max_reducers = max_reducers
+        self.max_reducers, self.tethers = max_reducers, tethers
         self.me = directory.me.peer_id
         self.handler_name = join_handler(run_id)
         self._forming: dict[FormationKey, _Formation] = {}
@@ -306,7 +311,7 @@ class Coordinator:
                     # A peer of this run still at an earlier round in this view may have moved to this one since
                     # the view was taken: before closing without it, one fresh look (none when all are in).
                     behind = {p for p in runs_here if live[p].round < round_index} - set(formation.members) \
-                        - formation.dead
+                        - set(formation.dead)
                     if behind and self.directory.refreshed_at < formation.joined:
                         await self.directory.refresh()
                         continue
@@ -316,7 +321,9 @@ class Coordinator:
                     probes = sorted(p for p in formation.awaited - {self.me} if not live[p].dials_out)
                     alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, wire.PROBE_EVERY)
                                                    for p in probes))
-                    formation.dead.update(p for p, ok in zip(probes, alive) if not ok)
+                    formation.dead.update((p, "it could not be reached") for p, ok in zip(probes, alive) if not ok)
+                    formation.dead.update((p, "its tether broke") for p in self.tethers.cut(
+                        {p for p in formation.awaited if live[p].dials_out}))
                 # Woken by a join, a heartbeat's lookup, the next probe or the deadline: no polling of the DHT.
                 wake = min(probed + wire.PROBE_EVERY, formation.deadline)
                 try:
@@ -354,7 +361,7 @@ class Coordinator:
         # would miss it every time.
         moving = {p for p in runs_here if live[p].round == round_index - 1
                   or (live[p].round == round_index and p not in expected)}
-        formation.awaited = (expected | moving) - formation.dead - set(formation.members)
+        formation.awaited = (expected | moving) - set(formation.dead) - set(formation.members)
         formation.waited_for |= formation.awaited | (claim - expected)  # a straggler still misses this round
         return chosen, runs_here
 
@@ -368,7 +375,7 @@ class Coordinator:
         # the same (a group that left out a member of its own was refused by every member as implausible: 16 real
         # nodes on 2 cores lost rounds 2 and 5 so)
         left_out.update((p, f"it did not join within {formation.wait:.0f} s") for p in formation.awaited - set(members))
-        left_out.update((p, "it could not be reached") for p in formation.dead - set(members))
+        left_out.update((p, why) for p, why in formation.dead.items() if p not in members)
         self._count_misses(formation, round_index)
         if left_out:  # every member logs it at WARNING, with the coordinator's name
             logger.info(f"round {round_index}: formed a group of {len(members)} without "
@@ -395,7 +402,7 @@ class Coordinator:
         # A peer in another formation of the round is no straggler, and a round counts once: junk joins open
         # formations of it that expect everyone, and may close before an honest peer has finished its inner steps.
         asked = self._asked.get(round_index, set())
-        for peer in formation.waited_for - formation.dead - set(formation.members) - asked - {self.me}:
+        for peer in formation.waited_for - set(formation.dead) - set(formation.members) - asked - {self.me}:
             if self._missed_round.get(peer) == round_index:
                 continue
             self._missed_round[peer] = round_index

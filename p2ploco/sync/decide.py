@@ -82,7 +82,7 @@ from p2ploco.swarm.evidence import (
 )
 from p2ploco.swarm.messages import MAX_PEERS, Digest, Message, PeerIds, Reason, SliceName, decode, status_of
 from p2ploco.sync.group import Group, GroupBook
-from p2ploco.sync.liveness import Stopped, gone
+from p2ploco.sync.liveness import Lost, gone
 from p2ploco.sync.reduce_values import Evidence
 from p2ploco.sync.tally import (
     MAX_PROOFS,
@@ -124,13 +124,13 @@ class _Ballot:
 
 class RoundCommit:
     def __init__(self, p2p: P2P, me: str, run_id: str, timeout: float, book: GroupBook, bans: Bans, signer: Signer,
-                 keys: Callable[[str], bytes | None], stopped: Stopped):
+                 keys: Callable[[str], bytes | None], lost: Lost):
         """``book``: the groups this peer coordinates (the matchmaker adds them; redos decided here too); ``bans``:
         who is out here, and the proofs this peer holds; ``signer``: signs the redo groups it decides; ``keys``: a
-        peer's public key as its record names it (None: unknown); ``stopped``: those of the given peers whose records
-        are no longer renewed, read afresh."""
+        peer's public key as its record names it (None: unknown); ``lost``: those of the given peers behind NATs that
+        are gone, and how that is known (``liveness.lost_behind_nats``)."""
         self.p2p, self.me, self.run_id, self.timeout, self.book = p2p, me, run_id, timeout, book
-        self.bans, self.signer, self.keys, self.stopped = bans, signer, keys, stopped
+        self.bans, self.signer, self.keys, self.lost = bans, signer, keys, lost
         self.handler_name = f"p2ploco/{run_id}/vote"
         self._ballots: dict[str, _Ballot] = {}
         self._decided = asyncio.Event()  # set whenever a ballot is decided (``coordinate_to_the_end`` waits on it)
@@ -271,7 +271,7 @@ class RoundCommit:
             await asyncio.sleep(wire.PROBE_EVERY)
             awaited = set(ballot.waiting_for()) - {self.me}
             for peer, reason in sorted((await gone(self.p2p, self.handler_name, awaited, ballot.group.dial_out,
-                                                   self.stopped)).items()):
+                                                   self.lost)).items()):
                 logger.info(f"round {ballot.group.round_index}: not waiting for the vote of {peer[-8:]}: {reason}")
                 ballot.dead.add(peer)
                 ballot.changed.set()

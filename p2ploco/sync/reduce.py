@@ -101,7 +101,7 @@ from p2ploco.swarm.messages import decode
 from p2ploco.sync.audit import Audits
 from p2ploco.sync.contribute import Contributor, Route
 from p2ploco.sync.group import Group
-from p2ploco.sync.liveness import Stopped, gone
+from p2ploco.sync.liveness import Lost, gone
 from p2ploco.sync.reduce_values import (
     AllReduceError,
     Attempt,
@@ -134,16 +134,17 @@ class _Plan:
 class ButterflyAllReduce:
     def __init__(self, p2p: P2P, me: str, run_id: str, deadline: TransferDeadline, bans: Bans, signer: Signer,
                  keys: Callable[[str], bytes | None], rates: Callable[[Iterable[str]], list[float]],
-                 stopped: Stopped,
+                 lost: Lost,
                  whereabouts: Whereabouts | None = None, audits: Audits | None = None):
         """``signer``: signs the results this peer answers; ``keys``: a peer's public key, as its record names it
         (None: unknown), which its signatures are checked with; ``rates``: the link rates (Mbit/s, 0: not stated) the
-        given peers report; ``stopped``: those of the given peers whose records are no longer renewed, read afresh;
+        given peers report; ``lost``: those of the given peers behind NATs that are gone, and how that is known
+        (``liveness.lost_behind_nats``);
         ``whereabouts``: where this peer takes part in each round (the matchmaker's notes), so
         that a contribution for a group it never takes part in is refused at once; ``audits``: what this peer shows
         auditors of its pieces, and how it audits one piece of another reducer after each attempt (None: neither)."""
         self.p2p, self.me, self.run_id, self.deadline, self.bans, self.rates = p2p, me, run_id, deadline, bans, rates
-        self.stopped = stopped
+        self.lost = lost
         self.signer, self.keys, self.audits = signer, keys, audits
         self.whereabouts = whereabouts if whereabouts is not None else Whereabouts()
         self.timeout = deadline.base  # for what does not grow with the payload: headers, answers, lookups
@@ -210,7 +211,7 @@ class ButterflyAllReduce:
         while True:
             await asyncio.sleep(wire.PROBE_EVERY)
             silent = {p for inbox in inboxes for p in inbox.owing() - inbox.connected}
-            crashed = await gone(self.p2p, self.handler_name, silent, group.dial_out, self.stopped)
+            crashed = await gone(self.p2p, self.handler_name, silent, group.dial_out, self.lost)
             for peer, reason in sorted(crashed.items()):
                 self._act_on(peer, TransferOutcome.MISSED, reason, inboxes, group.round_index, Failure.UNREACHABLE)
 

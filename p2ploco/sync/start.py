@@ -18,7 +18,9 @@ from p2ploco.sync.coordinator import Coordinator
 from p2ploco.sync.decide import RoundCommit
 from p2ploco.sync.form import Matchmaker
 from p2ploco.sync.group import GroupBook
+from p2ploco.sync.liveness import lost_behind_nats
 from p2ploco.sync.reduce import ButterflyAllReduce
+from p2ploco.sync.tether import Tether, Tethers
 from p2ploco.sync.this_peer import ThisPeer
 
 
@@ -33,15 +35,18 @@ async def start_sync(loop: EventLoopThread, p2p: P2P, directory: PeerDirectory, 
         return signer.public_key if peer == me.peer_id else directory.keys.get(peer)
 
     book = GroupBook()
+    tethers = Tethers(p2p, run_id, directory, deadlines.base)
+    lost = lost_behind_nats(tethers.cut, directory.stopped)
     coordinator = Coordinator(p2p, directory, run_id, config.matchmaking_timeout, bans, stages, book, max_tokens,
-                              config.max_reducers, signer, dial_out)
+                              config.max_reducers, signer, tethers, dial_out)
     matchmaker = Matchmaker(p2p, directory, coordinator, me, run_id, config.matchmaking_timeout, bans, stages,
                             max_tokens, config.max_reducers, key_of, dial_out)
     audits = Audits(p2p, run_id, deadlines.base, config.audit)
     butterfly = ButterflyAllReduce(p2p, me.peer_id, run_id, deadlines, bans, signer, key_of, directory.rates,
-                                   directory.stopped, matchmaker.whereabouts, audits)
-    commit = RoundCommit(p2p, me.peer_id, run_id, config.allreduce_timeout, book, bans, signer, key_of,
-                         directory.stopped)
-    for service in (coordinator, audits, butterfly, commit):
+                                   lost, matchmaker.whereabouts, audits)
+    commit = RoundCommit(p2p, me.peer_id, run_id, config.allreduce_timeout, book, bans, signer, key_of, lost)
+    for service in (tethers, coordinator, audits, butterfly, commit):
         await service.start()
+    if dial_out:  # nobody can dial this peer: its coordinators learn that it crashed from its tethers
+        Tether(p2p, run_id, directory, coordinator.candidates).start()
     return SwarmCommunicator(loop, me, directory, config.matchmaking_timeout, matchmaker, butterfly, commit)
