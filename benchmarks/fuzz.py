@@ -76,6 +76,7 @@ from p2ploco.sync.decide import cast_of, parse_decision, parse_vote
 from p2ploco.sync.group import MAX_REDUCERS, Group
 from p2ploco.sync.join import JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.sync.reduce_values import Contribution
+from p2ploco.sync.tether import TetherMessage
 
 ME, OTHER = "12D3KooWMe", "12D3KooWOther"
 SENT = b"this peer's contribution"  # what a reply to ME must name as its own
@@ -192,6 +193,7 @@ HEADERS = {
     "contribution": {"group_id": "g", "round": 3, "slice": "stage0", "span": [0, 40], "version": GROUP.digest},
     "state request": {"round": 7, "slice": "stage0", "offset": 0, "length": 1 << 20},
     "dial-back request": {"ports": [4001, 4002]},
+    "tether": {"kind": "tie"},
     "dial-back answer": {"dialled": True, "reached": [4001], "seen_at": "203.0.113.9"},
 }
 
@@ -491,7 +493,7 @@ def targets() -> list[Target]:
         Target("DHT proof record", proof_record, st.tuples(payloads(MSGPackSerializer.dumps(ACCUSED)),
                                                            payloads(MSGPackSerializer.dumps(PROOF)))),
         Target("state answer", lambda h: parse_description(h, b"\0" * 32, STATE), headers("state")),
-        *(Target(name, MESSAGES[name], headers(name)) for name in ("dial-back request", "dial-back answer")),
+        *(Target(name, MESSAGES[name], headers(name)) for name in ("dial-back request", "dial-back answer", "tether")),
         Target("sparse contribution", sparse_contribution, payloads(CONTRIBUTION)),
         Target("sparse relay result", sparse_result, payloads(RELAY)),
         Target("sparse union result", sparse_result, payloads(UNION)),
@@ -531,6 +533,7 @@ MESSAGES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "contribution": lambda h: decode(Contribution, h),
     "state request": lambda h: decode(StateRequest, h),
     "dial-back request": lambda h: decode(DialBackRequest, h),
+    "tether": lambda h: decode(TetherMessage, h),
     "dial-back answer": lambda h: parse_dial_back(h, [4001, 4002]),
 }
 
