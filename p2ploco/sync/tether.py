@@ -72,8 +72,8 @@ class Tethers:
         now = time.monotonic()
         return {p for p in peers if p not in self._held and now - self._broke.get(p, now) >= RETIE_GRACE}
 
-    async def _serve(self, stream_info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = str(stream_info.peer_id)  # type: ignore[attr-defined]
+    async def _serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(stream_info.peer_id)
         async with wire.serving(logger, "tether", peer, reader, writer, self.timeout, logging.DEBUG):
             header, _ = await in_time(wire.read_message(reader, max_payload=0), self.timeout)
             if decode(TetherMessage, header).kind != TetherKind.TIE:
