@@ -59,7 +59,7 @@ from p2ploco.swarm.records import PeerRecord, PeerRole, Phase
 from p2ploco.sync.admission import admit
 from p2ploco.sync.group import FormationKey, Group, GroupBook, Member
 from p2ploco.sync.join import JoinStatus, best_coordinator, group_answer, join_handler, parse_join
-from p2ploco.sync.tether import Tethers
+from p2ploco.sync.tether import BROKE, Tethers
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class Coordinator:
                     alive = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, wire.PROBE_EVERY)
                                                    for p in probes))
                     formation.dead.update((p, "it could not be reached") for p, ok in zip(probes, alive) if not ok)
-                    formation.dead.update((p, "its tether broke") for p in self.tethers.cut(
+                    formation.dead.update((p, BROKE) for p in self.tethers.cut(
                         {p for p in formation.awaited if live[p].dials_out}))
                 # Woken by a join, a heartbeat's lookup, the next probe or the deadline: no polling of the DHT.
                 wake = min(probed + wire.PROBE_EVERY, formation.deadline)

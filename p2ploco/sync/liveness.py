@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from hivemind.p2p import P2P
 
 from p2ploco.swarm import wire
+from p2ploco.sync.tether import BROKE
 
 Stopped = Callable[[Iterable[str]], Awaitable[set[str]]]  # of the given peers, those whose records lapse, read afresh
 # of the given peers behind NATs, those gone, each with how that is known (``lost_behind_nats``)
@@ -22,7 +23,7 @@ def lost_behind_nats(cut: Callable[[set[str]], set[str]], stopped: Stopped) -> L
     """How this peer tells that peers behind NATs are gone: ``cut``, their tethers to it broke (``Tethers.cut``), or
     else ``stopped``, their records are no longer renewed."""
     async def lost(peers: set[str]) -> dict[str, str]:
-        gone = {p: "its tether to this peer broke" for p in cut(peers)}
+        gone = dict.fromkeys(cut(peers), BROKE)
         gone.update((p, "its record is no longer renewed") for p in await stopped(peers - set(gone)))
         return gone
 

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 RETIE_GRACE = wire.PROBE_EVERY  # seconds a peer whose tether broke has to tie it again before it counts as gone
 KEEP_CUT = 600.0  # seconds a coordinator remembers a tether that broke
+BROKE = "its tether broke"  # how a peer cut so is known gone, in a formation's and a ballot's lines
 
 
 class TetherKind(enum.StrEnum):
