@@ -89,19 +89,18 @@ class Matchmaker:
     checks the group it is given, and follows the group it applied its last round with."""
 
     def __init__(self, p2p: P2P, directory: PeerDirectory, coordinator: Coordinator, me: ThisPeer, run_id: str,
-                 timeout: float, bans: Bans, stages: int, max_tokens: int, max_reducers: int,
-                 keys: Callable[[str], bytes | None], dial_out: bool = False):
+                 timeout: float, bans: Bans, stages: int, max_tokens: int, keys: Callable[[str], bytes | None],
+                 dial_out: bool = False):
         """``me``: this peer, as the sync knows it; ``coordinator``: this peer's coordinator side, which it asks as any
-        other when it is the round's best, and whose list of the peers that may coordinate it goes by;
+        other when it is the round's best, and whose list of the peers that may coordinate it, and the run's
+        ``swarm.max_reducers`` that every group of the run carries (a join names the run's config), it goes by;
         ``stages``: slices of a pipeline group; ``max_tokens``: the most tokens a member's contribution may
-        weigh (``Config.max_contribution_tokens``); ``max_reducers``: the run's ``swarm.max_reducers``, which
-        every group of the run carries (a join names the run's config); ``keys``: a peer's public key as its record
-        names it (None: unknown), which the groups its coordinators hand out are checked with; ``dial_out``: this
-        peer cannot be dialled (``swarm/reachability.py``), as its joins say. ``timeout``: the bound on a formation's
-        wait (``swarm.matchmaking_timeout``), which its join waits for at most."""
+        weigh (``Config.max_contribution_tokens``); ``keys``: a peer's public key as its record names it (None:
+        unknown), which the groups its coordinators hand out are checked with; ``dial_out``: this peer cannot be
+        dialled (``swarm/reachability.py``), as its joins say. ``timeout``: the bound on a formation's wait
+        (``swarm.matchmaking_timeout``), which its join waits for at most."""
         self.p2p, self.directory, self.coordinator, self.timeout, self.bans = p2p, directory, coordinator, timeout, bans
         self.run_id, self.keys, self.stages, self.max_tokens, self.dial_out = run_id, keys, stages, max_tokens, dial_out
-        self.max_reducers = max_reducers
         self.me, self.hub = me.peer_id, me.hub
         self.handler_name = join_handler(run_id)
         self._leavers: dict[str, int] = {}  # coordinators that answered they are leaving -> the round they said so
@@ -182,7 +181,7 @@ class Matchmaker:
                 status = answer.status
                 if status == JoinStatus.GROUP:
                     return await self._accept(parse_group(answer.on(base), round_index, name, coordinator,
-                                                          self.max_reducers), slices,
+                                                          self.coordinator.max_reducers), slices,
                                               request["tokens"], failures)
                 if status == JoinStatus.REDIRECT:
                     to = answer.to
@@ -221,7 +220,7 @@ class Matchmaker:
         logger.warning(f"round {round_index}: no coordinator answered ({tried or 'none to ask'})")
         return Group(NOBODY_ANSWERED, round_index, name, (self.me,), self.me,
                      holdings=((self.me, tuple(sorted(slices))),), tokens=((self.me, tokens),),
-                     max_reducers=self.max_reducers)
+                     max_reducers=self.coordinator.max_reducers)
 
     async def _coordinator_may_come(self, round_index: int, deadline: float) -> bool:
         """Whether to wait for a coordinator, none being there to ask: while the run's other live trainers all dial

@@ -40,7 +40,7 @@ async def start_sync(loop: EventLoopThread, p2p: P2P, directory: PeerDirectory, 
     coordinator = Coordinator(p2p, directory, run_id, config.matchmaking_timeout, bans, stages, book, max_tokens,
                               config.max_reducers, signer, tethers, dial_out)
     matchmaker = Matchmaker(p2p, directory, coordinator, me, run_id, config.matchmaking_timeout, bans, stages,
-                            max_tokens, config.max_reducers, key_of, dial_out)
+                            max_tokens, key_of, dial_out)
     audits = Audits(p2p, run_id, deadlines.base, config.audit)
     butterfly = ButterflyAllReduce(p2p, me.peer_id, run_id, deadlines, bans, signer, key_of, directory.rates,
                                    lost, matchmaker.whereabouts, audits)
