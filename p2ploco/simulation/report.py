@@ -58,13 +58,14 @@ def simulate(scenario: Scenario, on_round: Callable[[RoundOutcome], None] = lamb
             faults.swap("reduce.result", scaled_results(swarm))
         faults.swap("audit.check", shared_audits())
         with virtual_time(loop):
-            if events is not None:
-                loop.create_task(events(swarm))
+            happening = None if events is None else loop.create_task(events(swarm))
             loop.run_until_complete(swarm.run())
             left = asyncio.all_tasks(loop)  # the peers' services, still serving: cancelled, and let finish
             for task in left:
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        if happening is not None and not happening.cancelled() and happening.exception() is not None:
+            raise happening.exception()  # a broken events script, raised as a peer's bug is
         return report(swarm, time.perf_counter() - started)
     finally:
         faults.swap("reduce.result", None)
