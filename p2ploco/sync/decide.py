@@ -110,6 +110,7 @@ class _Ballot:
     deadline: float
     votes: dict[str, Cast] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)  # members the coordinator could not reach while waiting for them
+    answered: set[str] = field(default_factory=set)  # members handed the decision (their streams written)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     decided: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -120,6 +121,10 @@ class _Ballot:
         vote)."""
         out = in_conflict(conflicts(self.votes))
         return [p for p in self.group.peers if p not in self.votes and p not in out and p not in self.dead]
+
+    def settled(self) -> bool:
+        """Decided, and every member handed the decision but those found dead: a leaving coordinator may go."""
+        return self.decided.done() and all(p in self.answered or p in self.dead for p in self.group.peers)
 
 
 class RoundCommit:
@@ -133,7 +138,8 @@ class RoundCommit:
         self.bans, self.signer, self.keys, self.lost = bans, signer, keys, lost
         self.handler_name = f"p2ploco/{run_id}/vote"
         self._ballots: dict[str, _Ballot] = {}
-        self._decided = asyncio.Event()  # set whenever a ballot is decided (``coordinate_to_the_end`` waits on it)
+        self._decided = asyncio.Event()  # set whenever a ballot is decided or hands a member its decision
+        # (``coordinate_to_the_end`` waits on it)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.handler_name, self._serve_vote)
@@ -158,6 +164,7 @@ class RoundCommit:
             await faults.hit_async("commit.vote", group.round_index)
             if coordinator == self.me:
                 response = await self._decide_here(self.me, request, pieces)
+                self._handed(group.group_id, self.me)
             else:
                 response, _ = await in_time(
                     wire.call(self.p2p, coordinator, self.handler_name, request, payload=pieces, attempts=2),
@@ -178,12 +185,15 @@ class RoundCommit:
     async def coordinate_to_the_end(self) -> None:
         """This peer is leaving: first decide the rounds of the groups it formed that are still voting (a peer that
         coordinates a round it does not train, standing by, would otherwise leave its members without a judge, and
-        they would apply nothing). Returns once none is open; the caller bounds the wait."""
+        they would apply nothing). Returns once each has handed every member its decision (but members found dead);
+        the caller bounds the wait."""
         while True:
             self._decided.clear()
             # A group's votes come within its all-reduce, then its ballot's own timeout
             recent = [g for g in self.book.since(2 * self.timeout) if len(g.peers) > 1]  # one alone never votes
-            if all(g.group_id in self._ballots and self._ballots[g.group_id].decided.done() for g in recent):
+            # Decided is not enough: the answers are written after, and a shutdown in between cut a member's off
+            # (it applied nothing); a member that votes after the ballot closed is answered the same decision too
+            if all(g.group_id in self._ballots and self._ballots[g.group_id].settled() for g in recent):
                 return
             await self._decided.wait()
 
@@ -193,6 +203,15 @@ class RoundCommit:
             request, pieces = await in_time(
                 wire.read_message(reader, max_payload=MAX_PIECES * PIECE_ENTRY_BYTES), self.timeout)
             await wire.write_message(writer, await self._decide_here(voter, request, pieces))
+            self._handed(request["group_id"], voter)
+
+    def _handed(self, group_id: str, member: str) -> None:
+        """``member`` has been handed the decision on ``group_id`` (``coordinate_to_the_end`` waits for every
+        member's)."""
+        ballot = self._ballots.get(group_id)
+        if ballot is not None:
+            ballot.answered.add(member)
+            self._decided.set()
 
     async def _decide_here(self, voter: str, request: dict[str, Any], pieces: bytes) -> dict[str, Any]:
         vote, entries = parse_vote(request, pieces)
