@@ -13,12 +13,11 @@ from p2ploco.errors import PayloadError
 from p2ploco.swarm import wire
 from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.evidence import Claim, Signer, owner_of, result_statement
-from p2ploco.swarm.messages import MAX_PEERS, MAX_REASON, decode
+from p2ploco.swarm.messages import MAX_GROUP_HEADER, MAX_PEERS, MAX_REASON, decode
 from p2ploco.sync.admission import admit
-from p2ploco.sync.decide import _Ballot, parse_decision, parse_vote
+from p2ploco.sync.decide import DecisionAnswer, _Ballot, parse_decision, parse_vote
 from p2ploco.sync.group import KEEP_PER_PEER, MAX_REDUCERS, Group, GroupBook, Member
 from p2ploco.sync.join import (
-    MAX_ANSWER_BYTES,
     JoinAnswer,
     best_coordinator,
     group_answer,
@@ -26,7 +25,7 @@ from p2ploco.sync.join import (
     parse_join,
     rendezvous,
 )
-from p2ploco.sync.reduce_values import Evidence
+from p2ploco.sync.reduce_values import Evidence, ReduceAnswer
 from p2ploco.sync.tally import Cast, Outcome, Vote, decide, examine
 
 A, B, C, D = "peerA", "peerB", "peerC", "peerD"
@@ -253,6 +252,34 @@ def test_malformed_join_requests_are_payload_errors(request_, message):
         parse_join(request_)
 
 
+def test_a_formation_admits_at_most_max_peers_members_the_first_that_joined():
+    """Every message that names a group's members is bounded by MAX_PEERS: a formation that more peers joined
+    keeps the first MAX_PEERS to join (not the smallest ids) and the others catch up, told why. A group of 2,034
+    in the simulation was refused by every member when the bound was 1,024."""
+    full = Member(((S, ("fp", "x")),))
+    joined = [f"12D3KooW{MAX_PEERS + 1 - i:044d}" for i in range(MAX_PEERS + 2)]  # later joiners: smaller ids
+    kept, refused = admit(dict.fromkeys(joined, full), stages=1)
+    assert list(kept) == joined[:MAX_PEERS]
+    assert refused == dict.fromkeys(joined[MAX_PEERS:], f"the group is full ({MAX_PEERS} members joined first): it "
+                                                        f"catches up")
+
+
+def test_a_receipt_a_vote_and_a_redo_that_name_every_member_of_the_largest_group_fit_a_group_header():
+    """A reducer's receipt names every contribution to its span, a vote may name every member it rejected, a redo
+    every survivor: at MAX_PEERS members each is past the 64 KiB of an ordinary header, and within MAX_GROUP_HEADER,
+    which their readers allow."""
+    peers = sorted(f"12D3KooW{i:044d}" for i in range(MAX_PEERS))
+    receipt = {"status": "ok", "included": list(range(MAX_PEERS)), "norms": [1.0] * MAX_PEERS,
+               "contributions": [bytes(16)] * MAX_PEERS, "signature": bytes(256)}
+    vote = {"group_id": "g", "version": "0" * 64, "vote": "holds", "drops": peers, "refused": [], "refused_by": []}
+    redo = {"outcome": "redo", "reason": "", "group_id": "g2", "peers": peers, "passive": [], "grant": bytes(256)}
+    for message in (receipt, vote, redo):
+        assert wire.MAX_HEADER_BYTES < len(wire.pack(message)) < MAX_GROUP_HEADER
+    assert decode(ReduceAnswer, receipt).contributions == [bytes(16)] * MAX_PEERS
+    assert parse_vote(vote, wire.pack([]))[0].drops == peers
+    assert decode(DecisionAnswer, redo).peers == peers
+
+
 def test_a_group_answered_relative_to_the_group_the_joiner_follows_is_small_and_the_same_group():
     peers = [f"12D3KooW{i:044d}" for i in range(MAX_PEERS)]  # 52 characters, as a libp2p peer id
     last = Group("last", 4, "params", tuple(peers[:-1]), peers[0], 0, tuple((p, (S,)) for p in peers[:-1]),
@@ -264,7 +291,7 @@ def test_a_group_answered_relative_to_the_group_the_joiner_follows_is_small_and_
     full, relative = group_answer(now), group_answer(now, last, last.digest)
     assert len(msgpack.packb(full)) > 150_000 and len(msgpack.packb(relative)) < 800  # O(N) against O(changes)
     # the whole group is past any other message's header limit, and within a group answer's
-    assert wire.MAX_HEADER_BYTES < len(msgpack.packb(full)) < MAX_ANSWER_BYTES
+    assert wire.MAX_HEADER_BYTES < len(msgpack.packb(full)) < MAX_GROUP_HEADER
     as_given = parse_group(decode(JoinAnswer, relative).on(last), 5, "params", peers[1], MAX_REDUCERS)
     assert as_given == parse_group(decode(JoinAnswer, full).on(None), 5, "params", peers[1], MAX_REDUCERS)
     assert as_given.tokens_of()[peers[7]] == 5120 and as_given.reducers(S) == now.reducers(S)

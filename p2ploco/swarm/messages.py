@@ -23,7 +23,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidato
 from p2ploco.errors import PayloadError, shown
 
 MAX_PEER_ID = 128  # a base58 peer id is ~52 characters
-MAX_PEERS = 1024  # members of one group; peers one message may list
+MAX_PEERS = 4096  # members of one group; peers one message may list
+# The header a message that may name every member of a group takes (a group answer to a joiner that follows no group,
+# as all do in a run's first round: ~170 bytes a full replica, 700 kB at MAX_PEERS, more for stage peers, which name
+# more slices; a reducer's receipt: ~30 bytes a contribution; a vote's drops, a redo's members: ~50 bytes a peer),
+# past the 64 KiB of any other (``wire.MAX_HEADER_BYTES``): with that limit every joiner of a group of more than ~380
+# refused its coordinator's answer in the simulation
+MAX_GROUP_HEADER = 1 << 20
 MAX_SLICES = 64  # named slices (pipeline stages, fragments) one message may list
 MAX_ROUND = 1 << 48  # rounds, at one a second, for nine million years
 MAX_REASON = 1000  # characters of a reason kept (longer ones are cut, not refused)

@@ -1,9 +1,11 @@
 """Whom a closing formation admits: the members that hold the state the round starts from, of pipeline groups that
-bring every stage, and of slices that a member others can dial can reduce. The vote is ``swarm/consensus.py``'s."""
+bring every stage, and of slices that a member others can dial can reduce; at most MAX_PEERS of them. The vote is
+``swarm/consensus.py``'s."""
 
 from __future__ import annotations
 
 from p2ploco.swarm.consensus import Ballot, plurality
+from p2ploco.swarm.messages import MAX_PEERS
 from p2ploco.sync.group import Member
 
 
@@ -14,8 +16,9 @@ def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | No
     the records at this round chose (``recorded``: slice -> hash, ``round_state``: a member left out of
     the last round, which publishes its state as unsettled, never outvotes those that applied it). So the records'
     choice wins if some member holds it, and otherwise the value most members hold (ties to the greater); a member
-    that holds another one catches up instead. Then a pipeline group whose kept members do not bring all
-    ``stages`` slices is left out whole."""
+    that holds another one catches up instead. Past MAX_PEERS members, the last to join (``members`` is in the order
+    they joined) catch up too. Then a pipeline group whose kept members do not bring all ``stages`` slices is left
+    out whole."""
     recorded = recorded or {}
     ballots: dict[str, list[Ballot[tuple[str, str]]]] = {}
     for member in members.values():
@@ -26,6 +29,9 @@ def admit(members: dict[str, Member], stages: int, recorded: dict[str, str] | No
                      f"others: it catches up" for peer, m in members.items()
                if any(chosen[name] != held for name, held in m.slices)}
     kept = {peer: m for peer, m in members.items() if peer not in refused}
+    for peer in list(kept)[MAX_PEERS:]:  # every message that names a group's members is bounded so
+        refused[peer] = f"the group is full ({MAX_PEERS} members joined first): it catches up"
+        del kept[peer]
     brought: dict[str, set[str]] = {}
     for m in kept.values():
         if m.pipeline:

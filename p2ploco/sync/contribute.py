@@ -20,7 +20,7 @@ from p2ploco.collective.robust import OpposedResult
 from p2ploco.errors import Failure, PayloadError, TransportError
 from p2ploco.swarm import wire
 from p2ploco.swarm.evidence import result_statement, signed_by
-from p2ploco.swarm.messages import decode
+from p2ploco.swarm.messages import MAX_GROUP_HEADER, decode
 from p2ploco.sync.group import Group
 from p2ploco.sync.reduce_values import (
     AllReduceError,
@@ -164,7 +164,8 @@ class Contributor:
         encoded, sent = len(payload or b""), len(payload or b"")
         # The reducer may wait a transfer's time for the slowest sender before it answers, and the answer takes another.
         reply, result = await in_time(
-            wire.read_message(reader, exchange.max_result_bytes(piece, len(group.peers))), 2 * route.transfer)
+            wire.read_message(reader, exchange.max_result_bytes(piece, len(group.peers)), MAX_GROUP_HEADER),
+            2 * route.transfer)
         answer = parse_reply(reply, group, self.me, payload)
         if isinstance(answer, AllReduceError):  # the reducer refused our contribution or went on without it
             return answered_without(peer, encoded, answer, sent)

@@ -58,7 +58,7 @@ from p2ploco.swarm.messages import MAX_REASON
 from p2ploco.swarm.records import PeerRecord, PeerRole, Phase
 from p2ploco.sync.admission import admit
 from p2ploco.sync.group import FormationKey, Group, GroupBook, Member
-from p2ploco.sync.join import JoinStatus, best_coordinator, group_answer, join_handler, parse_join
+from p2ploco.sync.join import MAX_LEFT_OUT, JoinStatus, best_coordinator, group_answer, join_handler, parse_join
 from p2ploco.sync.tether import BROKE, Tethers
 
 logger = logging.getLogger(__name__)
@@ -385,7 +385,7 @@ class Coordinator:
                       holdings=tuple((p, tuple(sorted(dict(members[p].slices)))) for p in peers),
                       pipelines=tuple((p, members[p].pipeline) for p in peers
                                             if members[p].pipeline),
-                      left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items())),
+                      left_out=tuple(sorted((p, why[:MAX_REASON]) for p, why in left_out.items()))[:MAX_LEFT_OUT],
                       tokens=tuple((p, members[p].tokens) for p in peers),
                       dial_out=tuple(p for p in peers if members[p].dial_out), max_reducers=self.max_reducers)
         group = dataclasses.replace(group, grant=self.signer.sign(group_statement(self.run_id, group.group_id,

@@ -80,7 +80,17 @@ from p2ploco.swarm.evidence import (
     group_statement,
     signed_by,
 )
-from p2ploco.swarm.messages import MAX_PEERS, Digest, Message, PeerIds, Reason, SliceName, decode, status_of
+from p2ploco.swarm.messages import (
+    MAX_GROUP_HEADER,
+    MAX_PEERS,
+    Digest,
+    Message,
+    PeerIds,
+    Reason,
+    SliceName,
+    decode,
+    status_of,
+)
 from p2ploco.sync.group import Group, GroupBook
 from p2ploco.sync.liveness import Lost, gone
 from p2ploco.sync.reduce_values import Evidence
@@ -167,7 +177,8 @@ class RoundCommit:
                 self._handed(group.group_id, self.me)
             else:
                 response, _ = await in_time(
-                    wire.call(self.p2p, coordinator, self.handler_name, request, payload=pieces, attempts=2),
+                    wire.call(self.p2p, coordinator, self.handler_name, request, payload=pieces, attempts=2,
+                              max_header=MAX_GROUP_HEADER),
                     2 * self.timeout + 5)
             decision = parse_decision(response, group, coordinator)
             if decision.redo is not None and coordinator != self.me and not signed_by(
@@ -201,7 +212,8 @@ class RoundCommit:
         voter = str(stream_info.peer_id)
         async with wire.serving(logger, "vote", voter, reader, writer, self.timeout):
             request, pieces = await in_time(
-                wire.read_message(reader, max_payload=MAX_PIECES * PIECE_ENTRY_BYTES), self.timeout)
+                wire.read_message(reader, max_payload=MAX_PIECES * PIECE_ENTRY_BYTES, max_header=MAX_GROUP_HEADER),
+                self.timeout)
             await wire.write_message(writer, await self._decide_here(voter, request, pieces))
             self._handed(request["group_id"], voter)
 

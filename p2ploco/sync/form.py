@@ -61,13 +61,12 @@ from p2ploco.swarm.bans import Bans
 from p2ploco.swarm.consensus import contested, round_state
 from p2ploco.swarm.directory import PeerDirectory
 from p2ploco.swarm.evidence import group_statement, signed_by
-from p2ploco.swarm.messages import decode
+from p2ploco.swarm.messages import MAX_GROUP_HEADER, decode
 from p2ploco.swarm.records import PeerRecord, PeerRole, Phase
 from p2ploco.sync.coordinator import HUB_PATIENCE, Coordinator
 from p2ploco.sync.group import Group
 from p2ploco.sync.join import (
     JOIN_FAILURES,
-    MAX_ANSWER_BYTES,
     JoinAnswer,
     JoinStatus,
     best_coordinator,
@@ -378,6 +377,6 @@ class Matchmaker:
         it closes with it would wait for a contribution that never came (a Ctrl-C then cost the others their round).
         The peer finishes the all-reduce it joined, then leaves."""
         response, _ = await in_time(
-            wire.call(self.p2p, coordinator, self.handler_name, request, attempts=2, max_header=MAX_ANSWER_BYTES),
+            wire.call(self.p2p, coordinator, self.handler_name, request, attempts=2, max_header=MAX_GROUP_HEADER),
             timeout)
         return response

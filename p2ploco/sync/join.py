@@ -54,12 +54,7 @@ from p2ploco.swarm.messages import (
 )
 from p2ploco.sync.group import FormationKey, Group, Member
 
-MAX_LEFT_OUT = 256  # peers a group answer may list as left out
-# The header a group answer may take: one that lists every member (a joiner that follows no group, as all do in a
-# run's first round) takes ~170 bytes a full replica, 172 kB for 1,013 in the simulation, past the 64 KiB of any
-# other message, so that every joiner of a group of more than ~380 refused its coordinator's answer; stage peers
-# name more slices
-MAX_ANSWER_BYTES = 1 << 20
+MAX_LEFT_OUT = 256  # peers a group answer may list as left out (a group names the first so many of them)
 
 
 def join_handler(run_id: str) -> str:
