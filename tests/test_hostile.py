@@ -504,7 +504,7 @@ def test_a_reducer_that_refuses_every_honest_member_is_redone_without_and_its_st
     count, and the coordinator committed x's lone vote, in every round after; the honest peers applied nothing and
     then caught up to the state only x held. Now x is in conflict with three members: out of the redo, in which the
     honest three commit, every round; none of them ever fetches x's state."""
-    attack_from, rounds = 2, 6
+    attack_from, rounds = 2, 4
     # x coordinates none of these rounds: a coordinator costs the rounds it coordinates (the threat model), which is
     # not what this test asks
     peer_ids = ground(tmp_path, "abcx", lambda ids: not coordinated_by(ids, "x", range(attack_from, rounds)))

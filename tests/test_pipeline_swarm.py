@@ -58,6 +58,7 @@ def test_a_full_replica_and_a_group_of_two_stage_peers_train_through_a_stock_hiv
     assert full[-1]["eval_loss"] < full[0]["eval_loss"]
 
 
+@pytest.mark.slow  # CI's second stage; a pipeline group trains in the default run (the test above)
 @pytest.mark.timeout(300)
 def test_a_group_stopped_with_ctrl_c_exports_at_the_newest_round_both_stages_hold(tmp_path):
     """Both stage peers of a group get SIGINT at once, as a person stopping them with Ctrl-C does: each writes its
