@@ -81,7 +81,7 @@ def test_a_clean_leave_costs_the_others_no_round(tmp_path):
 
 
 @pytest.mark.swarm
-@pytest.mark.slow  # CI's second stage; a peer's crash and restart in the default run: test_run_node_sh_started_again_...
+@pytest.mark.slow  # CI's second stage; a peer's crash and restart in the default run: test_run_node_sh_started_again
 @pytest.mark.timeout(300)
 def test_a_partner_ctrl_c_d_while_its_join_waits_at_the_coordinator_costs_the_survivor_no_round(tmp_path):
     """Of 2 nodes, the survivor coordinates round 3 and comes to it late (a stall before its join), so the leaver's
