@@ -18,4 +18,6 @@ __version__ = "0.1.0"
 # 10: reducers sign every result and coordinators every group they hand out (swarm/evidence.py); contributions and
 # votes name the group's digest; votes list each piece's digest with its reducer's signature, and the refusals both
 # ways; decisions carry proofs, and a redo's passive members; a commit needs a majority of the group's holders.
-PROTOCOL_VERSION = 10
+# 11: peers behind NATs hold tethers to their coordinators (sync/tether.py); a group's digest covers the run's
+# max_reducers; a group answered in full says what most members hold and trained once, and lists only the others.
+PROTOCOL_VERSION = 11

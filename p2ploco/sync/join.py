@@ -14,12 +14,14 @@ payload::
     {v, round, name, config, state, slices: {slice: [exchange fingerprint, hash]}, pipeline,
      unreachable: [peer ids the joiner could not reach], tokens, dial_out, follows: group digest}
 
-answered ``{v, status: group, group_id, peers, holdings: {peer: [slices]}, pipelines: {peer: group},
-left_out: {peer: reason}, tokens: {peer: tokens}, dial_out: [peers], grant}`` (``grant``: the coordinator's
-signature of the group, ``evidence.group_statement``, which a member checks and shows a reducer that holds another
-version of it), ``{v, status: redirect, to}``, or
-``{v, status: late|banned|leaving, reason}``. A group lists every member, N entries in each of N answers: O(N^2)
-bytes at one coordinator a round (177 KB an answer at N = 1024). So a joiner names the group it follows (the one
+answered ``{v, status: group, group_id, peers, held: [slices], holdings: {peer: [slices]}, pipelines: {peer: group},
+left_out: {peer: reason}, trained: tokens, tokens: {peer: tokens}, dial_out: [peers], grant}`` (``held`` and
+``trained``: what most members hold and trained, said once; ``holdings`` and ``tokens`` name only the others;
+``grant``: the coordinator's signature of the group, ``evidence.group_statement``, which a member checks and shows a
+reducer that holds another version of it), ``{v, status: redirect, to}``, or ``{v, status: late|banned|leaving,
+reason}``. A group lists every member, N ids in each of N answers: O(N^2) bytes at one coordinator a round (~50 kB an
+answer at N = 1024 where most members hold and trained alike, 177 kB when each member's entry was listed). So a
+joiner names the group it follows (the one
 it applied its last round with, ``Matchmaker.follow``) by its digest (``Group.digest``: its id and every member's
 entry), and where the coordinator follows that very version of it too it answers with the difference: ``{v, status:
 group, group_id, base: that group's digest, changed: {peer: {holdings, pipeline, tokens, dial_out}}, removed: [peers],
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections import Counter
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
@@ -102,10 +105,13 @@ class JoinRequest(Message):
     rejoin: bool = False  # the joiner's group of this round died: it joins a formation open here, and opens none
 
 
+Held = Annotated[list[SliceName], Field(min_length=1, max_length=MAX_SLICES)]  # the slices a member holds
+
+
 class MemberEntry(Message):
     """One member's entry in a group answer given relative to another group."""
 
-    holdings: Annotated[list[SliceName], Field(min_length=1, max_length=MAX_SLICES)]
+    holdings: Held
     pipeline: Name
     tokens: Tokens
     dial_out: bool
@@ -117,10 +123,11 @@ class JoinAnswer(Message):
     to: PeerId = ""  # with redirect
     group_id: Digest = ""  # with group, and the members' holdings and pipeline groups, and whom it leaves out
     peers: PeerIds = []
-    holdings: Annotated[dict[PeerId, Annotated[list[SliceName], Field(min_length=1, max_length=MAX_SLICES)]],
-                        Field(max_length=MAX_PEERS)] = {}
+    held: Annotated[list[SliceName], Field(max_length=MAX_SLICES)] = []  # the slices of the members not in holdings
+    holdings: Annotated[dict[PeerId, Held], Field(max_length=MAX_PEERS)] = {}
     pipelines: Annotated[dict[PeerId, Name], Field(max_length=MAX_PEERS)] = {}
     left_out: Annotated[dict[PeerId, Reason], Field(max_length=MAX_LEFT_OUT)] = {}
+    trained: Tokens | None = None  # the tokens of the members not in tokens
     tokens: Annotated[dict[PeerId, Tokens], Field(max_length=MAX_PEERS)] = {}
     dial_out: PeerIds = []
     grant: Annotated[bytes, Field(max_length=MAX_SIGNATURE)] = b""  # with group: the coordinator's signature of it
@@ -132,21 +139,23 @@ class JoinAnswer(Message):
     def _complete(self) -> JoinAnswer:
         if self.status == JoinStatus.REDIRECT and not self.to:
             raise ValueError("a redirect names no peer")
-        if self.base and (self.status != JoinStatus.GROUP or self.peers or self.holdings or self.pipelines
-                          or self.tokens or self.dial_out):
+        if self.base and (self.status != JoinStatus.GROUP or self.peers or self.held or self.holdings
+                          or self.pipelines or self.trained is not None or self.tokens or self.dial_out):
             raise ValueError("an answer relative to another group that is no group, or lists members in full")
         if self.status == JoinStatus.GROUP and not self.grant:
             raise ValueError("a group its coordinator did not sign")
         if self.status == JoinStatus.GROUP and not self.base:
             if not self.group_id or not self.peers:
                 raise ValueError("a group without id or members")
-            if set(self.holdings) != set(self.peers):
-                raise ValueError("a group whose holdings do not list the slices of every member")
-            if not set(self.pipelines) <= set(self.peers) or set(self.left_out) & set(self.peers):
+            members = set(self.peers)
+            if not set(self.holdings) <= members or (len(self.holdings) < len(members) and not self.held):
+                raise ValueError("a group whose holdings name non-members, or do not give every member's slices")
+            if not set(self.pipelines) <= members or set(self.left_out) & members:
                 raise ValueError("a group whose pipeline groups name non-members, or that leaves out members")
-            if set(self.tokens) != set(self.peers) or not set(self.dial_out) <= set(self.peers):
-                raise ValueError("a group whose tokens do not list every member, or whose dial-out peers are not "
-                                 "members")
+            if not set(self.tokens) <= members or (len(self.tokens) < len(members) and self.trained is None):
+                raise ValueError("a group whose tokens name non-members, or do not give every member's")
+            if not set(self.dial_out) <= members:
+                raise ValueError("a group whose dial-out peers are not members")
         return self
 
     def on(self, base: Group | None) -> JoinAnswer:
@@ -185,9 +194,14 @@ def group_answer(group: Group, base: Group | None = None, follows: str = "") -> 
         return {"status": JoinStatus.GROUP, "group_id": group.group_id, "base": base.digest, "grant": group.grant,
                 "changed": {peer: entry for peer, entry in entries.items() if before.get(peer) != entry},
                 "removed": sorted(set(before) - set(entries)), "left_out": dict(group.left_out)}
-    return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers),
-            "holdings": {peer: list(slices) for peer, slices in group.holdings},
-            "pipelines": dict(group.pipelines), "left_out": dict(group.left_out), "tokens": dict(group.tokens),
+    # What most members hold and trained, once: a full answer names each member by its id alone, where it used to
+    # list its slices and tokens too (~170 bytes a member; ~50 now), N answers of N members in a run's first round
+    held = Counter(slices for _, slices in group.holdings).most_common(1)[0][0]
+    trained = Counter(tokens for _, tokens in group.tokens).most_common(1)[0][0]
+    return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers), "held": list(held),
+            "holdings": {peer: list(slices) for peer, slices in group.holdings if slices != held},
+            "pipelines": dict(group.pipelines), "left_out": dict(group.left_out), "trained": trained,
+            "tokens": {peer: tokens for peer, tokens in group.tokens if tokens != trained},
             "dial_out": list(group.dial_out), "grant": group.grant}
 
 
@@ -195,8 +209,11 @@ def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: st
     """The group in a coordinator's answer (its status is ``group``), with the coordinator's signature as given (the
     joiner checks it: ``Matchmaker``); ``max_reducers``: the run's, which the answer does not carry (every member
     of a formation holds the run's config)."""
+    held = tuple(sorted(set(answer.held)))
     return Group(answer.group_id, round_index, name, tuple(answer.peers), coordinator, 0,
-                 tuple((p, tuple(sorted(set(answer.holdings[p])))) for p in answer.peers),
+                 tuple((p, tuple(sorted(set(answer.holdings[p]))) if p in answer.holdings else held)
+                       for p in answer.peers),
                  tuple((p, answer.pipelines[p]) for p in answer.peers if p in answer.pipelines),
-                 tuple(sorted(answer.left_out.items())), tuple((p, answer.tokens[p]) for p in answer.peers),
+                 tuple(sorted(answer.left_out.items())),
+                 tuple((p, answer.tokens.get(p, answer.trained)) for p in answer.peers),
                  tuple(answer.dial_out), max_reducers=max_reducers, grant=answer.grant)
