@@ -12,20 +12,17 @@ ask; one that knows a better one redirects it there. A join request, a wire mess
 payload::
 
     {v, round, name, config, state, slices: {slice: [exchange fingerprint, hash]}, pipeline,
-     unreachable: [peer ids the joiner could not reach], tokens, dial_out, follows: group digest, ids_of}
+     unreachable: [peer ids the joiner could not reach], tokens, dial_out, follows: group digest}
 
-answered ``{v, status: group, group_id, named, ids, held: [slices], holdings: {peer: [slices]}, pipelines: {peer:
-group}, left_out: {peer: reason}, trained: tokens, tokens: {peer: tokens}, dial_out: [places], grant}``, ``{v,
-status: redirect, to}``, or ``{v, status: late|banned|leaving, reason}``. ``named``: the members by their short ids
-(``short_id``: 8 bytes of the id's hash), in the order of their ids, which the joiner tells from the peers whose
-records it holds; one it cannot tell (its record not read yet) it asks for again, naming their short ids
-(``ids_of``), and the answer lists those members' ids (``ids``). ``held`` and ``trained``: what most members hold and
-trained, said once; ``holdings`` and ``tokens`` name only the others; ``dial_out``: the members behind NATs by their
-places among the members; ``grant``: the coordinator's signature of the group, ``evidence.group_statement``, which a
-member checks and shows a reducer that holds another version of it. A group names every member, N short ids in each
-of N answers: O(N^2) bytes at one coordinator in a run's first round (~18 kB an answer at N = 2,048, ~10 bytes a
-member; each member's whole entry, as answers once listed them, was ~170). So a joiner names the group it follows (the
-one it applied its last round with, ``Matchmaker.follow``) by its digest (``Group.digest``: its id and every member's
+answered ``{v, status: group, group_id, peers, held: [slices], holdings: {peer: [slices]}, pipelines: {peer: group},
+left_out: {peer: reason}, trained: tokens, tokens: {peer: tokens}, dial_out: [peers], grant}`` (``held`` and
+``trained``: what most members hold and trained, said once; ``holdings`` and ``tokens`` name only the others;
+``grant``: the coordinator's signature of the group, ``evidence.group_statement``, which a member checks and shows a
+reducer that holds another version of it), ``{v, status: redirect, to}``, or ``{v, status: late|banned|leaving,
+reason}``. A group lists every member, N ids in each of N answers: O(N^2) bytes at one coordinator a round (~50 kB an
+answer at N = 1024 where most members hold and trained alike, 177 kB when each member's entry was listed). So a
+joiner names the group it follows (the one
+it applied its last round with, ``Matchmaker.follow``) by its digest (``Group.digest``: its id and every member's
 entry), and where the coordinator follows that very version of it too it answers with the difference: ``{v, status:
 group, group_id, base: that group's digest, changed: {peer: {holdings, pipeline, tokens, dial_out}}, removed: [peers],
 left_out}``, the entries of the members that joined or changed and the ids of those that left, a few hundred bytes
@@ -145,8 +142,8 @@ class JoinAnswer(Message):
     reason: Reason = ""
     to: PeerId = ""  # with redirect
     group_id: Digest = ""  # with group, and the members' holdings and pipeline groups, and whom it leaves out
-    peers: PeerIds = []  # the members by their ids, as a joiner reads a group once it has told them (``on``) ...
-    # ... from their short ids, in the order of their ids, as a coordinator answers: one of the two lists them
+    peers: PeerIds = []
+    # or the members by their short ids, in the order of their ids (``named``): one of the two lists them
     named: Annotated[bytes, Field(max_length=SHORT_ID_BYTES * MAX_PEERS)] = b""
     ids: PeerIds = []  # with named: the members whose ids the joiner asked for (``ids_of``)
     held: Annotated[list[SliceName], Field(max_length=MAX_SLICES)] = []  # the slices of the members not in holdings
