@@ -74,7 +74,7 @@ from p2ploco.sync.audit import AuditAnswer, AuditRequest
 from p2ploco.sync.contribute import parse_reply
 from p2ploco.sync.decide import cast_of, parse_decision, parse_vote
 from p2ploco.sync.group import MAX_REDUCERS, Group
-from p2ploco.sync.join import JoinAnswer, JoinStatus, parse_group, parse_join, short_id
+from p2ploco.sync.join import JoinAnswer, JoinStatus, parse_group, parse_join
 from p2ploco.sync.reduce_values import Contribution
 from p2ploco.sync.tether import TetherMessage
 
@@ -172,10 +172,7 @@ HEADERS = {
     "group": {"status": JoinStatus.GROUP, "group_id": "g", "peers": [ME, OTHER],
               "held": ["stage0", "stage1"], "holdings": {ME: ["stage0"]}, "pipelines": {ME: "g0"},
               "left_out": {"12D3KooWLeftOut": "it did not join within 20 s"}, "trained": 2048, "tokens": {ME: 10240},
-              "dial_out": [1], "grant": b"s" * 256},
-    "named group": {"status": JoinStatus.GROUP, "group_id": "g", "named": short_id(ME) + short_id(OTHER),
-                    "held": ["stage0"], "holdings": {OTHER: ["stage0", "stage1"]}, "trained": 10240,
-                    "tokens": {OTHER: 2048}, "dial_out": [1], "grant": b"s" * 256},
+              "dial_out": [OTHER], "grant": b"s" * 256},
     "relative group": {"status": JoinStatus.GROUP, "group_id": "g", "base": FOLLOWED.digest, "removed": [],
                        "changed": {OTHER: {"holdings": ["stage0", "stage1"], "pipeline": "", "tokens": 2048,
                                            "dial_out": True}}, "left_out": {}, "grant": b"s" * 256},
@@ -422,7 +419,7 @@ def e3m0_result(data: bytes) -> None:
 def join_answer(header: dict[str, Any]) -> None:
     answer = decode(JoinAnswer, header)
     if answer.status == JoinStatus.GROUP:
-        parse_group(answer.on(FOLLOWED, (ME, OTHER)), 3, "params", OTHER, MAX_REDUCERS)
+        parse_group(answer.on(FOLLOWED), 3, "params", OTHER, MAX_REDUCERS)
 
 
 def stage_message(parts: tuple[dict[str, Any], bytes]) -> None:
@@ -523,7 +520,6 @@ def targets() -> list[Target]:
 MESSAGES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "join": parse_join,
     "group": lambda h: join_answer(h),
-    "named group": lambda h: join_answer(h),
     "relative group": lambda h: join_answer(h),
     "vote": lambda h: vote((h, VOTE_PIECES)),
     "decision": lambda h: parse_decision(h, GROUP, OTHER),

@@ -196,7 +196,7 @@ class Coordinator:
         if not any(tokens for _, tokens in outcome.tokens):
             return {"status": JoinStatus.LATE, "reason": f"no contribution to round {round_index} came to coordinator "
                                                          f"{self.me[-8:]} while its hubs waited"}
-        return group_answer(outcome, self.following, member.follows, member.ids_of)
+        return group_answer(outcome, self.following, member.follows)
 
     async def _answer_at_once(self, sender: str, key: FormationKey, unreachable: set[str], member: Member
                               ) -> dict[str, Any] | None:
@@ -224,8 +224,7 @@ class Coordinator:
         closed = self.book.closed(key)
         if closed is not None:
             if sender in closed.peers:
-                # asked again (its first answer was lost, or named members it cannot tell): the same group
-                return group_answer(closed, ids_of=member.ids_of)
+                return group_answer(closed)  # asked again (its first answer was lost): the same group, not "late"
             return {"status": JoinStatus.LATE, "reason": f"round {round_index} had already started without this peer"}
         return None
 

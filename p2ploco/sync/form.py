@@ -69,7 +69,6 @@ from p2ploco.sync.join import (
     JOIN_FAILURES,
     JoinAnswer,
     JoinStatus,
-    Unresolved,
     best_coordinator,
     join_handler,
     parse_group,
@@ -80,7 +79,6 @@ from p2ploco.sync.whereabouts import Whereabouts
 
 logger = logging.getLogger(__name__)
 
-ANSWER_ALLOWANCE = 5.0  # a join's answer on its way back, beyond the coordinator's wait (and an ask again for the ids)
 KEEP_JOINS = 8  # this peer's latest joins it keeps, to ask again at the next coordinator if their group dies
 NOBODY_ANSWERED = "alone"  # the group id of a group of one that no coordinator formed: none could be asked, or answered
 
@@ -165,7 +163,7 @@ class Matchmaker:
         why), for a group of the sync ``name`` of ``round_index`` (``form_group``)."""
         # The coordinator may wait up to `timeout` for others after the first contribution; a hub joins as the round
         # begins, and waits for that first contribution too
-        deadline = time.monotonic() + self.timeout + ANSWER_ALLOWANCE + (HUB_PATIENCE if self.hub else 0.0)
+        deadline = time.monotonic() + self.timeout + 5.0 + (HUB_PATIENCE if self.hub else 0.0)
         hints: set[str] = set()
         while time.monotonic() < deadline and not self.leaving.is_set():
             candidates = self.coordinator.candidates(set(unreachable)) \
@@ -181,8 +179,8 @@ class Matchmaker:
                 answer = await self._answer_of(coordinator, round_index, request, deadline)
                 status = answer.status
                 if status == JoinStatus.GROUP:
-                    return await self._accept(parse_group(answer.on(base, self.directory.live), round_index, name,
-                                                          coordinator, self.coordinator.max_reducers), slices,
+                    return await self._accept(parse_group(answer.on(base), round_index, name, coordinator,
+                                                          self.coordinator.max_reducers), slices,
                                               request["tokens"], failures)
                 if status == JoinStatus.REDIRECT:
                     to = answer.to
@@ -210,18 +208,8 @@ class Matchmaker:
         await faults.hit_async("matchmaking.join", round_index)
         asking = (self.coordinator.join_here(self.me, request) if coordinator == self.me
                   else self._ask(coordinator, request, deadline - time.monotonic()))
-        answer = decode(JoinAnswer, await (self._unless_passed(round_index, asking) if self.hub else asking))
-        if not answer.named:
-            return answer
-        try:
-            return answer.on(None, self.directory.live)
-        except Unresolved as e:  # members whose records this peer has not read yet (they joined a moment ago)
-            logger.info(f"round {round_index}: {e}; asking coordinator {coordinator[-8:]} for their ids")
-            again = {**request, "ids_of": e.unknown}
-        answer = decode(JoinAnswer, await (self.coordinator.join_here(self.me, again) if coordinator == self.me
-                                           else self._ask(coordinator, again, max(deadline - time.monotonic(),
-                                                                                  ANSWER_ALLOWANCE))))
-        return answer.on(None, self.directory.live)
+        response = await (self._unless_passed(round_index, asking) if self.hub else asking)
+        return decode(JoinAnswer, response)
 
     def _alone(self, round_index: int, name: str, slices: dict[str, tuple[str, str]], tokens: int,
                unreachable: dict[str, str]) -> Group:

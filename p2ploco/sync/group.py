@@ -191,7 +191,6 @@ class Member:
     dial_out: bool = False
     follows: str = ""  # the digest of the group it applied its last round with ("" if none): answered relative to it
     rejoins: bool = False  # its group of this round died: it joins only a formation open at this coordinator
-    ids_of: bytes = b""  # short ids of members of its group it could not tell: answered their ids (``group_answer``)
 
 
 # A formation, the joins a coordinator gathers into one group, is named by the round, the all-reduce's name, the

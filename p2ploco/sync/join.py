@@ -34,7 +34,6 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections import Counter
-from collections.abc import Iterable
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
@@ -49,7 +48,6 @@ from p2ploco.swarm.messages import (
     Name,
     PeerId,
     PeerIds,
-    Positions,
     Reason,
     Round,
     SliceName,
@@ -60,22 +58,6 @@ from p2ploco.swarm.messages import (
 from p2ploco.sync.group import FormationKey, Group, Member
 
 MAX_LEFT_OUT = 256  # peers a group answer may list as left out (a group names the first so many of them)
-SHORT_ID_BYTES = 8
-
-
-def short_id(peer: str) -> bytes:
-    """A member as a full group answer names it: the head of its id's SHA-256. A joiner tells it from the peers whose
-    records it holds (every member is one: ``Matchmaker``); to make another peer's short id a key would take 2^64
-    tries, and a wrong member would make a group its coordinator did not sign."""
-    return hashlib.sha256(peer.encode()).digest()[:SHORT_ID_BYTES]
-
-
-class Unresolved(PayloadError):
-    """A group answer names members by short ids that this peer cannot tell (``unknown``): it asks for their ids."""
-
-    def __init__(self, message: str, unknown: bytes):
-        super().__init__(message)
-        self.unknown = unknown
 
 
 def join_handler(run_id: str) -> str:
@@ -121,8 +103,6 @@ class JoinRequest(Message):
     dial_out: bool  # others cannot dial the joiner (it is behind NAT): it reduces no span
     follows: Digest = ""  # Group.digest of the group the joiner applied its last round with ("": answered in full)
     rejoin: bool = False  # the joiner's group of this round died: it joins a formation open here, and opens none
-    # short ids of members of this formation's group the joiner could not tell (it asks again): the answer names them
-    ids_of: Annotated[bytes, Field(max_length=SHORT_ID_BYTES * MAX_PEERS)] = b""
 
 
 Held = Annotated[list[SliceName], Field(min_length=1, max_length=MAX_SLICES)]  # the slices a member holds
@@ -143,16 +123,13 @@ class JoinAnswer(Message):
     to: PeerId = ""  # with redirect
     group_id: Digest = ""  # with group, and the members' holdings and pipeline groups, and whom it leaves out
     peers: PeerIds = []
-    # or the members by their short ids, in the order of their ids (``named``): one of the two lists them
-    named: Annotated[bytes, Field(max_length=SHORT_ID_BYTES * MAX_PEERS)] = b""
-    ids: PeerIds = []  # with named: the members whose ids the joiner asked for (``ids_of``)
     held: Annotated[list[SliceName], Field(max_length=MAX_SLICES)] = []  # the slices of the members not in holdings
     holdings: Annotated[dict[PeerId, Held], Field(max_length=MAX_PEERS)] = {}
     pipelines: Annotated[dict[PeerId, Name], Field(max_length=MAX_PEERS)] = {}
     left_out: Annotated[dict[PeerId, Reason], Field(max_length=MAX_LEFT_OUT)] = {}
     trained: Tokens | None = None  # the tokens of the members not in tokens
     tokens: Annotated[dict[PeerId, Tokens], Field(max_length=MAX_PEERS)] = {}
-    dial_out: Positions = []  # the members that only dial out, by their places among them
+    dial_out: PeerIds = []
     grant: Annotated[bytes, Field(max_length=MAX_SIGNATURE)] = b""  # with group: the coordinator's signature of it
     base: Digest = ""  # a group given relative to the group of this digest (``on``): its members' changes follow
     changed: Annotated[dict[PeerId, MemberEntry], Field(max_length=MAX_PEERS)] = {}
@@ -162,18 +139,14 @@ class JoinAnswer(Message):
     def _complete(self) -> JoinAnswer:
         if self.status == JoinStatus.REDIRECT and not self.to:
             raise ValueError("a redirect names no peer")
-        if self.base and (self.status != JoinStatus.GROUP or self.peers or self.named or self.held or self.holdings
+        if self.base and (self.status != JoinStatus.GROUP or self.peers or self.held or self.holdings
                           or self.pipelines or self.trained is not None or self.tokens or self.dial_out):
             raise ValueError("an answer relative to another group that is no group, or lists members in full")
         if self.status == JoinStatus.GROUP and not self.grant:
             raise ValueError("a group its coordinator did not sign")
         if self.status == JoinStatus.GROUP and not self.base:
-            if not self.group_id or bool(self.peers) == bool(self.named) or len(self.named) % SHORT_ID_BYTES:
-                raise ValueError("a group without id, or whose members are not listed once, by ids or short ids")
-            if self.ids and not self.named:
-                raise ValueError("a group that lists its members and names some of them again")
-            if self.named:  # the rest is checked once the joiner has told the members from their short ids (``on``)
-                return self
+            if not self.group_id or not self.peers:
+                raise ValueError("a group without id or members")
             members = set(self.peers)
             if not set(self.holdings) <= members or (len(self.holdings) < len(members) and not self.held):
                 raise ValueError("a group whose holdings name non-members, or do not give every member's slices")
@@ -181,27 +154,13 @@ class JoinAnswer(Message):
                 raise ValueError("a group whose pipeline groups name non-members, or that leaves out members")
             if not set(self.tokens) <= members or (len(self.tokens) < len(members) and self.trained is None):
                 raise ValueError("a group whose tokens name non-members, or do not give every member's")
-            if any(place >= len(members) for place in self.dial_out):
+            if not set(self.dial_out) <= members:
                 raise ValueError("a group whose dial-out peers are not members")
         return self
 
-    def on(self, base: Group | None, known: Iterable[str]) -> JoinAnswer:
-        """This answer with every member listed by its id: as it is, told from the short ids among the ``known``
-        peers (Unresolved if some short id is none of theirs, or more than one's), or applied to ``base``, the group
-        the joiner named (PayloadError if it is relative to another one, or makes a group that does not hold
-        together)."""
-        if self.named:
-            by_short: dict[bytes, set[str]] = {}
-            for peer in {*known, *self.ids}:
-                by_short.setdefault(short_id(peer), set()).add(peer)
-            shorts = [self.named[i:i + SHORT_ID_BYTES] for i in range(0, len(self.named), SHORT_ID_BYTES)]
-            found = [sorted(by_short.get(short, ())) for short in shorts]
-            unknown = b"".join(short for short, peers in zip(shorts, found) if len(peers) != 1)
-            if unknown:
-                raise Unresolved(f"{len(unknown) // SHORT_ID_BYTES} member(s) of the group whose short ids name no "
-                                 f"peer, or several, that this peer knows", unknown)
-            given = self.model_dump(exclude={"named", "ids"}, exclude_defaults=True)
-            return decode(JoinAnswer, {**given, "status": self.status.value, "peers": [peers[0] for peers in found]})
+    def on(self, base: Group | None) -> JoinAnswer:
+        """This answer with every member listed: as it is, or applied to ``base``, the group the joiner named
+        (PayloadError if it is relative to another one, or makes a group that does not hold together)."""
         if not self.base:
             return self
         if base is None or self.base != base.digest:
@@ -214,7 +173,7 @@ class JoinAnswer(Message):
             "holdings": {p: entries[p]["holdings"] for p in peers}, "left_out": dict(self.left_out),
             "pipelines": {p: entries[p]["pipeline"] for p in peers if entries[p]["pipeline"]},
             "tokens": {p: entries[p]["tokens"] for p in peers},
-            "dial_out": [i for i, p in enumerate(peers) if entries[p]["dial_out"]]})
+            "dial_out": [p for p in peers if entries[p]["dial_out"]]})
 
 
 def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]:
@@ -222,31 +181,28 @@ def parse_join(request: dict[str, Any]) -> tuple[FormationKey, set[str], Member]
     PayloadError if malformed."""
     join = decode(JoinRequest, request)
     member = Member(tuple(sorted((k, (v[0], v[1])) for k, v in join.slices.items())), join.pipeline, join.tokens,
-                    join.dial_out, join.follows, join.rejoin, join.ids_of)
+                    join.dial_out, join.follows, join.rejoin)
     return (join.round, join.name, join.config, join.state), set(join.unreachable), member
 
 
-def group_answer(group: Group, base: Group | None = None, follows: str = "", ids_of: bytes = b"") -> dict[str, Any]:
+def group_answer(group: Group, base: Group | None = None, follows: str = "") -> dict[str, Any]:
     """The answer that gives a joiner ``group`` (signed by its coordinator: ``Group.grant``): relative to ``base``
     (the group this coordinator follows) if the joiner follows that very version of it (``follows``: its
-    ``Group.digest``), else in full: the members by their short ids, and by their ids those of ``ids_of``."""
+    ``Group.digest``), else in full."""
     if base is not None and base.digest == follows:
         entries, before = group.entries(), base.entries()
         return {"status": JoinStatus.GROUP, "group_id": group.group_id, "base": base.digest, "grant": group.grant,
                 "changed": {peer: entry for peer, entry in entries.items() if before.get(peer) != entry},
                 "removed": sorted(set(before) - set(entries)), "left_out": dict(group.left_out)}
-    # N answers of N members each in a run's first round, from one coordinator: a member is its short id, and its
-    # slices and tokens where they are not what most members hold and trained (~170 bytes a member, ~10 now)
+    # What most members hold and trained, once: a full answer names each member by its id alone, where it used to
+    # list its slices and tokens too (~170 bytes a member; ~50 now), N answers of N members in a run's first round
     held = Counter(slices for _, slices in group.holdings).most_common(1)[0][0]
     trained = Counter(tokens for _, tokens in group.tokens).most_common(1)[0][0]
-    asked = {ids_of[i:i + SHORT_ID_BYTES] for i in range(0, len(ids_of), SHORT_ID_BYTES)}
-    dial_out = set(group.dial_out)
-    return {"status": JoinStatus.GROUP, "group_id": group.group_id, "named": b"".join(map(short_id, group.peers)),
-            "ids": [peer for peer in group.peers if short_id(peer) in asked], "held": list(held),
+    return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers), "held": list(held),
             "holdings": {peer: list(slices) for peer, slices in group.holdings if slices != held},
             "pipelines": dict(group.pipelines), "left_out": dict(group.left_out), "trained": trained,
             "tokens": {peer: tokens for peer, tokens in group.tokens if tokens != trained},
-            "dial_out": [i for i, peer in enumerate(group.peers) if peer in dial_out], "grant": group.grant}
+            "dial_out": list(group.dial_out), "grant": group.grant}
 
 
 def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: str, max_reducers: int) -> Group:
@@ -260,4 +216,4 @@ def parse_group(answer: JoinAnswer, round_index: int, name: str, coordinator: st
                  tuple((p, answer.pipelines[p]) for p in answer.peers if p in answer.pipelines),
                  tuple(sorted(answer.left_out.items())),
                  tuple((p, answer.tokens.get(p, answer.trained)) for p in answer.peers),
-                 tuple(answer.peers[i] for i in answer.dial_out), max_reducers=max_reducers, grant=answer.grant)
+                 tuple(answer.dial_out), max_reducers=max_reducers, grant=answer.grant)
