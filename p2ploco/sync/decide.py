@@ -59,6 +59,7 @@ peers, passive, grant`` for a redo: the coordinator's signature of the redo's gr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -200,13 +201,19 @@ class RoundCommit:
         the caller bounds the wait."""
         while True:
             self._decided.clear()
-            # A group's votes come within its all-reduce, then its ballot's own timeout
-            recent = [g for g in self.book.since(2 * self.timeout) if len(g.peers) > 1]  # one alone never votes
-            # Decided is not enough: the answers are written after, and a shutdown in between cut a member's off
-            # (it applied nothing); a member that votes after the ballot closed is answered the same decision too
-            if all(g.group_id in self._ballots and self._ballots[g.group_id].settled() for g in recent):
+            now = time.monotonic()
+            # A group's first vote comes within its all-reduce, a transfer each way and the audit (``round_bound``;
+            # one alone never votes); its ballot then waits its own timeout, and is not settled before every member
+            # has its answer: the answers are written after the decision, and a shutdown in between cut a member's
+            # off (it applied nothing). A member that votes after the ballot closed is answered the same decision
+            # too. A ballot counts while its own time may run, not its group's: a slow all-reduce outlived that.
+            unvoted = [g for g in self.book.since(3 * self.timeout)
+                       if len(g.peers) > 1 and g.group_id not in self._ballots]
+            voting = [b for b in self._ballots.values() if not b.settled() and b.deadline > now - 2 * self.timeout]
+            if not unvoted and not voting:
                 return
-            await self._decided.wait()
+            with contextlib.suppress(TimeoutError):  # woken by a decision or an answer, or to look at the clock again
+                await in_time(self._decided.wait(), 1.0)
 
     async def _serve_vote(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         voter = str(stream_info.peer_id)
