@@ -32,7 +32,6 @@ a round whatever N (``JoinAnswer.on``).
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
 from collections import Counter
 from typing import Annotated, Any
@@ -195,15 +194,8 @@ def group_answer(group: Group, base: Group | None = None, follows: str = "") -> 
         return {"status": JoinStatus.GROUP, "group_id": group.group_id, "base": base.digest, "grant": group.grant,
                 "changed": {peer: entry for peer, entry in entries.items() if before.get(peer) != entry},
                 "removed": sorted(set(before) - set(entries)), "left_out": dict(group.left_out)}
-    return _in_full(group)
-
-
-@functools.lru_cache(maxsize=4)
-def _in_full(group: Group) -> dict[str, Any]:
-    """``group`` answered in full: built once for all its joiners (a run's first round answers N joiners N members
-    each, and the coordinator's time to build each answer held up the last ones). Not to be changed in place."""
     # What most members hold and trained, once: a full answer names each member by its id alone, where it used to
-    # list its slices and tokens too (~170 bytes a member; ~50 now)
+    # list its slices and tokens too (~170 bytes a member; ~50 now), N answers of N members in a run's first round
     held = Counter(slices for _, slices in group.holdings).most_common(1)[0][0]
     trained = Counter(tokens for _, tokens in group.tokens).most_common(1)[0][0]
     return {"status": JoinStatus.GROUP, "group_id": group.group_id, "peers": list(group.peers), "held": list(held),
