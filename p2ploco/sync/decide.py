@@ -149,7 +149,7 @@ class RoundCommit:
         self.bans, self.signer, self.keys, self.lost = bans, signer, keys, lost
         self.handler_name = f"p2ploco/{run_id}/vote"
         self._ballots: dict[str, _Ballot] = {}
-        self._decided = asyncio.Event()  # set whenever a ballot is decided or hands a member its decision
+        self._progress = asyncio.Event()  # set whenever a ballot is decided or hands a member its decision
         # (``coordinate_to_the_end`` waits on it)
 
     async def start(self) -> None:
@@ -200,7 +200,7 @@ class RoundCommit:
         they would apply nothing). Returns once each has handed every member its decision (but members found dead);
         the caller bounds the wait."""
         while True:
-            self._decided.clear()
+            self._progress.clear()
             now = time.monotonic()
             # A group's first vote comes within its all-reduce, a transfer each way and the audit (``round_bound``;
             # one alone never votes); its ballot then waits its own timeout, and is not settled before every member
@@ -213,7 +213,7 @@ class RoundCommit:
             if not unvoted and not voting:
                 return
             with contextlib.suppress(TimeoutError):  # woken by a decision or an answer, or to look at the clock again
-                await in_time(self._decided.wait(), 1.0)
+                await in_time(self._progress.wait(), 1.0)
 
     async def _serve_vote(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         voter = str(stream_info.peer_id)
@@ -230,7 +230,7 @@ class RoundCommit:
         ballot = self._ballots.get(group_id)
         if ballot is not None:
             ballot.answered.add(member)
-            self._decided.set()
+            self._progress.set()
 
     async def _decide_here(self, voter: str, request: dict[str, Any], pieces: bytes) -> dict[str, Any]:
         vote, entries = parse_vote(request, pieces)
@@ -289,7 +289,7 @@ class RoundCommit:
             if decision.redo is not None:
                 self.book.add(decision.redo)
             ballot.decided.set_result(decision)
-            self._decided.set()
+            self._progress.set()
 
     def _convicted(self, group: Group) -> frozenset[str]:
         """The members of ``group`` convicted here (a proof reached this peer since it formed the group)."""
