@@ -33,7 +33,14 @@ from p2ploco.swarm.consensus import (
     swarm_state,
     tally,
 )
-from p2ploco.swarm.directory import FOREIGN_NAMED, KEY_READS, LOOKUPS_PER_ROUND, PeerDirectory, payload_bytes
+from p2ploco.swarm.directory import (
+    FOREIGN_NAMED,
+    KEY_READS,
+    LOOKUPS_PER_ROUND,
+    WATCHES_PER_HEARTBEAT,
+    PeerDirectory,
+    payload_bytes,
+)
 from p2ploco.swarm.records import PeerRecord, Phase, Reachability, RecordKeys
 from p2ploco.swarm.state import BytesBlob, Snapshot
 from p2ploco.swarm.state_fetch import MAX_DONORS, choose_donors
@@ -363,6 +370,51 @@ def test_a_peer_that_follows_its_group_reads_about_as_many_records_per_round_wha
     assert sum(1 for b in read if b) == len(read) * LOOKUPS_PER_ROUND // peers
     directory.follow(())
     assert directory.watching
+
+
+@pytest.mark.parametrize("peers", [WATCHES_PER_HEARTBEAT, 3 * WATCHES_PER_HEARTBEAT])
+def test_a_peer_that_follows_no_group_looks_every_heartbeat_in_a_small_run_and_now_and_then_in_a_large_one(peers):
+    """In a run's first round no peer follows a group: had each looked up all N records every heartbeat, a record
+    key's replicas would send N^2 / keys records a heartbeat (at 2,048 simulated peers, longer than a record lives:
+    views emptied). Each looks once every ceil(N / WATCHES_PER_HEARTBEAT) heartbeats, and its join still acts on a
+    view no older than the records' fresh window."""
+    heartbeats, period = 12, math.ceil(peers / WATCHES_PER_HEARTBEAT)
+
+    class Node(_CountingNode):
+        stores = 0
+
+        async def store(self, key, subkey, value, expiration_time):
+            if subkey == b"owner":
+                self.stores += 1
+                if self.stores == heartbeats:
+                    stored.set()
+            return await super().store(key, subkey, value, expiration_time)
+
+    node = Node()
+    me = record("m", 0, "x")
+    for r in [me, *(record(f"p{i}", 0, "x") for i in range(peers - 1))]:
+        node.stored.setdefault("run/peers", {})[r.peer_id] = ValueWithExpiration(r.to_value(), get_dht_time() + 600)
+    interval = 0.02
+    directory = PeerDirectory(node, ONE_KEY, b"owner", me, interval, 6 * interval)  # fresh: 3 heartbeats
+
+    async def run() -> None:
+        assert len(await directory.refresh()) == peers
+        directory.start_heartbeat()
+        await stored.wait()  # the heartbeat's lookups begin with its store: those of `heartbeats` heartbeats are in
+        assert len(node.reads) - 1 == heartbeats // period
+        # a join acts on a view looked up within the fresh window, and looks afresh after it
+        its_node = _CountingNode()
+        its_node.stored = node.stored
+        joiner = PeerDirectory(its_node, ONE_KEY, b"owner", record("j", 0, "x"), interval, 6 * interval)
+        await joiner.refresh()
+        await joiner.view()
+        assert len(its_node.reads) == 1
+        await asyncio.sleep(3 * interval)
+        await joiner.view()
+        assert len(its_node.reads) == 2
+
+    stored = asyncio.Event()
+    asyncio.run(run())
 
 
 def test_peers_of_other_configs_are_named_once_each_as_they_come_into_view_and_never_more_than_a_few(caplog):

@@ -17,9 +17,15 @@ a daemon of their own. The members a coordinator merely named do not count: a ho
 victim, itself and record-only Sybils would otherwise put off the victim's next look for as many rounds as it names
 Sybils, and decide its rounds meanwhile (it is the one candidate in that view). A group formed by a coordinator, or
 naming a member, whose record neither the last lookup nor a look-up of its key since returned is followed for one
-round only, until the next lookup (``doubted``). Whoever needs the whole swarm looks every heartbeat: a peer that
-follows no group (it joins, catches up, was left out or alone), and a coordinator while it forms a group
-(``sync/coordinator.py``; it is one peer per round). A peer the round names that this view does not know (a joiner)
+round only, until the next lookup (``doubted``). A coordinator looks every heartbeat while it forms a group
+(``sync/coordinator.py``; it is one peer per round). A peer that follows no group (it joins, catches up, was left out
+or alone) looks on the heartbeat too, but once every ceil(n / WATCHES_PER_HEARTBEAT) heartbeats (n the records its last
+lookup found), at a phase its id sets: the whole lookups of the run's peers that follow no group come about
+WATCHES_PER_HEARTBEAT times a heartbeat between them whatever N, and where it acts on the view (a join: ``view``) it
+looks afresh if its last lookup is older than the records' ``fresh`` window. In a run's first round every peer follows
+no group: had each looked every heartbeat, each record key's replicas would send N^2 / RUN_RECORD_KEYS records a
+heartbeat (at 2,048 peers ~157 MB, past a 50 Mbit/s uplink), lookups would take longer than a record lives, and views
+would empty. A peer the round names that this view does not know (a joiner)
 is looked up on demand, under its own record key alone (``look_up``). The directory counts the bytes of the values
 it stores and reads (``dht_bytes``), so that a round record can say what coordination cost."""
 
@@ -53,6 +59,7 @@ logger = logging.getLogger(__name__)
 STALE_HEARTBEATS = 3  # a record not renewed for this many heartbeats (or half its ttl) belongs to a dead peer
 FOREIGN_NAMED = 8  # config fingerprints of other peers of the run a node names in its log, at most
 LOOKUPS_PER_ROUND = 4  # records a peer that follows its group reads per round, on average, whatever N
+WATCHES_PER_HEARTBEAT = 256  # whole lookups the run's peers that follow no group make a heartbeat between them, about
 KEY_READS = 4  # reads of one record key alone (``look_up``) a heartbeat at most: a join burst's, not a flood's
 PROOFS_KEPT = 8  # proofs this node stores again on every heartbeat (its newest), so that they outlive it in the DHT
 
@@ -103,6 +110,8 @@ class PeerDirectory:
         self.vouched: frozenset[str] = frozenset()  # those of them that took part in it with this peer
         self.seen: frozenset[str] = frozenset()  # the peers whose records the last lookup returned
         self.doubted = False  # the followed group names a peer the last lookup did not return: look next round
+        self._phase = int.from_bytes(hashlib.sha256(me.peer_id.encode()).digest()[:4], "big")  # of its turns to look
+        self._beats = 0  # heartbeats so far
         # who is banned here, and the proofs this node holds (``swarm/bans.py``): it passes them on in the DHT and
         # convicts whom the proofs found there accuse (None: a directory without a run's rounds)
         self.bans: Bans | None = None
@@ -317,17 +326,19 @@ class PeerDirectory:
 
     @property
     def watching(self) -> bool:
-        """Whether the heartbeat looks up everyone's records: this peer follows no group, or a formation it
-        coordinates waits on the lookups."""
-        return not self.followed or bool(self.watchers)
+        """Whether this heartbeat looks up everyone's records: a formation this peer coordinates waits on the lookups,
+        or this peer follows no group and it is its heartbeat to look (module docstring)."""
+        if self.watchers:
+            return True
+        period = max(1, math.ceil(len(self.seen) / WATCHES_PER_HEARTBEAT))
+        return not self.followed and (self._beats + self._phase) % period == 0
 
     def _turn_to_look(self) -> bool:
         """Whether a peer that follows its group looks up the records in its current round: once every
         ceil(n / LOOKUPS_PER_ROUND) rounds, n the members that vouched for its group and itself, at a phase its id
         sets, so that the members take turns."""
         period = math.ceil((len(self.vouched) + 1) / LOOKUPS_PER_ROUND)
-        phase = int.from_bytes(hashlib.sha256(self.me.peer_id.encode()).digest()[:4], "big")
-        return (self.me.round + phase) % period == 0
+        return (self.me.round + self._phase) % period == 0
 
     def rates(self, peers: Iterable[str]) -> list[float]:
         """The link rates (Mbit/s, 0: not stated) that ``peers`` state in their records, as last seen."""
@@ -342,9 +353,12 @@ class PeerDirectory:
 
     async def view(self) -> dict[str, PeerRecord]:
         """The records as last seen if they will do: unless this node doubts the group it follows, looked up
-        since this node moved to its current round (the others publish theirs as they move, too), or this node
+        since this node moved to its current round (the others publish theirs as they move, too) and, where it
+        follows no group (its heartbeat looks only now and then), within the records' ``fresh`` window, or this node
         follows its group and it is not its turn to look (module docstring); otherwise a fresh lookup."""
-        if not self.doubted and (self.refreshed_at > self.moved_at or (self.followed and not self._turn_to_look())):
+        looked = self.refreshed_at > self.moved_at and (
+            bool(self.followed) or time.monotonic() - self.refreshed_at < self._stale_after)
+        if not self.doubted and (looked or (self.followed and not self._turn_to_look())):
             return self.live
         return await self.refresh()
 
@@ -366,8 +380,12 @@ class PeerDirectory:
 
     def fresh(self, peer_id: str) -> bool:
         """Whether ``peer_id``'s record was renewed lately: a crashed peer stops renewing it long before it lapses."""
-        stale_after = max(STALE_HEARTBEATS * self.interval, self.ttl / 2)
-        return peer_id == self.me.peer_id or time.monotonic() - self._refreshed.get(peer_id, 0.0) < stale_after
+        return peer_id == self.me.peer_id or time.monotonic() - self._refreshed.get(peer_id, 0.0) < self._stale_after
+
+    @property
+    def _stale_after(self) -> float:
+        """Seconds after which a record not seen renewed belongs to a dead peer (``fresh``)."""
+        return max(STALE_HEARTBEATS * self.interval, self.ttl / 2)
 
     async def update(self, **changes: object) -> None:
         """Change this node's record and wait until it is stored (where it must be, e.g. before leaving)."""
@@ -381,8 +399,9 @@ class PeerDirectory:
         while True:
             started = time.monotonic()
             self.live = self._unexpired(get_dht_time())  # the lapsed records of peers not followed leave the view
+            watching, self._beats = self.watching, self._beats + 1
             try:
-                await asyncio.gather(self.store_record(list_run=True), *([self.refresh()] if self.watching else []))
+                await asyncio.gather(self.store_record(list_run=True), *([self.refresh()] if watching else []))
             except DAEMON_ERRORS as e:  # a DHT hiccup must not end the heartbeat
                 logger.warning(f"heartbeat failed: {e!r}")
             except Exception:  # nor a bug: the peer would vanish from the swarm while still training
