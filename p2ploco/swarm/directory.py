@@ -308,10 +308,13 @@ class PeerDirectory:
     def _holds(self, peer_id: str, now: float) -> bool:
         return self._expires.get(peer_id, 0.0) > now or peer_id in self.followed or peer_id == self.me.peer_id
 
-    def lacks(self, peers: Iterable[str]) -> set[str]:
-        """Of ``peers``, those this view holds no record of that has not lapsed (``live`` keeps a lapsed one until the
-        next heartbeat or read rebuilds it): the ones to ``look_up``."""
+    def lacks(self, peers: Iterable[str], lapsed_within: float = 0.0) -> set[str]:
+        """Of ``peers``, those this view holds no record of that has not lapsed, or lapsed at most ``lapsed_within``
+        seconds ago (``live`` keeps a lapsed one until the next heartbeat or read rebuilds it): the ones to
+        ``look_up``."""
         now = get_dht_time()
+        if lapsed_within:  # a record seen lately will do, whether the view still holds it or not
+            return {p for p in peers if not self._holds(p, now - lapsed_within)}
         return {p for p in peers if p not in self.live or not self._holds(p, now)}
 
     def follow(self, peers: Iterable[str], vouched: Iterable[str] = (), coordinator: str = "") -> None:

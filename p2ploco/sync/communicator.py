@@ -237,7 +237,8 @@ class SwarmCommunicator(Communicator):
         if others:
             sync.failures.append(Failure.ALONE)
             logger.warning(f"round {sync.round_index}: this peer is alone while {len(others)} other peer(s) could "
-                           f"apply this round without it ({', '.join(p[-8:] for p in others)}): it applies nothing "
+                           f"apply this round without it ({', '.join(p[-8:] for p in others[:8])}"
+                           f"{', ...' if len(others) > 8 else ''}): it applies nothing "
                            f"rather than its own update, and catches up with them")
             return sync.end(Ending.LEFT_BEHIND)
         try:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
@@ -80,6 +81,7 @@ from p2ploco.sync.whereabouts import Whereabouts
 logger = logging.getLogger(__name__)
 
 KEEP_JOINS = 8  # this peer's latest joins it keeps, to ask again at the next coordinator if their group dies
+PROBES_AT_ONCE = 16  # daemons of other peers a peer left alone probes at once (``working_on``)
 NOBODY_ANSWERED = "alone"  # the group id of a group of one that no coordinator formed: none could be asked, or answered
 
 
@@ -308,9 +310,9 @@ class Matchmaker:
         return group
 
     async def working_on(self, round_index: int, any_round: bool = False) -> list[str]:
-        """The other peers that could apply ``round_index`` without this one, so that applying it alone would split this
-        peer from them: those whose records, at a fresh look, say they work on that round, a later one or the one before
-        (still moving to it: an overlapped peer's record moves on only once its round in flight has a group;
+        """Other peers that could apply ``round_index`` without this one, so that applying it alone would split this
+        peer from them ([]: none): those whose records, at a fresh look, say they work on that round, a later one or the
+        one before (still moving to it: an overlapped peer's record moves on only once its round in flight has a group;
         ``any_round``: at any round, as every trainer of a run that nobody can coordinate is) for our config (fresh, not
         leaving, not waiting for a slot, not banned here), whose daemon can still be dialled (a peer killed a moment ago
         still has a fresh record) and that did not answer this round that it is leaving, less the stage peers whose
@@ -318,25 +320,34 @@ class Matchmaker:
         that sit rounds out (``budget.py``: one whose short step of a round it sat out is over shows a later round, yet
         applied none; one that contributes a step's work does so in a group, whose other members count), and less the
         hubs (they train nothing: without a contribution they apply no round). Those further behind follow this peer's
-        state once they reach it."""
+        state once they reach it. The peers behind a NAT, whose fresh records are all there is to go by, are all
+        listed; the others are probed PROBES_AT_ONCE at a time, in random order, until one of them counts (or none is
+        left): a peer left alone in a round of 2,048 probed all ~1,400 that could be dialled, and a thousand were left
+        alone."""
         live = await self.directory.refresh()
         banned = self.bans.active(round_index)
         since = 0 if any_round else round_index - 1
-        ahead = sorted(p for p, r in live.items() if p != self.me and r.round >= since
-                       and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
-                       and not r.sits_out and r.role != PeerRole.HUB
-                       and r.state not in (Phase.LEAVING, Phase.STANDBY, Phase.SERVING)
-                       and p not in banned and self._leavers.get(p, -1) < round_index)
-        # A peer behind a NAT cannot be dialled: its fresh record is all there is to go by.
-        dialled = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, wire.PROBE_EVERY)
-                                         for p in ahead if not live[p].dials_out))
-        reached = iter(dialled)
-        alive = [p for p in ahead if live[p].dials_out or next(reached)]
+        ahead = [p for p, r in live.items() if p != self.me and r.round >= since
+                 and r.fingerprint == self.directory.me.fingerprint and self.directory.fresh(p)
+                 and not r.sits_out and r.role != PeerRole.HUB
+                 and r.state not in (Phase.LEAVING, Phase.STANDBY, Phase.SERVING)
+                 and p not in banned and self._leavers.get(p, -1) < round_index]
+        alive = [p for p in ahead if live[p].dials_out]
+        dialable = random.sample([p for p in ahead if not live[p].dials_out], k=len(ahead) - len(alive))
+        while dialable and all(live[p].dials_out for p in self._replicas_among(alive, live)):
+            probed, dialable = dialable[:PROBES_AT_ONCE], dialable[PROBES_AT_ONCE:]
+            dialled = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, wire.PROBE_EVERY)
+                                             for p in probed))
+            alive += [p for p, reached in zip(probed, dialled) if reached]
+        return sorted(self._replicas_among(alive, live))
+
+    def _replicas_among(self, peers: list[str], live: dict[str, PeerRecord]) -> list[str]:
+        """Of ``peers``, the full replicas and the stage peers of pipeline groups whose every stage ``peers`` cover."""
         stages: dict[str, set[int]] = {}
-        for p in alive:
+        for p in peers:
             if live[p].group:
                 stages.setdefault(live[p].group, set()).add(live[p].stage)
-        return [p for p in alive if not live[p].group or len(stages[live[p].group]) >= self.stages]
+        return [p for p in peers if not live[p].group or len(stages[live[p].group]) >= self.stages]
 
     async def stranded_with(self, round_index: int) -> list[str]:
         """The run's other live trainers (at any round: ``working_on``), if every one of them dials out: then none of
@@ -347,20 +358,24 @@ class Matchmaker:
         return others if all(p in live and live[p].dials_out for p in others) else []
 
     async def _check_plausible(self, group: Group) -> None:
-        """PayloadError unless every member of ``group`` is a live peer this peer knows, itself included. A
-        member this view lacks (a joiner, or one whose record lapsed here: a peer that follows its group reads the
-        others' records now and then) is looked up under its record key, and may have published its record a moment
-        ago: one more look a heartbeat later before refusing."""
+        """PayloadError unless every member of ``group`` is a peer this peer knows, itself included: one whose record
+        it saw live within the formation's bound (the coordinator may have formed the group from joins that old, and
+        checked them). A member this view lacks (a joiner, or one whose record lapsed here longer ago: a peer that
+        follows its group reads the others' records now and then) is looked up under its record key, and may have
+        published its record a moment ago: one more look a heartbeat later before refusing. (Had only unlapsed
+        records counted, the 2,045 members of a first round at 2,048, whose records had lapsed in views taken at their
+        joins, would all have read every record key at once: some keys' replicas answered after the records had
+        lapsed again, and hundreds of members refused the group.)"""
         if self.me not in group.peers:
             raise PayloadError("group without this peer")
-        unknown = self.directory.lacks(group.peers)
+        unknown = self.directory.lacks(group.peers, lapsed_within=self.timeout)
         if unknown:
             await self.directory.look_up(unknown)
-            unknown = self.directory.lacks(group.peers)
+            unknown = self.directory.lacks(group.peers, lapsed_within=self.timeout)
         if unknown:
             await asyncio.sleep(self.directory.interval)
             await self.directory.look_up(unknown)
-            unknown = self.directory.lacks(group.peers)
+            unknown = self.directory.lacks(group.peers, lapsed_within=self.timeout)
         if unknown:
             raise PayloadError(f"group of {len(group.peers)} names {len(unknown)} peer(s) this peer does not know")
         # Only a hub contributes nothing: a coordinator that gave trainers no weight would make the group's aggregate
