@@ -422,12 +422,16 @@ class SimulatedSwarm:
     def round_ended(self, peer: SimPeer, round_index: int) -> None:
         self.ended[round_index].add(peer.peer_id)
         self._look_for_bans(round_index)
-        syncing = any(p.live and p.training == round_index and p.peer_id not in self.ended[round_index]
-                      for p in self.peers)
-        for done in range(self._reported + 1, round_index + 1):
-            if done < round_index or not syncing:
-                self._reported = done
-                self.on_round(done)
+        # a round is over once no live peer trains or syncs it or an earlier one: peers left out of a round may end
+        # the next before the others end theirs (2,048 peers: round 0 was reported, 0 of 30 applying it, so)
+        while self._reported < round_index and not self._syncing(self._reported + 1):
+            self._reported += 1
+            self.on_round(self._reported)
+
+    def _syncing(self, round_index: int) -> bool:
+        """Whether a live peer still trains or syncs ``round_index`` or an earlier round."""
+        return any(p.live and 0 <= p.training <= round_index and p.peer_id not in self.ended[p.training]
+                   for p in self.peers)
 
     def _look_for_bans(self, round_index: int) -> None:
         """Note when each attacker is first banned by most of the honest peers that are there."""
