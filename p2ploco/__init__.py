@@ -20,4 +20,5 @@ __version__ = "0.1.0"
 # ways; decisions carry proofs, and a redo's passive members; a commit needs a majority of the group's holders.
 # 11: peers behind NATs hold tethers to their coordinators (sync/tether.py); a group's digest covers the run's
 # max_reducers; a group answered in full says what most members hold and trained once, and lists only the others.
-PROTOCOL_VERSION = 11
+# 12: a member answers probes with whether it takes part in the round at the group's coordinator (sync/liveness.py).
+PROTOCOL_VERSION = 12

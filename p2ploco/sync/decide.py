@@ -308,8 +308,7 @@ class RoundCommit:
         while True:
             await asyncio.sleep(wire.PROBE_EVERY)
             awaited = set(ballot.waiting_for()) - {self.me}
-            for peer, reason in sorted((await gone(self.p2p, self.handler_name, awaited, ballot.group.dial_out,
-                                                   self.lost)).items()):
+            for peer, reason in sorted((await gone(self.p2p, self.run_id, ballot.group, awaited, self.lost)).items()):
                 logger.info(f"round {ballot.group.round_index}: not waiting for the vote of {peer[-8:]}: {reason}")
                 ballot.dead.add(peer)
                 ballot.changed.set()

@@ -219,6 +219,7 @@ class Matchmaker:
         why)."""
         tried = ", ".join(f"{peer[-8:]} ({why[:100]})" for peer, why in unreachable.items())
         logger.warning(f"round {round_index}: no coordinator answered ({tried or 'none to ask'})")
+        self.whereabouts.join(round_index, name, self.me)  # so it answers the probes of the groups it is not in
         return Group(NOBODY_ANSWERED, round_index, name, (self.me,), self.me,
                      holdings=((self.me, tuple(sorted(slices))),), tokens=((self.me, tokens),),
                      max_reducers=self.coordinator.max_reducers)

@@ -101,7 +101,7 @@ from p2ploco.swarm.messages import decode
 from p2ploco.sync.audit import Audits
 from p2ploco.sync.contribute import Contributor, Route
 from p2ploco.sync.group import Group
-from p2ploco.sync.liveness import Lost, gone
+from p2ploco.sync.liveness import ELSEWHERE, Lost, gone
 from p2ploco.sync.reduce_values import (
     AllReduceError,
     Attempt,
@@ -211,9 +211,11 @@ class ButterflyAllReduce:
         while True:
             await asyncio.sleep(wire.PROBE_EVERY)
             silent = {p for inbox in inboxes for p in inbox.owing() - inbox.connected}
-            crashed = await gone(self.p2p, self.handler_name, silent, group.dial_out, self.lost)
-            for peer, reason in sorted(crashed.items()):
-                self._act_on(peer, TransferOutcome.MISSED, reason, inboxes, group.round_index, Failure.UNREACHABLE)
+            for peer, reason in sorted((await gone(self.p2p, self.run_id, group, silent, self.lost)).items()):
+                if reason == ELSEWHERE:  # not its link's failure: it refused the group, or never got it
+                    self._act_on(peer, TransferOutcome.ELSEWHERE, reason, inboxes, group.round_index)
+                else:
+                    self._act_on(peer, TransferOutcome.MISSED, reason, inboxes, group.round_index, Failure.UNREACHABLE)
 
     def _measure(self, inboxes: list[Inbox]) -> None:
         """Each sender's last piece, for the next rounds' deadlines."""

@@ -18,7 +18,7 @@ from p2ploco.sync.coordinator import Coordinator
 from p2ploco.sync.decide import RoundCommit
 from p2ploco.sync.form import Matchmaker
 from p2ploco.sync.group import GroupBook
-from p2ploco.sync.liveness import lost_behind_nats
+from p2ploco.sync.liveness import ProbeAnswers, lost_behind_nats
 from p2ploco.sync.reduce import ButterflyAllReduce
 from p2ploco.sync.tether import Tether, Tethers
 from p2ploco.sync.this_peer import ThisPeer
@@ -45,7 +45,8 @@ async def start_sync(loop: EventLoopThread, p2p: P2P, directory: PeerDirectory, 
     butterfly = ButterflyAllReduce(p2p, me.peer_id, run_id, deadlines, bans, signer, key_of, directory.rates,
                                    lost, matchmaker.whereabouts, audits)
     commit = RoundCommit(p2p, me.peer_id, run_id, config.allreduce_timeout, book, bans, signer, key_of, lost)
-    for service in (tethers, coordinator, audits, butterfly, commit):
+    probes = ProbeAnswers(p2p, run_id, matchmaker.whereabouts, deadlines.base)
+    for service in (tethers, probes, coordinator, audits, butterfly, commit):
         await service.start()
     if dial_out:  # nobody can dial this peer: its coordinators learn that it crashed from its tethers
         Tether(p2p, run_id, directory, coordinator.candidates).start()
