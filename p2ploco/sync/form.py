@@ -334,7 +334,8 @@ class Matchmaker:
                  and r.state not in (Phase.LEAVING, Phase.STANDBY, Phase.SERVING)
                  and p not in banned and self._leavers.get(p, -1) < round_index]
         alive = [p for p in ahead if live[p].dials_out]
-        dialable = random.sample([p for p in ahead if not live[p].dials_out], k=len(ahead) - len(alive))
+        dialable = [p for p in ahead if not live[p].dials_out]
+        random.shuffle(dialable)
         while dialable and all(live[p].dials_out for p in self._replicas_among(alive, live)):
             probed, dialable = dialable[:PROBES_AT_ONCE], dialable[PROBES_AT_ONCE:]
             dialled = await asyncio.gather(*(wire.reachable(self.p2p, p, self.handler_name, wire.PROBE_EVERY)
