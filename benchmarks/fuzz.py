@@ -75,6 +75,7 @@ from p2ploco.sync.contribute import parse_reply
 from p2ploco.sync.decide import cast_of, parse_decision, parse_vote
 from p2ploco.sync.group import MAX_REDUCERS, Group
 from p2ploco.sync.join import JoinAnswer, JoinStatus, parse_group, parse_join
+from p2ploco.sync.liveness import WhereaboutsAnswer, WhereaboutsAsk
 from p2ploco.sync.reduce_values import Contribution
 from p2ploco.sync.tether import TetherMessage
 
@@ -194,6 +195,8 @@ HEADERS = {
     "state request": {"round": 7, "slice": "stage0", "offset": 0, "length": 1 << 20},
     "dial-back request": {"ports": [4001, 4002]},
     "tether": {"kind": "tie"},
+    "probe": {"round": 3, "coordinator": OTHER},
+    "probe answer": {"elsewhere": True},
     "dial-back answer": {"dialled": True, "reached": [4001], "seen_at": "203.0.113.9"},
 }
 
@@ -493,7 +496,8 @@ def targets() -> list[Target]:
         Target("DHT proof record", proof_record, st.tuples(payloads(MSGPackSerializer.dumps(ACCUSED)),
                                                            payloads(MSGPackSerializer.dumps(PROOF)))),
         Target("state answer", lambda h: parse_description(h, b"\0" * 32, STATE), headers("state")),
-        *(Target(name, MESSAGES[name], headers(name)) for name in ("dial-back request", "dial-back answer", "tether")),
+        *(Target(name, MESSAGES[name], headers(name)) for name in ("dial-back request", "dial-back answer", "tether",
+                                                                   "probe", "probe answer")),
         Target("sparse contribution", sparse_contribution, payloads(CONTRIBUTION)),
         Target("sparse relay result", sparse_result, payloads(RELAY)),
         Target("sparse union result", sparse_result, payloads(UNION)),
@@ -534,6 +538,8 @@ MESSAGES: dict[str, Callable[[dict[str, Any]], Any]] = {
     "state request": lambda h: decode(StateRequest, h),
     "dial-back request": lambda h: decode(DialBackRequest, h),
     "tether": lambda h: decode(TetherMessage, h),
+    "probe": lambda h: decode(WhereaboutsAsk, h),
+    "probe answer": lambda h: decode(WhereaboutsAnswer, h),
     "dial-back answer": lambda h: parse_dial_back(h, [4001, 4002]),
 }
 
